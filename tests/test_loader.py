@@ -1,0 +1,77 @@
+"""The loader: config from metadata, tensor views into the mmap (no copies), one expert's bytes, `pymoe inspect`."""
+import numpy as np
+import pytest
+
+from conftest import ARCHS, MIXES, run_pymoe
+from pymoe.loader import EXPERT_PROJ, expected_tensors, load_gguf
+from pymoe.quant import QType
+from pymoe.tinymodel import make_config
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_config_round_trips_through_metadata(tiny_model, arch):
+    m = load_gguf(tiny_model(arch, "f32"))
+    want = make_config(arch, "tiny", n_vocab=m.config.n_vocab)
+    assert m.config == want
+    assert set(expected_tensors(m.config)) <= set(m.tensors)
+
+
+def test_qwen3moe_head_dim_comes_from_key_length(tiny_model):
+    cfg = load_gguf(tiny_model("qwen3moe", "f32")).config
+    assert cfg.head_dim * cfg.n_head != cfg.n_embd  # the tiny preset makes them differ on purpose
+    assert cfg.head_dim == 64 and cfg.norm_topk and cfg.qk_norm == "head"
+
+
+def test_arch_traits(tiny_model):
+    assert load_gguf(tiny_model("qwen2moe")).config.n_ff_shexp == 512
+    assert load_gguf(tiny_model("llama")).config.rope_neox is False
+    assert load_gguf(tiny_model("olmoe")).config.qk_norm == "full"
+    assert load_gguf(tiny_model("llama")).config.tied_output is True
+
+
+@pytest.mark.parametrize("mix", MIXES)
+def test_expert_views_are_the_mmap_not_copies(tiny_model, mix):
+    m = load_gguf(tiny_model("qwen3moe", mix))
+    cfg = m.config
+    for layer in range(cfg.n_layers):
+        for e in (0, cfg.n_expert - 1):
+            ex = m.expert(layer, e)
+            for proj in EXPERT_PROJ:
+                view = getattr(ex, proj)
+                full = m.layer_tensor(layer, f"ffn_{proj}_exps.weight").data.view(np.uint8)
+                assert np.shares_memory(view, m.reader.data)  # a view into the file's memory map
+                assert view.flags.c_contiguous  # one expert = one contiguous run of bytes per matrix
+                np.testing.assert_array_equal(view, full[e])
+    ex = m.expert(0, 0)
+    assert ex.gate.shape[0] == cfg.n_ff_exp and ex.down.shape[0] == cfg.n_embd
+    assert m.slot_bytes == ex.gate.nbytes + ex.up.nbytes + ex.down.nbytes
+
+
+def test_q2k_mix_types(tiny_model):
+    m = load_gguf(tiny_model("qwen3moe", "q2_k"))
+    assert m.expert_types(0) == {"gate": QType.Q2_K, "up": QType.Q2_K, "down": QType.Q3_K}
+    assert m.tensor("blk.0.attn_v.weight").qtype == QType.Q4_K
+    assert m.tensor("output.weight").qtype == QType.Q6_K
+    assert m.tensor("blk.0.ffn_norm.weight").qtype == QType.F32
+    assert m.tensor("blk.0.ffn_gate_inp.weight").qtype == QType.F32
+    # Q2_K: 84 bytes per 256 weights; an expert's gate is n_ff_exp rows of n_embd weights.
+    cfg = m.config
+    assert m.expert(0, 0).gate.nbytes == cfg.n_ff_exp * cfg.n_embd // 256 * 84
+
+
+def test_metadata_strings(tiny_model):
+    m = load_gguf(tiny_model("qwen3moe"))
+    tokens = m.metadata("tokenizer.ggml.tokens")
+    assert len(tokens) == m.config.n_vocab and "<|im_end|>" in tokens
+    assert m.metadata("tokenizer.ggml.model") == "gpt2"
+    assert "im_start" in m.metadata("tokenizer.chat_template")
+
+
+def test_inspect_prints_config_types_and_slot_size(tiny_model):
+    path = tiny_model("qwen3moe", "q2_k")
+    r = run_pymoe("inspect", path)
+    assert r.returncode == 0, r.stderr
+    m = load_gguf(path)
+    assert f"slot size: {m.slot_bytes} bytes" in r.stdout
+    for name in ("Q2_K", "Q3_K", "Q4_K", "Q6_K", "F32", "n_expert_used"):
+        assert name in r.stdout
