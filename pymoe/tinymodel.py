@@ -253,3 +253,41 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     ap.add_argument("--quant", default="f32", choices=QUANT_MIXES, help="quant mix (default f32)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     return ap.parse_args(argv)
+
+
+def write_f32_copy(src: str, dst: str) -> None:
+    """Copy a GGUF with every tensor dequantized to F32 (pymoe's reference dequantizer), metadata unchanged but the
+    file type. The oracle for K-quant files: llama.cpp quantizes activations to 8 bits when it multiplies by K-quant
+    weights, so pymoe on the quantized file is compared with llama.cpp on this float copy (same weights, float math).
+    """
+    from gguf import GGUFReader, GGUFValueType
+
+    r = GGUFReader(src)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    w = GGUFWriter(dst, arch)  # writes general.architecture itself
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        if key == "general.file_type":
+            w.add_key_value(key, int(LlamaFileType.ALL_F32), vtype)
+        elif vtype == GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            if sub == GGUFValueType.STRING:
+                val = [bytes(field.parts[i]) for i in field.data]
+            else:
+                val = [field.parts[i].tolist()[0] for i in field.data]
+            w.add_key_value(key, val, vtype, sub_type=sub)
+        elif vtype == GGUFValueType.STRING:
+            w.add_key_value(key, bytes(field.parts[-1]), vtype)
+        else:
+            w.add_key_value(key, field.parts[-1].tolist()[0], vtype)
+    for t in r.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        raw = np.asarray(t.data).view(np.uint8)
+        values = quant.dequantize(raw.reshape(-1, raw.shape[-1]), t.tensor_type)  # F32 rows come back unchanged
+        w.add_tensor(t.name, values.reshape(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
