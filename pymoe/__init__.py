@@ -7,3 +7,4 @@ __version__ = "0.1.0"
 
 from .errors import PymoeError  # noqa: F401
 from .loader import GGUFModel, load_gguf  # noqa: F401
+from .api import Engine, load  # noqa: F401,E402

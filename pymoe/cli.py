@@ -27,6 +27,38 @@ def inspect_cmd(model, show_tensors):
     click.echo(describe_model(model, show_tensors=show_tensors))
 
 
+@cli.command("run")
+@click.argument("model")
+@click.option("-p", "--prompt", required=True, help="The prompt text.")
+@click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate at most.")
+@click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
+@click.option("--temp", default=0.0, show_default=True, help="Temperature; 0 is greedy.")
+@click.option("--top-k", default=40, show_default=True, help="Top-k filter (0: off).")
+@click.option("--top-p", default=0.95, show_default=True, help="Top-p (nucleus) filter (1: off).")
+@click.option("--min-p", default=0.05, show_default=True, help="Min-p filter (0: off).")
+@click.option("--repeat-penalty", default=1.0, show_default=True, help="Repetition penalty (1: off).")
+@click.option("--seed", default=None, type=int, help="Random seed for sampling (default: random).")
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ctx", default=None, type=int, help="Context size in tokens (default: the model's).")
+@click.option("--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores).")
+@click.option("--backend", default="cpu", show_default=True, help="Where to compute: cpu.")
+def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_penalty, seed, stop, ctx, threads,
+            backend):
+    """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr."""
+    from .api import load
+
+    engine = load(model, backend=backend, threads=threads, n_ctx=ctx, progress=True)
+    pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
+                           top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    for piece in pieces:
+        click.echo(piece, nl=False)
+        sys.stdout.flush()
+    click.echo()
+    stats = engine.last_stats
+    click.echo(f"pymoe run: {stats.prompt_line()}", err=True)
+    click.echo(f"pymoe run: {stats.cache_line()}", err=True)
+
+
 def main(argv=None):
     try:
         cli.main(args=argv, prog_name="pymoe", standalone_mode=False)
