@@ -34,6 +34,7 @@ class Engine:
         self.backend = get_backend(backend, threads=threads)
         self.cache = PassThroughCache(self.file)
         self.model = Model(self.file, self.backend, self.cache, progress=progress)
+        self.backend.warm_up((t.qtype for t in self.file.tensors.values()), progress=progress)
         self.tokenizer = Tokenizer(self.file)
         self.n_ctx = int(n_ctx or self.config.n_ctx_train)
         if self.n_ctx <= 0:

@@ -34,6 +34,20 @@ class CPUBackend:
             numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
         self.threads = numba.get_num_threads()
 
+    def warm_up(self, qtypes, progress: bool = False) -> None:
+        """Compile (or load from Numba's on-disk cache) the kernels of these types now, at load time, so the first
+        request's telemetry measures the model, not the compiler. A zero 1-row matrix is enough to trigger it."""
+        from tqdm import tqdm
+
+        todo = sorted(set(qtypes) - {quant.QType.F32}, key=lambda q: q.name)
+        for qtype in tqdm(todo, desc="kernels (compiled on first use, then cached)", disable=not progress,
+                          leave=False):
+            fmt = quant.get_format(qtype)
+            w = np.zeros((1, fmt.type_size), dtype=np.uint8)  # [1, row_bytes]: one block
+            w.flags.writeable = False  # like the read-only mmap views: Numba compiles per array type
+            quant.matvec(w, qtype, np.zeros(fmt.block_size, dtype=np.float32))
+            quant.matmul(w, qtype, np.zeros((2, fmt.block_size), dtype=np.float32))
+
     def dense(self, t: Tensor) -> DenseWeight:
         if t.qtype == quant.QType.F32:
             return DenseWeight(t.qtype, np.asarray(t.data, dtype=np.float32).reshape(t.shape), t.shape)
