@@ -21,18 +21,29 @@ from .errors import PymoeError
 from .generate import RequestStats, generate_tokens, stream_text
 from .loader import load_gguf
 from .model import Model
+from .policies import DEFAULT_POLICY
 from .sampler import Sampler, SamplingParams
 
 
 class Engine:
     def __init__(self, path: str, backend: str = "cpu", threads: Optional[int] = None, n_ctx: Optional[int] = None,
-                 progress: bool = False):
+                 progress: bool = False, cache_slots: Optional[int] = None, cache_gib: Optional[float] = None,
+                 policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: float = 1.0,
+                 log=lambda line: None):
+        """`cache_slots` / `cache_gib` size an expert slot pool (else: no pool on the CPU backend, every expert is
+        read in place); `profile` (a path or a profile.Profile) pre-fills it; `log` receives the start-up lines (sizing, pre-fill)."""
         from .tokenizer import Tokenizer
 
         self.file = load_gguf(path)
         self.config = self.file.config
         self.backend = get_backend(backend, threads=threads)
-        self.cache = PassThroughCache(self.file)
+        self.profile = profile
+        if isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
+            from .profile import Profile
+
+            self.profile = Profile.load(profile)
+            log(self.profile.log_line(profile))
+        self.cache = self._make_cache(cache_slots, cache_gib, policy, pcie_frac, log)
         self.model = Model(self.file, self.backend, self.cache, progress=progress)
         self.backend.warm_up((t.qtype for t in self.file.tensors.values()), progress=progress)
         self.tokenizer = Tokenizer(self.file)
@@ -40,6 +51,36 @@ class Engine:
         if self.n_ctx <= 0:
             raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
         self.last_stats = RequestStats()
+
+    def _make_cache(self, cache_slots, cache_gib, policy, pcie_frac, log):
+        if cache_slots is None and cache_gib is None:
+            cache = PassThroughCache(self.file)
+            log(cache.describe())
+            return cache
+        from .cache import SlotCache
+
+        n_total = self.config.n_layers * self.config.n_expert
+        if cache_gib is not None:
+            if cache_gib <= 0:
+                raise PymoeError(f"--cache-gib must be > 0, got {cache_gib}")
+            slots = int(cache_gib * 2**30 // self.file.slot_bytes)
+            log(f"expert cache: {cache_gib:g} GiB / {self.file.slot_bytes} bytes per slot -> {slots} slots")
+            cache_slots = max(1, min(slots, n_total))
+        cache = SlotCache(self.file, int(cache_slots), policy=policy, profile=self.profile, pcie_frac=pcie_frac)
+        log(cache.describe())
+        if self.profile is not None:
+            log(cache.prefill_from_profile())
+        return cache
+
+    def record_trace(self, meta_extra: Optional[dict] = None):
+        """Start recording routing (every token, every layer) -> the TraceRecorder; save it with .save(path)."""
+        from .trace import TraceRecorder
+
+        cfg = self.config
+        meta = dict(model=cfg.name or self.file.path, arch=cfg.arch, n_layers=cfg.n_layers, n_experts=cfg.n_expert,
+                    k=cfg.n_expert_used, **(meta_extra or {}))
+        self.model.trace = TraceRecorder(meta)
+        return self.model.trace
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """float32 [n_tokens, n_vocab]: one forward over `ids` from an empty KV cache."""
@@ -70,5 +111,6 @@ class Engine:
 
 
 def load(path: str, backend: str = "cpu", threads: Optional[int] = None, n_ctx: Optional[int] = None,
-         progress: bool = False) -> Engine:
-    return Engine(path, backend=backend, threads=threads, n_ctx=n_ctx, progress=progress)
+         progress: bool = False, **cache_options) -> Engine:
+    """cache_options: cache_slots, cache_gib, policy, profile, pcie_frac, log (see Engine)."""
+    return Engine(path, backend=backend, threads=threads, n_ctx=n_ctx, progress=progress, **cache_options)

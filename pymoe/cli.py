@@ -8,7 +8,9 @@ import sys
 
 import click
 
+from . import plan as plan_defaults  # the planner's defaults, shown in `pymoe plan --help`
 from .errors import PymoeError
+from .policies import DEFAULT_POLICY
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -27,36 +29,212 @@ def inspect_cmd(model, show_tensors):
     click.echo(describe_model(model, show_tensors=show_tensors))
 
 
+def engine_options(f):
+    """Options of the engine every model-running command shares (run, serve, bench): threads, backend, cache."""
+    options = [
+        click.option("--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores)."),
+        click.option("--backend", default="cpu", show_default=True, help="Where to compute: cpu."),
+        click.option("--cache-slots", default=None, type=int,
+                     help="Expert slot pool of N slots (default on the CPU backend: none, every expert read in "
+                          "place from the memory map)."),
+        click.option("--cache-gib", default=None, type=float, help="Expert slot pool of this many GiB."),
+        click.option("--policy", default=DEFAULT_POLICY, show_default=True,
+                     help="Slot cache policy: static, lru, lfu, pinned-lru."),
+        click.option("--profile", default=None, help="Expert profile to pre-fill the slot pool from."),
+        click.option("--pcie-frac", default=1.0, show_default=True,
+                     help="Share of cache misses read over PCIe (spill); the rest are computed on the CPU."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
 @cli.command("run")
-@click.argument("model")
-@click.option("-p", "--prompt", required=True, help="The prompt text.")
+@click.argument("model", required=False)
+@click.option("-p", "--prompt", default=None, help="The prompt text (required with a MODEL).")
 @click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate at most.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
-@click.option("--temp", default=0.0, show_default=True, help="Temperature; 0 is greedy.")
+@click.option("--temp", default=None, type=float, help="Temperature; 0 is greedy [default: 0; demo: 0.7].")
 @click.option("--top-k", default=40, show_default=True, help="Top-k filter (0: off).")
 @click.option("--top-p", default=0.95, show_default=True, help="Top-p (nucleus) filter (1: off).")
 @click.option("--min-p", default=0.05, show_default=True, help="Min-p filter (0: off).")
-@click.option("--repeat-penalty", default=1.0, show_default=True, help="Repetition penalty (1: off).")
-@click.option("--seed", default=None, type=int, help="Random seed for sampling (default: random).")
+@click.option("--repeat-penalty", default=None, type=float,
+              help="Repetition penalty, 1 is off [default: 1; demo: 1.1].")
+@click.option("--seed", default=None, type=int, help="Random seed for sampling [default: random; demo: 0].")
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--ctx", default=None, type=int, help="Context size in tokens (default: the model's).")
-@click.option("--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores).")
-@click.option("--backend", default="cpu", show_default=True, help="Where to compute: cpu.")
-def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_penalty, seed, stop, ctx, threads,
-            backend):
-    """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr."""
+@click.option("--trace", "trace_path", default=None,
+              help="Record the routing of every token to this trace file (appended to if it exists).")
+@engine_options
+def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_penalty, seed, stop, ctx, trace_path,
+            **engine_opts):
+    """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
+
+    With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
+    import os
+
+    from . import demo
     from .api import load
 
-    engine = load(model, backend=backend, threads=threads, n_ctx=ctx, progress=True)
+    def log(line):
+        click.echo(f"pymoe run: {line}", err=True)
+
+    if model is None:
+        model = demo.demo_model()
+        prompt = demo.DEMO_PROMPT if prompt is None else prompt
+        log(f"no model given: running the demo model {model}")
+        # A small model repeats itself under greedy decoding: the demo samples, reproducibly, unless told otherwise.
+        temp, repeat_penalty, seed = (0.7 if temp is None else temp, 1.1 if repeat_penalty is None else repeat_penalty,
+                                      0 if seed is None else seed)
+        if engine_opts.get("cache_slots") and engine_opts.get("profile") is None:
+            engine_opts["profile"] = demo.demo_profile()
+    if prompt is None:
+        raise PymoeError("give a prompt with -p PROMPT")
+    temp = 0.0 if temp is None else temp
+    repeat_penalty = 1.0 if repeat_penalty is None else repeat_penalty
+    if engine_opts.get("profile") and not (engine_opts.get("cache_slots") or engine_opts.get("cache_gib")):
+        raise PymoeError("--profile pre-fills a slot pool: give --cache-slots N or --cache-gib X with it")
+
+    engine = load(model, n_ctx=ctx, progress=True, log=log, **engine_opts)
+    recorder = engine.record_trace() if trace_path else None
     pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
                            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+    if not chat:
+        click.echo(prompt, nl=False)  # like llama.cpp: the continuation reads on from the prompt
     for piece in pieces:
         click.echo(piece, nl=False)
         sys.stdout.flush()
     click.echo()
     stats = engine.last_stats
-    click.echo(f"pymoe run: {stats.prompt_line()}", err=True)
-    click.echo(f"pymoe run: {stats.cache_line()}", err=True)
+    log(stats.prompt_line())
+    log(stats.cache_line())
+    if recorder is not None:
+        appended = os.path.exists(trace_path)
+        recorder.save(trace_path, append=appended)
+        log(f"trace {trace_path}: {recorder.n_tokens} tokens {'appended' if appended else 'written'}")
+
+
+@cli.command("plan")
+@click.argument("model")
+@click.option("--vram", default=plan_defaults.DEFAULT_VRAM, show_default=True,
+              help="Card sizes to plan for, comma-separated; entries without a unit take the list's unit.")
+@click.option("--free", default=None,
+              help="Plan one row for this many free bytes (e.g. 26.01GiB; 'auto' probes the CUDA device) "
+                   "instead of the --vram table.")
+@click.option("--reserve", default=plan_defaults.DEFAULT_RESERVE, show_default=True, help="VRAM kept free beside the cache.")
+@click.option("--extra-reserve", default="0", show_default=True,
+              help="More VRAM kept free, e.g. 184MiB for a draft head (the article's MTP head).")
+@click.option("--overhead", default="auto", show_default=True,
+              help="VRAM used before the cache is sized; auto = dense weights + KV cache at --ctx + --runtime.")
+@click.option("--runtime", default=plan_defaults.DEFAULT_RUNTIME, show_default=True,
+              help="CUDA context and workspace (for --overhead auto).")
+@click.option("--ctx", "n_ctx", default=plan_defaults.DEFAULT_CTX, show_default=True, help="KV cache positions (for --overhead auto).")
+@click.option("--device-bw", default=plan_defaults.DEFAULT_DEVICE_BW_GBS, show_default=True, help="Device memory bandwidth, GB/s (RTX 5090).")
+@click.option("--pcie", default=plan_defaults.DEFAULT_PCIE_GBS, show_default=True, help="Host->device bandwidth a miss is read at, GB/s.")
+@click.option("--fixed-ms", default=plan_defaults.DEFAULT_FIXED_MS, show_default=True,
+              help="Fixed time per decoded token, ms (fitted to the article's two measured points).")
+@click.option("--target", "targets", multiple=True, type=float,
+              help="Also print the VRAM needed for this decode tok/s (repeatable).")
+@click.option("--trace", "trace_path", default=None, help="Predict hit rates by simulating this routing trace.")
+@click.option("--profile", "profile_path", default=None,
+              help="Predict hit rates as this expert profile's static bound (.bin, heat .json, trace .npz).")
+def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, device_bw, pcie, fixed_ms, targets,
+             trace_path, profile_path):
+    """Capacity plan for MODEL: VRAM -> slots -> coverage -> hit rate -> spill -> predicted decode tok/s, and back.
+
+    Formulas and the reference article's numbers worked through: docs/planning.md."""
+    from .plan import plan_report
+
+    click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
+                           device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
+                           runtime=runtime, n_ctx=n_ctx, targets=targets, trace_path=trace_path,
+                           profile_path=profile_path))
+
+
+@cli.command("simulate")
+@click.argument("trace")
+@click.option("--policy", "policies", default="static,lru,lfu,pinned-lru,belady", show_default=True,
+              help="Cache policies to replay, comma-separated (belady: the offline optimum, simulation only).")
+@click.option("--slots", default=None, help="Slot counts to simulate, comma-separated (instead of --coverage).")
+@click.option("--coverage", default=None,
+              help="Coverages in percent of all experts, comma-separated [default: 10,20,...,90].")
+@click.option("--pool", default="both", show_default=True, type=click.Choice(["both", "per-layer", "global"]),
+              help="One pool per layer (slots split evenly), one global pool, or both.")
+@click.option("--profile", "profile_path", default=None,
+              help="Expert profile (.bin, routing-heat .json or trace .npz) for static/pinned-lru and the pre-fill "
+                   "[default: built from TRACE itself, in-sample].")
+@click.option("--phase", default="all", show_default=True, type=click.Choice(["all", "decode", "prefill"]),
+              help="Which lookups count (the cache still sees all of them, in order).")
+@click.option("--plot", "plot_path", default=None, help="Draw hit rate against coverage to this image (matplotlib).")
+def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path):
+    """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
+
+    Definitions (pools, coverage, knee, pre-fill): pymoe/simulate.py and docs/formats.md."""
+    from .simulate import report
+
+    click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,
+                      phase=phase, plot_path=plot_path, progress=True), nl=False)
+
+
+def serve_options(f):
+    """The options of the server `pymoe serve` runs (shared with `pymoe bench`, which starts one)."""
+    options = [
+        click.option("--ctx", default=None, type=int, help="Context size per slot in tokens (default: the model's)."),
+        click.option("--kv", default="f16", show_default=True, type=click.Choice(["f32", "f16", "int8"]),
+                     help="KV cache storage: f32 (exact), f16, or int8 with a float16 scale per 32 values."),
+        click.option("--parallel", default=1, show_default=True, help="Slots: sequences decoded together per step."),
+        click.option("--max-queue", default=16, show_default=True,
+                     help="Requests that may wait for a slot; beyond that the server answers 429."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return engine_options(f)
+
+
+@cli.command("serve")
+@click.argument("model")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
+@click.option("--port", default=8080, show_default=True, help="TCP port.")
+@click.option("--api-key", default=None, envvar="PYMOE_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env PYMOE_API_KEY).")
+@click.option("--max-body-mib", default=4.0, show_default=True, help="Largest request body accepted (else 413).")
+@serve_options
+def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, **engine_options):
+    """Serve MODEL (a GGUF file) over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
+    /v1/models, /v1/status, /metrics, /health."""
+    from .server import serve
+
+    def log(line):
+        click.echo(f"pymoe serve: {line}", err=True)
+
+    serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
+          max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, **engine_options)
+
+
+@cli.command("bench")
+@click.argument("model")
+@click.option("--url", default=None, help="Benchmark this running server (default: start `pymoe serve MODEL`).")
+@click.option("--api-key", default=None, envvar="PYMOE_API_KEY", help="API key of the server at --url.")
+@click.option("--gen", default=128, show_default=True, help="Tokens generated per request (fixed: EOS ignored).")
+@click.option("--requests", default=2, show_default=True,
+              help="Requests per single-stream prompt, and per client at each concurrency level.")
+@click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="Concurrency sweep (comma-separated).")
+@click.option("--overload", default=32, show_default=True, help="Concurrent clients of the overload step (0: skip).")
+@click.option("--timeout", default=600.0, show_default=True, help="Seconds one request may take.")
+@click.option("--out", default="bench.json", show_default=True, help="Where to write the JSON report.")
+@serve_options
+def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout, out, ctx, **server_options):
+    """Run the load protocol (short / ~4K / ~16K prompts, concurrency sweep, overload) against MODEL's server."""
+    from .benchmark import bench
+
+    try:
+        levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
+    except ValueError:
+        raise PymoeError(f"--concurrency must be comma-separated integers, got '{concurrency}'") from None
+    serve_args = [f"--{k.replace('_', '-')}={v}" for k, v in server_options.items() if v is not None]
+    serve_args += [f"--ctx={ctx}"] if ctx else []
+    bench(model, url=url, serve_args=serve_args, n_ctx=ctx, out=out, log=click.echo, gen=gen, requests=requests,
+          concurrency=levels, overload=overload, api_key=api_key, timeout=timeout)
 
 
 def main(argv=None):

@@ -10,7 +10,7 @@ What this is not: the model (model.py) or the sampler (sampler.py).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -27,8 +27,7 @@ class RequestStats:
     n_generated: int = 0
     decode_s: float = 0.0  # time of the decode forward passes (the first new token comes from the prefill)
     n_decoded: int = 0  # decode forward passes: n_generated - 1 when no stop cut it short
-    decode_lookups: int = 0
-    decode_hits: int = 0
+    decode: dict = field(default_factory=dict)  # the expert cache's decode counters of this request
     stop_reason: str = ""
 
     @property
@@ -44,10 +43,25 @@ class RequestStats:
                 f"{self.prompt_s * 1e3:.0f} ms, {self.n_generated} generated in {self.decode_s * 1e3:.0f} ms "
                 f"({self.decode_tok_s:.1f} tok/s)")
 
+    @property
+    def decode_lookups(self) -> int:
+        return self.decode.get("lookups", 0)
+
+    @property
+    def decode_hits(self) -> int:
+        return self.decode.get("hits", 0)
+
     def cache_line(self) -> str:
-        rate = 100.0 * self.decode_hits / self.decode_lookups if self.decode_lookups else 0.0
-        return (f"decode expert cache hit rate: {rate:.1f}% ({self.decode_hits} hits / {self.decode_lookups} "
-                f"lookups)")
+        """The article's appendix-B line: hit rate, then how the misses were served and what was promoted."""
+        c = self.decode
+        n = c.get("lookups", 0)
+        rate = 100.0 * c.get("hits", 0) / n if n else 0.0
+        line = f"decode expert cache hit rate: {rate:.1f}% ({c.get('hits', 0)} hits / {n} lookups)"
+        misses = c.get("spill", 0) + c.get("cpu", 0)
+        if misses:
+            line += (f"; {c['spill']} more read over PCIe ({100.0 * c['spill'] / n:.2f}% of all {n} routed), "
+                     f"{c['cpu']} computed on the CPU, {c.get('promoted', 0)} promoted")
+        return line
 
 
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: Sampler, is_stop=lambda t: False,
@@ -66,13 +80,15 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
     max_tokens = min(max_tokens, n_ctx - len(prompt_ids))
     kv = model.new_kv(n_ctx)
     cache_stats = model.cache.stats
+    if model.trace is not None:
+        model.trace.start_request(len(prompt_ids))
     stats.n_prompt = len(prompt_ids)
 
     t0 = time.perf_counter()
     logits = model.prefill(np.asarray(prompt_ids), kv)[-1]  # [V] of the last prompt position
     stats.prompt_s = time.perf_counter() - t0
     history = list(prompt_ids)
-    lookups0, hits0 = cache_stats.lookups["decode"], cache_stats.hits["decode"]
+    before = cache_stats.snapshot("decode")
     stats.stop_reason = "length"
     for i in range(max_tokens):
         token = sampler(logits, history)
@@ -88,8 +104,42 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
         logits = model.decode_one_token(token, kv)
         stats.decode_s += time.perf_counter() - t1
         stats.n_decoded += 1
-        stats.decode_lookups = cache_stats.lookups["decode"] - lookups0
-        stats.decode_hits = cache_stats.hits["decode"] - hits0
+        stats.decode = {k: v - before[k] for k, v in cache_stats.snapshot("decode").items()}
+
+
+class TextStream:
+    """Token ids in, text pieces out, with stop strings applied: the push-style core of `stream_text`, also used by
+    the server's engine loop, which advances many requests one token at a time.
+
+    `put(token)` returns the text now safe to show: only complete UTF-8 characters (tokenizer.decode_stream), and
+    never the last len(longest stop) - 1 characters, which might still become a stop string. When a stop string
+    appears, the text before it is returned, `stopped` turns True and the stop string is not shown. `end()` returns
+    what was held back once the generation is over.
+    """
+
+    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+        self.stop = [s for s in stop if s]
+        self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars kept back while a stop may be forming
+        self.utf8 = tokenizer.decode_stream()
+        self.text, self.shown = "", 0  # everything decoded so far; how much of it was returned
+        self.stopped = False
+
+    def put(self, token: int) -> str:
+        self.text += self.utf8.put(token)
+        return self._release(final=False)
+
+    def end(self) -> str:
+        self.text += self.utf8.flush()
+        return self._release(final=True)
+
+    def _release(self, final: bool) -> str:
+        hits = [i for i in (self.text.find(s, max(0, self.shown - self.hold)) for s in self.stop) if i >= 0]
+        if hits:
+            self.stopped = True
+        end = min(hits) if hits else len(self.text) - (0 if final else self.hold)
+        piece = self.text[self.shown:end] if end > self.shown else ""
+        self.shown = max(self.shown, end)
+        return piece
 
 
 def stream_text(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int, sampler: Sampler,
@@ -98,32 +148,18 @@ def stream_text(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int, sa
     """Like generate_tokens, but yields text pieces: only complete UTF-8 characters (tokenizer.decode_stream), cut
     at the first stop string (which is not yielded); end-of-generation tokens end the stream and are not shown."""
     stats = stats if stats is not None else RequestStats()
-    stop = [s for s in stop if s]
-    hold = max((len(s) for s in stop), default=1) - 1  # chars kept back: a stop string may still be forming
-    utf8 = tokenizer.decode_stream()
-    text, shown = "", 0  # everything decoded so far; how much of it was yielded
-
-    def first_stop() -> int:
-        hits = [i for i in (text.find(s, max(0, shown - hold)) for s in stop) if i >= 0]
-        return min(hits, default=-1)
-
+    out = TextStream(tokenizer, stop)
     for token in generate_tokens(model, prompt_ids, max_tokens, sampler, tokenizer.is_eog, n_ctx, stats):
         if tokenizer.is_eog(token):
             break
-        text += utf8.put(token)
-        cut = first_stop()
-        if cut >= 0:
-            if cut > shown:
-                yield text[shown:cut]
+        piece = out.put(token)
+        if piece:
+            yield piece
+        if out.stopped:
             stats.stop_reason = "stop"
             return
-        if len(text) - hold > shown:
-            yield text[shown:len(text) - hold]
-            shown = len(text) - hold
-    text += utf8.flush()
-    cut = first_stop()
-    if cut >= 0:
+    piece = out.end()
+    if out.stopped:
         stats.stop_reason = "stop"
-    end = cut if cut >= 0 else len(text)
-    if end > shown:
-        yield text[shown:end]
+    if piece:
+        yield piece

@@ -113,6 +113,7 @@ class Model:
         self.cfg: ModelConfig = gguf_model.config
         self.backend = backend
         self.cache = cache
+        self.trace = None  # a trace.TraceRecorder, when routing is being recorded (`pymoe run --trace`)
         cfg, b, t = self.cfg, backend, gguf_model.tensor
         self.token_embd = t("token_embd.weight")  # rows read on demand, dequantized one token at a time
         self.output_norm = b.vector(t("output_norm.weight"))
@@ -168,7 +169,8 @@ class Model:
         q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
         kv.k[layer_i, p0:p0 + T] = k
         kv.v[layer_i, p0:p0 + T] = v
-        out = attention(q, kv.k[layer_i, :p0 + T], kv.v[layer_i, :p0 + T], p0)  # [T, H * Dv]
+        attend = getattr(b, "attention", attention)  # a backend may bring its own (CPU fast path: row by row)
+        out = attend(q, kv.k[layer_i, :p0 + T], kv.v[layer_i, :p0 + T], p0)  # [T, H * Dv]
         return b.linear(layer.attn_output, out)  # [T, D]
 
     # --- the forward pass -------------------------------------------------------------------------------------
@@ -185,8 +187,13 @@ class Model:
         x = self.embed(tokens)  # [T, D]
         for i, layer in enumerate(self.layers):
             x = x + self.attention_block(layer, rmsnorm(x, layer.attn_norm, cfg.rms_eps), kv, i)
-            y, _ = moe_block(layer, rmsnorm(x, layer.ffn_norm, cfg.rms_eps), self.cache, self.backend, phase)
+            h = rmsnorm(x, layer.ffn_norm, cfg.rms_eps)
+            y, ids, w = moe_block(layer, h, self.cache, self.backend, phase)
             x = x + y
+            if self.trace is not None:
+                self.trace.record(i, ids, w, phase)
+        if self.trace is not None:
+            self.trace.end_forward()
         kv.n += tokens.size
         x = rmsnorm(x, self.output_norm, cfg.rms_eps)
         return self.backend.linear(self.output, x)  # [T, V]

@@ -55,22 +55,26 @@ def swiglu_expert(backend, ex, types, x: np.ndarray) -> np.ndarray:
     return backend.linear_raw(ex.down, types["down"], silu(gate) * up)  # [n, D]
 
 
-def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndarray, np.ndarray]:
-    """x [T, D] (already ffn-normed) -> (y [T, D], expert ids [T, K]). `layer` is a model.Layer."""
+def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x [T, D] (already ffn-normed) -> (y [T, D], expert ids [T, K], their weights [T, K]). `layer`: model.Layer."""
     cfg = layer.cfg
     logits = backend.linear(layer.ffn_gate_inp, x)  # [T, E]
     ids, w = route(logits, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
     cache.lookup(layer.index, ids, phase)
 
-    y = np.zeros_like(x)  # [T, D]
-    for e in np.unique(ids):  # each chosen expert once, on all of its tokens
-        tok, slot = np.nonzero(ids == e)  # tokens routed to e, and at which of their K positions
-        out = swiglu_expert(backend, cache.expert(layer.index, int(e)), layer.expert_types, x[tok])  # [n, D]
-        y[tok] += w[tok, slot][:, None] * out
+    experts = {e: cache.expert(layer.index, e) for e in np.unique(ids).tolist()}  # each chosen expert once
+    fused = getattr(backend, "moe_experts", None)  # a backend's fused kernel for all of them (CPU: int8 path)
+    y = fused(experts, layer.expert_types, x, ids, w) if fused else None  # [T, D], or None: no fused path
+    if y is None:  # the plain path: one expert at a time, on all of its tokens
+        y = np.zeros_like(x)  # [T, D]
+        for e, ex in experts.items():
+            tok, slot = np.nonzero(ids == e)  # tokens routed to e, and at which of their K positions
+            out = swiglu_expert(backend, ex, layer.expert_types, x[tok])  # [n, D]
+            y[tok] += w[tok, slot][:, None] * out
 
     if cfg.has_shared_expert:
         sh = layer.shared
         h = silu(backend.linear(sh["gate"], x)) * backend.linear(sh["up"], x)  # [T, S]
         gate = sigmoid(x @ sh["gate_inp"])[:, None]  # [T, 1]
         y += gate * backend.linear(sh["down"], h)
-    return y, ids
+    return y, ids, w

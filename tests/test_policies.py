@@ -1,0 +1,165 @@
+"""Cache policies and the slot table on hand-made sequences with answers worked out by hand (or in textbooks), and
+Belady's optimality checked against an exhaustive search and, as a property, against every other policy."""
+import functools
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pymoe.policies import (DEFAULT_POLICY, POLICIES, BeladyPolicy, LFUPolicy, LRUPolicy, SlotTable,
+                            make_policy)
+from pymoe.simulate import simulate
+
+# Silberschatz, Operating System Concepts, the page-replacement chapter: 3 frames, LRU 12 faults, OPT 9 faults.
+TEXTBOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]
+
+
+def replay(policy, seq, capacity, prefill=()):
+    """-> (hits, evicted keys in order, [(hit, slot, evicted)] per access)."""
+    table = SlotTable(capacity, policy)
+    table.prefill(prefill)
+    steps = [table.access(k, t) for t, k in enumerate(seq)]
+    return sum(h for h, _, _ in steps), [e for _, _, e in steps if e is not None], steps
+
+
+def test_lru_textbook():
+    hits, _, _ = replay(LRUPolicy(3), TEXTBOOK, 3)
+    assert len(TEXTBOOK) - hits == 12
+
+
+def test_belady_demand_paging_textbook():
+    hits, _, _ = replay(BeladyPolicy(3, TEXTBOOK, bypass=False), TEXTBOOK, 3)
+    assert len(TEXTBOOK) - hits == 9
+
+
+def test_belady_bypass_beats_demand_paging():
+    # one slot, 1 2 1: demand paging must load 2 and lose 1; the bypass variant serves 2 without a slot.
+    assert replay(BeladyPolicy(1, [1, 2, 1], bypass=False), [1, 2, 1], 1)[0] == 0
+    hits, evicted, steps = replay(make_policy("belady", 1, future=[1, 2, 1]), [1, 2, 1], 1)
+    assert hits == 1 and evicted == [] and steps[1] == (False, None, None)
+
+
+def test_belady_rejects_a_sequence_out_of_step():
+    table = SlotTable(2, make_policy("belady", 2, future=[1, 2, 3]))
+    table.access(1, 0)
+    with pytest.raises(ValueError, match="out of step"):
+        table.access(5, 1)
+
+
+def test_lfu_counts_survive_eviction_and_ties_go_to_lru():
+    # capacity 2; by hand: t3 evicts 2 (count 1 < 2), t4 evicts 3, t5: 1 and 2 both counted 2 (2's count survived
+    # its eviction), the older (1, last used t1) goes; t6: 2 and 3 tie at 2, 2 (t4) is older than 3 (t5).
+    hits, evicted, _ = replay(LFUPolicy(2), [1, 1, 2, 3, 2, 3, 1], 2)
+    assert hits == 1
+    assert evicted == [2, 3, 1, 2]
+    assert replay(LRUPolicy(2), [1, 1, 2, 3, 2, 3, 1], 2)[0] == 3
+
+
+def test_static_keeps_the_profile_set():
+    policy = make_policy("static", 2, profile_keys=[5, 6, 7])
+    hits, evicted, steps = replay(policy, [5, 7, 6, 7, 5], 2, prefill=[5, 6, 7])
+    assert hits == 3 and evicted == []
+    assert steps[1] == (False, None, None)  # 7 is not in the top 2: served without a slot
+
+
+def test_static_without_prefill_admits_only_profile_keys():
+    _, _, steps = replay(make_policy("static", 2, profile_keys=[5, 6]), [7, 5, 6, 5], 2)
+    assert steps == [(False, None, None), (False, 0, None), (False, 1, None), (True, 0, None)]
+
+
+def test_pinned_lru_never_evicts_the_pinned():
+    # capacity 2, half pinned: key 1 (the profile's hottest) stays; 2 and 3 fight over the other slot.
+    policy = make_policy("pinned-lru", 2, profile_keys=[1, 2, 3])
+    hits, evicted, _ = replay(policy, [1, 2, 3, 1, 2, 3], 2)
+    assert hits == 1 and evicted == [2, 3, 2]
+    assert replay(LRUPolicy(2), [1, 2, 3, 1, 2, 3], 2)[0] == 0  # plain LRU thrashes
+
+
+def test_pinned_lru_full_of_pinned_keys_admits_nothing():
+    policy = make_policy("pinned-lru", 2, profile_keys=[1, 2], pinned_frac=1.0)
+    _, _, steps = replay(policy, [1, 2, 3, 1], 2)
+    assert steps[2] == (False, None, None) and steps[3][0]
+
+
+def test_slot_numbers_and_reuse():
+    _, _, steps = replay(LRUPolicy(2), [10, 11, 12, 10], 2)
+    assert steps == [(False, 0, None), (False, 1, None), (False, 0, 10), (False, 1, 11)]
+
+
+def test_prefill_rank_order_and_lru_recency():
+    table = SlotTable(3, LRUPolicy(3))
+    assert table.prefill([9, 8, 8, 7, 6]) == 3  # duplicates skipped, stops when full
+    assert [table.resident(k) for k in (9, 8, 7, 6)] == [0, 1, 2, None]
+    assert table.access(6, 0) == (False, 2, 7)  # the coldest prefilled key is the least recently used
+
+
+def test_insert_false_serves_a_miss_without_touching_the_policy():
+    policy = LFUPolicy(1)
+    table = SlotTable(1, policy)
+    assert table.access(4, 0, insert=False) == (False, None, None)
+    assert policy.count == {} and table.n_resident == 0
+    assert table.access(4, 1) == (False, 0, None)
+
+
+def test_zero_capacity_and_bad_names():
+    table = SlotTable(0, LRUPolicy(0))
+    assert table.access(1, 0) == (False, None, None) and table.lookups == 1 and table.hits == 0
+    with pytest.raises(ValueError, match="unknown cache policy"):
+        make_policy("fifo", 4)
+    with pytest.raises(ValueError, match="profile"):
+        make_policy("static", 4)
+    with pytest.raises(ValueError, match="future"):
+        make_policy("belady", 4)
+    assert DEFAULT_POLICY in POLICIES
+
+
+def optimal_hits(seq, capacity, start=()):
+    """Exhaustive search over every admit / bypass / victim choice: the most hits any policy can get."""
+    seq = tuple(seq)
+
+    @functools.lru_cache(maxsize=None)
+    def best(t, cache):
+        if t == len(seq):
+            return 0
+        key = seq[t]
+        if key in cache:
+            return 1 + best(t + 1, cache)
+        options = [best(t + 1, cache)]  # bypass
+        if len(cache) < capacity:
+            options.append(best(t + 1, cache | {key}))
+        else:
+            options += [best(t + 1, (cache - {v}) | {key}) for v in cache]
+        return max(options)
+
+    return best(0, frozenset(start))
+
+
+@settings(max_examples=150, deadline=None)
+@given(seq=st.lists(st.integers(0, 5), min_size=1, max_size=14), capacity=st.integers(1, 4),
+       start=st.lists(st.integers(0, 5), max_size=4, unique=True))
+def test_belady_bypass_is_optimal(seq, capacity, start):
+    """Equal to the exhaustive optimum, from an empty or a pre-filled cache."""
+    start = start[:capacity]
+    hits, _, _ = replay(make_policy("belady", capacity, future=seq), seq, capacity, prefill=start)
+    assert hits == optimal_hits(seq, capacity, start)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=st.data(), n_experts=st.integers(2, 10), n_layers=st.integers(1, 2), slots=st.integers(1, 8),
+       pool=st.sampled_from(["global", "per-layer"]), prefill=st.booleans())
+def test_belady_beats_every_policy(data, n_experts, n_layers, slots, pool, prefill):
+    """Belady's hit count >= every other policy's, from the same starting contents, on random traces."""
+    from pymoe.profile import Profile
+
+    keys = np.array(data.draw(st.lists(st.integers(0, n_layers * n_experts - 1), min_size=1, max_size=120)))
+    ranked = data.draw(st.permutations(range(n_layers * n_experts)))  # any ranking: optimality must not depend on it
+    counts = np.arange(len(ranked), 0, -1)
+    heat = np.zeros(n_layers * n_experts, dtype=np.int64)
+    heat[list(ranked)] = counts
+    profile = Profile.from_heat(heat.reshape(n_layers, n_experts))
+    run = functools.partial(simulate, keys, n_layers, n_experts, slots=slots, pool=pool, profile=profile,
+                            tokens=1, prefill=prefill)
+    best = run("belady").hits
+    for name in POLICIES:
+        assert best >= run(name).hits, name
