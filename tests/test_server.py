@@ -1,0 +1,244 @@
+"""`pymoe serve` against the official openai client, on 127.0.0.1 and an OS-chosen port, with a tiny model.
+
+Covered: chat, completion, streaming, stop sequences, API-key rejection, context overflow and other 400s, the body
+cap, /v1/models, /v1/status, /metrics; 429 under overload, a disconnect cancelling its generation, parallel slots
+giving the same greedy text as one-at-a-time generation, prefix reuse telemetry; `pymoe bench` end to end.
+Every request has a timeout; every loop is bounded.
+"""
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+import pymoe
+from conftest import run_pymoe
+from pymoe.server import BackgroundServer, create_app
+
+KEY = "test-key"
+CTX = 256
+
+
+@pytest.fixture(scope="module")
+def model_path(tiny_model):
+    return tiny_model("qwen3moe", "f32")
+
+
+@pytest.fixture(scope="module")
+def reference(model_path):
+    """An engine of its own: what one request at a time, f32 KV, no reuse gives."""
+    return pymoe.load(model_path, n_ctx=CTX)
+
+
+@pytest.fixture(scope="module")
+def server(model_path):
+    logs = []
+    engine = pymoe.load(model_path, n_ctx=CTX)
+    app = create_app(engine, parallel=2, max_queue=8, kv="f32", api_key=KEY, max_body_bytes=64 << 10,
+                     log=logs.append)
+    with BackgroundServer(app) as srv:
+        srv.logs = logs
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def auth():
+    return {"Authorization": f"Bearer {KEY}"}
+
+
+def status(srv, **kw):
+    return httpx.get(srv.url + "/v1/status", headers=auth(), timeout=10, **kw).json()
+
+
+def test_chat_completion(client, reference):
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hello there"}],
+                                       max_tokens=12, temperature=0)
+    want = "".join(reference.stream("Hello there", max_tokens=12, chat=True))
+    assert r.object == "chat.completion" and r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == want
+    n_prompt = len(reference.encode_prompt("Hello there", chat=True))
+    assert r.usage.prompt_tokens == n_prompt and r.usage.total_tokens == n_prompt + r.usage.completion_tokens
+    assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def test_completion_and_stop_sequences(client, reference):
+    want = "".join(reference.stream("The expert cache", max_tokens=16))
+    r = client.completions.create(model="tiny", prompt="The expert cache", max_tokens=16, temperature=0)
+    assert r.choices[0].text == want
+    assert len(want) >= 4, "the tiny model's answer is too short to cut"
+    stop = want[2:4]
+    cut = client.completions.create(model="tiny", prompt="The expert cache", max_tokens=16, temperature=0,
+                                    stop=[stop, "never-appears"])
+    assert cut.choices[0].text == want[:want.find(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+
+
+def test_streaming_chat_and_completion(client):
+    msgs = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about experts"}]
+    whole = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0)
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+    whole = client.completions.create(model="tiny", prompt="def forward(", max_tokens=10, temperature=0)
+    parts = list(client.completions.create(model="tiny", prompt="def forward(", max_tokens=10, temperature=0,
+                                           stream=True))
+    assert "".join(p.choices[0].text for p in parts) == whole.choices[0].text
+
+
+def test_api_key_is_required_except_for_health(server):
+    bad = openai.OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError, match="API key"):
+        bad.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    for path in ("/v1/models", "/v1/status", "/metrics"):
+        assert httpx.get(server.url + path, timeout=10).status_code == 401
+    assert httpx.post(server.url + "/v1/completions", json={"prompt": "x"}, timeout=10).status_code == 401
+    assert httpx.get(server.url + "/health", timeout=10).json() == {"status": "ok"}
+
+
+def test_context_overflow_and_bad_bodies_get_a_400_that_says_why(client, server):
+    with pytest.raises(openai.BadRequestError, match=f"does not fit the context of {CTX} tokens") as e:
+        client.completions.create(model="tiny", prompt=list(range(1, CTX + 5)), max_tokens=4)
+    assert e.value.code == "context_length_exceeded"
+    with pytest.raises(openai.BadRequestError, match="'max_tokens' must be an integer >= 1"):
+        client.completions.create(model="tiny", prompt="x", max_tokens=0)
+    post = lambda body, **kw: httpx.post(server.url + "/v1/chat/completions", headers=auth(), timeout=10,  # noqa
+                                         **({"content": body} if isinstance(body, bytes) else {"json": body}), **kw)
+    cases = [(b"{not json", "not valid JSON"), ({"messages": []}, "'messages' must be a non-empty list"),
+             ({"messages": [{"role": "wizard", "content": "x"}]}, "messages[0] needs a 'role'"),
+             ({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, "'temperature' must be"),
+             ({"messages": [{"role": "user", "content": "x"}], "stop": [1]}, "'stop' must be")]
+    for body, why in cases:
+        r = post(body)
+        assert r.status_code == 400 and why in r.json()["error"]["message"], (body, r.text)
+    r = post(json.dumps({"messages": [{"role": "user", "content": "x" * (100 << 10)}]}).encode())
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+
+def test_models_status_and_metrics(client, server):
+    assert [m.id for m in client.models.list().data] == ["tiny-qwen3moe-f32.gguf"]
+    s = status(server)
+    assert (s["parallel"], s["n_ctx"], s["kv"], s["backend"]) == (2, CTX, "f32", "cpu")
+    assert s["cache"]["policy"] == "none" and s["cache"]["coverage"] == 1.0
+    assert s["cache"]["counts"]["decode"]["lookups"] > 0
+    text = httpx.get(server.url + "/metrics", headers=auth(), timeout=10).text
+    for name in ("pymoe_requests_total{outcome=\"ok\"}", "pymoe_queue_depth", "pymoe_prompt_tokens_total",
+                 "pymoe_generated_tokens_total", "pymoe_decode_tokens_per_second", "pymoe_expert_lookups_total",
+                 "pymoe_expert_hit_rate{phase=\"decode\"}", "pymoe_expert_spill_share", "pymoe_expert_cpu_share"):
+        assert name in text, name
+
+
+def test_prefix_reuse_shows_in_usage_and_telemetry(client, server, reference):
+    """A follow-up whose prompt extends an earlier one reuses that slot's KV: fewer tokens read, same answer."""
+    first = reference.tokenizer.encode("Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 123 and then some more words")
+    client.completions.create(model="tiny", prompt=first, max_tokens=4, temperature=0)
+    follow = first + reference.tokenizer.encode(" and the quick brown fox")
+    r = client.completions.create(model="tiny", prompt=follow, max_tokens=8, temperature=0)
+    reused = r.usage.prompt_tokens_details.cached_tokens
+    assert len(first) <= reused < len(follow)
+    assert r.choices[0].text == "".join(reference.stream(follow, max_tokens=8))
+    line = f"prompt {len(follow)} tokens = {reused} reused + {len(follow) - reused} read"
+    assert status(server)["recent"][-1]["prompt_line"].startswith(line)
+    assert any(line in entry for entry in server.logs)
+
+
+def test_parallel_slots_give_the_same_greedy_text_as_one_at_a_time(server, reference):
+    prompts = ["An MoE token touches", "def forward(self, tokens", "The quick brown fox", "Numbers: 0 1 2"]
+    want = ["".join(reference.stream(p, max_tokens=40)) for p in prompts]
+    got, barrier = [None] * len(prompts), threading.Barrier(len(prompts))
+
+    def ask(i):
+        c = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+        barrier.wait(timeout=30)
+        got[i] = c.completions.create(model="tiny", prompt=prompts[i], max_tokens=40, temperature=0)
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert [g.choices[0].text for g in got] == want
+    assert status(server)["max_batch"] == 2  # two slots decoded together (and never more)
+
+
+@pytest.fixture(scope="module")
+def small_server(model_path):
+    """One slot and a queue of one: the third concurrent request is over the limit."""
+    app = create_app(pymoe.load(model_path, n_ctx=CTX), parallel=1, max_queue=1, kv="int8")
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+def long_request(url, n=200):
+    return dict(url=url + "/v1/completions", timeout=60,
+                json={"prompt": "An MoE token", "max_tokens": n, "ignore_eos": True, "temperature": 0})
+
+
+def test_overload_gets_429_with_retry_after(small_server):
+    codes, retry, barrier = [], [], threading.Barrier(6)
+
+    def ask():
+        barrier.wait(timeout=30)
+        r = httpx.post(**long_request(small_server.url))
+        codes.append(r.status_code)
+        if r.status_code == 429:
+            retry.append(int(r.headers["Retry-After"]))
+            assert r.json()["error"]["type"] == "rate_limit_error"
+
+    threads = [threading.Thread(target=ask) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert len(codes) == 6 and set(codes) <= {200, 429}
+    assert codes.count(429) >= 1 and codes.count(200) >= 2  # one decoding, one queued, the rest turned away
+    assert all(1 <= s <= 60 for s in retry)
+    assert status(small_server)["requests"]["rejected"] == codes.count(429)
+
+
+def test_a_disconnect_cancels_the_generation_and_frees_the_slot(small_server):
+    before = status(small_server)["requests"].get("cancelled", 0)
+    req = long_request(small_server.url, n=240)
+    req["json"]["stream"] = True
+    with httpx.Client(timeout=60) as c, c.stream("POST", req["url"], json=req["json"]) as r:
+        for line in r.iter_lines():  # the first piece of text, then hang up
+            if line.startswith("data: ") and json.loads(line[6:])["choices"][0]["text"]:
+                break
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        s = status(small_server)
+        if s["requests"].get("cancelled", 0) > before and not s["slots"][0]["busy"]:
+            break
+        time.sleep(0.05)
+    assert s["requests"].get("cancelled", 0) == before + 1
+    last = s["recent"][-1]
+    assert last["stop_reason"] == "cancelled" and last["n_generated"] < 240
+    r = httpx.post(**long_request(small_server.url, n=4))  # the slot serves the next request
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_bench_runs_the_protocol_against_a_server_it_starts(model_path, tmp_path):
+    out = tmp_path / "bench.json"
+    r = run_pymoe("bench", model_path, "--gen", "4", "--requests", "1", "--concurrency", "1,2", "--overload", "4",
+                  "--max-queue", "1", "--ctx", "128", "--kv", "int8", "--out", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    phases = [(row["phase"], row["c"]) for row in report["rows"]]
+    assert phases == [("single short", 1), ("single 4k", 1), ("single 16k", 1), ("sweep", 1), ("sweep", 2),
+                      ("overload", 4)]
+    assert [row["prompt_tokens"] for row in report["rows"][:3]] == [26, 16, 64]  # ctx 128: 1/8 and 1/2 of it
+    for row in report["rows"]:
+        assert row["ok"] + row["rejected_429"] + row["failures"] == row["requests"] and row["failures"] == 0
+    assert report["rows"][0]["decode_tok_s"] > 0 and report["rows"][0]["hit_rate"] == 1.0
+    assert report["server"]["kv"] == "int8"
+    assert "TTFT50" in r.stdout and "single 16k" in r.stdout
