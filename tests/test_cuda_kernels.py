@@ -1,0 +1,303 @@
+"""The Numba CUDA kernels (cuda_kernels/) against their NumPy references, in Numba's CUDA simulator (no GPU needed).
+
+What this is: every kernel on small odd shapes -- quantized matvec (versions 1 and 2) and matmul for every format in
+pymoe.quant.FORMATS, the MoE expert block, RMSNorm, RoPE (NEOX and normal), decode attention with GQA -- compared
+with pymoe.quant.dequantize(w) @ x, pymoe.moe, pymoe.model.rmsnorm / apply_rope / attention; plus the CPU twin of
+the device decoders bit-exact against `dequantize`, and (when a CUDA toolkit's NVVM is installed, no GPU needed)
+every kernel compiled to PTX for a real GPU, which the simulator cannot check: it runs the kernels as plain Python,
+so a construct Numba's CUDA target cannot type (e.g. the builtin min() in numba 0.68) would pass it unnoticed.
+What this is not: a benchmark (python -m cuda_kernels.quant_matvec on a GPU), nor a test of the backend.
+
+How the simulator is switched on, robustly. Numba reads NUMBA_ENABLE_CUDASIM into numba.config when numba is
+imported, and `numba.cuda` picks the simulator or the driver when *it* is imported. So this module
+  1. sets NUMBA_ENABLE_CUDASIM=1 unless the caller set it (NUMBA_ENABLE_CUDASIM=0 runs the same tests on a GPU);
+  2. if numba was already imported by another test module of the same pytest process, calls
+     numba.core.config.reload_config(), which re-reads the environment (only if a NUMBA_ variable changed);
+  3. imports numba.cuda and checks which mode it is in. If numba.cuda had already been imported in the other mode
+     (some other module touched a GPU first), the mode cannot change in this process: the tests here are then
+     skipped and `test_this_file_in_a_fresh_interpreter` runs this file in a new Python process instead.
+All tests carry the `cuda` marker: `pytest -m cuda` selects them, `-m "not cuda"` leaves them out.
+Tolerance: as tests/test_kernels.py, |got - ref| <= 2 C u sum_i |w_i x_i| for a C-term float32 dot product.
+Shapes are tiny because the simulator runs one Python thread per CUDA thread.
+"""
+import glob
+import os
+import subprocess
+import sys
+
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before numba.cuda is imported (see the docstring)
+from numba.core import config as numba_config  # noqa: E402
+
+if "numba.cuda" not in sys.modules:
+    numba_config.reload_config()  # numba may have been imported (by another test module) before step 1
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
+
+import pymoe.quant as Q  # noqa: E402
+from pymoe.model import apply_rope, attention, rmsnorm  # noqa: E402
+from pymoe.moe import silu  # noqa: E402
+from pymoe.quant import QType  # noqa: E402
+from quant_helpers import random_rows  # noqa: E402
+
+import cuda_kernels as K  # noqa: E402
+from cuda_kernels import quant_matvec  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WANT_SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] != "0"
+IS_SIMULATOR = "simulator" in cuda.is_available.__module__
+IN_PROCESS = WANT_SIMULATOR == IS_SIMULATOR
+
+pytestmark = pytest.mark.cuda
+in_process = pytest.mark.skipif(not IN_PROCESS, reason="numba.cuda was imported in the other mode; "
+                                "test_this_file_in_a_fresh_interpreter runs these tests")
+
+FORMATS = sorted(Q.FORMATS.values(), key=lambda f: f.name)
+IDS = [f.name for f in FORMATS]
+U = 2.0 ** -24  # float32 unit roundoff
+
+
+def assert_dot_close(got, w, x):
+    """got ~ w @ x (w [R, C] float32, x [C] or [C, T]) within 2 C u sum|w x|, elementwise."""
+    ref = w @ x
+    bound = 2 * w.shape[1] * U * (np.abs(w) @ np.abs(x))
+    err = np.abs(got - ref)
+    assert (err <= bound + np.finfo(np.float32).tiny).all(), f"max err {err.max()}, bound {bound.ravel()[err.argmax()]}"
+
+
+def shape_for(i, fmt):
+    """Rows 3..9 and 1 or 2 blocks per row, varied over the formats; floats get 33 columns (> 32 threads)."""
+    rows = 3 + (2 * i) % 7
+    cols = 33 if fmt.block_size == 1 else fmt.block_size * (1 + i % 2)
+    return rows, cols
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The decoders (CPU twin: the same source compiled with numba.njit) -- no simulator involved
+
+def test_every_registered_format_has_a_device_decoder():
+    assert set(K.DEVICE_FORMATS) == set(Q.FORMATS)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_device_decode_is_bit_exact_with_dequantize(fmt):
+    w = random_rows(fmt.qtype, 5, 2 * max(fmt.block_size, 16), np.random.default_rng(1))  # [5, row_bytes]
+    got = K.decode_rows_cpu(w, fmt.qtype)
+    assert np.array_equal(got.view(np.uint32), Q.dequantize(w, fmt.qtype).view(np.uint32))
+
+
+def test_float_decode_of_special_values():
+    """Zeros of both signs, subnormals, the extremes and infinities keep their bits; NaN stays NaN."""
+    v = np.array([0.0, -0.0, 1e-45, -3e-39, 1e-40, 3.4028235e38, -np.inf, np.inf, 1.5, -2.75, np.nan], np.float32)
+    with np.errstate(over="ignore"):
+        v16 = v.astype(np.float16)  # 3.4e38 -> inf, small ones -> fp16 subnormals or zero
+    for qtype, raw in ((QType.F32, v.view(np.uint8)),
+                       (QType.F16, v16.view(np.uint8)),
+                       (QType.BF16, (v.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8))):
+        got = K.decode_rows_cpu(raw.reshape(1, -1), qtype)[0]
+        ref = Q.dequantize(raw.reshape(1, -1), qtype)[0]
+        assert np.array_equal(got[:-1].view(np.uint32), ref[:-1].view(np.uint32)), qtype.name
+        assert np.isnan(got[-1]), qtype.name
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Quantized matvec / matmul
+
+@in_process
+@pytest.mark.parametrize("i_fmt", list(enumerate(FORMATS)), ids=IDS)
+def test_matvec_and_matmul_match_reference(i_fmt):
+    i, fmt = i_fmt
+    rng = np.random.default_rng(10 + i)
+    rows, cols = shape_for(i, fmt)
+    w = random_rows(fmt.qtype, rows, cols, rng)  # [R, row_bytes]
+    w_deq = Q.dequantize(w, fmt.qtype)  # [R, C]
+    w_dev = cuda.to_device(w)
+    x = rng.standard_normal(cols).astype(np.float32)  # [C]
+    for version in (1, 2):
+        y = K.matvec(w_dev, fmt.qtype, cuda.to_device(x), version=version).copy_to_host()  # [R]
+        assert y.shape == (rows,) and y.dtype == np.float32
+        assert_dot_close(y, w_deq, x)
+    X = rng.standard_normal((3, cols)).astype(np.float32)  # [T, C]
+    Y = K.matmul(w_dev, fmt.qtype, cuda.to_device(X)).copy_to_host()  # [T, R]
+    assert Y.shape == (3, rows)
+    assert_dot_close(Y.T, w_deq, X.T)
+
+
+@in_process
+@pytest.mark.parametrize("version", (1, 2))
+def test_matmul_over_several_token_tiles(version):
+    """T = 6 > TOKEN_TILE: a full tile and a partial one, written into a caller's `out`."""
+    rng = np.random.default_rng(20)
+    w = random_rows(QType.Q4_K, 3, 256, rng)  # [3, 144]
+    X = rng.standard_normal((6, 256)).astype(np.float32)  # [T, C]
+    out = cuda.device_array((6, 3), np.float32)
+    Y = K.matmul(cuda.to_device(w), QType.Q4_K, cuda.to_device(X), out=out, version=version)
+    assert Y is out or Y.shape == out.shape
+    assert_dot_close(out.copy_to_host().T, Q.dequantize(w, QType.Q4_K), X.T)
+
+
+@in_process
+def test_slot_and_mapped_host_memory_run_the_same_kernel():
+    """The expert cache hands the kernel a VRAM slot or a mapped pinned-host buffer: same bytes, same result."""
+    rng = np.random.default_rng(21)
+    w = random_rows(QType.Q6_K, 3, 256, rng)  # [3, 210]
+    x = cuda.to_device(rng.standard_normal(256).astype(np.float32))
+    mapped = cuda.mapped_array(w.shape, np.uint8)  # page-locked host memory the device reads over the bus
+    mapped[...] = w
+    in_slot = K.matvec(cuda.to_device(w), QType.Q6_K, x).copy_to_host()
+    in_host = K.matvec(mapped, QType.Q6_K, x).copy_to_host()
+    assert np.array_equal(in_slot, in_host)
+
+
+@in_process
+def test_input_errors_are_clear():
+    w = cuda.to_device(random_rows(QType.Q4_0, 3, 64, np.random.default_rng(22)))  # [3, 36]
+    with pytest.raises(TypeError, match="host NumPy array"):
+        K.matvec(w, QType.Q4_0, np.zeros(64, np.float32))
+    with pytest.raises(ValueError, match=r"X must have shape \(T, 64\)"):
+        K.matvec(w, QType.Q4_0, cuda.to_device(np.zeros(32, np.float32)))
+    with pytest.raises(ValueError, match="float32"):
+        K.matvec(w, QType.Q4_0, cuda.to_device(np.zeros(64, np.float64)))
+    with pytest.raises(ValueError, match="whole blocks"):
+        K.matvec(cuda.to_device(np.zeros((3, 35), np.uint8)), QType.Q4_0, cuda.to_device(np.zeros(64, np.float32)))
+    with pytest.raises(KeyError, match="unsupported tensor type"):
+        K.matvec(w, QType.IQ2_XXS, cuda.to_device(np.zeros(64, np.float32)))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The MoE expert block
+
+@in_process
+def test_expert_block_matches_swiglu_reference_and_accumulates():
+    """Y += wt * down(silu(gate X) * up X), with three different weight types (as in llama.cpp's mixes)."""
+    rng = np.random.default_rng(30)
+    T, D, F = 3, 32, 5
+    types = {"gate": QType.Q8_0, "up": QType.Q4_1, "down": QType.F16}
+    gate = random_rows(types["gate"], F, D, rng)  # [F, S_D]
+    up = random_rows(types["up"], F, D, rng)  # [F, S_D]
+    down = random_rows(types["down"], D, F, rng)  # [D, S_F]
+    X = (0.01 * rng.standard_normal((T, D))).astype(np.float32)  # [T, D], small: random blocks have big scales
+    wt = rng.random(T).astype(np.float32)  # [T]
+    Y0 = rng.standard_normal((T, D)).astype(np.float32)  # [T, D] what earlier experts already added
+
+    Y = cuda.to_device(Y0)
+    K.expert_block(cuda.to_device(gate), cuda.to_device(up), cuda.to_device(down), types, cuda.to_device(X),
+                   cuda.to_device(wt), Y)
+
+    G, Up, Dn = (Q.dequantize(w, types[n]) for w, n in ((gate, "gate"), (up, "up"), (down, "down")))
+    H = silu(X @ G.T) * (X @ Up.T)  # [T, F]
+    ref = Y0 + wt[:, None] * (H @ Dn.T)  # [T, D]
+    scale = np.abs(Y0) + wt[:, None] * (np.abs(H) @ np.abs(Dn.T))  # [T, D] size of the terms summed
+    np.testing.assert_array_less(np.abs(Y.copy_to_host() - ref), 1e-5 * scale + 1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# RMSNorm, RoPE, decode attention
+
+@in_process
+def test_rmsnorm_matches_reference():
+    rng = np.random.default_rng(40)
+    X = rng.standard_normal((3, 150)).astype(np.float32)  # [T, n], n > THREADS: strided loops
+    w = rng.standard_normal(150).astype(np.float32)  # [n]
+    got = K.rmsnorm(cuda.to_device(X), cuda.to_device(w), 1e-6).copy_to_host()
+    np.testing.assert_allclose(got, rmsnorm(X, w, 1e-6), rtol=1e-5, atol=1e-6)
+    one = K.rmsnorm(cuda.to_device(X[1]), cuda.to_device(w), 1e-6).copy_to_host()  # a single [n] row
+    np.testing.assert_allclose(one, rmsnorm(X[1], w, 1e-6), rtol=1e-5, atol=1e-6)
+
+
+@in_process
+@pytest.mark.parametrize("neox", (True, False), ids=("neox", "normal"))
+def test_rope_matches_reference(neox):
+    """Partial rotary (rope_dim 8 of head size 10), tables for the whole context, tokens at positions 2..4."""
+    rng = np.random.default_rng(41)
+    x = rng.standard_normal((3, 2, 10)).astype(np.float32)  # [T, heads, Dh]
+    theta = np.arange(8)[:, None] * 10000.0 ** (-2.0 * np.arange(4) / 8)  # [P, rope_dim / 2]
+    cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    got = K.rope(cuda.to_device(x), cuda.to_device(cos), cuda.to_device(sin), neox, p0=2).copy_to_host()
+    np.testing.assert_allclose(got, apply_rope(x, cos[2:5], sin[2:5], neox), rtol=1e-6, atol=1e-6)
+
+
+@in_process
+@pytest.mark.parametrize("pos", (0, 6))
+def test_decode_attention_matches_reference(pos):
+    """4 query heads over 2 KV heads (GQA), Dh 8, Dv 6; the cache has 9 rows, garbage after pos (never read)."""
+    rng = np.random.default_rng(42 + pos)
+    H, G, Dh, Dv, S_max = 4, 2, 8, 6, 9
+    q = rng.standard_normal((H, Dh)).astype(np.float32)  # [H, Dh]
+    k = rng.standard_normal((S_max, G, Dh)).astype(np.float32)  # [S_max, G, Dh]
+    v = rng.standard_normal((S_max, G, Dv)).astype(np.float32)  # [S_max, G, Dv]
+    k[pos + 1:], v[pos + 1:] = 1e30, np.nan  # future rows: any read would show
+    got = K.decode_attention(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), pos).copy_to_host()
+    ref = attention(q[None], k[:pos + 1], v[:pos + 1], pos)  # [1, H * Dv]
+    np.testing.assert_allclose(got.reshape(1, -1), ref, rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# What the simulator cannot check: that Numba's real CUDA target types and lowers every kernel (PTX, no GPU needed)
+
+def nvvm_home():
+    """A CUDA toolkit directory with libnvvm (CUDA_HOME, CUDA_PATH, /usr/local/cuda*), or None."""
+    for home in [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")] + sorted(glob.glob("/usr/local/cuda*")):
+        if home and glob.glob(os.path.join(home, "nvvm", "lib*", "libnvvm.so*")) + glob.glob(
+                os.path.join(home, "lib*", "libnvvm.so*")):
+            return home
+    return None
+
+
+def compile_every_kernel_to_ptx():
+    """Run in a fresh interpreter without the simulator: type and compile every kernel for sm_75."""
+    import types as pytypes
+
+    import numba.cuda.dispatcher as dispatcher
+    from numba import types as nt
+
+    # Device functions are compiled for the current device's compute capability; there is no device here.
+    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(7, 5))
+    from cuda_kernels import attention as A, moe as M, norm_rope as N
+
+    u8, f1 = nt.Array(nt.uint8, 2, "C"), nt.Array(nt.float32, 1, "C")
+    f2, f3 = nt.Array(nt.float32, 2, "C"), nt.Array(nt.float32, 3, "C")
+    def trivial(y):
+        y[0] = 1.0
+
+    try:  # the toolchain itself (libnvvm for built-in numba.cuda, also NVRTC for numba-cuda)
+        cuda.compile_ptx(trivial, (f1,), cc=(7, 5))
+    except Exception as e:  # noqa: BLE001 -- any failure here is the environment's, reported as a skip
+        print(f"ptx unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+        return
+    jobs = [(quant_matvec.kernel_for(quant_matvec.VERSIONS[v], ROW_PARTIAL=q), (u8, f2, f2))
+            for q in Q.FORMATS for v in quant_matvec.VERSIONS]
+    jobs += [(quant_matvec.kernel_for(M.gate_up_kernel, GATE_PARTIAL=QType.Q2_K, UP_PARTIAL=QType.Q4_K),
+              (u8, u8, f2, f2)),
+             (quant_matvec.kernel_for(M.down_kernel, DOWN_PARTIAL=QType.Q3_K), (u8, f2, f1, f2)),
+             (N.rmsnorm_kernel, (f2, f1, nt.float32, f2)),
+             (N.rope_kernel, (f3, f2, f2, nt.int64, nt.boolean)),
+             (A.decode_attention_kernel, (f2, f3, f3, nt.int64, nt.float32, f2, f2))]
+    for kernel, sig in jobs:
+        cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
+        print("ptx ok:", kernel.py_func.__name__, flush=True)
+
+
+@pytest.mark.skipif(nvvm_home() is None, reason="no CUDA toolkit (libnvvm) to compile PTX with")
+def test_every_kernel_compiles_for_a_real_gpu():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_HOME=nvvm_home(),
+               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--ptx"], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    if "ptx unavailable:" in proc.stdout:
+        pytest.skip(proc.stdout.strip().splitlines()[-1])
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 5
+
+
+@pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
+def test_this_file_in_a_fresh_interpreter():
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1" if WANT_SIMULATOR else "0")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--ptx"]:
+    compile_every_kernel_to_ptx()
