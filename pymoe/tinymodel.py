@@ -117,15 +117,25 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
 
 # --- tokenizer ---------------------------------------------------------------------------------------------------
 
-def train_tokenizer(vocab_size: int = 512, corpus: str = TOKENIZER_CORPUS):
-    """A byte-level BPE (GPT-2 byte alphabet, so every byte has a token) -> (tokens, token_types, merges)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+def train_tokenizer(vocab_size: int = 512, corpus: str = TOKENIZER_CORPUS, split_regex: Optional[str] = None,
+                    texts=None):
+    """A byte-level BPE (GPT-2 byte alphabet, so every byte has a token) -> (tokens, token_types, merges).
+
+    `split_regex`: pre-tokenize with this regex (e.g. tokenizer.QWEN2_REGEX, the one the file's `tokenizer.ggml.pre`
+    names, so training and inference split text alike) instead of the GPT-2 regex built into ByteLevel.
+    `texts`: an iterable of strings to train on instead of the lines of `corpus`.
+    """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_regex is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(corpus.splitlines(keepends=True), trainer)
+    tok.train_from_iterator(corpus.splitlines(keepends=True) if texts is None else texts, trainer)
     model = json.loads(tok.to_str())["model"]
     vocab: dict[str, int] = model["vocab"]
     tokens = [None] * len(vocab)
@@ -166,7 +176,10 @@ def random_tensor(name: str, shape: tuple, cfg: ModelConfig, rng: np.random.Gene
     if name.endswith(".bias"):
         return (0.1 * rng.standard_normal(shape)).astype(np.float32)
     if name == "token_embd.weight":
-        return (rng.standard_normal(shape) + 1.5 * common).astype(np.float32)  # [V, D]
+        # A tied output head reuses these rows: scaled down so its logits have a spread of ~2, like an untied
+        # head's (full-size rows give logits of std ~18 and magnify every rounding difference by as much).
+        scale = 0.1 if cfg.tied_output else 1.0
+        return (scale * (rng.standard_normal(shape) + 1.5 * common)).astype(np.float32)  # [V, D]
     if base == "ffn_gate_inp":
         layer = int(name.split(".")[1])
         w = rng.standard_normal(shape) / np.sqrt(shape[-1])  # [E, D]
@@ -191,12 +204,24 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
     ranks = np.argsort(rng.random((cfg.n_layers, cfg.n_expert)), axis=1)
     popularity = (1.0 / (1.0 + ranks)) - 1.0 / cfg.n_expert  # [L, E]
 
-    w = GGUFWriter(path, arch)
+    shapes = expected_tensors(cfg)
+    weights = ((name, random_tensor(name, shape, cfg, rng, common, popularity))
+               for name, shape in tqdm(shapes.items(), desc=f"writing {path}", unit="tensor", disable=not progress))
+    write_gguf(path, cfg, tokens, types, merges, mix, weights)
+    return cfg
+
+
+def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, weights) -> None:
+    """Write a GGUF: metadata of `cfg` + tokenizer, then `weights` ((name, float32 array in NumPy order), in the
+    order of `expected_tensors(cfg)`), each quantized to its type in `mix`. Shared by the random tiny models and the
+    trained demo model (pymoe/train_demo.py)."""
+    w = GGUFWriter(path, cfg.arch)
     _write_metadata(w, cfg, tokens, types, merges, mix)
     shapes = expected_tensors(cfg)
-    for name, shape in tqdm(shapes.items(), desc=f"writing {path}", unit="tensor", disable=not progress):
-        values = random_tensor(name, shape, cfg, rng, common, popularity)
-        qtype = quant_type(name, shape, mix)
+    for name, values in weights:
+        if tuple(values.shape) != shapes[name]:
+            raise ValueError(f"tensor {name} has shape {list(values.shape)}, expected {list(shapes[name])}")
+        qtype = quant_type(name, values.shape, mix)
         if qtype == Q.F32:
             w.add_tensor(name, values)
         else:
@@ -205,7 +230,6 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
     w.close()
-    return cfg
 
 
 def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix: str) -> None:
