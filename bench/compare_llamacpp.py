@@ -6,7 +6,9 @@ What this is: for one model file, in one run, the median over --runs of
 for pymoe (CPU backend) and for llama.cpp, their ratios, and pymoe's achieved GB/s of weights read per decoded
 token (dense weights + K experts per layer, from the file's real byte counts) next to the machine's measured
 memory read bandwidth. Prompts are fixed pseudo-random token ids, so both engines see exactly the same tokens.
-llama.cpp runs with its defaults (F16 KV cache, n_batch 512) and the same thread count.
+llama.cpp runs with its defaults (F16 KV cache, n_batch 512) and the same thread count. Each engine lives in its
+own worker process and the two are measured in turn (never at the same time): in one process, llama.cpp's
+spinning OpenMP threads and Numba's would compete for the cores. The load average is printed before and after.
 What this is not: a correctness check (tests/test_model_vs_llamacpp.py).
 
     PYTHONPATH=. python bench/compare_llamacpp.py model.gguf --threads 2
@@ -14,6 +16,7 @@ What this is not: a correctness check (tests/test_model_vs_llamacpp.py).
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -67,38 +70,85 @@ def median_rates(fn, prompt, n_gen, runs) -> tuple[float, float]:
     return statistics.median(pre), statistics.median(dec) if dec else 0.0
 
 
+def _worker(kind: str, model: str, threads: int, n_ctx: int, exact: bool, conn) -> None:
+    """One engine in its own process: load it, then answer (prompt, n_gen, runs) requests with median rates.
+
+    Each engine runs in a process of its own so that the two thread pools never meet: llama.cpp's threads spin
+    after each graph (and both use OpenMP), which, in one process, steals the cores Numba's threads wait on.
+    """
+    if kind == "pymoe":
+        engine = pymoe.load(model, threads=threads, n_ctx=n_ctx)
+        engine.backend.exact = exact
+        fn = lambda p, g: time_pymoe(engine, p, g)  # noqa: E731
+        info = dict(arch=engine.config.arch, n_layers=engine.config.n_layers, n_expert=engine.config.n_expert,
+                    k=engine.config.n_expert_used, per_token=bytes_per_decoded_token(engine),
+                    act_bits=engine.backend.act_bits)
+    else:
+        import llama_cpp
+
+        llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                              n_batch=512, verbose=False, logits_all=False)
+        fn = lambda p, g: time_llama(llm, p, g)  # noqa: E731
+        info = {}
+    conn.send(info)
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        prompt, n_gen, runs = request
+        conn.send(median_rates(fn, prompt, n_gen, runs))
+
+
 def main():
+    import multiprocessing as mp
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model", help="GGUF file")
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
     ap.add_argument("--prompt-tokens", default="128,512", help="prefill prompt lengths (default 128,512)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="decoded tokens after a 128-token prompt (default 64)")
     ap.add_argument("--runs", type=int, default=3, help="runs per measurement; the median is reported (default 3)")
+    ap.add_argument("--exact", action="store_true", help="pymoe's float reference path instead of the integer one")
     args = ap.parse_args()
 
-    import llama_cpp
-
+    load_before = os.getloadavg()
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     n_ctx = max(lengths + [128]) + args.gen_tokens + 8
-    engine = pymoe.load(args.model, threads=args.threads, n_ctx=n_ctx)
-    llm = llama_cpp.Llama(model_path=args.model, n_ctx=n_ctx, n_threads=args.threads, n_threads_batch=args.threads,
-                          n_batch=512, verbose=False, logits_all=False)
+    ctx = mp.get_context("spawn")
+    engines = {}
+    for kind in ("pymoe", "llama"):  # started one after the other, measured one after the other
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_worker, args=(kind, args.model, args.threads, n_ctx, args.exact, child))
+        proc.start()
+        engines[kind] = (proc, parent, parent.recv())
+    info = engines["pymoe"][2]
+    n_vocab = pymoe.load_gguf(args.model).config.n_vocab
     rng = np.random.default_rng(0)
-    prompts = {n: rng.integers(0, engine.config.n_vocab, n) for n in sorted(set(lengths + [128]))}
+    prompts = {n: rng.integers(0, n_vocab, n) for n in sorted(set(lengths + [128]))}
+
+    def measure(kind, prompt, n_gen):
+        time.sleep(0.5)  # let the other engine's spinning threads go to sleep
+        engines[kind][1].send((prompt, n_gen, args.runs))
+        return engines[kind][1].recv()
 
     rows = []
     for n in lengths:
-        ours, _ = median_rates(lambda p, g: time_pymoe(engine, p, g), prompts[n], 0, args.runs)
-        ref, _ = median_rates(lambda p, g: time_llama(llm, p, g), prompts[n], 0, args.runs)
+        ours, ref = measure("pymoe", prompts[n], 0)[0], measure("llama", prompts[n], 0)[0]
         rows.append((f"prefill {n} tok/s", ours, ref))
-    _, ours = median_rates(lambda p, g: time_pymoe(engine, p, g), prompts[128], args.gen_tokens, args.runs)
-    _, ref = median_rates(lambda p, g: time_llama(llm, p, g), prompts[128], args.gen_tokens, args.runs)
+    ours, ref = measure("pymoe", prompts[128], args.gen_tokens)[1], measure("llama", prompts[128], args.gen_tokens)[1]
     rows.append((f"decode {args.gen_tokens} tok/s", ours, ref))
+    for proc, conn, _ in engines.values():
+        conn.send(None)
+        proc.join()
 
-    per_token = bytes_per_decoded_token(engine)
+    per_token = info["per_token"]
     bw = memory_bandwidth(args.threads, 3)
-    print(f"model {args.model}: {engine.config.arch}, {engine.config.n_layers} layers, {engine.config.n_expert} "
-          f"experts top-{engine.config.n_expert_used}; {args.threads} threads; median of {args.runs} runs")
+    path = "exact (float)" if args.exact else f"integer ({info['act_bits']}-bit activations)"
+    print(f"model {args.model}: {info['arch']}, {info['n_layers']} layers, {info['n_expert']} "
+          f"experts top-{info['k']}; {args.threads} threads; median of {args.runs} runs; pymoe path: {path}; "
+          f"each engine in its own process, measured in turn")
+    print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
+        *load_before, *os.getloadavg()))
     print(f"{'measure':<20} {'pymoe':>10} {'llama.cpp':>10} {'ratio':>7}")
     for name, a, b in rows:
         print(f"{name:<20} {a:>10.1f} {b:>10.1f} {a / b:>7.2f}")

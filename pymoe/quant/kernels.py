@@ -8,6 +8,8 @@ call, whatever T). Rows are spread over Numba's threads with `prange`; callers c
 `numba.set_num_threads`, this module never sets it.
 What this is not: the reference. The reference of `matvec(w, q, x)` is `dequantize(w, q) @ x` (NumPy, in
 `pymoe.quant`); tests/test_kernels.py compares the two for every format. Nor is it a CUDA kernel (cuda_kernels/).
+The second half of this file is the integer path (the CPU backend's default for K-quants): `matmul_act` and the
+fused MoE kernel `moe_act`, built on quant/qact.py; the float kernels above stay its reference.
 
 One kernel source, many formats. `_matvec_kernel` and `_matmul_kernel` below are written once, in terms of four
 names they read as globals: DECODE_BLOCK, QK, TYPE_SIZE, CHUNK_BLOCKS. `_specialise` builds, per format, a fresh
@@ -112,14 +114,28 @@ class _Kernels:
 _KERNELS: dict[QType, _Kernels] = {}
 
 
-def _decoder_fingerprint(fmt: QuantFormat) -> str:
-    """A short hash of the source files the format's decoder is compiled from (its module and floats.py)."""
-    paths = {inspect.getsourcefile(fmt.decode_block.py_func), os.path.join(os.path.dirname(__file__), "floats.py")}
+def _source_fingerprint(paths) -> str:
+    """A short hash of source files a compiled kernel depends on (Numba's cache only watches this file)."""
     digest = hashlib.sha1()
-    for path in sorted(paths):
+    for path in sorted(set(paths)):
         with open(path, "rb") as f:
             digest.update(f.read())
     return digest.hexdigest()[:12]
+
+
+def _decoder_fingerprint(fmt: QuantFormat) -> str:
+    """A short hash of the source files the format's decoder is compiled from (its module and floats.py)."""
+    return _source_fingerprint([inspect.getsourcefile(fmt.decode_block.py_func),
+                                os.path.join(os.path.dirname(__file__), "floats.py")])
+
+
+def _compile(template, suffix: str, constants: dict, parallel: bool = True):
+    """Compile `template` with some of its globals bound to `constants` (compile-time constants for Numba), under
+    the name template_suffix: a fresh function from the same code object, so Numba's on-disk cache finds it again."""
+    name = f"{template.__name__}_{suffix}"  # the on-disk cache key
+    fn = types.FunctionType(template.__code__, {**template.__globals__, **constants}, name)
+    fn.__qualname__ = name
+    return njit(parallel=True, cache=True)(fn) if parallel else njit(cache=True)(fn)
 
 
 def _specialise(template, fmt: QuantFormat):
@@ -130,10 +146,7 @@ def _specialise(template, fmt: QuantFormat):
         TYPE_SIZE=fmt.type_size,
         CHUNK_BLOCKS=max(1, CHUNK_WEIGHTS // fmt.block_size),
     )
-    name = f"{template.__name__}_{fmt.name}_{_decoder_fingerprint(fmt)}"  # the on-disk cache key
-    fn = types.FunctionType(template.__code__, {**template.__globals__, **constants}, name)
-    fn.__qualname__ = name
-    return njit(parallel=True, cache=True)(fn)
+    return _compile(template, f"{fmt.name}_{_decoder_fingerprint(fmt)}", constants)
 
 
 def kernels_for(fmt: QuantFormat) -> _Kernels:
@@ -192,3 +205,205 @@ def matmul(w_raw: np.ndarray, qtype, X: np.ndarray) -> np.ndarray:
     Y = np.empty((X.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
     kernels_for(fmt).matmul(w, X, Y)
     return Y
+
+
+# ================================================================================================================
+# The integer path (decode and prefill speed): activations quantized to 16 (or 8) bits once per call (qact.py),
+# each weight row dotted with them in integer arithmetic by its format's vec_dot. Same structure as the float kernels above: one
+# template, compiled per format (or per gate/up/down format triple) with VEC_DOT* bound as compile-time globals.
+# Reference: the float kernels above / `dequantize(w) @ x`; the int8 path differs from it by the rounding of x to
+# 16 or 8 bits (bound in qact.py's docstring, checked by tests/test_kernels_qact.py).
+# ================================================================================================================
+from llvmlite import ir  # noqa: E402
+from numba import carray, types as nbtypes  # noqa: E402
+from numba.extending import intrinsic  # noqa: E402
+
+from . import qact  # noqa: E402  (qact imports the registry filled above)
+from .qact import QK_K, quantize_act  # noqa: E402
+
+VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
+ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, isum int64 [n], out float32 [n]): n rows
+GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per block of the gate, up and down types
+MOE_ROWS_PER_TASK = 64  # rows per prange iteration in the MoE kernel: its scratch is allocated per iteration
+
+
+def _matvec_act_kernel(w, xq, xd, xbs, y):
+    # w uint8 [R, row_bytes]; x quantized: xq int16/int8 [C], xd float32 [C/256], xbs int32 [C/16]; y [R] (written)
+    n_rows = w.shape[0]
+    for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
+            y[r] = VEC_DOT(w[r], xq, xd, xbs)
+
+
+def _matmul_act_kernel(w, xq, xd, xbs, y):
+    # w uint8 [R, row_bytes]; xq int16/int8 [T, C], xd [T, C/256], xbs [T, C/16]; y float32 [T, R] (written)
+    n_rows = w.shape[0]
+    n_tokens = xq.shape[0]
+    for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
+        isum = np.empty(n_tokens, dtype=np.int64)  # [T] scratch of ROWS
+        out = np.empty(n_tokens, dtype=np.float32)  # [T] one row of W times every token
+        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
+            ROWS(w[r], xq, xd, xbs, isum, out)  # each block of the row unpacked once for all T tokens
+            for t in range(n_tokens):
+                y[t, r] = out[t]
+
+
+def _dot_rows_template(w, xq, xd, xbs, isum, out):
+    # ROWS for a type without a multi-row block dot: out[t] = VEC_DOT(w, xq[t], ...), row by row
+    for t in range(xq.shape[0]):
+        out[t] = VEC_DOT(w, xq[t], xd[t], xbs[t])
+
+
+@intrinsic
+def bytes_at(typingctx, address):
+    """An integer address -> a uint8 pointer, for numba.carray. The one way to hand a kernel a varying number of
+    arrays (experts) without a tuple, whose Numba type would change with its length (a recompilation each time)."""
+    sig = nbtypes.CPointer(nbtypes.uint8)(address)
+
+    def codegen(context, builder, signature, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+
+    return sig, codegen
+
+
+def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qmax, y):
+    """y[tok[p]] += weight[p] * down_e(silu(gate_e x_p) * up_e x_p) for every (expert, token) pair p.
+
+    addr int64 [S, 3]: the addresses of S experts' gate, up (uint8 [F, row_bytes(D)]) and down (uint8
+    [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive). Pairs are grouped by expert: expert k
+    owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p is token tok[p] with routing weight weight[p].
+    x as quantized rows, one per pair (so an expert's tokens are consecutive rows): xq [P, D], xd, xbs. Scratch: h float32 [P, F], hq/hd/hbs its quantized rows (qmax: the
+    largest value of hq's dtype). y float32 [T, D]
+    (accumulated into). Three parallel phases: gate+up+SwiGLU over (expert, block of F rows); quantize h per pair;
+    down over blocks of D rows (each task owns its rows of y, so the pairs of one token never race), experts in
+    order.
+    """
+    n_exp = addr.shape[0]
+    gate_bytes = D // QK_K * GATE_SIZE
+    up_bytes = D // QK_K * UP_SIZE
+    down_bytes = F // QK_K * DOWN_SIZE
+    n_max = 0  # the most pairs of one expert: scratch size
+    for k in range(n_exp):
+        n_max = max(n_max, start[k + 1] - start[k])
+    blocks_f = (F + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK
+    for task in prange(n_exp * blocks_f):
+        k = task // blocks_f
+        a, b = start[k], start[k + 1]
+        gate = carray(bytes_at(addr[k, 0]), (F, gate_bytes))  # [F, row_bytes(D)]
+        up = carray(bytes_at(addr[k, 1]), (F, up_bytes))  # [F, row_bytes(D)]
+        isum = np.empty(b - a, dtype=np.int64)  # scratch
+        g = np.empty(b - a, dtype=np.float32)  # [n] gate row r times the expert's tokens
+        u = np.empty(b - a, dtype=np.float32)  # [n] up row r
+        r0 = (task % blocks_f) * MOE_ROWS_PER_TASK
+        for r in range(r0, min(F, r0 + MOE_ROWS_PER_TASK)):
+            if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
+                g[0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
+                u[0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
+            else:
+                ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], isum, g)
+                ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], isum, u)
+            for i in range(b - a):
+                h[a + i, r] = g[i] / (np.float32(1.0) + np.exp(-g[i])) * u[i]  # silu(g) * u
+    for p in prange(h.shape[0]):
+        quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
+    for task in prange((D + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK):
+        isum = np.empty(n_max, dtype=np.int64)
+        out = np.empty(n_max, dtype=np.float32)
+        for k in range(n_exp):
+            a, b = start[k], start[k + 1]
+            down = carray(bytes_at(addr[k, 2]), (D, down_bytes))  # [D, row_bytes(F)]
+            for r in range(task * MOE_ROWS_PER_TASK, min(D, (task + 1) * MOE_ROWS_PER_TASK)):
+                if b - a == 1:
+                    out[0] = VEC_DOT_DOWN(down[r], hq[a], hd[a], hbs[a])
+                else:
+                    ROWS_DOWN(down[r], hq[a:b], hd[a:b], hbs[a:b], isum[:b - a], out[:b - a])
+                for i in range(b - a):
+                    y[tok[a + i], r] += weight[a + i] * out[i]
+
+
+_ACT_KERNELS: dict = {}
+
+
+def _act_fingerprint() -> str:
+    here = os.path.dirname(__file__)
+    return _source_fingerprint([os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py")])
+
+
+def rows_dot(qtype):
+    """The multi-row dot of a type: its block version (qact.ACT_DOTS_ROWS), else a loop of its vec_dot."""
+    qtype = QType(qtype)
+    if qtype in qact.ACT_DOTS_ROWS:
+        return qact.ACT_DOTS_ROWS[qtype]
+    key = ("rows", qtype)
+    if key not in _ACT_KERNELS:
+        _ACT_KERNELS[key] = _compile(_dot_rows_template, f"{qtype.name}_{_act_fingerprint()}",
+                                     dict(VEC_DOT=qact.ACT_DOTS[qtype]), parallel=False)
+    return _ACT_KERNELS[key]
+
+
+def act_kernel(template, *qtypes):
+    """The integer-path kernel `template` compiled for these weight types (one: VEC_DOT; three: gate, up, down)."""
+    key = (template.__name__,) + tuple(QType(q) for q in qtypes)
+    if key not in _ACT_KERNELS:
+        rows = [rows_dot(q) for q in qtypes]
+        sizes = [get_format(q).type_size for q in qtypes]
+        if len(rows) == 1:
+            constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows[0])
+        else:
+            dots = [qact.ACT_DOTS[QType(q)] for q in qtypes]
+            constants = dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
+                             ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1],
+                             DOWN_SIZE=sizes[2])
+        suffix = "_".join(QType(q).name for q in qtypes) + "_" + _act_fingerprint()
+        _ACT_KERNELS[key] = _compile(template, suffix, constants)
+    return _ACT_KERNELS[key]
+
+
+def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16) -> np.ndarray:
+    """Y = X W^T by the integer path: w_raw uint8 [R, row_bytes] of a K type, X float32 [T, C] -> float32 [T, R],
+    X quantized to `bits` (16 or 8) per 256 values. T = 1 runs the mat-vec kernel."""
+    fmt = get_format(qtype)
+    w = weight_rows(w_raw, fmt)  # [R, row_bytes]
+    X = np.ascontiguousarray(X, dtype=np.float32)  # [T, C]
+    if X.ndim != 2 or X.shape[1] != cols_of(w, fmt) or not qact.has_int_dot(fmt.qtype, X.shape[1]):
+        raise ValueError(f"matmul_act: X must have shape (T, {cols_of(w, fmt)}) for {fmt.name} weights "
+                         f"{w.shape[0]}x{cols_of(w, fmt)} of a type with an integer dot, got {X.shape}")
+    xq, xd, xbs = qact.quantize_rows(X, bits)  # [T, C], [T, C/256], [T, C/16]
+    Y = np.empty((X.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
+    if X.shape[0] == 1:
+        act_kernel(_matvec_act_kernel, fmt.qtype)(w, xq[0], xd[0], xbs[0], Y[0])
+    else:
+        act_kernel(_matmul_act_kernel, fmt.qtype)(w, xq, xd, xbs, Y)
+    return Y
+
+
+def moe_act(experts: list, qtypes, x: np.ndarray, pairs: list, bits: int = 16) -> np.ndarray:
+    """The routed experts of one layer by the integer path (x and h quantized to `bits`), fused: -> y float32 [T, D] = sum of weight * expert(x).
+
+    experts: (gate, up, down) raw rows per expert used, in the order their outputs are added; pairs[i]: (token ids
+    int [n_i], routing weights float32 [n_i]) of experts[i]; qtypes: (gate, up, down) types; x float32 [T, D].
+    """
+    T, D = x.shape
+    F = experts[0][0].shape[0]
+    keep = [[np.ascontiguousarray(m) for m in ex] for ex in experts]  # alive until the kernel returns
+    for (gate, up, down), q in ((ex, qtypes) for ex in keep):
+        if gate.shape != up.shape or gate.shape[0] != F or down.shape != (D, get_format(q[2]).row_bytes(F)) \
+                or gate.shape[1] != get_format(q[0]).row_bytes(D) or up.shape[1] != get_format(q[1]).row_bytes(D):
+            raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, F={F}")
+    addr = np.array([[m.ctypes.data for m in ex] for ex in keep], dtype=np.int64)  # [S, 3]
+    start = np.zeros(len(pairs) + 1, dtype=np.int64)
+    start[1:] = np.cumsum([len(t) for t, _ in pairs])  # [S + 1]
+    tok = np.concatenate([t for t, _ in pairs]).astype(np.int64)  # [P]
+    weight = np.concatenate([w for _, w in pairs]).astype(np.float32)  # [P]
+    P = tok.shape[0]
+    xq, xd, xbs = qact.quantize_rows(x, bits)  # [T, D], [T, D/256], [T, D/16]
+    if P != T or not np.array_equal(tok, np.arange(T)):
+        xq, xd, xbs = xq[tok], xd[tok], xbs[tok]  # [P, ...]: one row per pair, each expert's consecutive
+    h = np.empty((P, F), dtype=np.float32)  # [P, F]
+    hq = np.empty((P, F), dtype=xq.dtype)
+    hd = np.empty((P, F // QK_K), dtype=np.float32)
+    hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
+    y = np.zeros((T, D), dtype=np.float32)  # [T, D]
+    act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs,
+                                           qact.qmax_of(xq.dtype), y)
+    return y

@@ -1,0 +1,158 @@
+"""The integer path (pymoe.quant.qact + the integer kernels in pymoe.quant.kernels) against the float reference.
+
+What this is: the activation quantizer against its NumPy reference (bit for bit), at 16 and 8 bits; the LLVM-IR
+primitive dot_bits against its plain twin; every K type's vec_dot via matvec/matmul and the fused MoE kernel
+against float math.
+Tolerances, derived from where the integer path rounds:
+  - against the dequantized activations `dequantize(w) @ (d * q)`: the integer sums are exact, so only float32
+    rounding remains (a few products and sums per 256-block): 4 C u sum|w x_q|, u = 2^-24.
+  - against the float x, `dequantize(w) @ x`: rounding x moves each x_i by at most d_b / 2 (d_b = max|x| / QMAX
+    over its 256-block), so |y_int - y_float| <= sum_b d_b / 2 * sum_{i in b} |w_i|, plus the float term.
+  - whole models: tests/test_model_vs_llamacpp.py (unchanged) runs the fast path by default; here the fast and
+    the exact backend agree on the tiny Q2_K-mix models within the forward-pass tolerance (|d logit| <= 0.05,
+    top-1 agreement >= 0.96).
+What this is not: the float kernels' test (tests/test_kernels.py).
+"""
+import numpy as np
+import pytest
+
+import pymoe
+import pymoe.quant as Q
+from pymoe.quant import QType, kernels, qact
+from quant_helpers import random_rows
+
+INT_TYPES = sorted(qact.ACT_DOTS, key=lambda q: q.name)
+IDS = [q.name for q in INT_TYPES]
+U = 2.0 ** -24
+
+
+def quant_error_bound(w_deq, X, bits):
+    """Max |y_int - y_float| per [T, R] entry from rounding X [T, C]: sum_b d_b / 2 * sum_{i in b} |w_i|."""
+    _, d, _ = qact.quantize_act_ref(X, bits)  # [T, nb]
+    R, C = w_deq.shape
+    abs_w_blocks = np.abs(w_deq).reshape(R, C // 256, 256).sum(-1)  # [R, nb]
+    return 0.5 * (1 + 2.0 ** -20) * d @ abs_w_blocks.T  # [T, R]
+
+
+def float_bound(w_deq, X):
+    return 4 * w_deq.shape[1] * U * (np.abs(X) @ np.abs(w_deq).T)  # [T, R]
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_quantize_act_matches_reference(bits):
+    rng = np.random.default_rng(0)
+    X = rng.standard_normal((4, 768)).astype(np.float32) * np.float32(3)
+    X[1, 256:512] = 0  # an all-zero block: d = 0, q = 0
+    X[2, 5] = 1e4  # one large value: the rest of its block rounds to 0
+    ref, got = qact.quantize_act_ref(X, bits), qact.quantize_rows(X, bits)
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    qs, d, bsums = got
+    assert qs.dtype == qact.ACT_DTYPES[bits] and np.abs(qs.astype(int)).max() <= 2 ** (bits - 1) - 1
+    assert np.array_equal(bsums, qs.reshape(4, -1, 16).astype(np.int32).sum(-1))
+    err = np.abs(qact.dequantize_act(qs, d) - X).reshape(4, 3, 256)
+    assert (err <= d[:, :, None] / 2 * (1 + 1e-6)).all()
+
+
+def test_dot_bits_matches_plain_twin():
+    from numba import njit
+
+    @njit
+    def both(q, x, i, shift, mask, j):
+        return (qact.dot_bits16(q, i, shift, mask, x, j), qact.dot_bits_ref(q, i, shift, mask, x, j, 16),
+                qact.dot_bits32(q, i, shift, mask, x, j), qact.dot_bits_ref(q, i, shift, mask, x, j, 32))
+
+    @njit
+    def both_h(q, x, i, shift, mask, j):  # a second field: 2 bits of q[60 + l] from bit 2, placed at bit 4
+        return (qact.dot_bits16h(q, i, shift, mask, q, 60, 2, 3, 4, x, j),
+                qact.dot_bits_h_ref(q, i, shift, mask, q, 60, 2, 3, 4, x, j, 16),
+                qact.dot_bits32h(q, i, shift, mask, q, 60, 2, 3, 4, x, j),
+                qact.dot_bits_h_ref(q, i, shift, mask, q, 60, 2, 3, 4, x, j, 32))
+
+    rng = np.random.default_rng(1)
+    q = rng.integers(0, 256, 100).astype(np.uint8)
+    for x in (rng.integers(-128, 128, 100).astype(np.int8), rng.integers(-32768, 32768, 100).astype(np.int16)):
+        for i, j, shift, mask in ((0, 0, 0, 255), (3, 17, 2, 3), (50, 60, 4, 15), (7, 1, 7, 1), (11, 33, 6, 3)):
+            a16, r16, a32, r32 = both(q, x, i, shift, mask, j)
+            assert (a16, a32) == (r16, r32)
+            h16, hr16, h32, hr32 = both_h(q, x, i, shift, mask, j)
+            assert (h16, h32) == (hr16, hr32)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("qtype", INT_TYPES, ids=IDS)
+def test_int_matvec_and_matmul(qtype, bits):
+    rng = np.random.default_rng(2)
+    for rows in (3, 17):
+        for n_blocks in (1, 3):
+            cols = 256 * n_blocks
+            w = random_rows(qtype, rows, cols, rng)  # [R, row_bytes]
+            w_deq = Q.dequantize(w, qtype)  # [R, C]
+            for T in (1, 5):
+                X = rng.standard_normal((T, cols)).astype(np.float32)  # [T, C]
+                Y = kernels.matmul_act(w, qtype, X, bits)  # [T, R]
+                assert Y.shape == (T, rows) and Y.dtype == np.float32
+                qs, d, _ = qact.quantize_act_ref(X, bits)
+                Xq = qact.dequantize_act(qs, d)  # the activations the integer path multiplies
+                assert (np.abs(Y - Xq @ w_deq.T) <= float_bound(w_deq, Xq) + 1e-30).all()
+                bound = quant_error_bound(w_deq, X, bits) + float_bound(w_deq, X) + float_bound(w_deq, Xq)
+                assert (np.abs(Y - X @ w_deq.T) <= bound).all()
+
+
+def _expert_ffn_ref(ex, qtypes, x):
+    """float reference of one expert: down(silu(gate x) * up x), weights dequantized, x float32 [n, D]."""
+    g, u, dn = (Q.dequantize(m, q) for m, q in zip(ex, qtypes))
+    a, b = x @ g.T, x @ u.T
+    with np.errstate(over="ignore"):  # exp(-a) = inf for very negative a: silu -> 0, as it should
+        return (a / (1 + np.exp(-a)) * b) @ dn.T
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_fused_moe_kernel_against_per_expert_reference(bits):
+    """moe_act (all experts, all tokens, one call) = sum of w * expert(x), with x and h rounded to `bits`."""
+    rng = np.random.default_rng(3)
+    D, F, E, K, T = 256, 512, 6, 2, 5
+    qtypes = (QType.Q2_K, QType.Q2_K, QType.Q3_K)
+    experts = [tuple(random_rows(q, r, c, rng) for q, r, c in zip(qtypes, (F, F, D), (D, D, F)))
+               for _ in range(E)]
+    x = rng.standard_normal((T, D)).astype(np.float32) * np.float32(0.5)
+    ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)])  # [T, K]
+    w = rng.random((T, K)).astype(np.float32)  # [T, K]
+    used = sorted(set(ids.ravel().tolist()))
+    pairs = []
+    for e in used:
+        tok, slot = np.nonzero(ids == e)
+        pairs.append((tok, w[tok, slot]))
+    y = kernels.moe_act([experts[e] for e in used], qtypes, x, pairs, bits)  # [T, D]
+    ref = np.zeros((T, D), dtype=np.float64)
+    scale = np.zeros((T, D), dtype=np.float64)
+    for e in used:
+        tok, slot = np.nonzero(ids == e)
+        ref[tok] += w[tok, slot][:, None] * _expert_ffn_ref(experts[e], qtypes, x[tok])
+        scale[tok] += np.abs(w[tok, slot][:, None] * _expert_ffn_ref(experts[e], qtypes, x[tok]))
+    # Two roundings (x, then h) on random weights: a few percent of the output's magnitude at 8 bits, 2^8 less
+    # at 16 bits.
+    rel = np.abs(y - ref).max() / np.abs(ref).max()
+    assert rel < (0.05 if bits == 8 else 1e-3), rel
+    # One token alone (decode) gets exactly its row of the batched result (prefill).
+    t = 1
+    sub = [(e, np.nonzero(ids[t] == e)[0]) for e in used if (ids[t] == e).any()]
+    y1 = kernels.moe_act([experts[e] for e, _ in sub], qtypes, x[t:t + 1],
+                         [(np.zeros(1, np.int64), w[t, k]) for _, k in sub], bits)
+    assert np.array_equal(y1[0], y[t])
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
+def test_fast_and_exact_backends_agree_on_q2_k_models(tiny_model, arch):
+    path = tiny_model(arch, "q2_k")
+    fast = pymoe.load(path)
+    assert not fast.backend.exact
+    ids = np.random.default_rng(0).integers(0, fast.config.n_vocab, 40)
+    ours = fast.logits(ids)
+    from pymoe.api import Engine
+
+    exact = Engine(path)
+    exact.backend.exact = True
+    ref = exact.logits(ids)
+    assert np.abs(ours - ref).max() <= 0.05
+    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.96
