@@ -46,6 +46,8 @@ class Engine:
         self.cache = self._make_cache(cache_slots, cache_gib, policy, pcie_frac, log)
         self.model = Model(self.file, self.backend, self.cache, progress=progress)
         self.backend.warm_up((t.qtype for t in self.file.tensors.values()), progress=progress)
+        if hasattr(self.backend, "warm_up_experts"):  # the fused expert kernel of the CPU fast path
+            self.backend.warm_up_experts(self.file.expert_types(0))
         self.tokenizer = Tokenizer(self.file)
         self.n_ctx = int(n_ctx or self.config.n_ctx_train)
         if self.n_ctx <= 0:
