@@ -63,7 +63,7 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
     cache.lookup(layer.index, ids, phase)
 
     experts = {e: cache.expert(layer.index, e) for e in np.unique(ids).tolist()}  # each chosen expert once
-    fused = getattr(backend, "moe_experts", None)  # a backend's fused kernel for all of them (CPU: int8 path)
+    fused = getattr(backend, "moe_experts", None)  # a backend's fused kernel for all of them (CPU: integer path)
     y = fused(experts, layer.expert_types, x, ids, w) if fused else None  # [T, D], or None: no fused path
     if y is None:  # the plain path: one expert at a time, on all of its tokens
         y = np.zeros_like(x)  # [T, D]
