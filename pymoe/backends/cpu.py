@@ -89,7 +89,8 @@ class CPUBackend:
         request's telemetry measures the model, not the compiler. A zero 1-row matrix is enough to trigger it."""
         from tqdm import tqdm
 
-        todo = sorted(set(qtypes) - {quant.QType.F32}, key=lambda q: q.name)
+        skip = {quant.QType.F32} if self.exact else set()  # exact mode: F32 goes through BLAS, nothing to compile
+        todo = sorted(set(qtypes) - skip, key=lambda q: q.name)
         for qtype in tqdm(todo, desc="kernels (compiled on first use, then cached)", disable=not progress,
                           leave=False):
             fmt = quant.get_format(qtype)
@@ -102,6 +103,9 @@ class CPUBackend:
                 w.flags.writeable = False
                 for T in (1, 2):
                     kernels.matmul_act(w, qtype, np.zeros((T, QK_K), dtype=np.float32), self.act_bits)
+        if not self.exact:  # the row-by-row attention of the fast path
+            self.attention(np.zeros((2, 2, 2), np.float32), np.zeros((2, 1, 2), np.float32),
+                           np.zeros((2, 1, 2), np.float32), 0)
 
     def warm_up_experts(self, expert_types: dict) -> None:
         """Compile (or load) the fused expert kernel of one gate/up/down type triple."""
