@@ -31,7 +31,8 @@ class Engine:
                  policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: float = 1.0,
                  log=lambda line: None):
         """`cache_slots` / `cache_gib` size an expert slot pool (else: no pool on the CPU backend, every expert is
-        read in place); `profile` (a path or a profile.Profile) pre-fills it; `log` receives the start-up lines (sizing, pre-fill)."""
+        read in place); `profile` (a path or a profile.Profile) pre-fills it; `log` receives the start-up lines
+        (sizing, pre-fill)."""
         from .tokenizer import Tokenizer
 
         self.file = load_gguf(path)
