@@ -385,18 +385,25 @@ def vec_dot_q3_k(w, xq, xd, xbs):
 
 
 @njit(cache=True)
-def vec_dot_q4_k(w, xq, xd, xbs):
+def _vec_dot_scale_min_k(w, xq, xd, xbs, size, qs_off, qh_off):
+    # Q4_K and Q5_K: d dmin scales[12] at byte 4 (6-bit scale/min per 32-weight sub-block), 4-bit quants at qs_off:
     # qs[32c + l]: low nibble -> weight 64c + l (sub-block 2c), high nibble -> 64c + 32 + l (sub-block 2c + 1).
+    # Q5_K (qh_off >= 0) adds bit 4 of weight 64c + 32 half + l from qh[l] bit 2c + half. The callers pass
+    # constants, so after inlining each format gets straight-line code for its own branch.
     acc = np.float32(0.0)
-    for b in range(w.shape[0] // Q4_K_SIZE):
-        s, o = b * Q4_K_SIZE, b * QK_K
+    for b in range(w.shape[0] // size):
+        s, o = b * size, b * QK_K
         isum = 0
         msum = 0
         for c in range(4):
             for half in range(2):
                 sub = 2 * c + half
                 sc, m = get_scale_min(w, s + 4, sub)
-                isum += sc * dot_bits32(w, s + 16 + 32 * c, 4 * half, 15, xq, o + 32 * sub)
+                if qh_off < 0:
+                    isum += sc * dot_bits32(w, s + qs_off + 32 * c, 4 * half, 15, xq, o + 32 * sub)
+                else:
+                    isum += sc * dot_bits32h(w, s + qs_off + 32 * c, 4 * half, 15, w, s + qh_off, sub, 1, 4, xq,
+                                             o + 32 * sub)
                 msum += m * (xbs[16 * b + 2 * sub] + xbs[16 * b + 2 * sub + 1])
         dx = xd[b]
         acc += (read_f16(w, s) * dx) * np.float32(isum) - (read_f16(w, s + 2) * dx) * np.float32(msum)
@@ -404,22 +411,13 @@ def vec_dot_q4_k(w, xq, xd, xbs):
 
 
 @njit(cache=True)
+def vec_dot_q4_k(w, xq, xd, xbs):
+    return _vec_dot_scale_min_k(w, xq, xd, xbs, Q4_K_SIZE, 16, -1)
+
+
+@njit(cache=True)
 def vec_dot_q5_k(w, xq, xd, xbs):
-    # As Q4_K, plus bit 4 of weight 64c + 32 half + l in qh[l] bit 2c + half.
-    acc = np.float32(0.0)
-    for b in range(w.shape[0] // Q5_K_SIZE):
-        s, o = b * Q5_K_SIZE, b * QK_K
-        isum = 0
-        msum = 0
-        for c in range(4):
-            for half in range(2):
-                sub = 2 * c + half
-                sc, m = get_scale_min(w, s + 4, sub)
-                isum += sc * dot_bits32h(w, s + 48 + 32 * c, 4 * half, 15, w, s + 16, sub, 1, 4, xq, o + 32 * sub)
-                msum += m * (xbs[16 * b + 2 * sub] + xbs[16 * b + 2 * sub + 1])
-        dx = xd[b]
-        acc += (read_f16(w, s) * dx) * np.float32(isum) - (read_f16(w, s + 2) * dx) * np.float32(msum)
-    return acc
+    return _vec_dot_scale_min_k(w, xq, xd, xbs, Q5_K_SIZE, 48, 16)
 
 
 @njit(cache=True)
