@@ -11,6 +11,7 @@ from pymoe.batch import decode_batch
 from pymoe.cache import COUNTERS, SlotCache
 from pymoe.errors import PymoeError
 from pymoe.kvcache_int8 import QuantizedPlane, kv_nbytes, new_kv
+from pymoe.tinymodel import make_config
 
 
 def prefilled(model, prompts, n_ctx=64, kind="f32"):
@@ -92,21 +93,53 @@ def test_quantized_plane_round_trip():
     assert plane.q.dtype == np.int8 and plane.d.dtype == np.float16
 
 
+class Routes:
+    """A model.trace stand-in that keeps the expert ids each layer chose, in call order."""
+
+    def __init__(self):
+        self.ids = []
+
+    def record(self, layer, ids, w, phase):
+        self.ids.append(np.sort(ids, axis=-1))  # [T, K]; the set matters, not the order
+
+    def end_forward(self):
+        pass
+
+
+def teacher_forced(model, ids, kind, routes=None):
+    """Logits [len(ids), V] with a `kind` KV cache: prefill the first 10 tokens, then decode the rest one by one."""
+    kv = new_kv(model.cfg, 64, kind)
+    model.trace = routes
+    try:
+        return np.concatenate([model.prefill(ids[:10], kv),
+                               np.stack([model.decode_one_token(int(t), kv) for t in ids[10:]])])
+    finally:
+        model.trace = None
+
+
+# Measured max |diff| of int8 KV on the tiny llama file, prompt seed 2: 0.0552, at token 0 (see the test below).
+# The expected failure is bounded: anything above this ceiling is a regression and fails.
+LLAMA_INT8_GAP_CEILING = 0.06
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_int8_kv_within_the_float_oracle_tolerances(tiny_model, arch):
     """Teacher-forced over 40 tokens (prefill 10, decode 30): int8-KV logits vs the f32 cache, with the tolerances
-    of the llama.cpp oracle (max |diff| <= 0.05, top-1 >= 0.96)."""
+    of the llama.cpp oracle (max |diff| <= 0.05, top-1 >= 0.96); then 16 greedy tokens identical to the f32 run."""
     m = pymoe.load(tiny_model(arch, "f32"))
     ids = np.random.default_rng(2).integers(0, m.config.n_vocab, 40)
     ref = m.model.prefill(ids, m.model.new_kv(64))  # [40, V]
-    known_gap = None
+    known_gap, f32_routes = None, Routes()
+    teacher_forced(m.model, ids, "f32", f32_routes)
     for kind in ("int8", "f16"):
-        kv = new_kv(m.config, 64, kind)
-        got = np.concatenate([m.model.prefill(ids[:10], kv),
-                              np.stack([m.model.decode_one_token(int(t), kv) for t in ids[10:]])])
+        routes = Routes()
+        got = teacher_forced(m.model, ids, kind, routes)
         err = float(np.abs(got - ref).max())
-        if arch == "llama" and kind == "int8" and err > 0.05:
+        if arch == "llama" and kind == "int8" and 0.05 < err <= LLAMA_INT8_GAP_CEILING:
             known_gap = err  # reported below, after every other check has run
+            # the explanation below holds: no router chose other experts than with the f32 cache
+            assert all(np.array_equal(a, b) for a, b in zip(routes.ids, f32_routes.ids))
+            assert np.abs(got - ref).max(axis=1).argmax() == 0 and np.abs(got - ref)[1:].max() <= 0.05
         else:
             assert err <= 0.05, (kind, err)
         assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.96, kind
@@ -118,19 +151,45 @@ def test_int8_kv_within_the_float_oracle_tolerances(tiny_model, arch):
         logits = m.model.decode_one_token(out[-1], kv)
     assert out == greedy
     if known_gap is not None:
-        # Known gap (issue 8 stays open): on the tiny llama file int8 KV moves a logit by 0.055 (measured), over the
-        # 0.05 bound, though top-1 and greedy tokens agree; the error is not monotone in the scale group size,
-        # which points at a router top-k flip. Reported as an expected failure, not hidden behind a wider bound.
-        pytest.xfail(f"int8 KV on the tiny llama file: max |diff| {known_gap:.3f} > 0.05")
+        # Known gap (issue 8 stays open), measured: not a router top-k flip (the expert ids of every layer and token
+        # equal the f32 run's), but the plain int8 rounding of V at token 0, whose attention has one key, so
+        # nothing averages the error out; later tokens stay <= 0.038. The same int8 error moves this file's logits ~5x
+        # more than the other three's, and llama.cpp's own q8_0 KV cache also exceeds 0.05 on it (0.049-0.17 over five
+        # prompts; the test below holds pymoe's int8 to llama.cpp's q8_0 accuracy). Top-1 and greedy checks passed.
+        pytest.xfail(f"int8 KV on the tiny llama file: max |diff| {known_gap:.4f} > 0.05 (any 8-bit KV, see docs)")
 
 
-def test_int8_kv_halves_the_memory_of_f16(tiny_model):
-    """Measured twice: the arrays' nbytes, and what tracemalloc sees NumPy allocate for one cache."""
-    cfg = pymoe.load(tiny_model("qwen3moe", "f32")).config
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int8_kv_is_as_accurate_as_llamacpp_q8_0_cache(tiny_model, arch):
+    """The 8-bit oracle: llama.cpp's q8_0 K/V cache (GGML Q8_0 blocks, flash attention) against its own F32 cache
+    on the same file and prompt, vs pymoe's int8 cache against pymoe's f32 one. Compared on the mean over tokens of
+    the per-token max |diff| (the overall max is one event: a near-tie in a router can flip under either cache).
+    Measured ratio pymoe / llama.cpp: 0.80-1.13 over 4 files x 5 prompts; 0.91-0.98 on this prompt."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    path = tiny_model(arch, "f32")
+    m = pymoe.load(path)
+    ids = np.random.default_rng(2).integers(0, m.config.n_vocab, 40)
+
+    def llamacpp_logits(ggml_type):  # 0 = F32, 8 = Q8_0 (GGML type ids, as llama-cpp-python takes them)
+        llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, n_batch=64, verbose=False, logits_all=True,
+                              type_k=ggml_type, type_v=ggml_type, flash_attn=True, seed=0)
+        llm.eval(ids.tolist())
+        return np.asarray(llm.scores[: len(ids)])  # [40, V]
+
+    theirs = np.abs(llamacpp_logits(8) - llamacpp_logits(0)).max(axis=1).mean()
+    ours = np.abs(teacher_forced(m.model, ids, "int8") - m.model.prefill(ids, m.model.new_kv(64))).max(axis=1).mean()
+    assert 0 < ours <= 1.25 * theirs, (ours, theirs)
+
+
+@pytest.mark.parametrize("preset", ["tiny", "mid"])
+def test_int8_kv_halves_the_memory_of_f16(preset):
+    """Measured twice: the arrays' nbytes, and what tracemalloc sees NumPy allocate for one cache (full context:
+    tiny 512 positions, 2 layers; mid 4096 positions, 12 layers, 4 KV heads; both Dh = 64)."""
+    cfg = make_config("qwen3moe", preset)
 
     def allocated(kind):
         tracemalloc.start()
-        kv = new_kv(cfg, 512, kind)
+        kv = new_kv(cfg, cfg.n_ctx_train, kind)
         size = tracemalloc.get_traced_memory()[0]
         tracemalloc.stop()
         return size, kv_nbytes(kv)
