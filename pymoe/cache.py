@@ -26,7 +26,7 @@ here the CPU backend's copies are plain NumPy).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -72,30 +72,68 @@ class PassThroughCache:
     n_slots = 0
     policy_name = "none"
 
-    def __init__(self, model: GGUFModel):
+    def __init__(self, model: GGUFModel, miss_path: Optional[str] = None):
+        """miss_path None: host RAM is where experts are computed (CPU backend), every lookup a hit. "spill": a GPU
+        with no slots (`--cache none`): every lookup is a miss read over PCIe (staged in prefill)."""
         self.model = model
+        self.miss_path = miss_path
         self.stats = CacheStats()
 
     def lookup(self, layer: int, expert_ids: np.ndarray, phase: str) -> None:
         """Account for the router's choices of one layer: expert_ids int [T, K], one lookup per (token, expert)."""
         n = int(expert_ids.size)
-        self.stats.counts[phase]["lookups"] += n
-        self.stats.counts[phase]["hits"] += n
+        c = self.stats.counts[phase]
+        c["lookups"] += n
+        self._where = "staged" if phase == "prefill" else self.miss_path  # for expert(), until the next lookup
+        c["hits" if self.miss_path is None else self._where] += n
 
     def expert(self, layer: int, e: int) -> ExpertBytes:
-        return self.model.expert(layer, e)
+        ex = self.model.expert(layer, e)
+        return ex if self.miss_path is None else replace(ex, where=self._where)
 
     def describe(self) -> str:
         cfg = self.model.config
+        if self.miss_path is not None:
+            return f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read over PCIe from pinned host memory)"
         return (f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read in place from the memory map; "
                 "--cache-slots N emulates a GPU slot pool)")
+
+
+class HostPool:
+    """The slot pool of the CPU backend: uint8 [N, slot_bytes] in RAM. A GPU backend brings its own pool with the
+    same four methods (backends/cuda.py: `DevicePool`, device memory, copies on a copy stream)."""
+
+    def __init__(self, n_slots: int, slot_bytes: int, parts: list):
+        self.parts = parts  # [(name, (rows, row_bytes))]: gate | up | down, in that order, in every slot
+        self.bytes = np.zeros((n_slots, slot_bytes), dtype=np.uint8)  # [N, slot_bytes]
+
+    def write(self, slot: int, ex: ExpertBytes) -> None:
+        off = 0
+        for name, _ in self.parts:
+            src = getattr(ex, name)
+            self.bytes[slot, off:off + src.nbytes] = src.reshape(-1)
+            off += src.nbytes
+
+    def view(self, slot: int, layer: int, e: int) -> ExpertBytes:
+        views, off = {}, 0
+        for name, (rows, row_bytes) in self.parts:
+            views[name] = self.bytes[slot, off:off + rows * row_bytes].reshape(rows, row_bytes)
+            off += rows * row_bytes
+        return ExpertBytes(layer, e, **views, where="slot", slot=slot)
+
+    def read(self, slot: int) -> np.ndarray:
+        """uint8 [slot_bytes]: the slot's bytes, on the host."""
+        return self.bytes[slot]
+
+    def synchronize(self) -> None:
+        pass
 
 
 class SlotCache:
     """N expert slots in a pool, a residency table, a policy; spill / cpu / promote on a miss."""
 
     def __init__(self, model: GGUFModel, n_slots: int, policy: str = DEFAULT_POLICY, profile=None,
-                 pcie_frac: float = 1.0, pool: Optional[np.ndarray] = None, **policy_args):
+                 pcie_frac: float = 1.0, new_pool=None, **policy_args):
         from .policies import SlotTable, make_policy
 
         cfg = model.config
@@ -119,7 +157,8 @@ class SlotCache:
         ex = model.expert(0, 0)
         self.parts = [(p, getattr(ex, p).shape) for p in EXPERT_PROJ]  # [(name, (rows, row_bytes))]
         self.slot_bytes = model.slot_bytes
-        self.pool = pool if pool is not None else np.zeros((n_slots, self.slot_bytes), dtype=np.uint8)  # [N, bytes]
+        self.pool = (new_pool or HostPool)(n_slots, self.slot_bytes, self.parts)  # a backend's pool (GPU), or RAM
+        self._missed: dict = {}  # (layer, expert) -> miss path, for the last lookup call
         self.stats = CacheStats()
         self.clock = 0  # one tick per lookup: the policy's notion of time
         self._pcie_credit = 0.0  # error diffusion of the spill/cpu split
@@ -127,25 +166,19 @@ class SlotCache:
     # --- bytes -------------------------------------------------------------------------------------------------
     def _copy_in(self, slot: int, layer: int, e: int) -> None:
         """Copy expert (layer, e) from host memory into `slot` (on a GPU: a host->device copy on the copy stream)."""
-        ex = self.model.expert(layer, e)
-        off = 0
-        for name, shape in self.parts:
-            src = getattr(ex, name)
-            self.pool[slot, off:off + src.nbytes] = src.reshape(-1)
-            off += src.nbytes
+        self.pool.write(slot, self.model.expert(layer, e))
         self.residency[layer, e] = slot
 
-    def _slot_view(self, slot: int, layer: int, e: int) -> ExpertBytes:
-        views, off = {}, 0
-        for name, (rows, row_bytes) in self.parts:
-            views[name] = self.pool[slot, off:off + rows * row_bytes].reshape(rows, row_bytes)
-            off += rows * row_bytes
-        return ExpertBytes(layer, e, **views)
-
     def expert(self, layer: int, e: int) -> ExpertBytes:
-        """The bytes to compute expert e with: its slot if resident, else host memory (spill / cpu)."""
-        slot = self.residency[layer, e]
-        return self._slot_view(int(slot), layer, e) if slot >= 0 else self.model.expert(layer, e)
+        """The bytes to compute expert e with, and where they are (`ExpertBytes.where`): its slot if it was resident
+        at this call's lookup, else host memory tagged with the miss path the lookup chose (spill / cpu / staged).
+        An expert promoted by this very lookup is still served by its miss path: its copy into the slot runs on
+        the copy stream, overlapped with this token's compute, and the *next* lookup hits."""
+        path = self._missed.get((layer, e))
+        if path is not None:
+            return replace(self.model.expert(layer, e), where=path)
+        slot = int(self.residency[layer, e])
+        return self.pool.view(slot, layer, e) if slot >= 0 else self.model.expert(layer, e)
 
     # --- accounting and policy ---------------------------------------------------------------------------------
     def key(self, layer: int, e: int) -> int:
@@ -154,6 +187,7 @@ class SlotCache:
     def lookup(self, layer: int, expert_ids: np.ndarray, phase: str) -> None:
         """One layer's routing, expert_ids int [T, K], in token order: count, update the policy, promote/evict."""
         c = self.stats.counts[phase]
+        self._missed = {}  # (layer, expert) -> the miss path chosen by this call (read by expert())
         for e in expert_ids.reshape(-1):
             e = int(e)
             key = self.key(layer, e)
@@ -165,8 +199,10 @@ class SlotCache:
                 continue
             if phase == "prefill":
                 c["staged"] += 1  # streamed once per chunk; the resident set stays as the policy wants it
+                self._missed[layer, e] = "staged"
                 continue
-            c[self._miss_path()] += 1
+            path = self._missed.setdefault((layer, e), self._miss_path())  # one path per expert per call
+            c[path] += 1
             if evicted is not None:
                 c["evicted"] += 1
                 self.residency[divmod(evicted, self.n_experts)] = -1
@@ -200,13 +236,14 @@ class SlotCache:
         placed = [(k, s) for k, s in placed if s is not None]  # [(key, slot)] in rank order
         for key, slot in placed:
             self._copy_in(slot, *divmod(int(key), self.n_experts))
+        self.pool.synchronize()  # a GPU pool copies asynchronously: time the copies, not their launches
         dt = time.perf_counter() - t0
         verified = ""
         if placed:
             key, slot = placed[0]
             layer, e = divmod(int(key), self.n_experts)
             host = np.concatenate([getattr(self.model.expert(layer, e), p).reshape(-1) for p in EXPERT_PROJ])
-            if not np.array_equal(self.pool[slot, :host.size], host):
+            if not np.array_equal(self.pool.read(slot)[:host.size], host):  # the device's bytes, on a GPU
                 raise PymoeError(f"expert cache: slot {slot} does not hold the bytes of expert {e} of layer {layer}")
             verified = f"; slot {slot} verified"
         mbs = len(placed) * self.slot_bytes / dt / 1e6 if dt > 0 else float("inf")

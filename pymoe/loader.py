@@ -64,6 +64,10 @@ class ExpertBytes:
     gate: np.ndarray  # uint8 [n_ff_exp, row_bytes(n_embd)]
     up: np.ndarray  # uint8 [n_ff_exp, row_bytes(n_embd)]
     down: np.ndarray  # uint8 [n_embd, row_bytes(n_ff_exp)]
+    # Where these bytes are, as the expert cache decided for this call: "host" (the mmap; no cache), "slot" (a slot
+    # of the pool, index `slot`), or a miss path: "spill" / "cpu" (decode) or "staged" (prefill). See cache.py.
+    where: str = "host"
+    slot: int = -1
 
     @property
     def nbytes(self) -> int:

@@ -4,6 +4,7 @@ import pytest
 
 import pymoe
 from conftest import run_pymoe
+from pymoe.backends.cuda import cuda_available
 from pymoe.cache import SlotCache
 from pymoe.errors import PymoeError
 
@@ -52,7 +53,9 @@ def test_slot_bytes_equal_host_bytes_after_promotion(tiny_model):
     resident = np.argwhere(cache.residency >= 0)
     assert len(resident) == 3  # LRU fills every slot
     for layer, e in resident:
-        ex_slot, ex_host = cache.expert(int(layer), int(e)), engine.file.expert(int(layer), int(e))
+        slot = int(cache.residency[layer, e])
+        ex_slot, ex_host = cache.pool.view(slot, int(layer), int(e)), engine.file.expert(int(layer), int(e))
+        assert ex_slot.where == "slot" and ex_slot.slot == slot
         assert not np.shares_memory(ex_slot.gate, engine.file.reader.data)  # served from the pool
         for p in ("gate", "up", "down"):
             np.testing.assert_array_equal(getattr(ex_slot, p), getattr(ex_host, p))
@@ -92,3 +95,27 @@ def test_run_reports_spill_cpu_and_promotions(tiny_model):
     assert any("expert cache: 4 slots" in l for l in lines)
     hit_line = [l for l in lines if "hit rate" in l][0]
     assert "read over PCIe" in hit_line and "computed on the CPU" in hit_line and "promoted" in hit_line
+
+
+def test_miss_paths_are_tagged_for_the_backend(tiny_model):
+    """expert() says where the bytes are: a slot, or the miss path this very lookup chose (a promoted expert is
+    still served by its miss path this time; its slot copy is for the next lookup)."""
+    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"), cache_slots=2, policy="lru", pcie_frac=0.5)
+    cache = engine.cache
+    cache.lookup(0, np.array([[1, 2]]), "decode")  # two misses, both promoted
+    assert {cache.expert(0, 1).where, cache.expert(0, 2).where} == {"spill", "cpu"}
+    cache.lookup(0, np.array([[1, 3]]), "decode")  # 1 hits; 3 misses
+    ex1 = cache.expert(0, 1)
+    assert ex1.where == "slot" and ex1.slot == cache.residency[0, 1]
+    assert cache.expert(0, 3).where in ("spill", "cpu")
+    cache.lookup(1, np.array([[5]]), "prefill")
+    assert cache.expert(1, 5).where == "staged"
+
+
+@pytest.mark.skipif(cuda_available(), reason="a GPU is present")
+def test_cuda_backend_without_a_gpu_is_a_one_line_error(tiny_model):
+    r = run_pymoe("run", tiny_model("qwen3moe", "q2_k"), "-p", "hi", "-n", "2", "--backend", "cuda")
+    assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("pymoe: error: backend 'cuda': no CUDA")
+    assert "Traceback" not in r.stderr
+    r = run_pymoe("probe", tiny_model("qwen3moe", "q2_k"), "--repeats", "1")
+    assert r.returncode == 0 and "CPU expert rate:" in r.stdout and "PCIe probe: no CUDA GPU found" in r.stdout
