@@ -1,6 +1,6 @@
 """The Python API readers and tests use: `pymoe.load(path)` -> an `Engine` with logits(), generate(), tokenizer.
 
-    m = pymoe.load("model.gguf", backend="cpu")
+    m = pymoe.load("model.gguf")        # backend="auto": cuda when a GPU is present, else cpu
     m.logits(ids)                       # float32 [n_tokens, n_vocab], one forward from an empty KV cache
     m.tokenizer.encode("hello")         # token ids
     for t in m.generate("def f(", max_tokens=20): ...   # new token ids (greedy unless temperature > 0)
@@ -26,26 +26,43 @@ from .sampler import Sampler, SamplingParams
 
 
 class Engine:
-    def __init__(self, path: str, backend: str = "cpu", threads: Optional[int] = None, n_ctx: Optional[int] = None,
+    def __init__(self, path: str, backend: str = "auto", threads: Optional[int] = None, n_ctx: Optional[int] = None,
                  progress: bool = False, cache_slots: Optional[int] = None, cache_gib: Optional[float] = None,
-                 policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: float = 1.0,
-                 log=lambda line: None):
-        """`cache_slots` / `cache_gib` size an expert slot pool (else: no pool on the CPU backend, every expert is
-        read in place); `profile` (a path or a profile.Profile) pre-fills it; `log` receives the start-up lines
-        (sizing, pre-fill)."""
+                 policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: Optional[float] = None,
+                 cache: str = "auto", chunk: int = 512, reserve_mib: float = 700, log=lambda line: None,
+                 backend_options: Optional[dict] = None):
+        """`cache_slots` / `cache_gib` size an expert slot pool; else `cache` = "auto" sizes it from the device's free
+        memory (CUDA; on the CPU backend auto means no pool: every expert is read in place) or "none".
+        `profile` (a path or a profile.Profile) pre-fills it; `pcie_frac` (None: measured by the PCIe probe on CUDA,
+        1.0 on the CPU) splits the misses; `chunk` is the most prompt tokens per forward call; `log` receives the
+        start-up lines (sizing, pre-fill). `backend_options`: extra arguments of the backend (tests)."""
         from .tokenizer import Tokenizer
 
+        if chunk < 1:
+            raise PymoeError(f"--chunk must be >= 1, got {chunk}")
+        if cache not in ("auto", "none"):
+            raise PymoeError(f"--cache must be auto or none, got {cache!r}")
         self.file = load_gguf(path)
         self.config = self.file.config
-        self.backend = get_backend(backend, threads=threads)
+        self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
+                                   **(backend_options or {}))
+        log(f"backend {self.backend.name}")
+        if hasattr(self.backend, "attach"):  # CUDA: pin and map the model file
+            self.backend.attach(self.file)
         self.profile = profile
         if isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
             from .profile import Profile
 
             self.profile = Profile.load(profile)
             log(self.profile.log_line(profile))
-        self.cache = self._make_cache(cache_slots, cache_gib, policy, pcie_frac, log)
-        self.model = Model(self.file, self.backend, self.cache, progress=progress)
+        self.model = Model(self.file, self.backend, None, progress=progress)  # dense weights land on the device
+        self.model.chunk = int(chunk)
+        if hasattr(self.backend, "prepare"):  # CUDA: activation buffers for calls of up to `chunk` tokens
+            self.backend.prepare(chunk)
+        if pcie_frac is None:
+            pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else 1.0
+        self.cache = self._make_cache(cache, cache_slots, cache_gib, policy, pcie_frac, log)
+        self.model.cache = self.cache
         self.backend.warm_up((t.qtype for t in self.file.tensors.values()), progress=progress)
         if hasattr(self.backend, "warm_up_experts"):  # the fused expert kernel of the CPU fast path
             self.backend.warm_up_experts(self.file.expert_types(0))
@@ -55,21 +72,43 @@ class Engine:
             raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
         self.last_stats = RequestStats()
 
-    def _make_cache(self, cache_slots, cache_gib, policy, pcie_frac, log):
-        if cache_slots is None and cache_gib is None:
-            cache = PassThroughCache(self.file)
-            log(cache.describe())
-            return cache
+    def _probe_pcie_frac(self, log) -> float:
+        from .probe import probe
+
+        result = probe(self.file, self.backend)
+        log(result.line())
+        return result.pcie_frac
+
+    def _make_cache(self, mode, cache_slots, cache_gib, policy, pcie_frac, log):
         from .cache import SlotCache
 
+        cuda = self.backend.name == "cuda"
         n_total = self.config.n_layers * self.config.n_expert
+        if cache_slots is None and cache_gib is None and mode == "auto" and cuda:
+            from .plan import auto_line, slots_for
+
+            free, reserve = self.backend.free_for_cache(), self.backend.reserve
+            cache_slots = slots_for(free, reserve, self.file.slot_bytes, cap=n_total)
+            log(auto_line(free, reserve, cache_slots))
+            if cache_slots == 0:
+                raise PymoeError("expert cache auto: no room on the device for one expert slot; use --cache none "
+                                 "(every expert read over PCIe) or free device memory")
+        if cache_slots is None and cache_gib is None:
+            if self.profile is not None:
+                raise PymoeError("--profile pre-fills a slot pool, and there is none: give --cache-slots N or "
+                                 "--cache-gib X (the cuda backend sizes one by itself with --cache auto)")
+            cache = PassThroughCache(self.file, miss_path="spill" if cuda else None)
+            log(cache.describe())
+            return cache
         if cache_gib is not None:
             if cache_gib <= 0:
                 raise PymoeError(f"--cache-gib must be > 0, got {cache_gib}")
             slots = int(cache_gib * 2**30 // self.file.slot_bytes)
             log(f"expert cache: {cache_gib:g} GiB / {self.file.slot_bytes} bytes per slot -> {slots} slots")
             cache_slots = max(1, min(slots, n_total))
-        cache = SlotCache(self.file, int(cache_slots), policy=policy, profile=self.profile, pcie_frac=pcie_frac)
+        cache = SlotCache(self.file, int(cache_slots), policy=policy, profile=self.profile, pcie_frac=pcie_frac,
+                          new_pool=getattr(self.backend, "new_pool", None))
+        self.backend.cache_pool = cache.pool
         log(cache.describe())
         if self.profile is not None:
             log(cache.prefill_from_profile())
@@ -113,7 +152,8 @@ class Engine:
                            Sampler(SamplingParams(**sampling)), stop, self.n_ctx, self.last_stats)
 
 
-def load(path: str, backend: str = "cpu", threads: Optional[int] = None, n_ctx: Optional[int] = None,
+def load(path: str, backend: str = "auto", threads: Optional[int] = None, n_ctx: Optional[int] = None,
          progress: bool = False, **cache_options) -> Engine:
-    """cache_options: cache_slots, cache_gib, policy, profile, pcie_frac, log (see Engine)."""
+    """cache_options: cache, cache_slots, cache_gib, policy, profile, pcie_frac, chunk, reserve_mib, log,
+    backend_options (see Engine). backend: "cpu", "cuda", or "auto" (cuda when a GPU is present)."""
     return Engine(path, backend=backend, threads=threads, n_ctx=n_ctx, progress=progress, **cache_options)

@@ -29,20 +29,48 @@ def inspect_cmd(model, show_tensors):
     click.echo(describe_model(model, show_tensors=show_tensors))
 
 
+@cli.command("probe")
+@click.argument("model")
+@click.option("--backend", default="auto", show_default=True, help="cuda, cpu, or auto (cuda when present).")
+@click.option("--threads", default=None, type=int, help="CPU threads (default: all cores).")
+@click.option("--repeats", default=4, show_default=True, help="Measurements of each rate; the best is used.")
+def probe_cmd(model, backend, threads, repeats):
+    """Measure host->device (PCIe) bandwidth and the CPU's expert rate on MODEL; print the pcie_frac that
+    balances them (the share of cache misses to read over PCIe; the rest are computed on the CPU)."""
+    from .backends import get_backend
+    from .loader import load_gguf
+    from .probe import probe
+
+    if repeats < 1:
+        raise PymoeError(f"--repeats must be >= 1, got {repeats}")
+    file = load_gguf(model)
+    result = probe(file, get_backend(backend, threads=threads), repeats=repeats)
+    click.echo(result.cpu_line())
+    click.echo(result.line())
+
+
 def engine_options(f):
     """Options of the engine every model-running command shares (run, serve, bench): threads, backend, cache."""
     options = [
         click.option("--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores)."),
-        click.option("--backend", default="cpu", show_default=True, help="Where to compute: cpu."),
-        click.option("--cache-slots", default=None, type=int,
-                     help="Expert slot pool of N slots (default on the CPU backend: none, every expert read in "
-                          "place from the memory map)."),
+        click.option("--backend", default="auto", show_default=True,
+                     help="Where to compute: cpu, cuda, or auto (cuda when a CUDA GPU is present, else cpu)."),
+        click.option("--cache", "cache", default="auto", show_default=True, type=click.Choice(["auto", "none"]),
+                     help="Expert slot pool: auto sizes it from the GPU's free memory (on the CPU backend: no pool, "
+                          "every expert read in place from the memory map); none: no pool."),
+        click.option("--cache-slots", default=None, type=int, help="Expert slot pool of exactly N slots."),
         click.option("--cache-gib", default=None, type=float, help="Expert slot pool of this many GiB."),
+        click.option("--reserve-mib", default=700.0, show_default=True,
+                     help="Device memory left free by --cache auto, besides the KV cache and activations."),
         click.option("--policy", default=DEFAULT_POLICY, show_default=True,
                      help="Slot cache policy: static, lru, lfu, pinned-lru."),
         click.option("--profile", default=None, help="Expert profile to pre-fill the slot pool from."),
-        click.option("--pcie-frac", default=1.0, show_default=True,
-                     help="Share of cache misses read over PCIe (spill); the rest are computed on the CPU."),
+        click.option("--pcie-frac", default=None, type=float,
+                     help="Share of decode cache misses read over PCIe (spill); the rest are computed on the CPU "
+                          "[default: measured by the PCIe probe on cuda; 1 on cpu]."),
+        click.option("--chunk", default=512, show_default=True,
+                     help="Prompt tokens per forward call; each expert missing from the cache is streamed once "
+                          "per chunk."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -75,6 +103,7 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
 
     from . import demo
     from .api import load
+    from .backends.cuda import cuda_available
 
     def log(line):
         click.echo(f"pymoe run: {line}", err=True)
@@ -86,14 +115,14 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
         # A small model repeats itself under greedy decoding: the demo samples, reproducibly, unless told otherwise.
         temp, repeat_penalty, seed = (0.7 if temp is None else temp, 1.1 if repeat_penalty is None else repeat_penalty,
                                       0 if seed is None else seed)
-        if engine_opts.get("cache_slots") and engine_opts.get("profile") is None:
+        pool = engine_opts.get("cache_slots") or engine_opts.get("cache_gib") or (
+            engine_opts.get("cache") == "auto" and engine_opts.get("backend") in ("auto", "cuda") and cuda_available())
+        if pool and engine_opts.get("profile") is None:
             engine_opts["profile"] = demo.demo_profile()
     if prompt is None:
         raise PymoeError("give a prompt with -p PROMPT")
     temp = 0.0 if temp is None else temp
     repeat_penalty = 1.0 if repeat_penalty is None else repeat_penalty
-    if engine_opts.get("profile") and not (engine_opts.get("cache_slots") or engine_opts.get("cache_gib")):
-        raise PymoeError("--profile pre-fills a slot pool: give --cache-slots N or --cache-gib X with it")
 
     engine = load(model, n_ctx=ctx, progress=True, log=log, **engine_opts)
     recorder = engine.record_trace() if trace_path else None

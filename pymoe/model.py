@@ -114,6 +114,7 @@ class Model:
         self.backend = backend
         self.cache = cache
         self.trace = None  # a trace.TraceRecorder, when routing is being recorded (`pymoe run --trace`)
+        self.chunk = 512  # most prompt tokens per forward call (prefill)
         cfg, b, t = self.cfg, backend, gguf_model.tensor
         self.token_embd = t("token_embd.weight")  # rows read on demand, dequantized one token at a time
         self.output_norm = b.vector(t("output_norm.weight"))
@@ -150,23 +151,31 @@ class Model:
             return np.asarray(t.data, dtype=np.float32)[tokens]
         return quant.dequantize(t.rows()[tokens], t.qtype)
 
-    def attention_block(self, layer: Layer, x: np.ndarray, kv: KVCache, layer_i: int) -> np.ndarray:
+    def attention_block(self, layer: Layer, x: np.ndarray, kv: KVCache, layer_i: int, rope=None) -> np.ndarray:
+        """rope: (cos, sin) of positions kv.n .. kv.n + T - 1 (rope_tables), computed once per forward call."""
         cfg, b = self.cfg, self.backend
         T, p0 = x.shape[0], kv.n
-        q = b.linear(layer.attn_q, x)  # [T, H * Dh]
-        k = b.linear(layer.attn_k, x)  # [T, G * Dh]
-        v = b.linear(layer.attn_v, x)  # [T, G * Dv]
+        # Optional backend hooks (the CPU fast path: compiled, one quantization of x for q, k and v); the NumPy
+        # functions of this file are the fallback, and the contract.
+        linear_many = getattr(b, "linear_many", None)
+        norm, rotate = getattr(b, "rmsnorm", rmsnorm), getattr(b, "rope", apply_rope)
+        if linear_many is not None:
+            q, k, v = linear_many([layer.attn_q, layer.attn_k, layer.attn_v], x)  # [T, H*Dh], [T, G*Dh], [T, G*Dv]
+        else:
+            q = b.linear(layer.attn_q, x)  # [T, H * Dh]
+            k = b.linear(layer.attn_k, x)  # [T, G * Dh]
+            v = b.linear(layer.attn_v, x)  # [T, G * Dv]
         if layer.bias:
             q, k, v = q + layer.bias["q"], k + layer.bias["k"], v + layer.bias["v"]
         if cfg.qk_norm == "full":  # olmoe: over the whole projection, before splitting into heads
-            q, k = rmsnorm(q, layer.q_norm, cfg.rms_eps), rmsnorm(k, layer.k_norm, cfg.rms_eps)
+            q, k = norm(q, layer.q_norm, cfg.rms_eps), norm(k, layer.k_norm, cfg.rms_eps)
         q = q.reshape(T, cfg.n_head, cfg.head_dim)  # [T, H, Dh]
         k = k.reshape(T, cfg.n_head_kv, cfg.head_dim)  # [T, G, Dh]
         v = v.reshape(T, cfg.n_head_kv, cfg.head_dim_v)  # [T, G, Dv]
         if cfg.qk_norm == "head":  # qwen3moe: each head separately
-            q, k = rmsnorm(q, layer.q_norm, cfg.rms_eps), rmsnorm(k, layer.k_norm, cfg.rms_eps)
-        cos, sin = rope_tables(cfg, np.arange(p0, p0 + T))
-        q, k = apply_rope(q, cos, sin, cfg.rope_neox), apply_rope(k, cos, sin, cfg.rope_neox)
+            q, k = norm(q, layer.q_norm, cfg.rms_eps), norm(k, layer.k_norm, cfg.rms_eps)
+        cos, sin = rope if rope is not None else rope_tables(cfg, np.arange(p0, p0 + T))
+        q, k = rotate(q, cos, sin, cfg.rope_neox), rotate(k, cos, sin, cfg.rope_neox)
         kv.k[layer_i, p0:p0 + T] = k
         kv.v[layer_i, p0:p0 + T] = v
         attend = getattr(b, "attention", attention)  # a backend may bring its own (CPU fast path: row by row)
@@ -185,9 +194,11 @@ class Model:
         if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
             raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
         x = self.embed(tokens)  # [T, D]
+        norm = getattr(self.backend, "rmsnorm", rmsnorm)  # a backend's compiled RMSNorm (same contract), if any
+        rope = rope_tables(cfg, np.arange(kv.n, kv.n + tokens.size))  # (cos, sin) [T, rope_dim/2], for all layers
         for i, layer in enumerate(self.layers):
-            x = x + self.attention_block(layer, rmsnorm(x, layer.attn_norm, cfg.rms_eps), kv, i)
-            h = rmsnorm(x, layer.ffn_norm, cfg.rms_eps)
+            x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
+            h = norm(x, layer.ffn_norm, cfg.rms_eps)
             y, ids, w = moe_block(layer, h, self.cache, self.backend, phase)
             x = x + y
             if self.trace is not None:
@@ -195,11 +206,20 @@ class Model:
         if self.trace is not None:
             self.trace.end_forward()
         kv.n += tokens.size
-        x = rmsnorm(x, self.output_norm, cfg.rms_eps)
+        x = norm(x, self.output_norm, cfg.rms_eps)
         return self.backend.linear(self.output, x)  # [T, V]
 
     def prefill(self, tokens, kv: KVCache) -> np.ndarray:
-        return self.forward(tokens, kv, "prefill")
+        """tokens [T] -> logits [T, V], in forward calls of at most `self.chunk` tokens (`--chunk`): the chunk is
+        the unit of prefill's expert traffic (each expert missing from the cache is streamed once per chunk) and
+        bounds the activation buffers. Each query's result does not depend on how the prompt is cut."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size <= self.chunk:
+            return self.forward(tokens, kv, "prefill")
+        if kv.n + tokens.size > kv.n_ctx:  # checked for the whole prompt before any chunk fills the cache
+            raise PymoeError(f"context full: {kv.n} + {tokens.size} tokens exceed the context of {kv.n_ctx}")
+        return np.concatenate([self.forward(tokens[i:i + self.chunk], kv, "prefill")
+                               for i in range(0, tokens.size, self.chunk)])  # [T, V]
 
     def decode_one_token(self, token: int, kv: KVCache) -> np.ndarray:
         return self.forward([token], kv, "decode")[0]

@@ -8,14 +8,7 @@ every kernel compiled to PTX for a real GPU, which the simulator cannot check: i
 so a construct Numba's CUDA target cannot type (e.g. the builtin min() in numba 0.68) would pass it unnoticed.
 What this is not: a benchmark (python -m cuda_kernels.quant_matvec on a GPU), nor a test of the backend.
 
-How the simulator is switched on, robustly. Numba reads NUMBA_ENABLE_CUDASIM into numba.config when numba is
-imported, and `numba.cuda` picks the simulator or the driver when *it* is imported. So this module
-  1. sets NUMBA_ENABLE_CUDASIM=1 unless the caller set it (NUMBA_ENABLE_CUDASIM=0 runs the same tests on a GPU);
-  2. if numba was already imported by another test module of the same pytest process, calls
-     numba.core.config.reload_config(), which re-reads the environment (only if a NUMBA_ variable changed);
-  3. imports numba.cuda and checks which mode it is in. If numba.cuda had already been imported in the other mode
-     (some other module touched a GPU first), the mode cannot change in this process: the tests here are then
-     skipped and `test_this_file_in_a_fresh_interpreter` runs this file in a new Python process instead.
+How the simulator is switched on: tests/cuda_sim.py (imported first).
 All tests carry the `cuda` marker: `pytest -m cuda` selects them, `-m "not cuda"` leaves them out.
 Tolerance: as tests/test_kernels.py, |got - ref| <= 2 C u sum_i |w_i x_i| for a C-term float32 dot product.
 Shapes are tiny because the simulator runs one Python thread per CUDA thread.
@@ -25,11 +18,7 @@ import os
 import subprocess
 import sys
 
-os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")  # before numba.cuda is imported (see the docstring)
-from numba.core import config as numba_config  # noqa: E402
-
-if "numba.cuda" not in sys.modules:
-    numba_config.reload_config()  # numba may have been imported (by another test module) before step 1
+from cuda_sim import ROOT, fresh_interpreter_test, in_process  # first: switches the simulator on
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -44,14 +33,7 @@ from quant_helpers import random_rows  # noqa: E402
 import cuda_kernels as K  # noqa: E402
 from cuda_kernels import quant_matvec  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WANT_SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] != "0"
-IS_SIMULATOR = "simulator" in cuda.is_available.__module__
-IN_PROCESS = WANT_SIMULATOR == IS_SIMULATOR
-
 pytestmark = pytest.mark.cuda
-in_process = pytest.mark.skipif(not IN_PROCESS, reason="numba.cuda was imported in the other mode; "
-                                "test_this_file_in_a_fresh_interpreter runs these tests")
 
 FORMATS = sorted(Q.FORMATS.values(), key=lambda f: f.name)
 IDS = [f.name for f in FORMATS]
@@ -291,12 +273,7 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 5
 
 
-@pytest.mark.skipif(IN_PROCESS, reason="the tests above ran in this process")
-def test_this_file_in_a_fresh_interpreter():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="1" if WANT_SIMULATOR else "0")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", os.path.abspath(__file__)],
-                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--ptx"]:

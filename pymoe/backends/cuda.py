@@ -1,0 +1,485 @@
+"""The CUDA backend: dense weights and the expert slot pool in device memory, every expert in pinned host memory.
+
+What this is (version 1 of the backend; see "Not yet" below):
+  - `CUDABackend`: the interface of `CPUBackend` (`dense`, `vector`, `linear`, `linear_raw`, `moe_experts`,
+    `attention`), so model.py and moe.py run unchanged. Weight matrices live on the device as their raw GGUF rows
+    (uint8 [R, row_bytes], any supported type, F32 included) and are multiplied by the Numba CUDA kernels of
+    cuda_kernels/ (quant_matvec.matmul, moe.expert_block), which decode blocks on the fly.
+  - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
+    Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
+    straight from host RAM over PCIe through the device pointer of its mmap view: the "spill" miss path. The bytes
+    are never copied a second time in host RAM.
+  - `DevicePool`: the N slots of the expert cache, uint8 [N, slot_bytes] in device memory. `write` copies an
+    expert into a slot on the *copy stream*, after waiting for the event recorded when the last kernel that read
+    the slot was launched, and records a "ready" event that the compute stream waits for before it reads the slot.
+    So a slot is never overwritten while a kernel reads it, nor read before its copy has landed, and the copies of
+    promotions overlap with compute.
+  - `DeviceMemory`: every device byte pymoe allocates goes through it, against a budget (free memory at start-up
+    minus the reserve); exceeding it is an error, never a silent over-allocation.
+Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, cache.py):
+    slot   -> the kernel reads the slot (HBM);
+    spill  -> the kernel reads the expert's mmap bytes over PCIe (mapped host memory; no slot used);
+    cpu    -> the CPU computes that expert (pymoe's CPU kernels, float path like the GPU's) while the GPU runs the
+              others; the two partial outputs are added;
+    staged -> prefill: the expert is copied once per chunk into one of two staging buffers on the copy stream,
+              while the compute stream runs the previous expert (double buffering); with no more tokens than one
+              kernel token tile it is read in place instead (one pass over its bytes either way).
+
+Not yet (the next versions, in order): activations stay on the host between operations (each `linear` uploads x and
+downloads y, a sync point per operation), so attention, RMSNorm and RoPE run on the CPU and the KV cache is in host
+RAM; device-resident activations (CuPy arrays with cuda_kernels' norm/rope/attention kernels), then CUDA graphs,
+are what removes the round trips. The kernels themselves are version 2 of cuda_kernels/quant_matvec.py.
+
+Testing without a GPU. Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs device arrays, streams, events and
+kernels on the CPU, but a kernel runs one Python thread per CUDA thread: a 256 x 256 mat-vec takes ~50 s there. So
+the backend takes its kernels as a parameter: `DeviceKernels` (cuda_kernels/, the default) or `ReferenceKernels`
+(the NumPy references: dequantize, then float32 math), with the same signatures. tests/test_cuda_backend.py runs
+the backend under the simulator with the reference kernels (everything but the kernels: memory, pool, events,
+mapping, miss paths, sizing), and tests/test_cuda_kernels.py checks every kernel against the same references.
+scripts/gpu-check runs both on a real GPU.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .. import quant
+from ..errors import PymoeError
+from ..loader import EXPERT_PROJ, ExpertBytes, Tensor
+from .cpu import CPUBackend
+
+MiB = 2**20
+DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
+
+
+def cuda_module():
+    """numba.cuda, or a one-line error saying why there is no CUDA device to use."""
+    from numba import config
+    from numba import cuda
+
+    if not config.ENABLE_CUDASIM and not cuda.is_available():
+        raise PymoeError("backend 'cuda': no CUDA GPU found (numba.cuda.is_available() is False); use --backend cpu")
+    return cuda
+
+
+def simulated() -> bool:
+    from numba import config
+
+    return bool(config.ENABLE_CUDASIM)
+
+
+def cuda_available() -> bool:
+    """A real CUDA GPU is usable (the simulator does not count). Without an NVIDIA driver on the machine this
+    answers without importing numba.cuda (which picks real-or-simulator once per process: tests rely on that)."""
+    import ctypes.util
+    import os
+
+    if simulated() or not (os.path.exists("/proc/driver/nvidia") or ctypes.util.find_library("cuda")):
+        return False
+    try:
+        from numba import cuda
+
+        return not simulated() and cuda.is_available()
+    except Exception:  # noqa: BLE001  (a broken driver install is "no GPU" here)
+        return False
+
+
+def shaped(buf, shape: tuple):
+    """A contiguous device view of the first prod(shape) elements of the flat device array `buf`, in `shape`."""
+    n = math.prod(shape)
+    flat = buf[:n]
+    view = flat.reshape(shape)
+    return view if getattr(view, "__cuda_ndarray__", False) else type(buf)(view)  # the simulator returns ndarray
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Kernels: the real ones (cuda_kernels/) and their NumPy references, with one signature
+# --------------------------------------------------------------------------------------------------------------
+class DeviceKernels:
+    """cuda_kernels/: quantized matmul and the fused SwiGLU expert block (Numba CUDA)."""
+
+    name = "cuda_kernels"
+
+    def matmul(self, w, qtype, X, out, stream):
+        from cuda_kernels import quant_matvec
+
+        return quant_matvec.matmul(w, qtype, X, out=out, stream=stream)
+
+    def expert_block(self, gate, up, down, types, X, wt, Y, H, stream):
+        from cuda_kernels import moe
+
+        return moe.expert_block(gate, up, down, types, X, wt, Y, H=H, stream=stream)
+
+
+class ReferenceKernels:
+    """The same two operations in NumPy (dequantize the rows, then float32 math), on device arrays: for the
+    simulator, where the real kernels are far too slow to run a model, and as a debugging aid on a GPU."""
+
+    name = "reference"
+
+    def matmul(self, w, qtype, X, out, stream):
+        W = quant.dequantize(w.copy_to_host(), qtype)  # [R, C]
+        out.copy_to_device((X.copy_to_host() @ W.T).astype(np.float32), stream=stream)  # [T, R]
+        return out
+
+    def expert_block(self, gate, up, down, types, X, wt, Y, H, stream):
+        from ..moe import silu
+
+        g, u, d = (quant.dequantize(a.copy_to_host(), types[p]) for a, p in ((gate, "gate"), (up, "up"), (down, "down")))
+        x = X.copy_to_host()  # [n, D]
+        h = (silu(x @ g.T) * (x @ u.T)).astype(np.float32)  # [n, F]
+        y = Y.copy_to_host() + wt.copy_to_host()[:, None] * (h @ d.T)  # [n, D]
+        Y.copy_to_device(y.astype(np.float32), stream=stream)
+        return Y
+
+
+KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Memory: the budget, the mapped GGUF file, the slot pool
+# --------------------------------------------------------------------------------------------------------------
+class DeviceMemory:
+    """Every device allocation of pymoe, counted against `limit` bytes (asserted: never exceeded)."""
+
+    def __init__(self, cuda, limit: int):
+        self.cuda = cuda
+        self.limit = int(limit)
+        self.used = 0
+        self.by_what: dict[str, int] = {}
+
+    def alloc(self, shape, dtype, what: str):
+        nbytes = math.prod(shape) * np.dtype(dtype).itemsize
+        if self.used + nbytes > self.limit:
+            raise PymoeError(f"device memory budget exceeded: {what} needs {nbytes / MiB:.1f} MiB, "
+                             f"{(self.limit - self.used) / MiB:.1f} MiB of {self.limit / MiB:.1f} MiB left")
+        self.used += nbytes
+        self.by_what[what] = self.by_what.get(what, 0) + nbytes
+        return self.cuda.device_array(shape, dtype=dtype)
+
+    def upload(self, host: np.ndarray, what: str):
+        dev = self.alloc(host.shape, host.dtype, what)
+        dev.copy_to_device(np.ascontiguousarray(host))
+        return dev
+
+
+class HostMapping:
+    """The GGUF memory map as pinned, mapped host memory: `device_view(a)` of any view `a` into it, without a copy.
+
+    On a GPU: cudaHostRegister(base, size, Mapped | ReadOnly) (the mmap is read-only: without the ReadOnly flag the
+    driver refuses it), then the device pointer of `a` is base_dev + (a's address - base). In the simulator,
+    device arrays are NumPy arrays, so the view is `a` itself, wrapped."""
+
+    MAPPED, READ_ONLY = 0x02, 0x08  # cudaHostRegisterMapped, cudaHostRegisterReadOnly
+
+    def __init__(self, cuda, mm: np.ndarray):
+        self.cuda = cuda
+        self.mm = mm
+        self.base = mm.ctypes.data
+        self.size = mm.nbytes
+        self.dev_base = None
+        if not simulated():
+            try:
+                import cupy
+            except ImportError as e:
+                raise PymoeError("backend 'cuda' needs CuPy to pin the model file: pip install 'pymoe[cuda12]' "
+                                 "(or [cuda13])") from e
+            rt = cupy.cuda.runtime
+            rt.hostRegister(self.base, self.size, self.MAPPED | self.READ_ONLY)
+            self.dev_base = rt.hostGetDevicePointer(self.base, 0)
+            self._unregister = lambda: rt.hostUnregister(self.base)
+
+    def device_view(self, a: np.ndarray):
+        addr = a.ctypes.data
+        if not (self.base <= addr and addr + a.nbytes <= self.base + self.size):
+            raise ValueError("device_view: the array is not inside the mapped model file")
+        if self.dev_base is None:  # the simulator: a device array wrapping the very same host bytes
+            from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+
+            return FakeCUDAArray(a)
+        cai = {"shape": a.shape, "strides": a.strides, "typestr": a.dtype.str, "version": 3,
+               "data": (self.dev_base + (addr - self.base), True)}
+        return self.cuda.as_cuda_array(type("Mapped", (), {"__cuda_array_interface__": cai})())
+
+    def close(self) -> None:
+        if self.dev_base is not None:
+            self._unregister()
+            self.dev_base = None
+
+
+class DevicePool:
+    """The expert cache's slots in device memory: uint8 [N, slot_bytes]; the interface of cache.HostPool."""
+
+    def __init__(self, backend: "CUDABackend", n_slots: int, slot_bytes: int, parts: list):
+        cuda = backend.cuda
+        self.backend = backend
+        self.parts = parts  # [(name, (rows, row_bytes))]: gate | up | down in every slot
+        self.bytes = backend.mem.alloc((n_slots, slot_bytes), np.uint8, "expert slots")  # [N, slot_bytes]
+        self.ready = [None] * n_slots  # event on the copy stream: the slot's last copy has landed
+        self.last_read = [None] * n_slots  # event on the compute stream: the last kernel reading the slot is done
+        self._event = cuda.event
+
+    def write(self, slot: int, ex: ExpertBytes) -> None:
+        b = self.backend
+        if self.last_read[slot] is not None:
+            self.last_read[slot].wait(b.copy)  # never overwrite a slot a queued kernel still reads
+        off = 0
+        for name, _ in self.parts:
+            src = getattr(ex, name)  # a view into the pinned mmap: an asynchronous host -> device copy
+            self.bytes[slot, off:off + src.nbytes].copy_to_device(src.reshape(-1), stream=b.copy)
+            off += src.nbytes
+        ready = self._event()
+        ready.record(b.copy)
+        self.ready[slot] = ready
+
+    def view(self, slot: int, layer: int, e: int) -> ExpertBytes:
+        views, off = {}, 0
+        for name, (rows, row_bytes) in self.parts:
+            views[name] = shaped(self.bytes[slot, off:off + rows * row_bytes], (rows, row_bytes))
+            off += rows * row_bytes
+        return ExpertBytes(layer, e, **views, where="slot", slot=slot)
+
+    def before_read(self, slot: int) -> None:
+        """Make the compute stream wait for the slot's copy, if one is in flight."""
+        if self.ready[slot] is not None:
+            self.ready[slot].wait(self.backend.compute)
+            self.ready[slot] = None
+
+    def after_read(self, slot: int, event) -> None:
+        self.last_read[slot] = event
+
+    def read(self, slot: int) -> np.ndarray:
+        self.synchronize()
+        return self.bytes[slot].copy_to_host()
+
+    def synchronize(self) -> None:
+        self.backend.copy.synchronize()
+
+
+@dataclass(frozen=True)
+class DeviceWeight:
+    """A 2-D weight on the device as its raw GGUF rows: uint8 [R, row_bytes] of `qtype` (F32 too)."""
+
+    qtype: quant.QType
+    raw: object  # device array
+    shape: tuple  # (R, C)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# The backend
+# --------------------------------------------------------------------------------------------------------------
+class CUDABackend:
+    name = "cuda"
+
+    def __init__(self, threads: Optional[int] = None, kernels: str = "cuda_kernels", reserve: int = DEFAULT_RESERVE,
+                 free_bytes: Optional[int] = None):
+        """`free_bytes`: device memory to plan with (default: what the driver reports free now; the simulator
+        reports infinity, so tests give a number)."""
+        self.cuda = cuda = cuda_module()
+        if kernels not in KERNEL_SETS:
+            raise PymoeError(f"unknown kernel set {kernels!r} (choose from {', '.join(KERNEL_SETS)})")
+        self.k = KERNEL_SETS[kernels]()
+        # The CPU side: "cpu" misses, the embedding rows, attention (version 1). Float path, like the GPU kernels,
+        # so that which side computes an expert changes nothing but rounding order.
+        self.cpu = CPUBackend(threads=threads, exact=True)
+        self.threads = self.cpu.threads
+        self.compute, self.copy = cuda.stream(), cuda.stream()
+        if free_bytes is None:
+            free_bytes = cuda.current_context().get_memory_info()[0]
+        if not math.isfinite(free_bytes):
+            raise PymoeError("backend 'cuda': the device reports no finite free memory (the simulator?): give "
+                             "free_bytes")
+        self.free_at_start = int(free_bytes)
+        self.reserve = int(reserve)
+        self.mem = DeviceMemory(cuda, self.free_at_start - self.reserve)
+        self.host: Optional[HostMapping] = None
+        self.scratch: dict = {}
+        self.chunk = 1
+        self._stage = None  # two staging slots for prefill misses, and their events
+
+    # --- set-up ------------------------------------------------------------------------------------------------
+    def attach(self, file) -> None:
+        """Pin and map the model file (all of it: every expert can be a miss)."""
+        self.host = HostMapping(self.cuda, file.reader.data)
+        cfg = file.config
+        self._widths = (max(cfg.n_embd, cfg.n_head * cfg.head_dim_v, cfg.n_ff_exp, cfg.n_ff_shexp or 0),
+                        max(cfg.n_vocab, cfg.n_head * cfg.head_dim, cfg.n_embd, cfg.n_expert, cfg.n_ff_exp,
+                            cfg.n_ff_shexp or 0))
+        self._moe = (cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp)
+        self._slot_bytes = file.slot_bytes
+
+    def activation_bytes(self, chunk: int) -> int:
+        """Device bytes of the scratch buffers for forward calls of up to `chunk` tokens (computed, not guessed)."""
+        return sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in self._scratch_shapes(chunk).values())
+
+    def _scratch_shapes(self, chunk: int) -> dict:
+        w_in, w_out = self._widths
+        K, D, F = self._moe
+        pairs = chunk * K  # (token, expert) pairs of a call: the rows of the gathered expert inputs
+        return {"x": ((chunk * w_in,), np.float32), "y": ((chunk * w_out,), np.float32),
+                "xg": ((pairs * D,), np.float32), "yg": ((pairs * D,), np.float32), "wg": ((pairs,), np.float32),
+                "h": ((pairs * F,), np.float32), "stage": ((2, self._slot_bytes), np.uint8)}
+
+    def prepare(self, chunk: int) -> None:
+        """Allocate the scratch buffers for calls of up to `chunk` tokens (after the weights, before the pool)."""
+        self.chunk = int(chunk)
+        for name, (shape, dt) in self._scratch_shapes(self.chunk).items():
+            self.scratch[name] = self.mem.alloc(shape, dt, "activations")
+        ev = self.cuda.event
+        self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
+
+    def free_for_cache(self) -> int:
+        """Device bytes free for the expert slots now: the budget left after weights and activations, plus the
+        reserve (which `plan.slots_for` subtracts again, as it prints it)."""
+        return self.mem.limit - self.mem.used + self.reserve
+
+    def new_pool(self, n_slots: int, slot_bytes: int, parts: list) -> DevicePool:
+        return DevicePool(self, n_slots, slot_bytes, parts)
+
+    def warm_up(self, qtypes, progress: bool = False) -> None:
+        """Compile the kernels of these types now (one launch on a 1-row matrix each), not in the first request."""
+        from tqdm import tqdm
+
+        self.cpu.warm_up(qtypes)
+        for qtype in tqdm(sorted(set(qtypes), key=lambda q: q.name), desc="CUDA kernels", disable=not progress,
+                          leave=False):
+            fmt = quant.get_format(qtype)
+            w = self.cuda.to_device(np.zeros((1, fmt.type_size), np.uint8))
+            x = self.cuda.to_device(np.zeros((1, fmt.block_size), np.float32))
+            self.k.matmul(w, qtype, x, self.cuda.device_array((1, 1), np.float32), 0)
+        self.cuda.synchronize()
+
+    def warm_up_experts(self, expert_types: dict) -> None:
+        """Compile the expert-block kernels of one gate/up/down type triple (a 256 x 256 expert of zeros)."""
+        rows = {p: np.zeros((256, quant.get_format(expert_types[p]).row_bytes(256)), np.uint8) for p in EXPERT_PROJ}
+        dev = {p: self.cuda.to_device(a) for p, a in rows.items()}
+        X, Y = self.cuda.to_device(np.zeros((1, 256), np.float32)), self.cuda.to_device(np.zeros((1, 256), np.float32))
+        self.k.expert_block(dev["gate"], dev["up"], dev["down"], expert_types, X,
+                            self.cuda.to_device(np.zeros(1, np.float32)), Y,
+                            self.cuda.to_device(np.zeros((1, 256), np.float32)), 0)
+        self.cuda.synchronize()
+
+    # --- weights -----------------------------------------------------------------------------------------------
+    def dense(self, t: Tensor) -> DeviceWeight:
+        return DeviceWeight(t.qtype, self.mem.upload(t.rows(), "dense weights"), t.shape)
+
+    def vector(self, t: Tensor) -> np.ndarray:
+        return t.floats().reshape(-1)  # norms, biases: used on the host in version 1
+
+    # --- compute -----------------------------------------------------------------------------------------------
+    def _put(self, name: str, host: np.ndarray):
+        dev = shaped(self.scratch[name], host.shape)
+        dev.copy_to_device(np.ascontiguousarray(host, dtype=self.scratch[name].dtype), stream=self.compute)
+        return dev
+
+    def _check_tokens(self, T: int) -> None:
+        if T > self.chunk:
+            raise PymoeError(f"backend 'cuda': {T} tokens in one call, the buffers hold {self.chunk} (--chunk)")
+
+    def linear(self, w: DeviceWeight, x: np.ndarray) -> np.ndarray:
+        return self.linear_raw(w.raw, w.qtype, x)
+
+    def linear_raw(self, raw, qtype, x: np.ndarray) -> np.ndarray:
+        """x float32 [T, C] (host) @ W.T, W device rows uint8 [R, row_bytes] -> float32 [T, R] (host)."""
+        T, R = x.shape[0], raw.shape[0]
+        self._check_tokens(T)
+        xd = self._put("x", x)  # [T, C]
+        yd = shaped(self.scratch["y"], (T, R))  # [T, R]
+        self.k.matmul(raw, qtype, xd, yd, self.compute)
+        y = yd.copy_to_host(stream=self.compute)
+        self.compute.synchronize()
+        return y
+
+    def attention(self, q, k, v, p0):
+        return self.cpu.attention(q, k, v, p0)
+
+    def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray):
+        """The routed experts of one layer: x float32 [T, D], ids int [T, K], w float32 [T, K] -> y [T, D].
+
+        GPU experts (slot, spill, staged) are queued on the compute stream, all of them before the CPU starts on
+        the "cpu" misses, so both sides work at once; their outputs are added on the host at the end."""
+        T, D = x.shape
+        self._check_tokens(T)
+        order = sorted(experts)  # ascending expert id
+        on_gpu = [e for e in order if experts[e].where != "cpu"]
+        on_cpu = {e: experts[e] for e in order if experts[e].where == "cpu"}
+        # Gather: the tokens of each GPU expert, one after another: rows [a_e, b_e) of xg / yg / wg.
+        rows, spans, a = [], [], 0
+        for e in on_gpu:
+            tok, kpos = np.nonzero(ids == e)  # the tokens routed to e, and at which of their K places
+            rows.append((tok, w[tok, kpos]))
+            spans.append((a, a + tok.size))
+            a += tok.size
+        y = np.zeros((T, D), dtype=np.float32)  # [T, D]
+        if on_gpu:
+            tok_all = np.concatenate([t for t, _ in rows])  # [P] the gathered pairs
+            xg = self._put("xg", x[tok_all])  # [P, D]
+            wg = self._put("wg", np.concatenate([wt for _, wt in rows]))  # [P]
+            yg = self._put("yg", np.zeros((a, D), np.float32))  # [P, D], accumulated into by each expert
+            F = self._moe[2]
+            hg = shaped(self.scratch["h"], (a, F))
+            done = self.cuda.event()
+            slots = []
+            for i, (e, (a0, a1)) in enumerate(zip(on_gpu, spans)):
+                ex = self._device_expert(experts[e], a1 - a0, i)
+                self.k.expert_block(ex.gate, ex.up, ex.down, expert_types, xg[a0:a1], wg[a0:a1], yg[a0:a1],
+                                    hg[a0:a1], self.compute)
+                if ex.where == "staged":
+                    self._stage["free"][ex.slot].record(self.compute)
+                if ex.where == "slot":
+                    slots.append(ex.slot)
+            done.record(self.compute)
+            for s in slots:
+                self.cache_pool.after_read(s, done)
+        if on_cpu:  # meanwhile, on the CPU
+            for e, ex in on_cpu.items():
+                from ..moe import swiglu_expert
+
+                tok, kpos = np.nonzero(ids == e)
+                y[tok] += w[tok, kpos][:, None] * swiglu_expert(self.cpu, ex, expert_types, x[tok])
+        if on_gpu:
+            out = yg.copy_to_host(stream=self.compute)
+            self.compute.synchronize()
+            for tok, _ in rows:  # scatter-add the GPU experts' rows, in ascending expert order
+                n = tok.size
+                np.add.at(y, tok, out[:n])
+                out = out[n:]
+        return y
+
+    def _device_expert(self, ex: ExpertBytes, n_tokens: int, i: int) -> ExpertBytes:
+        """Device arrays for the expert's gate/up/down, per its miss path (see the module docstring)."""
+        from cuda_kernels.quant_matvec import TOKEN_TILE
+
+        if ex.where == "slot":
+            self.cache_pool.before_read(ex.slot)
+            return ex
+        if ex.where == "staged" and n_tokens > TOKEN_TILE:  # worth one copy: the kernels read it several times
+            return self._stage_in(ex, i % 2)
+        m = self.host.device_view  # spill (or a staged expert with few tokens): read in place over PCIe
+        return ExpertBytes(ex.layer, ex.expert, m(ex.gate), m(ex.up), m(ex.down), where="spill")
+
+    def _stage_in(self, ex: ExpertBytes, b: int) -> ExpertBytes:
+        """Copy the expert into staging buffer b (0/1) on the copy stream; the compute stream waits for it."""
+        st = self._stage
+        if st["used"][b]:
+            st["free"][b].wait(self.copy)  # the previous expert in this buffer has been computed
+        buf, off, views = self.scratch["stage"][b], 0, {}
+        for name in EXPERT_PROJ:
+            src = getattr(ex, name)
+            dst = buf[off:off + src.nbytes]
+            dst.copy_to_device(src.reshape(-1), stream=self.copy)
+            views[name] = shaped(dst, src.shape)
+            off += src.nbytes
+        st["ready"][b].record(self.copy)
+        st["ready"][b].wait(self.compute)
+        st["used"][b] = True
+        return ExpertBytes(ex.layer, ex.expert, **views, where="staged", slot=b)
+
+    cache_pool: Optional[DevicePool] = None  # set by the engine when the expert cache's pool is on this device
+
+    def close(self) -> None:
+        if self.host is not None:
+            self.host.close()

@@ -1,0 +1,225 @@
+"""The CUDA backend (pymoe/backends/cuda.py) in Numba's CUDA simulator, with the NumPy reference kernels.
+
+What this is: everything of the backend but the kernels -- device memory and its budget, the slot pool and its
+copies, the mapped model file, the miss paths (slot / spill / cpu / staged), auto-sizing, pre-fill verification,
+the PCIe probe -- on tiny models, against the CPU backend's float path (PYMOE_EXACT=1, the same math as the GPU
+kernels). The simulator runs a kernel one Python thread per CUDA thread (a 256 x 256 mat-vec: ~50 s), so the
+backend runs here with `kernels="reference"` (dequantize + NumPy); tests/test_cuda_kernels.py holds every real
+kernel to the same references, and scripts/gpu-check runs the backend with the real kernels on a GPU.
+"""
+from cuda_sim import IS_SIMULATOR, fresh_interpreter_test, in_process  # first: switches the simulator on
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import pymoe  # noqa: E402
+from pymoe.errors import PymoeError  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, in_process]
+
+PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 200, 31]  # 12 tokens: with --chunk 8, chunks of 8 and 4
+N_NEW = 10
+MiB = 2**20
+SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
+
+
+def greedy(engine):
+    return list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+
+
+def load_cuda(path, free_bytes=SIM["free_bytes"], **options):
+    return pymoe.load(path, backend="cuda", backend_options=dict(SIM, free_bytes=free_bytes), **options)
+
+
+@pytest.fixture(scope="module")
+def float_tokens(tiny_model):
+    """Greedy tokens of the CPU backend's float path: the same math as the CUDA kernels."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PYMOE_EXACT", "1")
+    try:
+        return {mix: greedy(pymoe.load(tiny_model("qwen3moe", mix), backend="cpu")) for mix in ("f32", "q2_k")}
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("mix", ["f32", "q2_k"])
+@pytest.mark.parametrize("policy, pcie_frac", [("lru", 1.0), ("lru", 0.0), ("lfu", 0.5)])
+def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, policy, pcie_frac):
+    path = tiny_model("qwen3moe", mix)
+    cfg = pymoe.load(path, backend="cpu").config
+    for slots in (cfg.n_layers, cfg.n_layers * cfg.n_expert // 2, cfg.n_layers * cfg.n_expert):
+        engine = load_cuda(path, cache_slots=slots, policy=policy, pcie_frac=pcie_frac, chunk=8)
+        assert greedy(engine) == float_tokens[mix], (slots, policy, pcie_frac)
+        d, p = engine.cache.stats.counts["decode"], engine.cache.stats.counts["prefill"]
+        assert d["lookups"] == d["hits"] + d["spill"] + d["cpu"] == (N_NEW - 1) * cfg.n_layers * cfg.n_expert_used
+        assert p["lookups"] == p["hits"] + p["staged"] == len(PROMPT) * cfg.n_layers * cfg.n_expert_used
+        if slots < cfg.n_layers * cfg.n_expert // 2:
+            assert d["promoted"] > 0 and d["spill" if pcie_frac else "cpu"] > 0
+        b = engine.backend
+        assert b.mem.used <= b.mem.limit
+        assert b.mem.by_what["expert slots"] == slots * engine.file.slot_bytes
+
+
+def test_no_slots_reads_every_expert_over_pcie(tiny_model, float_tokens):
+    engine = load_cuda(tiny_model("qwen3moe", "q2_k"), cache="none", pcie_frac=1.0, chunk=8)
+    assert greedy(engine) == float_tokens["q2_k"]
+    d = engine.cache.stats.counts["decode"]
+    assert d["spill"] == d["lookups"] > 0 and d["hits"] == 0
+    assert "expert slots" not in engine.backend.mem.by_what
+
+
+def test_prefill_stages_experts_with_many_tokens_and_reads_the_rest_in_place(tiny_model, monkeypatch):
+    """An expert given more than TOKEN_TILE tokens of a chunk is copied into a staging buffer (the two alternate);
+    one with fewer is read in place over PCIe (every expert, with --chunk 3). The chunking changes no logits."""
+    from cuda_kernels.quant_matvec import TOKEN_TILE
+
+    path = tiny_model("qwen3moe", "q2_k")
+    prompt = list(range(3, 500, 13))  # 39 tokens
+    whole = load_cuda(path, cache="none", pcie_frac=1.0, chunk=512).logits(prompt)
+    for chunk in (16, 3):  # chunks of 16, 16, 7 tokens; of 3 tokens
+        engine = load_cuda(path, cache="none", pcie_frac=1.0, chunk=chunk)
+        b = engine.backend
+        staged, in_place = [], []
+        stage_in, device_expert = b._stage_in, b._device_expert
+        monkeypatch.setattr(b, "_stage_in", lambda ex, i: staged.append(i) or stage_in(ex, i))
+        monkeypatch.setattr(b, "_device_expert", lambda ex, n, i: (in_place.append(n) if n <= TOKEN_TILE else None)
+                            or device_expert(ex, n, i))
+        np.testing.assert_allclose(engine.logits(prompt), whole, rtol=0, atol=1e-5)
+        if chunk == 16:
+            assert set(staged) == {0, 1}  # both buffers in use
+        else:
+            assert not staged and len(in_place) > 0
+
+
+def test_spill_reads_the_mapped_model_file_without_a_copy(tiny_model):
+    engine = load_cuda(tiny_model("qwen3moe", "q2_k"), cache_slots=2)
+    ex = engine.file.expert(1, 3)
+    view = engine.backend.host.device_view(ex.down)
+    np.testing.assert_array_equal(view.copy_to_host(), ex.down)
+    if IS_SIMULATOR:
+        assert np.shares_memory(view._ary, engine.file.reader.data)  # the simulator's device array is the mmap
+    with pytest.raises(ValueError, match="not inside the mapped model file"):
+        engine.backend.host.device_view(np.zeros(4, np.uint8))
+
+
+def test_auto_sizing_from_free_device_memory(tiny_model):
+    path = tiny_model("qwen3moe", "q2_k")
+    lines = []
+    engine = load_cuda(path, free_bytes=700 * MiB + 16 * MiB, log=lines.append, pcie_frac=1.0)
+    b, slot = engine.backend, engine.file.slot_bytes
+    left = b.free_at_start - b.mem.by_what["dense weights"] - b.mem.by_what["activations"] - 700 * MiB
+    cfg = engine.config
+    want = min(left // slot, cfg.n_layers * cfg.n_expert)
+    assert engine.cache.n_slots == want
+    line = next(x for x in lines if x.startswith("expert cache auto:"))
+    assert line.endswith(f"700 MiB reserved -> {want} slots"), line
+    # Less room than one slot: a one-line error, not a pool of zero slots.
+    need = b.mem.by_what["dense weights"] + b.mem.by_what["activations"]
+    with pytest.raises(PymoeError, match="no room on the device for one expert slot"):
+        load_cuda(path, free_bytes=700 * MiB + need + slot // 2, pcie_frac=1.0)
+
+
+def test_device_budget_is_enforced(tiny_model):
+    with pytest.raises(PymoeError, match="device memory budget exceeded"):
+        load_cuda(tiny_model("qwen3moe", "q2_k"), free_bytes=700 * MiB + 64 * 1024, pcie_frac=1.0)
+    with pytest.raises(PymoeError, match="device memory budget exceeded: expert slots"):
+        load_cuda(tiny_model("qwen3moe", "q2_k"), cache_slots=16, free_bytes=700 * MiB + 6 * MiB, pcie_frac=1.0)
+
+
+def test_profile_prefill_verifies_device_bytes(tiny_model):
+    from pymoe.profile import Profile
+
+    path = tiny_model("qwen3moe", "q2_k")
+    cfg = pymoe.load(path, backend="cpu").config
+    profile = Profile.from_heat(np.arange(cfg.n_layers * cfg.n_expert).reshape(cfg.n_layers, cfg.n_expert))
+    lines = []
+    engine = load_cuda(path, cache_slots=5, policy="static", profile=profile, log=lines.append, pcie_frac=1.0)
+    assert any(x.startswith("pre-filled 5 of 5 slots from the profile") and x.endswith("verified") for x in lines)
+    cache = engine.cache
+    for layer, e in np.argwhere(cache.residency >= 0):
+        host = engine.file.expert(int(layer), int(e))
+        got = cache.pool.read(int(cache.residency[layer, e]))
+        np.testing.assert_array_equal(got[:host.nbytes], np.concatenate([host.gate.ravel(), host.up.ravel(),
+                                                                         host.down.ravel()]))
+
+
+class EventLog:
+    """Stands in for numba.cuda.event, recording which stream records or waits on which event, in order."""
+
+    def __init__(self, streams):
+        self.ops, self.names = [], streams
+
+    def __call__(self, *args, **kwargs):
+        log = self
+
+        class Event:
+            def record(self, stream=0):
+                log.ops.append(("record", log.names.get(id(stream), "?"), id(self)))
+
+            def wait(self, stream=0):
+                log.ops.append(("wait", log.names.get(id(stream), "?"), id(self)))
+
+            def synchronize(self):
+                pass
+
+        return Event()
+
+
+def test_slot_copies_are_ordered_by_events(monkeypatch):
+    """A slot's copy (copy stream) waits for the event recorded after the last kernels that read it (compute
+    stream); a kernel reading a freshly written slot waits for that copy's event first."""
+    from pymoe.demo import demo_model
+
+    engine = load_cuda(demo_model(), cache_slots=32, policy="lru", pcie_frac=1.0)  # trained: routing varies
+    b, pool = engine.backend, engine.cache.pool
+    log = EventLog({id(b.compute): "compute", id(b.copy): "copy"})
+    monkeypatch.setattr(pool, "_event", log)
+    monkeypatch.setattr(b.cuda, "event", log)
+    writes, reads = [], []
+    write, before_read = pool.write, pool.before_read
+    monkeypatch.setattr(pool, "write", lambda s, ex: writes.append((s, len(log.ops))) or write(s, ex))
+    monkeypatch.setattr(pool, "before_read", lambda s: reads.append((s, len(log.ops))) or before_read(s))
+    greedy(engine)
+    d = engine.cache.stats.counts["decode"]
+    assert d["evicted"] > 0 and d["hits"] > 0 and reads
+    recorded_on = {ev: stream for op, stream, ev in log.ops if op == "record"}
+    for slot, at in writes:
+        if any(s == slot and r < at for s, r in reads):  # overwriting a slot kernels have read
+            op, stream, ev = log.ops[at]
+            assert (op, stream, recorded_on[ev]) == ("wait", "copy", "compute"), (slot, log.ops[at])
+    for slot, at in reads:
+        last_write = max((w for s, w in writes if s == slot and w < at), default=-1)
+        last_read = max((r for s, r in reads if s == slot and r < at), default=-1)
+        if last_write > last_read:  # the first read since a copy into the slot
+            op, stream, ev = log.ops[at]
+            assert (op, stream, recorded_on[ev]) == ("wait", "compute", "copy"), (slot, log.ops[at])
+
+
+def test_pcie_probe_line_and_split(tiny_model):
+    from pymoe.probe import ProbeResult, probe
+
+    r = ProbeResult(pcie_gbs=[13.8, 13.9, 13.8, 13.9], cpu_gbs=22.7, threads=2)
+    assert r.line() == "PCIe probe: 13.9 GB/s host->device (best of 13.8 13.8 13.9 13.9) -> pcie_frac 0.38"
+    assert ProbeResult(None, 5.0, 2).line().endswith("pcie_frac 0 (every miss on the CPU)")
+    engine = load_cuda(tiny_model("qwen3moe", "q2_k"), cache_slots=2, pcie_frac=1.0)
+    measured = probe(engine.file, engine.backend, repeats=2)  # the simulator's "PCIe" is a memcpy: only the form
+    assert len(measured.pcie_gbs) == 2 and measured.cpu_gbs > 0 and 0 < measured.pcie_frac < 1
+
+
+@pytest.mark.skipif(IS_SIMULATOR, reason="the real kernels run ~50 s per mat-vec in the simulator: scripts/gpu-check "
+                    "runs this on a GPU")
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
+@pytest.mark.parametrize("mix", ["f32", "q2_k"])
+def test_real_kernels_end_to_end_match_the_cpu_float_path(tiny_model, monkeypatch, arch, mix):
+    path = tiny_model(arch, mix)
+    monkeypatch.setenv("PYMOE_EXACT", "1")
+    cpu = pymoe.load(path, backend="cpu")
+    want_logits, want_tokens = cpu.logits(PROMPT), greedy(cpu)
+    cfg = cpu.config
+    engine = pymoe.load(path, backend="cuda", cache_slots=cfg.n_layers * cfg.n_expert // 2, pcie_frac=0.5,
+                        chunk=8)  # every path: slots, spill, cpu, staged and in-place prefill
+    np.testing.assert_allclose(engine.logits(PROMPT), want_logits, rtol=0, atol=1e-3)
+    assert greedy(engine) == want_tokens
+
+
+test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
