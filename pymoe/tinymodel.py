@@ -191,8 +191,9 @@ def random_tensor(name: str, shape: tuple, cfg: ModelConfig, rng: np.random.Gene
 
 
 def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: str = "f32", seed: int = 0,
-                progress: bool = False) -> ModelConfig:
-    """Write a random-weight MoE GGUF; returns its config. Deterministic for a given (arch, preset, mix, seed)."""
+                progress: bool = False, jobs: int = 1) -> ModelConfig:
+    """Write a random-weight MoE GGUF; returns its config. Deterministic for a given (arch, preset, mix, seed),
+    whatever `jobs` (processes quantizing tensors side by side; the random draws stay in this process, in order)."""
     from tqdm import tqdm
 
     p = PRESETS[preset]
@@ -207,25 +208,49 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
     shapes = expected_tensors(cfg)
     weights = ((name, random_tensor(name, shape, cfg, rng, common, popularity))
                for name, shape in tqdm(shapes.items(), desc=f"writing {path}", unit="tensor", disable=not progress))
-    write_gguf(path, cfg, tokens, types, merges, mix, weights)
+    write_gguf(path, cfg, tokens, types, merges, mix, weights, jobs=jobs)
     return cfg
 
 
-def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, weights) -> None:
+def _quantized(weights, mix: str, jobs: int):
+    """(name, float32 values) -> (name, shape, qtype, what to write), in order; quantized by `jobs` processes, at
+    most 2 * jobs tensors in flight (so the float tensors of a large preset are never all in memory at once)."""
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    if jobs <= 1:
+        for name, values in weights:
+            qtype = quant_type(name, values.shape, mix)
+            yield name, values.shape, qtype, values if qtype == Q.F32 else quant.quantize(values, qtype)
+        return
+    with ProcessPoolExecutor(jobs) as pool:
+        pending = deque()
+        for name, values in weights:
+            qtype = quant_type(name, values.shape, mix)
+            pending.append((name, values.shape, qtype, values if qtype == Q.F32 else pool.submit(quant.quantize,
+                                                                                                values, qtype)))
+            while len(pending) >= 2 * jobs or (pending and not hasattr(pending[0][3], "result")):
+                name_, shape, qt, data = pending.popleft()
+                yield name_, shape, qt, data.result() if hasattr(data, "result") else data
+        while pending:
+            name_, shape, qt, data = pending.popleft()
+            yield name_, shape, qt, data.result() if hasattr(data, "result") else data
+
+
+def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, weights, jobs: int = 1) -> None:
     """Write a GGUF: metadata of `cfg` + tokenizer, then `weights` ((name, float32 array in NumPy order), in the
     order of `expected_tensors(cfg)`), each quantized to its type in `mix`. Shared by the random tiny models and the
     trained demo model (pymoe/train_demo.py)."""
     w = GGUFWriter(path, cfg.arch)
     _write_metadata(w, cfg, tokens, types, merges, mix)
     shapes = expected_tensors(cfg)
-    for name, values in weights:
-        if tuple(values.shape) != shapes[name]:
-            raise ValueError(f"tensor {name} has shape {list(values.shape)}, expected {list(shapes[name])}")
-        qtype = quant_type(name, values.shape, mix)
+    for name, shape, qtype, data in _quantized(weights, mix, jobs):
+        if tuple(shape) != shapes[name]:
+            raise ValueError(f"tensor {name} has shape {list(shape)}, expected {list(shapes[name])}")
         if qtype == Q.F32:
-            w.add_tensor(name, values)
+            w.add_tensor(name, data)
         else:
-            w.add_tensor(name, quant.quantize(values, qtype), raw_dtype=qtype)
+            w.add_tensor(name, data, raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
@@ -276,6 +301,8 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS), help="size preset (default tiny)")
     ap.add_argument("--quant", default="f32", choices=QUANT_MIXES, help="quant mix (default f32)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ap.add_argument("--jobs", type=int, default=1, help="processes quantizing tensors (default 1); the file is the "
+                    "same for any number")
     return ap.parse_args(argv)
 
 
