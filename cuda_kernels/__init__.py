@@ -6,7 +6,7 @@ wrapped without a copy; CuPy is never imported here):
 
   quant_matvec.py  matvec / matmul of raw GGML rows of every pymoe.quant format (VRAM slot or mapped host memory)
   moe.py           expert_block: SwiGLU gate+up fused, down with the routing weight accumulated into Y
-  norm_rope.py     rmsnorm, rope (NEOX and normal pairing)
+  norm_rope.py     rmsnorm, rope (NEOX and normal pairing), add_bias
   attention.py     decode_attention: one query token against the KV cache, GQA, causal by construction
   reduce.py        block-wide sum / max (shared-memory trees) used by the kernels above
 
@@ -24,8 +24,8 @@ package even for the simulator). The code here uses only the API common to both.
 """
 from .attention import decode_attention
 from .moe import expert_block
-from .norm_rope import rmsnorm, rope
+from .norm_rope import add_bias, rmsnorm, rope
 from .quant_matvec import DEVICE_FORMATS, decode_rows_cpu, matmul, matvec
 
-__all__ = ["matvec", "matmul", "expert_block", "rmsnorm", "rope", "decode_attention", "DEVICE_FORMATS",
+__all__ = ["matvec", "matmul", "expert_block", "rmsnorm", "rope", "add_bias", "decode_attention", "DEVICE_FORMATS",
            "decode_rows_cpu"]

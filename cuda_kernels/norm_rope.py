@@ -1,6 +1,7 @@
-"""RMSNorm and rotary position embedding (RoPE, NEOX and normal pairing) on the GPU.
+"""RMSNorm, rotary position embedding (RoPE, NEOX and normal pairing) and a bias add on the GPU.
 
-What this is: `rmsnorm(X, w, eps)` and `rope(x, cos, sin, neox, p0)`, each one small kernel plus its host wrapper.
+What this is: `rmsnorm(X, w, eps)`, `rope(x, cos, sin, neox, p0)` and `add_bias(Y, b)`, each one small kernel plus
+its host wrapper.
 What this is not: the reference (pymoe.model.rmsnorm, pymoe.model.apply_rope, NumPy; tests compare), nor the
 computation of the rotation angles: `rope` takes the cos/sin tables that pymoe.model.rope_tables builds (float64
 angles rounded to float32, exactly the reference's values), typically once for the whole context, on the device.
@@ -11,6 +12,8 @@ Computing theta = pos * base^(-2i/d) in float32 on the device would be off by up
               NEOX   (qwen*, olmoe): a = x[i], b = x[i + n]          i < n = rope_dim / 2
               normal (llama, Mixtral): a = x[2i], b = x[2i + 1]
             a' = a cos - b sin, b' = b cos + a sin; dims past rope_dim untouched.
+  add_bias: Y[t] += b                                                Y float32 [T, n], b float32 [n] (qwen2moe's
+            q/k/v biases)
 
 Versions (naive -> fast):
   rmsnorm 1 (this): one block of THREADS threads per token: strided sum of squares, shared-memory tree sum
@@ -69,8 +72,29 @@ def rope_kernel(x, cos, sin, p0, neox):
         x[t, h, ib] = b * c + a * s
 
 
+@cuda.jit
+def add_bias_kernel(Y, b):
+    """Y float32 [T, n] += b float32 [n]; grid (T,), block (THREADS,)."""
+    t = cuda.blockIdx.x
+    for i in range(cuda.threadIdx.x, Y.shape[1], THREADS):
+        Y[t, i] += b[i]
+
+
+def add_bias(Y, b, stream=0):
+    """Y float32 [T, n] += b float32 [n], in place; returns Y."""
+    Y, b = on_device(Y, "Y"), on_device(b, "b")
+    check(Y, "Y", np.float32, 2)
+    check(b, "b", np.float32, 1)
+    if b.shape[0] != Y.shape[1]:
+        raise ValueError(f"add_bias: b has {b.shape[0]} values for rows of {Y.shape[1]}")
+    if Y.shape[0]:
+        add_bias_kernel[Y.shape[0], THREADS, stream](Y, b)
+    return Y
+
+
 def rmsnorm(X, w, eps: float, out=None, stream=0):
-    """X float32 [T, n] (or [n]) normalised over its last axis, times w float32 [n] -> out (new, or given)."""
+    """X float32 [T, n] (or [n]) normalised over its last axis, times w float32 [n] -> out (new, or given; out may
+    be X itself: each thread rewrites only the values it read, after the block's sum)."""
     X, w = on_device(X, "X"), on_device(w, "w")
     one_row = len(X.shape) == 1
     if one_row:

@@ -55,10 +55,14 @@ class Engine:
 
             self.profile = Profile.load(profile)
             log(self.profile.log_line(profile))
+        self.n_ctx = int(n_ctx or self.config.n_ctx_train)
+        if self.n_ctx <= 0:
+            raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
         self.model = Model(self.file, self.backend, None, progress=progress)  # dense weights land on the device
         self.model.chunk = int(chunk)
-        if hasattr(self.backend, "prepare"):  # CUDA: activation buffers for calls of up to `chunk` tokens
-            self.backend.prepare(chunk)
+        if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
+            self.backend.prepare(chunk, self.n_ctx)
+            log(self.backend.memory_line())
         if pcie_frac is None:
             pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else 1.0
         self.cache = self._make_cache(cache, cache_slots, cache_gib, policy, pcie_frac, log)
@@ -67,9 +71,6 @@ class Engine:
         if hasattr(self.backend, "warm_up_experts"):  # the fused expert kernel of the CPU fast path
             self.backend.warm_up_experts(self.file.expert_types(0))
         self.tokenizer = Tokenizer(self.file)
-        self.n_ctx = int(n_ctx or self.config.n_ctx_train)
-        if self.n_ctx <= 0:
-            raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
         self.last_stats = RequestStats()
 
     def _probe_pcie_frac(self, log) -> float:

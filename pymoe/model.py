@@ -154,6 +154,8 @@ class Model:
     def attention_block(self, layer: Layer, x: np.ndarray, kv: KVCache, layer_i: int, rope=None) -> np.ndarray:
         """rope: (cos, sin) of positions kv.n .. kv.n + T - 1 (rope_tables), computed once per forward call."""
         cfg, b = self.cfg, self.backend
+        if getattr(kv, "on_device", False):  # a KV cache in device memory: the backend runs the whole block there
+            return b.attention_block(self, layer, x, kv, layer_i)
         T, p0 = x.shape[0], kv.n
         # Optional backend hooks (the CPU fast path: compiled, one quantization of x for q, k and v); the NumPy
         # functions of this file are the fallback, and the contract.
@@ -225,4 +227,8 @@ class Model:
         return self.forward([token], kv, "decode")[0]
 
     def new_kv(self, n_ctx=None) -> KVCache:
-        return KVCache(self.cfg, n_ctx or self.cfg.n_ctx_train)
+        """A KV cache for a new sequence: the backend's own when it has one free (CUDA: in device memory, so that
+        attention runs there), else a host one."""
+        n_ctx = n_ctx or self.cfg.n_ctx_train
+        own = getattr(self.backend, "new_kv", None)
+        return (own(n_ctx) if own else None) or KVCache(self.cfg, n_ctx)

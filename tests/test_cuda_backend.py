@@ -60,6 +60,28 @@ def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, poli
         assert b.mem.by_what["expert slots"] == slots * engine.file.slot_bytes
 
 
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
+def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch):
+    """The device KV cache and attention block (q/k/v biases, q/k norms per head or whole, NEOX or normal RoPE,
+    GQA) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
+    KV cache falls back to a host KV cache (attention on the CPU) with the same results."""
+    from pymoe.backends.cuda import DeviceKVCache
+
+    path = tiny_model(arch, "q2_k")
+    monkeypatch.setenv("PYMOE_EXACT", "1")
+    cpu = pymoe.load(path, backend="cpu")
+    kv = cpu.model.new_kv(64)
+    want = np.concatenate([cpu.model.prefill(PROMPT, kv), cpu.model.decode_one_token(9, kv)[None]])
+    engine = load_cuda(path, cache_slots=4, pcie_frac=0.5, chunk=8)
+    first, second = engine.model.new_kv(64), engine.model.new_kv(64)
+    assert isinstance(first, DeviceKVCache) and not isinstance(second, DeviceKVCache)
+    for kv in (first, second):
+        got = np.concatenate([engine.model.prefill(PROMPT, kv), engine.model.decode_one_token(9, kv)[None]])
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    del first, kv
+    assert isinstance(engine.model.new_kv(64), DeviceKVCache)  # lent again once the first sequence is gone
+
+
 def test_no_slots_reads_every_expert_over_pcie(tiny_model, float_tokens):
     engine = load_cuda(tiny_model("qwen3moe", "q2_k"), cache="none", pcie_frac=1.0, chunk=8)
     assert greedy(engine) == float_tokens["q2_k"]
@@ -107,14 +129,16 @@ def test_auto_sizing_from_free_device_memory(tiny_model):
     lines = []
     engine = load_cuda(path, free_bytes=700 * MiB + 16 * MiB, log=lines.append, pcie_frac=1.0)
     b, slot = engine.backend, engine.file.slot_bytes
-    left = b.free_at_start - b.mem.by_what["dense weights"] - b.mem.by_what["activations"] - 700 * MiB
+    before_pool = b.mem.used - b.mem.by_what["expert slots"]  # dense weights, activations, KV cache
+    assert before_pool == sum(b.mem.by_what[k] for k in ("dense weights", "activations", "KV cache"))
+    left = b.free_at_start - before_pool - 700 * MiB
     cfg = engine.config
     want = min(left // slot, cfg.n_layers * cfg.n_expert)
     assert engine.cache.n_slots == want
     line = next(x for x in lines if x.startswith("expert cache auto:"))
     assert line.endswith(f"700 MiB reserved -> {want} slots"), line
     # Less room than one slot: a one-line error, not a pool of zero slots.
-    need = b.mem.by_what["dense weights"] + b.mem.by_what["activations"]
+    need = before_pool
     with pytest.raises(PymoeError, match="no room on the device for one expert slot"):
         load_cuda(path, free_bytes=700 * MiB + need + slot // 2, pcie_frac=1.0)
 
@@ -122,8 +146,12 @@ def test_auto_sizing_from_free_device_memory(tiny_model):
 def test_device_budget_is_enforced(tiny_model):
     with pytest.raises(PymoeError, match="device memory budget exceeded"):
         load_cuda(tiny_model("qwen3moe", "q2_k"), free_bytes=700 * MiB + 64 * 1024, pcie_frac=1.0)
+    path = tiny_model("qwen3moe", "q2_k")
+    b = load_cuda(path, cache_slots=1, pcie_frac=1.0).backend
+    room = 700 * MiB + b.mem.used + 7 * b.mem.by_what["expert slots"]  # 8 slots fit, 16 do not
+    assert load_cuda(path, cache_slots=8, free_bytes=room, pcie_frac=1.0).cache.n_slots == 8
     with pytest.raises(PymoeError, match="device memory budget exceeded: expert slots"):
-        load_cuda(tiny_model("qwen3moe", "q2_k"), cache_slots=16, free_bytes=700 * MiB + 6 * MiB, pcie_frac=1.0)
+        load_cuda(path, cache_slots=16, free_bytes=room, pcie_frac=1.0)
 
 
 def test_profile_prefill_verifies_device_bytes(tiny_model):

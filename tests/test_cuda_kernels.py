@@ -186,6 +186,21 @@ def test_rmsnorm_matches_reference():
     np.testing.assert_allclose(got, rmsnorm(X, w, 1e-6), rtol=1e-5, atol=1e-6)
     one = K.rmsnorm(cuda.to_device(X[1]), cuda.to_device(w), 1e-6).copy_to_host()  # a single [n] row
     np.testing.assert_allclose(one, rmsnorm(X[1], w, 1e-6), rtol=1e-5, atol=1e-6)
+    dX = cuda.to_device(X)
+    K.rmsnorm(dX, cuda.to_device(w), 1e-6, out=dX)  # in place (the CUDA backend's q/k norms)
+    np.testing.assert_array_equal(dX.copy_to_host(), got)
+
+
+@in_process
+def test_add_bias_matches_reference():
+    rng = np.random.default_rng(42)
+    Y = rng.standard_normal((3, 150)).astype(np.float32)  # [T, n]
+    b = rng.standard_normal(150).astype(np.float32)  # [n]
+    dY = cuda.to_device(Y)
+    K.add_bias(dY, cuda.to_device(b))
+    np.testing.assert_array_equal(dY.copy_to_host(), Y + b)
+    with pytest.raises(ValueError, match="add_bias: b has 149 values for rows of 150"):
+        K.add_bias(dY, cuda.to_device(b[:149]))
 
 
 @in_process
@@ -255,6 +270,7 @@ def compile_every_kernel_to_ptx():
              (quant_matvec.kernel_for(M.down_kernel, DOWN_PARTIAL=QType.Q3_K), (u8, f2, f1, f2)),
              (N.rmsnorm_kernel, (f2, f1, nt.float32, f2)),
              (N.rope_kernel, (f3, f2, f2, nt.int64, nt.boolean)),
+             (N.add_bias_kernel, (f2, f1)),
              (A.decode_attention_kernel, (f2, f3, f3, nt.int64, nt.float32, f2, f2))]
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
@@ -270,7 +286,7 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip(proc.stdout.strip().splitlines()[-1])
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 5
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6
 
 
 test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

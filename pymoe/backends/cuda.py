@@ -1,10 +1,13 @@
 """The CUDA backend: dense weights and the expert slot pool in device memory, every expert in pinned host memory.
 
-What this is (version 1 of the backend; see "Not yet" below):
+What this is (version 2 of the backend; see "Not yet" below):
   - `CUDABackend`: the interface of `CPUBackend` (`dense`, `vector`, `linear`, `linear_raw`, `moe_experts`,
-    `attention`), so model.py and moe.py run unchanged. Weight matrices live on the device as their raw GGUF rows
-    (uint8 [R, row_bytes], any supported type, F32 included) and are multiplied by the Numba CUDA kernels of
-    cuda_kernels/ (quant_matvec.matmul, moe.expert_block), which decode blocks on the fly.
+    `attention`), so model.py and moe.py run unchanged, plus `new_kv` / `attention_block`: a sequence that gets
+    the backend's device KV cache (`DeviceKVCache`) has its whole attention block run on the device (q/k/v
+    projections, biases, q/k norms, RoPE, the KV write, decode attention, the output projection: one upload and
+    one download per layer). Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any
+    supported type, F32 included) and are multiplied by the Numba CUDA kernels of cuda_kernels/
+    (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly.
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
     straight from host RAM over PCIe through the device pointer of its mmap view: the "spill" miss path. The bytes
@@ -25,10 +28,11 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, cache.p
               while the compute stream runs the previous expert (double buffering); with no more tokens than one
               kernel token tile it is read in place instead (one pass over its bytes either way).
 
-Not yet (the next versions, in order): activations stay on the host between operations (each `linear` uploads x and
-downloads y, a sync point per operation), so attention, RMSNorm and RoPE run on the CPU and the KV cache is in host
-RAM; device-resident activations (CuPy arrays with cuda_kernels' norm/rope/attention kernels), then CUDA graphs,
-are what removes the round trips. The kernels themselves are version 2 of cuda_kernels/quant_matvec.py.
+Not yet (the next versions, in order): the residual stream stays on the host, so each layer still makes three
+round trips (attention block, router, experts) and the layer norms and residual adds run on the CPU; keeping the
+whole layer on the device (CuPy arrays for the elementwise work), then CUDA graphs, removes them. One device KV
+cache is lent to one sequence at a time (a second concurrent sequence, e.g. the server's parallel slots, gets a host
+KV cache and CPU attention). Prefill attention launches the decode-attention kernel once per new token.
 
 Testing without a GPU. Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs device arrays, streams, events and
 kernels on the CPU, but a kernel runs one Python thread per CUDA thread: a 256 x 256 mat-vec takes ~50 s there. So
@@ -113,6 +117,26 @@ class DeviceKernels:
 
         return moe.expert_block(gate, up, down, types, X, wt, Y, H=H, stream=stream)
 
+    def rmsnorm(self, X, w, eps, out, stream):
+        from cuda_kernels import norm_rope
+
+        return norm_rope.rmsnorm(X, w, eps, out=out, stream=stream)
+
+    def rope(self, x, cos, sin, neox, p0, stream):
+        from cuda_kernels import norm_rope
+
+        return norm_rope.rope(x, cos, sin, neox, p0=p0, stream=stream)
+
+    def add_bias(self, Y, b, stream):
+        from cuda_kernels import norm_rope
+
+        return norm_rope.add_bias(Y, b, stream=stream)
+
+    def decode_attention(self, q, k_cache, v_cache, pos, out, scores, stream):
+        from cuda_kernels import attention
+
+        return attention.decode_attention(q, k_cache, v_cache, pos, out=out, scores=scores, stream=stream)
+
 
 class ReferenceKernels:
     """The same two operations in NumPy (dequantize the rows, then float32 math), on device arrays: for the
@@ -134,6 +158,32 @@ class ReferenceKernels:
         y = Y.copy_to_host() + wt.copy_to_host()[:, None] * (h @ d.T)  # [n, D]
         Y.copy_to_device(y.astype(np.float32), stream=stream)
         return Y
+
+    def rmsnorm(self, X, w, eps, out, stream):
+        from ..model import rmsnorm
+
+        out.copy_to_device(rmsnorm(X.copy_to_host(), w.copy_to_host(), eps).astype(np.float32), stream=stream)
+        return out
+
+    def rope(self, x, cos, sin, neox, p0, stream):
+        from ..model import apply_rope
+
+        T = x.shape[0]
+        c, s = cos.copy_to_host()[p0:p0 + T], sin.copy_to_host()[p0:p0 + T]
+        x.copy_to_device(apply_rope(x.copy_to_host(), c, s, neox), stream=stream)
+        return x
+
+    def add_bias(self, Y, b, stream):
+        Y.copy_to_device(Y.copy_to_host() + b.copy_to_host(), stream=stream)
+        return Y
+
+    def decode_attention(self, q, k_cache, v_cache, pos, out, scores, stream):
+        from ..model import attention
+
+        k, v = k_cache.copy_to_host()[:pos + 1], v_cache.copy_to_host()[:pos + 1]  # [S, G, Dh], [S, G, Dv]
+        o = attention(q.copy_to_host()[None], k, v, pos)  # [1, H * Dv]
+        out.copy_to_device(o.reshape(out.shape), stream=stream)
+        return out
 
 
 KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
@@ -259,6 +309,22 @@ class DevicePool:
         self.backend.copy.synchronize()
 
 
+class DeviceKVCache:
+    """Keys and values of one sequence in device memory: float32 [L, n_ctx, G, Dh] each (the interface of
+    model.KVCache: n, n_ctx, clear()). The backend owns one, allocated at start-up within the budget, and lends it
+    to one sequence at a time (`CUDABackend.new_kv`)."""
+
+    on_device = True
+
+    def __init__(self, k, v, n_ctx: int):
+        self.k, self.v = k, v  # device [L, capacity, G, Dh], [L, capacity, G, Dv]
+        self.n_ctx = n_ctx
+        self.n = 0
+
+    def clear(self) -> None:
+        self.n = 0
+
+
 @dataclass(frozen=True)
 class DeviceWeight:
     """A 2-D weight on the device as its raw GGUF rows: uint8 [R, row_bytes] of `qtype` (F32 too)."""
@@ -272,6 +338,9 @@ class DeviceWeight:
 # The backend
 # --------------------------------------------------------------------------------------------------------------
 class CUDABackend:
+    """Not defined here, on purpose: the optional CPU hooks model.py looks for (`rmsnorm`, `rope`, `linear_many`),
+    so that the host side of a forward uses model.py's NumPy functions."""
+
     name = "cuda"
 
     def __init__(self, threads: Optional[int] = None, kernels: str = "cuda_kernels", reserve: int = DEFAULT_RESERVE,
@@ -282,7 +351,7 @@ class CUDABackend:
         if kernels not in KERNEL_SETS:
             raise PymoeError(f"unknown kernel set {kernels!r} (choose from {', '.join(KERNEL_SETS)})")
         self.k = KERNEL_SETS[kernels]()
-        # The CPU side: "cpu" misses, the embedding rows, attention (version 1). Float path, like the GPU kernels,
+        # The CPU side: "cpu" misses, attention over host KV caches. Float path, like the GPU kernels,
         # so that which side computes an expert changes nothing but rounding order.
         self.cpu = CPUBackend(threads=threads, exact=True)
         self.threads = self.cpu.threads
@@ -298,6 +367,7 @@ class CUDABackend:
         self.host: Optional[HostMapping] = None
         self.scratch: dict = {}
         self.chunk = 1
+        self._vectors: dict = {}  # id(host vector) -> its device copy (norm weights, biases)
         self._stage = None  # two staging slots for prefill misses, and their events
 
     # --- set-up ------------------------------------------------------------------------------------------------
@@ -309,27 +379,70 @@ class CUDABackend:
                         max(cfg.n_vocab, cfg.n_head * cfg.head_dim, cfg.n_embd, cfg.n_expert, cfg.n_ff_exp,
                             cfg.n_ff_shexp or 0))
         self._moe = (cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp)
+        self._cfg = cfg
         self._slot_bytes = file.slot_bytes
 
-    def activation_bytes(self, chunk: int) -> int:
-        """Device bytes of the scratch buffers for forward calls of up to `chunk` tokens (computed, not guessed)."""
-        return sum(math.prod(shape) * np.dtype(dt).itemsize for shape, dt in self._scratch_shapes(chunk).values())
+    def activation_bytes(self, chunk: int, n_ctx: int) -> int:
+        """Device bytes of the scratch buffers for forward calls of up to `chunk` tokens in a context of `n_ctx`
+        (computed, not guessed)."""
+        return sum(math.prod(shape) * np.dtype(dt).itemsize
+                   for shape, dt in self._scratch_shapes(chunk, n_ctx).values())
 
-    def _scratch_shapes(self, chunk: int) -> dict:
+    def _scratch_shapes(self, chunk: int, n_ctx: int) -> dict:
         w_in, w_out = self._widths
         K, D, F = self._moe
+        c = self._cfg
+        H, G, Dh, Dv = c.n_head, c.n_head_kv, c.head_dim, c.head_dim_v
         pairs = chunk * K  # (token, expert) pairs of a call: the rows of the gathered expert inputs
         return {"x": ((chunk * w_in,), np.float32), "y": ((chunk * w_out,), np.float32),
                 "xg": ((pairs * D,), np.float32), "yg": ((pairs * D,), np.float32), "wg": ((pairs,), np.float32),
-                "h": ((pairs * F,), np.float32), "stage": ((2, self._slot_bytes), np.uint8)}
+                "h": ((pairs * F,), np.float32), "stage": ((2, self._slot_bytes), np.uint8),
+                "q": ((chunk * H * Dh,), np.float32), "k": ((chunk * G * Dh,), np.float32),
+                "v": ((chunk * G * Dv,), np.float32), "o": ((chunk * H * Dv,), np.float32),
+                "scores": ((H * n_ctx,), np.float32),
+                "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
+                "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
 
-    def prepare(self, chunk: int) -> None:
-        """Allocate the scratch buffers for calls of up to `chunk` tokens (after the weights, before the pool)."""
-        self.chunk = int(chunk)
-        for name, (shape, dt) in self._scratch_shapes(self.chunk).items():
+    def kv_bytes(self, n_ctx: int) -> int:
+        c = self._cfg
+        return c.n_layers * n_ctx * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
+
+    def prepare(self, chunk: int, n_ctx: int) -> None:
+        """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
+        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions."""
+        from ..model import rope_tables
+
+        self.chunk, self.n_ctx = int(chunk), int(n_ctx)
+        for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
+        c = self._cfg
+        cos, sin = rope_tables(c, np.arange(self.n_ctx))  # [n_ctx, rope_dim / 2]: float64 angles, as on the CPU
+        self.rope_dev = (shaped(self.scratch["rope_cos"], cos.shape), shaped(self.scratch["rope_sin"], sin.shape))
+        self.rope_dev[0].copy_to_device(cos)
+        self.rope_dev[1].copy_to_device(sin)
+        kv_shape = (c.n_layers, self.n_ctx, c.n_head_kv)
+        self._kv = DeviceKVCache(self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache"),
+                                 self.mem.alloc((*kv_shape, c.head_dim_v), np.float32, "KV cache"), self.n_ctx)
+        self._kv_holder = None
         ev = self.cuda.event
         self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
+
+    def new_kv(self, n_ctx: int):
+        """The device KV cache for a new sequence, if it is free and big enough; else None (the caller then uses a
+        host KV cache, and attention runs on the CPU for that sequence)."""
+        import weakref
+
+        holder = self._kv_holder() if self._kv_holder is not None else None
+        if holder is not None or n_ctx > self.n_ctx:
+            return None
+        kv = DeviceKVCache(self._kv.k, self._kv.v, n_ctx)
+        self._kv_holder = weakref.ref(kv)
+        return kv
+
+    def memory_line(self) -> str:
+        parts = ", ".join(f"{what} {n / MiB:.1f} MiB" for what, n in self.mem.by_what.items())
+        return (f"device memory: {self.free_at_start / 2**30:.2f} GiB free at start; {parts} (the KV cache holds "
+                f"{self.n_ctx} positions in float32)")
 
     def free_for_cache(self) -> int:
         """Device bytes free for the expert slots now: the budget left after weights and activations, plus the
@@ -367,7 +480,7 @@ class CUDABackend:
         return DeviceWeight(t.qtype, self.mem.upload(t.rows(), "dense weights"), t.shape)
 
     def vector(self, t: Tensor) -> np.ndarray:
-        return t.floats().reshape(-1)  # norms, biases: used on the host in version 1
+        return t.floats().reshape(-1)  # host: layer norms run there; `_vec` uploads the q/k norms and biases
 
     # --- compute -----------------------------------------------------------------------------------------------
     def _put(self, name: str, host: np.ndarray):
@@ -394,7 +507,57 @@ class CUDABackend:
         return y
 
     def attention(self, q, k, v, p0):
+        """Attention over a host KV cache (a sequence that did not get the device KV cache): on the CPU."""
         return self.cpu.attention(q, k, v, p0)
+
+    def _vec(self, host: np.ndarray):
+        """The device copy of a small float32 vector of the model (uploaded on first use, counted)."""
+        entry = self._vectors.get(id(host))
+        if entry is None:  # the host array is kept with it, so its id() stays unique
+            entry = self._vectors[id(host)] = (self.mem.upload(np.ascontiguousarray(host, np.float32),
+                                                               "dense weights"), host)
+        return entry[0]
+
+    def attention_block(self, model, layer, x: np.ndarray, kv: DeviceKVCache, layer_i: int) -> np.ndarray:
+        """model.Model.attention_block on the device, for a sequence holding the device KV cache: x float32 [T, D]
+        (host, attn-normed) -> [T, D] (host). One upload, one download; in between q/k/v projections, biases,
+        q/k norms, RoPE, the KV write, attention (one decode-attention launch per new token: token t attends to
+        positions 0..p0 + t, all written before) and the output projection, all on the compute stream."""
+        cfg, k_, st = model.cfg, self.k, self.compute
+        T, p0 = x.shape[0], kv.n
+        self._check_tokens(T)
+        H, G, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
+        xd = self._put("x", x)  # [T, D]
+        q = shaped(self.scratch["q"], (T, H * Dh))  # [T, H * Dh]
+        k = shaped(self.scratch["k"], (T, G * Dh))  # [T, G * Dh]
+        v = shaped(self.scratch["v"], (T, G * Dv))  # [T, G * Dv]
+        for w, out in ((layer.attn_q, q), (layer.attn_k, k), (layer.attn_v, v)):
+            k_.matmul(w.raw, w.qtype, xd, out, st)
+        if layer.bias:
+            for p, out in (("q", q), ("k", k), ("v", v)):
+                k_.add_bias(out, self._vec(layer.bias[p]), st)
+        if cfg.qk_norm == "full":  # olmoe: over the whole projection
+            k_.rmsnorm(q, self._vec(layer.q_norm), cfg.rms_eps, q, st)
+            k_.rmsnorm(k, self._vec(layer.k_norm), cfg.rms_eps, k, st)
+        elif cfg.qk_norm == "head":  # qwen3moe: each head on its own
+            qh, kh = shaped(self.scratch["q"], (T * H, Dh)), shaped(self.scratch["k"], (T * G, Dh))
+            k_.rmsnorm(qh, self._vec(layer.q_norm), cfg.rms_eps, qh, st)
+            k_.rmsnorm(kh, self._vec(layer.k_norm), cfg.rms_eps, kh, st)
+        q3, k3 = shaped(self.scratch["q"], (T, H, Dh)), shaped(self.scratch["k"], (T, G, Dh))
+        k_.rope(q3, *self.rope_dev, cfg.rope_neox, p0, st)
+        k_.rope(k3, *self.rope_dev, cfg.rope_neox, p0, st)
+        kv.k[layer_i, p0:p0 + T].copy_to_device(k3, stream=st)  # [T, G, Dh] into the cache
+        kv.v[layer_i, p0:p0 + T].copy_to_device(shaped(self.scratch["v"], (T, G, Dv)), stream=st)
+        o = shaped(self.scratch["o"], (T, H * Dv))  # [T, H * Dv]
+        o3 = shaped(self.scratch["o"], (T, H, Dv))
+        scores = shaped(self.scratch["scores"], (H, self.n_ctx))
+        for t in range(T):
+            k_.decode_attention(q3[t], kv.k[layer_i], kv.v[layer_i], p0 + t, o3[t], scores, st)
+        y = shaped(self.scratch["y"], (T, cfg.n_embd))  # [T, D]
+        k_.matmul(layer.attn_output.raw, layer.attn_output.qtype, o, y, st)
+        out = y.copy_to_host(stream=st)
+        st.synchronize()
+        return out
 
     def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray):
         """The routed experts of one layer: x float32 [T, D], ids int [T, K], w float32 [T, K] -> y [T, D].
