@@ -2,7 +2,8 @@
 
 What this is: `linear(w, x)` = x @ W.T for a stored weight W of any supported type, without ever dequantizing a
 quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weights are used in place (a view into
-the memory map) through BLAS. Small float vectors (norms, biases, the shared-expert gate) are read once as float32.
+the memory map) through BLAS (exact mode) or `f32_matmul` (fast mode: bits independent of T). Small float vectors
+(norms, biases, the shared-expert gate) are read once as float32.
 Two paths for quantized weights:
   - fast (the default): K-quant weights (Q2_K..Q6_K, rows of whole 256-blocks) take the integer path, as
     llama.cpp does: x is quantized per 256 values (to 16 bits; `act_bits=8` or PYMOE_ACT_BITS=8 for llama.cpp's
@@ -12,6 +13,10 @@ Two paths for quantized weights:
   - exact (`CPUBackend(exact=True)`, or the environment variable PYMOE_EXACT=1): every quantized weight goes
     through the float kernels (decode a block to float32, dot with float x), and moe.py runs one expert at a
     time. This is the reference the fast path is tested against.
+Optional hooks the forward pass looks for with getattr (another backend may lack them; the NumPy functions of
+model.py / moe.py are then used, and are the contract): `rmsnorm`, `rope` (bit for bit the NumPy results),
+`linear_many` (q, k, v on one quantization of x), `route` (the router's softmax and top-K), `moe_experts`. They
+exist to cut the interpreter's share of a decoded token (~0.1 ms per call of a dozen small NumPy operations).
 What this is not: a cache. Experts reach this backend as raw bytes chosen by the expert cache.
 """
 from __future__ import annotations
@@ -26,41 +31,251 @@ from numba import njit, prange
 
 from .. import quant
 from ..loader import Tensor
-from ..quant import kernels
-from ..quant.kernels import dot
+from ..quant import kernels, qact
+from ..quant.kernels import dot, exp_f32
 from ..quant.qact import ACT_DTYPES, QK_K, has_int_dot
 
 
+@njit(cache=True)
+def transpose_keys(k, kt):
+    """kt[g, d, s] = k[s, g, d] for k float32 [S, G, Dh] (the KV cache's layout) into kt [G, Dh, >= S]: attention's
+    keys with each dimension contiguous. The caller pads kt's last axis past S to a non-power-of-two stride (a
+    stride of 512 floats put every write of a key in the same cache set: 3x slower); NumPy's strided copy takes
+    ~3x this loop's time (40 us per layer and token at 150 cached keys)."""
+    S, G, Dh = k.shape
+    for s in range(S):
+        for g in range(G):
+            for d in range(Dh):
+                kt[g, d, s] = k[s, g, d]
+
+
 @njit(parallel=True, cache=True)
-def attention_rows(q, k, v, p0, out):
-    """Causal GQA attention, each (query, head) on its own: q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] (S = p0 + T)
-    -> out float32 [T, H * Dv] (written). The math of model.attention, in an order that depends only on the query's
-    position, not on T: query t gives the same bits in a prefill of T tokens as alone in decode_one_token. The
-    integer path needs that: it rounds activations, which would turn float-order noise (~1e-7) into rounding
-    flips (~1e-4 in the logits of the tiny test models)."""
+def attention_rows(q, kt, v, p0, out):
+    """Causal GQA attention, each (query, head) on its own: q [T, H, Dh], kt [G, Dh, >= S] (the keys, transposed:
+    transpose_keys), v [S, G, Dv] (S = p0 + T) -> out float32 [T, H * Dv] (written). The math of model.attention,
+    in an order that depends only on the query's position, not on T: query t gives the same bits in a prefill of
+    T tokens as alone in decode_one_token. The integer path needs that: it rounds activations, which would turn
+    float-order noise (~1e-7) into rounding flips (~1e-4 in the logits of the tiny test models).
+    SIMD over keys: the scores as sum_d q[d] * kt[g, d, :] (each key's sum in order d = 0, 1, ..; one vector
+    multiply-add per d for 16 keys, no horizontal sum per key), e^x by exp_f32 (vectorised), the softmax sum in 16
+    interleaved partial sums (lane s % 16) added in a fixed tree, the output as sum_s p_s v[s] over Dv lanes."""
     T, H, Dh = q.shape
     S, G, Dv = v.shape
     sqrt_dh = np.float32(np.sqrt(Dh))
     for task in prange(T * H):
-        t, h = task // H, task % H
+        i, h = task // H, task % H
+        # Queries in the order 0, T-1, 1, T-2, ...: query t reads p0 + t + 1 keys, and Numba gives each thread one
+        # contiguous range of tasks, so in plain order the last thread would get the longest queries (3x the
+        # first thread's work at T = 512, 2 threads); zig-zag, each range holds short and long ones alike.
+        t = i // 2 if i % 2 == 0 else T - 1 - i // 2
         g = h // (H // G)  # the KV head query head h reads
         n = p0 + t + 1  # keys 0 .. p0 + t: causal
-        scores = np.empty(n, dtype=np.float32)  # [n]
+        scores = np.zeros(n, dtype=np.float32)  # [n]
+        for d in range(Dh):
+            qd = q[t, h, d]
+            kd = kt[g, d, :n]  # [n] dimension d of every key
+            for s in range(n):
+                scores[s] += qd * kd[s]
         top = np.float32(-np.inf)
         for s in range(n):
-            scores[s] = dot(q[t, h], k[s, g]) / sqrt_dh
+            scores[s] = scores[s] / sqrt_dh
             top = max(top, scores[s])
-        total = np.float32(0.0)
         for s in range(n):
-            scores[s] = np.exp(scores[s] - top)
-            total += scores[s]
-        o = out[t, h * Dv:(h + 1) * Dv]  # [Dv]
-        o[:] = 0.0
+            scores[s] = exp_f32(scores[s] - top)
+        part = np.zeros(16, dtype=np.float32)  # [16] the softmax sum, lane s % 16
+        for s0 in range(0, n - n % 16, 16):
+            for j in range(16):
+                part[j] += scores[s0 + j]
+        for s in range(n - n % 16, n):
+            part[s % 16] += scores[s]
+        w = 8
+        while w >= 1:  # lanes j + w added to lanes j: a fixed tree
+            for j in range(w):
+                part[j] += part[j + w]
+            w //= 2
+        total = part[0]
+        o = np.zeros(Dv, dtype=np.float32)  # [Dv]
         for s in range(n):
             p = scores[s] / total
             vs = v[s, g]
             for d in range(Dv):
                 o[d] += p * vs[d]
+        out[t, h * Dv:(h + 1) * Dv] = o
+
+
+@njit(parallel=True, cache=True)
+def f32_matmul(w, x, y):
+    """y[t, r] = dot(w[r], x[t]) for float32 w [R, C], x [T, C] (y [T, R] written): F32 weights (the router) on the
+    fast path. One SIMD dot per (row, token), its order fixed by C alone: the same bits for any T (BLAS's order
+    changes with the shape)."""
+    for r in prange(w.shape[0]):
+        for t in range(x.shape[0]):
+            y[t, r] = dot(w[r], x[t])
+
+
+@njit(cache=True)
+def route_rows(logits, k, norm_topk, ids, w):
+    """moe.route compiled: logits float32 [T, E] -> ids int64 [T, K] (written), the K most probable experts, highest
+    first, ties to the lower id (a stable sort of -probs), and w float32 [T, K] (written) their softmax
+    probabilities, divided by their sum if norm_topk. The float32 operations of moe.route, sums in NumPy's
+    pairwise order; exp is libm's expf where NumPy has its own SIMD one (they may differ in the last bit)."""
+    T, E = logits.shape
+    p = np.empty(E, dtype=np.float32)
+    taken = np.zeros(E, dtype=np.bool_)
+    for t in range(T):
+        top = logits[t, 0]
+        for e in range(1, E):
+            top = max(top, logits[t, e])
+        for e in range(E):
+            p[e] = np.exp(logits[t, e] - top)
+        total = pairwise_sum(p, E)
+        for e in range(E):
+            p[e] = p[e] / total
+            taken[e] = False
+        for j in range(k):  # selection: the highest remaining, the lowest id among equals
+            best = -1
+            for e in range(E):
+                if not taken[e] and (best < 0 or p[e] > p[best]):
+                    best = e
+            taken[best] = True
+            ids[t, j] = best
+            w[t, j] = p[best]
+        if norm_topk:
+            s = pairwise_sum(w[t], k)
+            for j in range(k):
+                w[t, j] = w[t, j] / s
+
+
+@njit(cache=True)
+def group_by_expert(ids, w):
+    """The router's choices ids int64 [T, K] (distinct in a row), w float32 [T, K] grouped by expert, the form the
+    fused MoE kernel takes: -> (used int64 [S] the chosen experts, ascending (the order moe.py's plain loop adds
+    them in); start int64 [S + 1]: expert used[i] owns pairs start[i]:start[i+1] of tok int64 [P] (tokens,
+    ascending) and weight float32 [P]). A counting sort in one compiled call (the NumPy sort, diff and concatenate
+    cost ~10 us of interpreter per layer and token)."""
+    T, K = ids.shape
+    n_e = 0
+    for t in range(T):
+        for k in range(K):
+            n_e = max(n_e, ids[t, k] + 1)
+    count = np.zeros(n_e + 1, dtype=np.int64)  # [E + 1] count[e + 1]: pairs of expert e, then a running sum
+    for t in range(T):
+        for k in range(K):
+            count[ids[t, k] + 1] += 1
+    n_used = 0
+    for e in range(n_e):
+        n_used += count[e + 1] > 0
+    used = np.empty(n_used, dtype=np.int64)
+    start = np.empty(n_used + 1, dtype=np.int64)
+    i = 0
+    for e in range(n_e):
+        if count[e + 1] > 0:
+            used[i] = e
+            start[i] = count[e]
+            i += 1
+        count[e + 1] += count[e]
+    start[n_used] = count[n_e]
+    pos = count[:n_e].copy()  # [E] the next free pair of each expert
+    tok = np.empty(T * K, dtype=np.int64)
+    weight = np.empty(T * K, dtype=np.float32)
+    for t in range(T):
+        for k in range(K):
+            e = ids[t, k]
+            tok[pos[e]] = t
+            weight[pos[e]] = w[t, k]
+            pos[e] += 1
+    return used, start, tok, weight
+
+
+@njit(cache=True)
+def _pairwise_block(a, lo, n):
+    """NumPy's pairwise_sum for n <= 128 values a[lo:lo + n] (float32): see pairwise_sum."""
+    if n < 8:
+        res = np.float32(0.0)
+        for i in range(n):
+            res += a[lo + i]
+        return res
+    r0, r1, r2, r3 = a[lo], a[lo + 1], a[lo + 2], a[lo + 3]
+    r4, r5, r6, r7 = a[lo + 4], a[lo + 5], a[lo + 6], a[lo + 7]
+    i = 8
+    while i < n - n % 8:
+        r0 += a[lo + i]
+        r1 += a[lo + i + 1]
+        r2 += a[lo + i + 2]
+        r3 += a[lo + i + 3]
+        r4 += a[lo + i + 4]
+        r5 += a[lo + i + 5]
+        r6 += a[lo + i + 6]
+        r7 += a[lo + i + 7]
+        i += 8
+    res = ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7))
+    while i < n:
+        res += a[lo + i]
+        i += 1
+    return res
+
+
+@njit(cache=True)
+def pairwise_sum(a, n):
+    """sum of a[:n] (float32) in exactly NumPy's order (`pairwise_sum` of numpy/_core/src/umath/loops_utils.h,
+    what np.add.reduce does along a contiguous axis): up to 8 values in sequence; up to 128 in 8 interleaved
+    partial sums added as ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest in sequence; longer runs
+    split in two (the first part n // 2 rounded down to a multiple of 8), each summed so, then added. NumPy
+    recurses; here an explicit stack does (Numba cannot load a cached self-recursive function back)."""
+    seg_lo = np.empty(64, dtype=np.int64)  # pending segments (lo, n), or a marker n = -1: add the last two values
+    seg_n = np.empty(64, dtype=np.int64)
+    vals = np.empty(64, dtype=np.float32)  # finished partial sums, in order
+    top, nv = 1, 0
+    seg_lo[0], seg_n[0] = 0, n
+    while top > 0:
+        top -= 1
+        lo, m = seg_lo[top], seg_n[top]
+        if m < 0:  # both halves done: left + right
+            vals[nv - 2] = vals[nv - 2] + vals[nv - 1]
+            nv -= 1
+        elif m <= 128:
+            vals[nv] = _pairwise_block(a, lo, m)
+            nv += 1
+        else:
+            m2 = m // 2
+            m2 -= m2 % 8
+            seg_lo[top], seg_n[top] = 0, -1  # then add them
+            seg_lo[top + 1], seg_n[top + 1] = lo + m2, m - m2  # then the right half
+            seg_lo[top + 2], seg_n[top + 2] = lo, m2  # the left half first
+            top += 3
+    return vals[0]
+
+
+@njit(cache=True)
+def rmsnorm_rows(x, w, eps, out):
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for each row t of x float32 [N, n] (w float32 [n]): model.rmsnorm
+    in one compiled call (the NumPy form costs ~15 us of interpreter per call, 4 calls per layer and token), bit
+    for bit: the same float32 operations, the mean's sum in NumPy's pairwise order. Row by row, so the bits of a
+    row do not depend on N either."""
+    N, n = x.shape
+    sq = np.empty(n, dtype=np.float32)  # [n] x^2 of one row
+    for t in range(N):
+        for i in range(n):
+            sq[i] = x[t, i] * x[t, i]
+        denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n) + eps)  # float32 throughout
+        for i in range(n):
+            out[t, i] = x[t, i] / denom * w[i]
+
+
+@njit(cache=True)
+def rope_rows(x, cos, sin, neox):
+    """model.apply_rope in place: x float32 [T, heads, Dh], cos/sin float32 [T, n] (n = rope_dim / 2). The same
+    float32 expressions as the NumPy form (a c - b s, b c + a s; no fused multiply-add), so the same bits."""
+    T, H, _ = x.shape
+    n = cos.shape[1]
+    for t in range(T):
+        for h in range(H):
+            for i in range(n):
+                c, s = cos[t, i], sin[t, i]
+                ia, ib = (i, i + n) if neox else (2 * i, 2 * i + 1)  # NEOX pairs (i, i + n), else (2i, 2i + 1)
+                a, b = x[t, h, ia], x[t, h, ib]
+                x[t, h, ia] = a * c - b * s
+                x[t, h, ib] = b * c + a * s
 
 
 @dataclass(frozen=True)
@@ -103,9 +318,17 @@ class CPUBackend:
                 w.flags.writeable = False
                 for T in (1, 2):
                     kernels.matmul_act(w, qtype, np.zeros((T, QK_K), dtype=np.float32), self.act_bits)
-        if not self.exact:  # the row-by-row attention of the fast path
+        # the hooks model.py calls (RMSNorm, RoPE), and on the fast path the row-by-row attention, the F32 kernel,
+        # the grouping of routed pairs
+        x = np.zeros((2, 2), np.float32)
+        self.rmsnorm(x, np.zeros(2, np.float32), 1e-6)
+        self.rope(np.zeros((2, 1, 2), np.float32), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32), True)
+        if not self.exact:
             self.attention(np.zeros((2, 2, 2), np.float32), np.zeros((2, 1, 2), np.float32),
                            np.zeros((2, 1, 2), np.float32), 0)
+            f32_matmul(x, x, np.empty((2, 2), np.float32))
+            group_by_expert(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+            self.route(x, 1, True)
 
     def warm_up_experts(self, expert_types: dict) -> None:
         """Compile (or load) the fused expert kernel of one gate/up/down type triple."""
@@ -114,6 +337,8 @@ class CPUBackend:
             return
         gate, up, down = (np.zeros((QK_K, quant.get_format(q).row_bytes(QK_K)), dtype=np.uint8) for q in qtypes)
         ex = (gate, up, down)  # a 256 x 256 expert (D = F = 256)
+        for m in ex:
+            m.flags.writeable = False  # like the read-only mmap views: Numba compiles per array type
         x = np.zeros((1, QK_K), dtype=np.float32)
         kernels.moe_act([ex], qtypes, x, [(np.zeros(1, np.int64), np.ones(1, np.float32))], self.act_bits)
 
@@ -138,13 +363,60 @@ class CPUBackend:
             return attention(q, k, v, p0)
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=np.float32)  # [T, H * Dv]
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731  (a KV cache may store f16)
-        attention_rows(f32(q), f32(k), f32(v), p0, out)
+        S, G, Dh = k.shape
+        kt = np.empty((G, Dh, (S + 15) // 16 * 16 + 16), dtype=np.float32)  # [G, Dh, S + pad]: for SIMD over keys
+        transpose_keys(f32(k), kt)
+        attention_rows(f32(q), kt, f32(v), p0, out)
+        return out
+
+    # --- optional hooks model.py (and, once wired, moe.py) look for with getattr; the NumPy functions there are
+    # --- the fallback and the contract ----------------------------------------------------------------------------
+    def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
+        """moe.route's contract: router logits [T, E] -> (ids int [T, K], w float32 [T, K]), compiled (moe.route's
+        softmax, argsort and take_along_axis cost ~13 us of interpreter per layer and token)."""
+        if self.exact:
+            from ..moe import route
+
+            return route(logits, k, norm_topk)
+        T = logits.shape[0]
+        ids, w = np.empty((T, k), dtype=np.int64), np.empty((T, k), dtype=np.float32)
+        route_rows(np.ascontiguousarray(logits, dtype=np.float32), k, bool(norm_topk), ids, w)
+        return ids, w
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """model.rmsnorm's contract (x [..., n] normalised over its last axis, times w [n]), bit for bit."""
+        x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # [N, n]
+        out = np.empty_like(x2)
+        rmsnorm_rows(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
+        return out.reshape(x.shape)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+        """model.apply_rope's contract (x [T, heads, Dh], cos/sin [T, rope_dim / 2]), bit for bit."""
+        out = np.array(x, dtype=np.float32, order="C")  # [T, heads, Dh], a copy, rotated in place
+        rope_rows(out, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
+                  bool(neox))
+        return out
+
+    def linear_many(self, ws: list, x: np.ndarray) -> list:
+        """[linear(w, x) for w in ws], x quantized once for all the integer-path weights (q, k and v of a layer)."""
+        xact = None
+        out = []
+        for w in ws:
+            if not self.exact and w.qtype != quant.QType.F32 and has_int_dot(w.qtype, x.shape[1]):
+                if xact is None:
+                    xact = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), self.act_bits)
+                out.append(kernels.matmul_act(w.raw, w.qtype, x, self.act_bits, xact=xact))
+            else:
+                out.append(self.linear(w, x))
         return out
 
     def linear_raw(self, raw: np.ndarray, qtype: quant.QType, x: np.ndarray) -> np.ndarray:
         """x float32 [T, C] @ W.T where W is stored as `raw` (float32 [R, C], or uint8 rows [R, row_bytes])."""
         if qtype == quant.QType.F32 and not self.exact:  # fast path: per-row order independent of T (as above)
-            return quant.matmul(raw, qtype, x) if x.shape[0] > 1 else quant.matvec(raw, qtype, x[0])[None, :]
+            w = raw if raw.dtype == np.float32 else raw.view(np.float32)  # [R, C]
+            y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
+            f32_matmul(np.ascontiguousarray(w), np.ascontiguousarray(x, dtype=np.float32), y)
+            return y
         if qtype == quant.QType.F32:
             w = raw if raw.dtype == np.float32 else raw.view(np.float32)  # [R, C]
             return x @ w.T  # [T, R]
@@ -165,10 +437,10 @@ class CPUBackend:
         if self.exact or not (has_int_dot(qtypes[0], x.shape[1]) and has_int_dot(qtypes[1], x.shape[1])
                               and has_int_dot(qtypes[2], F)):
             return None
-        order = sorted(experts)  # ascending expert id: the order moe.py's plain loop adds them in
-        pairs = []
-        for e in order:
-            tok, slot = np.nonzero(ids == e)  # tokens routed to e, and at which of their K positions
-            pairs.append((tok, w[tok, slot]))
-        ex = [(experts[e].gate, experts[e].up, experts[e].down) for e in order]
-        return kernels.moe_act(ex, qtypes, x, pairs, self.act_bits)
+        used, start, tok, weight = group_by_expert(np.ascontiguousarray(ids, dtype=np.int64),
+                                                  np.ascontiguousarray(w, dtype=np.float32))
+        used = used.tolist()  # [S] the expert ids, ascending
+        if len(used) != len(experts):
+            raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
+        ex = [(experts[e].gate, experts[e].up, experts[e].down) for e in used]
+        return kernels.moe_act_grouped(ex, qtypes, x, start, tok, weight, self.act_bits)

@@ -222,8 +222,10 @@ from . import qact  # noqa: E402  (qact imports the registry filled above)
 from .qact import QK_K, quantize_act  # noqa: E402
 
 VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
-ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, isum int64 [n], out float32 [n]): n rows
+ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc float32 [n, 16], out float32 [n])
 GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per block of the gate, up and down types
+MM_ROWS_PER_TASK, MM_TOKENS = 32, 64  # the tile of the integer mat-mat kernel: rows per task, tokens per step
+ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (qact._make_row_dot)
 MOE_ROWS_PER_TASK = 64  # rows per prange iteration in the MoE kernel: its scratch is allocated per iteration
 
 
@@ -236,22 +238,58 @@ def _matvec_act_kernel(w, xq, xd, xbs, y):
 
 
 def _matmul_act_kernel(w, xq, xd, xbs, y):
-    # w uint8 [R, row_bytes]; xq int16/int8 [T, C], xd [T, C/256], xbs [T, C/16]; y float32 [T, R] (written)
+    # w uint8 [R, row_bytes]; xq int16/int8 [T, C], xd [T, C/256], xbs [T, C/16]; y float32 [T, R] (written).
+    # Tiled: a task owns MM_ROWS_PER_TASK rows and walks the tokens MM_TOKENS at a time, so the activations it
+    # reads per row (MM_TOKENS * C * 2 bytes) stay in L2 for all its rows (all T tokens, 1 MiB at T = 512 and
+    # C = 1024, would stream from L3 once per row). Each (row, token) result is the same computation either way.
     n_rows = w.shape[0]
     n_tokens = xq.shape[0]
-    for task in prange((n_rows + ROWS_PER_TASK - 1) // ROWS_PER_TASK):
-        isum = np.empty(n_tokens, dtype=np.int64)  # [T] scratch of ROWS
-        out = np.empty(n_tokens, dtype=np.float32)  # [T] one row of W times every token
-        for r in range(task * ROWS_PER_TASK, min(n_rows, (task + 1) * ROWS_PER_TASK)):
-            ROWS(w[r], xq, xd, xbs, isum, out)  # each block of the row unpacked once for all T tokens
-            for t in range(n_tokens):
-                y[t, r] = out[t]
+    for task in prange((n_rows + MM_ROWS_PER_TASK - 1) // MM_ROWS_PER_TASK):
+        acc = np.empty((MM_TOKENS, ROWS_LANES), dtype=np.float32)  # scratch of ROWS
+        out = np.empty(MM_TOKENS, dtype=np.float32)  # one row of W times MM_TOKENS tokens
+        for t0 in range(0, n_tokens, MM_TOKENS):
+            t1 = min(n_tokens, t0 + MM_TOKENS)
+            for r in range(task * MM_ROWS_PER_TASK, min(n_rows, (task + 1) * MM_ROWS_PER_TASK)):
+                ROWS(w[r], xq[t0:t1], xd[t0:t1], xbs[t0:t1], acc[:t1 - t0], out[:t1 - t0])  # unpacked once per tile
+                for t in range(t1 - t0):
+                    y[t0 + t, r] = out[t]
 
 
-def _dot_rows_template(w, xq, xd, xbs, isum, out):
+def _dot_rows_template(w, xq, xd, xbs, acc, out):
     # ROWS for a type without a multi-row block dot: out[t] = VEC_DOT(w, xq[t], ...), row by row
     for t in range(xq.shape[0]):
         out[t] = VEC_DOT(w, xq[t], xd[t], xbs[t])
+
+
+@intrinsic
+def f32_from_bits(typingctx, bits):
+    """An integer's low 32 bits -> the float32 with those bits (a reinterpretation: 2^k is (k + 127) << 23)."""
+    if isinstance(bits, nbtypes.Integer):
+        def codegen(context, builder, signature, args):
+            low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+            return builder.bitcast(low, ir.FloatType())
+
+        return nbtypes.float32(bits), codegen
+
+
+@njit(cache=True, inline="always")
+def exp_f32(x):
+    """e^x in float32 within 2 ulp (measured: |rel. error| < 1.35 * 2^-24), x clamped to [-87, 88] (the result
+    stays a normal float): Cephes' expf, e^x = 2^k e^r with k = round(x / ln 2), r = x - k ln 2 (ln 2 in two parts),
+    e^r a polynomial. Plain float32 operations, no libm call, so a loop of it is vectorised (np.exp on float32
+    calls expf value by value); no fast-math, so its bits do not depend on the loop around it. Twin: np.exp
+    (tests/test_kernels_cpu_backend.py)."""
+    v = min(max(x, np.float32(-87.0)), np.float32(88.0))
+    k = np.floor(v * np.float32(1.44269504) + np.float32(0.5))
+    r = v - k * np.float32(0.693359375) - k * np.float32(-2.12194440e-4)
+    p = np.float32(1.9875691500e-4)
+    p = p * r + np.float32(1.3981999507e-3)
+    p = p * r + np.float32(8.3334519073e-3)
+    p = p * r + np.float32(4.1665795894e-2)
+    p = p * r + np.float32(1.6666665459e-1)
+    p = p * r + np.float32(5.0000001201e-1)
+    p = p * (r * r) + r + np.float32(1.0)
+    return p * f32_from_bits((np.int64(k) + 127) << 23)
 
 
 @intrinsic
@@ -291,7 +329,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
         a, b = start[k], start[k + 1]
         gate = carray(bytes_at(addr[k, 0]), (F, gate_bytes))  # [F, row_bytes(D)]
         up = carray(bytes_at(addr[k, 1]), (F, up_bytes))  # [F, row_bytes(D)]
-        isum = np.empty(b - a, dtype=np.int64)  # scratch
+        acc = np.empty((b - a, ROWS_LANES), dtype=np.float32)  # scratch of ROWS
         g = np.empty(b - a, dtype=np.float32)  # [n] gate row r times the expert's tokens
         u = np.empty(b - a, dtype=np.float32)  # [n] up row r
         r0 = (task % blocks_f) * MOE_ROWS_PER_TASK
@@ -300,14 +338,14 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
                 g[0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
                 u[0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
             else:
-                ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], isum, g)
-                ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], isum, u)
+                ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g)
+                ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u)
             for i in range(b - a):
                 h[a + i, r] = g[i] / (np.float32(1.0) + np.exp(-g[i])) * u[i]  # silu(g) * u
     for p in prange(h.shape[0]):
         quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
     for task in prange((D + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK):
-        isum = np.empty(n_max, dtype=np.int64)
+        acc = np.empty((n_max, ROWS_LANES), dtype=np.float32)
         out = np.empty(n_max, dtype=np.float32)
         for k in range(n_exp):
             a, b = start[k], start[k + 1]
@@ -316,9 +354,25 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
                 if b - a == 1:
                     out[0] = VEC_DOT_DOWN(down[r], hq[a], hd[a], hbs[a])
                 else:
-                    ROWS_DOWN(down[r], hq[a:b], hd[a:b], hbs[a:b], isum[:b - a], out[:b - a])
+                    ROWS_DOWN(down[r], hq[a:b], hd[a:b], hbs[a:b], acc[:b - a], out[:b - a])
                 for i in range(b - a):
                     y[tok[a + i], r] += weight[a + i] * out[i]
+
+
+@njit(cache=True)
+def _c_rows(a, rows, cols):
+    """Whether a 2-D array is C-contiguous with this shape."""
+    return a.shape[0] == rows and a.shape[1] == cols and a.strides[1] == 1 and (rows <= 1 or a.strides[0] == cols)
+
+
+@njit(cache=True)
+def expert_addresses(gate, up, down, F, D, gate_bytes, up_bytes, down_bytes):
+    """The data addresses of one expert's gate, up, down raw rows (uint8 [F, gate_bytes], [F, up_bytes],
+    [D, down_bytes]) if each is C-contiguous with that shape, else (-1, -1, -1). One compiled call per expert:
+    `ndarray.ctypes.data` costs ~1 us of interpreter each, 24 per layer and token."""
+    if _c_rows(gate, F, gate_bytes) and _c_rows(up, F, up_bytes) and _c_rows(down, D, down_bytes):
+        return gate.ctypes.data, up.ctypes.data, down.ctypes.data
+    return -1, -1, -1
 
 
 _ACT_KERNELS: dict = {}
@@ -343,6 +397,9 @@ def rows_dot(qtype):
 
 def act_kernel(template, *qtypes):
     """The integer-path kernel `template` compiled for these weight types (one: VEC_DOT; three: gate, up, down)."""
+    kernel = _ACT_KERNELS.get((template.__name__,) + qtypes)  # the fast lookup: QType is an IntEnum, qtypes hash
+    if kernel is not None:  # as their values (the per-token path calls this for every matrix)
+        return kernel
     key = (template.__name__,) + tuple(QType(q) for q in qtypes)
     if key not in _ACT_KERNELS:
         rows = [rows_dot(q) for q in qtypes]
@@ -359,16 +416,17 @@ def act_kernel(template, *qtypes):
     return _ACT_KERNELS[key]
 
 
-def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16) -> np.ndarray:
+def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=None) -> np.ndarray:
     """Y = X W^T by the integer path: w_raw uint8 [R, row_bytes] of a K type, X float32 [T, C] -> float32 [T, R],
-    X quantized to `bits` (16 or 8) per 256 values. T = 1 runs the mat-vec kernel."""
+    X quantized to `bits` (16 or 8) per 256 values. T = 1 runs the mat-vec kernel. xact: X already quantized
+    (`qact.quantize_rows(X, bits)`), to share one quantization between matrices that multiply the same X."""
     fmt = get_format(qtype)
     w = weight_rows(w_raw, fmt)  # [R, row_bytes]
     X = np.ascontiguousarray(X, dtype=np.float32)  # [T, C]
     if X.ndim != 2 or X.shape[1] != cols_of(w, fmt) or not qact.has_int_dot(fmt.qtype, X.shape[1]):
         raise ValueError(f"matmul_act: X must have shape (T, {cols_of(w, fmt)}) for {fmt.name} weights "
                          f"{w.shape[0]}x{cols_of(w, fmt)} of a type with an integer dot, got {X.shape}")
-    xq, xd, xbs = qact.quantize_rows(X, bits)  # [T, C], [T, C/256], [T, C/16]
+    xq, xd, xbs = xact if xact is not None else qact.quantize_rows(X, bits)  # [T, C], [T, C/256], [T, C/16]
     Y = np.empty((X.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
     if X.shape[0] == 1:
         act_kernel(_matvec_act_kernel, fmt.qtype)(w, xq[0], xd[0], xbs[0], Y[0])
@@ -383,18 +441,32 @@ def moe_act(experts: list, qtypes, x: np.ndarray, pairs: list, bits: int = 16) -
     experts: (gate, up, down) raw rows per expert used, in the order their outputs are added; pairs[i]: (token ids
     int [n_i], routing weights float32 [n_i]) of experts[i]; qtypes: (gate, up, down) types; x float32 [T, D].
     """
-    T, D = x.shape
-    F = experts[0][0].shape[0]
-    keep = [[np.ascontiguousarray(m) for m in ex] for ex in experts]  # alive until the kernel returns
-    for (gate, up, down), q in ((ex, qtypes) for ex in keep):
-        if gate.shape != up.shape or gate.shape[0] != F or down.shape != (D, get_format(q[2]).row_bytes(F)) \
-                or gate.shape[1] != get_format(q[0]).row_bytes(D) or up.shape[1] != get_format(q[1]).row_bytes(D):
-            raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, F={F}")
-    addr = np.array([[m.ctypes.data for m in ex] for ex in keep], dtype=np.int64)  # [S, 3]
     start = np.zeros(len(pairs) + 1, dtype=np.int64)
     start[1:] = np.cumsum([len(t) for t, _ in pairs])  # [S + 1]
     tok = np.concatenate([t for t, _ in pairs]).astype(np.int64)  # [P]
     weight = np.concatenate([w for _, w in pairs]).astype(np.float32)  # [P]
+    return moe_act_grouped(experts, qtypes, x, start, tok, weight, bits)
+
+
+def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok: np.ndarray, weight: np.ndarray,
+                    bits: int = 16) -> np.ndarray:
+    """moe_act with the (token, weight) pairs already grouped by expert: expert i owns pairs start[i]:start[i+1]
+    (start int64 [S + 1]) of tok int64 [P] and weight float32 [P] (the form the kernel takes; the CPU backend
+    builds it with one sort, not a pass per expert)."""
+    T, D = x.shape
+    F = experts[0][0].shape[0]
+    gb, ub, db = (get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))  # bytes of a gate, up, down row
+    addr = np.empty((len(experts), 3), dtype=np.int64)  # [S, 3]
+    keep = []  # copies made C-contiguous, alive until the kernel returns (the callers hold the others)
+    for i, (gate, up, down) in enumerate(experts):
+        addr[i] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
+        if addr[i, 0] < 0:
+            gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
+            if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
+                raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, "
+                                 f"F={F}")
+            keep.append((gate, up, down))
+            addr[i] = [m.ctypes.data for m in (gate, up, down)]
     P = tok.shape[0]
     xq, xd, xbs = qact.quantize_rows(x, bits)  # [T, D], [T, D/256], [T, D/16]
     if P != T or not np.array_equal(tok, np.arange(T)):
@@ -405,5 +477,5 @@ def moe_act(experts: list, qtypes, x: np.ndarray, pairs: list, bits: int = 16) -
     hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
     y = np.zeros((T, D), dtype=np.float32)  # [T, D]
     act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs,
-                                           qact.qmax_of(xq.dtype), y)
+                                     qact.qmax_of(xq.dtype), y)
     return y

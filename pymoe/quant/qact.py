@@ -16,19 +16,21 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
      to 64 bits, and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the
      intrinsics state the narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpdpbusd`):
        `dot_bits16/32(q, i, shift, mask, x, j)` = sum_l ((q[i+l] >> shift) & mask) * x[j+l], 16 or 32 lanes
-       (and the *h forms with a second, high bit field), one sub-block at a time: Q4_K, Q5_K, Q6_K use these;
-       `block_dot_q2_k/q3_k(w, s, x, o)`: a whole 256-weight block from a static layout table, in registers, one
-       reduction; `block_dot_rows_*` the same for every row of a 2-D x, the block unpacked once (prefill).
+       (and the *h forms with a second, high bit field), one sub-block at a time: Q5_K uses these;
+       `row_dot_q2_k/q3_k/q4_k/q6_k(w, xq, xd, xbs)`: a whole weight row from a static block layout table, in
+       vector registers, float32 [16] lane accumulators and one reduction per row; `row_dot_rows_*` the same for
+       every row of a 2-D x, each block unpacked once (prefill), bit for bit.
      Each has a plain twin it is tested against (`dot_bits_ref`, `dot_bits_h_ref`; the block forms against the
      float reference through the vec_dots).
   3. `vec_dot_<type>(w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: one raw weight row (nb blocks) times
-     quantized activations -> float32; `vec_dot_rows_q2_k/q3_k` for many rows at once (bit-identical results).
+     quantized activations -> float32; `vec_dot_rows_<type>` (all but Q5_K) for many rows at once (bit-identical
+     results).
      `ACT_DOTS` / `ACT_DOTS_ROWS` map a QType to them; other formats use the float path.
 What this is not: the kernels that loop over rows and tokens (kernels.py), nor the reference of the result: the
 reference of `vec_dot(w, act)` is `dequantize(w) @ dequantize_act(act)` (tests/test_kernels_qact.py).
 
 Numerics. Each sub-block sum is an exact integer (a 32-lane sum of products < 2^6 * 2^15 * 32 < 2^31; the sums
-over sub-blocks are int64, or, in block_dot, int32 with the bound stated there). Per block, the float result is
+over sub-blocks are int64, or, in row_dot, int32 lanes with the bound stated there). Per block, the float result is
     d_w * d_x * sum_s sc_s * isum_s  -  dmin_w * d_x * sum_s m_s * bsum_s
 so the integer path differs from the float path only by the rounding of x: |x_i - d q_i| <= d / 2 per value,
 hence |y_int - y_float| <= sum_blocks (d_b / 2) * sum_{i in b} |w_i|, plus float32 rounding (what the tests check).
@@ -47,7 +49,7 @@ from numba.extending import intrinsic
 
 from . import QType
 from .floats import read_f16 as _read_f16_call
-from .kquants import Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K, _int8_at, get_scale_min
+from .kquants import Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K, get_scale_min
 
 read_f16 = njit(cache=True, inline="always")(_read_f16_call.py_func)  # the same code, inlined: no call per block
 
@@ -59,7 +61,10 @@ ACT_DTYPES = {8: np.int8, 16: np.int16}  # activation width (bits) -> dtype of q
 # 1. Quantizing activations
 # ----------------------------------------------------------------------------------------------------------------
 def qmax_of(dtype) -> int:
-    return int(np.iinfo(dtype).max)  # 127 or 32767: symmetric, -QMAX..QMAX
+    return _QMAX.get(dtype) or int(np.iinfo(dtype).max)  # 127 or 32767: symmetric, -QMAX..QMAX
+
+
+_QMAX = {np.dtype(np.int8): 127, np.dtype(np.int16): 32767}  # np.iinfo costs ~1 us a call: per token, per matrix
 
 
 def quantize_act_ref(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -122,7 +127,7 @@ def quantize_act_rows(x, qs, d, bsums, qmax):
 
 def quantize_rows(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x float32 [T, C] -> fresh (qs, d, bsums) of T rows (the Numba quantizer)."""
-    dtype = ACT_DTYPES[bits]
+    dtype = np.dtype(ACT_DTYPES[bits])
     T, C = x.shape
     qs = np.empty((T, C), dtype=dtype)  # [T, C]
     d = np.empty((T, C // QK_K), dtype=np.float32)  # [T, nb]
@@ -203,25 +208,48 @@ dot_bits16h = _make_dot_bits(16, True)  # (q, i, shift, mask, qh, ih, hshift, hm
 dot_bits32h = _make_dot_bits(32, True)
 
 
-# The whole-block form: one call per 256-weight block, everything in vector registers, one reduction at the end.
-#     block_dot(w, s, x, o) = sum_k sc[k // 16] * v_k * x[o + k],  k = 0..255
-# for a block starting at byte s of w. The layout is static, given when the intrinsic is made: 8 groups of 32
-# weights (group g = weights 32g..32g+31), each a bit field (byte offset, shift, mask) and optionally a second,
-# high field (offset, shift, mask, position), exactly as dot_bits*h read them; and the 16 sub-block scales as
-# bit fields of the block's bytes picked per lane (byte index, shift, mask, position; minus a bias); a value bias
-# is subtracted from every weight's integer (Q3_K: 4). Per group:
-# 32 values multiplied by 32 activations in pairs (vpmaddwd: 16 int32 sums of two products), times the two
-# sub-block scales (8 lanes each), added to one int32 accumulator. block_dot_rows may instead multiply the scales
-# into the weights once per block (prescale_rows; |scale * v| <= 45 for Q2_K, 128 for Q3_K: still 16 bits).
-# Which is faster is LLVM-codegen dependent; the flags are what measured fastest (AVX-512). No overflow:
-# |scale * v| * 2 * 32767 * 8 groups < 2^31. (Q6_K, |scale * v| up to 4096, would overflow.)
+# The whole-row form (Q2_K, Q3_K): one call per weight row, all its blocks, everything in vector registers.
+#     row_dot(w, xq, xd, xbs) = sum_b (d_b dx_b) sum_k sc[k // 16] v_k xq[256 b + k]  (- dmin_b dx_b sum_s m_s bsum_s)
+# The layout is static, given when the intrinsic is made: 8 groups of 32 weights per 256-block (group g = weights
+# 32g..32g+31), each a bit field (byte offset, shift, mask) and optionally a second, high field (offset, shift,
+# mask, position), exactly as dot_bits*h read them; the 16 sub-block scales as bit fields of the block's bytes
+# picked per lane (byte index, shift, mask, position; minus a bias); a value bias subtracted from every weight's
+# integer (Q3_K: 4, Q6_K: 32); optionally the 16 mins (Q2_K: the high nibbles of the scale bytes; Q4_K: 6-bit
+# fields) and the block's two fp16 factors d, dmin. Per block:
+#   - unpack: each group's 32 integers times their sub-block's scale, in 16-bit lanes (|scale * v| <= 45 for Q2_K,
+#     128 for Q3_K, 945 for Q4_K, 4096 for Q6_K), once per block, whatever the number of activation rows (the
+#     one-row form, whose blocks are used once, instead multiplies each group's 16 pair sums by their scales:
+#     fewer operations per block, the same integers lane by lane, hence the same bits);
+#   - per activation row: 8 multiply-adds of pairs (vpmaddwd, or vpdpwssd with VNNI) into one int32 [16] vector:
+#     |lane| <= 16 products * 4096 * 32767 < 2^31, so the integer sums are exact; the mins against the row's bsums
+#     (int32 [16], |m * bsum| <= 63 * 16 * 32767); both converted to float32 [16] and multiply-added (llvm.fma: one
+#     rounding) with the scalars d * dx and -dmin * dx into a float32 [16] accumulator of the row, lane by lane;
+#   - at the end of the row: one reduction of the accumulator, in a fixed tree (lanes i and i + 8, then i + 4, ...).
+# No horizontal sum per block (the old per-block form spent most of its time there), and every float operation is
+# plain IEEE (no fast-math flags), in an order that does not depend on the number of rows: row t of row_dot_rows
+# has exactly the bits of row_dot on row t alone. The fp16 factors are converted by LLVM's fpext (vcvtph2ps): exact.
 _LANE = list(range(32))
 
 
-def _make_block_dot(groups, scale_fields, scale_bias: int, value_bias: int, prescale_rows: bool):
-    """-> (block_dot(w, s, x, o) -> int64, block_dot_rows(w, s, X, o, out) writing out[t] = block_dot(w, s, X[t], o)
-    for every row t of the 2-D X: the block is unpacked once, then dotted with each row)."""
-    i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+def _host_has_avx512bw() -> bool:
+    """Whether Numba compiles for this machine's CPU and it has AVX-512BW: then row_dot calls vpmaddwd by its x86
+    intrinsic (the portable pattern above is what other CPUs get; the integers are the same)."""
+    import numba
+    from llvmlite import binding
+
+    return numba.config.CPU_NAME in (None, "host") and bool(binding.get_host_cpu_features().get("avx512bw"))
+
+
+_PMADDWD_512 = _host_has_avx512bw()
+
+
+def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: int, d_off: int, dmin_off: int,
+                  min_fields, signed_scales: bool = False):
+    """-> (row_dot(w, xq, xd, xbs) -> float32 for one activation row (1-D xq [C], xd [C/256], xbs [C/16]),
+    row_dot_rows(w, xq, xd, xbs, acc, out) writing out[t] = row_dot(w, xq[t], xd[t], xbs[t]) for every row t of
+    2-D, C-contiguous xq, xd, xbs; acc: float32 [T, 16] scratch). w: one weight row, uint8 [nb * size]."""
+    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+    v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
 
     def vec(ty, n, values):
         return ir.Constant(ir.VectorType(ty, n), list(values))
@@ -230,109 +258,202 @@ def _make_block_dot(groups, scale_fields, scale_bias: int, value_bias: int, pres
         ptr = builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ty, n).as_pointer())
         return builder.load(ptr, align=1)
 
+    def at(builder, base, byte_offset, ty):  # a pointer to ty at i8* base + byte_offset
+        return builder.bitcast(builder.gep(base, [byte_offset]), ty.as_pointer())
+
+    def splat(builder, scalar):  # float -> <16 x float>
+        v = builder.insert_element(ir.Constant(v16f, ir.Undefined), scalar, ir.Constant(i32, 0))
+        return builder.shuffle_vector(v, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [0] * 16))
+
+    def fp16(builder, wdata, s_, off):  # the fp16 field at byte s + off, as float32 (exact)
+        h = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i16), align=1)
+        return builder.fpext(builder.bitcast(h, ir.HalfType()), f32)
+
     def unpack(builder, wdata, s_, prescale):
-        """The block's 8 groups as int32 [32] vectors of scale * q (each value within 16 bits)."""
+        """The block at byte s: its 8 groups as (int16 [32] vector of scale * q, None) if prescale, else as (q,
+        int32 [16] scales: lane j of a pair sum gets its sub-block's scale), and its mins int32 [16] (or None)."""
         def field(off, shift, mask, n=32):  # (n bytes of the block from s + off) >> shift & mask
             v = load(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i8, n)
             return builder.and_(builder.lshr(v, vec(i8, n, [shift] * n)), vec(i8, n, [mask] * n))
 
-        # the 16 sub-block scales, int32 lanes: each piece gathers one byte per lane, shifts and masks it per lane
-        lo = min(min(p[0]) for p in scale_fields)
-        span = max(max(p[0]) for p in scale_fields) + 1 - lo  # the scale bytes, loaded once
-        raw = load(builder, wdata, builder.add(s_, ir.Constant(i64, lo)), i8, span)
-        scales = None
-        for index, shifts, mask, pos in scale_fields:
-            picked = builder.shuffle_vector(raw, ir.Constant(raw.type, ir.Undefined),
-                                            vec(i32, 16, [k - lo for k in index]))
-            part = builder.and_(builder.lshr(picked, vec(i8, 16, shifts)), vec(i8, 16, [mask] * 16))
-            part = builder.shl(builder.zext(part, ir.VectorType(i32, 16)), vec(i32, 16, [pos] * 16))
-            scales = part if scales is None else builder.or_(scales, part)
+        def lanes16(fields, signed=False):  # 16 per-lane values, int16: each piece gathers one byte per lane,
+            lo = min(min(p[0]) for p in fields)  # shifts and masks it per lane, places it at bit `pos`
+            span = max(max(p[0]) for p in fields) + 1 - lo  # the bytes, loaded once
+            raw = load(builder, wdata, builder.add(s_, ir.Constant(i64, lo)), i8, span)
+            out = None
+            for index, shifts, mask, pos in fields:
+                part = builder.shuffle_vector(raw, ir.Constant(raw.type, ir.Undefined),
+                                              vec(i32, 16, [k - lo for k in index]))
+                if signed:  # a whole signed byte (Q6_K's scales)
+                    part = builder.sext(part, ir.VectorType(i16, 16))
+                else:
+                    masks = mask if isinstance(mask, list) else [mask] * 16
+                    part = builder.and_(builder.lshr(part, vec(i8, 16, shifts)), vec(i8, 16, masks))
+                    part = builder.zext(part, ir.VectorType(i16, 16))
+                part = builder.shl(part, vec(i16, 16, [pos] * 16))
+                out = part if out is None else builder.or_(out, part)
+            return out
+
+        scales = lanes16(scale_fields, signed_scales)  # [16] the sub-block scales (one per 16 weights)
         if scale_bias:
-            scales = builder.sub(scales, vec(i32, 16, [scale_bias] * 16))
+            scales = builder.sub(scales, vec(i16, 16, [scale_bias] * 16))
         out = []
         for g, (off, shift, mask, high) in enumerate(groups):
             v = field(off, shift, mask)
             if high is not None:
                 hoff, hshift, hmask, hpos = high
                 v = builder.or_(v, builder.shl(field(hoff, hshift, hmask), vec(i8, 32, [hpos] * 32)))
-            w32 = builder.zext(v, ir.VectorType(i32, 32))
+            w16 = builder.zext(v, ir.VectorType(i16, 32))
             if value_bias:
-                w32 = builder.sub(w32, vec(i32, 32, [value_bias] * 32))
-            if prescale:  # scale * q once per block: |.| < 2^15 for Q2_K/Q3_K, so 16 bits hold it (said to LLVM:)
+                w16 = builder.sub(w16, vec(i16, 32, [value_bias] * 32))
+            if prescale:
                 sc = builder.shuffle_vector(scales, scales, vec(i32, 32, [2 * g] * 16 + [2 * g + 1] * 16))
-                w32 = builder.mul(w32, sc)
-                out.append((builder.sext(builder.trunc(w32, ir.VectorType(ir.IntType(16), 32)),
-                                         ir.VectorType(i32, 32)), None))
-            else:  # the scales multiply the pair sums (lanes 0..7 sub-block 2g, 8..15 sub-block 2g + 1)
-                out.append((w32, builder.shuffle_vector(scales, scales, vec(i32, 16, [2 * g] * 8 + [2 * g + 1] * 8))))
-        return out
+                out.append((builder.mul(w16, sc), None))  # [32] scale * q, within 16 bits (bounds above)
+            else:
+                sc = builder.shuffle_vector(scales, scales, vec(i32, 16, [2 * g] * 8 + [2 * g + 1] * 8))
+                out.append((w16, builder.sext(sc, v16i)))
+        mins = None if min_fields is None else builder.zext(lanes16(min_fields), v16i)  # [16] (one per 16 weights)
+        return out, mins
 
-    def dot_row(builder, unpacked, xdata, xbits, o_):
-        """sum over the block of scale * weight * x[o + k], x from xdata (int8/int16 elements) -> int32."""
-        acc = None
-        for g, (w32, sc) in enumerate(unpacked):
-            xv = load(builder, xdata, builder.add(o_, ir.Constant(i64, 32 * g)), ir.IntType(xbits), 32)
-            prod = builder.mul(w32, builder.sext(xv, ir.VectorType(i32, 32)))  # [32]; pairs added (vpmaddwd)
-            even = builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[0::2]))
-            odd = builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[1::2]))
-            term = builder.add(even, odd)
-            if sc is not None:
+    def row_step(builder, block, d, dmin, xrow, xbits, o_, dx, bsrow, b_, acc):
+        """acc float32 [16] + this block's terms for one activation row (xrow: its first element)."""
+        unpacked, mins = block
+        isum = None
+        for g, (w16, sc) in enumerate(unpacked):
+            xv = load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), ir.IntType(xbits), 32)
+            if _PMADDWD_512:  # the instruction itself: LLVM's pattern match goes through i32 lanes and back
+                x16 = xv if xbits == 16 else builder.sext(xv, ir.VectorType(i16, 32))
+                pmaddwd = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(v16i, [ir.VectorType(i16, 32)] * 2), "llvm.x86.avx512.pmaddw.d.512")
+                term = builder.call(pmaddwd, [w16, x16])
+            else:
+                prod = builder.mul(builder.sext(w16, ir.VectorType(i32, 32)),
+                                   builder.sext(xv, ir.VectorType(i32, 32)))
+                even = builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[0::2]))
+                odd = builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[1::2]))
+                term = builder.add(even, odd)  # pairs of products added: LLVM emits vpmaddwd
+            if sc is not None:  # not prescaled: the pair sums times their scales (the same integers, exactly)
                 term = builder.mul(term, sc)
-            acc = term if acc is None else builder.add(acc, term)
-        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [ir.VectorType(i32, 16)]),
-                                                "llvm.vector.reduce.add.v16i32")
-        return builder.call(reduce, [acc])
+            isum = term if isum is None else builder.add(isum, term)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
+        acc = builder.call(fma, [builder.sitofp(isum, v16f), splat(builder, builder.fmul(d, dx)), acc])
+        if mins is not None:  # - dmin * dx * m_s * bsum_s
+            bs = load(builder, bsrow, builder.mul(b_, ir.Constant(i64, 16)), i32, 16)
+            msum = builder.sitofp(builder.mul(mins, bs), v16f)
+            acc = builder.call(fma, [msum, splat(builder, builder.fneg(builder.fmul(dmin, dx))), acc])
+        return acc
+
+    def reduce(builder, v):  # float32 [16] -> float32, lanes i + n/2 added to lanes i, n = 16, 8, 4, 2
+        n = 16
+        while n > 1:
+            n //= 2
+            v = builder.fadd(builder.shuffle_vector(v, v, vec(i32, n, range(n))),
+                             builder.shuffle_vector(v, v, vec(i32, n, range(n, 2 * n))))
+        return builder.extract_element(v, ir.Constant(i32, 0))
+
+    def block_at(builder, wdata, b_, prescale):
+        s_ = builder.mul(b_, ir.Constant(i64, size))
+        d = fp16(builder, wdata, s_, d_off)
+        dmin = fp16(builder, wdata, s_, dmin_off) if dmin_off >= 0 else None
+        return unpack(builder, wdata, s_, prescale), d, dmin, builder.mul(b_, ir.Constant(i64, QK_K))
 
     def codegen_one(context, builder, signature, args):
-        w_arr, s_, x_arr, o_ = args
-        wdata = context.make_array(signature.args[0])(context, builder, w_arr).data
-        xdata = context.make_array(signature.args[2])(context, builder, x_arr).data
-        unpacked = unpack(builder, wdata, s_, False)
-        return builder.sext(dot_row(builder, unpacked, xdata, signature.args[2].dtype.bitwidth, o_), i64)
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
+        wa, xa, xda, bsa = arrays
+        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, size))
+        xbits = signature.args[1].dtype.bitwidth
+        acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
+        with cgutils.for_range(builder, n_blocks) as loop:
+            block, d, dmin, o_ = block_at(builder, wa.data, loop.index, False)  # one row: scales after the sums
+            dx = builder.load(builder.gep(xda.data, [loop.index]))
+            builder.store(row_step(builder, block, d, dmin, xa.data, xbits, o_, dx, bsa.data, loop.index,
+                                   builder.load(acc)), acc)
+        return reduce(builder, builder.load(acc))
 
     def codegen_rows(context, builder, signature, args):
-        w_arr, s_, x_arr, o_, out_arr = args
-        wdata = context.make_array(signature.args[0])(context, builder, w_arr).data
-        xary = context.make_array(signature.args[2])(context, builder, x_arr)
-        n_rows = cgutils.unpack_tuple(builder, xary.shape, 2)[0]
-        row_bytes = cgutils.unpack_tuple(builder, xary.strides, 2)[0]
-        xbase = builder.bitcast(xary.data, i8.as_pointer())
-        xbits = signature.args[2].dtype.bitwidth
-        out = context.make_array(signature.args[4])(context, builder, out_arr).data
-        unpacked = unpack(builder, wdata, s_, prescale_rows)  # once, for every row
-        with cgutils.for_range(builder, n_rows) as loop:
-            row = builder.gep(xbase, [builder.mul(loop.index, row_bytes)])
-            xdata = builder.bitcast(row, ir.IntType(xbits).as_pointer())
-            isum = dot_row(builder, unpacked, xdata, xbits, o_)
-            builder.store(builder.sext(isum, i64), builder.gep(out, [loop.index]))
+        arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
+        wa, xa, xda, bsa, acca, outa = arrays
+        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, size))
+        n_rows = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
+        xbits = signature.args[1].dtype.bitwidth
+        row_base = lambda a, nd: (builder.bitcast(a.data, i8.as_pointer()),  # noqa: E731
+                                  cgutils.unpack_tuple(builder, a.strides, nd)[0])
+        (xb, xs), (xdb, xds), (bsb, bss), (accb, accs), (outb, outs) = (
+            row_base(a, nd) for a, nd in ((xa, 2), (xda, 2), (bsa, 2), (acca, 2), (outa, 1)))
+        with cgutils.for_range(builder, n_rows) as t:
+            builder.store(ir.Constant(v16f, [0.0] * 16), at(builder, accb, builder.mul(t.index, accs), v16f), align=4)
+        with cgutils.for_range(builder, n_blocks) as loop:
+            b_ = loop.index
+            block, d, dmin, o_ = block_at(builder, wa.data, b_, True)  # unpacked and scaled once, for every row
+            with cgutils.for_range(builder, n_rows) as t:
+                xrow = at(builder, xb, builder.mul(t.index, xs), ir.IntType(xbits))
+                dx_ptr = at(builder, xdb, builder.add(builder.mul(t.index, xds), builder.mul(b_, ir.Constant(i64, 4))),
+                            f32)
+                bsrow = at(builder, bsb, builder.mul(t.index, bss), i32)
+                acc_ptr = builder.bitcast(at(builder, accb, builder.mul(t.index, accs), f32), v16f.as_pointer())
+                new = row_step(builder, block, d, dmin, xrow, xbits, o_, builder.load(dx_ptr), bsrow, b_,
+                               builder.load(acc_ptr, align=4))
+                builder.store(new, acc_ptr, align=4)
+        with cgutils.for_range(builder, n_rows) as t:
+            acc_ptr = builder.bitcast(at(builder, accb, builder.mul(t.index, accs), f32), v16f.as_pointer())
+            total = reduce(builder, builder.load(acc_ptr, align=4))
+            builder.store(total, at(builder, outb, builder.mul(t.index, outs), f32))
         return context.get_dummy_value()
 
-    @intrinsic
-    def block_dot(typingctx, w, s, x, o):
-        if _is_bytes(w) and _is_act(x) and x.dtype != types.int32 and x.ndim == 1:
-            return types.int64(w, s, x, o), codegen_one
+    def _act_rows(x, nd):
+        return _is_act(x) and x.dtype != types.int32 and x.ndim == nd and x.layout == "C"
+
+    def _arr(a, dtype, nd):
+        return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == nd and a.layout == "C"
 
     @intrinsic
-    def block_dot_rows(typingctx, w, s, x, o, out):
-        if (_is_bytes(w) and _is_act(x) and x.dtype != types.int32 and x.ndim == 2 and x.layout == "C"
-                and isinstance(out, types.Array) and out.dtype == types.int64):
-            return types.none(w, s, x, o, out), codegen_rows
+    def row_dot(typingctx, w, xq, xd, xbs):
+        if _arr(w, types.uint8, 1) and _act_rows(xq, 1) and _arr(xd, types.float32, 1) and _arr(xbs, types.int32, 1):
+            return types.float32(w, xq, xd, xbs), codegen_one
 
-    return block_dot, block_dot_rows
+    @intrinsic
+    def row_dot_rows(typingctx, w, xq, xd, xbs, acc, out):
+        if (_arr(w, types.uint8, 1) and _act_rows(xq, 2) and _arr(xd, types.float32, 2)
+                and _arr(xbs, types.int32, 2) and _arr(acc, types.float32, 2)
+                and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 1):
+            return types.none(w, xq, xd, xbs, acc, out), codegen_rows
+
+    return row_dot, row_dot_rows
 
 
-# Q2_K: group 4h + j = qs[32h + l] bits 2j (qs at byte 16); scale k = byte k & 15.
-block_dot_q2_k, block_dot_rows_q2_k = _make_block_dot(
+# Q2_K (84 bytes): scales[16] at byte 0 (scale = low nibble, min = high nibble), qs[64] at 16, d at 80, dmin at 82.
+# Group 4h + j = qs[32h + l] bits 2j (weight 128h + 32j + l); scale k = byte k & 15, min k = byte k >> 4.
+row_dot_q2_k, row_dot_rows_q2_k = _make_row_dot(
     groups=[(16 + 32 * h, 2 * j, 3, None) for h in range(2) for j in range(4)],
-    scale_fields=[(list(range(16)), [0] * 16, 15, 0)], scale_bias=0, value_bias=0, prescale_rows=False)
-# Q3_K: group 4h + j = qs[32h + l] bits 2j (qs at byte 32) | hmask[l] bit 4h + j << 2, minus 4.
-# Scale k (6 bits, bias 32): low 4 bits = byte 96 + (k & 7) >> 4 (k >> 3), high 2 bits = byte 104 + (k & 3)
-# >> 2 (k >> 2).
-block_dot_q3_k, block_dot_rows_q3_k = _make_block_dot(
+    scale_fields=[(list(range(16)), [0] * 16, 15, 0)], scale_bias=0, value_bias=0,
+    size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)])
+# Q3_K (110 bytes): hmask[32] at 0, qs[64] at 32, scales[12] at 96, d at 108. Group 4h + j = qs[32h + l] bits 2j
+# | hmask[l] bit 4h + j << 2, minus 4. Scale k (6 bits, bias 32): low 4 bits = byte 96 + (k & 7) >> 4 (k >> 3),
+# high 2 bits = byte 104 + (k & 3) >> 2 (k >> 2).
+row_dot_q3_k, row_dot_rows_q3_k = _make_row_dot(
     groups=[(32 + 32 * h, 2 * j, 3, (0, 4 * h + j, 1, 2)) for h in range(2) for j in range(4)],
     scale_fields=[([96 + (k & 7) for k in range(16)], [4 * (k >> 3) for k in range(16)], 15, 0),
                   ([104 + (k & 3) for k in range(16)], [2 * (k >> 2) for k in range(16)], 3, 4)],
-    scale_bias=32, value_bias=4, prescale_rows=True)
+    scale_bias=32, value_bias=4, size=Q3_K_SIZE, d_off=108, dmin_off=-1, min_fields=None)
+# Q4_K (144 bytes): d at 0, dmin at 2, scales[12] at 4 (a 6-bit scale and min per 32-weight sub-block j, packed as in
+# get_scale_min: j < 4: scale = q[j] & 63, min = q[j + 4] & 63; j >= 4: scale = q[j + 4] & 15 | (q[j - 4] >> 6) << 4,
+# min = q[j + 4] >> 4 | (q[j] >> 6) << 4, q = the scale bytes), qs[128] at 16: group g (sub-block g) = nibble g % 2 of
+# qs[32 (g // 2) + l]. Lane k of the scales and mins (16 weights) is sub-block k // 2; |scale * q| <= 63 * 15.
+_J = [k // 2 for k in range(16)]
+row_dot_q4_k, row_dot_rows_q4_k = _make_row_dot(
+    groups=[(16 + 32 * (g // 2), 4 * (g % 2), 15, None) for g in range(8)],
+    scale_fields=[([4 + j if j < 4 else 8 + j for j in _J], [0] * 16, [63 if j < 4 else 15 for j in _J], 0),
+                  ([4 + j - 4 if j >= 4 else 4 for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
+    min_fields=[([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 else 15 for j in _J], 0),
+                ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
+    scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2)
+# Q6_K (210 bytes): ql[128] at 0, qh[64] at 128, scales int8[16] at 192, d at 208. Group 4h + j (weights 128h + 32j
+# + l): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits = qh[32h + l] bits 2j; q = that - 32.
+# |scale * q| <= 128 * 32 = 4096, so a lane's 16 products stay below 16 * 4096 * 32767 < 2^31.
+row_dot_q6_k, row_dot_rows_q6_k = _make_row_dot(
+    groups=[(64 * h + 32 * (j % 2), 4 * (j // 2), 15, (128 + 32 * h, 2 * j, 3, 4)) for h in range(2) for j in range(4)],
+    scale_fields=[([192 + k for k in range(16)], [0] * 16, 255, 0)], signed_scales=True,
+    scale_bias=0, value_bias=32, size=Q6_K_SIZE, d_off=208, dmin_off=-1, min_fields=None)
 
 
 @njit(cache=True)
@@ -362,26 +483,14 @@ def dot_bits_h_ref(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j, lanes):
 @njit(cache=True)
 def vec_dot_q2_k(w, xq, xd, xbs):
     # qs[32h + l] bits 2j..2j+1 -> weight 128h + 32j + l, sub-block (128h + 32j + l) // 16 = 8h + 2j + l // 16.
-    acc = np.float32(0.0)
-    for b in range(w.shape[0] // Q2_K_SIZE):
-        s, o = b * Q2_K_SIZE, b * QK_K
-        isum = block_dot_q2_k(w, s, xq, o)  # sum_s sc_s * sum_{k in s} q_k x_k
-        msum = dot_bits16(w, s, 4, 15, xbs, 16 * b)  # sum_s m_s * bsum_s: the mins are the high nibbles
-        dx = xd[b]
-        acc += (read_f16(w, s + 80) * dx) * np.float32(isum) - (read_f16(w, s + 82) * dx) * np.float32(msum)
-    return acc
+    return row_dot_q2_k(w, xq, xd, xbs)
 
 
 @njit(cache=True)
 def vec_dot_q3_k(w, xq, xd, xbs):
     # Weight 128h + 32j + l: low 2 bits in qs[32h + l] bits 2j..2j+1, high bit in hmask[l] bit 4h + j;
-    # q = low - 4 * (1 - high) = (low | high << 2) - 4: block_dot_q3_k's layout.
-    acc = np.float32(0.0)
-    for b in range(w.shape[0] // Q3_K_SIZE):
-        s, o = b * Q3_K_SIZE, b * QK_K
-        isum = block_dot_q3_k(w, s, xq, o)
-        acc += (read_f16(w, s + 108) * xd[b]) * np.float32(isum)
-    return acc
+    # q = low - 4 * (1 - high) = (low | high << 2) - 4: row_dot_q3_k's layout.
+    return row_dot_q3_k(w, xq, xd, xbs)
 
 
 @njit(cache=True)
@@ -412,7 +521,8 @@ def _vec_dot_scale_min_k(w, xq, xd, xbs, size, qs_off, qh_off):
 
 @njit(cache=True)
 def vec_dot_q4_k(w, xq, xd, xbs):
-    return _vec_dot_scale_min_k(w, xq, xd, xbs, Q4_K_SIZE, 16, -1)
+    # Sub-block j (32 weights) of qs[32 (j // 2) + l], nibble j % 2, its 6-bit scale and min: row_dot_q4_k's layout.
+    return row_dot_q4_k(w, xq, xd, xbs)
 
 
 @njit(cache=True)
@@ -423,47 +533,34 @@ def vec_dot_q5_k(w, xq, xd, xbs):
 @njit(cache=True)
 def vec_dot_q6_k(w, xq, xd, xbs):
     # Weight 128h + 32j + l (l < 32): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits =
-    # qh[32h + l] bits 2j..2j+1; q = (low | high << 4) - 32, so sum q x = sum (low | high << 4) x - 32 bsum.
-    acc = np.float32(0.0)
-    for b in range(w.shape[0] // Q6_K_SIZE):
-        s, o = b * Q6_K_SIZE, b * QK_K
-        isum = 0
-        for h in range(2):
-            for j in range(4):
-                for g in range(2):
-                    sub = 8 * h + 2 * j + g
-                    ox = o + 128 * h + 32 * j + 16 * g
-                    v = dot_bits16h(w, s + 64 * h + 32 * (j & 1) + 16 * g, 4 * (j >> 1), 15,
-                                    w, s + 128 + 32 * h + 16 * g, 2 * j, 3, 4, xq, ox)
-                    isum += _int8_at(w, s + 192 + sub) * (v - 32 * xbs[16 * b + sub])
-        acc += (read_f16(w, s + 208) * xd[b]) * np.float32(isum)
-    return acc
+    # qh[32h + l] bits 2j..2j+1; q = (low | high << 4) - 32: row_dot_q6_k's layout.
+    return row_dot_q6_k(w, xq, xd, xbs)
 
 
-def _make_vec_dot_rows(block_dot_rows, size: int, d_off: int, dmin_off: int):
-    """out[t] = vec_dot(w, xq[t], xd[t], xbs[t]) for every row t (xq [T, C]) of a type with a block_dot_rows:
-    each block's bits are unpacked once for all T rows (prefill; the experts' tokens). Same float operations, in
-    the same order, as the one-row vec_dot: the results are identical. isum: int64 [T] scratch."""
-    @njit(cache=True)
-    def vec_dot_rows(w, xq, xd, xbs, isum, out):
-        out[:] = 0.0
-        for b in range(w.shape[0] // size):
-            s, o = b * size, b * QK_K
-            block_dot_rows(w, s, xq, o, isum)
-            d = read_f16(w, s + d_off)
-            for t in range(xq.shape[0]):
-                dx = xd[t, b]
-                if dmin_off >= 0:
-                    msum = dot_bits16(w, s, 4, 15, xbs[t], 16 * b)  # Q2_K's min term, as in vec_dot_q2_k
-                    out[t] += (d * dx) * np.float32(isum[t]) - (read_f16(w, s + dmin_off) * dx) * np.float32(msum)
-                else:
-                    out[t] += (d * dx) * np.float32(isum[t])
-
-    return vec_dot_rows
+@njit(cache=True)
+def vec_dot_rows_q2_k(w, xq, xd, xbs, acc, out):
+    """out[t] = vec_dot_q2_k(w, xq[t], xd[t], xbs[t]) for every row t, each block unpacked once (prefill; an
+    expert's tokens), bit for bit. acc: float32 [T, 16] scratch."""
+    row_dot_rows_q2_k(w, xq, xd, xbs, acc, out)
 
 
-vec_dot_rows_q2_k = _make_vec_dot_rows(block_dot_rows_q2_k, Q2_K_SIZE, 80, 82)
-vec_dot_rows_q3_k = _make_vec_dot_rows(block_dot_rows_q3_k, Q3_K_SIZE, 108, -1)
+@njit(cache=True)
+def vec_dot_rows_q3_k(w, xq, xd, xbs, acc, out):
+    """The same for Q3_K."""
+    row_dot_rows_q3_k(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_rows_q4_k(w, xq, xd, xbs, acc, out):
+    """The same for Q4_K."""
+    row_dot_rows_q4_k(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_rows_q6_k(w, xq, xd, xbs, acc, out):
+    """The same for Q6_K."""
+    row_dot_rows_q6_k(w, xq, xd, xbs, acc, out)
+
 
 ACT_DOTS = {
     QType.Q2_K: vec_dot_q2_k,
@@ -474,7 +571,8 @@ ACT_DOTS = {
 }
 
 
-ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k}  # the others: a loop of vec_dot
+ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k, QType.Q4_K: vec_dot_rows_q4_k,
+                 QType.Q6_K: vec_dot_rows_q6_k}  # Q5_K: a loop of vec_dot
 
 
 def has_int_dot(qtype, cols: int) -> bool:

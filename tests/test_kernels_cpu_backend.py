@@ -1,0 +1,181 @@
+"""The CPU backend's compiled helpers (pymoe/backends/cpu.py) and the whole-row integer dots, each against its twin.
+
+What this is: the fast pieces that replaced NumPy code in the forward pass, each checked against the code it
+replaced or a float reference:
+  - the row_dot forms (every K type with one): the multi-row dot gives, per row, exactly the bits of the one-row
+    dot (decode = prefill), and the kernels give the same bits for 1 or T tokens;
+  - rmsnorm / rope hooks: bit for bit model.rmsnorm / model.apply_rope (NumPy);
+  - exp_f32 against np.exp (float64): within 2 ulp;
+  - attention_rows against model.attention (einsum, float32 rounding bound), and T-independent bits;
+  - f32_matmul against x @ w.T, T-independent bits; the compiled router against moe.route;
+  - group_by_expert against np.nonzero per expert; moe_act_grouped with non-contiguous experts (the copy path).
+What this is not: the integer path's accuracy against float math (tests/test_kernels_qact.py).
+"""
+import numpy as np
+import pytest
+from numba import njit
+
+import pymoe.quant as Q
+from pymoe.backends.cpu import CPUBackend, attention_rows, f32_matmul, group_by_expert
+from pymoe.quant.kernels import exp_f32
+from pymoe.model import apply_rope, attention, rmsnorm
+from pymoe.quant import QType, kernels, qact
+from quant_helpers import random_rows
+
+ROWS_TYPES = sorted(qact.ACT_DOTS_ROWS, key=lambda q: q.name)
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("qtype", ROWS_TYPES, ids=[q.name for q in ROWS_TYPES])
+def test_multi_row_dot_has_the_bits_of_the_one_row_dot(qtype, bits):
+    rng = np.random.default_rng(5)
+    w = random_rows(qtype, 9, 768, rng)  # [R, row_bytes]
+    X = rng.standard_normal((6, 768)).astype(np.float32) * np.float32(4)
+    xq, xd, xbs = qact.quantize_rows(X, bits)
+    out = np.empty(6, np.float32)
+    for r in range(w.shape[0]):
+        qact.ACT_DOTS_ROWS[qtype](w[r], xq, xd, xbs, np.empty((6, 16), np.float32), out)
+        one = [qact.ACT_DOTS[qtype](w[r], xq[t], xd[t], xbs[t]) for t in range(6)]
+        assert np.array_equal(out, np.array(one, dtype=np.float32))
+    Y = kernels.matmul_act(w, qtype, X, bits)  # [T, R]: the mat-mat kernel
+    assert np.array_equal(Y, np.concatenate([kernels.matmul_act(w, qtype, X[t:t + 1], bits) for t in range(6)]))
+
+
+def test_rmsnorm_and_rope_hooks_are_bit_identical_to_numpy():
+    b = CPUBackend(exact=False)
+    rng = np.random.default_rng(6)
+    for shape in ((1, 1024), (7, 1024), (3, 16, 64), (2, 5, 100), (4, 129), (1, 7), (2, 3000)):
+        x = (rng.standard_normal(shape) * rng.uniform(0.01, 50)).astype(np.float32)
+        w = rng.standard_normal(shape[-1]).astype(np.float32)
+        assert np.array_equal(b.rmsnorm(x, w, 1e-6), rmsnorm(x, w, 1e-6))
+    x = rng.standard_normal((5, 4, 64)).astype(np.float32)
+    theta = rng.uniform(0, 100, (5, 16))
+    cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)  # rope_dim 32 of 64: a part
+    for neox in (True, False):
+        assert np.array_equal(b.rope(x, cos, sin, neox), apply_rope(x, cos, sin, neox))
+
+
+def test_exp_f32_within_two_ulp():
+    @njit
+    def run(x, y):
+        for i in range(x.shape[0]):
+            y[i] = exp_f32(x[i])
+
+    x = np.concatenate([np.linspace(-87, 88, 400001), [0.0, -1e-8, 1e-8, -86.99, 87.99]]).astype(np.float32)
+    y = np.empty_like(x)
+    run(x, y)
+    ref = np.exp(x.astype(np.float64))
+    assert (np.abs(y - ref) <= 2 * 2.0 ** -24 * ref).all()
+    y2 = np.empty(3, np.float32)
+    run(np.array([-1000, -np.inf, 0], np.float32), y2)  # clamped: tiny, not 0 (only ever scaled by a sum >= 1)
+    assert 0 < y2[0] < 1e-37 and 0 < y2[1] < 1e-37 and y2[2] == 1
+
+
+def test_attention_rows_against_einsum_and_independent_of_T():
+    rng = np.random.default_rng(7)
+    T, H, G, Dh, p0 = 37, 8, 2, 64, 20
+    S = p0 + T
+    q = rng.standard_normal((T, H, Dh)).astype(np.float32)
+    k = rng.standard_normal((S, G, Dh)).astype(np.float32)
+    v = rng.standard_normal((S, G, Dh)).astype(np.float32)
+    b = CPUBackend(exact=False)
+    out = b.attention(q, k, v, p0)  # [T, H * Dh]
+    ref = attention(q, k, v, p0)
+    assert np.abs(out - ref).max() <= 1e-5 * np.abs(v).max()  # float32 sums of <= 57 terms, exp within 2 ulp
+    for t in (0, 5, T - 1):  # query t alone (decode) = its row of the T-query call (prefill)
+        one = b.attention(q[t:t + 1], k[:p0 + t + 1], v[:p0 + t + 1], p0 + t)
+        assert np.array_equal(one[0], out[t])
+    kt = np.ascontiguousarray(np.transpose(k, (1, 2, 0)))  # the kernel itself, keys transposed
+    direct = np.empty_like(out)
+    attention_rows(q, kt, v, p0, direct)
+    assert np.array_equal(direct, out)
+
+
+def test_f32_matmul_against_numpy_and_independent_of_T():
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((64, 1024)).astype(np.float32)
+    x = rng.standard_normal((9, 1024)).astype(np.float32)
+    y = np.empty((9, 64), np.float32)
+    f32_matmul(w, x, y)
+    ref = x.astype(np.float64) @ w.T.astype(np.float64)
+    assert (np.abs(y - ref) <= 1024 * 2.0 ** -24 * (np.abs(x) @ np.abs(w).T)).all()
+    y1 = np.empty((1, 64), np.float32)
+    f32_matmul(w, x[4:5], y1)
+    assert np.array_equal(y1[0], y[4])
+    b = CPUBackend(exact=False)
+    assert np.array_equal(b.linear_raw(w, QType.F32, x), y)
+
+
+def test_group_by_expert_matches_nonzero_per_expert():
+    rng = np.random.default_rng(9)
+    for T, E, K in ((1, 64, 8), (5, 6, 2), (300, 64, 8), (3, 4, 4)):
+        ids = np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int64)  # [T, K]
+        w = rng.random((T, K)).astype(np.float32)
+        used, start, tok, weight = group_by_expert(ids, w)
+        assert used.tolist() == sorted(set(ids.ravel().tolist()))
+        assert start[0] == 0 and start[-1] == T * K
+        for i, e in enumerate(used):
+            t, slot = np.nonzero(ids == e)
+            assert np.array_equal(tok[start[i]:start[i + 1]], t)
+            assert np.array_equal(weight[start[i]:start[i + 1]], w[t, slot])
+
+
+def test_moe_kernel_takes_non_contiguous_experts():
+    """Experts as strided views (not C-contiguous) are copied, not read at a wrong address: same result."""
+    rng = np.random.default_rng(10)
+    D, F = 256, 256
+    qtypes = (QType.Q2_K, QType.Q2_K, QType.Q3_K)
+    ex = tuple(random_rows(q, r, c, rng) for q, r, c in zip(qtypes, (F, F, D), (D, D, F)))
+    strided = tuple(np.repeat(m, 2, axis=0)[::2] for m in ex)  # the same bytes, every other row of a copy
+    assert not strided[0].flags.c_contiguous
+    x = rng.standard_normal((3, D)).astype(np.float32)
+    pairs = [(np.arange(3), np.ones(3, np.float32))]
+    assert np.array_equal(kernels.moe_act([strided], qtypes, x, pairs), kernels.moe_act([ex], qtypes, x, pairs))
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.moe_act([(ex[0][:5], ex[1], ex[2])], qtypes, x, pairs)
+    assert Q.get_format(QType.Q2_K).row_bytes(D) == ex[0].shape[1]
+
+
+def test_route_hook_matches_moe_route():
+    """The compiled router (CPUBackend.route, for moe.py): the same experts in the same order, ties to the lower
+    id, weights within float32 rounding (exp from libm, not NumPy's SIMD exp)."""
+    from pymoe.moe import route
+
+    b = CPUBackend(exact=False)
+    rng = np.random.default_rng(11)
+    for T in (1, 7, 64):
+        logits = (rng.standard_normal((T, 64)) * 3).astype(np.float32)
+        logits[0, 5] = logits[0, 9] = logits[0].max() + 1  # a tie at the top
+        for norm in (True, False):
+            ids, w = route(logits, 8, norm)
+            ids2, w2 = b.route(logits, 8, norm)
+            assert np.array_equal(ids, ids2) and ids2[0, 0] == 5 and ids2[0, 1] == 9
+            assert np.allclose(w, w2, rtol=4 * 2.0 ** -24 * 64, atol=0)
+
+
+@pytest.mark.parametrize("qtype", ROWS_TYPES, ids=[q.name for q in ROWS_TYPES])
+def test_row_dot_generic_pattern_equals_the_x86_intrinsic(qtype, monkeypatch):
+    """row_dot emits vpmaddwd by its x86 intrinsic on AVX-512BW hosts and as a portable multiply-add pattern
+    elsewhere: both give the same integers, hence the same bits (checked here with fresh, uncached compilations)."""
+    name = qtype.name.lower()
+    one, rows = getattr(qact, f"row_dot_{name}"), getattr(qact, f"row_dot_rows_{name}")
+
+    def compiled():
+        @njit(cache=False)
+        def f(w, xq, xd, xbs, acc, out, single):
+            rows(w, xq, xd, xbs, acc, out)
+            for t in range(xq.shape[0]):
+                single[t] = one(w, xq[t], xd[t], xbs[t])
+        return f
+
+    rng = np.random.default_rng(12)
+    w = random_rows(qtype, 1, 512, rng)[0]
+    xq, xd, xbs = qact.quantize_rows(rng.standard_normal((3, 512)).astype(np.float32), 16)
+    results = []
+    for flag in (False, True):
+        monkeypatch.setattr(qact, "_PMADDWD_512", flag and qact._host_has_avx512bw())
+        out, single = np.empty(3, np.float32), np.empty(3, np.float32)
+        compiled()(w, xq, xd, xbs, np.empty((3, 16), np.float32), out, single)
+        assert np.array_equal(out, single)
+        results.append(out)
+    assert np.array_equal(results[0], results[1])
