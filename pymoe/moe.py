@@ -59,7 +59,7 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
     """x [T, D] (already ffn-normed) -> (y [T, D], expert ids [T, K], their weights [T, K]). `layer`: model.Layer."""
     cfg = layer.cfg
     logits = backend.linear(layer.ffn_gate_inp, x)  # [T, E]
-    ids, w = route(logits, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
+    ids, w = getattr(backend, "route", route)(logits, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
     cache.lookup(layer.index, ids, phase)
 
     experts = {e: cache.expert(layer.index, e) for e in np.unique(ids).tolist()}  # each chosen expert once
@@ -75,6 +75,6 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
     if cfg.has_shared_expert:
         sh = layer.shared
         h = silu(backend.linear(sh["gate"], x)) * backend.linear(sh["up"], x)  # [T, S]
-        gate = sigmoid(x @ sh["gate_inp"])[:, None]  # [T, 1]
+        gate = sigmoid((x * sh["gate_inp"]).sum(axis=-1, keepdims=True))  # [T, 1]; per-row order, as in decode
         y += gate * backend.linear(sh["down"], h)
     return y, ids, w

@@ -113,7 +113,8 @@ def test_miss_paths_are_tagged_for_the_backend(tiny_model):
 
 
 @pytest.mark.skipif(cuda_available(), reason="a GPU is present")
-def test_cuda_backend_without_a_gpu_is_a_one_line_error(tiny_model):
+def test_cuda_backend_without_a_gpu_is_a_one_line_error(tiny_model, monkeypatch):
+    monkeypatch.setenv("NUMBA_ENABLE_CUDASIM", "0")  # the CUDA test modules switch the simulator on for this process
     r = run_pymoe("run", tiny_model("qwen3moe", "q2_k"), "-p", "hi", "-n", "2", "--backend", "cuda")
     assert r.returncode == 2 and r.stderr.strip().splitlines()[-1].startswith("pymoe: error: backend 'cuda': no CUDA")
     assert "Traceback" not in r.stderr

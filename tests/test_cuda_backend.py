@@ -176,6 +176,7 @@ class EventLog:
 
     def __init__(self, streams):
         self.ops, self.names = [], streams
+        self.events = []  # every event made, kept alive: their id()s name them in `ops` and must not be reused
 
     def __call__(self, *args, **kwargs):
         log = self
@@ -190,7 +191,8 @@ class EventLog:
             def synchronize(self):
                 pass
 
-        return Event()
+        self.events.append(Event())
+        return self.events[-1]
 
 
 def test_slot_copies_are_ordered_by_events(monkeypatch):
