@@ -326,7 +326,9 @@ class CPUBackend:
         if not self.exact:
             self.attention(np.zeros((2, 2, 2), np.float32), np.zeros((2, 1, 2), np.float32),
                            np.zeros((2, 1, 2), np.float32), 0)
-            f32_matmul(x, x, np.empty((2, 2), np.float32))
+            w = np.zeros((2, 2), np.float32)
+            w.flags.writeable = False  # like the router's read-only mmap view: Numba compiles per array type
+            f32_matmul(w, x, np.empty((2, 2), np.float32))
             group_by_expert(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
             self.route(x, 1, True)
 
