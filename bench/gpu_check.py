@@ -124,8 +124,10 @@ def main(argv=None):
     checked = [r for _, slots, r in rows if args.backend == "cuda" or slots == 0]
     if not checked:
         return 0
+    # A copy of the experts in host RAM would show as anonymous RSS of their size; allow a quarter of it, and at
+    # least 32 MiB (allocator noise, which dominates on small models).
     worst = max(r["anon_growth"] / r["experts"] for r in checked)
-    ok = worst < 0.25
+    ok = all(r["anon_growth"] < max(0.25 * r["experts"], 32 * MiB) for r in checked)
     print(f"host RAM for experts: the mmap alone (anonymous RSS growth at most {100 * worst:.1f}% of the experts' "
           "bytes)" if ok else f"FAIL: anonymous RSS grew by {100 * worst:.0f}% of the experts' bytes")
     return 0 if ok else 1
