@@ -252,4 +252,25 @@ def test_real_kernels_end_to_end_match_the_cpu_float_path(tiny_model, monkeypatc
     assert greedy(engine) == want_tokens
 
 
+def test_the_gpu_check_script_runs(tiny_model, monkeypatch, capsys):
+    """bench/gpu_check.py (scripts/gpu-check's model part) end to end, here on the simulator with the reference
+    kernels: so the one script a GPU session runs is known to work before it costs device time."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
+    import gpu_check
+
+    load = pymoe.load
+    monkeypatch.setattr(pymoe, "load", lambda *a, **k: load(*a, **(dict(k, backend_options=SIM)
+                                                                  if k.get("backend") == "cuda" else k)))
+    rc = gpu_check.main(["--model", tiny_model("qwen3moe", "q2_k"), "--fractions", "0,25,100", "--tokens", "6",
+                         "--prompt-tokens", "12"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "expert cache auto" not in out and "PCIe probe:" in out and "host RAM for experts: the mmap alone" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0%", "25%", "100%"))]
+    assert [r[0] for r in rows] == ["0%", "25%", "100%"] and float(rows[0][5]) == 100.0  # no pool: all spill
+
+
 test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
