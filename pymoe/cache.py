@@ -77,6 +77,7 @@ class PassThroughCache:
         with no slots (`--cache none`): every lookup is a miss read over PCIe (staged in prefill)."""
         self.model = model
         self.miss_path = miss_path
+        self._where = miss_path
         self.stats = CacheStats()
 
     def lookup(self, layer: int, expert_ids: np.ndarray, phase: str) -> None:
@@ -100,25 +101,30 @@ class PassThroughCache:
 
 
 class HostPool:
-    """The slot pool of the CPU backend: uint8 [N, slot_bytes] in RAM. A GPU backend brings its own pool with the
-    same four methods (backends/cuda.py: `DevicePool`, device memory, copies on a copy stream)."""
+    """The slot pool of the CPU backend: uint8 [N, slot_bytes] in RAM. A GPU backend's pool subclasses it, keeping
+    the slot layout and replacing where the bytes live and how they are copied (backends/cuda.py: `DevicePool`)."""
 
     def __init__(self, n_slots: int, slot_bytes: int, parts: list):
-        self.parts = parts  # [(name, (rows, row_bytes))]: gate | up | down, in that order, in every slot
-        self.bytes = np.zeros((n_slots, slot_bytes), dtype=np.uint8)  # [N, slot_bytes]
+        self.layout, off = [], 0  # [(name, byte offset, (rows, row_bytes))]: gate | up | down in every slot
+        for name, shape in parts:
+            self.layout.append((name, off, shape))
+            off += shape[0] * shape[1]
+        self.bytes = self.allocate(n_slots, slot_bytes)  # [N, slot_bytes]
+
+    def allocate(self, n_slots: int, slot_bytes: int):
+        return np.zeros((n_slots, slot_bytes), dtype=np.uint8)
 
     def write(self, slot: int, ex: ExpertBytes) -> None:
-        off = 0
-        for name, _ in self.parts:
+        for name, off, _ in self.layout:
             src = getattr(ex, name)
             self.bytes[slot, off:off + src.nbytes] = src.reshape(-1)
-            off += src.nbytes
+
+    def part(self, slot: int, off: int, shape: tuple):
+        """The bytes of one matrix of a slot, as rows: uint8 [rows, row_bytes], a view."""
+        return self.bytes[slot, off:off + shape[0] * shape[1]].reshape(shape)
 
     def view(self, slot: int, layer: int, e: int) -> ExpertBytes:
-        views, off = {}, 0
-        for name, (rows, row_bytes) in self.parts:
-            views[name] = self.bytes[slot, off:off + rows * row_bytes].reshape(rows, row_bytes)
-            off += rows * row_bytes
+        views = {name: self.part(slot, off, shape) for name, off, shape in self.layout}
         return ExpertBytes(layer, e, **views, where="slot", slot=slot)
 
     def read(self, slot: int) -> np.ndarray:

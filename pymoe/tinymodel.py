@@ -223,18 +223,20 @@ def _quantized(weights, mix: str, jobs: int):
             qtype = quant_type(name, values.shape, mix)
             yield name, values.shape, qtype, values if qtype == Q.F32 else quant.quantize(values, qtype)
         return
+    def done(item):  # (name, shape, qtype, float values or a future of the quantized bytes) -> what to write
+        name, shape, qtype, data = item
+        return name, shape, qtype, data if qtype == Q.F32 else data.result()
+
     with ProcessPoolExecutor(jobs) as pool:
         pending = deque()
         for name, values in weights:
             qtype = quant_type(name, values.shape, mix)
-            pending.append((name, values.shape, qtype, values if qtype == Q.F32 else pool.submit(quant.quantize,
-                                                                                                values, qtype)))
-            while len(pending) >= 2 * jobs or (pending and not hasattr(pending[0][3], "result")):
-                name_, shape, qt, data = pending.popleft()
-                yield name_, shape, qt, data.result() if hasattr(data, "result") else data
+            pending.append((name, values.shape, qtype,
+                            values if qtype == Q.F32 else pool.submit(quant.quantize, values, qtype)))
+            if len(pending) >= 2 * jobs:
+                yield done(pending.popleft())
         while pending:
-            name_, shape, qt, data = pending.popleft()
-            yield name_, shape, qt, data.result() if hasattr(data, "result") else data
+            yield done(pending.popleft())
 
 
 def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, weights, jobs: int = 1) -> None:

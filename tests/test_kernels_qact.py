@@ -58,25 +58,17 @@ def test_dot_bits_matches_plain_twin():
     from numba import njit
 
     @njit
-    def both(q, x, i, shift, mask, j):
-        return (qact.dot_bits16(q, i, shift, mask, x, j), qact.dot_bits_ref(q, i, shift, mask, x, j, 16),
-                qact.dot_bits32(q, i, shift, mask, x, j), qact.dot_bits_ref(q, i, shift, mask, x, j, 32))
-
-    @njit
-    def both_h(q, x, i, shift, mask, j):  # a second field: 2 bits of q[60 + l] from bit 2, placed at bit 4
-        return (qact.dot_bits16h(q, i, shift, mask, q, 60, 2, 3, 4, x, j),
-                qact.dot_bits_h_ref(q, i, shift, mask, q, 60, 2, 3, 4, x, j, 16),
-                qact.dot_bits32h(q, i, shift, mask, q, 60, 2, 3, 4, x, j),
-                qact.dot_bits_h_ref(q, i, shift, mask, q, 60, 2, 3, 4, x, j, 32))
+    def both(q, x, i, shift, mask, qh_i, hshift, hmask, j):  # a second field of q[qh_i + l], placed at bit 4
+        return (qact.dot_bits32h(q, i, shift, mask, q, qh_i, hshift, hmask, 4, x, j),
+                qact.dot_bits_h_ref(q, i, shift, mask, q, qh_i, hshift, hmask, 4, x, j, 32))
 
     rng = np.random.default_rng(1)
     q = rng.integers(0, 256, 100).astype(np.uint8)
     for x in (rng.integers(-128, 128, 100).astype(np.int8), rng.integers(-32768, 32768, 100).astype(np.int16)):
         for i, j, shift, mask in ((0, 0, 0, 255), (3, 17, 2, 3), (50, 60, 4, 15), (7, 1, 7, 1), (11, 33, 6, 3)):
-            a16, r16, a32, r32 = both(q, x, i, shift, mask, j)
-            assert (a16, a32) == (r16, r32)
-            h16, hr16, h32, hr32 = both_h(q, x, i, shift, mask, j)
-            assert (h16, h32) == (hr16, hr32)
+            for qh_i, hshift, hmask in ((60, 2, 3), (0, 0, 0)):  # with a high field, and with none
+                got, ref = both(q, x, i, shift, mask, qh_i, hshift, hmask, j)
+                assert got == ref
 
 
 @pytest.mark.parametrize("bits", [16, 8])

@@ -49,3 +49,11 @@ def test_routing_is_skewed(tiny_model):
     counts = np.bincount(top.ravel(), minlength=cfg.n_expert)
     share_top_quarter = np.sort(counts)[::-1][: cfg.n_expert // 4].sum() / counts.sum()
     assert share_top_quarter > 0.5, counts
+
+
+def test_parallel_quantization_writes_the_same_bytes(tiny_model, tmp_path):
+    """--jobs N quantizes tensors in N processes; the file is byte-identical to the one-process file."""
+    from pymoe.tinymodel import write_model
+
+    write_model(str(tmp_path / "j2.gguf"), "qwen2moe", "tiny", "q2_k", seed=0, jobs=2)
+    assert sha(tmp_path / "j2.gguf") == sha(tiny_model("qwen2moe", "q2_k"))

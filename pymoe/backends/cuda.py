@@ -52,8 +52,9 @@ import numpy as np
 
 from .. import quant
 from ..errors import PymoeError
+from ..cache import HostPool
 from ..loader import EXPERT_PROJ, ExpertBytes, Tensor
-from .cpu import CPUBackend
+from .cpu import CPUBackend, group_by_expert
 
 MiB = 2**20
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
@@ -260,37 +261,33 @@ class HostMapping:
             self.dev_base = None
 
 
-class DevicePool:
-    """The expert cache's slots in device memory: uint8 [N, slot_bytes]; the interface of cache.HostPool."""
+class DevicePool(HostPool):
+    """The expert cache's slots in device memory: uint8 [N, slot_bytes], the slot layout of cache.HostPool; copies
+    on the copy stream, ordered by events."""
 
     def __init__(self, backend: "CUDABackend", n_slots: int, slot_bytes: int, parts: list):
-        cuda = backend.cuda
         self.backend = backend
-        self.parts = parts  # [(name, (rows, row_bytes))]: gate | up | down in every slot
-        self.bytes = backend.mem.alloc((n_slots, slot_bytes), np.uint8, "expert slots")  # [N, slot_bytes]
         self.ready = [None] * n_slots  # event on the copy stream: the slot's last copy has landed
         self.last_read = [None] * n_slots  # event on the compute stream: the last kernel reading the slot is done
-        self._event = cuda.event
+        self._event = backend.cuda.event
+        super().__init__(n_slots, slot_bytes, parts)
+
+    def allocate(self, n_slots: int, slot_bytes: int):
+        return self.backend.mem.alloc((n_slots, slot_bytes), np.uint8, "expert slots")
 
     def write(self, slot: int, ex: ExpertBytes) -> None:
         b = self.backend
         if self.last_read[slot] is not None:
             self.last_read[slot].wait(b.copy)  # never overwrite a slot a queued kernel still reads
-        off = 0
-        for name, _ in self.parts:
+        for name, off, _ in self.layout:
             src = getattr(ex, name)  # a view into the pinned mmap: an asynchronous host -> device copy
             self.bytes[slot, off:off + src.nbytes].copy_to_device(src.reshape(-1), stream=b.copy)
-            off += src.nbytes
         ready = self._event()
         ready.record(b.copy)
         self.ready[slot] = ready
 
-    def view(self, slot: int, layer: int, e: int) -> ExpertBytes:
-        views, off = {}, 0
-        for name, (rows, row_bytes) in self.parts:
-            views[name] = shaped(self.bytes[slot, off:off + rows * row_bytes], (rows, row_bytes))
-            off += rows * row_bytes
-        return ExpertBytes(layer, e, **views, where="slot", slot=slot)
+    def part(self, slot: int, off: int, shape: tuple):
+        return shaped(self.bytes[slot, off:off + shape[0] * shape[1]], shape)
 
     def before_read(self, slot: int) -> None:
         """Make the compute stream wait for the slot's copy, if one is in flight."""
@@ -356,6 +353,9 @@ class CUDABackend:
         self.cpu = CPUBackend(threads=threads, exact=True)
         self.threads = self.cpu.threads
         self.compute, self.copy = cuda.stream(), cuda.stream()
+        from cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
+
+        self._token_tile = TOKEN_TILE  # tokens one kernel block serves: below it, staging an expert gains nothing
         if free_bytes is None:
             free_bytes = cuda.current_context().get_memory_info()[0]
         if not math.isfinite(free_bytes):
@@ -562,64 +562,55 @@ class CUDABackend:
     def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray):
         """The routed experts of one layer: x float32 [T, D], ids int [T, K], w float32 [T, K] -> y [T, D].
 
-        GPU experts (slot, spill, staged) are queued on the compute stream, all of them before the CPU starts on
-        the "cpu" misses, so both sides work at once; their outputs are added on the host at the end."""
+        The (token, expert) pairs are grouped by expert (the CPU backend's `group_by_expert`): expert used[i] owns
+        pairs start[i]:start[i+1]. GPU experts (slot, spill, staged) are queued on the compute stream, all of them
+        before the CPU starts on the "cpu" misses, so both sides work at once; the pairs' outputs are added into
+        y on the host at the end, in ascending expert order per token."""
+        from ..moe import swiglu_expert
+
         T, D = x.shape
         self._check_tokens(T)
-        order = sorted(experts)  # ascending expert id
-        on_gpu = [e for e in order if experts[e].where != "cpu"]
-        on_cpu = {e: experts[e] for e in order if experts[e].where == "cpu"}
-        # Gather: the tokens of each GPU expert, one after another: rows [a_e, b_e) of xg / yg / wg.
-        rows, spans, a = [], [], 0
-        for e in on_gpu:
-            tok, kpos = np.nonzero(ids == e)  # the tokens routed to e, and at which of their K places
-            rows.append((tok, w[tok, kpos]))
-            spans.append((a, a + tok.size))
-            a += tok.size
-        y = np.zeros((T, D), dtype=np.float32)  # [T, D]
+        used, start, tok, weight = group_by_expert(np.ascontiguousarray(ids, dtype=np.int64),
+                                                   np.ascontiguousarray(w, dtype=np.float32))
+        P = tok.size
+        out = np.zeros((P, D), dtype=np.float32)  # [P, D] each pair's weighted expert output
+        spans = [(int(used[i]), int(start[i]), int(start[i + 1])) for i in range(used.size)]
+        on_gpu = [(e, a, b) for e, a, b in spans if experts[e].where != "cpu"]
         if on_gpu:
-            tok_all = np.concatenate([t for t, _ in rows])  # [P] the gathered pairs
-            xg = self._put("xg", x[tok_all])  # [P, D]
-            wg = self._put("wg", np.concatenate([wt for _, wt in rows]))  # [P]
-            yg = self._put("yg", np.zeros((a, D), np.float32))  # [P, D], accumulated into by each expert
-            F = self._moe[2]
-            hg = shaped(self.scratch["h"], (a, F))
+            xg = self._put("xg", x[tok])  # [P, D] the pairs' inputs (rows of cpu experts unused here)
+            wg = self._put("wg", weight)  # [P]
+            yg = self._put("yg", out)  # [P, D] zeros, accumulated into by each expert
+            hg = shaped(self.scratch["h"], (P, self._moe[2]))  # [P, F]
             done = self.cuda.event()
             slots = []
-            for i, (e, (a0, a1)) in enumerate(zip(on_gpu, spans)):
-                ex = self._device_expert(experts[e], a1 - a0, i)
-                self.k.expert_block(ex.gate, ex.up, ex.down, expert_types, xg[a0:a1], wg[a0:a1], yg[a0:a1],
-                                    hg[a0:a1], self.compute)
+            for n, (e, a, b) in enumerate(on_gpu):
+                ex = self._device_expert(experts[e], b - a, n)
+                self.k.expert_block(ex.gate, ex.up, ex.down, expert_types, xg[a:b], wg[a:b], yg[a:b], hg[a:b],
+                                    self.compute)
                 if ex.where == "staged":
                     self._stage["free"][ex.slot].record(self.compute)
                 if ex.where == "slot":
                     slots.append(ex.slot)
             done.record(self.compute)
-            for s in slots:
-                self.cache_pool.after_read(s, done)
-        if on_cpu:  # meanwhile, on the CPU
-            for e, ex in on_cpu.items():
-                from ..moe import swiglu_expert
-
-                tok, kpos = np.nonzero(ids == e)
-                y[tok] += w[tok, kpos][:, None] * swiglu_expert(self.cpu, ex, expert_types, x[tok])
+            for slot in slots:
+                self.cache_pool.after_read(slot, done)
+        for e, a, b in spans:  # meanwhile, on the CPU
+            if experts[e].where == "cpu":
+                out[a:b] = weight[a:b, None] * swiglu_expert(self.cpu, experts[e], expert_types, x[tok[a:b]])
         if on_gpu:
-            out = yg.copy_to_host(stream=self.compute)
+            out += yg.copy_to_host(stream=self.compute)  # the GPU's rows; its rows of cpu experts are zero
             self.compute.synchronize()
-            for tok, _ in rows:  # scatter-add the GPU experts' rows, in ascending expert order
-                n = tok.size
-                np.add.at(y, tok, out[:n])
-                out = out[n:]
+        y = np.zeros((T, D), dtype=np.float32)  # [T, D]
+        np.add.at(y, tok, out)  # pairs in ascending expert order: each token's experts added in that order
         return y
 
     def _device_expert(self, ex: ExpertBytes, n_tokens: int, i: int) -> ExpertBytes:
-        """Device arrays for the expert's gate/up/down, per its miss path (see the module docstring)."""
-        from cuda_kernels.quant_matvec import TOKEN_TILE
-
+        """Device arrays for the expert's gate/up/down, per its miss path (see the module docstring); i: this
+        expert's place among the layer's GPU experts (staging buffers alternate with it)."""
         if ex.where == "slot":
             self.cache_pool.before_read(ex.slot)
             return ex
-        if ex.where == "staged" and n_tokens > TOKEN_TILE:  # worth one copy: the kernels read it several times
+        if ex.where == "staged" and n_tokens > self._token_tile:  # worth one copy: the kernels read it several times
             return self._stage_in(ex, i % 2)
         m = self.host.device_view  # spill (or a staged expert with few tokens): read in place over PCIe
         return ExpertBytes(ex.layer, ex.expert, m(ex.gate), m(ex.up), m(ex.down), where="spill")

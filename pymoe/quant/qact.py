@@ -15,13 +15,13 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
   2. Integer primitives, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation
      to 64 bits, and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the
      intrinsics state the narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpdpbusd`):
-       `dot_bits16/32(q, i, shift, mask, x, j)` = sum_l ((q[i+l] >> shift) & mask) * x[j+l], 16 or 32 lanes
-       (and the *h forms with a second, high bit field), one sub-block at a time: Q5_K uses these;
+       `dot_bits32h(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j)` = sum_l v_l * x[j+l] over 32 lanes,
+       v_l a low bit field of q[i+l] with a high one of qh[ih+l], one sub-block at a time: Q5_K uses it;
        `row_dot_q2_k/q3_k/q4_k/q6_k(w, xq, xd, xbs)`: a whole weight row from a static block layout table, in
        vector registers, float32 [16] lane accumulators and one reduction per row; `row_dot_rows_*` the same for
        every row of a 2-D x, each block unpacked once (prefill), bit for bit.
-     Each has a plain twin it is tested against (`dot_bits_ref`, `dot_bits_h_ref`; the block forms against the
-     float reference through the vec_dots).
+     Each has a plain twin it is tested against (`dot_bits_h_ref`; the row forms against the float reference
+     through the vec_dots).
   3. `vec_dot_<type>(w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K: one raw weight row (nb blocks) times
      quantized activations -> float32; `vec_dot_rows_<type>` (all but Q5_K) for many rows at once (bit-identical
      results).
@@ -137,17 +137,14 @@ def quantize_rows(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 2. The integer primitive: sum_l v_l * x[j + l], l < 16 or 32, over a field of bits of the weight bytes
-#        dot_bits  : v_l = (q[i + l] >> shift) & mask
-#        dot_bits*h: v_l = ((q[i + l] >> shift) & mask) | ((qh[ih + l] >> hshift) & hmask) << hpos
-#    the second form for the types that keep a quant's high bits apart (Q3_K, Q5_K, Q6_K): one pass, one
-#    reduction per sub-block. q, qh: uint8 arrays (weight bytes); x: int8 or int16 array (activations), j: its
-#    offset (or the int32 bsums: Q2_K's min term is a 16-lane dot of 4-bit mins with them). No bounds check: the
-#    vec_dot functions below only ever pass offsets inside whole blocks.
+# 2. The integer primitive: sum_l v_l * x[j + l], l < 32, over two fields of bits of the weight bytes
+#        v_l = ((q[i + l] >> shift) & mask) | ((qh[ih + l] >> hshift) & hmask) << hpos
+#    for Q5_K, which keeps a quant's fifth bit apart: one pass, one reduction per sub-block (the other K types use
+#    the whole-row form below). q, qh: uint8 arrays (weight bytes); x: int8 or int16 array (activations), j: its
+#    offset. No bounds check: vec_dot_q5_k only passes offsets inside whole blocks.
 # ----------------------------------------------------------------------------------------------------------------
-def _dot_bits_codegen(lanes: int, two_sources: bool):
-    """LLVM IR for dot_bits (args q, i, shift, mask, x, j) or, two_sources, for dot_bits*h (args q, i, shift, mask,
-    qh, ih, hshift, hmask, hpos, x, j)."""
+def _dot_bits_codegen(lanes: int):
+    """LLVM IR for dot_bits*h (args q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j)."""
 
     def codegen(context, builder, signature, args):
         i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -164,9 +161,7 @@ def _dot_bits_codegen(lanes: int, two_sources: bool):
         def field(k):  # (bytes of array arg k from offset arg k+1) >> arg k+2 & arg k+3
             return builder.and_(builder.lshr(load(k, args[k + 1], v8), splat(args[k + 2])), splat(args[k + 3]))
 
-        bits = field(0)
-        if two_sources:  # | high field << hpos
-            bits = builder.or_(bits, builder.shl(field(4), splat(args[8])))
+        bits = builder.or_(field(0), builder.shl(field(4), splat(args[8])))  # low field | high field << hpos
         w16 = builder.zext(bits, ir.VectorType(ir.IntType(16), lanes))  # the weights' integers, 16-bit lanes
         xk = len(args) - 2
         xv = load(xk, args[xk + 1], ir.VectorType(ir.IntType(signature.args[xk].dtype.bitwidth), lanes))
@@ -183,29 +178,14 @@ def _is_bytes(a) -> bool:
     return isinstance(a, types.Array) and a.dtype == types.uint8
 
 
-def _is_act(a) -> bool:  # activations int8/int16, or int32 (the bsums, for a block's min term)
-    return isinstance(a, types.Array) and a.dtype in (types.int8, types.int16, types.int32)
+def _is_act(a) -> bool:  # activations int8/int16
+    return isinstance(a, types.Array) and a.dtype in (types.int8, types.int16)
 
 
-def _make_dot_bits(lanes: int, two_sources: bool):
-    if two_sources:
-        @intrinsic
-        def dot_bits(typingctx, q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j):
-            if _is_bytes(q) and _is_bytes(qh) and _is_act(x):
-                return (types.int64(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j),
-                        _dot_bits_codegen(lanes, True))
-    else:
-        @intrinsic
-        def dot_bits(typingctx, q, i, shift, mask, x, j):
-            if _is_bytes(q) and _is_act(x):
-                return types.int64(q, i, shift, mask, x, j), _dot_bits_codegen(lanes, False)
-    return dot_bits
-
-
-dot_bits16 = _make_dot_bits(16, False)  # (q, i, shift, mask, x, j)
-dot_bits32 = _make_dot_bits(32, False)
-dot_bits16h = _make_dot_bits(16, True)  # (q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j)
-dot_bits32h = _make_dot_bits(32, True)
+@intrinsic
+def dot_bits32h(typingctx, q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j):
+    if _is_bytes(q) and _is_bytes(qh) and _is_act(x):
+        return types.int64(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j), _dot_bits_codegen(32)
 
 
 # The whole-row form (Q2_K, Q3_K): one call per weight row, all its blocks, everything in vector registers.
@@ -457,17 +437,8 @@ row_dot_q6_k, row_dot_rows_q6_k = _make_row_dot(
 
 
 @njit(cache=True)
-def dot_bits_ref(q, i, shift, mask, x, j, lanes):
-    """The plain twin of dot_bits16 / dot_bits32 (lanes = 16 / 32)."""
-    acc = 0
-    for l in range(lanes):
-        acc += ((np.int64(q[i + l]) >> shift) & mask) * np.int64(x[j + l])
-    return acc
-
-
-@njit(cache=True)
 def dot_bits_h_ref(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j, lanes):
-    """The plain twin of dot_bits16h / dot_bits32h: the value is (low field) | (high field) << hpos."""
+    """The plain twin of dot_bits32h (lanes = 32): the value is (low field) | (high field) << hpos."""
     acc = 0
     for l in range(lanes):
         v = ((np.int64(q[i + l]) >> shift) & mask) | (((np.int64(qh[ih + l]) >> hshift) & hmask) << hpos)
@@ -494,32 +465,6 @@ def vec_dot_q3_k(w, xq, xd, xbs):
 
 
 @njit(cache=True)
-def _vec_dot_scale_min_k(w, xq, xd, xbs, size, qs_off, qh_off):
-    # Q4_K and Q5_K: d dmin scales[12] at byte 4 (6-bit scale/min per 32-weight sub-block), 4-bit quants at qs_off:
-    # qs[32c + l]: low nibble -> weight 64c + l (sub-block 2c), high nibble -> 64c + 32 + l (sub-block 2c + 1).
-    # Q5_K (qh_off >= 0) adds bit 4 of weight 64c + 32 half + l from qh[l] bit 2c + half. The callers pass
-    # constants, so after inlining each format gets straight-line code for its own branch.
-    acc = np.float32(0.0)
-    for b in range(w.shape[0] // size):
-        s, o = b * size, b * QK_K
-        isum = 0
-        msum = 0
-        for c in range(4):
-            for half in range(2):
-                sub = 2 * c + half
-                sc, m = get_scale_min(w, s + 4, sub)
-                if qh_off < 0:
-                    isum += sc * dot_bits32(w, s + qs_off + 32 * c, 4 * half, 15, xq, o + 32 * sub)
-                else:
-                    isum += sc * dot_bits32h(w, s + qs_off + 32 * c, 4 * half, 15, w, s + qh_off, sub, 1, 4, xq,
-                                             o + 32 * sub)
-                msum += m * (xbs[16 * b + 2 * sub] + xbs[16 * b + 2 * sub + 1])
-        dx = xd[b]
-        acc += (read_f16(w, s) * dx) * np.float32(isum) - (read_f16(w, s + 2) * dx) * np.float32(msum)
-    return acc
-
-
-@njit(cache=True)
 def vec_dot_q4_k(w, xq, xd, xbs):
     # Sub-block j (32 weights) of qs[32 (j // 2) + l], nibble j % 2, its 6-bit scale and min: row_dot_q4_k's layout.
     return row_dot_q4_k(w, xq, xd, xbs)
@@ -527,7 +472,22 @@ def vec_dot_q4_k(w, xq, xd, xbs):
 
 @njit(cache=True)
 def vec_dot_q5_k(w, xq, xd, xbs):
-    return _vec_dot_scale_min_k(w, xq, xd, xbs, Q5_K_SIZE, 48, 16)
+    # d dmin scales[12] at byte 4 (6-bit scale/min per 32-weight sub-block), qh[32] at 16, qs[128] at 48:
+    # weight 64c + 32 half + l = nibble `half` of qs[32c + l] | bit 2c + half of qh[l] << 4 (sub-block 2c + half).
+    acc = np.float32(0.0)
+    for b in range(w.shape[0] // Q5_K_SIZE):
+        s, o = b * Q5_K_SIZE, b * QK_K
+        isum = 0
+        msum = 0
+        for c in range(4):
+            for half in range(2):
+                sub = 2 * c + half
+                sc, m = get_scale_min(w, s + 4, sub)
+                isum += sc * dot_bits32h(w, s + 48 + 32 * c, 4 * half, 15, w, s + 16, sub, 1, 4, xq, o + 32 * sub)
+                msum += m * (xbs[16 * b + 2 * sub] + xbs[16 * b + 2 * sub + 1])
+        dx = xd[b]
+        acc += (read_f16(w, s) * dx) * np.float32(isum) - (read_f16(w, s + 2) * dx) * np.float32(msum)
+    return acc
 
 
 @njit(cache=True)
