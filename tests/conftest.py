@@ -1,9 +1,17 @@
-"""Shared fixtures: tiny GGUF models written once per test session (seconds), never downloaded."""
+"""Shared fixtures: tiny GGUF models written once per test session (seconds), never downloaded; and the skip audit.
+
+Skip audit: every skipped or expected-to-fail test is listed at the end of the run (`-ra` in setup.cfg). Where skips
+must not hide anything (CI=true, or PYMOE_STRICT_SKIPS=1), the run FAILS on any skip whose reason does not start with
+`GPU only:` (tests that need a real GPU, run by scripts/gpu-check) and on any xfail: an oracle that went missing, a
+data file that is not there or a quantizer that does not exist can no longer turn into a green run.
+"""
 import os
 import subprocess
 import sys
 
 import pytest
+
+from oracle import strict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe")
@@ -33,3 +41,41 @@ def run_pymoe(*args, timeout=120):
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "pymoe", *args], capture_output=True, text=True, timeout=timeout,
                           env=env, cwd=ROOT)
+
+
+# --- the skip audit -------------------------------------------------------------------------------------------------
+ALLOWED_SKIP_PREFIX = "GPU only:"
+_not_run: list = []  # [(nodeid, "skipped" | "xfailed", reason)]
+
+
+def _reason(report) -> str:
+    if hasattr(report, "wasxfail"):
+        return report.wasxfail
+    longrepr = report.longrepr
+    reason = longrepr[2] if isinstance(longrepr, tuple) else str(longrepr)
+    return reason.removeprefix("Skipped: ")
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped:
+        _not_run.append((report.nodeid, "xfailed" if hasattr(report, "wasxfail") else "skipped", _reason(report)))
+
+
+def _disallowed():
+    return [(n, kind, why) for n, kind, why in _not_run if kind == "xfailed" or not why.startswith(ALLOWED_SKIP_PREFIX)]
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not (strict() or os.environ.get("PYMOE_STRICT_SKIPS") == "1"):
+        return
+    bad = _disallowed()
+    terminalreporter.write_line(f"skip audit: {len(_not_run)} not run, {len(_not_run) - len(bad)} allowed "
+                                f"({ALLOWED_SKIP_PREFIX!r}), {len(bad)} not allowed")
+    for nodeid, kind, why in bad:
+        terminalreporter.write_line(f"skip audit: NOT ALLOWED {kind} {nodeid}: {why}")
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    if (strict() or os.environ.get("PYMOE_STRICT_SKIPS") == "1") and _disallowed() and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED

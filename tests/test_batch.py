@@ -1,9 +1,12 @@
-"""Batched decode and the KV cache variants: N sequences in one step == N single decodes; int8 KV within the
-float-oracle tolerances at half the memory of f16."""
+"""Batched decode and the KV cache variants: N sequences in one step == N single decodes (bit for bit); int8 and
+f16 KV within measured bounds of the f32 cache, and int8 as accurate as llama.cpp's own q8_0 cache, at half the
+memory of f16."""
 import tracemalloc
 
 import numpy as np
 import pytest
+
+from oracle import require_llama_cpp
 
 import pymoe
 from conftest import ARCHS
@@ -22,20 +25,18 @@ def prefilled(model, prompts, n_ctx=64, kind="f32"):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_decode_batch_equals_single_decodes(tiny_model, arch):
-    """Three sequences of different lengths: batched logits == separate decode_one_token logits, same greedy ids."""
-    m = pymoe.load(tiny_model(arch, "f32"))
+@pytest.mark.parametrize("mix", ["f32", "q2_k"])
+def test_decode_batch_equals_single_decodes(tiny_model, arch, mix):
+    """Three sequences of different lengths: batched logits == separate decode_one_token logits, bit for bit."""
+    m = pymoe.load(tiny_model(arch, mix))
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, m.config.n_vocab, n) for n in (5, 11, 2)]
     batched, tokens = prefilled(m.model, prompts)
     single, _ = prefilled(m.model, prompts)
-    scale = 1.0
     for _ in range(6):
         got = decode_batch(m.model, tokens, batched)  # [3, V]
         want = np.stack([m.model.decode_one_token(t, kv) for t, kv in zip(tokens, single)])
-        scale = max(scale, float(want.std()))
-        np.testing.assert_allclose(got, want, atol=1e-4 * scale, rtol=1e-4)
-        assert got.argmax(axis=1).tolist() == want.argmax(axis=1).tolist()
+        np.testing.assert_array_equal(got, want)  # the fast path's contract: same bits for 1 row or N
         tokens = got.argmax(axis=1).tolist()
     assert [kv.n for kv in batched] == [len(p) + 6 for p in prompts]
 
@@ -93,56 +94,36 @@ def test_quantized_plane_round_trip():
     assert plane.q.dtype == np.int8 and plane.d.dtype == np.float16
 
 
-class Routes:
-    """A model.trace stand-in that keeps the expert ids each layer chose, in call order."""
-
-    def __init__(self):
-        self.ids = []
-
-    def record(self, layer, ids, w, phase):
-        self.ids.append(np.sort(ids, axis=-1))  # [T, K]; the set matters, not the order
-
-    def end_forward(self):
-        pass
-
-
-def teacher_forced(model, ids, kind, routes=None):
+def teacher_forced(model, ids, kind):
     """Logits [len(ids), V] with a `kind` KV cache: prefill the first 10 tokens, then decode the rest one by one."""
     kv = new_kv(model.cfg, 64, kind)
-    model.trace = routes
-    try:
-        return np.concatenate([model.prefill(ids[:10], kv),
-                               np.stack([model.decode_one_token(int(t), kv) for t in ids[10:]])])
-    finally:
-        model.trace = None
+    return np.concatenate([model.prefill(ids[:10], kv),
+                           np.stack([model.decode_one_token(int(t), kv) for t in ids[10:]])])
 
 
-# Measured max |diff| of int8 KV on the tiny llama file, prompt seed 2: 0.0552, at token 0 (see the test below).
-# The expected failure is bounded: anything above this ceiling is a regression and fails.
-LLAMA_INT8_GAP_CEILING = 0.06
+# Bounds of the 8- and 16-bit KV caches against the f32 one, relative to the logit scale s = max |logit| of the f32
+# run. Measured (2026-11-30; 4 tiny files x prompt seeds 2, 3, 4; 40 tokens teacher-forced): int8 2.6e-3 s to
+# 6.6e-3 s (the tiny llama file, whose tied output gives logits 3x larger than the others', is the worst: 0.055-0.080
+# absolute), f16 8.5e-5 s to 2.2e-4 s. Each bound is 2.3x the worst; the f16 one is also about one f16 rounding step of
+# the logit scale (2^-11 = 4.9e-4). Top-1 agreement: f16 1.0 everywhere; int8 1.0 except one near-tie flip of 40
+# (0.975, llama, seed 4). The 8-bit accuracy itself has an independent oracle: llama.cpp's q8_0 cache (next test).
+KV_REL_BOUND = {"int8": 1.5e-2, "f16": 5e-4}
+KV_TOP1 = {"int8": 0.95, "f16": 1.0}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_int8_kv_within_the_float_oracle_tolerances(tiny_model, arch):
-    """Teacher-forced over 40 tokens (prefill 10, decode 30): int8-KV logits vs the f32 cache, with the tolerances
-    of the llama.cpp oracle (max |diff| <= 0.05, top-1 >= 0.96); then 16 greedy tokens identical to the f32 run."""
+def test_int8_and_f16_kv_close_to_the_f32_cache(tiny_model, arch):
+    """Teacher-forced over 40 tokens (prefill 10, decode 30): int8- and f16-KV logits vs the f32 cache within the
+    measured bounds above; then 16 greedy tokens with the int8 cache identical to the f32 run."""
     m = pymoe.load(tiny_model(arch, "f32"))
     ids = np.random.default_rng(2).integers(0, m.config.n_vocab, 40)
     ref = m.model.prefill(ids, m.model.new_kv(64))  # [40, V]
-    known_gap, f32_routes = None, Routes()
-    teacher_forced(m.model, ids, "f32", f32_routes)
+    scale = np.abs(ref).max()
     for kind in ("int8", "f16"):
-        routes = Routes()
-        got = teacher_forced(m.model, ids, kind, routes)
+        got = teacher_forced(m.model, ids, kind)
         err = float(np.abs(got - ref).max())
-        if arch == "llama" and kind == "int8" and 0.05 < err <= LLAMA_INT8_GAP_CEILING:
-            known_gap = err  # reported below, after every other check has run
-            # the explanation below holds: no router chose other experts than with the f32 cache
-            assert all(np.array_equal(a, b) for a, b in zip(routes.ids, f32_routes.ids))
-            assert np.abs(got - ref).max(axis=1).argmax() == 0 and np.abs(got - ref)[1:].max() <= 0.05
-        else:
-            assert err <= 0.05, (kind, err)
-        assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= 0.96, kind
+        assert 0 < err <= KV_REL_BOUND[kind] * scale, (kind, err, err / scale)
+        assert (got.argmax(axis=1) == ref.argmax(axis=1)).mean() >= KV_TOP1[kind], kind
     greedy = list(m.generate([3, 4, 5], max_tokens=16, stop_at_eos=False))  # f32 KV cache
     kv = new_kv(m.config, 64, "int8")
     logits, out = m.model.prefill(np.array([3, 4, 5]), kv)[-1], []
@@ -150,13 +131,6 @@ def test_int8_kv_within_the_float_oracle_tolerances(tiny_model, arch):
         out.append(int(logits.argmax()))
         logits = m.model.decode_one_token(out[-1], kv)
     assert out == greedy
-    if known_gap is not None:
-        # Known gap (issue 8 stays open), measured: not a router top-k flip (the expert ids of every layer and token
-        # equal the f32 run's), but the plain int8 rounding of V at token 0, whose attention has one key, so
-        # nothing averages the error out; later tokens stay <= 0.038. The same int8 error moves this file's logits ~5x
-        # more than the other three's, and llama.cpp's own q8_0 KV cache also exceeds 0.05 on it (0.049-0.17 over five
-        # prompts; the test below holds pymoe's int8 to llama.cpp's q8_0 accuracy). Top-1 and greedy checks passed.
-        pytest.xfail(f"int8 KV on the tiny llama file: max |diff| {known_gap:.4f} > 0.05 (any 8-bit KV, see docs)")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -165,7 +139,7 @@ def test_int8_kv_is_as_accurate_as_llamacpp_q8_0_cache(tiny_model, arch):
     on the same file and prompt, vs pymoe's int8 cache against pymoe's f32 one. Compared on the mean over tokens of
     the per-token max |diff| (the overall max is one event: a near-tie in a router can flip under either cache).
     Measured ratio pymoe / llama.cpp: 0.80-1.13 over 4 files x 5 prompts; 0.91-0.98 on this prompt."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = require_llama_cpp()
     path = tiny_model(arch, "f32")
     m = pymoe.load(path)
     ids = np.random.default_rng(2).integers(0, m.config.n_vocab, 40)

@@ -5,6 +5,8 @@ import os
 import numpy as np
 import pytest
 
+from oracle import require_llama_cpp
+
 import pymoe
 from pymoe.perplexity import engine_perplexity, top_share, windows
 
@@ -132,7 +134,7 @@ def test_windows_cover_every_token_once():
 
 
 def test_llamacpp_loads_it(engine):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = require_llama_cpp()
     ids = engine.tokenizer.encode(SNIPPET, special=False)[:128]
     llm = llama_cpp.Llama(model_path=GGUF, n_ctx=256, n_batch=256, logits_all=True, n_threads=2, type_k=0, type_v=0,
                           verbose=False)

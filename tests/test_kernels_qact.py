@@ -8,9 +8,11 @@ Tolerances, derived from where the integer path rounds:
     rounding remains (a few products and sums per 256-block): 4 C u sum|w x_q|, u = 2^-24.
   - against the float x, `dequantize(w) @ x`: rounding x moves each x_i by at most d_b / 2 (d_b = max|x| / QMAX
     over its 256-block), so |y_int - y_float| <= sum_b d_b / 2 * sum_{i in b} |w_i|, plus the float term.
-  - whole models: tests/test_model_vs_llamacpp.py (unchanged) runs the fast path by default; here the fast and
-    the exact backend agree on the tiny Q2_K-mix models within the forward-pass tolerance (|d logit| <= 0.05,
-    top-1 agreement >= 0.96).
+  - whole models: tests/test_model_vs_llamacpp.py holds the exact (float) path to llama.cpp; here the fast path
+    (16-bit activations) is held to the exact path on the tiny Q2_K-mix models: max |d logit| <= 2e-4 s, s = the
+    exact path's max |logit|. Measured (2026-11-30, 40 tokens): 6.6e-5 s (qwen2moe) to 9.4e-5 s (llama); the bound
+    is 2.1x the worst. 8-bit activations (act_bits=8) move these logits by ~100x more, and so does a mutant that
+    rounds to fewer bits (tests/mutants/run_mutants.py).
 What this is not: the float kernels' test (tests/test_kernels.py).
 """
 import numpy as np
@@ -122,10 +124,11 @@ def test_fused_moe_kernel_against_per_expert_reference(bits):
         tok, slot = np.nonzero(ids == e)
         ref[tok] += w[tok, slot][:, None] * _expert_ffn_ref(experts[e], qtypes, x[tok])
         scale[tok] += np.abs(w[tok, slot][:, None] * _expert_ffn_ref(experts[e], qtypes, x[tok]))
-    # Two roundings (x, then h) on random weights: a few percent of the output's magnitude at 8 bits, 2^8 less
-    # at 16 bits.
+    # Two roundings (x, then h) on random weights, relative to the output's max: measured (2026-11-30, this seed)
+    # 1.5e-2 at 8 bits and 2.1e-4 at 16 bits; bounds 2.5x those (the 2^8 ratio of the step sizes does not carry over
+    # whole: h's rounding is relative to each block's max, and the sums average part of it out).
     rel = np.abs(y - ref).max() / np.abs(ref).max()
-    assert rel < (0.05 if bits == 8 else 1e-3), rel
+    assert rel < (0.04 if bits == 8 else 5e-4), rel
     # One token alone (decode) gets exactly its row of the batched result (prefill).
     t = 1
     sub = [(e, np.nonzero(ids[t] == e)[0]) for e in used if (ids[t] == e).any()]
@@ -143,8 +146,7 @@ def test_fast_and_exact_backends_agree_on_q2_k_models(tiny_model, arch):
     ours = fast.logits(ids)
     from pymoe.api import Engine
 
-    exact = Engine(path)
-    exact.backend.exact = True
-    ref = exact.logits(ids)
-    assert np.abs(ours - ref).max() <= 0.05
-    assert (ours.argmax(-1) == ref.argmax(-1)).mean() >= 0.96
+    ref = Engine(path, backend="cpu", backend_options=dict(exact=True)).logits(ids)  # [40, V]
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 2e-4 * scale, np.abs(ours - ref).max() / scale
+    assert (ours.argmax(-1) == ref.argmax(-1)).all()

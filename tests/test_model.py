@@ -81,8 +81,9 @@ def test_kv_cache_decode_equals_full_forward(tiny_model, arch, mix):
     step = [m.model.prefill(ids[:16], kv)[-1]]
     for t in ids[16:]:
         step.append(m.model.decode_one_token(int(t), kv))
-    np.testing.assert_allclose(np.stack(step)[:-1], full[15:-1], rtol=1e-4, atol=1e-4)
-    np.testing.assert_allclose(step[-1], full[-1], rtol=1e-4, atol=1e-4)
+    # the fast path's contract (backends/cpu.py): a token's logits have the same bits whether it is decoded alone or
+    # computed in a prefill of many tokens
+    np.testing.assert_array_equal(np.stack(step), full[15:])
 
 
 def test_lookups_are_counted(tiny_model):

@@ -12,6 +12,8 @@ import pathlib
 import gguf
 import numpy as np
 import pytest
+
+from oracle import require_llama_cpp
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as QType
 
 from pymoe.quant.quantize import QUANTIZERS
@@ -145,7 +147,7 @@ def test_exactly_representable_blocks_round_trip_exactly(qtype):
 
 def llama_cpp_quantizer(qtype: QType):
     """llama.cpp's `quantize_row_<type>_ref` from llama-cpp-python's libggml-base -> fn(float32 [B, 256]) -> bytes."""
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = require_llama_cpp()
     libs = sorted((pathlib.Path(llama_cpp.__file__).parent / "lib").glob("libggml-base.*"))
     if not libs:
         pytest.skip("llama-cpp-python has no libggml-base in its lib folder")

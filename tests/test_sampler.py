@@ -1,4 +1,6 @@
 """Sampling: greedy, filters, temperature, repetition penalty, seeds; stop strings in the text stream."""
+import math
+
 import numpy as np
 import pytest
 
@@ -21,15 +23,51 @@ def test_top_k_top_p_min_p():
     assert ids.tolist() == [0, 1, 2]
 
 
-def test_seeded_sampling_is_reproducible_and_follows_probabilities():
+def chi_square_p_value(counts, probs) -> float:
+    """Pearson's chi-square test of observed counts against probabilities -> p-value. The survival function of the
+    chi-square distribution in closed form for an even number of degrees of freedom k = 2m:
+    P(X > x) = exp(-x/2) * sum_{i<m} (x/2)^i / i!  (no SciPy needed)."""
+    counts, probs = np.asarray(counts, np.float64), np.asarray(probs, np.float64)
+    expected = counts.sum() * probs
+    x = float(((counts - expected) ** 2 / expected).sum())
+    dof = len(counts) - 1
+    assert dof % 2 == 0, "closed form for even degrees of freedom only"
+    return float(np.exp(-x / 2) * sum((x / 2) ** i / math.factorial(i) for i in range(dof // 2)))
+
+
+# A correct sampler fails a test at this level with probability 1e-6 (over the choice of seed): the false-failure rate.
+FALSE_FAILURE = 1e-6
+
+
+def test_seeded_sampling_is_reproducible():
     params = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=7)
     a = [Sampler(params)(LOGITS) for _ in range(3)]
     s1, s2 = Sampler(params), Sampler(params)
     assert [s1(LOGITS) for _ in range(50)] == [s2(LOGITS) for _ in range(50)]
-    s = Sampler(params)
-    counts = np.bincount([s(LOGITS) for _ in range(4000)], minlength=5) / 4000
-    np.testing.assert_allclose(counts, [0.5, 0.25, 0.15, 0.07, 0.03], atol=0.03)
     assert len(set(a)) == 1  # same seed, same first draw
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_sampling_follows_the_probabilities(seed):
+    """4000 draws at temperature 1 against p = softmax(LOGITS) by a chi-square test (4 degrees of freedom) at a
+    1e-6 false-failure rate, plus a one-sided binomial bound on the least likely token (p = 0.03, expected 120 draws):
+    a sampler that never (or half as often) emits it fails both. Measured p-values: seeds 7/8/9 -> 0.72/0.058/0.71."""
+    n, probs = 4000, np.array([0.5, 0.25, 0.15, 0.07, 0.03])
+    s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=seed))
+    counts = np.bincount([s(LOGITS) for _ in range(n)], minlength=5)
+    assert chi_square_p_value(counts, probs) > FALSE_FAILURE, counts
+    # Binomial(4000, 0.03): mean 120, sd 10.8; P(count < mean - 5.0 sd) < 1e-6 (normal tail; Chernoff gives 2e-6).
+    assert counts[4] >= 120 - 5.0 * np.sqrt(n * 0.03 * 0.97), counts
+
+
+def test_filters_renormalise_what_they_keep():
+    """top_k = 2 keeps tokens 0 and 1 and samples them 2:1 (0.5 : 0.25), at the same false-failure rate."""
+    s = Sampler(SamplingParams(temperature=1.0, top_k=2, top_p=1.0, min_p=0.0, seed=3))
+    draws = np.array([s(LOGITS) for _ in range(3000)])
+    assert set(draws.tolist()) == {0, 1}
+    counts = np.bincount(draws, minlength=2)
+    # one degree of freedom is odd: test token 0's count as a binomial (p = 2/3, sd = sqrt(3000 * 2/9) = 25.8)
+    assert abs(counts[0] - 2000) <= 5.0 * np.sqrt(3000 * 2 / 9), counts
 
 
 def test_low_temperature_concentrates():

@@ -7,6 +7,8 @@ import sys
 import numpy as np
 import pytest
 
+from oracle import require_llama_cpp
+
 from conftest import ARCHS, MIXES, ROOT
 from pymoe.loader import load_gguf
 
@@ -18,7 +20,7 @@ def sha(path):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mix", MIXES)
 def test_llama_cpp_loads_and_runs(tiny_model, arch, mix):
-    llama_cpp = pytest.importorskip("llama_cpp")
+    llama_cpp = require_llama_cpp()
     path = tiny_model(arch, mix)
     llm = llama_cpp.Llama(model_path=path, n_ctx=64, n_threads=2, verbose=False, logits_all=True,
                           type_k=0, type_v=0)

@@ -13,7 +13,7 @@ from pymoe.errors import PymoeError
 from pymoe.tinymodel import CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_CORPUS
 from pymoe.tokenizer import SPM_SPACE, Tokenizer
 
-llama_cpp = pytest.importorskip("llama_cpp")
+from oracle import require_llama_cpp
 
 TRICKY = [
     "Hello world",
@@ -62,15 +62,21 @@ TRICKY = [
 
 
 @pytest.fixture(scope="module")
-def qwen(tiny_model):
+def qwen_tok(tiny_model):
+    """pymoe's tokenizer of the tiny qwen3moe file (no oracle needed)."""
     from pymoe.loader import load_gguf
 
-    path = tiny_model("qwen3moe", "f32")
-    return Tokenizer(load_gguf(path)), llama_vocab(path)
+    return Tokenizer(load_gguf(tiny_model("qwen3moe", "f32")))
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_tok, tiny_model):
+    """(pymoe's tokenizer, llama.cpp's vocab) of the same file: for the tests that compare with the oracle."""
+    return qwen_tok, llama_vocab(tiny_model("qwen3moe", "f32"))
 
 
 def llama_vocab(path):
-    return llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    return require_llama_cpp().Llama(model_path=str(path), vocab_only=True, verbose=False)
 
 
 def llama_ids(ll, text, special=True, add_bos=False):
@@ -237,8 +243,8 @@ def test_ids_match_llama_cpp_sentencepiece(tmp_path):
 
 # --- decode ----------------------------------------------------------------------------------------------------------
 
-def test_round_trip(qwen):
-    tok, _ = qwen
+def test_round_trip(qwen_tok):
+    tok = qwen_tok
     for text in TRICKY:
         for special in (True, False):
             assert tok.decode(tok.encode(text, special=special)) == text, repr(text)
@@ -259,15 +265,15 @@ def test_decode_matches_llama_cpp_pieces(qwen):
     assert tok.decode(ids, special=False) == ll.detokenize(ids, special=False).decode()
 
 
-def test_decode_incomplete_utf8_does_not_crash(qwen):
-    tok, _ = qwen
+def test_decode_incomplete_utf8_does_not_crash(qwen_tok):
+    tok = qwen_tok
     ids = tok.encode("🚀")
     assert len(ids) > 1, "the test needs an emoji split over several tokens"
     assert tok.decode(ids[:-1]).endswith("\ufffd")
 
 
-def test_stream_yields_emoji_once(qwen):
-    tok, _ = qwen
+def test_stream_yields_emoji_once(qwen_tok):
+    tok = qwen_tok
     ids = tok.encode("ok 🧠👩‍💻!")
     stream = tok.decode_stream()
     pieces = [stream.put(i) for i in ids]
@@ -282,7 +288,7 @@ def test_eog(qwen):
     tok, ll = qwen
     vocab = ll._model.vocab
     assert [i for i in range(tok.n_vocab) if tok.is_eog(i)] == \
-        [i for i in range(ll.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+        [i for i in range(ll.n_vocab()) if require_llama_cpp().llama_vocab_is_eog(vocab, i)]
     assert tok.n_vocab == ll.n_vocab()
     im_end = tok.encode("<|im_end|>")[0]
     assert tok.is_eog(tok.eos_id) and tok.is_eog(im_end)
@@ -292,8 +298,8 @@ def test_eog(qwen):
 
 # --- chat template ---------------------------------------------------------------------------------------------------
 
-def test_chat_template_chatml(qwen):
-    tok, _ = qwen
+def test_chat_template_chatml(qwen_tok):
+    tok = qwen_tok
     assert tok.chat_template == CHAT_TEMPLATE
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
     expected = "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
@@ -320,8 +326,8 @@ def test_chat_template_fallback_and_names(byte_level_vocab):
     "{{ raise_exception('roles must alternate\nuser/assistant') }}",
     "{% for %}",
 ])
-def test_chat_template_errors_are_one_line(qwen, template):
-    tok, _ = qwen
+def test_chat_template_errors_are_one_line(qwen_tok, template):
+    tok = qwen_tok
     saved = tok.chat_template
     tok.chat_template = template
     try:

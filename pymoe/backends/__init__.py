@@ -11,7 +11,7 @@ BACKENDS = ("auto", "cpu", "cuda")
 
 def get_backend(name: str = "auto", threads=None, reserve=None, **options):
     """`auto`: cuda when a CUDA GPU is present (not the simulator), else cpu. `reserve`: device bytes left free
-    (cuda). `options`: the backend's own (CUDABackend: kernels, free_bytes)."""
+    (cuda). `options`: the backend's own (CPUBackend: exact, act_bits; CUDABackend: kernels, free_bytes)."""
     from ..errors import PymoeError
 
     if name == "auto":
@@ -19,7 +19,7 @@ def get_backend(name: str = "auto", threads=None, reserve=None, **options):
 
         name = "cuda" if cuda_available() else "cpu"
     if name == "cpu":
-        return CPUBackend(threads=threads)
+        return CPUBackend(threads=threads, **options)  # exact, act_bits
     if name == "cuda":
         from .cuda import DEFAULT_RESERVE, CUDABackend
 
