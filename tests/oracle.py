@@ -28,6 +28,26 @@ def pinned_version() -> str:
     raise AssertionError("setup.cfg's test extra does not pin llama-cpp-python with ==")
 
 
+def _plain_cpu_kernels(llama_cpp) -> None:
+    """Every Llama(...) of the tests loads its weights without ggml's extra CPU buffer types (the AMX and repacked
+    layouts: llama.cpp's `--no-repack`), so the oracle multiplies with ggml's plain CPU kernels. Why: on a CPU that
+    reports AMX inside a VM that does not enable the AMX tile state (this project's machines), ggml's AMX matmul dies
+    with SIGILL (`tilezero`, in ggml_backend_amx_mul_mat) and takes the whole pytest process with it; it is hit by
+    Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K/IQ4_XS weights in batches, e.g. the demo model's Q4_K and Q6_K tensors."""
+    lib = llama_cpp.llama_cpp
+    if getattr(lib, "_pymoe_plain_cpu", False):
+        return
+    default = lib.llama_model_default_params
+
+    def params_without_extra_bufts():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = params_without_extra_bufts
+    lib._pymoe_plain_cpu = True
+
+
 def require_llama_cpp():
     """-> the llama_cpp module at the pinned version; skip (fail in CI) when it is missing or another version."""
     try:
@@ -43,4 +63,5 @@ def require_llama_cpp():
         if strict():
             pytest.fail(why, pytrace=False)
         pytest.skip(why)
+    _plain_cpu_kernels(llama_cpp)
     return llama_cpp

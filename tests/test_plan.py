@@ -10,6 +10,7 @@ import pytest
 
 from pymoe.errors import PymoeError
 from pymoe.policies import DEFAULT_POLICY
+from pymoe.profile import Profile
 from pymoe.plan import (GiB, MiB, CostModel, ModelFacts, auto_line, calibrate_two_points, coverage,
                         decode_time_per_token, dense_bytes, facts_from_gguf, free_for_vram, parse_size,
                         parse_size_list, plan_table, profile_hit_model, slots_for, trace_hit_model,
@@ -17,22 +18,14 @@ from pymoe.plan import (GiB, MiB, CostModel, ModelFacts, auto_line, calibrate_tw
 
 from conftest import run_pymoe
 
-HEAT = "/work/shared/data/routing-heat/qwen3-next-80b-a3b.json"
+# shared/ lies beside the checkout (CI copies it there too): the real routing counts of Qwen3-Next-80B
+HEAT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data",
+                    "routing-heat", "qwen3-next-80b-a3b.json")
 
 # The article's model: 48 layers x 512 experts, top-10, 1.318 MiB per slot (rounded in the article).
 ARTICLE_SLOT = round(1.318 * MiB)
 ARTICLE = ModelFacts("article", n_layers=48, n_expert=512, k=10, slot_bytes=ARTICLE_SLOT)
 ARTICLE_COST = CostModel(device_bw=1792e9, pcie_bw=13.9e9, fixed_s=3.46e-3)
-
-
-class FakeProfile:
-    """Stands in for pymoe.profile.Profile: a static bound from heat counts (global ranking, hottest first)."""
-
-    def __init__(self, heat):
-        self.counts = np.sort(np.asarray(heat, dtype=np.int64).reshape(-1))[::-1]
-
-    def coverage_hit_rate(self, n_slots):
-        return float(self.counts[:max(0, n_slots)].sum() / self.counts.sum())
 
 
 def skewed_heat(L=4, E=16, seed=0):
@@ -90,16 +83,27 @@ def test_slots_floor_and_cap():
 
 
 # --- the cost model ---------------------------------------------------------------------------------------------------
-def test_calibration_reproduces_article_points():
+def test_calibration_of_the_article_points():
     """Two measured points (13.5% misses -> 140.6 tok/s, 0.3% -> 256.2) fix the two unknowns; the fitted fixed time
-    is the --fixed-ms default, the fitted PCIe cost is an effective 26.9 GB/s (MTP, CPU misses: docs/planning.md)."""
+    is the --fixed-ms default, the fitted PCIe cost is an effective 26.9 GB/s (MTP, CPU misses: docs/planning.md).
+    (That the fit passes through its own two points holds by construction and is not asserted.)"""
     fixed, pcie = calibrate_two_points((0.135, 140.6), (0.003, 256.2), ARTICLE.lookups_per_token, ARTICLE_SLOT,
                                        1792e9)
     assert fixed * 1e3 == pytest.approx(3.46, abs=0.005)
     assert pcie / 1e9 == pytest.approx(26.9, abs=0.05)
-    cost = CostModel(1792e9, pcie, fixed)
-    assert decode_time_per_token(0.865, ARTICLE, cost).tok_s == pytest.approx(140.6, rel=1e-9)
-    assert decode_time_per_token(0.997, ARTICLE, cost).tok_s == pytest.approx(256.2, rel=1e-9)
+
+
+def test_cost_model_on_a_point_it_was_not_fitted_to():
+    """Held out: the article's requests bucketed by hit rate (section 4.2; 2,890 requests over both rounds) give
+    143 tok/s for hits of 90-95%. The model fitted on the two round averages predicts 160-198 tok/s across that
+    bucket, 177 at its centre: 1.24x the measurement. The article names why (section 5): a miss costs a pipeline
+    bubble, not just its bytes over PCIe, and the speed jumps past ~95% hits, which a model linear in the misses
+    cannot follow. The bounds hold the model to what it does today, over-predicting by 1.1-1.3x (the article's
+    own request-to-request spread is +-15%), so that a change to it shows here; docs/planning.md states the limit."""
+    fixed, pcie = calibrate_two_points((0.135, 140.6), (0.003, 256.2), ARTICLE.lookups_per_token, ARTICLE_SLOT,
+                                       1792e9)
+    predicted = decode_time_per_token(0.925, ARTICLE, CostModel(1792e9, pcie, fixed)).tok_s
+    assert 1.1 <= predicted / 143 <= 1.3, predicted
 
 
 def test_cost_terms_by_hand():
@@ -115,7 +119,7 @@ def test_cost_terms_by_hand():
 @pytest.mark.parametrize("model", ["uniform", "profile"])
 def test_monotone_in_vram(model):
     hit = uniform_hit_model(ARTICLE.n_total) if model == "uniform" else \
-        profile_hit_model(FakeProfile(skewed_heat(48, 512)))
+        profile_hit_model(Profile.from_heat(skewed_heat(48, 512)))
     vrams = [int(v * GiB) for v in np.linspace(4, 48, 23)]
     rows = plan_table(vrams, ARTICLE, int(5.8 * GiB), 700 * MiB, hit, ARTICLE_COST, 184 * MiB)
     for a, b in zip(rows, rows[1:]):
@@ -126,7 +130,7 @@ def test_monotone_in_vram(model):
 
 @pytest.mark.parametrize("target", [50, 100, 150, 200, 250])
 def test_inverse_meets_target_and_is_least(target):
-    hit = profile_hit_model(FakeProfile(skewed_heat(48, 512)))
+    hit = profile_hit_model(Profile.from_heat(skewed_heat(48, 512)))
     overhead, reserve = int(5.8 * GiB), 700 * MiB
     plan = vram_for_target(target, ARTICLE, overhead, reserve, hit, ARTICLE_COST)
     assert plan.reachable
@@ -162,7 +166,8 @@ def test_static_bound_on_real_heat():
 
 
 def test_uniform_is_a_lower_bound_of_the_static_bound():
-    profile = FakeProfile(skewed_heat(8, 64))
+    """The real Profile ranks hottest first, so a static cache of any size beats uniform routing on skewed heat."""
+    profile = Profile.from_heat(skewed_heat(8, 64))
     for n in range(0, 513, 32):
         assert profile.coverage_hit_rate(n) >= uniform_hit_model(512).rate(n) - 1e-12
 

@@ -17,7 +17,8 @@ from pymoe.profile import HEADER, Profile, load_heat_json
 from pymoe.simulate import slots_for_coverage, sweep
 from pymoe.trace import Trace, TraceRecorder
 
-HEAT_DIR = "/work/shared/data/routing-heat"
+# shared/ lies beside the checkout (CI copies it there too)
+HEAT_DIR = os.path.join(os.path.dirname(ROOT), "shared", "data", "routing-heat")
 META = {"model": "hand", "arch": "test", "n_layers": 2, "n_experts": 5, "k": 2}
 
 
@@ -171,7 +172,7 @@ def test_routing_heat_readme_static_coverage(name, table):
     p = load_heat_json(path)
     for coverage, expected in table.items():
         rate = 100 * p.coverage_hit_rate(slots_for_coverage(coverage, p.n_layers, p.n_experts))
-        assert abs(rate - expected) <= 0.05, (coverage, rate)
+        assert abs(rate - expected) <= 0.05, (coverage, rate)  # the README rounds to 0.1 points: half a step
 
 
 def run_tool(*args):
