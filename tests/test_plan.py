@@ -154,12 +154,11 @@ def test_inverse_unreachable():
 def test_static_bound_on_real_heat():
     """README numbers for qwen3-next-80b-a3b (48 x 512, top-10): 23.5% coverage -> 56.6%, 79.5% -> 98.4%, through
     the real Profile.from_heat; the article measured 86.5% / 99.7% with an adaptive engine (temporal locality)."""
-    profile_mod = pytest.importorskip("pymoe.profile")
     if not os.path.exists(HEAT):
         pytest.skip("routing-heat data not present")
     with open(HEAT) as f:
         heat = json.load(f)["heat"]
-    hit = profile_hit_model(profile_mod.Profile.from_heat(heat))
+    hit = profile_hit_model(Profile.from_heat(heat))
     assert hit.rate(round(0.235 * ARTICLE.n_total)) == pytest.approx(0.566, abs=1e-3)
     assert hit.rate(round(0.795 * ARTICLE.n_total)) == pytest.approx(0.984, abs=1e-3)
     assert hit.rate(5784) < 0.865 and hit.rate(19530) < 0.997  # the measured adaptive rates sit above the bound
