@@ -1,6 +1,8 @@
 """Routing traces and expert profiles: formats round-trip, bad files fail in one line, the routing-heat README's
-static coverage numbers come out, and trace -> build-profile -> `pymoe run --profile` works on a tiny model with the
-simulator predicting the engine's hit count exactly."""
+static coverage numbers come out, and trace -> build-profile -> `pymoe run --profile` works on a tiny model (a
+plumbing test: the simulator's replay of the trace gives the engine's hit count, which checks the trace and the
+wiring; both run the same `policies.SlotTable`, so it is no oracle of the policies -- tests/test_policies.py holds
+those to hand-made sequences and Belady to an exhaustive optimum)."""
 import json
 import os
 import re
@@ -206,9 +208,11 @@ def decode_hits(stderr):
     return int(m.group(1)), int(m.group(2))
 
 
-def test_trace_profile_run_round_trip(tiny_model, tmp_path):
-    """pymoe run --trace -> build-profile -> pymoe run --profile (--trace again): the simulator, replaying the
-    second trace with the same profile, policy and slots, predicts the engine's decode hit count exactly."""
+def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
+    """pymoe run --trace -> build-profile -> pymoe run --profile (--trace again). Plumbing, not an oracle: the engine
+    and the simulator run the same SlotTable, so replaying the second trace with the same profile, policy and slots
+    must give the engine's decode hit count exactly -- unless the trace lost, reordered or mislabelled a lookup, or
+    the engine's cache is wired to the policy differently from the simulator."""
     model = tiny_model("qwen3moe", "f32")
     trace1, profile_path = tmp_path / "t1.npz", tmp_path / "expert-profile.bin"
     for prompt in ("hello world", "the cat sat"):  # two runs appended into one trace
