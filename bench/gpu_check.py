@@ -101,7 +101,7 @@ def main(argv=None):
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--policy", default=DEFAULT_POLICY)
-    ap.add_argument("--pcie-frac", type=float, default=None, help="default: the PCIe probe's (cuda), 1 (cpu)")
+    ap.add_argument("--pcie-frac", type=float, default=None, help="default: the PCIe probe's (cuda), 0 (cpu)")
     args = ap.parse_args(argv)
     from numba import config
 

@@ -19,9 +19,10 @@ from .backends import get_backend
 from .cache import PassThroughCache
 from .errors import PymoeError
 from .generate import RequestStats, generate_tokens, stream_text
-from .loader import load_gguf
+from .loader import EXPERT_PROJ, load_gguf
 from .model import Model
-from .policies import DEFAULT_POLICY
+from .policies import DEFAULT_POLICY, check_engine_policy
+from .probe import NO_GPU_PCIE_FRAC
 from .sampler import Sampler, SamplingParams
 
 
@@ -34,14 +35,16 @@ class Engine:
         """`cache_slots` / `cache_gib` size an expert slot pool; else `cache` = "auto" sizes it from the device's free
         memory (CUDA; on the CPU backend auto means no pool: every expert is read in place) or "none".
         `profile` (a path or a profile.Profile) pre-fills it; `pcie_frac` (None: measured by the PCIe probe on CUDA,
-        1.0 on the CPU) splits the misses; `chunk` is the most prompt tokens per forward call; `log` receives the
-        start-up lines (sizing, pre-fill). `backend_options`: extra arguments of the backend (tests)."""
+        0 on the CPU, as the probe says with no GPU) splits the misses; `chunk` is the most prompt tokens per
+        forward call; `log` receives the start-up lines (sizing, pre-fill). `backend_options`: extra arguments of
+        the backend (tests)."""
         from .tokenizer import Tokenizer
 
         if chunk < 1:
             raise PymoeError(f"--chunk must be >= 1, got {chunk}")
         if cache not in ("auto", "none"):
             raise PymoeError(f"--cache must be auto or none, got {cache!r}")
+        check_engine_policy(policy)  # a bad option is an error with or without a pool to apply it to
         self.file = load_gguf(path)
         self.config = self.file.config
         self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
@@ -63,13 +66,15 @@ class Engine:
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
             self.backend.prepare(chunk, self.n_ctx)
             log(self.backend.memory_line())
-        if pcie_frac is None:
-            pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else 1.0
+        if pcie_frac is None:  # measured on a GPU; with none, the probe's answer without one (every miss on the CPU)
+            pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else NO_GPU_PCIE_FRAC
         self.cache = self._make_cache(cache, cache_slots, cache_gib, policy, pcie_frac, log)
         self.model.cache = self.cache
         self.backend.warm_up((t.qtype for t in self.file.tensors.values()), progress=progress)
-        if hasattr(self.backend, "warm_up_experts"):  # the fused expert kernel of the CPU fast path
-            self.backend.warm_up_experts(self.file.expert_types(0))
+        if hasattr(self.backend, "warm_up_experts"):  # the fused expert kernel, once per gate/up/down type triple
+            triples = {tuple(lay.types[p] for p in EXPERT_PROJ): lay.types for lay in self.file.expert_layouts()}
+            for types in triples.values():  # (layers may differ: llama.cpp's Q4_K_M has ffn_down Q4_K or Q6_K)
+                self.backend.warm_up_experts(types)
         self.tokenizer = Tokenizer(self.file)
         self.last_stats = RequestStats()
 
@@ -108,7 +113,7 @@ class Engine:
             log(f"expert cache: {cache_gib:g} GiB / {self.file.slot_bytes} bytes per slot -> {slots} slots")
             cache_slots = max(1, min(slots, n_total))
         cache = SlotCache(self.file, int(cache_slots), policy=policy, profile=self.profile, pcie_frac=pcie_frac,
-                          new_pool=getattr(self.backend, "new_pool", None))
+                          new_pool=getattr(self.backend, "new_pool", None), gpu=cuda)
         self.backend.cache_pool = cache.pool
         log(cache.describe())
         if self.profile is not None:

@@ -28,8 +28,9 @@ from .moe import moe_block
 class RowCounts:
     """Stands in for the expert cache inside moe_block and splits its counters per batch row (per sequence).
 
-    The cache sees the rows one after another, in the order one [N, K] lookup would give them, so policy decisions
-    are unchanged; `rows[j]` collects the counter deltas (lookups, hits, spill, ...) of sequence j.
+    The cache sees one lookup of all N rows, as without the split, so policy decisions and the path each expert is
+    served by are unchanged; `rows[j]` collects the counters (lookups, hits, spill, ...) of sequence j's pairs,
+    each under the path its expert is really served by.
     """
 
     def __init__(self, cache, n_rows: int):
@@ -37,15 +38,13 @@ class RowCounts:
         self.rows = [dict.fromkeys(COUNTERS, 0) for _ in range(n_rows)]
 
     def lookup(self, layer: int, expert_ids: np.ndarray, phase: str) -> None:
-        counts = self.cache.stats.counts[phase]
-        for j in range(expert_ids.shape[0]):  # expert_ids [N, K]
-            before = dict(counts)
-            self.cache.lookup(layer, expert_ids[j:j + 1], phase)
-            for name in COUNTERS:
-                self.rows[j][name] += counts[name] - before[name]
+        self.cache.lookup(layer, expert_ids, phase, rows=self.rows)  # expert_ids [N, K]
 
     def expert(self, layer: int, e: int):
         return self.cache.expert(layer, e)
+
+    def finish(self, layer: int) -> None:
+        self.cache.finish(layer)
 
 
 def decode_batch(model, tokens: Sequence[int], kvs: Sequence[KVCache],

@@ -198,7 +198,7 @@ def summarize(name: str, c: int, n_prompt: int, gen: int, outcomes: list, wall_s
                hit_rate=None, spill_share=None)
     if before is not None and after is not None:
         d = {k: after[k] - before[k] for k in after}
-        if d["lookups"]:
+        if d["lookups"] and not d.get("host"):  # "host": read in place with no slot pool: no cache, no hit rate
             row["hit_rate"], row["spill_share"] = d["hits"] / d["lookups"], d["spill"] / d["lookups"]
     return row
 

@@ -3,13 +3,16 @@
 What this is: the one door through which the MoE block reaches expert weights. Per layer, `moe.py` calls
     cache.lookup(layer, expert_ids [T, K], phase)   every (token, expert) pair the router chose: accounting + policy
     cache.expert(layer, e)                          the bytes to compute expert e with: a slot, or host memory
+    cache.finish(layer)                             those experts are computed: promoted bytes may land in slots
 Two implementations keep these methods:
-  - `PassThroughCache`: no pool. Every expert is read in place from the GGUF memory map, so every lookup counts as a
-    hit. The CPU backend's default: host RAM already holds every expert.
-  - `SlotCache`: N slots, each one expert's gate + up + down bytes exactly as stored in the GGUF, a residency table
-    `[n_layers, n_experts] -> slot or -1`, and a policy from `policies.py` (the same code `pymoe simulate` replays
-    traces with). On the CPU backend the pool is a bounded buffer in RAM: the *accounting* (hits, misses by path,
-    promotions, evictions) is what a GPU pool does, which is what makes every cache behaviour testable in CI.
+  - `PassThroughCache`: no pool, so no hits and no misses: every lookup is counted as "host" (read in place from
+    the GGUF memory map; the CPU backend's default: host RAM already holds every expert), or, on a GPU with no
+    slots (`--cache none`), as "spill" (decode) / "staged" (prefill): read over PCIe.
+  - `SlotCache`: N slots, each one expert's gate + up + down bytes exactly as stored in the GGUF (with its own
+    layer's types: they may change from layer to layer), a residency table `[n_layers, n_experts] -> slot or -1`,
+    and a policy from `policies.py` (the same code `pymoe simulate` replays traces with). On the CPU backend the
+    pool is a bounded buffer in RAM: the *accounting* (hits, misses by path, promotions, evictions) is what a GPU
+    pool does, which is what makes every cache behaviour testable in CI.
 
 A decode miss is served one of two ways, and may also be promoted:
   - spill: the GPU reads the expert straight from pinned, mapped host memory over PCIe (no slot needed);
@@ -17,9 +20,16 @@ A decode miss is served one of two ways, and may also be promoted:
     the share of misses sent over PCIe is `pcie_frac` (the rest go to the CPU), assigned deterministically by
     error diffusion so the split is exact and reproducible;
   - promote: when the policy admits the expert, its bytes are copied into a slot (the policy's victim is evicted),
-    so the *next* lookup hits. On a GPU the copy runs on a copy stream overlapped with compute.
+    so the *next* lookup hits. The copy is made by `finish`, once this lookup's experts are computed (on a GPU:
+    queued on the copy stream behind the compute stream's reads of that slot), so a slot is never overwritten
+    under an expert this very lookup serves from it.
+One lookup call is one decision per expert: an expert chosen by several rows of the call (tokens of a prefill
+chunk, sequences of a batched decode step) is served by one path, decided at its first (token, expert) pair, and
+every row that chose it is counted under that path (`rows`: per-row counters, for batched decode).
 Prefill lookups never promote: a prompt chunk touches nearly every expert, so letting it through the policy would
 flush the decode working set. Prefill misses are "staged" (streamed once per chunk), hits refresh the policy.
+On the CPU backend nothing crosses PCIe: "spill" and "cpu" are the split a GPU would make (`gpu` False), and every
+expert is computed the same way.
 What this is not: a policy (policies.py), or the code that moves bytes to a GPU (backends/cuda.py does the copies;
 here the CPU backend's copies are plain NumPy).
 """
@@ -33,15 +43,18 @@ import numpy as np
 
 from .errors import PymoeError
 from .loader import EXPERT_PROJ, ExpertBytes, GGUFModel
-from .policies import DEFAULT_POLICY
+from .policies import DEFAULT_POLICY, check_engine_policy
 
 PHASES = ("prefill", "decode")
-COUNTERS = ("lookups", "hits", "spill", "cpu", "staged", "promoted", "evicted")
+# What each lookup was served by (ExpertBytes.where -> counter: slot -> hits; spill, cpu, staged, host), and what it
+# did to the pool (promoted, evicted).
+COUNTERS = ("lookups", "hits", "spill", "cpu", "staged", "host", "promoted", "evicted")
 
 
 @dataclass
 class CacheStats:
-    """Counters per phase. lookups = hits + spill + cpu (decode) or hits + staged (prefill)."""
+    """Counters per phase. lookups = hits + spill + cpu (decode) or hits + staged (prefill) with a slot pool;
+    with none, lookups = host (read in place, CPU backend) or spill / staged (over PCIe, a GPU with no slots)."""
 
     counts: dict = field(default_factory=lambda: {p: dict.fromkeys(COUNTERS, 0) for p in PHASES})
 
@@ -66,56 +79,76 @@ class CacheStats:
                 c[k] = 0
 
 
+def _count(counts: tuple, name: str, n: int = 1) -> None:
+    """Add n to counter `name` of each counter dict in `counts` (the cache's own, and a batch row's)."""
+    for c in counts:
+        c[name] = c.get(name, 0) + n
+
+
 class PassThroughCache:
-    """Serves every expert from the model's memory map; counts lookups (all hits: the bytes are resident)."""
+    """No slot pool: serves every expert from the model's memory map. Nothing is a hit or a miss, as there is no
+    cache: lookups are counted as "host" (read in place) or, on a GPU, "spill" / "staged" (read over PCIe)."""
 
     n_slots = 0
     policy_name = "none"
 
     def __init__(self, model: GGUFModel, miss_path: Optional[str] = None):
-        """miss_path None: host RAM is where experts are computed (CPU backend), every lookup a hit. "spill": a GPU
-        with no slots (`--cache none`): every lookup is a miss read over PCIe (staged in prefill)."""
+        """miss_path None: host RAM is where experts are computed (CPU backend): every lookup read in place.
+        "spill": a GPU with no slots (`--cache none`): every lookup read over PCIe ("staged" in prefill)."""
         self.model = model
         self.miss_path = miss_path
-        self._where = miss_path
+        self.gpu = miss_path is not None  # the experts are computed on a GPU: what it reads crosses PCIe
+        self._where = miss_path or "host"
         self.stats = CacheStats()
 
-    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str) -> None:
-        """Account for the router's choices of one layer: expert_ids int [T, K], one lookup per (token, expert)."""
-        n = int(expert_ids.size)
+    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str, rows: Optional[list] = None) -> None:
+        """Account for the router's choices of one layer: expert_ids int [T, K], one lookup per (token, expert).
+        rows: T counter dicts to add each row's counts to as well (batched decode: one row per sequence)."""
+        self._where = "host" if not self.gpu else "staged" if phase == "prefill" else self.miss_path
         c = self.stats.counts[phase]
-        c["lookups"] += n
-        self._where = "staged" if phase == "prefill" else self.miss_path  # for expert(), until the next lookup
-        c["hits" if self.miss_path is None else self._where] += n
+        K = int(expert_ids.size) // expert_ids.shape[0]  # lookups per row
+        _count((c,), "lookups", int(expert_ids.size))
+        _count((c,), self._where, int(expert_ids.size))
+        for row in rows or ():  # one counter dict per row of expert_ids
+            _count((row,), "lookups", K)
+            _count((row,), self._where, K)
 
     def expert(self, layer: int, e: int) -> ExpertBytes:
         ex = self.model.expert(layer, e)
-        return ex if self.miss_path is None else replace(ex, where=self._where)
+        return ex if self._where == "host" else replace(ex, where=self._where)
+
+    def finish(self, layer: int) -> None:
+        pass  # nothing is ever copied
 
     def describe(self) -> str:
         cfg = self.model.config
-        if self.miss_path is not None:
-            return f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read over PCIe from pinned host memory)"
+        if self.gpu:
+            return (f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read over PCIe from pinned host "
+                    "memory)")
         return (f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read in place from the memory map; "
                 "--cache-slots N emulates a GPU slot pool)")
 
 
 class HostPool:
     """The slot pool of the CPU backend: uint8 [N, slot_bytes] in RAM. A GPU backend's pool subclasses it, keeping
-    the slot layout and replacing where the bytes live and how they are copied (backends/cuda.py: `DevicePool`)."""
+    the slot layout and replacing where the bytes live and how they are copied (backends/cuda.py: `DevicePool`).
 
-    def __init__(self, n_slots: int, slot_bytes: int, parts: list):
-        self.layout, off = [], 0  # [(name, byte offset, (rows, row_bytes))]: gate | up | down in every slot
-        for name, shape in parts:
-            self.layout.append((name, off, shape))
-            off += shape[0] * shape[1]
+    Slot layout: an expert of layer i fills the first `layouts[i].nbytes` bytes of a slot as gate | up | down, each
+    with layer i's own types and row sizes (`loader.ExpertLayout`); `slot_bytes` is the largest over the layers, so
+    any slot can hold an expert of any layer, and a slot is always read with the layout of the expert it holds."""
+
+    def __init__(self, n_slots: int, slot_bytes: int, layouts: list):
+        self.layouts = list(layouts)  # [L] loader.ExpertLayout, one per layer
+        need = max(lay.nbytes for lay in self.layouts)
+        if slot_bytes < need:
+            raise ValueError(f"slots of {slot_bytes} bytes cannot hold the largest expert ({need} bytes)")
         self.bytes = self.allocate(n_slots, slot_bytes)  # [N, slot_bytes]
 
     def allocate(self, n_slots: int, slot_bytes: int):
         return np.zeros((n_slots, slot_bytes), dtype=np.uint8)
 
     def write(self, slot: int, ex: ExpertBytes) -> None:
-        for name, off, _ in self.layout:
+        for name, off, _ in self.layouts[ex.layer].parts:
             src = getattr(ex, name)
             self.bytes[slot, off:off + src.nbytes] = src.reshape(-1)
 
@@ -124,7 +157,8 @@ class HostPool:
         return self.bytes[slot, off:off + shape[0] * shape[1]].reshape(shape)
 
     def view(self, slot: int, layer: int, e: int) -> ExpertBytes:
-        views = {name: self.part(slot, off, shape) for name, off, shape in self.layout}
+        """Expert e of `layer`, which the slot holds, read with that layer's layout."""
+        views = {name: self.part(slot, off, shape) for name, off, shape in self.layouts[layer].parts}
         return ExpertBytes(layer, e, **views, where="slot", slot=slot)
 
     def read(self, slot: int) -> np.ndarray:
@@ -139,7 +173,9 @@ class SlotCache:
     """N expert slots in a pool, a residency table, a policy; spill / cpu / promote on a miss."""
 
     def __init__(self, model: GGUFModel, n_slots: int, policy: str = DEFAULT_POLICY, profile=None,
-                 pcie_frac: float = 1.0, new_pool=None, **policy_args):
+                 pcie_frac: float = 1.0, new_pool=None, gpu: bool = False, **policy_args):
+        """new_pool(n_slots, slot_bytes, layouts): the backend's pool (default: HostPool, in RAM); gpu: the pool is
+        on a GPU, so spill misses cross PCIe (else the spill / cpu split is only the one a GPU would make)."""
         from .policies import SlotTable, make_policy
 
         cfg = model.config
@@ -150,8 +186,7 @@ class SlotCache:
             raise PymoeError(f"cache slots must be in 1..{n_total} (the model's experts), got {n_slots}")
         if not 0.0 <= pcie_frac <= 1.0:
             raise PymoeError(f"pcie_frac must be in [0, 1], got {pcie_frac}")
-        if policy == "belady":
-            raise PymoeError("policy 'belady' needs the future: it exists in `pymoe simulate` only")
+        check_engine_policy(policy)
         self.n_slots = n_slots
         self.policy_name = policy
         self.pcie_frac = pcie_frac
@@ -159,12 +194,14 @@ class SlotCache:
         profile_keys = list(profile.keys()) if profile is not None else None
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args))
         self.residency = np.full((self.n_layers, self.n_experts), -1, dtype=np.int32)  # [L, E] -> slot or -1
-        # Byte layout of a slot: gate | up | down, each as stored in the GGUF; the same for every layer of a file.
-        ex = model.expert(0, 0)
-        self.parts = [(p, getattr(ex, p).shape) for p in EXPERT_PROJ]  # [(name, (rows, row_bytes))]
+        # Byte layout of a slot: gate | up | down, each as stored in the GGUF, with the types of the layer of the
+        # expert it holds (they may change from layer to layer); slots are sized for the largest layer's expert.
+        self.layouts = model.expert_layouts()  # [L] loader.ExpertLayout
         self.slot_bytes = model.slot_bytes
-        self.pool = (new_pool or HostPool)(n_slots, self.slot_bytes, self.parts)  # a backend's pool (GPU), or RAM
-        self._missed: dict = {}  # (layer, expert) -> miss path, for the last lookup call
+        self.pool = (new_pool or HostPool)(n_slots, self.slot_bytes, self.layouts)  # a backend's pool (GPU), or RAM
+        self.gpu = bool(gpu)
+        self._served: dict = {}  # (layer, expert) -> (where, slot): how the last lookup call serves each expert
+        self._pending: dict = {}  # slot -> (layer, expert): promotions whose bytes finish() has not copied yet
         self.stats = CacheStats()
         self.clock = 0  # one tick per lookup: the policy's notion of time
         self._pcie_credit = 0.0  # error diffusion of the spill/cpu split
@@ -176,45 +213,61 @@ class SlotCache:
         self.residency[layer, e] = slot
 
     def expert(self, layer: int, e: int) -> ExpertBytes:
-        """The bytes to compute expert e with, and where they are (`ExpertBytes.where`): its slot if it was resident
-        at this call's lookup, else host memory tagged with the miss path the lookup chose (spill / cpu / staged).
-        An expert promoted by this very lookup is still served by its miss path: its copy into the slot runs on
-        the copy stream, overlapped with this token's compute, and the *next* lookup hits."""
-        path = self._missed.get((layer, e))
-        if path is not None:
-            return replace(self.model.expert(layer, e), where=path)
-        slot = int(self.residency[layer, e])
-        return self.pool.view(slot, layer, e) if slot >= 0 else self.model.expert(layer, e)
+        """The bytes to compute expert e with, and where they are (`ExpertBytes.where`), as the last lookup decided:
+        the slot it was resident in at that lookup, or host memory tagged with the miss path the lookup chose
+        (spill / cpu / staged). An expert promoted by that very lookup is still served by its miss path: its bytes
+        land in the slot at finish() (on a GPU, overlapped with compute), and the *next* lookup hits."""
+        where, slot = self._served.get((layer, e), (None, -1))
+        if where == "slot":
+            return self.pool.view(slot, layer, e)
+        if where is not None:
+            return replace(self.model.expert(layer, e), where=where)
+        slot = int(self.residency[layer, e])  # not chosen by the last lookup: wherever it is now
+        if slot >= 0 and slot not in self._pending:
+            return self.pool.view(slot, layer, e)
+        return self.model.expert(layer, e)
+
+    def finish(self, layer: int) -> None:
+        """The experts the last lookup served have been computed (on a GPU: their kernels are queued, and the pool
+        orders its copies after them): the promotions' bytes may land in their slots now."""
+        pending, self._pending = self._pending, {}
+        for slot, (lay, e) in pending.items():
+            self.pool.write(slot, self.model.expert(lay, e))
 
     # --- accounting and policy ---------------------------------------------------------------------------------
     def key(self, layer: int, e: int) -> int:
         return layer * self.n_experts + e
 
-    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str) -> None:
-        """One layer's routing, expert_ids int [T, K], in token order: count, update the policy, promote/evict."""
+    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str, rows: Optional[list] = None) -> None:
+        """One layer's routing, expert_ids int [T, K], in token order: count, update the policy, promote/evict.
+
+        Every (token, expert) pair goes through the policy in order. Each distinct expert is served by one path,
+        decided at its first pair (a hit: the slot it is in; a miss: spill / cpu / staged), and every pair that
+        chose it is counted under that path, so the counters say what the backend does. rows: T counter dicts to
+        add each row's counts to as well (batched decode: one row per sequence)."""
+        self.finish(layer)  # a caller that skipped finish(): the last call's promotions land before anything else
         c = self.stats.counts[phase]
-        self._missed = {}  # (layer, expert) -> the miss path chosen by this call (read by expert())
-        for e in expert_ids.reshape(-1):
-            e = int(e)
-            key = self.key(layer, e)
-            self.clock += 1
-            c["lookups"] += 1
-            hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode")
-            if hit:
-                c["hits"] += 1
-                continue
-            if phase == "prefill":
-                c["staged"] += 1  # streamed once per chunk; the resident set stays as the policy wants it
-                self._missed[layer, e] = "staged"
-                continue
-            path = self._missed.setdefault((layer, e), self._miss_path())  # one path per expert per call
-            c[path] += 1
-            if evicted is not None:
-                c["evicted"] += 1
-                self.residency[divmod(evicted, self.n_experts)] = -1
-            if slot is not None:
-                c["promoted"] += 1
-                self._copy_in(slot, layer, e)
+        self._served = {}
+        for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
+            counts = (c,) if rows is None else (c, rows[t])
+            for e in row.tolist():
+                key = self.key(layer, e)
+                self.clock += 1
+                hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode")
+                served = self._served.get((layer, e))
+                if served is None:  # the first pair of this call to choose e decides how e is served
+                    served = (("slot", slot) if hit else ("staged", -1) if phase == "prefill"
+                              else (self._miss_path(), -1))
+                    self._served[layer, e] = served
+                _count(counts, "lookups")
+                _count(counts, "hits" if served[0] == "slot" else served[0])
+                if evicted is not None:
+                    _count(counts, "evicted")
+                    self.residency[divmod(evicted, self.n_experts)] = -1
+                if slot is not None and not hit:  # promoted: the bytes follow at finish()
+                    _count(counts, "promoted")
+                    self.residency[layer, e] = slot
+                    self._pending[slot] = (layer, e)  # a slot promoted into twice in one call keeps the last
 
     def _miss_path(self) -> str:
         """'spill' for a pcie_frac share of misses, 'cpu' for the rest (deterministic error diffusion)."""

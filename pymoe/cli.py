@@ -10,7 +10,7 @@ import click
 
 from . import plan as plan_defaults  # the planner's defaults, shown in `pymoe plan --help`
 from .errors import PymoeError
-from .policies import DEFAULT_POLICY
+from .policies import DEFAULT_POLICY, ENGINE_POLICIES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -63,11 +63,11 @@ def engine_options(f):
         click.option("--reserve-mib", default=700.0, show_default=True,
                      help="Device memory left free by --cache auto, besides the KV cache and activations."),
         click.option("--policy", default=DEFAULT_POLICY, show_default=True,
-                     help="Slot cache policy: static, lru, lfu, pinned-lru."),
+                     help=f"Slot cache policy: {', '.join(ENGINE_POLICIES)}."),
         click.option("--profile", default=None, help="Expert profile to pre-fill the slot pool from."),
         click.option("--pcie-frac", default=None, type=float,
                      help="Share of decode cache misses read over PCIe (spill); the rest are computed on the CPU "
-                          "[default: measured by the PCIe probe on cuda; 1 on cpu]."),
+                          "[default: measured by the PCIe probe on cuda; 0 on cpu, as the probe says with no GPU]."),
         click.option("--chunk", default=512, show_default=True,
                      help="Prompt tokens per forward call; each expert missing from the cache is streamed once "
                           "per chunk."),

@@ -4,7 +4,8 @@ What this is: `generate_tokens(...)`, a generator over new token ids, and `strea
 text pieces with stop strings applied, both recording a `RequestStats` (the reference article's per-request lines:
     prompt 26 tokens = 0 reused + 26 read in 43 ms, 192 generated in 1367 ms (140.5 tok/s)
     decode expert cache hit rate: 86.3% (23414 hits / 27131 lookups)
-). Timings are wall-clock around the model calls (on a GPU backend the model call syncs before returning).
+), or, with no slot pool, `decode expert cache: none (...)`: no hit rate for a cache that does not exist. Timings
+are wall-clock around the model calls (on a GPU backend the model call syncs before returning).
 What this is not: the model (model.py) or the sampler (sampler.py).
 """
 from __future__ import annotations
@@ -29,6 +30,12 @@ class RequestStats:
     n_decoded: int = 0  # decode forward passes: n_generated - 1 when no stop cut it short
     decode: dict = field(default_factory=dict)  # the expert cache's decode counters of this request
     stop_reason: str = ""
+    pool: bool = True  # the engine has an expert slot pool (False: none; every expert read in place or over PCIe)
+    gpu: bool = False  # the experts are computed on a GPU: what it reads from host memory crosses PCIe
+
+    def note_cache(self, cache) -> None:
+        """Record what the cache line must know about the engine's expert cache: is there a pool, is it a GPU's."""
+        self.pool, self.gpu = getattr(cache, "n_slots", 0) > 0, bool(getattr(cache, "gpu", False))
 
     @property
     def decode_tok_s(self) -> float:
@@ -52,15 +59,23 @@ class RequestStats:
         return self.decode.get("hits", 0)
 
     def cache_line(self) -> str:
-        """The article's appendix-B line: hit rate, then how the misses were served and what was promoted."""
+        """The article's appendix-B line: hit rate, then how the misses were served and what was promoted. Only a
+        GPU reads over PCIe: on the CPU backend every miss is computed from host memory, and the spill / cpu split
+        is the one a GPU would make. With no pool there is no hit rate: the line says so."""
         c = self.decode
         n = c.get("lookups", 0)
+        if not self.pool:
+            how = "read over PCIe from pinned host memory" if self.gpu else "read in place from host memory"
+            return f"decode expert cache: none ({n} routed experts {how})"
         rate = 100.0 * c.get("hits", 0) / n if n else 0.0
         line = f"decode expert cache hit rate: {rate:.1f}% ({c.get('hits', 0)} hits / {n} lookups)"
-        misses = c.get("spill", 0) + c.get("cpu", 0)
-        if misses:
-            line += (f"; {c['spill']} more read over PCIe ({100.0 * c['spill'] / n:.2f}% of all {n} routed), "
-                     f"{c['cpu']} computed on the CPU, {c.get('promoted', 0)} promoted")
+        spill, cpu, promoted = c.get("spill", 0), c.get("cpu", 0), c.get("promoted", 0)
+        if spill + cpu and self.gpu:
+            line += (f"; {spill} more read over PCIe ({100.0 * spill / n:.2f}% of all {n} routed), "
+                     f"{cpu} computed on the CPU, {promoted} promoted")
+        elif spill + cpu:
+            line += (f"; {spill + cpu} misses computed in place from host memory (split for a GPU: {spill} spill, "
+                     f"{cpu} cpu), {promoted} promoted")
         return line
 
 
@@ -80,6 +95,7 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
     max_tokens = min(max_tokens, n_ctx - len(prompt_ids))
     kv = model.new_kv(n_ctx)
     cache_stats = model.cache.stats
+    stats.note_cache(model.cache)
     if model.trace is not None:
         model.trace.start_request(len(prompt_ids))
     stats.n_prompt = len(prompt_ids)

@@ -14,7 +14,9 @@ Two facts about GGUF that this module hides from the rest of pymoe:
 
 Expert tensors are 3-D, `blk.N.ffn_{gate,up,down}_exps.weight` with shape (n_expert, rows, cols), expert index
 slowest: one expert's bytes are one contiguous run in each of the three, and `GGUFModel.expert(layer, e)` returns
-those three runs: the unit the expert cache moves around ("one slot").
+those three runs: the unit the expert cache moves around ("one slot"). The types of those runs can change from layer
+to layer (llama.cpp's _M mixes: ffn_down Q4_K in some layers, Q6_K in others), so each layer has its own
+`ExpertLayout` (`GGUFModel.expert_layout(layer)`) and a slot is sized for the largest (`GGUFModel.slot_bytes`).
 """
 from __future__ import annotations
 
@@ -72,6 +74,21 @@ class ExpertBytes:
     @property
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one expert of one layer sits in a cache slot: gate | up | down, back to back, each exactly as stored in
+    that layer's tensors. Layers of one file may differ (types, hence row bytes); a slot holds any of them."""
+
+    types: dict  # proj -> quant.QType of the layer's ffn_{proj}_exps tensor
+    parts: tuple  # ((proj, byte offset in the slot, (rows, row_bytes)), ...) in EXPERT_PROJ order
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert of this layer (the slot prefix it fills)."""
+        proj, off, (rows, row_bytes) = self.parts[-1]
+        return off + rows * row_bytes
 
 
 def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
@@ -165,8 +182,10 @@ class GGUFModel:
             if t is None:
                 raise PymoeError(f"{where}missing tensor {name}")
             if t.shape != shape:
-                raise PymoeError(f"{where}tensor {name} has shape {list(t.shape)} but the metadata implies "
-                                 f"{list(shape)} (NumPy order)")
+                if not _fits(t.shape, shape):
+                    raise PymoeError(f"{where}tensor {name} has shape {list(t.shape)} but the metadata implies "
+                                     f"{list(shape)} (NumPy order)")
+                t = self.tensors[name] = _squeezed(t, shape)
             if t.qtype not in quant.FORMATS:
                 raise PymoeError(f"{where}tensor {name} has type {t.qtype.name}, which pymoe does not support "
                                  f"(supported: {', '.join(q.name for q in quant.FORMATS)})")
@@ -199,17 +218,46 @@ class GGUFModel:
         return self._expert_views[layer]
 
     def expert_types(self, layer: int = 0) -> dict[str, quant.QType]:
+        """proj -> qtype of the experts of `layer` (types may change from layer to layer)."""
         return {p: self.layer_tensor(layer, f"ffn_{p}_exps.weight").qtype for p in EXPERT_PROJ}
+
+    def expert_layout(self, layer: int) -> ExpertLayout:
+        """The byte layout of one expert of `layer` in a cache slot: its own types and row sizes."""
+        parts, off = [], 0
+        for proj, raw in self._expert_tensors(layer).items():
+            shape = tuple(int(n) for n in raw.shape[1:])  # (rows, row_bytes) of one expert
+            parts.append((proj, off, shape))
+            off += shape[0] * shape[1]
+        return ExpertLayout(self.expert_types(layer), tuple(parts))
+
+    def expert_layouts(self) -> list[ExpertLayout]:
+        """expert_layout(i) of every layer, in layer order."""
+        return [self.expert_layout(i) for i in range(self.config.n_layers)]
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of the largest single expert (gate + up + down) over all layers: the size of one cache slot."""
-        return max(self.expert(i, 0).nbytes for i in range(self.config.n_layers))
+        return max(lay.nbytes for lay in self.expert_layouts())
 
     @property
     def expert_bytes_total(self) -> int:
         return sum(self.layer_tensor(i, f"ffn_{p}_exps.weight").nbytes
                    for i in range(self.config.n_layers) for p in EXPERT_PROJ)
+
+
+def _fits(have: tuple, want: tuple) -> bool:
+    """llama.cpp's rule (llama_model_loader::check_tensor_dims): a tensor fits the expected dimensions if they
+    match and every dimension past them, in GGML order (ne[i] for i >= len(want)), is 1. convert_hf_to_gguf.py
+    writes qwen2moe's ffn_gate_inp_shexp as ne [n_embd, 1]. In NumPy order the extra dimensions lead."""
+    extra = len(have) - len(want)
+    return extra >= 0 and tuple(have[extra:]) == tuple(want) and all(n == 1 for n in have[:extra])
+
+
+def _squeezed(t: Tensor, shape: tuple) -> Tensor:
+    """The tensor with its size-1 extra dimensions dropped: `shape`, and data of that rank (a view, no copy). The
+    data's last axis stays what GGUFReader made it: elements for float types, bytes of a row for quantized ones."""
+    data = t.data.reshape(tuple(shape[:-1]) + (t.data.shape[-1],))
+    return Tensor(t.name, t.qtype, tuple(shape), data)
 
 
 def _open_reader(path: str) -> GGUFReader:

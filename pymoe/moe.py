@@ -16,9 +16,10 @@ The path, as llama.cpp computes it (build_moe_ffn):
 plus, for qwen2moe, a shared expert every token uses, scaled by sigmoid(x @ ffn_gate_inp_shexp).
 
 Experts are fetched through the expert cache (`cache.expert(layer, e)`), never from the model directly: this file
-does not know where an expert's bytes live (mmap, a VRAM slot, ...). Tokens are grouped by expert so each chosen
-expert's weights are read once per call, however many tokens routed to it: in decode that is K experts; in a
-prefill of T tokens at most E.
+does not know where an expert's bytes live (mmap, a VRAM slot, ...). Once they are computed, `cache.finish(layer)`
+lets the cache copy the experts it promoted into their slots (never under an expert this call reads from a slot).
+Tokens are grouped by expert so each chosen expert's weights are read once per call, however many tokens routed to
+it: in decode that is K experts; in a prefill of T tokens at most E.
 """
 from __future__ import annotations
 
@@ -71,6 +72,9 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
             tok, slot = np.nonzero(ids == e)  # tokens routed to e, and at which of their K positions
             out = swiglu_expert(backend, ex, layer.expert_types, x[tok])  # [n, D]
             y[tok] += w[tok, slot][:, None] * out
+    finish = getattr(cache, "finish", None)  # (a stand-in cache in a test may have nothing to finish)
+    if finish is not None:
+        finish(layer.index)
 
     if cfg.has_shared_expert:
         sh = layer.shared

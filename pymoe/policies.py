@@ -276,6 +276,21 @@ POLICIES = {
 }
 
 
+ENGINE_POLICIES = tuple(name for name in POLICIES if name != "belady")  # belady needs the future: simulation only
+
+
+def check_engine_policy(name: str) -> str:
+    """`name` if the engine's slot cache can run it, else a one-line PymoeError naming --policy and the choices."""
+    from .errors import PymoeError
+
+    if name == "belady":
+        raise PymoeError("--policy belady needs the future: it exists in `pymoe simulate` only (choose from "
+                         f"{', '.join(ENGINE_POLICIES)})")
+    if name not in ENGINE_POLICIES:
+        raise PymoeError(f"--policy must be one of {', '.join(ENGINE_POLICIES)}, got {name!r}")
+    return name
+
+
 def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] = None, future=None,
                 pinned_frac: float = 0.5) -> Policy:
     """Build a policy by name. static and pinned-lru need `profile_keys` (global keys, hottest first); belady needs

@@ -9,6 +9,9 @@ and from the two, the share of decode misses to send over PCIe. Both paths read 
 and they run at the same time, so a token's misses are done soonest when both finish together:
     f * B / pcie = (1 - f) * B / cpu    =>    pcie_frac f = pcie / (pcie + cpu)
 e.g. 13.9 GB/s over PCIe and 22.7 GB/s on the CPU give 0.38 (the article's line). docs/expert-cache.md explains it.
+With no GPU there is no PCIe link to measure and every miss is computed on the CPU: pcie_frac 0
+(`NO_GPU_PCIE_FRAC`), which is also what the engine uses on the CPU backend when --pcie-frac is not given, so that
+`pymoe probe` always prints the split `pymoe run` will use.
 What this is not: a benchmark of the kernels (bench/), or a model of latency (each path also has a fixed cost per
 expert, which matters for tiny experts; the measured rates on this model's own experts include it).
 """
@@ -21,6 +24,7 @@ from typing import Optional
 import numpy as np
 
 MiB = 2**20
+NO_GPU_PCIE_FRAC = 0.0  # no GPU: no PCIe to read over, every miss computed on the CPU (probe and engine alike)
 
 
 @dataclass(frozen=True)
@@ -32,13 +36,14 @@ class ProbeResult:
     @property
     def pcie_frac(self) -> float:
         if not self.pcie_gbs:
-            return 0.0
+            return NO_GPU_PCIE_FRAC
         best = max(self.pcie_gbs)
         return best / (best + self.cpu_gbs)
 
     def line(self) -> str:
         if not self.pcie_gbs:
-            return "PCIe probe: no CUDA GPU found (nothing to measure) -> pcie_frac 0 (every miss on the CPU)"
+            return (f"PCIe probe: no CUDA GPU found (nothing to measure) -> pcie_frac {NO_GPU_PCIE_FRAC:g} (every miss "
+                    "on the CPU)")
         samples = " ".join(f"{g:.1f}" for g in sorted(self.pcie_gbs))
         return (f"PCIe probe: {max(self.pcie_gbs):.1f} GB/s host->device (best of {samples}) -> pcie_frac "
                 f"{self.pcie_frac:.2f}")

@@ -231,6 +231,7 @@ class EngineLoop:
         slot.job, slot.kv.n, slot.tokens = job, reused, slot.tokens[:reused]
         st.n_prompt, st.n_reused, st.stop_reason = len(prompt), reused, "length"
         st.decode = dict.fromkeys(COUNTERS, 0)
+        st.note_cache(self.engine.cache)
         t0 = time.perf_counter()
         logits = self.model.prefill(np.asarray(prompt[reused:]), slot.kv)[-1]  # [V]
         st.prompt_s = time.perf_counter() - t0
@@ -316,8 +317,8 @@ class EngineLoop:
                 max_queue=self.max_queue, queue_depth=self.queue.qsize(), max_batch=self.max_batch,
                 slots=[dict(index=s.index, busy=s.job is not None, cached_tokens=len(s.tokens)) for s in self.slots],
                 cache=dict(describe=cache.describe(), slots=cache.n_slots, experts=n_experts,
-                           policy=cache.policy_name,
-                           coverage=cache.n_slots / n_experts if cache.n_slots else 1.0,  # no pool: all resident
+                           policy=cache.policy_name, pool=cache.n_slots > 0,
+                           coverage=cache.n_slots / n_experts,  # of the slot pool: 0 with none
                            counts=counts),
                 requests=dict(self.outcomes), tokens=dict(self.totals), last=dict(self.last),
                 recent=list(self.recent),
@@ -368,9 +369,12 @@ class ServerCollector:
             for phase, c in counts.items():
                 fam.add_metric([phase], c[name])
             yield fam
-        rate = GaugeMetricFamily("pymoe_expert_hit_rate", "Expert cache hits / lookups.", labels=["phase"])
+        pool = self.loop.engine.cache.n_slots > 0
+        rate = GaugeMetricFamily("pymoe_expert_hit_rate", "Expert cache hits / lookups (NaN with no slot pool: no "
+                                 "cache, no hit rate).", labels=["phase"])
         for phase, c in counts.items():
-            rate.add_metric([phase], c["hits"] / c["lookups"] if c["lookups"] else 0.0)
+            value = (c["hits"] / c["lookups"] if c["lookups"] else 0.0) if pool else math.nan
+            rate.add_metric([phase], value)
         yield rate
         d = counts["decode"]
         for path in ("spill", "cpu"):

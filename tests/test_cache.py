@@ -94,7 +94,21 @@ def test_run_reports_spill_cpu_and_promotions(tiny_model):
     lines = [l for l in r.stderr.splitlines() if l.startswith("pymoe run:")]
     assert any("expert cache: 4 slots" in l for l in lines)
     hit_line = [l for l in lines if "hit rate" in l][0]
-    assert "read over PCIe" in hit_line and "computed on the CPU" in hit_line and "promoted" in hit_line
+    # the CPU backend: no PCIe anywhere; the misses are computed from host memory, split as a GPU would split them
+    assert "PCIe" not in hit_line and "misses computed in place from host memory" in hit_line
+    assert "spill, " in hit_line and " cpu)" in hit_line and "promoted" in hit_line
+
+
+def test_no_pool_reports_no_cache(tiny_model):
+    """With no slot pool there is no cache: no hit rate (it used to say 100%), every expert read in place from host
+    memory (counted as "host", neither a hit nor a miss), and never PCIe on the CPU backend."""
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"))
+    greedy(engine)
+    c = engine.cache.stats.counts["decode"]
+    n = (N_NEW - 1) * engine.config.n_layers * engine.config.n_expert_used
+    assert c["lookups"] == c["host"] == n and c["hits"] == 0
+    line = engine.last_stats.cache_line()
+    assert line == f"decode expert cache: none ({n} routed experts read in place from host memory)"
 
 
 def test_miss_paths_are_tagged_for_the_backend(tiny_model):
@@ -120,3 +134,93 @@ def test_cuda_backend_without_a_gpu_is_a_one_line_error(tiny_model, monkeypatch)
     assert "Traceback" not in r.stderr
     r = run_pymoe("probe", tiny_model("qwen3moe", "q2_k"), "--repeats", "1")
     assert r.returncode == 0 and "CPU expert rate:" in r.stdout and "PCIe probe: no CUDA GPU found" in r.stdout
+
+
+SERVED_AS = {"slot": "hits", "spill": "spill", "cpu": "cpu"}  # ExpertBytes.where -> the counter it belongs to
+
+
+def test_each_batch_row_is_served_by_the_path_counted_for_it(tiny_model):
+    """Batched decode (--parallel N): one lookup of N rows. Every row's experts must be served by the path counted
+    for that row: a "cpu" expert handed to a GPU backend as a slot or as host bytes would go over PCIe while the
+    telemetry says cpu. Checked on the CPU backend through the `where` tags of SlotCache.expert()."""
+    from pymoe.batch import RowCounts
+
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lru", pcie_frac=0.5)
+    rc = RowCounts(engine.cache, 2)
+    ids = np.array([[1, 2], [3, 4]])  # [N=2, K]: 4 misses, 4 promotions into 3 slots (expert 1 evicted again)
+    rc.lookup(0, ids, "decode")
+    for j, row in enumerate(ids):
+        served = [SERVED_AS[rc.expert(0, int(e)).where] for e in row]
+        counted = [name for name in ("hits", "spill", "cpu") for _ in range(rc.rows[j][name])]
+        assert sorted(served) == sorted(counted), (j, served, rc.rows[j])
+
+
+def test_a_slot_is_not_overwritten_under_an_expert_served_from_it(tiny_model):
+    """One slot, two rows: row 0 hits expert 1 in slot 0, row 1 misses expert 2, which the policy promotes into slot
+    0 (evicting 1). Expert 1 is still served from slot 0, with its own bytes: the promotion's copy lands at
+    finish(), after this call's experts are computed (on a GPU it waits for their kernels)."""
+    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"), cache_slots=1, policy="lru")
+    cache, host = engine.cache, engine.file.expert
+    cache.lookup(0, np.array([[1]]), "decode")
+    cache.finish(0)
+    cache.lookup(0, np.array([[1], [2]]), "decode")
+    ex1 = cache.expert(0, 1)
+    assert (ex1.where, ex1.slot) == ("slot", 0) and cache.expert(0, 2).where in ("spill", "cpu")
+    np.testing.assert_array_equal(ex1.down, host(0, 1).down)
+    cache.finish(0)
+    assert cache.residency[0, 2] == 0 and cache.residency[0, 1] == -1
+    np.testing.assert_array_equal(cache.pool.view(0, 0, 2).down, host(0, 2).down)
+
+
+def test_decode_batch_serves_rows_as_counted(tiny_model):
+    """The same over whole batched steps: for every row, the experts the backend computed (tagged slot / spill /
+    cpu) add up to that row's counters (hits / spill / cpu)."""
+    from pymoe.batch import decode_batch
+
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lru", pcie_frac=0.5)
+    model = engine.model
+    kvs = [model.new_kv(32) for _ in range(3)]
+    tokens = [int(model.prefill(np.asarray(p), kv)[-1].argmax()) for p, kv in zip(([1, 2, 3], [40, 50], [7]), kvs)]
+    served = [dict.fromkeys(SERVED_AS.values(), 0) for _ in kvs]
+    inner = engine.backend.moe_experts
+
+    def moe_experts(experts, types, x, ids, w):  # what the backend is handed, row by row
+        for j, row in enumerate(ids):
+            for e in row.tolist():
+                served[j][SERVED_AS[experts[e].where]] += 1
+        return inner(experts, types, x, ids, w)
+
+    engine.backend.moe_experts = moe_experts
+    rows = [{} for _ in kvs]
+    for _ in range(4):
+        tokens = decode_batch(model, tokens, kvs, rows).argmax(axis=1).tolist()
+    for j in range(len(kvs)):
+        assert served[j] == {name: rows[j][name] for name in served[j]}, (j, served[j], rows[j])
+    assert sum(r["spill"] for r in rows) > 0 and sum(r["cpu"] for r in rows) > 0
+
+
+def test_engine_uses_the_pcie_frac_the_probe_reports_without_a_gpu(tiny_model):
+    """No GPU: `pymoe probe` says pcie_frac 0 (every miss on the CPU); the engine, given no --pcie-frac, must split
+    its misses the same way (it used 1: every miss "read over PCIe" on a machine with no PCIe link to a GPU)."""
+    from pymoe.probe import probe
+
+    path = tiny_model("qwen3moe", "q2_k")
+    engine = pymoe.load(path, backend="cpu", cache_slots=4)
+    assert engine.cache.pcie_frac == probe(engine.file, engine.backend, repeats=1).pcie_frac == 0.0
+    greedy(engine)
+    c = engine.cache.stats.counts["decode"]
+    assert c["spill"] == 0 and c["cpu"] > 0
+    r = run_pymoe("probe", path, "--backend", "cpu", "--repeats", "1")
+    assert r.returncode == 0 and "-> pcie_frac 0 " in r.stdout, r.stdout
+    r = run_pymoe("run", path, "--backend", "cpu", "-p", "hi", "-n", "2", "--cache-slots", "4")
+    assert r.returncode == 0 and "pcie_frac 0\n" in r.stderr, r.stderr
+
+
+def test_unknown_policy_is_a_one_line_error(tiny_model):
+    r = run_pymoe("run", tiny_model("qwen3moe", "f32"), "-p", "hi", "-n", "2", "--cache-slots", "4", "--policy", "foo")
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("pymoe: error: ") and "--policy" in lines[0], lines
+    assert all(name in lines[0] for name in ("static", "lru", "lfu", "pinned-lru")) and "'foo'" in lines[0]
+    with pytest.raises(PymoeError, match="--policy"):  # the library says the same, pool or not
+        pymoe.load(tiny_model("qwen3moe", "f32"), policy="foo")
