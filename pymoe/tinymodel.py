@@ -83,6 +83,12 @@ PRESETS: dict[str, Preset] = {
     # benchmarks: ~430 MB at the Q2_K mix, qwen3moe-shaped (the CPU speed issue compares it with llama.cpp).
     "mid": Preset(n_layers=12, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_expert=64, n_expert_used=8,
                   n_ff_exp=512, n_ctx=4096, n_vocab=2048),
+    # the real CUDA kernels in Numba's CUDA simulator (tests/test_cuda_real_kernels_sim.py), where every output row
+    # of a mat-vec is a thread block of 32 Python threads: as few rows as a legal model allows. The vocabulary is
+    # the byte alphabet, the specials and 5 merges (the output projection, vocab x hidden, dominates the cost);
+    # rows of 32 values take Q4_0 in the q2_k mix.
+    "micro": Preset(n_layers=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_expert=4, n_expert_used=2,
+                    n_ff_exp=32, n_ff_shexp=32, n_ctx=256, n_vocab=264),
 }
 
 # Per-arch tweaks of a preset, so that the tiny files exercise what each arch does differently.
@@ -93,6 +99,7 @@ ARCH_TWEAKS = {
     "llama": dict(),
     "olmoe": dict(n_head_kv=4),  # OLMoE has no GQA; llama.cpp sizes its k_norm as n_embd
 }
+MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False}  # llama.cpp requires olmoe output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0}
 QUANT_MIXES = ("f32", "q2_k")
@@ -104,6 +111,8 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
     p = PRESETS[preset]
     if preset == "tiny":
         p = replace(p, **ARCH_TWEAKS[arch])
+    elif preset == "micro":
+        p = replace(p, **MICRO_ARCH_TWEAKS.get(arch, {}))
     t = ARCHS[arch]
     return ModelConfig(
         arch=arch, name=f"pymoe-{preset}-{arch}", n_layers=p.n_layers, n_embd=p.n_embd, n_vocab=n_vocab,

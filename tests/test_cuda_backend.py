@@ -5,9 +5,10 @@ copies, the mapped model file, the miss paths (slot / spill / cpu / staged), aut
 the PCIe probe -- on tiny models, against the CPU backend's float path (PYMOE_EXACT=1, the same math as the GPU
 kernels). The simulator runs a kernel one Python thread per CUDA thread (a 256 x 256 mat-vec: ~50 s), so the
 backend runs here with `kernels="reference"` (dequantize + NumPy); tests/test_cuda_kernels.py holds every real
-kernel to the same references, and scripts/gpu-check runs the backend with the real kernels on a GPU.
+kernel to the same references, tests/test_cuda_real_kernels_sim.py runs the backend with the real kernels on the
+micro model (in the simulator too), and scripts/gpu-check runs it with the real kernels on a GPU.
 """
-from cuda_sim import IS_SIMULATOR, fresh_interpreter_test, in_process  # first: switches the simulator on
+from cuda_sim import IN_PROCESS, IS_SIMULATOR, fresh_interpreter_test, in_process  # first: the simulator on
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -15,7 +16,7 @@ import pytest  # noqa: E402
 import pymoe  # noqa: E402
 from pymoe.errors import PymoeError  # noqa: E402
 
-pytestmark = [pytest.mark.cuda, in_process]
+pytestmark = pytest.mark.cuda
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 200, 31]  # 12 tokens: with --chunk 8, chunks of 8 and 4
 N_NEW = 10
@@ -42,6 +43,7 @@ def float_tokens(tiny_model):
         mp.undo()
 
 
+@in_process
 @pytest.mark.parametrize("mix", ["f32", "q2_k"])
 @pytest.mark.parametrize("policy, pcie_frac", [("lru", 1.0), ("lru", 0.0), ("lfu", 0.5)])
 def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, policy, pcie_frac):
@@ -60,6 +62,7 @@ def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, poli
         assert b.mem.by_what["expert slots"] == slots * engine.file.slot_bytes
 
 
+@in_process
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
 def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch):
     """The device KV cache and attention block (q/k/v biases, q/k norms per head or whole, NEOX or normal RoPE,
@@ -82,6 +85,7 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
     assert isinstance(engine.model.new_kv(64), DeviceKVCache)  # lent again once the first sequence is gone
 
 
+@in_process
 def test_no_slots_reads_every_expert_over_pcie(tiny_model, float_tokens):
     engine = load_cuda(tiny_model("qwen3moe", "q2_k"), cache="none", pcie_frac=1.0, chunk=8)
     assert greedy(engine) == float_tokens["q2_k"]
@@ -90,6 +94,7 @@ def test_no_slots_reads_every_expert_over_pcie(tiny_model, float_tokens):
     assert "expert slots" not in engine.backend.mem.by_what
 
 
+@in_process
 def test_prefill_stages_experts_with_many_tokens_and_reads_the_rest_in_place(tiny_model, monkeypatch):
     """An expert given more than TOKEN_TILE tokens of a chunk is copied into a staging buffer (the two alternate);
     one with fewer is read in place over PCIe (every expert, with --chunk 3). The chunking changes no logits."""
@@ -113,6 +118,7 @@ def test_prefill_stages_experts_with_many_tokens_and_reads_the_rest_in_place(tin
             assert not staged and len(in_place) > 0
 
 
+@in_process
 def test_spill_reads_the_mapped_model_file_without_a_copy(tiny_model):
     engine = load_cuda(tiny_model("qwen3moe", "q2_k"), cache_slots=2)
     ex = engine.file.expert(1, 3)
@@ -124,6 +130,7 @@ def test_spill_reads_the_mapped_model_file_without_a_copy(tiny_model):
         engine.backend.host.device_view(np.zeros(4, np.uint8))
 
 
+@in_process
 def test_auto_sizing_from_free_device_memory(tiny_model):
     path = tiny_model("qwen3moe", "q2_k")
     lines = []
@@ -143,6 +150,7 @@ def test_auto_sizing_from_free_device_memory(tiny_model):
         load_cuda(path, free_bytes=700 * MiB + need + slot // 2, pcie_frac=1.0)
 
 
+@in_process
 def test_device_budget_is_enforced(tiny_model):
     with pytest.raises(PymoeError, match="device memory budget exceeded"):
         load_cuda(tiny_model("qwen3moe", "q2_k"), free_bytes=700 * MiB + 64 * 1024, pcie_frac=1.0)
@@ -154,6 +162,7 @@ def test_device_budget_is_enforced(tiny_model):
         load_cuda(path, cache_slots=16, free_bytes=room, pcie_frac=1.0)
 
 
+@in_process
 def test_profile_prefill_verifies_device_bytes(tiny_model):
     from pymoe.profile import Profile
 
@@ -195,6 +204,7 @@ class EventLog:
         return self.events[-1]
 
 
+@in_process
 def test_slot_copies_are_ordered_by_events(monkeypatch):
     """A slot's copy (copy stream) waits for the event recorded after the last kernels that read it (compute
     stream); a kernel reading a freshly written slot waits for that copy's event first."""
@@ -225,6 +235,7 @@ def test_slot_copies_are_ordered_by_events(monkeypatch):
             assert (op, stream, recorded_on[ev]) == ("wait", "compute", "copy"), (slot, log.ops[at])
 
 
+@in_process
 def test_pcie_probe_line_and_split(tiny_model):
     from pymoe.probe import ProbeResult, probe
 
@@ -236,8 +247,9 @@ def test_pcie_probe_line_and_split(tiny_model):
     assert len(measured.pcie_gbs) == 2 and measured.cpu_gbs > 0 and 0 < measured.pcie_frac < 1
 
 
-@pytest.mark.skipif(IS_SIMULATOR, reason="the real kernels run ~50 s per mat-vec in the simulator: scripts/gpu-check "
-                    "runs this on a GPU")
+@in_process
+@pytest.mark.skipif(IS_SIMULATOR, reason="GPU only: the real kernels on the tiny models (~50 s per mat-vec in the "
+                    "simulator; tests/test_cuda_real_kernels_sim.py runs them on the micro model): scripts/gpu-check")
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
 @pytest.mark.parametrize("mix", ["f32", "q2_k"])
 def test_real_kernels_end_to_end_match_the_cpu_float_path(tiny_model, monkeypatch, arch, mix):
@@ -252,6 +264,7 @@ def test_real_kernels_end_to_end_match_the_cpu_float_path(tiny_model, monkeypatc
     assert greedy(engine) == want_tokens
 
 
+@in_process
 def test_the_gpu_check_script_runs(tiny_model, monkeypatch, capsys):
     """bench/gpu_check.py (scripts/gpu-check's model part) end to end, here on the simulator with the reference
     kernels: so the one script a GPU session runs is known to work before it costs device time."""
@@ -273,4 +286,5 @@ def test_the_gpu_check_script_runs(tiny_model, monkeypatch, capsys):
     assert [r[0] for r in rows] == ["0%", "25%", "100%"] and float(rows[0][5]) == 100.0  # no pool: all spill
 
 
-test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
+if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
+    test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

@@ -18,7 +18,7 @@ import os
 import subprocess
 import sys
 
-from cuda_sim import ROOT, fresh_interpreter_test, in_process  # first: switches the simulator on
+from cuda_sim import IN_PROCESS, ROOT, fresh_interpreter_test, in_process  # first: the simulator on
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -277,7 +277,8 @@ def compile_every_kernel_to_ptx():
         print("ptx ok:", kernel.py_func.__name__, flush=True)
 
 
-@pytest.mark.skipif(nvvm_home() is None, reason="no CUDA toolkit (libnvvm) to compile PTX with")
+@pytest.mark.skipif(nvvm_home() is None, reason="GPU only: no CUDA toolkit (libnvvm) to compile PTX with here "
+                    "(scripts/gpu-check runs this file on a GPU machine)")
 def test_every_kernel_compiles_for_a_real_gpu():
     env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_HOME=nvvm_home(),
                PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
@@ -285,11 +286,12 @@ def test_every_kernel_compiles_for_a_real_gpu():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
-        pytest.skip(proc.stdout.strip().splitlines()[-1])
+        pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
     assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6
 
 
-test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
+if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
+    test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--ptx"]:

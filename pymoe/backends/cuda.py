@@ -262,15 +262,15 @@ class HostMapping:
 
 
 class DevicePool(HostPool):
-    """The expert cache's slots in device memory: uint8 [N, slot_bytes], the slot layout of cache.HostPool; copies
-    on the copy stream, ordered by events."""
+    """The expert cache's slots in device memory: uint8 [N, slot_bytes], the slot layout of cache.HostPool (each
+    expert laid out with its own layer's types); copies on the copy stream, ordered by events."""
 
-    def __init__(self, backend: "CUDABackend", n_slots: int, slot_bytes: int, parts: list):
+    def __init__(self, backend: "CUDABackend", n_slots: int, slot_bytes: int, layouts: list):
         self.backend = backend
         self.ready = [None] * n_slots  # event on the copy stream: the slot's last copy has landed
         self.last_read = [None] * n_slots  # event on the compute stream: the last kernel reading the slot is done
         self._event = backend.cuda.event
-        super().__init__(n_slots, slot_bytes, parts)
+        super().__init__(n_slots, slot_bytes, layouts)
 
     def allocate(self, n_slots: int, slot_bytes: int):
         return self.backend.mem.alloc((n_slots, slot_bytes), np.uint8, "expert slots")
@@ -279,7 +279,7 @@ class DevicePool(HostPool):
         b = self.backend
         if self.last_read[slot] is not None:
             self.last_read[slot].wait(b.copy)  # never overwrite a slot a queued kernel still reads
-        for name, off, _ in self.layout:
+        for name, off, _ in self.layouts[ex.layer].parts:
             src = getattr(ex, name)  # a view into the pinned mmap: an asynchronous host -> device copy
             self.bytes[slot, off:off + src.nbytes].copy_to_device(src.reshape(-1), stream=b.copy)
         ready = self._event()
@@ -449,8 +449,8 @@ class CUDABackend:
         reserve (which `plan.slots_for` subtracts again, as it prints it)."""
         return self.mem.limit - self.mem.used + self.reserve
 
-    def new_pool(self, n_slots: int, slot_bytes: int, parts: list) -> DevicePool:
-        return DevicePool(self, n_slots, slot_bytes, parts)
+    def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> DevicePool:
+        return DevicePool(self, n_slots, slot_bytes, layouts)
 
     def warm_up(self, qtypes, progress: bool = False) -> None:
         """Compile the kernels of these types now (one launch on a 1-row matrix each), not in the first request."""
@@ -466,13 +466,19 @@ class CUDABackend:
         self.cuda.synchronize()
 
     def warm_up_experts(self, expert_types: dict) -> None:
-        """Compile the expert-block kernels of one gate/up/down type triple (a 256 x 256 expert of zeros)."""
-        rows = {p: np.zeros((256, quant.get_format(expert_types[p]).row_bytes(256)), np.uint8) for p in EXPERT_PROJ}
-        dev = {p: self.cuda.to_device(a) for p, a in rows.items()}
-        X, Y = self.cuda.to_device(np.zeros((1, 256), np.float32)), self.cuda.to_device(np.zeros((1, 256), np.float32))
+        """Compile the expert-block kernels of one gate/up/down type triple: one launch on the smallest expert of
+        zeros those types allow (D one block of gate/up, F one block of down: 1 x 1 for F32, 256 x 256 for K-quants;
+        a launch is D + F thread blocks, and the CUDA simulator runs each one as 32 Python threads)."""
+        fmt = {p: quant.get_format(expert_types[p]) for p in EXPERT_PROJ}
+        D = max(fmt["gate"].block_size, fmt["up"].block_size)  # block sizes are powers of two: a multiple of both
+        F = fmt["down"].block_size
+        rows = {"gate": (F, fmt["gate"].row_bytes(D)), "up": (F, fmt["up"].row_bytes(D)),
+                "down": (D, fmt["down"].row_bytes(F))}
+        dev = {p: self.cuda.to_device(np.zeros(shape, np.uint8)) for p, shape in rows.items()}
+        X, Y = self.cuda.to_device(np.zeros((1, D), np.float32)), self.cuda.to_device(np.zeros((1, D), np.float32))
         self.k.expert_block(dev["gate"], dev["up"], dev["down"], expert_types, X,
                             self.cuda.to_device(np.zeros(1, np.float32)), Y,
-                            self.cuda.to_device(np.zeros((1, 256), np.float32)), 0)
+                            self.cuda.to_device(np.zeros((1, F), np.float32)), 0)
         self.cuda.synchronize()
 
     # --- weights -----------------------------------------------------------------------------------------------

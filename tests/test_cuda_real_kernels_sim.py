@@ -1,0 +1,112 @@
+"""The CUDA backend with its real kernels (cuda_kernels/), end to end in Numba's CUDA simulator, on the micro model.
+
+What this is: the one CI test where the real Numba CUDA kernels meet the backend's plumbing -- scratch buffers and
+their shapes, the kernels' argument order, device views (`shaped` slices of scratch, slot parts of the pool, mapped
+views of the model file, the device KV cache), the two streams, the miss paths -- instead of the NumPy reference
+kernels tests/test_cuda_backend.py runs the backend with. Oracle: the CPU backend's float path (PYMOE_EXACT=1, the
+same math as the kernels), logits and greedy tokens.
+
+Cost: the simulator runs a kernel as one Python thread per CUDA thread, a thread block of 32 at a time, and every
+output row of a mat-vec is one block (~40 ms each). So the model is the `micro` preset (pymoe/tinymodel.py: hidden
+32, 1 layer, 4 experts, top-2, expert FFN 32, 2 query heads / 1 KV head of 16, 264-token vocabulary, F32), the prompt
+is 3 tokens and one token is decoded after the prefill: ~950 blocks, of which the output projection (264 rows per
+forward) is more than half. Python's thread switch interval is lowered while the kernels run: the simulator's block
+manager busy-waits for its 32 threads at every barrier, and with the default 5 ms interval each hand-over of the
+GIL waits for it. Measured on a shared 2-core machine: 46-60 s for the test (the model written and the CPU
+oracle included), 106 s with the default switch interval.
+
+Paths covered: prefill experts either hit the slot pre-filled from a profile (a slot read by the kernels) or are
+read in place over "PCIe" (the mapped model file: `HostMapping.device_view`, the spill path's view); prefill and
+decode attention on the device KV cache; in the decode step one expert hits its slot and the other misses, is
+computed on the CPU (pcie_frac 0.5: the first miss goes to the CPU) and is promoted into the free slot (a copy on the
+copy stream; its bytes on the device are checked). Not covered here: staging (an expert given more than TOKEN_TILE
+tokens of a chunk: a longer prompt, twice the cost) -- tests/test_cuda_backend.py covers it with the reference
+kernels, and tests/test_cuda_kernels.py holds every kernel to its reference on its own.
+
+Tolerance: the measured max |logit difference| from the CPU float path is 7.2e-7 (7.15e-7, the same in every run:
+the simulator is deterministic; logits have std ~1; float32 sums in another order: 32-thread tree reductions
+against NumPy's dot products); the bound, 2e-6, is 2.8x that.
+"""
+from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: switches the simulator on
+
+import sys  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import pymoe  # noqa: E402
+from pymoe.loader import EXPERT_PROJ  # noqa: E402
+from pymoe.profile import Profile  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+PROMPT = [5, 17, 42]
+N_NEW = 2  # the first new token comes from the prefill's logits, the second from one decode step
+MiB = 2**20
+FREE = 700 * MiB + 64 * MiB  # the simulator has no device memory to report: a 64 MiB "device" beyond the reserve
+ATOL = 2e-6  # 2.8x the measured max |diff| (7.15e-7): see the module docstring
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory):
+    from pymoe.tinymodel import write_model
+
+    path = str(tmp_path_factory.mktemp("micro") / "micro-qwen3moe-f32.gguf")
+    write_model(path, "qwen3moe", "micro", "f32", seed=0)
+    return path
+
+
+def greedy_with_logits(engine):
+    """engine.generate's greedy tokens, and the logits of each forward it ran: prefill [T, V], then decode [V]."""
+    logits, model = [], engine.model
+    prefill, decode = model.prefill, model.decode_one_token
+    model.prefill = lambda *a: logits.append(prefill(*a)) or logits[-1]
+    model.decode_one_token = lambda *a: logits.append(decode(*a)) or logits[-1]
+    try:
+        return list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)), logits
+    finally:
+        del model.prefill, model.decode_one_token
+
+
+@in_process
+def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
+    monkeypatch.setenv("PYMOE_EXACT", "1")
+    cpu = pymoe.load(micro_model, backend="cpu")
+    trace = cpu.record_trace()
+    want_tokens, want_logits = greedy_with_logits(cpu)
+    t = trace.trace()
+    hit, miss = (int(e) for e in t.experts[t.rows("decode")][0, 0])  # layer 0's experts for the decode step
+    cfg = cpu.config
+    profile = Profile(cfg.n_layers, cfg.n_expert, pairs=[(0, hit)], counts=[1])  # pre-fills 1 of the 2 slots
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # see the module docstring: the simulator's barriers hand the GIL over constantly
+    try:
+        engine = pymoe.load(micro_model, backend="cuda", cache_slots=2, policy="lru", profile=profile,
+                            pcie_frac=0.5, chunk=8, backend_options=dict(free_bytes=FREE))  # kernels: the real ones
+        assert engine.backend.k.name == "cuda_kernels"
+        got_tokens, got_logits = greedy_with_logits(engine)
+    finally:
+        sys.setswitchinterval(old)
+
+    assert got_tokens == want_tokens
+    assert [a.shape for a in got_logits] == [a.shape for a in want_logits] == [(len(PROMPT), cfg.n_vocab),
+                                                                               (cfg.n_vocab,)]
+    diff = max(float(np.abs(g - w).max()) for g, w in zip(got_logits, want_logits))
+    assert diff <= ATOL, f"max |logit diff| {diff:.3g} > {ATOL:.3g}"
+
+    stats = engine.cache.stats.counts
+    p, d = stats["prefill"], stats["decode"]
+    assert p["lookups"] == p["hits"] + p["staged"] == len(PROMPT) * cfg.n_expert_used
+    assert p["hits"] > 0 and p["staged"] > 0  # the staged ones read in place (3 tokens: <= TOKEN_TILE per expert)
+    assert (d["lookups"], d["hits"], d["cpu"], d["spill"], d["promoted"], d["evicted"]) == (2, 1, 1, 0, 1, 0), d
+    cache, b = engine.cache, engine.backend
+    assert cache.residency[0, hit] >= 0 and cache.residency[0, miss] >= 0  # the miss was promoted
+    host = engine.file.expert(0, miss)
+    want = np.concatenate([getattr(host, name).reshape(-1) for name in EXPERT_PROJ])
+    assert np.array_equal(cache.pool.read(int(cache.residency[0, miss]))[:want.size], want)
+    assert b.mem.used <= b.mem.limit
+
+
+if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
+    test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
