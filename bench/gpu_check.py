@@ -26,8 +26,8 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 import pymoe  # noqa: E402
-from pymoe.plan import dense_bytes  # noqa: E402
-from pymoe.policies import DEFAULT_POLICY  # noqa: E402
+from pymoe.experts.plan import dense_bytes  # noqa: E402
+from pymoe.experts.policies import DEFAULT_POLICY  # noqa: E402
 
 MiB = 2**20
 
@@ -52,7 +52,7 @@ def ensure_model(path):
         return path
     path = "/tmp/pymoe-mid-q2_k.gguf"
     if not os.path.exists(path):
-        from pymoe.tinymodel import write_model
+        from pymoe.demo.tinymodel import write_model
 
         t0 = time.perf_counter()
         write_model(path, "qwen3moe", "mid", "q2_k", seed=0, progress=True, jobs=os.cpu_count() or 1)

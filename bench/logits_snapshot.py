@@ -2,8 +2,8 @@
 
 What it is for: a refactor that must not change a single bit (issue "One structure for every MoE family"). Run it
 before the change (`--save before.npz`), then after (`--compare before.npz`): every array must be equal bit for bit.
-Covered: the tiny files of tests/ (4 archs x F32 / Q2_K mix, written by pymoe.tinymodel with the tests' seed), the
-demo model; each through the CPU backend's fast path and its exact path (prefill logits of a 24-token prompt, then 6
+Covered: the tiny files of tests/ (4 archs x F32 / Q2_K mix, written by pymoe.demo.tinymodel with the tests' seed), the
+demo model; each through the CPU backend and the reference backend (prefill logits of a 24-token prompt, then 6
 decoded tokens' logits), greedy tokens with no pool and with a small slot pool (lru, 2 slots per layer).
 What it is not: a test of correctness (tests/ hold the oracles); it only says "nothing moved".
 
@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import pymoe  # noqa: E402
 from pymoe.demo import DEMO_MODEL  # noqa: E402
-from pymoe.tinymodel import write_model  # noqa: E402
+from pymoe.demo.tinymodel import write_model  # noqa: E402
 
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe")
 
@@ -37,15 +37,15 @@ def models(tmp):
 
 def snapshot(name, path):
     out = {}
-    for exact in (False, True):
-        m = pymoe.load(path, backend="cpu", backend_options=dict(exact=exact))
+    for backend in ("cpu", "reference"):
+        m = pymoe.load(path, backend=backend)
         ids = np.random.default_rng(5).integers(0, m.config.n_vocab, 24)
         kv = m.model.new_kv(64)
         logits = [m.model.prefill(ids, kv)]
         for t in range(6):
             logits.append(m.model.decode_one_token(int(logits[-1][-1].argmax()) if t == 0 else int(logits[-1].argmax()),
                                                    kv)[None])
-        out[f"{name}/{'exact' if exact else 'fast'}/logits"] = np.concatenate(logits)
+        out[f"{name}/{backend}/logits"] = np.concatenate(logits)
     for slots in (None, 2 * m.config.n_layers):
         m = pymoe.load(path, backend="cpu", cache_slots=slots, policy="lru")
         toks = list(m.generate([3, 4, 5, 6], max_tokens=12, stop_at_eos=False))

@@ -2,13 +2,13 @@
 
 What this is: the check behind docs/demo-model.md's "pymoe within 2% of llama.cpp". The text is tokenized once, by
 pymoe's tokenizer (llama.cpp's own tokenization of it is compared and reported, not used), and both engines score
-exactly the same (context, target) pairs (pymoe/perplexity.py `windows`). llama.cpp runs with an F32 KV cache. On a
+exactly the same (context, target) pairs (pymoe/engine/perplexity.py `windows`). llama.cpp runs with an F32 KV cache. On a
 K-quant file llama.cpp multiplies with 8-bit-quantized activations and pymoe in float32, so the two differ a little;
 on a float file they agree to rounding. It also reports the routing skew pymoe saw on the text (share of lookups
 served by the top 10/25/50% of experts per layer) and can save those counts (`--heat-out`, int64 [L, E]).
 What this is not: a speed benchmark (bench/compare_llamacpp.py).
 
-    PYTHONPATH=. python bench/perplexity_vs_llamacpp.py pymoe/data/demo-moe.gguf --heldout --chunks 40
+    PYTHONPATH=. python bench/perplexity_vs_llamacpp.py pymoe/demo/data/demo-moe.gguf --heldout --chunks 40
     PYTHONPATH=. python bench/perplexity_vs_llamacpp.py model.gguf --text some.py --n-ctx 512
 """
 from __future__ import annotations
@@ -19,13 +19,13 @@ import json
 import numpy as np
 
 import pymoe
-from pymoe.perplexity import engine_perplexity, llamacpp_perplexity, top_share
+from pymoe.engine.perplexity import engine_perplexity, llamacpp_perplexity, top_share
 
 
 def heldout_ids(engine) -> np.ndarray:
-    """The demo model's held-out split (pymoe/train_demo.py), tokenized by pymoe, files joined by <|endoftext|>."""
-    from pymoe.tinymodel import EOS_TOKEN
-    from pymoe.train_demo import read_corpus
+    """The demo model's held-out split (pymoe/demo/train.py), tokenized by pymoe, files joined by <|endoftext|>."""
+    from pymoe.demo.tinymodel import EOS_TOKEN
+    from pymoe.demo.train import read_corpus
 
     _, heldout = read_corpus()
     eos = engine.tokenizer.encode(EOS_TOKEN, special=True)

@@ -16,14 +16,14 @@ from typing import Iterator, Optional, Sequence, Union
 import numpy as np
 
 from .backends import get_backend
-from .cache import PassThroughCache
+from .experts.cache import PassThroughCache
 from .errors import PymoeError
-from .generate import RequestStats, generate_tokens, stream_text
-from .loader import EXPERT_PROJ, load_gguf
-from .model import Model
-from .policies import DEFAULT_POLICY, check_engine_policy
-from .probe import NO_GPU_PCIE_FRAC
-from .sampler import Sampler, SamplingParams
+from .engine.generate import RequestStats, generate_tokens, stream_text
+from .gguf.loader import EXPERT_PROJ, load_gguf
+from .engine.model import Model
+from .experts.policies import DEFAULT_POLICY, check_engine_policy
+from .experts.probe import NO_GPU_PCIE_FRAC
+from .engine.sampler import Sampler, SamplingParams
 
 
 class Engine:
@@ -38,7 +38,7 @@ class Engine:
         0 on the CPU, as the probe says with no GPU) splits the misses; `chunk` is the most prompt tokens per
         forward call; `log` receives the start-up lines (sizing, pre-fill). `backend_options`: extra arguments of
         the backend (tests)."""
-        from .tokenizer import Tokenizer
+        from .engine.tokenizer import Tokenizer
 
         if chunk < 1:
             raise PymoeError(f"--chunk must be >= 1, got {chunk}")
@@ -54,7 +54,7 @@ class Engine:
             self.backend.attach(self.file)
         self.profile = profile
         if isinstance(profile, (str, bytes)) or hasattr(profile, "__fspath__"):
-            from .profile import Profile
+            from .experts.profile import Profile
 
             self.profile = Profile.load(profile)
             log(self.profile.log_line(profile))
@@ -79,19 +79,19 @@ class Engine:
         self.last_stats = RequestStats()
 
     def _probe_pcie_frac(self, log) -> float:
-        from .probe import probe
+        from .experts.probe import probe
 
         result = probe(self.file, self.backend)
         log(result.line())
         return result.pcie_frac
 
     def _make_cache(self, mode, cache_slots, cache_gib, policy, pcie_frac, log):
-        from .cache import SlotCache
+        from .experts.cache import SlotCache
 
         cuda = self.backend.name == "cuda"
         n_total = self.config.n_layers * self.config.n_expert
         if cache_slots is None and cache_gib is None and mode == "auto" and cuda:
-            from .plan import auto_line, slots_for
+            from .experts.plan import auto_line, slots_for
 
             free, reserve = self.backend.free_for_cache(), self.backend.reserve
             cache_slots = slots_for(free, reserve, self.file.slot_bytes, cap=n_total)
@@ -122,7 +122,7 @@ class Engine:
 
     def record_trace(self, meta_extra: Optional[dict] = None):
         """Start recording routing (every token, every layer) -> the TraceRecorder; save it with .save(path)."""
-        from .trace import TraceRecorder
+        from .experts.trace import TraceRecorder
 
         cfg = self.config
         meta = dict(model=cfg.name or self.file.path, arch=cfg.arch, n_layers=cfg.n_layers, n_experts=cfg.n_expert,

@@ -8,9 +8,9 @@ import sys
 
 import click
 
-from . import plan as plan_defaults  # the planner's defaults, shown in `pymoe plan --help`
+from .experts import plan as plan_defaults  # the planner's defaults, shown in `pymoe plan --help`
 from .errors import PymoeError
-from .policies import DEFAULT_POLICY, ENGINE_POLICIES
+from .experts.policies import DEFAULT_POLICY, ENGINE_POLICIES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -24,7 +24,7 @@ def cli():
 @click.option("--tensors", "show_tensors", is_flag=True, help="List every tensor (name, type, shape, bytes).")
 def inspect_cmd(model, show_tensors):
     """Print a model's config, tensor types and counts, and the bytes of one expert (the cache slot size)."""
-    from .inspect import describe_model
+    from .gguf.inspect import describe_model
 
     click.echo(describe_model(model, show_tensors=show_tensors))
 
@@ -38,8 +38,8 @@ def probe_cmd(model, backend, threads, repeats):
     """Measure host->device (PCIe) bandwidth and the CPU's expert rate on MODEL; print the pcie_frac that
     balances them (the share of cache misses to read over PCIe; the rest are computed on the CPU)."""
     from .backends import get_backend
-    from .loader import load_gguf
-    from .probe import probe
+    from .gguf.loader import load_gguf
+    from .experts.probe import probe
 
     if repeats < 1:
         raise PymoeError(f"--repeats must be >= 1, got {repeats}")
@@ -54,7 +54,8 @@ def engine_options(f):
     options = [
         click.option("--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores)."),
         click.option("--backend", default="auto", show_default=True,
-                     help="Where to compute: cpu, cuda, or auto (cuda when a CUDA GPU is present, else cpu)."),
+                     help="Where to compute: cpu, cuda, auto (cuda when a CUDA GPU is present, else cpu), or reference "
+                          "(plain NumPy: slow, the readable twin the others are tested against)."),
         click.option("--cache", "cache", default="auto", show_default=True, type=click.Choice(["auto", "none"]),
                      help="Expert slot pool: auto sizes it from the GPU's free memory (on the CPU backend: no pool, "
                           "every expert read in place from the memory map); none: no pool."),
@@ -172,7 +173,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
     """Capacity plan for MODEL: VRAM -> slots -> coverage -> hit rate -> spill -> predicted decode tok/s, and back.
 
     Formulas and the reference article's numbers worked through: docs/planning.md."""
-    from .plan import plan_report
+    from .experts.plan import plan_report
 
     click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
                            device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
@@ -198,8 +199,8 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path):
     """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
 
-    Definitions (pools, coverage, knee, pre-fill): pymoe/simulate.py and docs/formats.md."""
-    from .simulate import report
+    Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/formats.md."""
+    from .experts.simulate import report
 
     click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,
                       phase=phase, plot_path=plot_path, progress=True), nl=False)
@@ -231,7 +232,7 @@ def serve_options(f):
 def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, **engine_options):
     """Serve MODEL (a GGUF file) over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /v1/status, /metrics, /health."""
-    from .server import serve
+    from .serve.app import serve
 
     def log(line):
         click.echo(f"pymoe serve: {line}", err=True)
@@ -254,7 +255,7 @@ def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_q
 @serve_options
 def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout, out, ctx, **server_options):
     """Run the load protocol (short / ~4K / ~16K prompts, concurrency sweep, overload) against MODEL's server."""
-    from .benchmark import bench
+    from .serve.benchmark import bench
 
     try:
         levels = tuple(int(c) for c in concurrency.split(",") if c.strip())

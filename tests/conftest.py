@@ -21,7 +21,7 @@ MIXES = ("f32", "q2_k")
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     """tiny_model(arch, mix) -> path of a tiny random-weight GGUF, written on first use and reused."""
-    from pymoe.tinymodel import write_model
+    from pymoe.demo.tinymodel import write_model
 
     root = tmp_path_factory.mktemp("models")
     made = {}

@@ -5,7 +5,7 @@ gguf-py's GGUFWriter, passing each tensor through `change(name, qtype, data)`, w
 (data, qtype): `data` in NumPy order, float32 for F32, raw uint8 rows [..., row_bytes] for other types (the form
 GGUFReader hands out). `change` returns its arguments unchanged for the tensors it leaves alone.
 `write_mixed_down(src, dst)`: a file whose expert types change from layer to layer, as in llama.cpp's _M mixes.
-What this is not: a quantizer (pymoe.quant) or a model writer (pymoe.tinymodel).
+What this is not: a quantizer (pymoe.quant) or a model writer (pymoe.demo.tinymodel).
 """
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter

@@ -10,11 +10,11 @@ from oracle import require_llama_cpp
 
 import pymoe
 from conftest import ARCHS
-from pymoe.batch import decode_batch
-from pymoe.cache import COUNTERS, SlotCache
+from pymoe.engine.batch import decode_batch
+from pymoe.experts.cache import COUNTERS, SlotCache
 from pymoe.errors import PymoeError
-from pymoe.kvcache_int8 import QuantizedPlane, kv_nbytes, new_kv
-from pymoe.tinymodel import make_config
+from pymoe.engine.kv import QuantizedPlane, kv_nbytes, new_kv
+from pymoe.demo.tinymodel import make_config
 
 
 def prefilled(model, prompts, n_ctx=64, kind="f32"):

@@ -5,7 +5,7 @@ import pytest
 import pymoe
 from conftest import run_pymoe
 from pymoe.backends.cuda import cuda_available
-from pymoe.cache import SlotCache
+from pymoe.experts.cache import SlotCache
 from pymoe.errors import PymoeError
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
@@ -29,7 +29,7 @@ def test_cache_never_changes_results(tiny_model, reference_tokens, mix, policy, 
     cfg = pymoe.load(path).config
     profile = None
     if policy in ("static", "pinned-lru"):
-        from pymoe.profile import Profile
+        from pymoe.experts.profile import Profile
 
         profile = Profile.from_heat(np.arange(cfg.n_layers * cfg.n_expert).reshape(cfg.n_layers, cfg.n_expert))
     for slots in (cfg.n_layers, cfg.n_layers * cfg.n_expert // 2, cfg.n_layers * cfg.n_expert):
@@ -143,7 +143,7 @@ def test_each_batch_row_is_served_by_the_path_counted_for_it(tiny_model):
     """Batched decode (--parallel N): one lookup of N rows. Every row's experts must be served by the path counted
     for that row: a "cpu" expert handed to a GPU backend as a slot or as host bytes would go over PCIe while the
     telemetry says cpu. Checked on the CPU backend through the `where` tags of SlotCache.expert()."""
-    from pymoe.batch import RowCounts
+    from pymoe.engine.batch import RowCounts
 
     engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lru", pcie_frac=0.5)
     rc = RowCounts(engine.cache, 2)
@@ -175,7 +175,7 @@ def test_a_slot_is_not_overwritten_under_an_expert_served_from_it(tiny_model):
 def test_decode_batch_serves_rows_as_counted(tiny_model):
     """The same over whole batched steps: for every row, the experts the backend computed (tagged slot / spill /
     cpu) add up to that row's counters (hits / spill / cpu)."""
-    from pymoe.batch import decode_batch
+    from pymoe.engine.batch import decode_batch
 
     engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lru", pcie_frac=0.5)
     model = engine.model
@@ -202,7 +202,7 @@ def test_decode_batch_serves_rows_as_counted(tiny_model):
 def test_engine_uses_the_pcie_frac_the_probe_reports_without_a_gpu(tiny_model):
     """No GPU: `pymoe probe` says pcie_frac 0 (every miss on the CPU); the engine, given no --pcie-frac, must split
     its misses the same way (it used 1: every miss "read over PCIe" on a machine with no PCIe link to a GPU)."""
-    from pymoe.probe import probe
+    from pymoe.experts.probe import probe
 
     path = tiny_model("qwen3moe", "q2_k")
     engine = pymoe.load(path, backend="cpu", cache_slots=4)

@@ -12,7 +12,7 @@ import pymoe
 from gguf_rewrite import rewrite_gguf
 from oracle import require_llama_cpp
 from pymoe.errors import PymoeError
-from pymoe.loader import load_gguf
+from pymoe.gguf.loader import load_gguf
 
 GATE = "ffn_gate_inp_shexp.weight"
 

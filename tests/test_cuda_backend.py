@@ -2,8 +2,8 @@
 
 What this is: everything of the backend but the kernels -- device memory and its budget, the slot pool and its
 copies, the mapped model file, the miss paths (slot / spill / cpu / staged), auto-sizing, pre-fill verification,
-the PCIe probe -- on tiny models, against the CPU backend's float path (PYMOE_EXACT=1, the same math as the GPU
-kernels). The simulator runs a kernel one Python thread per CUDA thread (a 256 x 256 mat-vec: ~50 s), so the
+the PCIe probe -- on tiny models, against the reference backend (backends/reference.py: float NumPy, the same math as the
+GPU kernels). The simulator runs a kernel one Python thread per CUDA thread (a 256 x 256 mat-vec: ~50 s), so the
 backend runs here with `kernels="reference"` (dequantize + NumPy); tests/test_cuda_kernels.py holds every real
 kernel to the same references, tests/test_cuda_real_kernels_sim.py runs the backend with the real kernels on the
 micro model (in the simulator too), and scripts/gpu-check runs it with the real kernels on a GPU.
@@ -34,13 +34,8 @@ def load_cuda(path, free_bytes=SIM["free_bytes"], **options):
 
 @pytest.fixture(scope="module")
 def float_tokens(tiny_model):
-    """Greedy tokens of the CPU backend's float path: the same math as the CUDA kernels."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PYMOE_EXACT", "1")
-    try:
-        return {mix: greedy(pymoe.load(tiny_model("qwen3moe", mix), backend="cpu")) for mix in ("f32", "q2_k")}
-    finally:
-        mp.undo()
+    """Greedy tokens of the reference backend: the same math as the CUDA kernels."""
+    return {mix: greedy(pymoe.load(tiny_model("qwen3moe", mix), backend="reference")) for mix in ("f32", "q2_k")}
 
 
 @in_process
@@ -48,7 +43,7 @@ def float_tokens(tiny_model):
 @pytest.mark.parametrize("policy, pcie_frac", [("lru", 1.0), ("lru", 0.0), ("lfu", 0.5)])
 def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, policy, pcie_frac):
     path = tiny_model("qwen3moe", mix)
-    cfg = pymoe.load(path, backend="cpu").config
+    cfg = pymoe.load(path, backend="reference").config
     for slots in (cfg.n_layers, cfg.n_layers * cfg.n_expert // 2, cfg.n_layers * cfg.n_expert):
         engine = load_cuda(path, cache_slots=slots, policy=policy, pcie_frac=pcie_frac, chunk=8)
         assert greedy(engine) == float_tokens[mix], (slots, policy, pcie_frac)
@@ -71,8 +66,7 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
     from pymoe.backends.cuda import DeviceKVCache
 
     path = tiny_model(arch, "q2_k")
-    monkeypatch.setenv("PYMOE_EXACT", "1")
-    cpu = pymoe.load(path, backend="cpu")
+    cpu = pymoe.load(path, backend="reference")
     kv = cpu.model.new_kv(64)
     want = np.concatenate([cpu.model.prefill(PROMPT, kv), cpu.model.decode_one_token(9, kv)[None]])
     engine = load_cuda(path, cache_slots=4, pcie_frac=0.5, chunk=8)
@@ -98,7 +92,7 @@ def test_no_slots_reads_every_expert_over_pcie(tiny_model, float_tokens):
 def test_prefill_stages_experts_with_many_tokens_and_reads_the_rest_in_place(tiny_model, monkeypatch):
     """An expert given more than TOKEN_TILE tokens of a chunk is copied into a staging buffer (the two alternate);
     one with fewer is read in place over PCIe (every expert, with --chunk 3). The chunking changes no logits."""
-    from cuda_kernels.quant_matvec import TOKEN_TILE
+    from pymoe.backends.cuda_kernels.quant_matvec import TOKEN_TILE
 
     path = tiny_model("qwen3moe", "q2_k")
     prompt = list(range(3, 500, 13))  # 39 tokens
@@ -164,10 +158,10 @@ def test_device_budget_is_enforced(tiny_model):
 
 @in_process
 def test_profile_prefill_verifies_device_bytes(tiny_model):
-    from pymoe.profile import Profile
+    from pymoe.experts.profile import Profile
 
     path = tiny_model("qwen3moe", "q2_k")
-    cfg = pymoe.load(path, backend="cpu").config
+    cfg = pymoe.load(path, backend="reference").config
     profile = Profile.from_heat(np.arange(cfg.n_layers * cfg.n_expert).reshape(cfg.n_layers, cfg.n_expert))
     lines = []
     engine = load_cuda(path, cache_slots=5, policy="static", profile=profile, log=lines.append, pcie_frac=1.0)
@@ -237,7 +231,7 @@ def test_slot_copies_are_ordered_by_events(monkeypatch):
 
 @in_process
 def test_pcie_probe_line_and_split(tiny_model):
-    from pymoe.probe import ProbeResult, probe
+    from pymoe.experts.probe import ProbeResult, probe
 
     r = ProbeResult(pcie_gbs=[13.8, 13.9, 13.8, 13.9], cpu_gbs=22.7, threads=2)
     assert r.line() == "PCIe probe: 13.9 GB/s host->device (best of 13.8 13.8 13.9 13.9) -> pcie_frac 0.38"
@@ -254,8 +248,7 @@ def test_pcie_probe_line_and_split(tiny_model):
 @pytest.mark.parametrize("mix", ["f32", "q2_k"])
 def test_real_kernels_end_to_end_match_the_cpu_float_path(tiny_model, monkeypatch, arch, mix):
     path = tiny_model(arch, mix)
-    monkeypatch.setenv("PYMOE_EXACT", "1")
-    cpu = pymoe.load(path, backend="cpu")
+    cpu = pymoe.load(path, backend="reference")
     want_logits, want_tokens = cpu.logits(PROMPT), greedy(cpu)
     cfg = cpu.config
     engine = pymoe.load(path, backend="cuda", cache_slots=cfg.n_layers * cfg.n_expert // 2, pcie_frac=0.5,

@@ -1,4 +1,4 @@
-"""The packaged demo model (pymoe/data/demo-moe.gguf, docs/demo-model.md): it loads, it writes Python-looking text,
+"""The packaged demo model (pymoe/demo/data/demo-moe.gguf, docs/demo-model.md): it loads, it writes Python-looking text,
 its routing is skewed the way a trained MoE's is, and llama.cpp computes the same numbers on it. Seconds: the model
 is 4 layers.
 
@@ -6,7 +6,7 @@ Bounds (measured 2026-11-30 on SNIPPET, 549 tokens, windows of 512):
   - perplexity, pymoe's fast path 22.3133 (exact path 22.3134); llama.cpp on the same file and windows: its own
     8-bit activations move it by 0.04%. Bound: |pymoe / llama.cpp - 1| <= 0.15%, and pymoe within 0.5% of the
     shipped file's 22.313 (a regression of the model or the engine shows at either; the old bound was "< 30").
-  - logits of the first 512 tokens, pymoe's exact path against llama.cpp on an F32 copy of the file (same weights,
+  - logits of the first 512 tokens, pymoe's reference backend against llama.cpp on an F32 copy of the file (same weights,
     float math): 6.3e-5 on a logit scale of 20.2 (3.1e-6 s); bound 1e-5 s as in tests/test_model_vs_llamacpp.py.
   - top-1 of pymoe's default path against llama.cpp on the Q2_K file itself (8-bit activations there): 0.990;
     bound 0.98.
@@ -19,7 +19,7 @@ import pytest
 from oracle import require_llama_cpp
 
 import pymoe
-from pymoe.perplexity import engine_perplexity, llamacpp_perplexity, top_share, windows
+from pymoe.engine.perplexity import engine_perplexity, llamacpp_perplexity, top_share, windows
 
 from pymoe.demo import DATA_DIR, DEMO_MODEL as GGUF
 
@@ -156,7 +156,7 @@ def llamacpp_logits(llama_cpp, path, ids):
 
 
 def test_llamacpp_agrees_on_it(engine, tmp_path):
-    from pymoe.tinymodel import write_f32_copy
+    from pymoe.demo.tinymodel import write_f32_copy
 
     llama_cpp = require_llama_cpp()
     ids = engine.tokenizer.encode(SNIPPET, special=False)[:512]
@@ -168,7 +168,7 @@ def test_llamacpp_agrees_on_it(engine, tmp_path):
     f32 = str(tmp_path / "demo-f32.gguf")
     write_f32_copy(GGUF, f32)
     _, ref = llamacpp_logits(llama_cpp, f32, ids)
-    ours = pymoe.load(GGUF, threads=2, backend="cpu", backend_options=dict(exact=True)).logits(ids)
+    ours = pymoe.load(GGUF, backend="reference").logits(ids)
     assert np.abs(ours - ref).max() <= 1e-5 * np.abs(ref).max(), np.abs(ours - ref).max()
 
 
@@ -176,6 +176,6 @@ def test_training_code_imports_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, pymoe.train_demo, pymoe.perplexity; assert 'torch' not in sys.modules"
+    code = "import sys, pymoe.demo.train, pymoe.engine.perplexity; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True,
                    env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pymoe.__file__))))

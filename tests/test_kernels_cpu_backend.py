@@ -18,7 +18,7 @@ from numba import njit
 import pymoe.quant as Q
 from pymoe.backends.cpu import CPUBackend, attention_rows, f32_matmul, group_by_expert
 from pymoe.quant.kernels import exp_f32
-from pymoe.model import apply_rope, attention, rmsnorm
+from pymoe.backends.reference import apply_rope, attention, rmsnorm
 from pymoe.quant import QType, kernels, qact
 from quant_helpers import random_rows
 
@@ -42,7 +42,7 @@ def test_multi_row_dot_has_the_bits_of_the_one_row_dot(qtype, bits):
 
 
 def test_rmsnorm_and_rope_hooks_are_bit_identical_to_numpy():
-    b = CPUBackend(exact=False)
+    b = CPUBackend()
     rng = np.random.default_rng(6)
     for shape in ((1, 1024), (7, 1024), (3, 16, 64), (2, 5, 100), (4, 129), (1, 7), (2, 3000)):
         x = (rng.standard_normal(shape) * rng.uniform(0.01, 50)).astype(np.float32)
@@ -78,7 +78,7 @@ def test_attention_rows_against_einsum_and_independent_of_T():
     q = rng.standard_normal((T, H, Dh)).astype(np.float32)
     k = rng.standard_normal((S, G, Dh)).astype(np.float32)
     v = rng.standard_normal((S, G, Dh)).astype(np.float32)
-    b = CPUBackend(exact=False)
+    b = CPUBackend()
     out = b.attention(q, k, v, p0)  # [T, H * Dh]
     ref = attention(q, k, v, p0)
     assert np.abs(out - ref).max() <= 1e-5 * np.abs(v).max()  # float32 sums of <= 57 terms, exp within 2 ulp
@@ -102,7 +102,7 @@ def test_f32_matmul_against_numpy_and_independent_of_T():
     y1 = np.empty((1, 64), np.float32)
     f32_matmul(w, x[4:5], y1)
     assert np.array_equal(y1[0], y[4])
-    b = CPUBackend(exact=False)
+    b = CPUBackend()
     assert np.array_equal(b.linear_raw(w, QType.F32, x), y)
 
 
@@ -139,9 +139,9 @@ def test_moe_kernel_takes_non_contiguous_experts():
 def test_route_hook_matches_moe_route():
     """The compiled router (CPUBackend.route, for moe.py): the same experts in the same order, ties to the lower
     id, weights within float32 rounding (exp from libm, not NumPy's SIMD exp)."""
-    from pymoe.moe import route
+    from pymoe.backends.reference import route
 
-    b = CPUBackend(exact=False)
+    b = CPUBackend()
     rng = np.random.default_rng(11)
     for T in (1, 7, 64):
         logits = (rng.standard_normal((T, 64)) * 3).astype(np.float32)

@@ -12,9 +12,9 @@ import pytest
 import pymoe
 from gguf_rewrite import write_mixed_down
 from pymoe import quant
-from pymoe.cache import SlotCache
-from pymoe.inspect import describe_model
-from pymoe.loader import load_gguf
+from pymoe.experts.cache import SlotCache
+from pymoe.gguf.inspect import describe_model
+from pymoe.gguf.loader import load_gguf
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
 N_NEW = 12

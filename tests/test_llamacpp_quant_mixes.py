@@ -4,7 +4,7 @@ What this is: the F32 tiny model quantized by `llama_cpp.llama_model_quantize` (
 type of every tensor is llama.cpp's choice, not pymoe's), then for each file type
   - the types llama.cpp chose for the experts, pinned (the _M mixes change ffn_down from layer to layer);
   - greedy tokens with a small slot pool equal those with none (each layer's experts in slots with their own types);
-  - pymoe's exact (float) path on the file against llama.cpp on an F32 copy of it (same weights, float math, F32
+  - pymoe's reference backend (float NumPy) on the file against llama.cpp on an F32 copy of it (same weights, float math, F32
     KV cache: llama.cpp quantizes activations to 8 bits for K-quant weights, design.md "Oracles").
 The tiny preset's rows are all multiples of 256, so no K-quant falls back to another type; it has 2 layers and 8
 experts, which is enough for llama.cpp's per-layer rules: for Q4_K_M / Q5_K_M, ffn_down takes Q6_K where
@@ -17,8 +17,8 @@ import pytest
 
 import pymoe
 from oracle import require_llama_cpp
-from pymoe.loader import load_gguf
-from pymoe.tinymodel import write_f32_copy
+from pymoe.gguf.loader import load_gguf
+from pymoe.demo.tinymodel import write_f32_copy
 
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
 N_NEW = 12
@@ -40,7 +40,7 @@ EXPERT_TYPES = {
 }
 FTYPES = tuple(EXPERT_TYPES)
 
-# pymoe's exact path vs llama.cpp on the F32 copy, max |diff| over 50 positions x 512 logits, measured per file
+# pymoe's reference backend vs llama.cpp on the F32 copy, max |diff| over 50 positions x 512 logits, measured per file
 # type (logit scale max |logit| 3.6-3.9): 9.5e-7 for all but Q2_K and Q5_K_S, 1.19e-6 for those two (float32
 # rounding: 2.5e-7 to 3.3e-7 of the scale). The bound is 1e-6 of the scale, ~3x the largest measured.
 EXACT_REL_BOUND = 1e-6
@@ -85,13 +85,12 @@ def test_slot_pool_never_changes_greedy_tokens(quantized, ftype):
 
 
 @pytest.mark.parametrize("ftype", FTYPES)
-def test_exact_logits_match_llamacpp_on_the_f32_copy(quantized, tmp_path, ftype):
+def test_reference_logits_match_llamacpp_on_the_f32_copy(quantized, tmp_path, ftype):
     llama_cpp = require_llama_cpp()
     path = quantized(ftype)
     copy = str(tmp_path / "as-f32.gguf")
     write_f32_copy(path, copy)
-    engine = pymoe.load(path)
-    engine.backend.exact = True  # the float path (PYMOE_EXACT=1): float math, like llama.cpp on the F32 copy
+    engine = pymoe.load(path, backend="reference")  # float math, like llama.cpp on the F32 copy
     ids = np.random.default_rng(0).integers(0, engine.config.n_vocab, N_LOGITS)
     ours = engine.logits(ids)  # [50, V]
     llm = llama_cpp.Llama(model_path=copy, n_ctx=64, n_threads=2, n_batch=64, verbose=False, logits_all=True,

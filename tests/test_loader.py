@@ -3,9 +3,9 @@ import numpy as np
 import pytest
 
 from conftest import ARCHS, MIXES, run_pymoe
-from pymoe.loader import EXPERT_PROJ, expected_tensors, load_gguf
+from pymoe.gguf.loader import EXPERT_PROJ, expected_tensors, load_gguf
 from pymoe.quant import QType
-from pymoe.tinymodel import make_config
+from pymoe.demo.tinymodel import make_config
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -4,12 +4,15 @@ import pytest
 
 import pymoe
 from conftest import ARCHS, run_pymoe
-from pymoe.backends.cpu import CPUBackend, DenseWeight
-from pymoe.cache import PassThroughCache
+from pymoe.backends.cpu import CPUBackend
+from pymoe.backends.reference import DenseWeight, ReferenceBackend
+from pymoe.gguf.config import LayerPlan
+from pymoe.experts.cache import PassThroughCache
 from pymoe.errors import PymoeError
-from pymoe.moe import moe_block, route, silu
+from pymoe.backends.reference import route, silu
+from pymoe.engine.moe import moe_block
 from pymoe.quant import QType
-from pymoe.tinymodel import make_config
+from pymoe.demo.tinymodel import make_config
 
 
 class FakeExperts:
@@ -23,21 +26,25 @@ class FakeExperts:
         self.looked_up.append(ids.copy())
 
     def expert(self, layer, e):
-        from pymoe.loader import ExpertBytes
+        from pymoe.gguf.loader import ExpertBytes
 
         g, u, d = (m[e].view(np.uint8) for m in self.mats)
         return ExpertBytes(layer, e, g, u, d)
 
+    def finish(self, layer):
+        pass
+
 
 class FakeLayer:
     def __init__(self, cfg, router):
-        self.index, self.cfg = 0, cfg
+        self.index, self.cfg, self.plan = 0, cfg, LayerPlan(0, "gqa", "moe")
         self.ffn_gate_inp = DenseWeight(QType.F32, router, router.shape)
         self.expert_types = dict.fromkeys(("gate", "up", "down"), QType.F32)
         self.shared = {}
 
 
-def test_moe_block_by_hand():
+@pytest.mark.parametrize("backend", [ReferenceBackend, CPUBackend])
+def test_moe_block_by_hand(backend):
     """Diagonal experts (gate = a_e I, up = b_e I, down = c_e I) and a router that ignores everything but x[0] = 1:
     expert e's logit is l_e, so the top-2 and their weights are known, and y = sum_e w_e c_e silu(a_e x) b_e x."""
     D, E = 4, 4
@@ -53,7 +60,7 @@ def test_moe_block_by_hand():
     x = np.array([[1.0, 0.3, -0.7, 2.0], [1.0, -1.0, 0.0, 0.5]], dtype=np.float32)  # [T=2, D]
     fake = FakeExperts(gate, up, down)
 
-    y, ids, w = moe_block(FakeLayer(cfg, router), x, fake, CPUBackend(), "prefill")
+    y, ids, w = moe_block(FakeLayer(cfg, router), x, fake, backend(), "prefill")
 
     p = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
     w1, w3 = p[1] / (p[1] + p[3]), p[3] / (p[1] + p[3])

@@ -2,8 +2,8 @@
 
 F32 files: same file on both sides. Q2_K-mix files: pymoe on the quantized file, llama.cpp on a copy dequantized to
 F32 (llama.cpp quantizes activations to 8 bits for K-quant weights; the float copy has the same weights and float
-math), with pymoe's exact (float) path: its default fast path multiplies K-quants with 16-bit activations, which
-tests/test_kernels_qact.py holds to this exact path. llama.cpp's KV cache is F32 (type_k=0, type_v=0): its default
+math), with pymoe's reference backend (NumPy, float): the CPU backend multiplies K-quants with 16-bit activations,
+which tests/test_kernels_qact.py holds to the reference. llama.cpp's KV cache is F32 (type_k=0, type_v=0): its default
 F16 cache alone moves logits by up to 0.05.
 
 The bound, relative to the logit scale s = max |llama.cpp logit| (3.5-13 on these files): max |Δlogit| <= 1e-5 s.
@@ -19,7 +19,7 @@ import pytest
 from conftest import ARCHS, MIXES
 import pymoe
 from oracle import require_llama_cpp
-from pymoe.tinymodel import write_f32_copy
+from pymoe.demo.tinymodel import write_f32_copy
 
 N_PROMPT = 50
 REL_BOUND = 1e-5  # of the logit scale: see the module docstring
@@ -54,8 +54,8 @@ def prompt_ids(n_vocab, n=N_PROMPT, seed=0):
 @pytest.mark.parametrize("mix", MIXES)
 def test_logits_match_llamacpp(tiny_model, oracle_file, arch, mix):
     path = tiny_model(arch, mix)
-    # K-quants: the exact (float) path; F32 files: the default path, float either way
-    m = pymoe.load(path, backend="cpu", backend_options=dict(exact=mix != "f32"))
+    # K-quants: the reference backend (float NumPy); F32 files: the CPU backend, float either way
+    m = pymoe.load(path, backend="reference" if mix != "f32" else "cpu")
     ids = prompt_ids(m.config.n_vocab)
     ours = m.logits(ids)  # [50, V]
     ref_llm = llama(oracle_file(arch, mix))

@@ -1,4 +1,4 @@
-"""The capacity planner (pymoe/plan.py, `pymoe plan`): the article's first hop reproduced from its inputs, the cost
+"""The capacity planner (pymoe/experts/plan.py, `pymoe plan`): the article's first hop reproduced from its inputs, the cost
 model's calibration on the article's two measured points, monotonicity, the inverse, the static bound on real
 routing heat, and the CLI on a tiny model. All arithmetic: runs in about a second plus two CLI subprocesses."""
 import json
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from pymoe.errors import PymoeError
-from pymoe.policies import DEFAULT_POLICY
-from pymoe.profile import Profile
-from pymoe.plan import (GiB, MiB, CostModel, ModelFacts, auto_line, calibrate_two_points, coverage,
+from pymoe.experts.policies import DEFAULT_POLICY
+from pymoe.experts.profile import Profile
+from pymoe.experts.plan import (GiB, MiB, CostModel, ModelFacts, auto_line, calibrate_two_points, coverage,
                         decode_time_per_token, dense_bytes, facts_from_gguf, free_for_vram, parse_size,
                         parse_size_list, plan_table, profile_hit_model, slots_for, trace_hit_model,
                         uniform_hit_model, vram_for_slots, vram_for_target)
@@ -173,7 +173,7 @@ def test_uniform_is_a_lower_bound_of_the_static_bound():
 
 def test_trace_hit_model_calls_the_simulator(monkeypatch):
     """With a fake simulator: one global pool, decode lookups, the default policy, memoised per slot count."""
-    import pymoe.simulate
+    import pymoe.experts.simulate
 
     calls = []
 
@@ -181,7 +181,7 @@ def test_trace_hit_model_calls_the_simulator(monkeypatch):
         calls.append((tuple(policies), tuple(slots_list), tuple(pools), phase))
         return [types.SimpleNamespace(hit_rate=min(1.0, slots_list[0] / 10))]
 
-    monkeypatch.setattr(pymoe.simulate, "sweep", sweep)
+    monkeypatch.setattr(pymoe.experts.simulate, "sweep", sweep)
     facts = ModelFacts("m", n_layers=2, n_expert=8, k=2, slot_bytes=100)
     hit = trace_hit_model(object(), facts)
     assert hit.rate(5) == 0.5 and hit.rate(5) == 0.5 and hit.rate(16) == 1.0
@@ -191,8 +191,8 @@ def test_trace_hit_model_calls_the_simulator(monkeypatch):
 def test_trace_hit_model_real_simulator():
     """End to end with the real trace + simulator: monotone in slots (LRU is a stack algorithm), and above the
     static bound of the same trace at low coverage (temporal locality)."""
-    from pymoe.profile import Profile
-    from pymoe.trace import synthetic_trace
+    from pymoe.experts.profile import Profile
+    from pymoe.experts.trace import synthetic_trace
 
     trace = synthetic_trace(300, 2, 16, 2, seed=1, prompt_len=10, locality=0.7)
     facts = ModelFacts("m", n_layers=2, n_expert=16, k=2, slot_bytes=100)
@@ -205,7 +205,7 @@ def test_trace_hit_model_real_simulator():
 
 # --- the model file and the CLI ---------------------------------------------------------------------------------------
 def test_facts_from_tiny_model(tiny_model):
-    from pymoe.loader import load_gguf
+    from pymoe.gguf.loader import load_gguf
 
     path = tiny_model("qwen3moe", "q2_k")
     m = load_gguf(path)

@@ -7,9 +7,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pymoe.policies import (DEFAULT_POLICY, POLICIES, BeladyPolicy, LFUPolicy, LRUPolicy, SlotTable,
+from pymoe.experts.policies import (DEFAULT_POLICY, POLICIES, BeladyPolicy, LFUPolicy, LRUPolicy, SlotTable,
                             make_policy)
-from pymoe.simulate import simulate
+from pymoe.experts.simulate import simulate
 
 # Silberschatz, Operating System Concepts, the page-replacement chapter: 3 frames, LRU 12 faults, OPT 9 faults.
 TEXTBOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]
@@ -150,7 +150,7 @@ def test_belady_bypass_is_optimal(seq, capacity, start):
        pool=st.sampled_from(["global", "per-layer"]), prefill=st.booleans())
 def test_belady_beats_every_policy(data, n_experts, n_layers, slots, pool, prefill):
     """Belady's hit count >= every other policy's, from the same starting contents, on random traces."""
-    from pymoe.profile import Profile
+    from pymoe.experts.profile import Profile
 
     keys = np.array(data.draw(st.lists(st.integers(0, n_layers * n_experts - 1), min_size=1, max_size=120)))
     ranked = data.draw(st.permutations(range(n_layers * n_experts)))  # any ranking: optimality must not depend on it

@@ -5,8 +5,8 @@ import sys
 
 import pymoe
 from conftest import ROOT, run_pymoe
-from pymoe.profile import Profile
-from pymoe.trace import Trace
+from pymoe.experts.profile import Profile
+from pymoe.experts.trace import Trace
 
 PROMPTS = ["def forward(self, x): return x", "class Foo:\n    pass", "for i in range(10): print(i)"]
 

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from pymoe.errors import PymoeError
-from pymoe.sampler import Sampler, SamplingParams, apply_repetition_penalty, filter_candidates
+from pymoe.engine.sampler import Sampler, SamplingParams, apply_repetition_penalty, filter_candidates
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], dtype=np.float32))
 

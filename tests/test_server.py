@@ -3,6 +3,9 @@
 Covered: chat, completion, streaming, stop sequences, API-key rejection, context overflow and other 400s, the body
 cap, /v1/models, /v1/status, /metrics; 429 under overload, a disconnect cancelling its generation, parallel slots
 giving the same greedy text as one-at-a-time generation, prefix reuse telemetry; `pymoe bench` end to end.
+The request schemas: every OpenAI field pymoe does not implement is a 400 naming it (`param`), neutral values of
+those fields and the openai client's own requests pass, unknown fields are a 400 naming them. The scheduler on its
+own, without HTTP: batched jobs give one-at-a-time tokens; the bounded queue; cancellation.
 Every request has a timeout; every loop is bounded.
 """
 import json
@@ -15,7 +18,9 @@ import pytest
 
 import pymoe
 from conftest import run_pymoe
-from pymoe.server import BackgroundServer, create_app
+from pymoe.engine.sampler import SamplingParams
+from pymoe.serve.app import BackgroundServer, create_app
+from pymoe.serve.scheduler import EngineStopped, Job, QueueFull, Scheduler
 
 KEY = "test-key"
 CTX = 256
@@ -243,3 +248,95 @@ def test_bench_runs_the_protocol_against_a_server_it_starts(model_path, tmp_path
     assert report["rows"][0]["decode_tok_s"] > 0 and report["rows"][0]["hit_rate"] is None  # no pool
     assert report["server"]["kv"] == "int8"
     assert "TTFT50" in r.stdout and "single 16k" in r.stdout
+
+
+# --- the request schemas: implemented, or a 400 naming the field ----------------------------------------------------
+
+def post(srv, kind, fields):
+    """A small chat or completion request with `fields` added (or replaced)."""
+    path, base = (("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]}) if kind == "chat"
+                  else ("/v1/completions", {"prompt": "hi"}))
+    return httpx.post(srv.url + path, headers=auth(), json={**base, "max_tokens": 2, **fields}, timeout=30)
+
+
+UNSUPPORTED = [("chat", "response_format", {"type": "json_object"}),
+               ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+               ("chat", "tool_choice", "auto"), ("chat", "logit_bias", {"15": 5}),
+               ("completion", "logit_bias", {"15": 5}),
+               ("chat", "presence_penalty", 0.5), ("completion", "presence_penalty", -1),
+               ("chat", "frequency_penalty", 0.5), ("completion", "frequency_penalty", 1),
+               ("completion", "echo", True), ("chat", "logprobs", True), ("completion", "logprobs", 2),
+               ("completion", "logprobs", 0), ("chat", "top_logprobs", 2), ("chat", "n", 2), ("completion", "n", 3),
+               ("completion", "best_of", 2), ("completion", "suffix", "end")]
+
+
+@pytest.mark.parametrize("kind, name, value", UNSUPPORTED, ids=[f"{k}-{n}={v}" for k, n, v in UNSUPPORTED])
+def test_an_unsupported_openai_field_is_a_400_naming_it(server, kind, name, value):
+    r = post(server, kind, {name: value})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["type"], err["code"]) == (name, "invalid_request_error", "unsupported_parameter")
+    assert err["message"].startswith(f"'{name}' is not supported")
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client):
+    """What the openai client sends when a caller spells out the defaults: these ask for nothing pymoe lacks."""
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       temperature=0, n=1, logprobs=False, presence_penalty=0, frequency_penalty=0.0,
+                                       response_format={"type": "text"}, logit_bias={}, seed=1, user="me",
+                                       stop=None, top_p=1)
+    assert r.usage.completion_tokens >= 1
+    r = client.completions.create(model="tiny", prompt="hi", max_tokens=2, n=1, echo=False, best_of=1,
+                                  presence_penalty=0)
+    assert r.usage.completion_tokens >= 1
+
+
+@pytest.mark.parametrize("kind, fields, param", [
+    ("chat", {"temprature": 0}, "temprature"), ("completion", {"web_search_options": {}}, "web_search_options"),
+    ("chat", {"messages": [{"role": "user", "content": "hi", "colour": "red"}]}, "messages[0].colour"),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True, "extra": 1}}, "stream_options.extra")])
+def test_an_unknown_field_is_a_400_naming_it(server, kind, fields, param):
+    r = post(server, kind, fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert (err["param"], err["code"]) == (param, "unknown_parameter") and f"'{param}'" in err["message"]
+
+
+# --- the scheduler on its own: no HTTP ------------------------------------------------------------------------------
+
+def greedy(prompt, n, **kw):
+    return Job(prompt_ids=prompt, max_tokens=n, sampling=SamplingParams(temperature=0), **kw)
+
+
+def test_the_scheduler_alone_batches_two_jobs_into_one_at_a_time_tokens(model_path, reference):
+    prompts = [reference.tokenizer.encode(p) for p in ("An MoE token touches", "def forward(self, tokens")]
+    with Scheduler(pymoe.load(model_path, n_ctx=CTX), parallel=2, kv="f32") as sched:
+        jobs = [sched.submit(greedy(p, 24)) for p in prompts]
+        events = [list(job.events(timeout=60)) for job in jobs]
+    for prompt, job, evs in zip(prompts, jobs, events):
+        assert job.generated == list(reference.generate(prompt, max_tokens=24))
+        assert "".join(v for kind, v in evs if kind == "piece") == "".join(reference.stream(prompt, max_tokens=24))
+        assert evs[-1] == ("done", job.stats.stop_reason) and job.done
+    assert sched.max_batch == 2 and dict(sched.outcomes) == {"ok": 2}
+
+
+def test_the_scheduler_queue_is_bounded_and_a_cancelled_job_frees_its_slot(model_path):
+    sched = Scheduler(pymoe.load(model_path, n_ctx=CTX), parallel=1, max_queue=1, kv="int8")
+    with pytest.raises(EngineStopped):
+        sched.submit(greedy([1, 2, 3], 4))
+    with sched:
+        running = sched.submit(greedy([1, 2, 3], 200, ignore_eos=True))
+        deadline = time.monotonic() + 30
+        while not sched.busy() and time.monotonic() < deadline:  # in its slot: the queue is empty again
+            time.sleep(0.01)
+        waiting = sched.submit(greedy([4, 5, 6], 200, ignore_eos=True))
+        with pytest.raises(QueueFull, match="server busy") as e:
+            sched.submit(greedy([7, 8], 4))
+        assert 1 <= e.value.retry_after <= 60
+        waiting.cancel()
+        running.cancel()
+        assert list(running.events(timeout=30))[-1] == ("done", "cancelled")
+        assert list(waiting.events(timeout=30)) == [("done", "cancelled")]  # never reached a slot
+        assert len(running.generated) < 200 and sched.outcomes["cancelled"] == 2
+        after = sched.submit(greedy([1, 2, 3], 3, ignore_eos=True))  # the slot serves the next job
+        assert list(after.events(timeout=30))[-1] == ("done", "length") and len(after.generated) == 3

@@ -4,9 +4,9 @@ import pytest
 
 from conftest import run_pymoe
 from pymoe.errors import PymoeError
-from pymoe.profile import Profile
-from pymoe.simulate import (SimResult, format_table, knee, simulate, slots_for_coverage, split_slots, sweep)
-from pymoe.trace import synthetic_trace
+from pymoe.experts.profile import Profile
+from pymoe.experts.simulate import (SimResult, format_table, knee, simulate, slots_for_coverage, split_slots, sweep)
+from pymoe.experts.trace import synthetic_trace
 
 
 def test_split_slots():
@@ -91,7 +91,7 @@ def test_knee_definition():
 
 def test_plot(tmp_path):
     pytest.importorskip("matplotlib")
-    from pymoe.simulate import plot
+    from pymoe.experts.simulate import plot
 
     path = tmp_path / "hit.png"
     plot([res("lru", 10, 0.4), res("lru", 20, 0.7), res("lru", 20, 0.6, pool="per-layer")], path)

@@ -10,7 +10,7 @@ import pytest
 from oracle import require_llama_cpp
 
 from conftest import ARCHS, MIXES, ROOT
-from pymoe.loader import load_gguf
+from pymoe.gguf.loader import load_gguf
 
 
 def sha(path):
@@ -55,7 +55,7 @@ def test_routing_is_skewed(tiny_model):
 
 def test_parallel_quantization_writes_the_same_bytes(tiny_model, tmp_path):
     """--jobs N quantizes tensors in N processes; the file is byte-identical to the one-process file."""
-    from pymoe.tinymodel import write_model
+    from pymoe.demo.tinymodel import write_model
 
     write_model(str(tmp_path / "j2.gguf"), "qwen2moe", "tiny", "q2_k", seed=0, jobs=2)
     assert sha(tmp_path / "j2.gguf") == sha(tiny_model("qwen2moe", "q2_k"))

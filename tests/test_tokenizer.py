@@ -10,8 +10,8 @@ import pytest
 from gguf import GGUFWriter, TokenType
 
 from pymoe.errors import PymoeError
-from pymoe.tinymodel import CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_CORPUS
-from pymoe.tokenizer import SPM_SPACE, Tokenizer
+from pymoe.demo.tinymodel import CHAT_TEMPLATE, SPECIAL_TOKENS, TOKENIZER_CORPUS
+from pymoe.engine.tokenizer import SPM_SPACE, Tokenizer
 
 from oracle import require_llama_cpp
 
@@ -64,7 +64,7 @@ TRICKY = [
 @pytest.fixture(scope="module")
 def qwen_tok(tiny_model):
     """pymoe's tokenizer of the tiny qwen3moe file (no oracle needed)."""
-    from pymoe.loader import load_gguf
+    from pymoe.gguf.loader import load_gguf
 
     return Tokenizer(load_gguf(tiny_model("qwen3moe", "f32")))
 
@@ -190,7 +190,7 @@ def test_ids_match_llama_cpp_qwen2(qwen, special):
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "olmoe"])
 def test_ids_match_llama_cpp_other_tiny_models(tiny_model, arch):
-    from pymoe.loader import load_gguf
+    from pymoe.gguf.loader import load_gguf
 
     path = tiny_model(arch, "f32")
     tok, ll = Tokenizer(load_gguf(path)), llama_vocab(path)

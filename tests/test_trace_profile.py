@@ -15,9 +15,9 @@ import pytest
 
 from conftest import ROOT, run_pymoe
 from pymoe.errors import PymoeError
-from pymoe.profile import HEADER, Profile, load_heat_json
-from pymoe.simulate import slots_for_coverage, sweep
-from pymoe.trace import Trace, TraceRecorder
+from pymoe.experts.profile import HEADER, Profile, load_heat_json
+from pymoe.experts.simulate import slots_for_coverage, sweep
+from pymoe.experts.trace import Trace, TraceRecorder
 
 # shared/ lies beside the checkout (CI copies it there too)
 HEAT_DIR = os.path.join(os.path.dirname(ROOT), "shared", "data", "routing-heat")

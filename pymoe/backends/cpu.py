@@ -1,39 +1,40 @@
-"""The CPU backend: NumPy for float matrices (BLAS), pymoe's fused Numba kernels for quantized ones.
+"""The CPU backend: the primitives of backends/protocol.py compiled with Numba, on weights read in place.
 
 What this is: `linear(w, x)` = x @ W.T for a stored weight W of any supported type, without ever dequantizing a
 quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weights are used in place (a view into
-the memory map) through BLAS (exact mode) or `f32_matmul` (fast mode: bits independent of T). Small float vectors
-(norms, biases, the shared-expert gate) are read once as float32.
-Two paths for quantized weights:
-  - fast (the default): K-quant weights (Q2_K..Q6_K, rows of whole 256-blocks) take the integer path, as
-    llama.cpp does: x is quantized per 256 values (to 16 bits; `act_bits=8` or PYMOE_ACT_BITS=8 for llama.cpp's
-    8) and each block is dotted in integer arithmetic (quant/qact.py); the routed experts of a layer run in one
-    fused kernel (`moe_experts`: gate + up + SwiGLU, then down with the routing weights, all chosen experts and
-    tokens in one parallel call);
-  - exact (`CPUBackend(exact=True)`, or the environment variable PYMOE_EXACT=1): every quantized weight goes
-    through the float kernels (decode a block to float32, dot with float x), and moe.py runs one expert at a
-    time. This is the reference the fast path is tested against.
-Optional hooks the forward pass looks for with getattr (another backend may lack them; the NumPy functions of
-model.py / moe.py are then used, and are the contract): `rmsnorm`, `rope` (bit for bit the NumPy results),
-`linear_many` (q, k, v on one quantization of x), `route` (the router's softmax and top-K), `moe_experts`. They
-exist to cut the interpreter's share of a decoded token (~0.1 ms per call of a dozen small NumPy operations).
+the memory map) through `f32_matmul` (bits independent of T). Small float vectors (norms, biases, the shared-expert
+gate) are read once as float32.
+Two paths for quantized weights, chosen once by `act_bits`:
+  - integer (act_bits 16, the default, or 8 = llama.cpp's; PYMOE_ACT_BITS=8): K-quant weights (Q2_K..Q6_K, rows
+    of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values and each block is
+    dotted in integer arithmetic (quant/qact.py); the routed experts of a layer run in one fused kernel
+    (`moe_experts`: gate + up + SwiGLU, then down with the routing weights, all chosen experts and tokens in one
+    parallel call);
+  - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
+    float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
+    its kernels do).
+It implements every primitive of backends/protocol.py; rmsnorm and rope give the NumPy reference's bits exactly,
+route the same experts (weights within exp's rounding), attention and F32 products the reference's math in an
+order that does not depend on T (so a token gives the same bits decoded alone or in a prefill). The reference is backends/reference.py (`--backend reference`),
+which the tests hold this backend to.
 What this is not: a cache. Experts reach this backend as raw bytes chosen by the expert cache.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Optional
 
 import numba
 import numpy as np
 from numba import njit, prange
 
-from .. import quant
-from ..loader import Tensor
-from ..quant import kernels, qact
-from ..quant.kernels import dot, exp_f32
-from ..quant.qact import ACT_DTYPES, QK_K, has_int_dot
+from pymoe import quant
+from pymoe.gguf.loader import Tensor
+from .pool import HostPool
+from .reference import DenseWeight, experts_one_by_one, host_dense
+from pymoe.quant import kernels, qact
+from pymoe.quant.kernels import dot, exp_f32
+from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot
 
 
 @njit(cache=True)
@@ -278,34 +279,28 @@ def rope_rows(x, cos, sin, neox):
                 x[t, h, ib] = b * c + a * s
 
 
-@dataclass(frozen=True)
-class DenseWeight:
-    """A 2-D weight ready to multiply: float32 [R, C] (F32 files) or raw rows uint8 [R, row_bytes] + qtype."""
-
-    qtype: quant.QType
-    raw: np.ndarray
-    shape: tuple  # (R, C)
-
-
 class CPUBackend:
     name = "cpu"
 
-    def __init__(self, threads: Optional[int] = None, exact: Optional[bool] = None, act_bits: Optional[int] = None):
+    def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None):
+        """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only."""
         if threads:
             numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
         self.threads = numba.get_num_threads()
-        self.exact = os.environ.get("PYMOE_EXACT", "0") not in ("", "0") if exact is None else bool(exact)
-        self.act_bits = int(act_bits or os.environ.get("PYMOE_ACT_BITS", 16))  # 16 or 8: see quant/qact.py
-        if self.act_bits not in ACT_DTYPES:
-            raise ValueError(f"act_bits must be 8 or 16, got {self.act_bits}")
+        self.act_bits = int(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", 16))
+        if self.act_bits not in (0, *ACT_DTYPES):
+            raise ValueError(f"act_bits must be 0 (float), 8 or 16, got {self.act_bits}")
+
+    def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
+        """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels)."""
+        return self.act_bits != 0 and has_int_dot(qtype, n_cols)
 
     def warm_up(self, qtypes, progress: bool = False) -> None:
         """Compile (or load from Numba's on-disk cache) the kernels of these types now, at load time, so the first
         request's telemetry measures the model, not the compiler. A zero 1-row matrix is enough to trigger it."""
         from tqdm import tqdm
 
-        skip = {quant.QType.F32} if self.exact else set()  # exact mode: F32 goes through BLAS, nothing to compile
-        todo = sorted(set(qtypes) - skip, key=lambda q: q.name)
+        todo = sorted(set(qtypes), key=lambda q: q.name)
         for qtype in tqdm(todo, desc="kernels (compiled on first use, then cached)", disable=not progress,
                           leave=False):
             fmt = quant.get_format(qtype)
@@ -313,29 +308,28 @@ class CPUBackend:
             w.flags.writeable = False  # like the read-only mmap views: Numba compiles per array type
             quant.matvec(w, qtype, np.zeros(fmt.block_size, dtype=np.float32))
             quant.matmul(w, qtype, np.zeros((2, fmt.block_size), dtype=np.float32))
-            if not self.exact and has_int_dot(qtype, QK_K):
+            if self.integer_path(qtype, QK_K):
                 w = np.zeros((1, fmt.row_bytes(QK_K)), dtype=np.uint8)  # [1, row_bytes]: one 256-block
                 w.flags.writeable = False
                 for T in (1, 2):
                     kernels.matmul_act(w, qtype, np.zeros((T, QK_K), dtype=np.float32), self.act_bits)
-        # the hooks model.py calls (RMSNorm, RoPE), and on the fast path the row-by-row attention, the F32 kernel,
-        # the grouping of routed pairs
+        # the other primitives: RMSNorm, RoPE, the row-by-row attention, the F32 kernel, the grouping of routed pairs,
+        # the router
         x = np.zeros((2, 2), np.float32)
         self.rmsnorm(x, np.zeros(2, np.float32), 1e-6)
         self.rope(np.zeros((2, 1, 2), np.float32), np.zeros((2, 1), np.float32), np.zeros((2, 1), np.float32), True)
-        if not self.exact:
-            self.attention(np.zeros((2, 2, 2), np.float32), np.zeros((2, 1, 2), np.float32),
-                           np.zeros((2, 1, 2), np.float32), 0)
-            w = np.zeros((2, 2), np.float32)
-            w.flags.writeable = False  # like the router's read-only mmap view: Numba compiles per array type
-            f32_matmul(w, x, np.empty((2, 2), np.float32))
-            group_by_expert(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
-            self.route(x, 1, True)
+        self.attention(np.zeros((2, 2, 2), np.float32), np.zeros((2, 1, 2), np.float32),
+                       np.zeros((2, 1, 2), np.float32), 0)
+        w = np.zeros((2, 2), np.float32)
+        w.flags.writeable = False  # like the router's read-only mmap view: Numba compiles per array type
+        f32_matmul(w, x, np.empty((2, 2), np.float32))
+        group_by_expert(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
+        self.route(x, 1, True)
 
     def warm_up_experts(self, expert_types: dict) -> None:
         """Compile (or load) the fused expert kernel of one gate/up/down type triple."""
         qtypes = tuple(expert_types[p] for p in ("gate", "up", "down"))
-        if self.exact or not all(has_int_dot(q, QK_K) for q in qtypes):
+        if not all(self.integer_path(q, QK_K) for q in qtypes):
             return
         gate, up, down = (np.zeros((QK_K, quant.get_format(q).row_bytes(QK_K)), dtype=np.uint8) for q in qtypes)
         ex = (gate, up, down)  # a 256 x 256 expert (D = F = 256)
@@ -345,9 +339,7 @@ class CPUBackend:
         kernels.moe_act([ex], qtypes, x, [(np.zeros(1, np.int64), np.ones(1, np.float32))], self.act_bits)
 
     def dense(self, t: Tensor) -> DenseWeight:
-        if t.qtype == quant.QType.F32:
-            return DenseWeight(t.qtype, np.asarray(t.data, dtype=np.float32).reshape(t.shape), t.shape)
-        return DenseWeight(t.qtype, t.rows(), t.shape)
+        return host_dense(t)  # a view into the memory map
 
     def vector(self, t: Tensor) -> np.ndarray:
         return t.floats().reshape(-1)
@@ -357,12 +349,8 @@ class CPUBackend:
         return self.linear_raw(w.raw, w.qtype, x)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
-        """model.attention's contract (q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]). Exact mode: that
-        function (NumPy einsum); fast mode: `attention_rows`, whose bits do not depend on T."""
-        if self.exact:
-            from ..model import attention
-
-            return attention(q, k, v, p0)
+        """reference.attention's contract (q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]) by
+        `attention_rows`, whose bits do not depend on T."""
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=np.float32)  # [T, H * Dv]
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731  (a KV cache may store f16)
         S, G, Dh = k.shape
@@ -371,15 +359,9 @@ class CPUBackend:
         attention_rows(f32(q), kt, f32(v), p0, out)
         return out
 
-    # --- optional hooks model.py (and, once wired, moe.py) look for with getattr; the NumPy functions there are
-    # --- the fallback and the contract ----------------------------------------------------------------------------
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
-        """moe.route's contract: router logits [T, E] -> (ids int [T, K], w float32 [T, K]), compiled (moe.route's
-        softmax, argsort and take_along_axis cost ~13 us of interpreter per layer and token)."""
-        if self.exact:
-            from ..moe import route
-
-            return route(logits, k, norm_topk)
+        """reference.route's contract: router logits [T, E] -> (ids int [T, K], w float32 [T, K]), compiled (the
+        NumPy softmax, argsort and take_along_axis cost ~13 us of interpreter per layer and token)."""
         T = logits.shape[0]
         ids, w = np.empty((T, k), dtype=np.int64), np.empty((T, k), dtype=np.float32)
         route_rows(np.ascontiguousarray(logits, dtype=np.float32), k, bool(norm_topk), ids, w)
@@ -404,7 +386,7 @@ class CPUBackend:
         xact = None
         out = []
         for w in ws:
-            if not self.exact and w.qtype != quant.QType.F32 and has_int_dot(w.qtype, x.shape[1]):
+            if w.qtype != quant.QType.F32 and self.integer_path(w.qtype, x.shape[1]):
                 if xact is None:
                     xact = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), self.act_bits)
                 out.append(kernels.matmul_act(w.raw, w.qtype, x, self.act_bits, xact=xact))
@@ -414,15 +396,12 @@ class CPUBackend:
 
     def linear_raw(self, raw: np.ndarray, qtype: quant.QType, x: np.ndarray) -> np.ndarray:
         """x float32 [T, C] @ W.T where W is stored as `raw` (float32 [R, C], or uint8 rows [R, row_bytes])."""
-        if qtype == quant.QType.F32 and not self.exact:  # fast path: per-row order independent of T (as above)
+        if qtype == quant.QType.F32:  # per-row order independent of T (as above)
             w = raw if raw.dtype == np.float32 else raw.view(np.float32)  # [R, C]
             y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
             f32_matmul(np.ascontiguousarray(w), np.ascontiguousarray(x, dtype=np.float32), y)
             return y
-        if qtype == quant.QType.F32:
-            w = raw if raw.dtype == np.float32 else raw.view(np.float32)  # [R, C]
-            return x @ w.T  # [T, R]
-        if not self.exact and has_int_dot(qtype, x.shape[1]):
+        if self.integer_path(qtype, x.shape[1]):
             return kernels.matmul_act(raw, qtype, x, self.act_bits)  # [T, R]: x quantized once, integer dots
         if x.shape[0] == 1:
             return quant.matvec(raw, qtype, x[0])[None, :]  # [1, R]: decode, one token
@@ -431,14 +410,13 @@ class CPUBackend:
     def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray):
         """The routed experts of one layer, fused: experts {e: ExpertBytes} (every e in ids), x float32 [T, D],
         ids int [T, K], w float32 [T, K] -> y float32 [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]).
-        None when this backend has no fused path for these types (exact mode, a non-K type, odd widths): the caller
-        then runs the experts one by one."""
+        Without a fused path for these types (float path, a non-K type, odd widths): one expert at a time."""
         qtypes = tuple(expert_types[p] for p in ("gate", "up", "down"))
         any_ex = next(iter(experts.values()))
         F = any_ex.gate.shape[0]
-        if self.exact or not (has_int_dot(qtypes[0], x.shape[1]) and has_int_dot(qtypes[1], x.shape[1])
-                              and has_int_dot(qtypes[2], F)):
-            return None
+        if not (self.integer_path(qtypes[0], x.shape[1]) and self.integer_path(qtypes[1], x.shape[1])
+                and self.integer_path(qtypes[2], F)):
+            return experts_one_by_one(self, experts, expert_types, x, ids, w)
         used, start, tok, weight = group_by_expert(np.ascontiguousarray(ids, dtype=np.int64),
                                                   np.ascontiguousarray(w, dtype=np.float32))
         used = used.tolist()  # [S] the expert ids, ascending
@@ -446,3 +424,10 @@ class CPUBackend:
             raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
         ex = [(experts[e].gate, experts[e].up, experts[e].down) for e in used]
         return kernels.moe_act_grouped(ex, qtypes, x, start, tok, weight, self.act_bits)
+
+    # --- memory: host RAM ---------------------------------------------------------------------------------------------
+    def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> HostPool:
+        return HostPool(n_slots, slot_bytes, layouts)
+
+    def new_kv(self, n_ctx: int):
+        return None  # the engine's host KV cache

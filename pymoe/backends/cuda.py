@@ -1,12 +1,12 @@
 """The CUDA backend: dense weights and the expert slot pool in device memory, every expert in pinned host memory.
 
 What this is (version 2 of the backend; see "Not yet" below):
-  - `CUDABackend`: the interface of `CPUBackend` (`dense`, `vector`, `linear`, `linear_raw`, `moe_experts`,
-    `attention`), so model.py and moe.py run unchanged, plus `new_kv` / `attention_block`: a sequence that gets
-    the backend's device KV cache (`DeviceKVCache`) has its whole attention block run on the device (q/k/v
+  - `CUDABackend`: the contract of backends/protocol.py, so engine/model.py and engine/moe.py run unchanged, plus
+    `attention_block`: a sequence that gets the backend's device KV cache (`new_kv` -> `DeviceKVCache`) has its
+    whole attention block run on the device (q/k/v
     projections, biases, q/k norms, RoPE, the KV write, decode attention, the output projection: one upload and
     one download per layer). Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any
-    supported type, F32 included) and are multiplied by the Numba CUDA kernels of cuda_kernels/
+    supported type, F32 included) and are multiplied by the Numba CUDA kernels of pymoe/backends/cuda_kernels/
     (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly.
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
@@ -36,7 +36,7 @@ KV cache and CPU attention). Prefill attention launches the decode-attention ker
 
 Testing without a GPU. Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs device arrays, streams, events and
 kernels on the CPU, but a kernel runs one Python thread per CUDA thread: a 256 x 256 mat-vec takes ~50 s there. So
-the backend takes its kernels as a parameter: `DeviceKernels` (cuda_kernels/, the default) or `ReferenceKernels`
+the backend takes its kernels as a parameter: `DeviceKernels` (pymoe/backends/cuda_kernels/, the default) or `ReferenceKernels`
 (the NumPy references: dequantize, then float32 math), with the same signatures. tests/test_cuda_backend.py runs
 the backend under the simulator with the reference kernels (everything but the kernels: memory, pool, events,
 mapping, miss paths, sizing), and tests/test_cuda_kernels.py checks every kernel against the same references.
@@ -50,11 +50,12 @@ from typing import Optional
 
 import numpy as np
 
-from .. import quant
-from ..errors import PymoeError
-from ..cache import HostPool
-from ..loader import EXPERT_PROJ, ExpertBytes, Tensor
+from pymoe import quant
+from pymoe.errors import PymoeError
+from .pool import HostPool
+from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, Tensor
 from .cpu import CPUBackend, group_by_expert
+from .reference import apply_rope, attention, rmsnorm, rope_tables, silu, swiglu_expert
 
 MiB = 2**20
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
@@ -101,40 +102,40 @@ def shaped(buf, shape: tuple):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Kernels: the real ones (cuda_kernels/) and their NumPy references, with one signature
+# Kernels: the real ones (pymoe/backends/cuda_kernels/) and their NumPy references, with one signature
 # --------------------------------------------------------------------------------------------------------------
 class DeviceKernels:
-    """cuda_kernels/: quantized matmul and the fused SwiGLU expert block (Numba CUDA)."""
+    """pymoe/backends/cuda_kernels/: quantized matmul and the fused SwiGLU expert block (Numba CUDA)."""
 
     name = "cuda_kernels"
 
     def matmul(self, w, qtype, X, out, stream):
-        from cuda_kernels import quant_matvec
+        from pymoe.backends.cuda_kernels import quant_matvec
 
         return quant_matvec.matmul(w, qtype, X, out=out, stream=stream)
 
     def expert_block(self, gate, up, down, types, X, wt, Y, H, stream):
-        from cuda_kernels import moe
+        from pymoe.backends.cuda_kernels import moe
 
         return moe.expert_block(gate, up, down, types, X, wt, Y, H=H, stream=stream)
 
     def rmsnorm(self, X, w, eps, out, stream):
-        from cuda_kernels import norm_rope
+        from pymoe.backends.cuda_kernels import norm_rope
 
         return norm_rope.rmsnorm(X, w, eps, out=out, stream=stream)
 
     def rope(self, x, cos, sin, neox, p0, stream):
-        from cuda_kernels import norm_rope
+        from pymoe.backends.cuda_kernels import norm_rope
 
         return norm_rope.rope(x, cos, sin, neox, p0=p0, stream=stream)
 
     def add_bias(self, Y, b, stream):
-        from cuda_kernels import norm_rope
+        from pymoe.backends.cuda_kernels import norm_rope
 
         return norm_rope.add_bias(Y, b, stream=stream)
 
     def decode_attention(self, q, k_cache, v_cache, pos, out, scores, stream):
-        from cuda_kernels import attention
+        from pymoe.backends.cuda_kernels import attention
 
         return attention.decode_attention(q, k_cache, v_cache, pos, out=out, scores=scores, stream=stream)
 
@@ -151,7 +152,6 @@ class ReferenceKernels:
         return out
 
     def expert_block(self, gate, up, down, types, X, wt, Y, H, stream):
-        from ..moe import silu
 
         g, u, d = (quant.dequantize(a.copy_to_host(), types[p]) for a, p in ((gate, "gate"), (up, "up"), (down, "down")))
         x = X.copy_to_host()  # [n, D]
@@ -161,13 +161,11 @@ class ReferenceKernels:
         return Y
 
     def rmsnorm(self, X, w, eps, out, stream):
-        from ..model import rmsnorm
 
         out.copy_to_device(rmsnorm(X.copy_to_host(), w.copy_to_host(), eps).astype(np.float32), stream=stream)
         return out
 
     def rope(self, x, cos, sin, neox, p0, stream):
-        from ..model import apply_rope
 
         T = x.shape[0]
         c, s = cos.copy_to_host()[p0:p0 + T], sin.copy_to_host()[p0:p0 + T]
@@ -179,7 +177,6 @@ class ReferenceKernels:
         return Y
 
     def decode_attention(self, q, k_cache, v_cache, pos, out, scores, stream):
-        from ..model import attention
 
         k, v = k_cache.copy_to_host()[:pos + 1], v_cache.copy_to_host()[:pos + 1]  # [S, G, Dh], [S, G, Dv]
         o = attention(q.copy_to_host()[None], k, v, pos)  # [1, H * Dv]
@@ -308,7 +305,7 @@ class DevicePool(HostPool):
 
 class DeviceKVCache:
     """Keys and values of one sequence in device memory: float32 [L, n_ctx, G, Dh] each (the interface of
-    model.KVCache: n, n_ctx, clear()). The backend owns one, allocated at start-up within the budget, and lends it
+    engine/kv.KVCache: n, n_ctx, clear()). The backend owns one, allocated at start-up within the budget, and lends it
     to one sequence at a time (`CUDABackend.new_kv`)."""
 
     on_device = True
@@ -335,8 +332,8 @@ class DeviceWeight:
 # The backend
 # --------------------------------------------------------------------------------------------------------------
 class CUDABackend:
-    """Not defined here, on purpose: the optional CPU hooks model.py looks for (`rmsnorm`, `rope`, `linear_many`),
-    so that the host side of a forward uses model.py's NumPy functions."""
+    """backends/protocol.py's contract: products and experts on the device, the host side of a forward (norms,
+    RoPE, routing, attention over a host KV cache) on the CPU backend it holds (`self.cpu`, float path)."""
 
     name = "cuda"
 
@@ -350,10 +347,10 @@ class CUDABackend:
         self.k = KERNEL_SETS[kernels]()
         # The CPU side: "cpu" misses, attention over host KV caches. Float path, like the GPU kernels,
         # so that which side computes an expert changes nothing but rounding order.
-        self.cpu = CPUBackend(threads=threads, exact=True)
+        self.cpu = CPUBackend(threads=threads, act_bits=0)
         self.threads = self.cpu.threads
         self.compute, self.copy = cuda.stream(), cuda.stream()
-        from cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
+        from pymoe.backends.cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
 
         self._token_tile = TOKEN_TILE  # tokens one kernel block serves: below it, staging an expert gains nothing
         if free_bytes is None:
@@ -410,13 +407,11 @@ class CUDABackend:
     def prepare(self, chunk: int, n_ctx: int) -> None:
         """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
         tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions."""
-        from ..model import rope_tables
-
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
         c = self._cfg
-        cos, sin = rope_tables(c, np.arange(self.n_ctx))  # [n_ctx, rope_dim / 2]: float64 angles, as on the CPU
+        cos, sin = rope_tables(c.rope_dim, c.rope_freq_base, np.arange(self.n_ctx))  # [n_ctx, rope_dim / 2]: float64 angles, as on the CPU
         self.rope_dev = (shaped(self.scratch["rope_cos"], cos.shape), shaped(self.scratch["rope_sin"], sin.shape))
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
@@ -516,6 +511,20 @@ class CUDABackend:
         """Attention over a host KV cache (a sequence that did not get the device KV cache): on the CPU."""
         return self.cpu.attention(q, k, v, p0)
 
+    # The host side of a forward (version 2 keeps the residual stream on the host): the CPU backend's compiled
+    # primitives (rmsnorm and rope with the NumPy reference's bits).
+    def linear_many(self, ws: list, x: np.ndarray) -> list:
+        return [self.linear(w, x) for w in ws]
+
+    def rmsnorm(self, x, w, eps):
+        return self.cpu.rmsnorm(x, w, eps)
+
+    def rope(self, x, cos, sin, neox):
+        return self.cpu.rope(x, cos, sin, neox)
+
+    def route(self, logits, k, norm_topk):
+        return self.cpu.route(logits, k, norm_topk)
+
     def _vec(self, host: np.ndarray):
         """The device copy of a small float32 vector of the model (uploaded on first use, counted)."""
         entry = self._vectors.get(id(host))
@@ -524,12 +533,12 @@ class CUDABackend:
                                                                "dense weights"), host)
         return entry[0]
 
-    def attention_block(self, model, layer, x: np.ndarray, kv: DeviceKVCache, layer_i: int) -> np.ndarray:
-        """model.Model.attention_block on the device, for a sequence holding the device KV cache: x float32 [T, D]
+    def attention_block(self, layer, x: np.ndarray, kv: DeviceKVCache, layer_i: int) -> np.ndarray:
+        """engine/attention.gqa_block on the device, for a sequence holding the device KV cache: x float32 [T, D]
         (host, attn-normed) -> [T, D] (host). One upload, one download; in between q/k/v projections, biases,
         q/k norms, RoPE, the KV write, attention (one decode-attention launch per new token: token t attends to
         positions 0..p0 + t, all written before) and the output projection, all on the compute stream."""
-        cfg, k_, st = model.cfg, self.k, self.compute
+        cfg, k_, st = layer.cfg, self.k, self.compute
         T, p0 = x.shape[0], kv.n
         self._check_tokens(T)
         H, G, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
@@ -572,8 +581,6 @@ class CUDABackend:
         pairs start[i]:start[i+1]. GPU experts (slot, spill, staged) are queued on the compute stream, all of them
         before the CPU starts on the "cpu" misses, so both sides work at once; the pairs' outputs are added into
         y on the host at the end, in ascending expert order per token."""
-        from ..moe import swiglu_expert
-
         T, D = x.shape
         self._check_tokens(T)
         used, start, tok, weight = group_by_expert(np.ascontiguousarray(ids, dtype=np.int64),

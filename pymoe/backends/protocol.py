@@ -1,0 +1,79 @@
+"""The backend contract: everything the model code asks of a backend, in one place.
+
+The forward pass (engine/model.py, engine/moe.py) is written once, over these primitives; a backend brings the
+arithmetic and the memory, never model math of its own. Three backends implement it:
+    reference  backends/reference.py  plain NumPy, the readable twin; what the others are tested against
+    cpu        backends/cpu.py        compiled (Numba): fused quantized kernels, integer activations
+    cuda       backends/cuda.py       Numba CUDA kernels; dense weights and the slot pool in device memory
+`typing.Protocol` checks nothing at run time: tests/test_backends.py holds every backend to this list, and each
+primitive to the reference's results.
+
+Arrays are float32 NumPy arrays on the host unless said otherwise. Shapes: T tokens of this call, C / R a weight's
+columns / rows, H query heads, G KV heads, Dh / Dv key / value head size, S keys (cached + new), E experts of a layer,
+K used per token, D n_embd.
+"""
+from __future__ import annotations
+
+from typing import Optional, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+    threads: int
+
+    # --- set-up -----------------------------------------------------------------------------------------------------
+    def warm_up(self, qtypes, progress: bool = False) -> None:
+        """Compile (or load from a cache) the kernels these tensor types need, now, not in the first request."""
+
+    def warm_up_experts(self, expert_types: dict) -> None:
+        """The same for the expert kernel of one {gate, up, down: qtype} combination (one per distinct layout)."""
+
+    def dense(self, t) -> object:
+        """A 2-D GGUF tensor (gguf/loader.Tensor) -> a weight `linear` can multiply with (the backend's own form:
+        a view into the memory map on the host, raw rows in device memory on a GPU)."""
+
+    def vector(self, t) -> np.ndarray:
+        """A 1-D float tensor (norm weight, bias, gate) -> float32 [n] on the host."""
+
+    def new_pool(self, n_slots: int, slot_bytes: int, layouts: list):
+        """The expert cache's slot memory: backends/pool.HostPool or a subclass (`DevicePool` on a GPU)."""
+
+    def new_kv(self, n_ctx: int) -> Optional[object]:
+        """A KV cache of the backend's own (the CUDA one in device memory) for a new sequence, or None: then the
+        engine gives the sequence a host KV cache (engine/kv.py)."""
+
+    # --- arithmetic ---------------------------------------------------------------------------------------------------
+    def linear(self, w, x: np.ndarray) -> np.ndarray:
+        """x [T, C] @ W.T -> [T, R] for a weight made by `dense`."""
+
+    def linear_many(self, ws: list, x: np.ndarray) -> list:
+        """[linear(w, x) for w in ws] (q, k and v of a layer: a backend may prepare x once for all of them)."""
+
+    def linear_raw(self, raw, qtype, x: np.ndarray) -> np.ndarray:
+        """x [T, C] @ W.T -> [T, R] for W stored as `raw`: GGUF rows of `qtype` (uint8 [R, row_bytes], or float32
+        [R, C] for F32), e.g. one expert's matrix from a slot or the memory map."""
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        """x [..., n] / sqrt(mean(x^2) + eps) * w [n]."""
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+        """x [T, heads, Dh] with the first 2 * cos.shape[1] dims of each head rotated; cos, sin [T, rope_dim / 2]."""
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
+        """Causal GQA attention of q [T, H, Dh] (positions p0..) over k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]."""
+
+    def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple:
+        """Router logits [T, E] -> (ids int64 [T, K], weights float32 [T, K]): softmax, top-K highest first (ties to
+        the lower id), renormalised over the K when norm_topk."""
+
+    def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray,
+                    w: np.ndarray) -> np.ndarray:
+        """The routed experts of one layer: experts {e: ExpertBytes} (each routed e once; its bytes wherever the
+        expert cache says: a slot, the memory map, tagged with `where`), x [T, D], ids [T, K], w [T, K]
+        -> y [T, D] = sum_k w[t, k] * down(silu(gate(x[t])) * up(x[t])) of expert ids[t, k]."""
+
+
+PRIMITIVES = [name for name in Backend.__dict__ if not name.startswith("_") and callable(Backend.__dict__[name])]

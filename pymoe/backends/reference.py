@@ -1,0 +1,194 @@
+"""The reference backend: every primitive of the backend contract in plain NumPy. The readable twin.
+
+What this is: the math of a forward pass, one short function per primitive, in float32 NumPy, written to be read
+next to llama.cpp's graph code (`llm_build_*`, `build_moe_ffn`, `build_norm`, `ggml_rope_ext`):
+    rmsnorm        x / sqrt(mean(x^2) + eps) * w
+    rope_tables    theta_i = pos * base^(-2i / rope_dim) -> cos, sin
+    apply_rope     NEOX style (qwen*, olmoe) rotates pairs (i, i + rope_dim/2); normal style (llama/Mixtral)
+                   rotates adjacent pairs (2i, 2i + 1). llama.cpp's converter already permuted the Q/K rows of llama
+                   files for the normal style, so the file is used as it is: no un-permutation anywhere.
+    attention      causal, scale 1/sqrt(head_dim), grouped-query (query head h reads KV head h // (H / G))
+    route          softmax -> top-K -> (renormalised) weights
+    swiglu_expert  down(silu(gate(x)) * up(x))
+and `ReferenceBackend`, which serves them through the contract of backends/protocol.py: quantized weights are
+dequantized by the NumPy reference of their format (pymoe/quant) and multiplied with `@`.
+It is what the compiled CPU backend (backends/cpu.py) and the CUDA kernels are tested against, and what
+`--backend reference` runs (slowly: it dequantizes a weight every time it multiplies with it).
+What this is not: fast, or bit-identical with the CPU backend (its float sums run in BLAS's order).
+
+Shapes: T tokens, S = P + T keys (P already cached), H query heads, G = n_head_kv, Dh / Dv key / value head size,
+D n_embd, E experts (K used per token), F one expert's hidden size, R x C a weight's rows x columns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pymoe import quant
+from pymoe.gguf.loader import Tensor
+from .pool import HostPool
+
+
+# --- the math ---------------------------------------------------------------------------------------------------
+def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """x [..., n] normalised over its last axis, times w [n]."""
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_tables(rope_dim: int, base: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """cos, sin float32 [T, rope_dim/2] for the given positions (angles in float64, as llama.cpp's rope cache)."""
+    i = np.arange(rope_dim // 2, dtype=np.float64)
+    inv_freq = base ** (-2.0 * i / rope_dim)  # [rope_dim/2]
+    theta = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [T, rope_dim/2]
+    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+    """x [T, heads, Dh]; rotates the first rope_dim = 2 * cos.shape[1] dims of every head, leaves the rest."""
+    n = cos.shape[1]
+    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, n]
+    out = x.copy()
+    if neox:
+        a, b = x[..., :n], x[..., n:2 * n]  # pairs (i, i + n)
+        out[..., :n] = a * c - b * s
+        out[..., n:2 * n] = b * c + a * s
+    else:
+        a, b = x[..., 0:2 * n:2], x[..., 1:2 * n:2]  # pairs (2i, 2i + 1)
+        out[..., 0:2 * n:2] = a * c - b * s
+        out[..., 1:2 * n:2] = b * c + a * s
+    return out
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
+    """Causal GQA attention of T new queries at positions p0.. over S = p0 + T cached keys.
+
+    q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv].
+    """
+    T, H, Dh = q.shape
+    S, G, Dv = v.shape
+    qg = q.reshape(T, G, H // G, Dh)  # [T, G, H/G, Dh]: the query heads sharing each KV head
+    scores = np.einsum("tgqd,sgd->gqts", qg, k) / np.float32(np.sqrt(Dh))  # [G, H/G, T, S]
+    future = np.arange(S)[None, :] > (p0 + np.arange(T))[:, None]  # [T, S]
+    scores = np.where(future, -np.inf, scores)
+    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs = scores / scores.sum(axis=-1, keepdims=True)  # [G, H/G, T, S]
+    out = np.einsum("gqts,sgd->tgqd", probs, v)  # [T, G, H/G, Dv]
+    return out.reshape(T, H * Dv).astype(np.float32)
+
+
+def softmax(x: np.ndarray) -> np.ndarray:
+    e = np.exp(x - x.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 1.0 / (1.0 + np.exp(-x))
+
+
+def route(logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
+    """Router logits [T, E] -> (expert ids int [T, K], weights float32 [T, K]), highest probability first."""
+    probs = softmax(logits.astype(np.float32))  # [T, E]
+    ids = np.argsort(-probs, axis=-1, kind="stable")[:, :k]  # [T, K]
+    w = np.take_along_axis(probs, ids, axis=-1)  # [T, K]
+    if norm_topk:
+        w = w / w.sum(axis=-1, keepdims=True)
+    return ids, w.astype(np.float32)
+
+
+def swiglu_expert(backend, ex, types: dict, x: np.ndarray) -> np.ndarray:
+    """One expert on the tokens routed to it: x [n, D] -> [n, D]. `ex` = raw gate/up/down rows, `types` their qtypes;
+    the products run on `backend.linear_raw`."""
+    gate = backend.linear_raw(ex.gate, types["gate"], x)  # [n, F]
+    up = backend.linear_raw(ex.up, types["up"], x)  # [n, F]
+    return backend.linear_raw(ex.down, types["down"], silu(gate) * up)  # [n, D]
+
+
+def experts_one_by_one(backend, experts: dict, types: dict, x: np.ndarray, ids: np.ndarray,
+                       w: np.ndarray) -> np.ndarray:
+    """y [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]): one expert at a time, on all of its tokens (each
+    expert's weights are read once per call). experts {e: ExpertBytes}, x [T, D], ids int [T, K], w [T, K]."""
+    y = np.zeros_like(x)  # [T, D]
+    for e, ex in experts.items():
+        tok, slot = np.nonzero(ids == e)  # tokens routed to e, and at which of their K positions
+        y[tok] += w[tok, slot][:, None] * swiglu_expert(backend, ex, types, x[tok])  # [n, D]
+    return y
+
+
+# --- the backend --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DenseWeight:
+    """A 2-D weight ready to multiply on the host: float32 [R, C] (F32 tensors) or raw rows uint8 [R, row_bytes]
+    + qtype (everything else), both views into the memory map."""
+
+    qtype: quant.QType
+    raw: np.ndarray
+    shape: tuple  # (R, C)
+
+
+def host_dense(t: Tensor) -> DenseWeight:
+    if t.qtype == quant.QType.F32:
+        return DenseWeight(t.qtype, np.asarray(t.data, dtype=np.float32).reshape(t.shape), t.shape)
+    return DenseWeight(t.qtype, t.rows(), t.shape)
+
+
+class ReferenceBackend:
+    """backends/protocol.py's contract in NumPy: the functions above, and `dequantize(w) @ x` for every weight."""
+
+    name = "reference"
+    threads = 1
+
+    def __init__(self, threads=None):
+        pass  # NumPy's BLAS picks its own threads
+
+    def warm_up(self, qtypes, progress: bool = False) -> None:
+        pass  # nothing is compiled
+
+    def warm_up_experts(self, expert_types: dict) -> None:
+        pass
+
+    def dense(self, t: Tensor) -> DenseWeight:
+        return host_dense(t)
+
+    def vector(self, t: Tensor) -> np.ndarray:
+        return t.floats().reshape(-1)
+
+    def linear_raw(self, raw: np.ndarray, qtype: quant.QType, x: np.ndarray) -> np.ndarray:
+        """x float32 [T, C] @ W.T -> [T, R], W stored as `raw` (float32 [R, C], or uint8 rows [R, row_bytes])."""
+        if qtype == quant.QType.F32:
+            w = raw if raw.dtype == np.float32 else raw.view(np.float32)  # [R, C]
+        else:
+            w = quant.dequantize(raw, qtype)  # [R, C]
+        return (x @ w.T).astype(np.float32)
+
+    def linear(self, w: DenseWeight, x: np.ndarray) -> np.ndarray:
+        return self.linear_raw(w.raw, w.qtype, x)
+
+    def linear_many(self, ws: list, x: np.ndarray) -> list:
+        return [self.linear(w, x) for w in ws]
+
+    def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+        return rmsnorm(x, w, eps)
+
+    def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
+        return apply_rope(x, cos, sin, neox)
+
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
+        return attention(np.asarray(q, np.float32), np.asarray(k, np.float32), np.asarray(v, np.float32), p0)
+
+    def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
+        return route(logits, k, norm_topk)
+
+    def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray,
+                    w: np.ndarray) -> np.ndarray:
+        return experts_one_by_one(self, experts, expert_types, x, ids, w)
+
+    def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> HostPool:
+        return HostPool(n_slots, slot_bytes, layouts)
+
+    def new_kv(self, n_ctx: int):
+        return None  # the engine's host KV cache

@@ -1,0 +1,355 @@
+"""Write small random-weight MoE GGUF files of every supported architecture (tests, benchmarks, teaching).
+
+What this is: `write_model(path, arch, preset, quant)` builds a `ModelConfig`, makes random weights shaped by
+`loader.expected_tensors` (the very table the loader validates against), quantizes them with pymoe's own quantizers
+and writes them with gguf-py's `GGUFWriter`, together with a small byte-level BPE tokenizer trained on the fly with
+`tokenizers`, and a ChatML chat template. llama.cpp loads every file written here (tests/test_tinymodel.py).
+What this is not: a trained model. The weights are noise with two deliberate structures:
+  - every token embedding shares one common direction `m`, and each router row carries `m` scaled by a
+    per-expert "popularity", so routing is skewed (some experts are chosen far more often), as in real MoEs;
+  - weights are scaled 1/sqrt(fan_in) so activations stay O(1) through the layers and logits are well spread.
+
+Quant mixes:
+  - "f32": every tensor F32.
+  - "q2_k": llama.cpp's `Q2_K` file type mix: Q2_K gate/up experts (and attn_q/k, attn_output's siblings,
+    token_embd), Q3_K down experts and attn_output, Q4_K attn_v, Q6_K output, F32 norms, router and biases.
+    A matrix whose rows are not a multiple of 256 values falls back to Q4_0 (llama.cpp falls back too).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+from gguf import GGUFWriter, LlamaFileType, TokenType
+
+from pymoe import quant
+from pymoe.gguf.config import ARCHS, ModelConfig
+from pymoe.gguf.loader import expected_tensors
+
+Q = quant.QType
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+EOS_TOKEN = "<|endoftext|>"
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# A few kilobytes of mixed text the tiny tokenizer is trained on: prose, code, digits, whitespace, non-Latin
+# scripts and emoji, so that the tokenizer tests have multi-byte merges to get right.
+TOKENIZER_CORPUS = """\
+An MoE token touches only k of E experts per layer. The expert cache keeps the most used experts in VRAM,
+and the rest stay memory-mapped in pinned host RAM. A miss is served over PCIe, on the CPU, or by promotion.
+def forward(self, tokens, kv_cache):
+    for layer in range(self.n_layers):
+        x = x + attention(rmsnorm(x), kv_cache[layer])
+        x = x + moe_block(rmsnorm(x))
+    return logits(x)
+
+    indented    text with   runs of spaces\tand\ttabs
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 42 123 2048 65536 3.14159 1e-6 0x1F 2026-11-29
+The quick brown fox jumps over the lazy dog. THE QUICK BROWN FOX! don't, won't, it's, we're, they've.
+混合专家模型只激活少数专家。缓存命中率决定吞吐量。
+Смесь экспертов: кэш экспертов в видеопамяти. Ελληνικά κείμενα. العربية نص. हिन्दी पाठ.
+emoji: 🚀 🧠 ✨ 👩‍💻 🇯🇵 ❤️ 😀😀😀
+{"role": "user", "content": "hello"} <tag attr="x">text</tag> [1, 2, 3] (a + b) * c / d - e % f
+"""
+
+
+@dataclass(frozen=True)
+class Preset:
+    n_layers: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int
+    n_expert: int
+    n_expert_used: int
+    n_ff_exp: int
+    n_ff_shexp: int = 0
+    n_ctx: int = 512
+    n_vocab: int = 512  # target size of the trained BPE vocabulary (specials + 256 bytes + merges)
+
+
+PRESETS: dict[str, Preset] = {
+    # tests: seconds to write, every row length a multiple of 256 so the Q2_K mix is exercised everywhere.
+    "tiny": Preset(n_layers=2, n_embd=256, n_head=4, n_head_kv=2, head_dim=64, n_expert=8, n_expert_used=2,
+                   n_ff_exp=256, n_ff_shexp=512),
+    # benchmarks: ~430 MB at the Q2_K mix, qwen3moe-shaped (the CPU speed issue compares it with llama.cpp).
+    "mid": Preset(n_layers=12, n_embd=1024, n_head=16, n_head_kv=4, head_dim=64, n_expert=64, n_expert_used=8,
+                  n_ff_exp=512, n_ctx=4096, n_vocab=2048),
+    # the real CUDA kernels in Numba's CUDA simulator (tests/test_cuda_real_kernels_sim.py), where every output row
+    # of a mat-vec is a thread block of 32 Python threads: as few rows as a legal model allows. The vocabulary is
+    # the byte alphabet, the specials and 5 merges (the output projection, vocab x hidden, dominates the cost);
+    # rows of 32 values take Q4_0 in the q2_k mix.
+    "micro": Preset(n_layers=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_expert=4, n_expert_used=2,
+                    n_ff_exp=32, n_ff_shexp=32, n_ctx=256, n_vocab=264),
+}
+
+# Per-arch tweaks of a preset, so that the tiny files exercise what each arch does differently.
+ARCH_TWEAKS = {
+    # head_dim * n_head (512) != n_embd (256): qwen3moe's attention.key_length is really read.
+    "qwen3moe": dict(n_head=8, head_dim=64),
+    "qwen2moe": dict(),
+    "llama": dict(),
+    "olmoe": dict(n_head_kv=4),  # OLMoE has no GQA; llama.cpp sizes its k_norm as n_embd
+}
+MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
+TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False}  # llama.cpp requires olmoe output
+ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0}
+QUANT_MIXES = ("f32", "q2_k")
+
+
+def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelConfig:
+    if arch not in ARCHS:
+        raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
+    p = PRESETS[preset]
+    if preset == "tiny":
+        p = replace(p, **ARCH_TWEAKS[arch])
+    elif preset == "micro":
+        p = replace(p, **MICRO_ARCH_TWEAKS.get(arch, {}))
+    t = ARCHS[arch]
+    return ModelConfig(
+        arch=arch, name=f"pymoe-{preset}-{arch}", n_layers=p.n_layers, n_embd=p.n_embd, n_vocab=n_vocab,
+        n_ctx_train=p.n_ctx, n_head=p.n_head, n_head_kv=p.n_head_kv, head_dim=p.head_dim, head_dim_v=p.head_dim,
+        n_expert=p.n_expert, n_expert_used=p.n_expert_used, n_ff_exp=p.n_ff_exp,
+        n_ff_shexp=p.n_ff_shexp if t.shared_expert else 0, rms_eps=float(np.float32(1e-6)), rope_freq_base=ROPE_BASE[arch],
+        rope_dim=p.head_dim, rope_neox=t.rope_neox, qk_norm=t.qk_norm, qkv_bias=t.qkv_bias, norm_topk=t.norm_topk,
+        tied_output=TIED_OUTPUT[arch] if preset == "tiny" else False,
+    )
+
+
+# --- tokenizer ---------------------------------------------------------------------------------------------------
+
+def train_tokenizer(vocab_size: int = 512, corpus: str = TOKENIZER_CORPUS, split_regex: Optional[str] = None,
+                    texts=None):
+    """A byte-level BPE (GPT-2 byte alphabet, so every byte has a token) -> (tokens, token_types, merges).
+
+    `split_regex`: pre-tokenize with this regex (e.g. tokenizer.QWEN2_REGEX, the one the file's `tokenizer.ggml.pre`
+    names, so training and inference split text alike) instead of the GPT-2 regex built into ByteLevel.
+    `texts`: an iterable of strings to train on instead of the lines of `corpus`.
+    """
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_regex is not None:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(split_regex), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(corpus.splitlines(keepends=True) if texts is None else texts, trainer)
+    model = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model["vocab"]
+    tokens = [None] * len(vocab)
+    for text, i in vocab.items():
+        tokens[i] = text
+    types = [int(TokenType.CONTROL if t in SPECIAL_TOKENS else TokenType.NORMAL) for t in tokens]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
+    return tokens, types, merges
+
+
+# --- weights -----------------------------------------------------------------------------------------------------
+
+def quant_type(name: str, shape: tuple, mix: str) -> quant.QType:
+    """The GGML type a tensor gets in a quant mix (see the module docstring)."""
+    if mix == "f32" or len(shape) == 1 or name.endswith("ffn_gate_inp.weight") or name.endswith(".bias"):
+        return Q.F32
+    if mix != "q2_k":
+        raise ValueError(f"unknown quant mix {mix!r} (choose from {', '.join(QUANT_MIXES)})")
+    if "ffn_down" in name or name.endswith("attn_output.weight"):
+        qtype = Q.Q3_K
+    elif name.endswith("attn_v.weight"):
+        qtype = Q.Q4_K
+    elif name == "output.weight":
+        qtype = Q.Q6_K
+    else:
+        qtype = Q.Q2_K
+    if shape[-1] % 256:
+        qtype = Q.Q4_0 if shape[-1] % 32 == 0 else Q.F32
+    return qtype
+
+
+def random_tensor(name: str, shape: tuple, cfg: ModelConfig, rng: np.random.Generator, common: np.ndarray,
+                  popularity: np.ndarray) -> np.ndarray:
+    """float32 weights of one tensor. `common` [D] is the shared embedding direction; `popularity` [L, E]."""
+    base = name.rsplit(".", 1)[0].split(".")[-1]  # e.g. "attn_q", "ffn_gate_exps"
+    if name.endswith("norm.weight"):
+        return (1.0 + 0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name.endswith(".bias"):
+        return (0.1 * rng.standard_normal(shape)).astype(np.float32)
+    if name == "token_embd.weight":
+        # A tied output head reuses these rows: scaled down so its logits have a spread of ~2, like an untied
+        # head's (full-size rows give logits of std ~18 and magnify every rounding difference by as much).
+        scale = 0.1 if cfg.tied_output else 1.0
+        return (scale * (rng.standard_normal(shape) + 1.5 * common)).astype(np.float32)  # [V, D]
+    if base == "ffn_gate_inp":
+        layer = int(name.split(".")[1])
+        w = rng.standard_normal(shape) / np.sqrt(shape[-1])  # [E, D]
+        w += 3.0 * popularity[layer][:, None] * common[None, :] / np.linalg.norm(common)
+        return w.astype(np.float32)
+    if base == "ffn_gate_inp_shexp":
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # [..., rows, cols]
+
+
+def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: str = "f32", seed: int = 0,
+                progress: bool = False, jobs: int = 1) -> ModelConfig:
+    """Write a random-weight MoE GGUF; returns its config. Deterministic for a given (arch, preset, mix, seed),
+    whatever `jobs` (processes quantizing tensors side by side; the random draws stay in this process, in order)."""
+    from tqdm import tqdm
+
+    p = PRESETS[preset]
+    tokens, types, merges = train_tokenizer(p.n_vocab)
+    cfg = make_config(arch, preset, n_vocab=len(tokens))
+    rng = np.random.default_rng(seed)
+    common = rng.standard_normal(cfg.n_embd)  # [D]
+    # Zipf-like popularity per (layer, expert), in a random order per layer.
+    ranks = np.argsort(rng.random((cfg.n_layers, cfg.n_expert)), axis=1)
+    popularity = (1.0 / (1.0 + ranks)) - 1.0 / cfg.n_expert  # [L, E]
+
+    shapes = expected_tensors(cfg)
+    weights = ((name, random_tensor(name, shape, cfg, rng, common, popularity))
+               for name, shape in tqdm(shapes.items(), desc=f"writing {path}", unit="tensor", disable=not progress))
+    write_gguf(path, cfg, tokens, types, merges, mix, weights, jobs=jobs)
+    return cfg
+
+
+def _quantized(weights, mix: str, jobs: int):
+    """(name, float32 values) -> (name, shape, qtype, what to write), in order; quantized by `jobs` processes, at
+    most 2 * jobs tensors in flight (so the float tensors of a large preset are never all in memory at once)."""
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+
+    if jobs <= 1:
+        for name, values in weights:
+            qtype = quant_type(name, values.shape, mix)
+            yield name, values.shape, qtype, values if qtype == Q.F32 else quant.quantize(values, qtype)
+        return
+    def done(item):  # (name, shape, qtype, float values or a future of the quantized bytes) -> what to write
+        name, shape, qtype, data = item
+        return name, shape, qtype, data if qtype == Q.F32 else data.result()
+
+    with ProcessPoolExecutor(jobs) as pool:
+        pending = deque()
+        for name, values in weights:
+            qtype = quant_type(name, values.shape, mix)
+            pending.append((name, values.shape, qtype,
+                            values if qtype == Q.F32 else pool.submit(quant.quantize, values, qtype)))
+            if len(pending) >= 2 * jobs:
+                yield done(pending.popleft())
+        while pending:
+            yield done(pending.popleft())
+
+
+def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, weights, jobs: int = 1) -> None:
+    """Write a GGUF: metadata of `cfg` + tokenizer, then `weights` ((name, float32 array in NumPy order), in the
+    order of `expected_tensors(cfg)`), each quantized to its type in `mix`. Shared by the random tiny models and the
+    trained demo model (pymoe/demo/train.py)."""
+    w = GGUFWriter(path, cfg.arch)
+    _write_metadata(w, cfg, tokens, types, merges, mix)
+    shapes = expected_tensors(cfg)
+    for name, shape, qtype, data in _quantized(weights, mix, jobs):
+        if tuple(shape) != shapes[name]:
+            raise ValueError(f"tensor {name} has shape {list(shape)}, expected {list(shapes[name])}")
+        if qtype == Q.F32:
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+
+
+def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix: str) -> None:
+    w.add_name(cfg.name)
+    w.add_file_type(int(LlamaFileType.ALL_F32 if mix == "f32" else LlamaFileType.MOSTLY_Q2_K))
+    w.add_context_length(cfg.n_ctx_train)
+    w.add_embedding_length(cfg.n_embd)
+    w.add_block_count(cfg.n_layers)
+    w.add_head_count(cfg.n_head)
+    w.add_head_count_kv(cfg.n_head_kv)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim_v)
+    w.add_rope_freq_base(cfg.rope_freq_base)
+    w.add_rope_dimension_count(cfg.rope_dim)
+    w.add_layer_norm_rms_eps(cfg.rms_eps)
+    w.add_expert_count(cfg.n_expert)
+    w.add_expert_used_count(cfg.n_expert_used)
+    if cfg.traits.ff_key == "feed_forward_length":
+        w.add_feed_forward_length(cfg.n_ff_exp)
+    else:
+        w.add_feed_forward_length(cfg.n_ff_exp)  # unused by the arch but written by llama.cpp's converter too
+        w.add_expert_feed_forward_length(cfg.n_ff_exp)
+    if cfg.has_shared_expert:
+        w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+    w.add_vocab_size(cfg.n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    eos = tokens.index(EOS_TOKEN)
+    w.add_bos_token_id(eos)
+    w.add_eos_token_id(eos)
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHAT_TEMPLATE)
+
+
+def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper used by tools/make-tiny-model
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="make-tiny-model", description=__doc__.split("\n\n")[0])
+    ap.add_argument("-o", "--output", required=True, help="GGUF file to write")
+    ap.add_argument("--arch", default="qwen3moe", choices=list(ARCHS), help="architecture (default qwen3moe)")
+    ap.add_argument("--preset", default="tiny", choices=list(PRESETS), help="size preset (default tiny)")
+    ap.add_argument("--quant", default="f32", choices=QUANT_MIXES, help="quant mix (default f32)")
+    ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ap.add_argument("--jobs", type=int, default=1, help="processes quantizing tensors (default 1); the file is the "
+                    "same for any number")
+    return ap.parse_args(argv)
+
+
+def write_f32_copy(src: str, dst: str) -> None:
+    """Copy a GGUF with every tensor dequantized to F32 (pymoe's reference dequantizer), metadata unchanged but the
+    file type. The oracle for K-quant files: llama.cpp quantizes activations to 8 bits when it multiplies by K-quant
+    weights, so pymoe on the quantized file is compared with llama.cpp on this float copy (same weights, float math).
+    """
+    from gguf import GGUFReader, GGUFValueType
+
+    r = GGUFReader(src)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    w = GGUFWriter(dst, arch)  # writes general.architecture itself
+    for key, field in r.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        vtype = field.types[0]
+        if key == "general.file_type":
+            w.add_key_value(key, int(LlamaFileType.ALL_F32), vtype)
+        elif vtype == GGUFValueType.ARRAY:
+            sub = field.types[-1]
+            if sub == GGUFValueType.STRING:
+                val = [bytes(field.parts[i]) for i in field.data]
+            else:
+                val = [field.parts[i].tolist()[0] for i in field.data]
+            w.add_key_value(key, val, vtype, sub_type=sub)
+        elif vtype == GGUFValueType.STRING:
+            w.add_key_value(key, bytes(field.parts[-1]), vtype)
+        else:
+            w.add_key_value(key, field.parts[-1].tolist()[0], vtype)
+    for t in r.tensors:
+        shape = tuple(int(n) for n in reversed(t.shape))
+        raw = np.asarray(t.data).view(np.uint8)
+        values = quant.dequantize(raw.reshape(-1, raw.shape[-1]), t.tensor_type)  # F32 rows come back unchanged
+        w.add_tensor(t.name, values.reshape(shape))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()

@@ -1,0 +1,84 @@
+"""Batched decode: one new token for each of N sequences in one forward step, each sequence with its own KV cache.
+
+What this is: `decode_batch(model, tokens [N], kvs)`, the server's decode step with --parallel N. Per layer:
+    a_j = attention_block(rmsnorm(x_j), kv_j)    for each sequence j on its own: its own positions and KV cache
+    y   = moe_block(rmsnorm(x + a))              ONE call over all N tokens
+The MoE call is the point: moe_block groups tokens per expert, so an expert chosen by several sequences is read
+once for all of them, and the N * K expert lookups of a layer reach the expert cache together, in sequence order.
+Logits are those of N separate `Model.decode_one_token` calls (up to float rounding of the grouped matmuls; the
+greedy tokens are the same: tests/test_batch.py).
+What this is not: prefill (a new prompt is prefilled on its own, `Model.prefill`), scheduling (serve/scheduler.py), a
+fused attention (attention stays per sequence: the sequences have different lengths and caches), or a routing
+trace recorder (`Model.trace` is per request; batched steps are not traced).
+
+Shapes: N sequences in the batch, D n_embd, V n_vocab, K experts per token, L layers.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pymoe.experts.cache import COUNTERS
+from pymoe.errors import PymoeError
+from .kv import KVCache
+from .moe import FFN
+
+
+class RowCounts:
+    """Stands in for the expert cache inside moe_block and splits its counters per batch row (per sequence).
+
+    The cache sees one lookup of all N rows, as without the split, so policy decisions and the path each expert is
+    served by are unchanged; `rows[j]` collects the counters (lookups, hits, spill, ...) of sequence j's pairs,
+    each under the path its expert is really served by.
+    """
+
+    def __init__(self, cache, n_rows: int):
+        self.cache = cache
+        self.rows = [dict.fromkeys(COUNTERS, 0) for _ in range(n_rows)]
+
+    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str) -> None:
+        self.cache.lookup(layer, expert_ids, phase, rows=self.rows)  # expert_ids [N, K]
+
+    def expert(self, layer: int, e: int):
+        return self.cache.expert(layer, e)
+
+    def finish(self, layer: int) -> None:
+        self.cache.finish(layer)
+
+
+def decode_batch(model, tokens: Sequence[int], kvs: Sequence[KVCache],
+                 row_counts: Optional[list] = None) -> np.ndarray:
+    """tokens [N], one per sequence, appended at kvs[j].n -> logits float32 [N, V]; advances every kvs[j].n by 1.
+
+    row_counts: a list of N dicts to add each sequence's expert-cache decode counters to (None: don't split them).
+    """
+    tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)  # [N]
+    cfg = model.cfg
+    if tokens.size == 0 or tokens.size != len(kvs):
+        raise PymoeError(f"decode_batch needs one token per KV cache, got {tokens.size} tokens for {len(kvs)} caches")
+    if len({id(kv) for kv in kvs}) != len(kvs):
+        raise PymoeError("decode_batch: each sequence needs its own KV cache")
+    for kv in kvs:
+        if kv.n + 1 > kv.n_ctx:
+            raise PymoeError(f"context full: {kv.n} + 1 tokens exceed the context of {kv.n_ctx}")
+    if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
+        raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
+    cache = RowCounts(model.cache, tokens.size) if row_counts is not None else model.cache
+
+    x = model.embed(tokens)  # [N, D]
+    rmsnorm = model.backend.rmsnorm
+    for i, layer in enumerate(model.layers):
+        a = rmsnorm(x, layer.attn_norm, cfg.rms_eps)  # [N, D]
+        x = x + np.concatenate([model.attention_block(layer, a[j:j + 1], kv, i) for j, kv in enumerate(kvs)])
+        h = rmsnorm(x, layer.ffn_norm, cfg.rms_eps)  # [N, D]
+        y, _, _ = FFN[layer.plan.ffn](layer, h, cache, model.backend, "decode")  # experts grouped over N tokens
+        x = x + y
+    for kv in kvs:
+        kv.n += 1
+    if row_counts is not None:
+        for total, row in zip(row_counts, cache.rows):
+            for name, n in row.items():
+                total[name] = total.get(name, 0) + n
+    x = rmsnorm(x, model.output_norm, cfg.rms_eps)
+    return model.backend.linear(model.output, x)  # [N, V]

@@ -1,0 +1,152 @@
+"""The forward pass of an MoE model, on any backend: embeddings -> the layer plan, block by block -> logits.
+
+What this is: `Model(gguf_model, backend, cache)` with
+    prefill(tokens, kv)          T prompt tokens at once (mat-mat kernels), fills the KV cache, returns logits [T, V]
+    decode_one_token(token, kv)  one token (mat-vec kernels), returns logits [V]
+both built on one `forward(tokens, kv, phase)`, which applies the file's layer plan (gguf/config.LayerPlan):
+    x = x + ATTENTION[plan.attention]( rmsnorm(x) * attn_norm )     engine/attention.py
+    x = x + FFN[plan.ffn]( rmsnorm(x) * ffn_norm )                   engine/moe.py
+What this is not: the arithmetic (the backend's primitives: backends/protocol.py, backends/reference.py holds the
+math in NumPy), a tokenizer, sampler or generation loop (generate.py), or a cache (experts/cache.py).
+
+It computes what llama.cpp computes on the same file (the oracle in tests/test_model_vs_llamacpp.py).
+Shapes: T new tokens, D n_embd, V n_vocab.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pymoe.backends.reference import rope_tables
+from pymoe.errors import PymoeError
+from pymoe.gguf.config import LayerPlan, ModelConfig
+from .attention import ATTENTION
+from .kv import KVCache
+from .moe import FFN
+
+
+@dataclass
+class Layer:
+    """One transformer block's weights, prepared for a backend. Names are the GGUF tensor names."""
+
+    index: int
+    cfg: ModelConfig
+    plan: LayerPlan  # which blocks run here, and the expert layout of an MoE layer
+    attn_norm: np.ndarray
+    attn_q: object
+    attn_k: object
+    attn_v: object
+    attn_output: object
+    bias: dict  # q/k/v -> float32 vector (qwen2moe), else empty
+    q_norm: object  # float32 [Dh] or [H * Dh] or None
+    k_norm: object
+    ffn_norm: np.ndarray
+    ffn_gate_inp: object  # the router [E, D]
+    shared: dict  # qwen2moe: gate/up/down DenseWeight, gate_inp float32 [D]; else empty
+
+    @property
+    def expert_types(self) -> dict:
+        """gate/up/down -> qtype of this layer's 3-D expert tensors."""
+        return self.plan.experts.types
+
+
+class Model:
+    def __init__(self, gguf_model, backend, cache, progress: bool = False):
+        self.file = gguf_model
+        self.cfg: ModelConfig = gguf_model.config
+        self.backend = backend
+        self.cache = cache
+        self.trace = None  # a trace.TraceRecorder, when routing is being recorded (`pymoe run --trace`)
+        self.chunk = 512  # most prompt tokens per forward call (prefill)
+        cfg, b, t = self.cfg, backend, gguf_model.tensor
+        self.token_embd = t("token_embd.weight")  # rows read on demand, dequantized one token at a time
+        self.output_norm = b.vector(t("output_norm.weight"))
+        self.output = b.dense(t("token_embd.weight") if cfg.tied_output else t("output.weight"))
+        from tqdm import tqdm
+
+        self.plan = gguf_model.layer_plan()  # [L] gguf/config.LayerPlan
+        self.layers = [self._layer(p) for p in tqdm(self.plan, desc="loading", unit="layer", disable=not progress,
+                                                    leave=False)]
+
+    def _layer(self, plan: LayerPlan) -> Layer:
+        cfg, b, i = self.cfg, self.backend, plan.index
+        lt = lambda name: self.file.layer_tensor(i, name)  # noqa: E731
+        bias = {p: b.vector(lt(f"attn_{p}.bias")) for p in "qkv"} if cfg.qkv_bias else {}
+        norms = (b.vector(lt("attn_q_norm.weight")), b.vector(lt("attn_k_norm.weight"))) if cfg.qk_norm else (None, None)
+        shared = {}
+        if plan.ffn == "moe+shared":
+            shared = {p: b.dense(lt(f"ffn_{p}_shexp.weight")) for p in ("gate", "up", "down")}
+            shared["gate_inp"] = b.vector(lt("ffn_gate_inp_shexp.weight"))
+        return Layer(
+            index=i, cfg=cfg, plan=plan, attn_norm=b.vector(lt("attn_norm.weight")),
+            attn_q=b.dense(lt("attn_q.weight")), attn_k=b.dense(lt("attn_k.weight")),
+            attn_v=b.dense(lt("attn_v.weight")), attn_output=b.dense(lt("attn_output.weight")),
+            bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=b.vector(lt("ffn_norm.weight")),
+            ffn_gate_inp=b.dense(lt("ffn_gate_inp.weight")), shared=shared,
+        )
+
+    # --- the pieces -----------------------------------------------------------------------------------------
+    def embed(self, tokens: np.ndarray) -> np.ndarray:
+        """token ids [T] -> float32 [T, D]: only the rows used are dequantized."""
+        from pymoe import quant
+
+        t = self.token_embd
+        if t.qtype == quant.QType.F32:
+            return np.asarray(t.data, dtype=np.float32)[tokens]
+        return quant.dequantize(t.rows()[tokens], t.qtype)
+
+    def attention_block(self, layer: Layer, x: np.ndarray, kv: KVCache, layer_i: int, rope=None) -> np.ndarray:
+        """The layer's attention block on x [T, D] (attn-normed) -> [T, D]. rope: (cos, sin) of positions
+        kv.n .. kv.n + T - 1, computed once per forward call (None: computed here)."""
+        if rope is None:
+            rope = rope_tables(self.cfg.rope_dim, self.cfg.rope_freq_base, np.arange(kv.n, kv.n + x.shape[0]))
+        return ATTENTION[layer.plan.attention](self.backend, layer, x, kv, layer_i, rope)
+
+    # --- the forward pass -------------------------------------------------------------------------------------
+    def forward(self, tokens, kv: KVCache, phase: str) -> np.ndarray:
+        """tokens [T] appended at kv.n -> logits float32 [T, V]; advances kv.n by T."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        cfg = self.cfg
+        if tokens.size == 0:
+            raise PymoeError("empty prompt: nothing to run the model on")
+        if kv.n + tokens.size > kv.n_ctx:
+            raise PymoeError(f"context full: {kv.n} + {tokens.size} tokens exceed the context of {kv.n_ctx}")
+        if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
+            raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
+        x = self.embed(tokens)  # [T, D]
+        norm = self.backend.rmsnorm
+        rope = rope_tables(cfg.rope_dim, cfg.rope_freq_base, np.arange(kv.n, kv.n + tokens.size))  # for all layers
+        for i, layer in enumerate(self.layers):
+            x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
+            h = norm(x, layer.ffn_norm, cfg.rms_eps)
+            y, ids, w = FFN[layer.plan.ffn](layer, h, self.cache, self.backend, phase)
+            x = x + y
+            if self.trace is not None and ids is not None:
+                self.trace.record(i, ids, w, phase)
+        if self.trace is not None:
+            self.trace.end_forward()
+        kv.n += tokens.size
+        x = norm(x, self.output_norm, cfg.rms_eps)
+        return self.backend.linear(self.output, x)  # [T, V]
+
+    def prefill(self, tokens, kv: KVCache) -> np.ndarray:
+        """tokens [T] -> logits [T, V], in forward calls of at most `self.chunk` tokens (`--chunk`): the chunk is
+        the unit of prefill's expert traffic (each expert missing from the cache is streamed once per chunk) and
+        bounds the activation buffers. Each query's result does not depend on how the prompt is cut."""
+        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if tokens.size <= self.chunk:
+            return self.forward(tokens, kv, "prefill")
+        if kv.n + tokens.size > kv.n_ctx:  # checked for the whole prompt before any chunk fills the cache
+            raise PymoeError(f"context full: {kv.n} + {tokens.size} tokens exceed the context of {kv.n_ctx}")
+        return np.concatenate([self.forward(tokens[i:i + self.chunk], kv, "prefill")
+                               for i in range(0, tokens.size, self.chunk)])  # [T, V]
+
+    def decode_one_token(self, token: int, kv: KVCache) -> np.ndarray:
+        return self.forward([token], kv, "decode")[0]
+
+    def new_kv(self, n_ctx=None) -> KVCache:
+        """A KV cache for a new sequence: the backend's own when it has one free (CUDA: in device memory, so that
+        attention runs there), else a host one."""
+        n_ctx = n_ctx or self.cfg.n_ctx_train
+        return self.backend.new_kv(n_ctx) or KVCache(self.cfg, n_ctx)

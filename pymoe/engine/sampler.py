@@ -1,0 +1,83 @@
+"""Choosing the next token from logits: greedy, or temperature + top-k + top-p + min-p, with a repetition penalty.
+
+What this is: `Sampler(SamplingParams)`, a small stateful object (it owns the random generator, so a seed makes a
+whole generation reproducible). The order of the steps is llama.cpp's default sampler chain:
+    repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw
+What this is not: stop handling (generate.py), or anything that changes logits of the model itself.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pymoe.errors import PymoeError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy (argmax); the other settings are then ignored
+    top_k: int = 40  # keep the k most likely tokens (0: all)
+    top_p: float = 0.95  # keep the smallest set whose probability reaches p (1.0: all)
+    min_p: float = 0.05  # drop tokens below min_p * p(most likely) (0.0: none)
+    repeat_penalty: float = 1.0  # >1 discourages tokens seen in the last `repeat_last_n` (1.0: off)
+    repeat_last_n: int = 64
+    seed: Optional[int] = None
+
+    def validate(self) -> "SamplingParams":
+        checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top-k must be >= 0"),
+                  (0 < self.top_p <= 1, "top-p must be in (0, 1]"), (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
+                  (self.repeat_penalty > 0, "repeat penalty must be > 0"),
+                  (self.repeat_last_n >= 0, "repeat-last-n must be >= 0")]
+        for ok, what in checks:
+            if not ok:
+                raise PymoeError(what)
+        return self
+
+
+def apply_repetition_penalty(logits: np.ndarray, recent: Sequence[int], penalty: float) -> np.ndarray:
+    """llama.cpp/CTRL style: a seen token's logit is divided by `penalty` if positive, multiplied if negative."""
+    if penalty == 1.0 or len(recent) == 0:
+        return logits
+    out = logits.copy()
+    ids = np.unique(np.asarray(recent, dtype=np.int64))
+    seen = out[ids]
+    out[ids] = np.where(seen > 0, seen / penalty, seen * penalty)
+    return out
+
+
+def filter_candidates(logits: np.ndarray, top_k: int, top_p: float, min_p: float) -> tuple[np.ndarray, np.ndarray]:
+    """-> (candidate ids, their logits), most likely first, after top-k, top-p and min-p."""
+    order = np.argsort(-logits, kind="stable")  # [V] most likely first
+    if top_k > 0:
+        order = order[:top_k]
+    cand = logits[order].astype(np.float64)
+    p = np.exp(cand - cand[0])
+    p /= p.sum()
+    if top_p < 1.0:
+        keep = int(np.searchsorted(np.cumsum(p), top_p) + 1)  # smallest prefix with mass >= top_p
+        order, cand, p = order[:keep], cand[:keep], p[:keep]
+    if min_p > 0.0:
+        keep = p >= min_p * p[0]
+        order, cand = order[keep], cand[keep]
+    return order, cand
+
+
+class Sampler:
+    def __init__(self, params: SamplingParams = SamplingParams()):
+        self.params = params.validate()
+        self.rng = np.random.default_rng(params.seed)
+
+    def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
+        """logits float32 [V] -> the next token id."""
+        p = self.params
+        if p.repeat_last_n and p.repeat_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
+        if p.temperature == 0.0:
+            return int(np.argmax(logits))
+        ids, cand = filter_candidates(logits, p.top_k, p.top_p, p.min_p)
+        z = cand / p.temperature
+        probs = np.exp(z - z.max())
+        probs /= probs.sum()
+        return int(ids[self.rng.choice(len(ids), p=probs)])

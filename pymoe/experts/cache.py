@@ -1,0 +1,276 @@
+"""The expert cache: a fixed pool of slots holding hot experts, a residency table, a policy, and the miss paths.
+
+What this is: the one door through which the MoE block reaches expert weights. Per layer, `moe.py` calls
+    cache.lookup(layer, expert_ids [T, K], phase)   every (token, expert) pair the router chose: accounting + policy
+    cache.expert(layer, e)                          the bytes to compute expert e with: a slot, or host memory
+    cache.finish(layer)                             those experts are computed: promoted bytes may land in slots
+Two implementations keep these methods:
+  - `PassThroughCache`: no pool, so no hits and no misses: every lookup is counted as "host" (read in place from
+    the GGUF memory map; the CPU backend's default: host RAM already holds every expert), or, on a GPU with no
+    slots (`--cache none`), as "spill" (decode) / "staged" (prefill): read over PCIe.
+  - `SlotCache`: N slots, each one expert's gate + up + down bytes exactly as stored in the GGUF (with its own
+    layer's types: they may change from layer to layer), a residency table `[n_layers, n_experts] -> slot or -1`,
+    and a policy from `policies.py` (the same code `pymoe simulate` replays traces with). On the CPU backend the
+    pool is a bounded buffer in RAM: the *accounting* (hits, misses by path, promotions, evictions) is what a GPU
+    pool does, which is what makes every cache behaviour testable in CI.
+
+A decode miss is served one of two ways, and may also be promoted:
+  - spill: the GPU reads the expert straight from pinned, mapped host memory over PCIe (no slot needed);
+  - cpu:   the CPU computes that expert's output in place from the mmap while the GPU does the rest;
+    the share of misses sent over PCIe is `pcie_frac` (the rest go to the CPU), assigned deterministically by
+    error diffusion so the split is exact and reproducible;
+  - promote: when the policy admits the expert, its bytes are copied into a slot (the policy's victim is evicted),
+    so the *next* lookup hits. The copy is made by `finish`, once this lookup's experts are computed (on a GPU:
+    queued on the copy stream behind the compute stream's reads of that slot), so a slot is never overwritten
+    under an expert this very lookup serves from it.
+One lookup call is one decision per expert: an expert chosen by several rows of the call (tokens of a prefill
+chunk, sequences of a batched decode step) is served by one path, decided at its first (token, expert) pair, and
+every row that chose it is counted under that path (`rows`: per-row counters, for batched decode).
+Prefill lookups never promote: a prompt chunk touches nearly every expert, so letting it through the policy would
+flush the decode working set. Prefill misses are "staged" (streamed once per chunk), hits refresh the policy.
+On the CPU backend nothing crosses PCIe: "spill" and "cpu" are the split a GPU would make (`gpu` False), and every
+expert is computed the same way.
+What this is not: a policy (policies.py), or the code that moves bytes to a GPU (backends/cuda.py does the copies;
+here the CPU backend's copies are plain NumPy).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import numpy as np
+
+from pymoe.errors import PymoeError
+from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, GGUFModel
+from pymoe.backends.pool import HostPool
+from .policies import DEFAULT_POLICY, check_engine_policy
+
+PHASES = ("prefill", "decode")
+# What each lookup was served by (ExpertBytes.where -> counter: slot -> hits; spill, cpu, staged, host), and what it
+# did to the pool (promoted, evicted).
+COUNTERS = ("lookups", "hits", "spill", "cpu", "staged", "host", "promoted", "evicted")
+
+
+@dataclass
+class CacheStats:
+    """Counters per phase. lookups = hits + spill + cpu (decode) or hits + staged (prefill) with a slot pool;
+    with none, lookups = host (read in place, CPU backend) or spill / staged (over PCIe, a GPU with no slots)."""
+
+    counts: dict = field(default_factory=lambda: {p: dict.fromkeys(COUNTERS, 0) for p in PHASES})
+
+    @property
+    def lookups(self) -> dict:
+        return {p: c["lookups"] for p, c in self.counts.items()}
+
+    @property
+    def hits(self) -> dict:
+        return {p: c["hits"] for p, c in self.counts.items()}
+
+    def snapshot(self, phase: str) -> dict:
+        return dict(self.counts[phase])
+
+    def hit_rate(self, phase: str) -> float:
+        c = self.counts[phase]
+        return c["hits"] / c["lookups"] if c["lookups"] else 0.0
+
+    def reset(self) -> None:
+        for c in self.counts.values():
+            for k in c:
+                c[k] = 0
+
+
+def _count(counts: tuple, name: str, n: int = 1) -> None:
+    """Add n to counter `name` of each counter dict in `counts` (the cache's own, and a batch row's)."""
+    for c in counts:
+        c[name] = c.get(name, 0) + n
+
+
+class PassThroughCache:
+    """No slot pool: serves every expert from the model's memory map. Nothing is a hit or a miss, as there is no
+    cache: lookups are counted as "host" (read in place) or, on a GPU, "spill" / "staged" (read over PCIe)."""
+
+    n_slots = 0
+    policy_name = "none"
+
+    def __init__(self, model: GGUFModel, miss_path: Optional[str] = None):
+        """miss_path None: host RAM is where experts are computed (CPU backend): every lookup read in place.
+        "spill": a GPU with no slots (`--cache none`): every lookup read over PCIe ("staged" in prefill)."""
+        self.model = model
+        self.miss_path = miss_path
+        self.gpu = miss_path is not None  # the experts are computed on a GPU: what it reads crosses PCIe
+        self._where = miss_path or "host"
+        self.stats = CacheStats()
+
+    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str, rows: Optional[list] = None) -> None:
+        """Account for the router's choices of one layer: expert_ids int [T, K], one lookup per (token, expert).
+        rows: T counter dicts to add each row's counts to as well (batched decode: one row per sequence)."""
+        self._where = "host" if not self.gpu else "staged" if phase == "prefill" else self.miss_path
+        c = self.stats.counts[phase]
+        K = int(expert_ids.size) // expert_ids.shape[0]  # lookups per row
+        _count((c,), "lookups", int(expert_ids.size))
+        _count((c,), self._where, int(expert_ids.size))
+        for row in rows or ():  # one counter dict per row of expert_ids
+            _count((row,), "lookups", K)
+            _count((row,), self._where, K)
+
+    def expert(self, layer: int, e: int) -> ExpertBytes:
+        ex = self.model.expert(layer, e)
+        return ex if self._where == "host" else replace(ex, where=self._where)
+
+    def finish(self, layer: int) -> None:
+        pass  # nothing is ever copied
+
+    def describe(self) -> str:
+        cfg = self.model.config
+        if self.gpu:
+            return (f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read over PCIe from pinned host "
+                    "memory)")
+        return (f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read in place from the memory map; "
+                "--cache-slots N emulates a GPU slot pool)")
+
+
+class SlotCache:
+    """N expert slots in a pool, a residency table, a policy; spill / cpu / promote on a miss."""
+
+    def __init__(self, model: GGUFModel, n_slots: int, policy: str = DEFAULT_POLICY, profile=None,
+                 pcie_frac: float = 1.0, new_pool=None, gpu: bool = False, **policy_args):
+        """new_pool(n_slots, slot_bytes, layouts): the backend's pool (default: HostPool, in RAM); gpu: the pool is
+        on a GPU, so spill misses cross PCIe (else the spill / cpu split is only the one a GPU would make)."""
+        from .policies import SlotTable, make_policy
+
+        cfg = model.config
+        self.model = model
+        self.n_layers, self.n_experts = cfg.n_layers, cfg.n_expert
+        n_total = self.n_layers * self.n_experts
+        if not 1 <= n_slots <= n_total:
+            raise PymoeError(f"cache slots must be in 1..{n_total} (the model's experts), got {n_slots}")
+        if not 0.0 <= pcie_frac <= 1.0:
+            raise PymoeError(f"pcie_frac must be in [0, 1], got {pcie_frac}")
+        check_engine_policy(policy)
+        self.n_slots = n_slots
+        self.policy_name = policy
+        self.pcie_frac = pcie_frac
+        self.profile = profile
+        profile_keys = list(profile.keys()) if profile is not None else None
+        self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args))
+        self.residency = np.full((self.n_layers, self.n_experts), -1, dtype=np.int32)  # [L, E] -> slot or -1
+        # Byte layout of a slot: gate | up | down, each as stored in the GGUF, with the types of the layer of the
+        # expert it holds (they may change from layer to layer); slots are sized for the largest layer's expert.
+        self.layouts = model.expert_layouts()  # [L] loader.ExpertLayout
+        self.slot_bytes = model.slot_bytes
+        self.pool = (new_pool or HostPool)(n_slots, self.slot_bytes, self.layouts)  # a backend's pool (GPU), or RAM
+        self.gpu = bool(gpu)
+        self._served: dict = {}  # (layer, expert) -> (where, slot): how the last lookup call serves each expert
+        self._pending: dict = {}  # slot -> (layer, expert): promotions whose bytes finish() has not copied yet
+        self.stats = CacheStats()
+        self.clock = 0  # one tick per lookup: the policy's notion of time
+        self._pcie_credit = 0.0  # error diffusion of the spill/cpu split
+
+    # --- bytes -------------------------------------------------------------------------------------------------
+    def _copy_in(self, slot: int, layer: int, e: int) -> None:
+        """Copy expert (layer, e) from host memory into `slot` (on a GPU: a host->device copy on the copy stream)."""
+        self.pool.write(slot, self.model.expert(layer, e))
+        self.residency[layer, e] = slot
+
+    def expert(self, layer: int, e: int) -> ExpertBytes:
+        """The bytes to compute expert e with, and where they are (`ExpertBytes.where`), as the last lookup decided:
+        the slot it was resident in at that lookup, or host memory tagged with the miss path the lookup chose
+        (spill / cpu / staged). An expert promoted by that very lookup is still served by its miss path: its bytes
+        land in the slot at finish() (on a GPU, overlapped with compute), and the *next* lookup hits."""
+        where, slot = self._served.get((layer, e), (None, -1))
+        if where == "slot":
+            return self.pool.view(slot, layer, e)
+        if where is not None:
+            return replace(self.model.expert(layer, e), where=where)
+        slot = int(self.residency[layer, e])  # not chosen by the last lookup: wherever it is now
+        if slot >= 0 and slot not in self._pending:
+            return self.pool.view(slot, layer, e)
+        return self.model.expert(layer, e)
+
+    def finish(self, layer: int) -> None:
+        """The experts the last lookup served have been computed (on a GPU: their kernels are queued, and the pool
+        orders its copies after them): the promotions' bytes may land in their slots now."""
+        pending, self._pending = self._pending, {}
+        for slot, (lay, e) in pending.items():
+            self.pool.write(slot, self.model.expert(lay, e))
+
+    # --- accounting and policy ---------------------------------------------------------------------------------
+    def key(self, layer: int, e: int) -> int:
+        return layer * self.n_experts + e
+
+    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str, rows: Optional[list] = None) -> None:
+        """One layer's routing, expert_ids int [T, K], in token order: count, update the policy, promote/evict.
+
+        Every (token, expert) pair goes through the policy in order. Each distinct expert is served by one path,
+        decided at its first pair (a hit: the slot it is in; a miss: spill / cpu / staged), and every pair that
+        chose it is counted under that path, so the counters say what the backend does. rows: T counter dicts to
+        add each row's counts to as well (batched decode: one row per sequence)."""
+        self.finish(layer)  # a caller that skipped finish(): the last call's promotions land before anything else
+        c = self.stats.counts[phase]
+        self._served = {}
+        for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
+            counts = (c,) if rows is None else (c, rows[t])
+            for e in row.tolist():
+                key = self.key(layer, e)
+                self.clock += 1
+                hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode")
+                served = self._served.get((layer, e))
+                if served is None:  # the first pair of this call to choose e decides how e is served
+                    served = (("slot", slot) if hit else ("staged", -1) if phase == "prefill"
+                              else (self._miss_path(), -1))
+                    self._served[layer, e] = served
+                _count(counts, "lookups")
+                _count(counts, "hits" if served[0] == "slot" else served[0])
+                if evicted is not None:
+                    _count(counts, "evicted")
+                    self.residency[divmod(evicted, self.n_experts)] = -1
+                if slot is not None and not hit:  # promoted: the bytes follow at finish()
+                    _count(counts, "promoted")
+                    self.residency[layer, e] = slot
+                    self._pending[slot] = (layer, e)  # a slot promoted into twice in one call keeps the last
+
+    def _miss_path(self) -> str:
+        """'spill' for a pcie_frac share of misses, 'cpu' for the rest (deterministic error diffusion)."""
+        self._pcie_credit += self.pcie_frac
+        if self._pcie_credit >= 1.0 - 1e-9:
+            self._pcie_credit -= 1.0
+            return "spill"
+        return "cpu"
+
+    # --- start-up ----------------------------------------------------------------------------------------------
+    def prefill_from_profile(self, profile=None) -> str:
+        """Fill the slots with the profile's hottest (layer, expert) pairs, in rank order; verify slot 0.
+
+        -> the log line: `pre-filled 5784 of 5784 slots from the profile in 0.6 s (12647 MB/s); slot 0 verified`.
+        """
+        profile = profile if profile is not None else self.profile
+        if profile is None:
+            raise PymoeError("no profile to pre-fill the expert cache from")
+        if (profile.n_layers, profile.n_experts) != (self.n_layers, self.n_experts):
+            raise PymoeError(f"profile is for {profile.n_layers} layers x {profile.n_experts} experts, the model has "
+                             f"{self.n_layers} x {self.n_experts}")
+        t0 = time.perf_counter()
+        self.table.prefill([int(k) for k in profile.keys()])  # the hottest keys, in rank order, until full
+        placed = [(k, self.table.resident(int(k))) for k in profile.keys()[: self.n_slots]]
+        placed = [(k, s) for k, s in placed if s is not None]  # [(key, slot)] in rank order
+        for key, slot in placed:
+            self._copy_in(slot, *divmod(int(key), self.n_experts))
+        self.pool.synchronize()  # a GPU pool copies asynchronously: time the copies, not their launches
+        dt = time.perf_counter() - t0
+        verified = ""
+        if placed:
+            key, slot = placed[0]
+            layer, e = divmod(int(key), self.n_experts)
+            host = np.concatenate([getattr(self.model.expert(layer, e), p).reshape(-1) for p in EXPERT_PROJ])
+            if not np.array_equal(self.pool.read(slot)[:host.size], host):  # the device's bytes, on a GPU
+                raise PymoeError(f"expert cache: slot {slot} does not hold the bytes of expert {e} of layer {layer}")
+            verified = f"; slot {slot} verified"
+        mbs = len(placed) * self.slot_bytes / dt / 1e6 if dt > 0 else float("inf")
+        return (f"pre-filled {len(placed)} of {self.n_slots} slots from the profile in {dt:.1f} s ({mbs:.0f} MB/s)"
+                f"{verified}")
+
+    def describe(self) -> str:
+        n_total = self.n_layers * self.n_experts
+        return (f"expert cache: {self.n_slots} slots of {self.slot_bytes} bytes ({100 * self.n_slots / n_total:.1f}% "
+                f"of {n_total} experts), policy {self.policy_name}, pcie_frac {self.pcie_frac:g}")

@@ -1,0 +1,372 @@
+"""Expert-cache replacement policies and the slot table that applies them: the one copy of this logic.
+
+What this is: the bookkeeping of a pool of `capacity` slots holding experts, shared by the engine's slot cache and
+the simulator (pymoe/experts/simulate.py), so a simulated hit rate is the engine's hit rate by construction.
+    key  = layer * n_experts + expert           a global expert id (int), the unit of caching
+    t    = position of this lookup in the access sequence (0, 1, 2, ...; only Belady reads it)
+`SlotTable(capacity, policy).access(key, t) -> (hit, slot, evicted)` is one lookup:
+    hit   -> the policy hears `on_hit`; the key stays in its slot
+    miss  -> the policy is asked `admit(key, t)`; if it refuses, the miss is served without a slot (slot None);
+             otherwise the key takes a free slot, or the slot of `victim(t)` (which is evicted: `on_evict`),
+             and the policy hears `on_insert`.
+What this is not: memory. Slots are numbers; copying expert bytes into slot `s` is the cache's job (cache.py).
+
+The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, future)`):
+    static      the profile's top `capacity` keys and nothing else, never evicted (`admit` refuses the rest).
+    lru         evict the least recently used key.
+    lfu         evict the least frequently used key; ties go to the least recently used. Counts are kept for every
+                key ever looked up, resident or not ("perfect LFU"): an expert that was hot, evicted and comes back
+                keeps its history. Counts never decay, so LFU adapts slowly when the hot set drifts.
+    pinned-lru  the profile's top `pinned_frac * capacity` keys (default half) are pinned once resident (never
+                evicted); the other slots run LRU.
+    belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
+                *bypass* variant: on a miss with a full pool, the incoming key is admitted only if its next use is
+                sooner than the furthest next use among residents (which is then evicted); otherwise it is served
+                without a slot. With bypass allowed (as `static` and `pinned-lru` do), it has the most hits of any
+                policy from the same starting contents; `BeladyPolicy(..., bypass=False)` is classic demand-paging
+                MIN, optimal among policies that always admit (lru, lfu).
+Each access costs O(1) (OrderedDict) or O(log n) amortised (heaps with lazy deletion): traces have 10^5..10^6
+lookups.
+"""
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+class Policy:
+    """Base class: counts resident keys. Subclasses call super().on_insert / on_evict."""
+
+    name = "policy"
+
+    def __init__(self, capacity: int):
+        self.capacity = int(capacity)
+        self.size = 0  # resident keys
+
+    @property
+    def full(self) -> bool:
+        return self.size >= self.capacity
+
+    def on_hit(self, key: int, t: int) -> None:
+        pass
+
+    def admit(self, key: int, t: int) -> bool:
+        """Called once per miss, before any eviction: may the key take a slot?"""
+        return True
+
+    def victim(self, t: int) -> int:
+        """The resident key to evict (only called when the pool is full and admit() said yes)."""
+        raise NotImplementedError
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        """`t` is None for keys placed by SlotTable.prefill before the first lookup."""
+        self.size += 1
+
+    def on_evict(self, key: int) -> None:
+        self.size -= 1
+
+
+class StaticPolicy(Policy):
+    """Only the profile's top `capacity` keys may be resident; nothing is ever evicted."""
+
+    name = "static"
+
+    def __init__(self, capacity: int, profile_keys: Sequence[int]):
+        super().__init__(capacity)
+        self.allowed = set(int(k) for k in list(profile_keys)[:capacity])
+
+    def admit(self, key: int, t: int) -> bool:
+        return key in self.allowed and not self.full
+
+    def victim(self, t: int) -> int:
+        raise RuntimeError("static policy never evicts")
+
+
+class LRUPolicy(Policy):
+    """Least recently used: an OrderedDict in recency order, oldest first."""
+
+    name = "lru"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.order: OrderedDict[int, None] = OrderedDict()
+
+    def on_hit(self, key: int, t: int) -> None:
+        self.order.move_to_end(key)
+
+    def victim(self, t: int) -> int:
+        return next(iter(self.order))
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        self.order[key] = None
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        del self.order[key]
+
+
+class LFUPolicy(Policy):
+    """Least frequently used, ties to the least recently used; counts of every key ever seen (never reset).
+
+    A min-heap of (count, last_use, key) over residents; entries go stale when a key is used again (its count and
+    last use change) or evicted, and are skipped when they reach the top (lazy deletion). `last_use` is an internal
+    clock of events, so prefilled keys (t=None) are ordered too: the first prefilled is the oldest.
+    """
+
+    name = "lfu"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.count: dict[int, int] = {}  # key -> lookups so far (all keys ever seen)
+        self.last: dict[int, int] = {}  # resident key -> clock of its last use
+        self.heap: list[tuple[int, int, int]] = []
+        self.clock = 0
+
+    def _touch(self, key: int) -> None:
+        self.clock += 1
+        self.last[key] = self.clock
+        heapq.heappush(self.heap, (self.count.get(key, 0), self.clock, key))
+
+    def on_hit(self, key: int, t: int) -> None:
+        self.count[key] = self.count.get(key, 0) + 1
+        self._touch(key)
+
+    def admit(self, key: int, t: int) -> bool:
+        self.count[key] = self.count.get(key, 0) + 1  # the miss is a use too, admitted or not
+        return True
+
+    def victim(self, t: int) -> int:
+        while True:
+            count, clock, key = self.heap[0]
+            if self.last.get(key) == clock and self.count.get(key, 0) == count:
+                return key
+            heapq.heappop(self.heap)  # stale
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        self._touch(key)
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        del self.last[key]
+
+
+class PinnedLRUPolicy(LRUPolicy):
+    """The profile's top `pinned_frac * capacity` keys are never evicted once resident; LRU over the others."""
+
+    name = "pinned-lru"
+
+    def __init__(self, capacity: int, profile_keys: Sequence[int], pinned_frac: float = 0.5):
+        super().__init__(capacity)
+        if not 0.0 <= pinned_frac <= 1.0:
+            raise ValueError(f"pinned_frac must be in [0, 1], got {pinned_frac}")
+        self.n_pinned = int(pinned_frac * capacity)
+        self.pinned = set(int(k) for k in list(profile_keys)[:self.n_pinned])
+
+    def on_hit(self, key: int, t: int) -> None:
+        if key not in self.pinned:
+            super().on_hit(key, t)
+
+    def admit(self, key: int, t: int) -> bool:
+        return not (self.full and not self.order)  # full of pinned keys: nothing can be evicted
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        if key in self.pinned:
+            Policy.on_insert(self, key, t)  # counted, but outside the LRU order: never a victim
+        else:
+            super().on_insert(key, t)
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)  # victim() only returns unpinned keys
+
+
+class NextUse:
+    """For an access sequence keys [N]: next[t] = the next position after t with the same key (N if none), and the
+    first position of each key. Built once per trace, shared by every Belady table (one per layer in a per-layer
+    pool), all of which read global positions t."""
+
+    def __init__(self, keys: np.ndarray):
+        keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [N]
+        n = keys.size
+        order = np.argsort(keys, kind="stable")  # positions grouped by key, in time order within a key
+        nxt = np.full(n, n, dtype=np.int64)  # [N]
+        same = keys[order[1:]] == keys[order[:-1]]  # [N-1]: consecutive in `order` and the same key
+        nxt[order[:-1][same]] = order[1:][same]
+        self.n = n
+        self.keys = keys
+        self.seq = keys.tolist()  # Python lists: indexing them per access is several times faster than NumPy's
+        self.next = nxt.tolist()
+        self._first: Optional[dict[int, int]] = None
+
+    def first(self, key: int) -> int:
+        """The first position of `key`, N if it never occurs (for keys placed before the first lookup)."""
+        if self._first is None:
+            uniq, idx = np.unique(self.keys, return_index=True)
+            self._first = dict(zip(uniq.tolist(), idx.tolist()))
+        return self._first.get(key, self.n)
+
+
+class BeladyPolicy(Policy):
+    """MIN: evict the resident key whose next use is furthest away (never used again = infinitely far).
+
+    A max-heap of (-next_use, key) over residents, with lazy deletion (an entry is current if it matches
+    `self.nxt[key]`). `t` must be the position of this lookup in `future`: it is checked.
+    bypass=True (the default, and what `make_policy("belady", ...)` builds): a miss whose next use is no sooner than
+    every resident's is served without a slot.
+    """
+
+    name = "belady"
+
+    def __init__(self, capacity: int, future, bypass: bool = True):
+        super().__init__(capacity)
+        self.future = future if isinstance(future, NextUse) else NextUse(future)
+        self.bypass = bypass
+        self.nxt: dict[int, int] = {}  # resident key -> position of its next use
+        self.heap: list[tuple[int, int]] = []
+
+    def _next_after(self, key: int, t: int) -> int:
+        if self.future.seq[t] != key:
+            raise ValueError(f"belady: lookup of key {key} at t={t} is out of step with the future sequence")
+        return self.future.next[t]
+
+    def _set_next(self, key: int, nxt: int) -> None:
+        self.nxt[key] = nxt
+        heapq.heappush(self.heap, (-nxt, key))
+
+    def _furthest(self) -> tuple[int, int]:
+        """(next use, key) of the resident key used furthest in the future."""
+        while True:
+            neg, key = self.heap[0]
+            if self.nxt.get(key) == -neg:
+                return -neg, key
+            heapq.heappop(self.heap)  # stale
+
+    def on_hit(self, key: int, t: int) -> None:
+        self._set_next(key, self._next_after(key, t))
+
+    def admit(self, key: int, t: int) -> bool:
+        nxt = self._next_after(key, t)
+        return not (self.bypass and self.full and nxt >= self._furthest()[0])
+
+    def victim(self, t: int) -> int:
+        return self._furthest()[1]
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        self._set_next(key, self.future.first(key) if t is None else self._next_after(key, t))
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        del self.nxt[key]
+
+
+DEFAULT_POLICY = "lfu"  # what `pymoe run` and the planner use unless told otherwise; chosen by measurement:
+# docs/expert-cache.md, "Which default" (demo-model trace: LFU >= LRU at every coverage, far above it at <= 10%)
+
+POLICIES = {
+    "static": StaticPolicy,
+    "lru": LRUPolicy,
+    "lfu": LFUPolicy,
+    "pinned-lru": PinnedLRUPolicy,
+    "belady": BeladyPolicy,
+}
+
+
+ENGINE_POLICIES = tuple(name for name in POLICIES if name != "belady")  # belady needs the future: simulation only
+
+
+def check_engine_policy(name: str) -> str:
+    """`name` if the engine's slot cache can run it, else a one-line PymoeError naming --policy and the choices."""
+    from pymoe.errors import PymoeError
+
+    if name == "belady":
+        raise PymoeError("--policy belady needs the future: it exists in `pymoe simulate` only (choose from "
+                         f"{', '.join(ENGINE_POLICIES)})")
+    if name not in ENGINE_POLICIES:
+        raise PymoeError(f"--policy must be one of {', '.join(ENGINE_POLICIES)}, got {name!r}")
+    return name
+
+
+def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] = None, future=None,
+                pinned_frac: float = 0.5) -> Policy:
+    """Build a policy by name. static and pinned-lru need `profile_keys` (global keys, hottest first); belady needs
+    `future` (the whole access sequence as keys, or a NextUse built from it)."""
+    if name not in POLICIES:
+        raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
+    if name in ("static", "pinned-lru"):
+        if profile_keys is None:
+            raise ValueError(f"the {name} policy needs an expert profile")
+        return POLICIES[name](capacity, profile_keys, **({"pinned_frac": pinned_frac} if name == "pinned-lru" else {}))
+    if name == "belady":
+        if future is None:
+            raise ValueError("the belady policy needs the future access sequence (simulation only)")
+        return BeladyPolicy(capacity, future)
+    return POLICIES[name](capacity)
+
+
+class SlotTable:
+    """`capacity` numbered slots, the keys resident in them, and the policy that decides who stays.
+
+    Counters: lookups, hits, evictions (since construction). Slots are handed out lowest number first.
+    """
+
+    def __init__(self, capacity: int, policy: Policy):
+        if capacity < 0:
+            raise ValueError(f"capacity must be >= 0, got {capacity}")
+        self.capacity = int(capacity)
+        self.policy = policy
+        self.slot_of: dict[int, int] = {}  # resident key -> slot
+        self.free = list(range(self.capacity - 1, -1, -1))  # free slots; pop() gives the lowest
+        self.lookups = self.hits = self.evictions = 0
+
+    @property
+    def n_resident(self) -> int:
+        return len(self.slot_of)
+
+    def resident(self, key: int) -> Optional[int]:
+        return self.slot_of.get(key)
+
+    def prefill(self, keys: Sequence[int]) -> int:
+        """Place keys (hottest first, e.g. a profile's ranking) into free slots in that order until full; keys
+        already resident are skipped. The policy hears them coldest first, so that for recency-based policies the
+        hottest prefilled key counts as the most recently used. Returns how many were placed."""
+        placed = []
+        for key in keys:
+            if not self.free:
+                break
+            key = int(key)
+            if key not in self.slot_of:
+                self.slot_of[key] = self.free.pop()
+                placed.append(key)
+        for key in reversed(placed):
+            self.policy.on_insert(key, None)
+        return len(placed)
+
+    def access(self, key: int, t: int, insert: bool = True) -> tuple[bool, Optional[int], Optional[int]]:
+        """One lookup of `key` at position t -> (hit, slot the key now occupies or None, evicted key or None).
+
+        insert=False: a miss is served without a slot and the policy is not asked (the engine's rule for prefill
+        lookups, which would otherwise flush the decode working set; a hit still refreshes the policy)."""
+        self.lookups += 1
+        slot = self.slot_of.get(key)
+        if slot is not None:
+            self.hits += 1
+            self.policy.on_hit(key, t)
+            return True, slot, None
+        if not insert or self.capacity == 0 or not self.policy.admit(key, t):
+            return False, None, None
+        evicted = None
+        if self.free:
+            slot = self.free.pop()
+        else:
+            evicted = self.policy.victim(t)
+            slot = self.slot_of.pop(evicted)
+            self.policy.on_evict(evicted)
+            self.evictions += 1
+        self.slot_of[key] = slot
+        self.policy.on_insert(key, t)
+        return False, slot, evicted

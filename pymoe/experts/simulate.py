@@ -1,0 +1,274 @@
+"""The cache simulator: replay a routing trace through the engine's own cache policies and count hits.
+
+What this is:
+    simulate(keys, n_layers, n_experts, policy, slots, pool, profile, tokens) -> SimResult   one replay
+    sweep(trace, policies, slots_list, pools) -> [SimResult]                         every combination
+    knee(results), format_table(results), plot(results, path)                        reading the results
+    report(...)                                                                      what `pymoe simulate` prints
+Every lookup goes through `policies.SlotTable.access`, the code the engine's slot cache runs, so a simulated hit rate
+is what the engine would count on the same routing (with the same starting contents).
+What this is not: timing. Misses cost PCIe bytes or CPU time in the engine; here they are only counted
+(misses per token is the number that drives decode speed, see the reference article section 3.3).
+
+Definitions
+    key         layer * n_experts + expert (the cache's unit); a trace's access sequence is
+                Trace.lookups(order="engine"): per forward, layer by layer (what the engine's cache sees)
+    coverage    slots / (n_layers * n_experts): the share of all experts that fit in the pool
+    pool        "global": one SlotTable of `slots` slots for every layer (layers compete for slots);
+                "per-layer": slots split evenly across layers (the remainder to the first layers), one table each
+    start       when a profile is given, every policy starts with its slots pre-filled from the profile's ranking,
+                hottest first (as the engine does at load time); `static` and `pinned-lru` also rank by it.
+                Without --profile, the profile is built from the trace itself (in-sample): static is then an upper
+                bound for a static cache, and the others start warm with knowledge of the future (a small effect on
+                long traces). Belady is the optimum from the same starting contents (policies.py).
+    knee        per (pool, policy), the smallest simulated coverage after which the next simulated coverage adds
+                less than 1 point of hit rate per +10% coverage (the slope between neighbouring points)
+    counted     the lookups that count (e.g. decode only); the cache still sees every lookup in time order, as
+                the engine's does.
+    prefill     as in the engine (cache.py), a prefill lookup that misses is "staged": served without a slot and
+                without asking the policy, so a long prompt cannot flush the decode working set; prefill hits
+                refresh the policy. sweep() applies this rule to the trace's prefill rows.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from pymoe.errors import PymoeError
+from .policies import DEFAULT_POLICY, POLICIES, NextUse, SlotTable, make_policy  # noqa: F401 (DEFAULT_POLICY: plan.py)
+from .profile import Profile
+
+POOLS = ("per-layer", "global")
+KNEE_POINTS_PER_10 = 1.0  # a knee: the next +10% coverage buys less than this many points of hit rate
+
+
+@dataclass
+class SimResult:
+    policy: str
+    slots: int
+    coverage: float  # slots / (n_layers * n_experts)
+    pool: str
+    lookups: int
+    hits: int
+    hit_rate: float
+    misses_per_token: float
+
+
+def split_slots(slots: int, n_layers: int) -> list[int]:
+    """Per-layer pool sizes: `slots` split evenly, the remainder one each to the first layers."""
+    base, extra = divmod(int(slots), n_layers)
+    return [base + (layer < extra) for layer in range(n_layers)]
+
+
+def slots_for_coverage(coverage_pct: float, n_layers: int, n_experts: int) -> int:
+    """floor(coverage * n_layers * n_experts): the convention of the routing-heat README tables."""
+    return int(np.floor(coverage_pct / 100.0 * n_layers * n_experts + 1e-9))
+
+
+def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: int, profile: Optional[Profile],
+                future: Optional[NextUse], prefill: bool) -> list[SlotTable]:
+    """One SlotTable (global) or one per layer, each with its policy and, if asked, pre-filled from the profile."""
+    if pool not in POOLS:
+        raise PymoeError(f"unknown pool {pool!r} (choose from {', '.join(POOLS)})")
+    if policy in ("static", "pinned-lru") and profile is None:
+        raise PymoeError(f"the {policy} policy needs a profile")
+    ranked = profile.keys() if profile is not None else None  # int64 [n_pairs], hottest first
+    if pool == "global":
+        parts = [(slots, ranked)]
+    else:
+        parts = [(n, None if ranked is None else ranked[ranked // n_experts == layer])
+                 for layer, n in enumerate(split_slots(slots, n_layers))]
+    tables = []
+    for capacity, keys in parts:
+        table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future))
+        if prefill and keys is not None:
+            table.prefill(keys)
+        tables.append(table)
+    return tables
+
+
+def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots: int, pool: str = "per-layer",
+             profile: Optional[Profile] = None, tokens: Optional[int] = None, counted: Optional[np.ndarray] = None,
+             future: Optional[NextUse] = None, prefill: bool = True, staged: Optional[np.ndarray] = None
+             ) -> SimResult:
+    """Replay the access sequence keys int64 [n] (time order) through `policy` with `slots` slots.
+
+    tokens: how many tokens the counted lookups belong to (for misses per token). counted: bool [n], the lookups
+    that count (None: all). future: a NextUse of `keys` to share between runs (belady; built here if None).
+    prefill: start with the slots pre-filled from `profile`. staged: bool [n], lookups whose misses do not enter
+    the cache (SlotTable.access(insert=False): the engine's rule for prefill lookups); None: every miss may.
+    """
+    keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [n]
+    if keys.size and (keys.min() < 0 or keys.max() >= n_layers * n_experts):
+        raise PymoeError(f"key out of range for {n_layers} layers x {n_experts} experts")
+    if policy == "belady" and future is None:
+        future = NextUse(keys)
+    tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill)
+    group = n_experts if pool == "per-layer" else n_layers * n_experts  # key // group = the key's table
+    access = [table.access for table in tables]
+    inserts = itertools.repeat(True) if staged is None else (~np.asarray(staged, dtype=bool)).tolist()
+    hit = np.zeros(keys.size, dtype=bool)  # [n]
+    for t, (key, insert) in enumerate(zip(keys.tolist(), inserts)):
+        if access[key // group](key, t, insert)[0]:
+            hit[t] = True
+    if counted is not None:
+        hit = hit[np.asarray(counted, dtype=bool)]
+    lookups, hits = int(hit.size), int(hit.sum())
+    return SimResult(policy=policy, slots=int(slots), coverage=slots / (n_layers * n_experts), pool=pool,
+                     lookups=lookups, hits=hits, hit_rate=hits / lookups if lookups else 0.0,
+                     misses_per_token=(lookups - hits) / tokens if tokens else float("nan"))
+
+
+def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequence[str] = POOLS,
+          profile: Optional[Profile] = None, phase: Optional[str] = None, progress: bool = False) -> list[SimResult]:
+    """simulate() for every pool x policy x slot count on one trace; counts the lookups of `phase` (None: all).
+    Without a profile, one is built from the trace (in-sample)."""
+    for name in policies:
+        if name not in POLICIES:
+            raise PymoeError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
+    L, E = trace.n_layers, trace.n_experts
+    if profile is None:
+        profile = Profile.from_trace(trace, phase)
+    elif (profile.n_layers, profile.n_experts) != (L, E):
+        raise PymoeError(f"profile is for {profile.n_layers} layers x {profile.n_experts} experts, the trace has "
+                         f"{L} x {E}")
+    keys, row = trace.lookups(order="engine")  # [N * L * K] every lookup, as the engine's cache sees them
+    rows = trace.rows(phase)  # [N]
+    if not rows.any():
+        raise PymoeError(f"the trace has no {phase or ''} tokens".replace("  ", " "))
+    counted = rows[row]  # [N * L * K]
+    staged = trace.rows("prefill")[row]  # [N * L * K]: prefill misses stay out of the cache, as in the engine
+    future = NextUse(keys) if "belady" in policies else None
+    from tqdm import tqdm
+
+    runs = [(pool, name, n) for pool in pools for name in policies for n in slots_list]
+    bar = tqdm(runs, desc="simulating", unit="run", disable=None if progress else True, leave=False)  # None: TTY only
+    return [simulate(keys, L, E, name, n, pool, profile, tokens=int(rows.sum()), counted=counted, future=future,
+                     staged=staged if staged.any() else None) for pool, name, n in bar]
+
+
+def grouped(results: Sequence[SimResult]) -> dict[tuple[str, str], list[SimResult]]:
+    """{(pool, policy): results sorted by coverage}, in first-seen order."""
+    groups: dict[tuple[str, str], list[SimResult]] = {}
+    for r in results:
+        groups.setdefault((r.pool, r.policy), []).append(r)
+    return {g: sorted(rs, key=lambda r: r.slots) for g, rs in groups.items()}
+
+
+def knee(results: Sequence[SimResult]) -> dict[tuple[str, str], Optional[SimResult]]:
+    """{(pool, policy): the result at the knee, or None}: the first coverage from which the next simulated
+    coverage adds less than KNEE_POINTS_PER_10 points of hit rate per +10% coverage."""
+    knees = {}
+    for g, rs in grouped(results).items():
+        knees[g] = None
+        for a, b in zip(rs, rs[1:]):
+            points = 100.0 * (b.hit_rate - a.hit_rate)  # hit-rate points gained from a to b
+            tens = 10.0 * (b.coverage - a.coverage)  # coverage added, in units of +10%
+            if tens > 0 and points / tens < KNEE_POINTS_PER_10:
+                knees[g] = a
+                break
+    return knees
+
+
+def format_table(results: Sequence[SimResult]) -> str:
+    """One table per pool: rows = slot counts, columns = policies, cells = hit rate % (misses per token)."""
+    knees = knee(results)
+    groups = grouped(results)
+    lines = []
+    for pool in dict.fromkeys(r.pool for r in results):
+        policies = [p for (pl, p) in groups if pl == pool]
+        lines.append(f"pool {pool}: hit rate % (misses per token); * = knee (beyond it +10% coverage adds "
+                     f"< {KNEE_POINTS_PER_10:g} point)")
+        lines.append(f"{'slots':>7} {'coverage':>8}  " + "  ".join(f"{p:>15}" for p in policies))
+        for slots in sorted({r.slots for r in results if r.pool == pool}):
+            cells = []
+            for p in policies:
+                r = next((r for r in groups[pool, p] if r.slots == slots), None)
+                mark = "*" if r is not None and knees[pool, p] is r else " "
+                cell = "" if r is None else f"{100 * r.hit_rate:.1f} ({r.misses_per_token:.2f})"
+                cells.append(f"{cell:>14}{mark}")
+            cov = next(r.coverage for r in results if r.pool == pool and r.slots == slots)
+            lines.append(f"{slots:>7} {100 * cov:>7.1f}%  " + "  ".join(cells))
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def plot(results: Sequence[SimResult], path, title: str = "expert cache hit rate") -> None:
+    """Hit rate against coverage, one line per policy (solid per-layer, dashed global), knees circled."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise PymoeError("--plot needs matplotlib: pip install 'pymoe[plot]'") from None
+    knees = knee(results)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = {}
+    for (pool, policy), rs in grouped(results).items():
+        color = colors.setdefault(policy, f"C{len(colors)}")
+        ax.plot([100 * r.coverage for r in rs], [100 * r.hit_rate for r in rs], "-" if pool == "per-layer" else "--",
+                marker=".", color=color, label=f"{policy} ({pool})")
+        k = knees[pool, policy]
+        if k is not None:
+            ax.plot([100 * k.coverage], [100 * k.hit_rate], "o", mfc="none", ms=12, color=color)
+    ax.set_xlabel("coverage: slots / (layers x experts), %")
+    ax.set_ylabel("hit rate, % of lookups")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def parse_numbers(text: str, what: str, kind=float) -> list:
+    try:
+        values = [kind(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise PymoeError(f"--{what}: expected comma-separated numbers, got {text!r}") from None
+    if not values or min(values) < 0:
+        raise PymoeError(f"--{what}: expected non-negative numbers, got {text!r}")
+    return values
+
+
+def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] = None,
+           coverage: Optional[str] = None, pool: str = "both", profile_path=None, phase: str = "all",
+           plot_path=None, progress: bool = False) -> str:
+    """What `pymoe simulate` prints: trace summary, where the profile came from, one table per pool."""
+    from .trace import Trace
+
+    trace = Trace.load(trace_path)
+    L, E = trace.n_layers, trace.n_experts
+    if slots is not None and coverage is not None:
+        raise PymoeError("give --slots or --coverage, not both")
+    if slots is not None:
+        slots_list = parse_numbers(slots, "slots", int)
+    else:
+        pcts = parse_numbers(coverage or "10,20,30,40,50,60,70,80,90", "coverage")
+        if max(pcts) > 100:
+            raise PymoeError(f"--coverage is in percent (0..100), got {coverage!r}")
+        slots_list = [slots_for_coverage(c, L, E) for c in pcts]
+    slots_list = sorted(set(slots_list))
+    names = [p.strip() for p in policies.split(",") if p.strip()]
+    pools = list(POOLS) if pool == "both" else [pool]
+    phase = None if phase == "all" else phase
+    if profile_path is not None:
+        from .profile import load_profile_source
+
+        profile = load_profile_source(profile_path)
+        origin = f"profile: {profile_path} ({profile.n_pairs} ranked pairs)"
+    else:
+        profile = None
+        origin = "profile: in-sample, built from this trace (static is an upper bound; all policies start pre-filled)"
+    results = sweep(trace, names, slots_list, pools, profile=profile, phase=phase, progress=progress)
+    n_tok = int(trace.rows(phase).sum())
+    head = [f"trace {trace_path}: {trace.summary()}",
+            f"counted: {phase or 'all'} lookups ({n_tok} tokens x {L} layers x {trace.k}); {origin}", ""]
+    if plot_path is not None:
+        plot(results, plot_path, title=f"{trace.meta.get('model', '')} expert cache hit rate")
+        head.insert(2, f"plot: {plot_path}")
+    return "\n".join(head) + "\n" + format_table(results)

@@ -1,0 +1,280 @@
+"""Routing traces: which experts every token was routed to, in every layer, in time order (format: docs/formats.md).
+
+What this is:
+    TraceRecorder(meta)      the engine side: record(layer, ids [T, K], weights [T, K], phase) once per layer per
+                             forward, end_forward() to commit those T tokens, start_request(prompt_len) per request;
+                             save(path, append=False)
+    Trace.load(path)         the analysis side: .experts uint16 [N, L, K], .weights float16 [N, L, K],
+                             .phase uint8 [N] (0 prefill, 1 decode), .request int32 [N], .forward int32 [N], .meta;
+                             .keys() the global-key access sequence the cache simulator replays
+    synthetic_trace(...)     a trace with skewed popularity and temporal locality, for tests and demos
+What this is not: a profile (profile.py ranks the pairs of a trace) or a simulator (simulate.py replays one).
+
+One row per token (N rows). A file is a compressed .npz (NumPy zip; `np.load` reads it) holding the five arrays
+above and `meta`, a JSON string: {"format": "pymoe-trace", "version": 1, "model", "arch", "n_layers", "n_experts", "k",
+"prompt_lengths": [one per request], "n_requests", "n_forwards"}, plus anything else the recorder was given.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional
+
+import numpy as np
+
+from pymoe.errors import PymoeError, file_error
+
+FORMAT = "pymoe-trace"
+VERSION = 1
+PHASES = {"prefill": 0, "decode": 1}
+SHAPE_KEYS = ("n_layers", "n_experts", "k")  # meta fields that must agree to append
+ARRAYS = ("experts", "weights", "phase", "request", "forward")
+
+
+class Trace:
+    """A loaded (or built) routing trace. Rows are tokens in the order the engine ran them."""
+
+    def __init__(self, experts, weights, phase, request, forward, meta: dict):
+        self.experts = np.asarray(experts, dtype=np.uint16)  # [N, L, K]
+        self.weights = np.asarray(weights, dtype=np.float16)  # [N, L, K]
+        self.phase = np.asarray(phase, dtype=np.uint8)  # [N]
+        self.request = np.asarray(request, dtype=np.int32)  # [N]
+        self.forward = np.asarray(forward, dtype=np.int32)  # [N]
+        self.meta = dict(meta)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.experts.shape[0])
+
+    @property
+    def n_layers(self) -> int:
+        return int(self.meta["n_layers"])
+
+    @property
+    def n_experts(self) -> int:
+        return int(self.meta["n_experts"])
+
+    @property
+    def k(self) -> int:
+        return int(self.meta["k"])
+
+    def tokens(self, phase: Optional[str] = None) -> int:
+        """How many tokens (rows) one phase has, or all (None / "all")."""
+        return int(self.rows(phase).sum())
+
+    def rows(self, phase: Optional[str] = None) -> np.ndarray:
+        """bool [N]: the tokens of one phase ("prefill" / "decode"), or all of them for None / "all"."""
+        if phase in (None, "all"):
+            return np.ones(self.n_tokens, dtype=bool)
+        if phase not in PHASES:
+            raise PymoeError(f"unknown phase {phase!r} (choose from prefill, decode, all)")
+        return self.phase == PHASES[phase]
+
+    def keys(self, phase: Optional[str] = None, order: str = "token") -> np.ndarray:
+        """int64 [n * L * K]: global keys layer * n_experts + expert of the selected tokens, in time order.
+        order="token": token-major, then layer, then k. order="engine": the order the engine's cache sees them, one
+        forward at a time, layer by layer, token-major within a layer. The two differ only inside a prefill
+        forward of several tokens; for decode (one token per forward) they are the same."""
+        return self.lookups(phase, order)[0]
+
+    def lookups(self, phase: Optional[str] = None, order: str = "token") -> tuple[np.ndarray, np.ndarray]:
+        """(keys int64 [n * L * K], row int64 [n * L * K]): every lookup's global key and the trace row (token)
+        it belongs to, in the given order (see keys())."""
+        sel = np.nonzero(self.rows(phase))[0]  # [n] selected rows
+        L, K = self.n_layers, self.k
+        layer_base = np.arange(L, dtype=np.int64)[None, :, None] * self.n_experts  # [1, L, 1]
+        keys = (self.experts[sel].astype(np.int64) + layer_base).reshape(-1)  # [n * L * K], token-major
+        rows = np.repeat(sel.astype(np.int64), L * K)  # [n * L * K]
+        if order == "engine":
+            layer = np.tile(np.repeat(np.arange(L), K), sel.size)  # [n * L * K]
+            perm = np.lexsort((np.arange(keys.size), layer, self.forward[rows]))  # by forward, layer, then as is
+            keys, rows = keys[perm], rows[perm]
+        elif order != "token":
+            raise ValueError(f"unknown lookup order {order!r} (token or engine)")
+        return keys, rows
+
+    def check(self, where="trace") -> None:
+        """Raise PymoeError if the arrays and meta disagree."""
+        n = self.n_tokens
+        want = (n, self.n_layers, self.k)
+        if self.experts.shape != want or self.weights.shape != want:
+            raise file_error(where, f"experts/weights have shapes {self.experts.shape}/{self.weights.shape}, "
+                                    f"meta says [N, {self.n_layers}, {self.k}]")
+        for name in ("phase", "request", "forward"):
+            if getattr(self, name).shape != (n,):
+                raise file_error(where, f"{name} has shape {getattr(self, name).shape}, expected ({n},)")
+        if n and int(self.experts.max()) >= self.n_experts:
+            raise file_error(where, f"expert id {int(self.experts.max())} out of range 0..{self.n_experts - 1}")
+        if n and int(self.phase.max()) > 1:
+            raise file_error(where, "phase must be 0 (prefill) or 1 (decode)")
+
+    def save(self, path, append: bool = False) -> None:
+        """Write the trace; append=True adds these rows after an existing trace of the same model and shape."""
+        trace = self
+        if append and os.path.exists(path):
+            trace = concatenate(Trace.load(path), self, where=path)
+        write_npz(path, trace)
+
+    @classmethod
+    def load(cls, path) -> "Trace":
+        if not os.path.exists(path):
+            raise file_error(path, "no such file")
+        with open(path, "rb") as f:
+            if f.read(4) != b"PK\x03\x04":
+                raise file_error(path, "not a pymoe trace (not a NumPy .npz zip file)")
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                missing = [a for a in (*ARRAYS, "meta") if a not in z.files]
+                if missing:
+                    raise file_error(path, f"not a pymoe trace (missing {', '.join(missing)})")
+                meta = json.loads(str(z["meta"]))
+                arrays = {a: z[a] for a in ARRAYS}
+        except PymoeError:
+            raise
+        except Exception as e:  # noqa: BLE001 - whatever np.load / json make of a broken file, it is one line
+            raise file_error(path, f"not a pymoe trace ({type(e).__name__}: {e})") from None
+        if meta.get("format") != FORMAT:
+            raise file_error(path, f"not a pymoe trace (format {meta.get('format')!r})")
+        if meta.get("version") != VERSION:
+            raise file_error(path, f"unsupported trace version {meta.get('version')} (this pymoe reads {VERSION})")
+        if any(k not in meta for k in SHAPE_KEYS):
+            raise file_error(path, f"trace meta lacks one of {', '.join(SHAPE_KEYS)}")
+        trace = cls(meta=meta, **arrays)
+        trace.check(path)
+        return trace
+
+    def summary(self) -> str:
+        m = self.meta
+        n_dec = int((self.phase == PHASES["decode"]).sum())
+        return (f"{m.get('model', '?')} ({m.get('arch', '?')}): {self.n_layers} layers x {self.n_experts} experts, "
+                f"top-{self.k}; {self.n_tokens} tokens ({self.n_tokens - n_dec} prefill, {n_dec} decode) in "
+                f"{m.get('n_requests', 0)} request(s)")
+
+
+def write_npz(path, trace: Trace) -> None:
+    """Write to a temporary name, then rename: an interrupted save never leaves half a trace."""
+    meta = dict(trace.meta, format=FORMAT, version=VERSION)
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:  # a file object: np.savez would append ".npz" to a name without it
+        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **{a: getattr(trace, a) for a in ARRAYS})
+    os.replace(tmp, path)
+
+
+def concatenate(first: Trace, second: Trace, where="trace") -> Trace:
+    """`second`'s rows after `first`'s; request and forward numbers of `second` are shifted to follow on."""
+    for key in ("model", "arch", *SHAPE_KEYS):
+        if first.meta.get(key) != second.meta.get(key):
+            raise file_error(where, f"cannot append: {key} is {first.meta.get(key)!r} in the file, "
+                                    f"{second.meta.get(key)!r} in this run")
+    n_req = int(first.meta.get("n_requests", 0))
+    n_fwd = int(first.meta.get("n_forwards", 0))
+    meta = dict(first.meta)
+    meta["prompt_lengths"] = list(first.meta.get("prompt_lengths", [])) + list(second.meta.get("prompt_lengths", []))
+    meta["n_requests"] = n_req + int(second.meta.get("n_requests", 0))
+    meta["n_forwards"] = n_fwd + int(second.meta.get("n_forwards", 0))
+    return Trace(np.concatenate([first.experts, second.experts]), np.concatenate([first.weights, second.weights]),
+                 np.concatenate([first.phase, second.phase]), np.concatenate([first.request, second.request + n_req]),
+                 np.concatenate([first.forward, second.forward + n_fwd]), meta)
+
+
+class TraceRecorder:
+    """Collects routing decisions while the engine runs. `meta` needs n_layers, n_experts, k (and should name
+    model and arch). Per forward: record(layer, ...) for layers 0..L-1 in order, then end_forward()."""
+
+    def __init__(self, meta: dict):
+        missing = [k for k in SHAPE_KEYS if k not in meta]
+        if missing:
+            raise ValueError(f"TraceRecorder meta lacks {', '.join(missing)}")
+        self.meta = dict(meta)
+        self.n_layers, self.n_experts, self.k = (int(meta[k]) for k in SHAPE_KEYS)
+        if self.n_experts > 65536:
+            raise ValueError(f"{self.n_experts} experts do not fit the trace's uint16 expert ids")
+        self.prompt_lengths: list[int] = []
+        self.rows: list[tuple] = []  # per committed forward: (experts [T, L, K], weights [T, L, K], phase code)
+        self.request_of_forward: list[int] = []
+        self._pending: list[tuple] = []  # this forward's (ids [T, K], weights [T, K]) per layer so far
+        self._phase: Optional[str] = None
+
+    @property
+    def n_tokens(self) -> int:
+        """Tokens committed so far (rows of the trace)."""
+        return sum(e.shape[0] for e, _, _ in self.rows)
+
+    def start_request(self, prompt_len: int) -> None:
+        self.prompt_lengths.append(int(prompt_len))
+
+    def record(self, layer: int, ids, weights, phase: str) -> None:
+        """The router's choice in `layer` for the T tokens of this forward: ids int [T, K], weights float [T, K]."""
+        if layer != len(self._pending):
+            raise ValueError(f"trace: layer {layer} recorded out of order (expected {len(self._pending)})")
+        if phase not in PHASES or (self._phase is not None and phase != self._phase):
+            raise ValueError(f"trace: bad phase {phase!r} in layer {layer}")
+        ids, weights = np.asarray(ids), np.asarray(weights)
+        T = ids.shape[0]
+        if ids.shape != (T, self.k) or weights.shape != (T, self.k) or (
+                self._pending and self._pending[0][0].shape[0] != T):
+            raise ValueError(f"trace: layer {layer}: ids {ids.shape} / weights {weights.shape}, expected [T, {self.k}]")
+        self._phase = phase
+        self._pending.append((ids.astype(np.uint16), weights.astype(np.float16)))
+
+    def end_forward(self) -> None:
+        """Commit the forward's T tokens as T rows (all L layers must have been recorded)."""
+        if not self._pending:
+            return
+        if len(self._pending) != self.n_layers:
+            raise ValueError(f"trace: forward ended after {len(self._pending)} of {self.n_layers} layers")
+        if not self.prompt_lengths:  # record() before any start_request(): one request of unknown prompt length
+            self.prompt_lengths.append(-1)
+        experts = np.stack([ids for ids, _ in self._pending], axis=1)  # [T, L, K]
+        weights = np.stack([w for _, w in self._pending], axis=1)  # [T, L, K]
+        self.rows.append((experts, weights, PHASES[self._phase]))
+        self.request_of_forward.append(len(self.prompt_lengths) - 1)
+        self._pending, self._phase = [], None
+
+    def trace(self) -> Trace:
+        """What has been committed so far, as a Trace."""
+        L, K = self.n_layers, self.k
+        sizes = [e.shape[0] for e, _, _ in self.rows]
+        meta = dict(self.meta, prompt_lengths=list(self.prompt_lengths), n_requests=len(self.prompt_lengths),
+                    n_forwards=len(self.rows))
+        if not self.rows:
+            z = np.zeros((0, L, K))
+            return Trace(z, z, [], [], [], meta)
+        return Trace(np.concatenate([e for e, _, _ in self.rows]), np.concatenate([w for _, w, _ in self.rows]),
+                     np.repeat([p for _, _, p in self.rows], sizes), np.repeat(self.request_of_forward, sizes),
+                     np.repeat(np.arange(len(self.rows)), sizes), meta)
+
+    def save(self, path, append: bool = False) -> None:
+        self.trace().save(path, append=append)
+
+
+def synthetic_trace(n_tokens: int, n_layers: int, n_experts: int, k: int, seed: int = 0, zipf: float = 1.1,
+                    locality: float = 0.5, prompt_len: int = 0, model: str = "synthetic") -> Trace:
+    """A trace with the two structures real routing has (for tests and demos, not a model):
+      - skew: per layer, expert popularity ~ 1 / rank^zipf over a random permutation of the experts;
+      - temporal locality: each of a token's K choices repeats the previous token's choice in that position with
+        probability `locality` (when it is not already taken), else is drawn from the popularity.
+    The first `prompt_len` tokens are marked prefill (one forward), the rest decode."""
+    rng = np.random.default_rng(seed)
+    pop = 1.0 / np.arange(1, n_experts + 1) ** zipf  # [E]
+    pop /= pop.sum()
+    perms = np.stack([rng.permutation(n_experts) for _ in range(n_layers)])  # [L, E]: rank -> expert, per layer
+    experts = np.zeros((n_tokens, n_layers, k), dtype=np.uint16)  # [N, L, K]
+    for layer in range(n_layers):
+        prev = None
+        for t in range(n_tokens):
+            chosen: list[int] = []
+            draws = iter(perms[layer, rng.choice(n_experts, size=4 * k + 8, p=pop)])
+            for j in range(k):
+                e = int(prev[j]) if prev is not None and rng.random() < locality else -1
+                while e < 0 or e in chosen:
+                    e = int(next(draws, rng.integers(n_experts)))
+                chosen.append(e)
+            experts[t, layer] = prev = chosen
+    weights = rng.dirichlet(np.ones(k), size=(n_tokens, n_layers)).astype(np.float16)  # [N, L, K]
+    phase = (np.arange(n_tokens) >= prompt_len).astype(np.uint8)  # [N]
+    forward = np.maximum(np.arange(n_tokens) - prompt_len + 1, 0) if prompt_len else np.arange(n_tokens)
+    meta = {"model": model, "arch": "synthetic", "n_layers": n_layers, "n_experts": n_experts, "k": k,
+            "prompt_lengths": [prompt_len], "n_requests": 1, "n_forwards": int(forward.max()) + 1 if n_tokens else 0,
+            "zipf": zipf, "locality": locality, "seed": seed}
+    return Trace(experts, weights, phase, np.zeros(n_tokens, np.int32), forward, meta)

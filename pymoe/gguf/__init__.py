@@ -1,0 +1,1 @@
+"""The GGUF file: reading and validating it, the frozen ModelConfig, inspecting it."""

@@ -1,0 +1,177 @@
+"""`ModelConfig`: everything the forward pass needs to know about a model, read only from GGUF metadata.
+
+What this is: one frozen dataclass, built by `ModelConfig.from_gguf(fields)`, plus `ARCHS`, the table of what differs
+between the supported MoE architectures (one row each; no `if arch == ...` scattered through the model code), and
+the layer plan (`ModelConfig.layer_plan()`): per layer, which attention block and which feed-forward block run
+there. The loader adds each MoE layer's expert layout (types and slot layout, from its tensors: gguf/loader.py).
+What this is not: a reader of tensors (loader.py) or a place for defaults invented by pymoe: every number comes from
+a metadata key written by llama.cpp's `convert_hf_to_gguf.py`, or from the arch default llama.cpp itself applies.
+
+Metadata keys are `{arch}.<name>`, e.g. `qwen3moe.block_count`; `general.architecture` names the arch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Callable, Optional
+
+from pymoe.errors import PymoeError
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    """What one architecture does differently. Mirrors the arch's branch in llama.cpp's llama-model.cpp."""
+
+    rope_neox: bool  # NEOX rotates pairs (i, i + d/2); "normal" (llama) rotates adjacent pairs (2i, 2i + 1)
+    qk_norm: Optional[str]  # None | "head" (RMSNorm over each head's d) | "full" (over the whole q / k projection)
+    qkv_bias: bool  # attn_q/k/v carry a bias
+    shared_expert: bool  # ffn_*_shexp tensors plus a sigmoid gate ffn_gate_inp_shexp
+    norm_topk: bool  # renormalise the k routing weights to sum to 1 (default when no metadata key says otherwise)
+    ff_key: str  # metadata key of one routed expert's hidden size
+
+
+ARCHS: dict[str, ArchTraits] = {
+    # Qwen3-MoE: q/k RMSNorm per head, head_dim from attention.key_length (need not be n_embd / n_head).
+    "qwen3moe": ArchTraits(rope_neox=True, qk_norm="head", qkv_bias=False, shared_expert=False, norm_topk=True,
+                           ff_key="expert_feed_forward_length"),
+    # Qwen1.5/2-MoE: q/k/v biases, a shared expert gated by sigmoid(x · ffn_gate_inp_shexp), no renormalisation.
+    "qwen2moe": ArchTraits(rope_neox=True, qk_norm=None, qkv_bias=True, shared_expert=True, norm_topk=False,
+                           ff_key="expert_feed_forward_length"),
+    # Mixtral is stored as arch "llama" with experts; llama.cpp's converter permuted Q/K for normal (non-NEOX) RoPE.
+    "llama": ArchTraits(rope_neox=False, qk_norm=None, qkv_bias=False, shared_expert=False, norm_topk=True,
+                        ff_key="feed_forward_length"),
+    # OLMoE: q/k RMSNorm over the whole projection (not per head), no renormalisation of routing weights.
+    "olmoe": ArchTraits(rope_neox=True, qk_norm="full", qkv_bias=False, shared_expert=False, norm_topk=False,
+                        ff_key="feed_forward_length"),
+}
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What one layer is. The forward pass (engine/model.py) runs the block each kind names; nothing assumes that
+    layer 0 speaks for the others.
+
+    attention: "gqa": softmax attention with RoPE over a KV cache (grouped-query; q/k norms and q/k/v biases as
+               the arch says). Kinds to come sit beside it: gated attention, Gated DeltaNet, MLA, sliding window.
+    ffn:       "moe": routed experts; "moe+shared": routed experts plus a sigmoid-gated shared expert (qwen2moe).
+               A dense MLP ("dense", DeepSeek's and GLM's leading layers) is the next kind.
+    experts:   the MoE layer's expert layout (gguf/loader.ExpertLayout: types, byte layout in a slot), filled in by
+               the loader from the tensors; None in the metadata-only plan and for layers without experts."""
+
+    index: int
+    attention: str
+    ffn: str
+    experts: Optional[object] = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    name: str
+    n_layers: int  # {arch}.block_count
+    n_embd: int  # {arch}.embedding_length: D, the residual width
+    n_vocab: int  # rows of token_embd (or {arch}.vocab_size)
+    n_ctx_train: int  # {arch}.context_length
+    n_head: int  # {arch}.attention.head_count
+    n_head_kv: int  # {arch}.attention.head_count_kv (GQA: n_head % n_head_kv == 0)
+    head_dim: int  # {arch}.attention.key_length, default n_embd // n_head
+    head_dim_v: int  # {arch}.attention.value_length, default head_dim
+    n_expert: int  # {arch}.expert_count: E
+    n_expert_used: int  # {arch}.expert_used_count: K
+    n_ff_exp: int  # one routed expert's hidden size
+    n_ff_shexp: int  # the shared expert's hidden size (0: none)
+    rms_eps: float  # {arch}.attention.layer_norm_rms_epsilon
+    rope_freq_base: float  # {arch}.rope.freq_base, default 10000
+    rope_dim: int  # {arch}.rope.dimension_count, default head_dim
+    rope_neox: bool
+    qk_norm: Optional[str]
+    qkv_bias: bool
+    norm_topk: bool  # {arch}.expert_weights_norm when present, else the arch default
+    tied_output: bool  # no output.weight: the output head reuses token_embd
+
+    @property
+    def traits(self) -> ArchTraits:
+        return ARCHS[self.arch]
+
+    @property
+    def has_shared_expert(self) -> bool:
+        return self.n_ff_shexp > 0
+
+    def layer_plan(self) -> tuple[LayerPlan, ...]:
+        """The per-layer plan from the metadata alone (every supported arch: GQA attention and an MoE block)."""
+        ffn = "moe+shared" if self.has_shared_expert else "moe"
+        return tuple(LayerPlan(i, "gqa", ffn) for i in range(self.n_layers))
+
+    def describe(self) -> list[tuple[str, object]]:
+        return [(f.name, getattr(self, f.name)) for f in fields(self)]
+
+    @classmethod
+    def from_gguf(cls, get: Callable[[str, object], object], n_vocab: int, tied_output: bool, where: str = "") -> "ModelConfig":
+        """Build from metadata. `get(key, default)` returns a field's value; `default=REQUIRED` makes it mandatory
+        (the getter raises a PymoeError naming the key). `where` prefixes error messages (the file name)."""
+        arch = get("general.architecture", REQUIRED)
+        if arch not in ARCHS:
+            raise PymoeError(f"{where}unsupported architecture '{arch}' (pymoe runs {', '.join(ARCHS)})")
+        t = ARCHS[arch]
+
+        def key(name, default=REQUIRED):
+            return get(f"{arch}.{name}", default)
+
+        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
+        n_expert = int(key("expert_count", 0))
+        if n_expert == 0:
+            raise PymoeError(f"{where}'{arch}' model has no experts ({arch}.expert_count is absent or 0): "
+                             "pymoe runs Mixture-of-Experts models only")
+        head_dim = int(key("attention.key_length", n_embd // n_head))
+        cfg = cls(
+            arch=arch,
+            name=str(get("general.name", "") or ""),
+            n_layers=int(key("block_count")),
+            n_embd=n_embd,
+            n_vocab=int(key("vocab_size", n_vocab)),
+            n_ctx_train=int(key("context_length")),
+            n_head=n_head,
+            n_head_kv=int(key("attention.head_count_kv", n_head)),
+            head_dim=head_dim,
+            head_dim_v=int(key("attention.value_length", head_dim)),
+            n_expert=n_expert,
+            n_expert_used=int(key("expert_used_count")),
+            n_ff_exp=int(key(t.ff_key)),
+            n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)) if t.shared_expert else 0,
+            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
+            rope_freq_base=float(key("rope.freq_base", 10000.0)),
+            rope_dim=int(key("rope.dimension_count", head_dim)),
+            rope_neox=t.rope_neox,
+            qk_norm=t.qk_norm,
+            qkv_bias=t.qkv_bias,
+            norm_topk=bool(key("expert_weights_norm", t.norm_topk)),
+            tied_output=tied_output,
+        )
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str = "") -> None:
+        """Relations the forward pass relies on; a file that breaks one gets a one-line error, not a wrong answer."""
+        a = self.arch
+        checks = [
+            (self.n_layers > 0, f"{a}.block_count must be > 0"),
+            (self.n_head > 0 and self.n_head_kv > 0, f"{a}.attention.head_count(_kv) must be > 0"),
+            (self.n_head % self.n_head_kv == 0,
+             f"{a}.attention.head_count ({self.n_head}) is not a multiple of head_count_kv ({self.n_head_kv})"),
+            (0 < self.n_expert_used <= self.n_expert,
+             f"{a}.expert_used_count ({self.n_expert_used}) must be in 1..expert_count ({self.n_expert})"),
+            (self.n_ff_exp > 0, f"{a}.{self.traits.ff_key} must be > 0"),
+            (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0,
+             f"{a}.rope.dimension_count ({self.rope_dim}) must be even and <= the head size ({self.head_dim})"),
+            (self.n_vocab > 0, "the vocabulary is empty"),
+        ]
+        for ok, what in checks:
+            if not ok:
+                raise PymoeError(f"{where}{what}")
+
+
+class _Required:
+    def __repr__(self):
+        return "REQUIRED"
+
+
+REQUIRED = _Required()

@@ -1,0 +1,290 @@
+"""GGUF file -> `ModelConfig` + named tensor views into the memory map. Validation with one-line errors.
+
+What this is: the only place pymoe opens a model file. It uses gguf-py's `GGUFReader` (the official reader, which
+memory-maps the file), builds the `ModelConfig` from metadata, checks every tensor the architecture needs (present,
+right shape, a type pymoe can compute with, inside the file), and hands out views. Nothing is copied: expert
+tensors stay in the page cache / mmap until a kernel reads them, which is what expert offloading is built on.
+What this is not: the forward pass, or a tokenizer (tokenizer.py reads the `tokenizer.ggml.*` keys itself).
+
+Two facts about GGUF that this module hides from the rest of pymoe:
+  - GGUF stores shapes in GGML order (ne0 = the contiguous axis first); `Tensor.shape` here is NumPy order
+    (rows last-but-one, contiguous columns last), e.g. attn_q is (n_head * head_dim, n_embd).
+  - quantized tensors come back from GGUFReader as raw uint8 rows of blocks; floats as float32/float16 arrays.
+    `Tensor.rows()` gives every type as `uint8 [rows, row_bytes]`, the form the quant kernels take.
+
+Expert tensors are 3-D, `blk.N.ffn_{gate,up,down}_exps.weight` with shape (n_expert, rows, cols), expert index
+slowest: one expert's bytes are one contiguous run in each of the three, and `GGUFModel.expert(layer, e)` returns
+those three runs: the unit the expert cache moves around ("one slot"). The types of those runs can change from layer
+to layer (llama.cpp's _M mixes: ffn_down Q4_K in some layers, Q6_K in others), so each layer has its own
+`ExpertLayout` (`GGUFModel.expert_layout(layer)`) and a slot is sized for the largest (`GGUFModel.slot_bytes`).
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+from gguf import GGUFReader, GGUFValueType
+
+from pymoe import quant
+from .config import REQUIRED, LayerPlan, ModelConfig
+from pymoe.errors import PymoeError
+
+EXPERT_PROJ = ("gate", "up", "down")
+
+
+@dataclass(frozen=True)
+class Tensor:
+    name: str
+    qtype: quant.QType
+    shape: tuple  # NumPy order, e.g. (E, rows, cols) for experts, (rows, cols) for matrices, (n,) for vectors
+    data: np.ndarray  # the view GGUFReader made into the memory map (no copy)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def rows(self) -> np.ndarray:
+        """uint8 [rows, row_bytes] (for a 3-D tensor: [E * rows, row_bytes]); a view, not a copy."""
+        raw = self.data.view(np.uint8)
+        return raw.reshape(-1, raw.shape[-1])
+
+    def floats(self) -> np.ndarray:
+        """float32 copy in NumPy shape (reference dequantization): for small tensors (norms, router, biases)."""
+        if self.qtype == quant.QType.F32:
+            return np.array(self.data, dtype=np.float32).reshape(self.shape)
+        return quant.dequantize(self.rows(), self.qtype).reshape(self.shape)
+
+
+@dataclass(frozen=True)
+class ExpertBytes:
+    """One expert of one layer: its gate, up and down matrices as raw rows, views into the mmap."""
+
+    layer: int
+    expert: int
+    gate: np.ndarray  # uint8 [n_ff_exp, row_bytes(n_embd)]
+    up: np.ndarray  # uint8 [n_ff_exp, row_bytes(n_embd)]
+    down: np.ndarray  # uint8 [n_embd, row_bytes(n_ff_exp)]
+    # Where these bytes are, as the expert cache decided for this call: "host" (the mmap; no cache), "slot" (a slot
+    # of the pool, index `slot`), or a miss path: "spill" / "cpu" (decode) or "staged" (prefill). See cache.py.
+    where: str = "host"
+    slot: int = -1
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How one expert of one layer sits in a cache slot: gate | up | down, back to back, each exactly as stored in
+    that layer's tensors. Layers of one file may differ (types, hence row bytes); a slot holds any of them."""
+
+    types: dict  # proj -> quant.QType of the layer's ffn_{proj}_exps tensor
+    parts: tuple  # ((proj, byte offset in the slot, (rows, row_bytes)), ...) in EXPERT_PROJ order
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one expert of this layer (the slot prefix it fills)."""
+        proj, off, (rows, row_bytes) = self.parts[-1]
+        return off + rows * row_bytes
+
+
+def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
+    """Every tensor the architecture needs, name -> NumPy-order shape, named exactly as llama.cpp names them.
+
+    `output.weight` is listed only for untied models. Used by the loader to validate a file and by the tiny-model
+    writer to create one, so the two can never disagree.
+    """
+    D, E, F = cfg.n_embd, cfg.n_expert, cfg.n_ff_exp
+    q_dim, k_dim, v_dim = cfg.n_head * cfg.head_dim, cfg.n_head_kv * cfg.head_dim, cfg.n_head_kv * cfg.head_dim_v
+    o_dim = cfg.n_head * cfg.head_dim_v
+    shapes = {"token_embd.weight": (cfg.n_vocab, D), "output_norm.weight": (D,)}
+    if not cfg.tied_output:
+        shapes["output.weight"] = (cfg.n_vocab, D)
+    for i in range(cfg.n_layers):
+        b = f"blk.{i}."
+        shapes.update({
+            b + "attn_norm.weight": (D,),
+            b + "attn_q.weight": (q_dim, D),
+            b + "attn_k.weight": (k_dim, D),
+            b + "attn_v.weight": (v_dim, D),
+            b + "attn_output.weight": (D, o_dim),
+            b + "ffn_norm.weight": (D,),
+            b + "ffn_gate_inp.weight": (E, D),  # the router
+            b + "ffn_gate_exps.weight": (E, F, D),
+            b + "ffn_up_exps.weight": (E, F, D),
+            b + "ffn_down_exps.weight": (E, D, F),
+        })
+        if cfg.qkv_bias:
+            shapes.update({b + "attn_q.bias": (q_dim,), b + "attn_k.bias": (k_dim,), b + "attn_v.bias": (v_dim,)})
+        if cfg.qk_norm == "head":
+            shapes.update({b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)})
+        elif cfg.qk_norm == "full":
+            shapes.update({b + "attn_q_norm.weight": (q_dim,), b + "attn_k_norm.weight": (k_dim,)})
+        if cfg.has_shared_expert:
+            S = cfg.n_ff_shexp
+            shapes.update({
+                b + "ffn_gate_inp_shexp.weight": (D,),
+                b + "ffn_gate_shexp.weight": (S, D),
+                b + "ffn_up_shexp.weight": (S, D),
+                b + "ffn_down_shexp.weight": (D, S),
+            })
+    return shapes
+
+
+class GGUFModel:
+    """An opened, validated GGUF MoE model: `.config`, `.tensors` (name -> Tensor), `.metadata(key)`, `.expert()`."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = str(path)
+        self.reader = _open_reader(self.path)
+        where = f"{self.path}: "
+        self.tensors: dict[str, Tensor] = {}
+        self._expert_views: dict[int, dict] = {}  # layer -> proj -> uint8 [E, rows, row_bytes] (see expert())
+        for t in self.reader.tensors:
+            self.tensors[t.name] = Tensor(t.name, t.tensor_type, tuple(int(n) for n in reversed(t.shape)), t.data)
+        embd = self.tensors.get("token_embd.weight")
+        if embd is None:
+            raise PymoeError(f"{where}missing tensor token_embd.weight")
+        self.config = ModelConfig.from_gguf(self.metadata_getter(where), n_vocab=embd.shape[0],
+                                            tied_output="output.weight" not in self.tensors, where=where)
+        self._validate_tensors(where)
+
+    # --- metadata -------------------------------------------------------------------------------------------
+    def metadata(self, key: str, default=None):
+        """A metadata value as a Python scalar, str or list; `default` when absent."""
+        field = self.reader.fields.get(key)
+        if field is None:
+            return default
+        if field.types and field.types[0] == GGUFValueType.ARRAY:
+            if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
+                return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+            return field.contents()
+        return field.contents()
+
+    def metadata_getter(self, where: str):
+        def get(key, default=REQUIRED):
+            value = self.metadata(key, None)
+            if value is None:
+                if default is REQUIRED:
+                    raise PymoeError(f"{where}missing metadata key {key}")
+                return default
+            return value
+        return get
+
+    # --- tensors --------------------------------------------------------------------------------------------
+    def _validate_tensors(self, where: str) -> None:
+        file_size = os.path.getsize(self.path)
+        for name, shape in expected_tensors(self.config).items():
+            t = self.tensors.get(name)
+            if t is None:
+                raise PymoeError(f"{where}missing tensor {name}")
+            if t.shape != shape:
+                if not _fits(t.shape, shape):
+                    raise PymoeError(f"{where}tensor {name} has shape {list(t.shape)} but the metadata implies "
+                                     f"{list(shape)} (NumPy order)")
+                t = self.tensors[name] = _squeezed(t, shape)
+            if t.qtype not in quant.FORMATS:
+                raise PymoeError(f"{where}tensor {name} has type {t.qtype.name}, which pymoe does not support "
+                                 f"(supported: {', '.join(q.name for q in quant.FORMATS)})")
+        for t in self.reader.tensors:
+            if t.data_offset + t.n_bytes > file_size:
+                raise PymoeError(f"{where}truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
+                                 f"but the file has {file_size} bytes")
+
+    def tensor(self, name: str) -> Tensor:
+        return self.tensors[name]
+
+    def get(self, name: str) -> Optional[Tensor]:
+        return self.tensors.get(name)
+
+    def layer_tensor(self, layer: int, name: str) -> Tensor:
+        """`layer_tensor(3, "attn_q.weight")` -> blk.3.attn_q.weight."""
+        return self.tensors[f"blk.{layer}.{name}"]
+
+    def expert(self, layer: int, e: int) -> ExpertBytes:
+        """The raw bytes of expert `e` of `layer`: three contiguous row blocks, views into the mmap (no copy)."""
+        return ExpertBytes(layer, e, **{proj: raw[e] for proj, raw in self._expert_tensors(layer).items()})
+
+    def _expert_tensors(self, layer: int) -> dict:
+        """proj -> uint8 [E, rows, row_bytes] of one layer, as plain ndarray views of the mmap, made once: slicing
+        a plain view costs a fraction of slicing np.memmap, and this runs K times per layer per decoded token."""
+        if layer not in self._expert_views:
+            self._expert_views[layer] = {
+                proj: np.asarray(self.layer_tensor(layer, f"ffn_{proj}_exps.weight").data).view(np.uint8)
+                for proj in EXPERT_PROJ}
+        return self._expert_views[layer]
+
+    def expert_types(self, layer: int = 0) -> dict[str, quant.QType]:
+        """proj -> qtype of the experts of `layer` (types may change from layer to layer)."""
+        return {p: self.layer_tensor(layer, f"ffn_{p}_exps.weight").qtype for p in EXPERT_PROJ}
+
+    def expert_layout(self, layer: int) -> ExpertLayout:
+        """The byte layout of one expert of `layer` in a cache slot: its own types and row sizes."""
+        parts, off = [], 0
+        for proj, raw in self._expert_tensors(layer).items():
+            shape = tuple(int(n) for n in raw.shape[1:])  # (rows, row_bytes) of one expert
+            parts.append((proj, off, shape))
+            off += shape[0] * shape[1]
+        return ExpertLayout(self.expert_types(layer), tuple(parts))
+
+    def layer_plan(self) -> list[LayerPlan]:
+        """ModelConfig.layer_plan() with each MoE layer's expert layout (types and slot layout) from its tensors."""
+        return [replace(p, experts=self.expert_layout(p.index) if p.ffn.startswith("moe") else None)
+                for p in self.config.layer_plan()]
+
+    def expert_layouts(self) -> list[ExpertLayout]:
+        """expert_layout(i) of every layer, in layer order."""
+        return [self.expert_layout(i) for i in range(self.config.n_layers)]
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of the largest single expert (gate + up + down) over all layers: the size of one cache slot."""
+        return max(lay.nbytes for lay in self.expert_layouts())
+
+    @property
+    def expert_bytes_total(self) -> int:
+        return sum(self.layer_tensor(i, f"ffn_{p}_exps.weight").nbytes
+                   for i in range(self.config.n_layers) for p in EXPERT_PROJ)
+
+
+def _fits(have: tuple, want: tuple) -> bool:
+    """llama.cpp's rule (llama_model_loader::check_tensor_dims): a tensor fits the expected dimensions if they
+    match and every dimension past them, in GGML order (ne[i] for i >= len(want)), is 1. convert_hf_to_gguf.py
+    writes qwen2moe's ffn_gate_inp_shexp as ne [n_embd, 1]. In NumPy order the extra dimensions lead."""
+    extra = len(have) - len(want)
+    return extra >= 0 and tuple(have[extra:]) == tuple(want) and all(n == 1 for n in have[:extra])
+
+
+def _squeezed(t: Tensor, shape: tuple) -> Tensor:
+    """The tensor with its size-1 extra dimensions dropped: `shape`, and data of that rank (a view, no copy). The
+    data's last axis stays what GGUFReader made it: elements for float types, bytes of a row for quantized ones."""
+    data = t.data.reshape(tuple(shape[:-1]) + (t.data.shape[-1],))
+    return Tensor(t.name, t.qtype, tuple(shape), data)
+
+
+def _open_reader(path: str) -> GGUFReader:
+    """GGUFReader with its failures turned into one-line errors naming the file."""
+    if not os.path.exists(path):
+        raise PymoeError(f"{path}: no such file")
+    if os.path.isdir(path):
+        raise PymoeError(f"{path}: is a directory, not a GGUF file")
+    size = os.path.getsize(path)
+    if size < 8:
+        raise PymoeError(f"{path}: not a GGUF file (only {size} bytes)")
+    with open(path, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise PymoeError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        return GGUFReader(path, "r")
+    except PermissionError:
+        raise PymoeError(f"{path}: permission denied") from None
+    except (ValueError, IndexError, KeyError, OverflowError, MemoryError, UnicodeDecodeError) as e:
+        # A header that runs past the end of the file shows up as a short read, i.e. a reshape/index error.
+        raise PymoeError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+
+
+def load_gguf(path) -> GGUFModel:
+    return GGUFModel(path)

@@ -1,0 +1,1 @@
+"""The HTTP server (OpenAI-compatible) and `pymoe bench`, its load generator."""

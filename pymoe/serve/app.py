@@ -1,0 +1,325 @@
+"""`pymoe serve`: the OpenAI-compatible HTTP face of the scheduler (FastAPI on uvicorn), and `serve()` the CLI calls.
+
+The path of one request through the serve/ files:
+    app.py        read the body (capped: 413), check the API key (401)
+    schemas.py    parse: ChatRequest / CompletionRequest, or 400 naming the field that is wrong or not supported
+    app.py        tokenize (chat: the model's own template, in jinja2's sandbox), check the prompt against the
+                  context (400 context_length_exceeded) -> a Job whose events hop to this asyncio loop
+    scheduler.py  submit: the bounded queue (full -> QueueFull -> 429 + Retry-After here), then slots and
+                  batched decode steps on the engine thread -> events: ("piece", text)*, ("done", reason)
+    app.py        the events -> one JSON answer, or SSE chunks `data: {...}` ... `data: [DONE]`; a client that
+                  goes away cancels its job
+Also: /v1/models, /health (no key), /v1/status and /metrics (metrics.py). Security defaults: binds 127.0.0.1;
+--api-key protects every endpoint but /health (Authorization: Bearer KEY, else 401); bodies are capped
+(--max-body-mib, else 413).
+What this is not: the scheduling (scheduler.py, no HTTP in it), the field-by-field validation (schemas.py), the
+counters (metrics.py), or a multi-process / multi-GPU deployment.
+"""
+# No `from __future__ import annotations` here: FastAPI reads the `request: Request` annotations at runtime.
+import asyncio
+import contextlib
+import hmac
+import json
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Optional
+
+from pymoe.engine.generate import RequestStats
+from pymoe.engine.kv import kv_nbytes
+from pymoe.errors import PymoeError
+from pymoe.serve.metrics import model_id, registry_for, status_of
+from pymoe.serve.scheduler import EngineStopped, Job, QueueFull, Scheduler
+from pymoe.serve.schemas import ApiError, ChatRequest, CompletionRequest, parse
+
+OUTCOMES = {400: "bad_request", 401: "unauthorized", 413: "too_large", 429: "rejected"}  # /metrics labels
+
+
+# --- request -> job ----------------------------------------------------------------------------------------------
+
+def prompt_ids(req, tokenizer) -> list:
+    """Chat: messages -> the model's chat template (sandboxed) -> token ids. Completion: the text's ids, or the ids."""
+    if isinstance(req, ChatRequest):
+        try:
+            return tokenizer.encode(tokenizer.apply_chat_template(req.template_messages()))
+        except PymoeError as e:
+            raise ApiError(400, str(e), code="invalid_value", param="messages") from None
+    return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+
+
+def make_job(req, prompt: list, n_ctx: int, n_vocab: int) -> Job:
+    """Check the prompt against the context and the vocabulary -> a Job (400 on what is wrong)."""
+    param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    if not prompt:
+        raise ApiError(400, "the prompt is empty", code="invalid_value", param=param)
+    if min(prompt) < 0 or max(prompt) >= n_vocab:
+        raise ApiError(400, f"prompt token ids must be in 0..{n_vocab - 1}", code="invalid_value", param=param)
+    if len(prompt) >= n_ctx:
+        raise ApiError(400, f"the prompt of {len(prompt)} tokens does not fit the context of {n_ctx} tokens "
+                            "(room is needed for at least one generated token)", code="context_length_exceeded",
+                       param=param)
+    return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=req.sampling(),
+               stop=req.stop_strings(), ignore_eos=req.ignore_eos)
+
+
+def asyncio_sink(queue: asyncio.Queue):
+    """A Job sink for the engine thread: each event is put on `queue` by this (the running) asyncio loop."""
+    loop = asyncio.get_running_loop()
+
+    def put(event: tuple) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is already closed: the server is stopping
+            loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    return put
+
+
+async def job_events(job: Job, queue: asyncio.Queue, request=None):
+    """The job's events until done/error. If the consumer stops (client gone) the job is cancelled.
+    `request`: poll it for a disconnect while waiting (non-streaming answers; streaming ones are cancelled by
+    Starlette when the client goes away)."""
+    try:
+        while True:
+            try:
+                kind, value = await asyncio.wait_for(queue.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if request is not None and await request.is_disconnected():
+                    return
+                continue
+            yield kind, value
+            if kind in ("done", "error"):
+                return
+    finally:
+        if not job.done:
+            job.cancel()
+
+
+# --- responses ---------------------------------------------------------------------------------------------------
+
+def usage_of(st: RequestStats) -> dict:
+    return {"prompt_tokens": st.n_prompt, "completion_tokens": st.n_generated,
+            "total_tokens": st.n_prompt + st.n_generated, "prompt_tokens_details": {"cached_tokens": st.n_reused}}
+
+
+def timings_of(job: Job) -> dict:
+    """llama.cpp server's `timings` object (pymoe bench reads it), plus the time spent in the queue."""
+    st = job.stats
+    return {"queue_ms": job.queue_s * 1e3, "cache_n": st.n_reused, "prompt_n": st.n_prompt - st.n_reused,
+            "prompt_ms": st.prompt_s * 1e3, "prompt_per_second": st.prefill_tok_s, "predicted_n": st.n_generated,
+            "predicted_ms": st.decode_s * 1e3, "predicted_per_second": st.decode_tok_s}
+
+
+class Reply:
+    """The JSON shapes of one answer: chat (chat.completion[.chunk]) or completion (text_completion)."""
+
+    def __init__(self, kind: str, model: str):
+        self.kind, self.model = kind, model
+        self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+
+    def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False) -> dict:
+        if self.kind == "completion":
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+        msg = {"role": "assistant"} if role or not stream else {}
+        if text is not None:
+            msg["content"] = text
+        return {"index": 0, "delta" if stream else "message": msg, "logprobs": None, "finish_reason": reason}
+
+    def envelope(self, choices: list, stream: bool, **extra) -> dict:
+        obj = "text_completion" if self.kind == "completion" else "chat.completion" + (".chunk" if stream else "")
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+# --- the app -----------------------------------------------------------------------------------------------------
+
+def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
+               max_body_bytes: int = 4 << 20, log=lambda line: None):
+    """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
+    (app.state.scheduler)."""
+    from fastapi import Depends, FastAPI, Request
+    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from prometheus_client import generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log)
+    registry = registry_for(scheduler)
+    name = model_id(engine)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        scheduler.start()
+        log(f"engine loop: {parallel} slot(s) of {engine.n_ctx} tokens ({kv} KV, "
+            f"{kv_nbytes(scheduler.slots[0].kv) / 2**20:.1f} MiB each), queue of {max_queue}")
+        yield
+        scheduler.stop()
+
+    app = FastAPI(title="pymoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.scheduler = scheduler
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        scheduler.count(OUTCOMES.get(e.status, "error"))
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    async def authorized(request: Request):
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+
+    guarded = [Depends(authorized)]
+
+    async def read_json(request: Request) -> dict:
+        declared = request.headers.get("content-length", "0")
+        if not declared.isdigit() or int(declared) > max_body_bytes:
+            raise ApiError(413, f"request body over the limit of {max_body_bytes} bytes", code="body_too_large")
+        data = bytearray()
+        async for chunk in request.stream():
+            data += chunk
+            if len(data) > max_body_bytes:
+                raise ApiError(413, f"request body over the limit of {max_body_bytes} bytes", code="body_too_large")
+        try:
+            body = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+        return body
+
+    def submit(job: Job) -> None:
+        try:
+            scheduler.submit(job)
+        except QueueFull as e:
+            raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
+        except EngineStopped as e:
+            raise ApiError(503, str(e)) from None
+
+    async def complete(request: Request, kind: str):
+        req = parse(ChatRequest if kind == "chat" else CompletionRequest, await read_json(request))
+        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab)
+        events: asyncio.Queue = asyncio.Queue()
+        job.sink = asyncio_sink(events)
+        submit(job)
+        reply = Reply(kind, name)
+        if req.stream:
+            return StreamingResponse(stream_reply(job, events, reply, req.stream_options.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        pieces, reason = [], None
+        async for ev, value in job_events(job, events, request):
+            if ev == "piece":
+                pieces.append(value)
+            elif ev == "error":
+                raise ApiError(500, value)
+            else:
+                reason = value
+        if reason is None:  # the client went away; nobody reads this
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(reply.envelope([reply.choice("".join(pieces), reason, stream=False)], stream=False,
+                                           usage=usage_of(job.stats), timings=timings_of(job)))
+
+    async def stream_reply(job: Job, events: asyncio.Queue, reply: Reply, include_usage: bool):
+        if reply.kind == "chat":
+            yield sse(reply.envelope([reply.choice("", None, stream=True, role=True)], stream=True))
+        async for ev, value in job_events(job, events):
+            if ev == "piece":
+                yield sse(reply.envelope([reply.choice(value, None, stream=True)], stream=True))
+            elif ev == "error":
+                yield sse(ApiError(500, value).body())
+            else:
+                yield sse(reply.envelope([reply.choice(None, value, stream=True)], stream=True,
+                                         timings=timings_of(job)))
+                if include_usage:
+                    yield sse(reply.envelope([], stream=True, usage=usage_of(job.stats)))
+        yield "data: [DONE]\n\n"
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat_completions(request: Request):
+        return await complete(request, "chat")
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(request: Request):
+        return await complete(request, "completion")
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(os.path.getmtime(
+            engine.file.path)), "owned_by": "pymoe", "meta": {"arch": engine.config.arch, "n_ctx": engine.n_ctx}}]}
+
+    @app.get("/health")
+    async def health():
+        ok = scheduler.thread.is_alive()
+        return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
+
+    @app.get("/v1/status", dependencies=guarded)
+    async def status():
+        return status_of(scheduler)
+
+    @app.get("/metrics", dependencies=guarded)
+    async def metrics():
+        return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+# --- serving it ----------------------------------------------------------------------------------------------------
+
+def is_loopback(host: str) -> bool:
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
+          parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
+          log=print, **engine_options) -> None:
+    """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
+    import uvicorn
+
+    from pymoe.api import load
+
+    if not is_loopback(host) and not api_key:
+        log(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model")
+    engine = load(model, progress=True, log=log, **engine_options)
+    app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
+                     max_body_bytes=max_body_bytes, log=log)
+    log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics)")
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+
+
+class BackgroundServer:
+    """An app served by uvicorn in a thread on a loopback port the OS chooses (tests, tools); use as a context."""
+
+    def __init__(self, app, host: str = "127.0.0.1"):
+        import uvicorn
+
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, 0))
+        self.url = f"http://{host}:{self.sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def start(self, timeout: float = 30.0) -> "BackgroundServer":
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise PymoeError(f"server at {self.url} did not start within {timeout:g} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+        self.sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

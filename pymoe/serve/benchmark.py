@@ -1,0 +1,325 @@
+"""`pymoe bench`: the reference article's load protocol against an OpenAI-compatible server (one it starts, or --url).
+
+The protocol (article sections 7 and 9, appendix A), every request a streamed /v1/completions with a fixed number of
+generated tokens (`ignore_eos`, greedy) and a prompt that starts with its own request number, so a request can reuse
+no more than BOS and a leading digit of another's KV (the article's "cold prefix"; the JSON counts reused tokens):
+  1. single stream, c = 1:  a short prompt, a ~4K and a ~16K prompt (at most 1/8 and 1/2 of the context, so a small
+                            model's --ctx scales them down): prefill tok/s, decode tok/s, TTFT
+  2. concurrency sweep:      c = 1, 2, 4, 8, 16 clients, each sending --requests short-prompt requests one after
+                            another: aggregate throughput (all generated tokens / wall time), TTFT p50/p95
+  3. overload:               c = 32 at once: with a bounded queue the excess gets 429 instead of waiting (article
+                            9.3: without admission control every request queued and latency grew without bound)
+Per row: prefill and decode tok/s (medians of the server's `timings`, else client-side estimates), TTFT p50/p95
+(client-side: request sent -> first streamed text), aggregate tok/s, the decode expert hit rate and spill share over
+the row (from /v1/status, pymoe servers only), failures and 429s. A table on stdout, all of it as JSON in --out.
+What this is not: a load generator for arbitrary traffic shapes, or a server (it starts `pymoe serve`).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from pymoe.errors import PymoeError
+
+FILLER = ("An MoE model routes every token to a few of its experts. The expert cache keeps the hot experts in fast "
+          "memory; a miss is read over PCIe or computed on the CPU. Throughput is set by how much of the routed "
+          "traffic stays in the cache, and latency by how long a request waits in the queue. ")
+
+
+@dataclass
+class Outcome:
+    """One request as the client saw it."""
+
+    status: int  # HTTP status; 0 = no answer (connection error or timeout)
+    ttft_s: Optional[float] = None  # None: not measured (no text came back)
+    total_s: Optional[float] = None
+    n_prompt: int = 0
+    n_generated: int = 0
+    n_reused: int = 0  # prompt tokens the server took from a slot's cached prefix
+    prefill_tok_s: Optional[float] = None
+    decode_tok_s: Optional[float] = None
+    error: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and not self.error
+
+
+# --- the server under test ---------------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class StartedServer:
+    """`pymoe serve MODEL` in a subprocess on a free loopback port, until the `with` block ends."""
+
+    def __init__(self, model: str, serve_args: list, start_timeout: float = 120.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "pymoe", "serve", model, "--port", str(self.port), *serve_args]
+        self.start_timeout = start_timeout
+        self.log = tempfile.TemporaryFile(mode="w+")
+
+    def __enter__(self) -> "StartedServer":
+        import httpx
+
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise PymoeError(f"pymoe serve exited with status {self.proc.returncode}: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.__exit__()
+        raise PymoeError(f"pymoe serve did not answer on {self.url} within {self.start_timeout:g} s: {self.tail()}")
+
+    def tail(self) -> str:
+        self.log.seek(0)
+        lines = self.log.read().strip().splitlines()
+        return lines[-1] if lines else "(no output)"
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self.log.close()
+
+
+# --- prompts ---------------------------------------------------------------------------------------------------
+
+class Prompts:
+    """Token-id prompts of exact lengths, each starting with its request number ("17: An MoE model ...")."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.filler = tokenizer.encode(FILLER, add_bos=False)
+        self.count = 0
+
+    def make(self, n: int) -> list:
+        self.count += 1
+        head = self.tokenizer.encode(f"{self.count}: ")
+        body = self.filler * (n // max(1, len(self.filler)) + 1)
+        return (head + body)[:max(n, 1)]
+
+
+def scenario_lengths(n_ctx: int, gen: int, short: int = 26) -> dict:
+    """Prompt tokens of the article's three prompts, scaled to the context: short, ~4K (<= ctx/8), ~16K (<= ctx/2)."""
+    room = n_ctx - gen - 1
+    if room < short:
+        raise PymoeError(f"a context of {n_ctx} tokens has no room for {gen} generated tokens and a prompt")
+    return {"short": short, "4k": min(4096, n_ctx // 8, room), "16k": min(16384, n_ctx // 2, room)}
+
+
+# --- one request -------------------------------------------------------------------------------------------------
+
+async def send(client, url: str, headers: dict, prompt: list, gen: int) -> Outcome:
+    """One streamed completion of exactly `gen` tokens; -> what the client saw."""
+    import httpx
+
+    body = {"model": "bench", "prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.perf_counter()
+    out = Outcome(status=0, n_prompt=len(prompt))
+    timings = None
+    try:
+        async with client.stream("POST", url + "/v1/completions", json=body, headers=headers) as r:
+            out.status = r.status_code
+            if r.status_code != 200:
+                out.error = (await r.aread()).decode(errors="replace")[:200]
+                return out
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    out.error = str(chunk["error"].get("message", chunk["error"]))
+                if chunk.get("choices") and chunk["choices"][0].get("text") and out.ttft_s is None:
+                    out.ttft_s = time.perf_counter() - t0
+                if chunk.get("usage"):
+                    out.n_generated = chunk["usage"]["completion_tokens"]
+                timings = chunk.get("timings") or timings
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        out.error = f"{type(e).__name__}: {e}"
+        return out
+    out.total_s = time.perf_counter() - t0
+    if timings:  # the server's own clocks (pymoe and llama.cpp servers send them)
+        out.prefill_tok_s, out.decode_tok_s = timings.get("prompt_per_second"), timings.get("predicted_per_second")
+        out.n_reused = timings.get("cache_n", 0)
+    elif out.n_generated > 1 and out.ttft_s is not None:
+        out.prefill_tok_s = out.n_prompt / out.ttft_s
+        out.decode_tok_s = (out.n_generated - 1) / (out.total_s - out.ttft_s)
+    return out
+
+
+# --- rows --------------------------------------------------------------------------------------------------------
+
+def pct(values: list, q: float) -> Optional[float]:
+    values = [v for v in values if v is not None]
+    return float(np.percentile(values, q)) if values else None
+
+
+def cache_counts(client_sync, url: str, headers: dict) -> Optional[dict]:
+    """The server's decode expert-cache counters (pymoe's /v1/status), or None for other servers."""
+    try:
+        r = client_sync.get(url + "/v1/status", headers=headers, timeout=10)
+        return r.json()["cache"]["counts"]["decode"] if r.status_code == 200 else None
+    except Exception:  # not a pymoe server: no cache columns
+        return None
+
+
+def summarize(name: str, c: int, n_prompt: int, gen: int, outcomes: list, wall_s: float, before, after) -> dict:
+    ok = [o for o in outcomes if o.ok]
+    row = dict(phase=name, c=c, prompt_tokens=n_prompt, gen_tokens=gen, requests=len(outcomes), ok=len(ok),
+               rejected_429=sum(o.status == 429 for o in outcomes),
+               failures=sum(not o.ok and o.status != 429 for o in outcomes), reused_tokens=sum(o.n_reused for o in ok),
+               prefill_tok_s=pct([o.prefill_tok_s for o in ok], 50), decode_tok_s=pct([o.decode_tok_s for o in ok], 50),
+               ttft_p50_s=pct([o.ttft_s for o in ok], 50), ttft_p95_s=pct([o.ttft_s for o in ok], 95),
+               aggregate_tok_s=sum(o.n_generated for o in ok) / wall_s if wall_s > 0 else None,
+               hit_rate=None, spill_share=None)
+    if before is not None and after is not None:
+        d = {k: after[k] - before[k] for k in after}
+        if d["lookups"] and not d.get("host"):  # "host": read in place with no slot pool: no cache, no hit rate
+            row["hit_rate"], row["spill_share"] = d["hits"] / d["lookups"], d["spill"] / d["lookups"]
+    return row
+
+
+async def run_clients(url: str, headers: dict, prompts: list, c: int, gen: int, timeout: float, bar) -> tuple:
+    """c clients share the prompts, each sending its next one when its last one is answered -> (outcomes, wall_s)."""
+    import httpx
+
+    todo = list(prompts)
+    outcomes = []
+
+    async def client_loop(client):
+        while todo:
+            outcomes.append(await send(client, url, headers, todo.pop(0), gen))
+            bar.update(1)
+
+    limits = httpx.Limits(max_connections=c + 4, max_keepalive_connections=c + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(client_loop(client) for _ in range(c)))
+        return outcomes, time.perf_counter() - t0
+
+
+# --- the protocol ------------------------------------------------------------------------------------------------
+
+def plan(n_ctx: int, gen: int, requests: int, concurrency: list, overload: int) -> list:
+    """[(phase name, c, prompt tokens, number of requests)] in the order they run."""
+    lengths = scenario_lengths(n_ctx, gen)
+    steps = [(f"single {name}", 1, n, requests) for name, n in lengths.items()]
+    steps += [("sweep", c, lengths["short"], c * requests) for c in concurrency]
+    if overload:
+        steps.append(("overload", overload, lengths["short"], overload))
+    return steps
+
+
+def run_protocol(url: str, tokenizer, n_ctx: int, gen: int = 128, requests: int = 2,
+                 concurrency: tuple = (1, 2, 4, 8, 16), overload: int = 32, api_key: Optional[str] = None,
+                 timeout: float = 600.0, progress: bool = True) -> list:
+    """Run every step of `plan` against the server at `url` -> the table rows (dicts)."""
+    import httpx
+    from tqdm import tqdm
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    steps = plan(n_ctx, gen, requests, list(concurrency), overload)
+    prompts = Prompts(tokenizer)
+    rows = []
+    with httpx.Client() as sync, tqdm(total=sum(s[3] for s in steps), desc="bench", unit="req",
+                                      disable=not progress) as bar:
+        for name, c, n_prompt, n_req in steps:
+            bar.set_postfix_str(f"{name} c={c}")
+            before = cache_counts(sync, url, headers)
+            outcomes, wall = asyncio.run(run_clients(url, headers, [prompts.make(n_prompt) for _ in range(n_req)],
+                                                     c, gen, timeout, bar))
+            rows.append(summarize(name, c, n_prompt, gen, outcomes, wall, before, cache_counts(sync, url, headers)))
+    return rows
+
+
+COLUMNS = [  # (row key, header, format, width)
+    ("phase", "phase", "{}", 12), ("c", "c", "{}", 3), ("prompt_tokens", "prompt", "{}", 6),
+    ("gen_tokens", "gen", "{}", 4), ("ok", "ok", "{}", 4), ("rejected_429", "429", "{}", 4),
+    ("failures", "fail", "{}", 4), ("prefill_tok_s", "prefill", "{:.1f}", 8), ("decode_tok_s", "decode", "{:.1f}", 7),
+    ("ttft_p50_s", "TTFT50", "{:.2f}", 6), ("ttft_p95_s", "TTFT95", "{:.2f}", 6),
+    ("aggregate_tok_s", "agg", "{:.1f}", 7), ("hit_rate", "hit", "{:.1%}", 6), ("spill_share", "spill", "{:.2%}", 6),
+]
+
+
+def table(rows: list) -> str:
+    """The rows as an aligned text table (tok/s and seconds; '-' where a number is not available)."""
+    def line(cells):
+        widths = [w for _, _, _, w in COLUMNS]
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    out = [line([h for _, h, _, _ in COLUMNS])]
+    for row in rows:
+        out.append(line(["-" if row[k] is None else fmt.format(row[k]) for k, _, fmt, _ in COLUMNS]))
+    return "\n".join(out)
+
+
+def bench(model: str, url: Optional[str] = None, serve_args: tuple = (), n_ctx: Optional[int] = None,
+          out: Optional[str] = "bench.json", log=print, **protocol) -> dict:
+    """`pymoe bench`: start a server (unless `url`), run the protocol, print the table, write the JSON -> report."""
+    import httpx
+
+    from pymoe.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_file(model)
+    with (StartedServer(model, list(serve_args)) if url is None else _Given(url)) as server:
+        headers = {"Authorization": f"Bearer {protocol['api_key']}"} if protocol.get("api_key") else {}
+        status = {}
+        try:
+            r = httpx.get(server.url + "/v1/status", headers=headers, timeout=10)
+        except httpx.HTTPError as e:
+            raise PymoeError(f"{server.url}: cannot reach the server ({type(e).__name__}: {e})") from None
+        if r.status_code == 401:
+            raise PymoeError(f"{server.url}: 401, the server wants an API key (--api-key)")
+        if r.status_code == 200:
+            status = r.json()
+        n_ctx = n_ctx or status.get("n_ctx")
+        if not n_ctx:
+            raise PymoeError(f"{server.url} does not say its context size (/v1/status): give --ctx")
+        log(f"bench: {server.url}, context {n_ctx} tokens, {protocol.get('gen', 128)} generated tokens per request")
+        rows = run_protocol(server.url, tokenizer, n_ctx, **protocol)
+    report = dict(model=os.path.basename(model), url=url or "(started)", n_ctx=n_ctx,
+                  server={k: status.get(k) for k in ("arch", "backend", "kv", "parallel", "max_queue", "cache")},
+                  protocol={k: v for k, v in protocol.items() if k != "api_key"}, rows=rows)
+    log(table(rows))
+    if out:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+        log(f"bench: wrote {out}")
+    return report
+
+
+class _Given:
+    """A server someone else runs: nothing to start or stop."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass

@@ -1,0 +1,334 @@
+"""The scheduler of `pymoe serve`: one engine thread, N parallel slots, a bounded queue, batched decode steps.
+
+    job = Job(prompt_ids=[...], max_tokens=32, sampling=SamplingParams(temperature=0))
+    scheduler.submit(job)                 # QueueFull (the queue is full) / EngineStopped, else queued
+    for kind, value in job.events(): ...  # ("piece", text)* then ("done", "stop" | "length") or ("error", message)
+    job.cancel()                          # from any thread: the slot is freed at the next step
+
+What this is, in the order a job meets it:
+    submit: a bounded queue of jobs waiting for a slot; full -> QueueFull with a retry estimate (admission control)
+    admit:  a free slot for each queued job; the slot whose cached tokens share the longest prefix with the prompt
+            is chosen, and that prefix's KV is reused ("prompt 26 tokens = 20 reused + 6 read"); the rest is
+            prefilled on its own
+    step:   one batched decode of all busy slots (batch.decode_batch: per-slot attention, one MoE call so expert
+            lookups are grouped per expert) -> sample -> TextStream (UTF-8, stop strings) -> an event for the job
+    cancel: a job cancelled by its consumer (an HTTP client that went away) is dropped at the next step
+Why one engine thread and a queue: the model is one shared resource (its expert cache, its kernels); requests are
+serialized into batched steps rather than run side by side. The reference article measured what happens without
+a queue limit (9.3): at c = 32 every request waited and latency grew without bound. Here the queue is bounded
+(--max-queue) and the excess is turned away at once.
+What this is not: HTTP (app.py turns QueueFull into a 429, events into JSON or SSE; nothing here imports a web
+framework), request validation (schemas.py), the model (engine/model.py), the batched step (engine/batch.py) or
+the KV caches (engine/kv.py).
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import queue
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional
+
+import numpy as np
+
+from pymoe.engine.batch import decode_batch
+from pymoe.engine.generate import RequestStats, TextStream
+from pymoe.engine.kv import new_kv
+from pymoe.engine.sampler import Sampler, SamplingParams
+from pymoe.errors import PymoeError
+from pymoe.experts.cache import COUNTERS
+
+FINAL = ("done", "error")  # the kinds of event that end a job's stream
+
+
+class QueueFull(PymoeError):
+    """Every slot is busy and the queue holds --max-queue jobs: try again in `retry_after` seconds."""
+
+    def __init__(self, message: str, retry_after: int):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class EngineStopped(PymoeError):
+    """The engine thread is not running (not started yet, stopped, or the server is shutting down)."""
+
+
+@dataclass
+class Job:
+    """One request on its way through the engine: what to generate, and where its events go.
+
+    `sink(event)` is called on the engine thread with each event (kind, value); without one, the events wait in a
+    thread-safe queue that `events()` reads. Only the engine thread writes the fields below `sink`."""
+
+    prompt_ids: list
+    max_tokens: int
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple = ()
+    ignore_eos: bool = False
+    sink: Optional[Callable[[tuple], None]] = None
+    stats: RequestStats = field(default_factory=RequestStats)
+    t_submit: float = 0.0
+    queue_s: float = 0.0
+    done: bool = False
+    # engine-side state
+    sampler: Optional[Sampler] = None
+    text: Optional[TextStream] = None
+    history: list = field(default_factory=list)  # prompt + generated token ids
+    next_token: int = -1
+    _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
+    _inbox: queue.Queue = field(default_factory=queue.Queue, repr=False)
+
+    # --- the consumer's side (any thread) -----------------------------------------------------------------------
+    def cancel(self) -> None:
+        self._cancelled.set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancelled.is_set()
+
+    def events(self, timeout: Optional[float] = None) -> Iterator[tuple]:
+        """The job's events until the final one (only without a sink); `timeout` per event -> queue.Empty."""
+        while True:
+            event = self._inbox.get(timeout=timeout)
+            yield event
+            if event[0] in FINAL:
+                return
+
+    @property
+    def generated(self) -> list:
+        """The token ids generated so far (the end-of-generation token included when it ended the job)."""
+        return self.history[len(self.prompt_ids):]
+
+    # --- the engine's side ------------------------------------------------------------------------------------
+    def emit(self, kind: str, value=None) -> None:
+        (self.sink or self._inbox.put)((kind, value))
+
+
+@dataclass
+class Slot:
+    """One sequence's place in the batch: a KV cache and the token ids whose keys/values it holds (len == kv.n)."""
+
+    index: int
+    kv: object
+    tokens: list = field(default_factory=list)
+    job: Optional[Job] = None
+    last_used: float = 0.0
+
+
+def common_prefix(a: list, b: list) -> int:
+    n = min(len(a), len(b))
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if diff.size else n
+
+
+class Scheduler:
+    """The thread that owns the model: a bounded queue in, N slots decoded together, events out.
+
+    What it counts (read under `lock` by metrics.py): `outcomes` (requests by outcome: ok, cancelled, error, and
+    what the HTTP side adds with `count`), `totals` (prompt / reused / generated tokens, prefill / decode
+    seconds), `last` (the last step's rates and batch size), `max_batch`, `recent` (the last finished jobs)."""
+
+    def __init__(self, engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", log=lambda line: None):
+        if parallel < 1:
+            raise PymoeError(f"--parallel must be >= 1, got {parallel}")
+        if max_queue < 1:
+            raise PymoeError(f"--max-queue must be >= 1, got {max_queue}")
+        self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
+        self.n_ctx, self.kv_kind, self.log = engine.n_ctx, kv, log
+        self.slots = [Slot(i, new_kv(engine.config, engine.n_ctx, kv)) for i in range(parallel)]
+        self.queue: queue.Queue = queue.Queue(maxsize=max_queue)  # jobs waiting for a slot
+        self.max_queue = max_queue
+        self.lock = threading.Lock()
+        self.outcomes: Counter = Counter()
+        self.totals: Counter = Counter()
+        self.last = {"decode_tok_s": 0.0, "prefill_tok_s": 0.0, "batch": 0}
+        self.max_batch = 0
+        self.recent: deque = deque(maxlen=32)  # summaries of the last finished requests (/v1/status)
+        self.avg_request_s = 1.0  # running mean of a request's engine time: the retry estimate
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self.run, name="pymoe-engine", daemon=True)
+
+    # --- the consumers' calls (any thread) ----------------------------------------------------------------
+    def submit(self, job: Job) -> Job:
+        """Queue a job -> the job; raise QueueFull (queue full) or EngineStopped (engine not running)."""
+        if not self.running():
+            raise EngineStopped("the engine is not running")
+        job.t_submit = time.perf_counter()
+        try:
+            self.queue.put_nowait(job)
+        except queue.Full:
+            wait = self.retry_after()
+            raise QueueFull(f"server busy: {self.max_queue} requests queued (--max-queue) and all "
+                            f"{len(self.slots)} slots busy; retry in about {wait} s", wait) from None
+        return job
+
+    def retry_after(self) -> int:
+        """Seconds until a queue place is likely free: queued requests x mean request time / slots, in [1, 60]."""
+        est = (self.queue.qsize() + 1) * self.avg_request_s / len(self.slots)
+        return int(min(60, max(1, math.ceil(est))))
+
+    def count(self, outcome: str, n: int = 1) -> None:
+        with self.lock:
+            self.outcomes[outcome] += n
+
+    def start(self) -> "Scheduler":
+        self.thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self.thread.is_alive():
+            self.thread.join(timeout)
+
+    def running(self) -> bool:
+        return not self._stop.is_set() and self.thread.is_alive()
+
+    def busy(self) -> int:
+        return sum(s.job is not None for s in self.slots)
+
+    def __enter__(self) -> "Scheduler":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- the engine thread --------------------------------------------------------------------------------
+    def run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._drop_cancelled()
+                self._admit()
+                active = [s for s in self.slots if s.job is not None]
+                if active:
+                    self._decode_step(active)
+            except Exception as e:  # a bug or a model error: fail the jobs in flight, keep serving
+                msg = " ".join(str(e).split()) or type(e).__name__
+                self.log(f"engine error: {type(e).__name__}: {msg}")
+                for s in self.slots:
+                    if s.job is not None:
+                        self._finish(s, "error", f"{type(e).__name__}: {msg}")
+        for s in self.slots:  # shutting down: nobody will decode these
+            if s.job is not None:
+                self._finish(s, "error", "server shutting down")
+        with contextlib.suppress(queue.Empty):
+            while True:
+                self.queue.get_nowait().emit("error", "server shutting down")
+
+    def _drop_cancelled(self) -> None:
+        for s in self.slots:
+            if s.job is not None and s.job.cancelled:
+                self._finish(s, "cancelled")
+
+    def _admit(self) -> None:
+        """Move queued jobs into free slots (blocking briefly when there is nothing else to do)."""
+        idle = not any(s.job is not None for s in self.slots)
+        while any(s.job is None for s in self.slots):
+            try:
+                job = self.queue.get(timeout=0.05) if idle else self.queue.get_nowait()
+            except queue.Empty:
+                return
+            idle = False
+            if job.cancelled:  # cancelled while it waited: it never reaches a slot
+                job.done = True
+                job.emit("done", "cancelled")
+                self.count("cancelled")
+                continue
+            slot = self._pick_slot(job.prompt_ids)
+            try:
+                self._start(slot, job)
+            except PymoeError as e:
+                slot.job = job
+                self._finish(slot, "error", str(e))
+
+    def _pick_slot(self, prompt: list) -> Slot:
+        """The free slot sharing the longest prefix with the prompt; among equals, the least recently used."""
+        free = [s for s in self.slots if s.job is None]
+        return max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+
+    def _start(self, slot: Slot, job: Job) -> None:
+        """Prefill the job's prompt into the slot, reusing the cached prefix, and sample its first token."""
+        prompt, st = job.prompt_ids, job.stats
+        reused = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)  # at least one token to get logits from
+        job.queue_s = time.perf_counter() - job.t_submit
+        job.sampler, job.text, job.history = Sampler(job.sampling), TextStream(self.tokenizer, job.stop), list(prompt)
+        slot.job, slot.kv.n, slot.tokens = job, reused, slot.tokens[:reused]
+        st.n_prompt, st.n_reused, st.stop_reason = len(prompt), reused, "length"
+        st.decode = dict.fromkeys(COUNTERS, 0)
+        st.note_cache(self.engine.cache)
+        t0 = time.perf_counter()
+        logits = self.model.prefill(np.asarray(prompt[reused:]), slot.kv)[-1]  # [V]
+        st.prompt_s = time.perf_counter() - t0
+        slot.tokens = list(prompt)
+        with self.lock:
+            self.totals["prompt_tokens"] += len(prompt)
+            self.totals["reused_tokens"] += reused
+            self.totals["prefill_seconds"] += st.prompt_s
+            self.last["prefill_tok_s"] = st.prefill_tok_s
+        self._advance(slot, logits)
+
+    def _decode_step(self, active: list) -> None:
+        """One batched forward: the last token of every busy slot -> their next logits."""
+        counts = [s.job.stats.decode for s in active]
+        t0 = time.perf_counter()
+        logits = decode_batch(self.model, [s.job.next_token for s in active], [s.kv for s in active], counts)
+        dt = time.perf_counter() - t0
+        with self.lock:
+            self.totals["decode_seconds"] += dt
+            self.last["decode_tok_s"], self.last["batch"] = len(active) / dt if dt > 0 else 0.0, len(active)
+            self.max_batch = max(self.max_batch, len(active))
+        for s, row in zip(active, logits):
+            s.tokens.append(s.job.next_token)
+            s.job.stats.decode_s += dt
+            s.job.stats.n_decoded += 1
+            self._advance(s, row)
+
+    def _advance(self, slot: Slot, logits: np.ndarray) -> None:
+        """Sample the slot's next token and pass its text on; finish on end-of-generation, a stop string or length."""
+        job, st = slot.job, slot.job.stats
+        token = job.sampler(logits, job.history)
+        job.history.append(token)
+        st.n_generated += 1
+        with self.lock:
+            self.totals["generated_tokens"] += 1
+        if self.tokenizer.is_eog(token) and not job.ignore_eos:
+            return self._finish(slot, "stop")
+        piece = job.text.put(token)
+        if piece:
+            job.emit("piece", piece)
+        if job.text.stopped:
+            return self._finish(slot, "stop")
+        if st.n_generated >= job.max_tokens:
+            return self._finish(slot, "length")
+        job.next_token = token
+
+    def _finish(self, slot: Slot, reason: str, error: str = "") -> None:
+        """Free the slot (its KV cache and tokens stay, for prefix reuse) and tell the job how it ended."""
+        job, st = slot.job, slot.job.stats
+        slot.job, slot.last_used = None, time.perf_counter()
+        if len(slot.tokens) != slot.kv.n:  # an error mid-step: the cache no longer matches, don't reuse it
+            slot.tokens, slot.kv.n = [], 0
+        job.done = True
+        st.stop_reason = reason
+        if reason in ("stop", "length"):
+            tail = job.text.end() if not job.text.stopped else ""
+            if tail:
+                job.emit("piece", tail)
+            if job.text.stopped:
+                st.stop_reason = "stop"
+            job.emit("done", st.stop_reason)
+        elif reason == "error":
+            job.emit("error", error)
+        else:  # cancelled: its consumer has gone, or is told so
+            job.emit("done", "cancelled")
+        self.count({"stop": "ok", "length": "ok"}.get(reason, reason))
+        engine_s = st.prompt_s + st.decode_s
+        self.avg_request_s = 0.8 * self.avg_request_s + 0.2 * engine_s
+        self.recent.append(dict(slot=slot.index, n_prompt=st.n_prompt, n_reused=st.n_reused,
+                                n_generated=st.n_generated, stop_reason=st.stop_reason,
+                                queue_ms=round(job.queue_s * 1e3, 1), prompt_line=st.prompt_line(),
+                                cache_line=st.cache_line()))
+        self.log(f"slot {slot.index}: {st.prompt_line()}, {st.stop_reason}")
+        self.log(f"slot {slot.index}: {st.cache_line()}")

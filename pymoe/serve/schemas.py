@@ -1,0 +1,239 @@
+"""The request bodies of the OpenAI API `pymoe serve` answers, as pydantic models, and its error shape.
+
+Every field of /v1/chat/completions and /v1/completions is declared below as one of:
+    implemented   typed, range-checked, with its default: messages / prompt, model, max_tokens,
+                  max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
+                  user; and llama.cpp's top_k, min_p, repeat_penalty, ignore_eos
+    unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (n: 1, logprobs: false,
+                  presence_penalty: 0, response_format: {"type": "text"}, ...), else a 400 naming it
+A field no model declares is a 400 naming it too (extra="forbid"): nothing is accepted and silently ignored.
+JSON null means the field's default. Every 400 is one line in OpenAI's shape, {"error": {"message", "type",
+"param", "code"}}: `parse` turns pydantic's first error into it ("'max_tokens' must be an integer >= 1, got 0").
+What this is not: reading the body (app.py caps its size and parses the JSON), tokenization and the context check
+(app.py), or anything the engine does (scheduler.py).
+"""
+# No `from __future__ import annotations`: the `unsupported(...)` annotations are calls, evaluated here.
+import json
+from typing import Annotated, Any, Literal, Optional, Union, get_args
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic_core import PydanticCustomError, PydanticUndefined
+
+from pymoe.engine.sampler import SamplingParams
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES = get_args(Role)
+
+
+class ApiError(Exception):
+    """An HTTP error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+             429: "rate_limit_error", 503: "server_error", 500: "server_error"}
+
+    def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
+                 headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param, self.headers = status, message, code, param, headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.TYPES.get(self.status, "error"), "param": self.param,
+                          "code": self.code}}
+
+
+# --- the two kinds of field ------------------------------------------------------------------------------------
+
+def _same(value, neutral) -> bool:
+    """Equal and of the same kind: 0.0 is 0, but False is not 0."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
+
+
+def unsupported(*neutral, why: str = ""):
+    """The type of an OpenAI field pymoe does not implement: absent, null or one of `neutral`, else a 400."""
+    allowed = " or ".join(["null", *(json.dumps(n) for n in neutral)])
+
+    def check(value):
+        if value is None or any(_same(value, n) for n in neutral):
+            return None
+        raise PydanticCustomError("unsupported_parameter", "'{param}' is not supported by this server{why}; "
+                                  "only {allowed} is accepted", {"why": f" ({why})" if why else "", "allowed": allowed})
+
+    return Annotated[Any, BeforeValidator(check)]
+
+
+class Strict(BaseModel):
+    """No coercion ("1" is not 1, true is not 1), no unknown fields, and null means the field's default."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_is_default(cls, value, info):
+        default = cls.model_fields[info.field_name].default
+        return default if value is None and default is not PydanticUndefined else value
+
+
+# --- the fields both endpoints share ---------------------------------------------------------------------------
+
+class StreamOptions(Strict):
+    include_usage: bool = Field(False, description="a boolean")
+
+
+class Common(Strict):
+    """What both endpoints accept: length, sampling (OpenAI's and llama.cpp's), stop strings, streaming."""
+
+    model: Optional[str] = Field(None, description="a string (any name: the server serves one model)")
+    max_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1")
+    temperature: float = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
+    top_p: float = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
+    seed: Optional[int] = Field(None, description="an integer")
+    stop: Union[str, Annotated[list[str], Field(max_length=4)], None] = Field(
+        None, description="a string or a list of at most 4 strings")
+    stream: bool = Field(False, description="a boolean")
+    stream_options: StreamOptions = Field(StreamOptions(), description="an object {include_usage}")
+    user: Optional[str] = Field(None, description="a string (an id for the caller's logs; the engine ignores it)")
+    # llama.cpp's extensions
+    top_k: int = Field(40, ge=0, description="an integer >= 0")
+    min_p: float = Field(0.05, ge=0, le=1, description="a number in [0, 1]")
+    repeat_penalty: float = Field(1.0, gt=0, description="a number > 0")
+    ignore_eos: bool = Field(False, description="a boolean")
+    # OpenAI's, not implemented
+    n: unsupported(1, why="one choice per request") = None
+    logprobs: unsupported(False) = None
+    presence_penalty: unsupported(0) = None
+    frequency_penalty: unsupported(0) = None
+    logit_bias: unsupported({}) = None
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
+                              repeat_penalty=self.repeat_penalty, seed=self.seed)
+
+    def stop_strings(self) -> tuple:
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+
+    def max_new_tokens(self, room: int) -> int:
+        """max_tokens (else max_completion_tokens, else all the room left), at most `room`."""
+        asked = self.max_tokens if self.max_tokens is not None else self.max_completion_tokens
+        return min(asked or room, room)
+
+
+# --- /v1/chat/completions --------------------------------------------------------------------------------------
+
+class Message(Strict):
+    """One chat message: a role and its text (a string, or a list of text parts, joined)."""
+
+    role: Role
+    content: Optional[str] = Field(None, description="a string or a list of text parts")
+    name: unsupported() = None
+    tool_calls: unsupported([]) = None
+    tool_call_id: unsupported() = None
+    function_call: unsupported() = None
+    refusal: unsupported() = None
+    audio: unsupported() = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _has_role(cls, m):
+        if not isinstance(m, dict) or m.get("role") not in ROLES:
+            raise PydanticCustomError("invalid_value", "{param} needs a 'role', one of {roles}",
+                                      {"roles": ", ".join(ROLES)})
+        return m
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _join_text_parts(cls, content):
+        if not isinstance(content, list):
+            return content
+        if not all(isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text"
+                   and isinstance(p["text"], str) for p in content):
+            raise PydanticCustomError("invalid_value", "{param}: only text parts are supported")
+        return "".join(p["text"] for p in content)
+
+
+class ChatRequest(Common):
+    messages: list[Message] = Field(min_length=1, description="a non-empty list of {role, content}")
+    response_format: unsupported({"type": "text"}) = None
+    tools: unsupported([]) = None
+    tool_choice: unsupported("none") = None
+    parallel_tool_calls: unsupported() = None
+    functions: unsupported([]) = None
+    function_call: unsupported("none") = None
+    top_logprobs: unsupported(0) = None
+    modalities: unsupported(["text"]) = None
+    audio: unsupported() = None
+    prediction: unsupported() = None
+    reasoning_effort: unsupported() = None
+    store: unsupported(False) = None
+    metadata: unsupported({}) = None
+
+    def template_messages(self) -> list:
+        """What the chat template reads: [{role, content}]."""
+        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+
+
+# --- /v1/completions -------------------------------------------------------------------------------------------
+
+def _one_prompt(p):
+    """[prompt] -> prompt: a list holding one string or one list of token ids is that prompt."""
+    return p[0] if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)) else p
+
+
+class CompletionRequest(Common):
+    prompt: Annotated[Union[str, Annotated[list[int], Field(min_length=1)]], BeforeValidator(_one_prompt)] = Field(
+        description="a string or a list of token ids (one prompt per request)")
+    echo: unsupported(False) = None
+    best_of: unsupported(1) = None
+    suffix: unsupported("") = None
+
+
+# --- pydantic's first error -> one line of OpenAI error ----------------------------------------------------------
+
+def parse(model: type, body: dict):
+    """body -> a `model` (ChatRequest, CompletionRequest), or ApiError 400 naming the first field that is wrong."""
+    try:
+        return model.model_validate(body)
+    except ValidationError as e:
+        raise _api_error(model, body, e.errors()[0]) from None
+
+
+def _api_error(model: type, body: dict, err: dict) -> ApiError:
+    path, param, declared = _locate(model, err["loc"])
+    if err["type"] == "extra_forbidden":
+        param = f"{param}.{err['loc'][-1]}" if param else str(err["loc"][-1])
+        return ApiError(400, f"'{param}' is not supported by this server (an unknown parameter)",
+                        code="unknown_parameter", param=param)
+    if err["type"] in ("invalid_value", "unsupported_parameter"):  # ours: the message is written out
+        return ApiError(400, err["msg"].replace("{param}", param), code=err["type"], param=param)
+    what = declared.description if declared is not None and declared.description else err["msg"].lower()
+    message = f"'{param}' must be {what}"
+    if err["type"] != "missing":
+        for key in path:
+            body = body[key]
+        message += f", got {json.dumps(body)[:60]}"
+    return ApiError(400, message, code="invalid_value", param=param)
+
+
+def _locate(model: type, loc: tuple) -> tuple:
+    """pydantic's error location -> (keys into the body, the field's name as OpenAI writes it, its declaration).
+    ('messages', 0, 'content') -> 'messages[0].content'; what lies below a plain field (a union member, a list
+    item: ('stop', 'list[str]', 0)) is folded into that field."""
+    path, param, declared = [], "", None
+    for key in loc:
+        if isinstance(key, int) and model is not None and declared is not None:  # an item of a list of models
+            param += f"[{key}]"
+        elif isinstance(key, str) and model is not None and key in model.model_fields:
+            declared = model.model_fields[key]
+            param += f".{key}" if param else key
+            model = _model_in(declared.annotation)
+        else:
+            break
+        path.append(key)
+    return path, param, declared
+
+
+def _model_in(annotation) -> Optional[type]:
+    """The pydantic model inside a field's type (list[Message] -> Message), or None."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    return next((m for m in map(_model_in, get_args(annotation)) if m is not None), None)
