@@ -22,7 +22,8 @@ RNG = np.random.default_rng(11)
 
 def test_the_contract_lists_the_primitives():
     assert {"linear", "linear_many", "linear_raw", "rmsnorm", "rope", "attention", "route", "moe_experts", "dense",
-            "vector", "new_pool", "new_kv", "warm_up", "warm_up_experts"} <= set(PRIMITIVES)
+            "vector", "new_pool", "new_kv", "warm_up", "warm_up_experts", "to_device", "to_host", "add", "view",
+            "kv_write", "kv_read"} <= set(PRIMITIVES)
 
 
 @pytest.mark.parametrize("name", ["reference", "cpu"])

@@ -31,7 +31,7 @@ from numba import njit, prange
 from pymoe import quant
 from pymoe.gguf.loader import Tensor
 from .pool import HostPool
-from .reference import DenseWeight, experts_one_by_one, host_dense
+from .reference import DenseWeight, HostArrays, experts_one_by_one, host_dense
 from pymoe.quant import kernels, qact
 from pymoe.quant.kernels import dot, exp_f32
 from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot
@@ -279,7 +279,7 @@ def rope_rows(x, cos, sin, neox):
                 x[t, h, ib] = b * c + a * s
 
 
-class CPUBackend:
+class CPUBackend(HostArrays):
     name = "cpu"
 
     def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None):

@@ -1,13 +1,14 @@
 """The CUDA backend: dense weights and the expert slot pool in device memory, every expert in pinned host memory.
 
-What this is (version 2 of the backend; see "Not yet" below):
-  - `CUDABackend`: the contract of backends/protocol.py, so engine/model.py and engine/moe.py run unchanged, plus
-    `attention_block`: a sequence that gets the backend's device KV cache (`new_kv` -> `DeviceKVCache`) has its
-    whole attention block run on the device (q/k/v
-    projections, biases, q/k norms, RoPE, the KV write, decode attention, the output projection: one upload and
-    one download per layer). Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any
-    supported type, F32 included) and are multiplied by the Numba CUDA kernels of pymoe/backends/cuda_kernels/
-    (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly.
+What this is:
+  - `CUDABackend`: the contract of backends/protocol.py. The engine's blocks run unchanged: the attention block
+    moves its input to the device once (`to_device`), and its projections, biases, q/k norms, RoPE, the KV write
+    into the device KV cache (`DeviceKVCache`, lent to one sequence at a time by `new_kv`) and attention run there
+    until `to_host`. Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any supported
+    type, F32 included) and are multiplied by the Numba CUDA kernels of pymoe/backends/cuda_kernels/
+    (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly. Given host
+    arrays (the residual stream, the router, the output projection stay on the host for now), a primitive answers
+    with host arrays; the norms and RoPE of host arrays run on the CPU backend it holds (`self.cpu`, float path).
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
     straight from host RAM over PCIe through the device pointer of its mmap view: the "spill" miss path. The bytes
@@ -19,7 +20,7 @@ What this is (version 2 of the backend; see "Not yet" below):
     promotions overlap with compute.
   - `DeviceMemory`: every device byte pymoe allocates goes through it, against a budget (free memory at start-up
     minus the reserve); exceeding it is an error, never a silent over-allocation.
-Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, cache.py):
+Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts/cache.py):
     slot   -> the kernel reads the slot (HBM);
     spill  -> the kernel reads the expert's mmap bytes over PCIe (mapped host memory; no slot used);
     cpu    -> the CPU computes that expert (pymoe's CPU kernels, float path like the GPU's) while the GPU runs the
@@ -27,20 +28,9 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, cache.p
     staged -> prefill: the expert is copied once per chunk into one of two staging buffers on the copy stream,
               while the compute stream runs the previous expert (double buffering); with no more tokens than one
               kernel token tile it is read in place instead (one pass over its bytes either way).
-
-Not yet (the next versions, in order): the residual stream stays on the host, so each layer still makes three
-round trips (attention block, router, experts) and the layer norms and residual adds run on the CPU; keeping the
-whole layer on the device (CuPy arrays for the elementwise work), then CUDA graphs, removes them. One device KV
-cache is lent to one sequence at a time (a second concurrent sequence, e.g. the server's parallel slots, gets a host
-KV cache and CPU attention). Prefill attention launches the decode-attention kernel once per new token.
-
-Testing without a GPU. Numba's CUDA simulator (NUMBA_ENABLE_CUDASIM=1) runs device arrays, streams, events and
-kernels on the CPU, but a kernel runs one Python thread per CUDA thread: a 256 x 256 mat-vec takes ~50 s there. So
-the backend takes its kernels as a parameter: `DeviceKernels` (pymoe/backends/cuda_kernels/, the default) or `ReferenceKernels`
-(the NumPy references: dequantize, then float32 math), with the same signatures. tests/test_cuda_backend.py runs
-the backend under the simulator with the reference kernels (everything but the kernels: memory, pool, events,
-mapping, miss paths, sizing), and tests/test_cuda_kernels.py checks every kernel against the same references.
-scripts/gpu-check runs both on a real GPU.
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (the whole layer
+on the device, CUDA graphs, a KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
+with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
 
@@ -304,11 +294,9 @@ class DevicePool(HostPool):
 
 
 class DeviceKVCache:
-    """Keys and values of one sequence in device memory: float32 [L, n_ctx, G, Dh] each (the interface of
+    """Keys and values of one sequence in device memory: float32 [L, n_ctx, G, Dh] each (the fields of
     engine/kv.KVCache: n, n_ctx, clear()). The backend owns one, allocated at start-up within the budget, and lends it
     to one sequence at a time (`CUDABackend.new_kv`)."""
-
-    on_device = True
 
     def __init__(self, k, v, n_ctx: int):
         self.k, self.v = k, v  # device [L, capacity, G, Dh], [L, capacity, G, Dv]
@@ -365,6 +353,8 @@ class CUDABackend:
         self.scratch: dict = {}
         self.chunk = 1
         self._vectors: dict = {}  # id(host vector) -> its device copy (norm weights, biases)
+        self._arena_top = 0  # floats of scratch["arena"] handed out since the last to_device
+        self._rope_host = None  # the host (cos, sin) tables now in scratch rope_cos / rope_sin
         self._stage = None  # two staging slots for prefill misses, and their events
 
     # --- set-up ------------------------------------------------------------------------------------------------
@@ -394,8 +384,9 @@ class CUDABackend:
         return {"x": ((chunk * w_in,), np.float32), "y": ((chunk * w_out,), np.float32),
                 "xg": ((pairs * D,), np.float32), "yg": ((pairs * D,), np.float32), "wg": ((pairs,), np.float32),
                 "h": ((pairs * F,), np.float32), "stage": ((2, self._slot_bytes), np.uint8),
-                "q": ((chunk * H * Dh,), np.float32), "k": ((chunk * G * Dh,), np.float32),
-                "v": ((chunk * G * Dv,), np.float32), "o": ((chunk * H * Dv,), np.float32),
+                # the attention block's device arrays (x, q, k, v, o, y of one block call), reused from the
+                # start at each `to_device` (engine/attention.py: one per block)
+                "arena": ((chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
                 "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
@@ -493,8 +484,49 @@ class CUDABackend:
         if T > self.chunk:
             raise PymoeError(f"backend 'cuda': {T} tokens in one call, the buffers hold {self.chunk} (--chunk)")
 
-    def linear(self, w: DeviceWeight, x: np.ndarray) -> np.ndarray:
-        return self.linear_raw(w.raw, w.qtype, x)
+    # --- where arrays live ------------------------------------------------------------------------------------------
+    # A primitive given a host array answers with a host array (the residual stream, the router, the output
+    # projection: version 2 keeps them on the host); given a device array, with a device array. The attention block
+    # (engine/attention.py) moves its input to the device once (`to_device`) and its output back once (`to_host`):
+    # in between, projections, biases, norms, RoPE, the KV write and attention all run on the device.
+    def to_device(self, x: np.ndarray):
+        """x float32 [T, C] (host) -> the same on the device, at the start of scratch["arena"] (the arena is reused
+        from its start: the previous block's device arrays are dead by now)."""
+        self._check_tokens(x.shape[0])
+        self._arena_top = 0
+        dev = self._arena(x.shape)
+        dev.copy_to_device(np.ascontiguousarray(x, dtype=np.float32), stream=self.compute)
+        return dev
+
+    def to_host(self, a) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a
+        out = a.copy_to_host(stream=self.compute)
+        self.compute.synchronize()
+        return out
+
+    def _arena(self, shape: tuple):
+        """A float32 device array of `shape` from scratch["arena"] (a bump allocator, reset by to_device)."""
+        n = math.prod(shape)
+        buf = self.scratch["arena"]
+        if self._arena_top + n > buf.shape[0]:
+            raise PymoeError(f"backend 'cuda': the attention block's arena ({buf.shape[0]} floats) is full")
+        dev = shaped(buf[self._arena_top:], shape)
+        self._arena_top += n
+        return dev
+
+    @staticmethod
+    def _reshaped(a, shape: tuple):
+        r = a.reshape(shape)
+        return r if getattr(r, "__cuda_ndarray__", False) else type(a)(r)  # the simulator returns an ndarray
+
+    # --- arithmetic -----------------------------------------------------------------------------------------------
+    def linear(self, w: DeviceWeight, x):
+        if isinstance(x, np.ndarray):
+            return self.linear_raw(w.raw, w.qtype, x)
+        y = self._arena((x.shape[0], w.shape[0]))  # [T, R] on the device
+        self.k.matmul(w.raw, w.qtype, x, y, self.compute)
+        return y
 
     def linear_raw(self, raw, qtype, x: np.ndarray) -> np.ndarray:
         """x float32 [T, C] (host) @ W.T, W device rows uint8 [R, row_bytes] -> float32 [T, R] (host)."""
@@ -507,23 +539,72 @@ class CUDABackend:
         self.compute.synchronize()
         return y
 
-    def attention(self, q, k, v, p0):
-        """Attention over a host KV cache (a sequence that did not get the device KV cache): on the CPU."""
-        return self.cpu.attention(q, k, v, p0)
-
-    # The host side of a forward (version 2 keeps the residual stream on the host): the CPU backend's compiled
-    # primitives (rmsnorm and rope with the NumPy reference's bits).
-    def linear_many(self, ws: list, x: np.ndarray) -> list:
+    def linear_many(self, ws: list, x) -> list:
         return [self.linear(w, x) for w in ws]
 
+    def add(self, a, vec: np.ndarray):
+        """a [T, n] + vec [n]; on the device in place."""
+        if isinstance(a, np.ndarray):
+            return a + vec
+        self.k.add_bias(a, self._vec(vec), self.compute)
+        return a
+
+    def view(self, a, shape: tuple):
+        return a.reshape(shape) if isinstance(a, np.ndarray) else self._reshaped(a, shape)
+
     def rmsnorm(self, x, w, eps):
-        return self.cpu.rmsnorm(x, w, eps)
+        """On the host: the CPU backend's (the residual stream); on the device: in place, over the last axis."""
+        if isinstance(x, np.ndarray):
+            return self.cpu.rmsnorm(x, w, eps)
+        shape = tuple(x.shape)  # (the simulator's shape object takes no negative index)
+        rows = self._reshaped(x, (math.prod(shape[:-1]), shape[-1]))  # [N, n]
+        self.k.rmsnorm(rows, self._vec(w), eps, rows, self.compute)
+        return x
 
     def rope(self, x, cos, sin, neox):
-        return self.cpu.rope(x, cos, sin, neox)
+        """x [T, heads, Dh]; cos, sin [T, rope_dim / 2] (host, this forward's positions): on the device in place,
+        the tables uploaded once per forward call (every layer's q and k share them)."""
+        if isinstance(x, np.ndarray):
+            return self.cpu.rope(x, cos, sin, neox)
+        if self._rope_host is None or self._rope_host[0] is not cos:
+            self._rope_host = (cos, sin)  # kept alive, so that `is` can recognise them
+            for name, table in (("rope_cos", cos), ("rope_sin", sin)):
+                shaped(self.scratch[name], table.shape).copy_to_device(np.ascontiguousarray(table, np.float32),
+                                                                      stream=self.compute)
+        dcos, dsin = (shaped(self.scratch[name], cos.shape) for name in ("rope_cos", "rope_sin"))
+        self.k.rope(x, dcos, dsin, neox, 0, self.compute)
+        return x
+
+    def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
+        """k [T, G, Dh], v [T, G, Dv] into kv at positions p0..: a device copy into the device KV cache, or, for a
+        host KV cache (a sequence without the device one), to the host."""
+        T = k.shape[0]
+        if isinstance(kv, DeviceKVCache):
+            kv.k[layer, p0:p0 + T].copy_to_device(k, stream=self.compute)
+            kv.v[layer, p0:p0 + T].copy_to_device(v, stream=self.compute)
+        else:
+            kv.k[layer, p0:p0 + T] = self.to_host(k)
+            kv.v[layer, p0:p0 + T] = self.to_host(v)
+
+    def kv_read(self, kv, layer: int, S: int) -> tuple:
+        return kv.k[layer, :S], kv.v[layer, :S]  # device views, or host arrays
+
+    def attention(self, q, k, v, p0):
+        """Over the device KV cache: one decode-attention launch per new token (token t attends to positions
+        0..p0 + t, all written before); over a host KV cache: on the CPU (q brought to the host)."""
+        if isinstance(k, np.ndarray):
+            return self.cpu.attention(self.to_host(q), k, v, p0)
+        T, H, _ = q.shape
+        Dv = v.shape[2]
+        o = self._arena((T, H * Dv))  # [T, H * Dv]
+        o3 = self._reshaped(o, (T, H, Dv))
+        scores = shaped(self.scratch["scores"], (H, self.n_ctx))
+        for t in range(T):
+            self.k.decode_attention(q[t], k, v, p0 + t, o3[t], scores, self.compute)
+        return o
 
     def route(self, logits, k, norm_topk):
-        return self.cpu.route(logits, k, norm_topk)
+        return self.cpu.route(self.to_host(logits), k, norm_topk)
 
     def _vec(self, host: np.ndarray):
         """The device copy of a small float32 vector of the model (uploaded on first use, counted)."""
@@ -532,47 +613,6 @@ class CUDABackend:
             entry = self._vectors[id(host)] = (self.mem.upload(np.ascontiguousarray(host, np.float32),
                                                                "dense weights"), host)
         return entry[0]
-
-    def attention_block(self, layer, x: np.ndarray, kv: DeviceKVCache, layer_i: int) -> np.ndarray:
-        """engine/attention.gqa_block on the device, for a sequence holding the device KV cache: x float32 [T, D]
-        (host, attn-normed) -> [T, D] (host). One upload, one download; in between q/k/v projections, biases,
-        q/k norms, RoPE, the KV write, attention (one decode-attention launch per new token: token t attends to
-        positions 0..p0 + t, all written before) and the output projection, all on the compute stream."""
-        cfg, k_, st = layer.cfg, self.k, self.compute
-        T, p0 = x.shape[0], kv.n
-        self._check_tokens(T)
-        H, G, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
-        xd = self._put("x", x)  # [T, D]
-        q = shaped(self.scratch["q"], (T, H * Dh))  # [T, H * Dh]
-        k = shaped(self.scratch["k"], (T, G * Dh))  # [T, G * Dh]
-        v = shaped(self.scratch["v"], (T, G * Dv))  # [T, G * Dv]
-        for w, out in ((layer.attn_q, q), (layer.attn_k, k), (layer.attn_v, v)):
-            k_.matmul(w.raw, w.qtype, xd, out, st)
-        if layer.bias:
-            for p, out in (("q", q), ("k", k), ("v", v)):
-                k_.add_bias(out, self._vec(layer.bias[p]), st)
-        if cfg.qk_norm == "full":  # olmoe: over the whole projection
-            k_.rmsnorm(q, self._vec(layer.q_norm), cfg.rms_eps, q, st)
-            k_.rmsnorm(k, self._vec(layer.k_norm), cfg.rms_eps, k, st)
-        elif cfg.qk_norm == "head":  # qwen3moe: each head on its own
-            qh, kh = shaped(self.scratch["q"], (T * H, Dh)), shaped(self.scratch["k"], (T * G, Dh))
-            k_.rmsnorm(qh, self._vec(layer.q_norm), cfg.rms_eps, qh, st)
-            k_.rmsnorm(kh, self._vec(layer.k_norm), cfg.rms_eps, kh, st)
-        q3, k3 = shaped(self.scratch["q"], (T, H, Dh)), shaped(self.scratch["k"], (T, G, Dh))
-        k_.rope(q3, *self.rope_dev, cfg.rope_neox, p0, st)
-        k_.rope(k3, *self.rope_dev, cfg.rope_neox, p0, st)
-        kv.k[layer_i, p0:p0 + T].copy_to_device(k3, stream=st)  # [T, G, Dh] into the cache
-        kv.v[layer_i, p0:p0 + T].copy_to_device(shaped(self.scratch["v"], (T, G, Dv)), stream=st)
-        o = shaped(self.scratch["o"], (T, H * Dv))  # [T, H * Dv]
-        o3 = shaped(self.scratch["o"], (T, H, Dv))
-        scores = shaped(self.scratch["scores"], (H, self.n_ctx))
-        for t in range(T):
-            k_.decode_attention(q3[t], kv.k[layer_i], kv.v[layer_i], p0 + t, o3[t], scores, st)
-        y = shaped(self.scratch["y"], (T, cfg.n_embd))  # [T, D]
-        k_.matmul(layer.attn_output.raw, layer.attn_output.qtype, o, y, st)
-        out = y.copy_to_host(stream=st)
-        st.synchronize()
-        return out
 
     def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray):
         """The routed experts of one layer: x float32 [T, D], ids int [T, K], w float32 [T, K] -> y [T, D].

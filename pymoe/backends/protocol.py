@@ -45,6 +45,28 @@ class Backend(Protocol):
         """A KV cache of the backend's own (the CUDA one in device memory) for a new sequence, or None: then the
         engine gives the sequence a host KV cache (engine/kv.py)."""
 
+    # --- where arrays live ----------------------------------------------------------------------------------------------
+    # A primitive answers where its input is: a host array in, a host array out; a backend's device array in, a device
+    # array out. Host backends never move anything. A primitive may work in place on its input: the blocks never
+    # reuse an input after passing it on.
+    def to_device(self, x: np.ndarray) -> object:
+        """x [T, C] (host) -> the backend's working memory (CUDA: device memory), at the start of a block."""
+
+    def to_host(self, a) -> np.ndarray:
+        """-> a float32 host array (a no-op for host arrays)."""
+
+    def add(self, a, vec: np.ndarray) -> object:
+        """a [T, n] + vec [n] (a bias)."""
+
+    def view(self, a, shape: tuple) -> object:
+        """a reshaped (contiguous; no copy): [T, H * Dh] -> [T, H, Dh]."""
+
+    def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
+        """k [T, G, Dh], v [T, G, Dv] into the KV cache (engine/kv.py, or the backend's own) at positions p0.."""
+
+    def kv_read(self, kv, layer: int, S: int) -> tuple:
+        """The first S cached positions of `layer`: (k [S, G, Dh], v [S, G, Dv]), where the cache keeps them."""
+
     # --- arithmetic ---------------------------------------------------------------------------------------------------
     def linear(self, w, x: np.ndarray) -> np.ndarray:
         """x [T, C] @ W.T -> [T, R] for a weight made by `dense`."""

@@ -136,7 +136,30 @@ def host_dense(t: Tensor) -> DenseWeight:
     return DenseWeight(t.qtype, t.rows(), t.shape)
 
 
-class ReferenceBackend:
+class HostArrays:
+    """The array primitives of a backend that computes on the host: nothing moves, views are NumPy's."""
+
+    def to_device(self, x: np.ndarray) -> np.ndarray:
+        return x
+
+    def to_host(self, a: np.ndarray) -> np.ndarray:
+        return a
+
+    def add(self, a: np.ndarray, vec: np.ndarray) -> np.ndarray:
+        return a + vec
+
+    def view(self, a: np.ndarray, shape: tuple) -> np.ndarray:
+        return a.reshape(shape)
+
+    def kv_write(self, kv, layer: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
+        kv.k[layer, p0:p0 + k.shape[0]] = k
+        kv.v[layer, p0:p0 + v.shape[0]] = v
+
+    def kv_read(self, kv, layer: int, S: int) -> tuple:
+        return kv.k[layer, :S], kv.v[layer, :S]
+
+
+class ReferenceBackend(HostArrays):
     """backends/protocol.py's contract in NumPy: the functions above, and `dequantize(w) @ x` for every weight."""
 
     name = "reference"

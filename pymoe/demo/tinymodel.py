@@ -14,6 +14,12 @@ Quant mixes:
   - "q2_k": llama.cpp's `Q2_K` file type mix: Q2_K gate/up experts (and attn_q/k, attn_output's siblings,
     token_embd), Q3_K down experts and attn_output, Q4_K attn_v, Q6_K output, F32 norms, router and biases.
     A matrix whose rows are not a multiple of 256 values falls back to Q4_0 (llama.cpp falls back too).
+  - "q2_0": llama.cpp's `Q2_0` file type (LLAMA_FTYPE_MOSTLY_Q2_0, what `llama_model_quantize` writes from an F32
+    file, pinned by tests/test_q2_0_model.py): Q2_0 experts and every other matrix (attn_q/k/v/output, the shared
+    expert), except Q6_K output (token_embd too when the output is tied to it), Q4_K token_embd, Q8_0 attn_k and
+    attn_v in models of exactly 8 experts (llama.cpp's rule, true of the tiny preset), F32 norms, router and biases.
+    Rows that are not whole blocks take llama.cpp's fallback (Q2_0 -> Q4_0, Q4_K -> Q5_0, Q6_K -> Q8_0), then F32
+    where llama.cpp would take F16 (no preset has such rows).
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ import numpy as np
 from gguf import GGUFWriter, LlamaFileType, TokenType
 
 from pymoe import quant
+from pymoe.quant.ggml_types import LLAMA_FTYPE_MOSTLY_Q2_0
 from pymoe.gguf.config import ARCHS, ModelConfig
 from pymoe.gguf.loader import expected_tensors
 
@@ -102,7 +109,7 @@ ARCH_TWEAKS = {
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False}  # llama.cpp requires olmoe output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0}
-QUANT_MIXES = ("f32", "q2_k")
+QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
 
 def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelConfig:
@@ -157,10 +164,13 @@ def train_tokenizer(vocab_size: int = 512, corpus: str = TOKENIZER_CORPUS, split
 
 # --- weights -----------------------------------------------------------------------------------------------------
 
-def quant_type(name: str, shape: tuple, mix: str) -> quant.QType:
-    """The GGML type a tensor gets in a quant mix (see the module docstring)."""
+def quant_type(name: str, shape: tuple, mix: str, cfg: Optional[ModelConfig] = None) -> quant.QType:
+    """The GGML type a tensor gets in a quant mix (see the module docstring). `cfg` (expert count, tied output) is
+    read by the q2_0 mix only, which follows llama.cpp's rules for those."""
     if mix == "f32" or len(shape) == 1 or name.endswith("ffn_gate_inp.weight") or name.endswith(".bias"):
         return Q.F32
+    if mix == "q2_0":
+        return q2_0_mix_type(name, shape, cfg)
     if mix != "q2_k":
         raise ValueError(f"unknown quant mix {mix!r} (choose from {', '.join(QUANT_MIXES)})")
     if "ffn_down" in name or name.endswith("attn_output.weight"):
@@ -173,6 +183,28 @@ def quant_type(name: str, shape: tuple, mix: str) -> quant.QType:
         qtype = Q.Q2_K
     if shape[-1] % 256:
         qtype = Q.Q4_0 if shape[-1] % 32 == 0 else Q.F32
+    return qtype
+
+
+# llama.cpp's tensor_type_fallback (src/llama-quant.cpp): the type a matrix takes when its rows are not whole blocks
+Q2_0_MIX_FALLBACK = {Q.Q2_0: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}
+
+
+def q2_0_mix_type(name: str, shape: tuple, cfg: Optional[ModelConfig]) -> quant.QType:
+    """The type of a matrix in llama.cpp's Q2_0 file type (llama_tensor_get_type_impl for LLAMA_FTYPE_MOSTLY_Q2_0)."""
+    tied = cfg is not None and cfg.tied_output
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        qtype = Q.Q6_K  # the output head keeps 6 bits in every K / low-bit file type
+    elif name == "token_embd.weight":
+        qtype = Q.Q4_K  # llama.cpp: TQ1_0, TQ2_0 and Q2_0 files store the embeddings in Q4_K
+    elif cfg is not None and cfg.n_expert == 8 and (name.endswith("attn_k.weight") or name.endswith("attn_v.weight")):
+        qtype = Q.Q8_0  # "for the 8-expert model, bumping this to Q8_0 trades just ~128MB" (Mixtral rule)
+    else:
+        qtype = Q.Q2_0
+    if shape[-1] % quant.get_format(qtype).block_size:
+        qtype = Q2_0_MIX_FALLBACK.get(qtype, qtype)
+    if shape[-1] % quant.get_format(qtype).block_size:
+        qtype = Q.F32  # llama.cpp: F16
     return qtype
 
 
@@ -221,7 +253,7 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
     return cfg
 
 
-def _quantized(weights, mix: str, jobs: int):
+def _quantized(weights, mix: str, jobs: int, cfg: Optional[ModelConfig] = None):
     """(name, float32 values) -> (name, shape, qtype, what to write), in order; quantized by `jobs` processes, at
     most 2 * jobs tensors in flight (so the float tensors of a large preset are never all in memory at once)."""
     from collections import deque
@@ -229,7 +261,7 @@ def _quantized(weights, mix: str, jobs: int):
 
     if jobs <= 1:
         for name, values in weights:
-            qtype = quant_type(name, values.shape, mix)
+            qtype = quant_type(name, values.shape, mix, cfg)
             yield name, values.shape, qtype, values if qtype == Q.F32 else quant.quantize(values, qtype)
         return
     def done(item):  # (name, shape, qtype, float values or a future of the quantized bytes) -> what to write
@@ -239,7 +271,7 @@ def _quantized(weights, mix: str, jobs: int):
     with ProcessPoolExecutor(jobs) as pool:
         pending = deque()
         for name, values in weights:
-            qtype = quant_type(name, values.shape, mix)
+            qtype = quant_type(name, values.shape, mix, cfg)
             pending.append((name, values.shape, qtype,
                             values if qtype == Q.F32 else pool.submit(quant.quantize, values, qtype)))
             if len(pending) >= 2 * jobs:
@@ -255,7 +287,7 @@ def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, wei
     w = GGUFWriter(path, cfg.arch)
     _write_metadata(w, cfg, tokens, types, merges, mix)
     shapes = expected_tensors(cfg)
-    for name, shape, qtype, data in _quantized(weights, mix, jobs):
+    for name, shape, qtype, data in _quantized(weights, mix, jobs, cfg):
         if tuple(shape) != shapes[name]:
             raise ValueError(f"tensor {name} has shape {list(shape)}, expected {list(shapes[name])}")
         if qtype == Q.F32:
@@ -270,7 +302,8 @@ def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, wei
 
 def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix: str) -> None:
     w.add_name(cfg.name)
-    w.add_file_type(int(LlamaFileType.ALL_F32 if mix == "f32" else LlamaFileType.MOSTLY_Q2_K))
+    file_type = {"f32": LlamaFileType.ALL_F32, "q2_0": LLAMA_FTYPE_MOSTLY_Q2_0}.get(mix, LlamaFileType.MOSTLY_Q2_K)
+    w.add_file_type(int(file_type))
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
     w.add_block_count(cfg.n_layers)

@@ -18,28 +18,26 @@ import numpy as np
 
 
 def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndarray:
-    """x [T, D] (attn-normed) -> [T, D]; writes the T new keys and values into kv at positions kv.n ...
-    rope: (cos, sin) [T, rope_dim / 2] of those positions (reference.rope_tables), shared by every layer."""
-    cfg = layer.cfg
-    if getattr(kv, "on_device", False):  # the backend's own KV cache in device memory: the block runs there
-        return b.attention_block(layer, x, kv, layer_i)
+    """x [T, D] (attn-normed, host) -> [T, D] (host); writes the T new keys and values into kv at positions kv.n ...
+    rope: (cos, sin) [T, rope_dim / 2] of those positions (reference.rope_tables), shared by every layer.
+    Between `to_device` and `to_host` the arrays live where the backend computes (CUDA: device memory)."""
+    cfg, eps = layer.cfg, layer.cfg.rms_eps
+    H, G, Dh, Dv = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.head_dim_v
     T, p0 = x.shape[0], kv.n
+    x = b.to_device(x)  # [T, D]
     q, k, v = b.linear_many([layer.attn_q, layer.attn_k, layer.attn_v], x)  # [T, H*Dh], [T, G*Dh], [T, G*Dv]
-    if layer.bias:
-        q, k, v = q + layer.bias["q"], k + layer.bias["k"], v + layer.bias["v"]
+    if layer.bias:  # qwen2moe
+        q, k, v = b.add(q, layer.bias["q"]), b.add(k, layer.bias["k"]), b.add(v, layer.bias["v"])
     if cfg.qk_norm == "full":  # olmoe: over the whole projection, before splitting into heads
-        q, k = b.rmsnorm(q, layer.q_norm, cfg.rms_eps), b.rmsnorm(k, layer.k_norm, cfg.rms_eps)
-    q = q.reshape(T, cfg.n_head, cfg.head_dim)  # [T, H, Dh]
-    k = k.reshape(T, cfg.n_head_kv, cfg.head_dim)  # [T, G, Dh]
-    v = v.reshape(T, cfg.n_head_kv, cfg.head_dim_v)  # [T, G, Dv]
+        q, k = b.rmsnorm(q, layer.q_norm, eps), b.rmsnorm(k, layer.k_norm, eps)
+    q, k, v = b.view(q, (T, H, Dh)), b.view(k, (T, G, Dh)), b.view(v, (T, G, Dv))
     if cfg.qk_norm == "head":  # qwen3moe: each head separately
-        q, k = b.rmsnorm(q, layer.q_norm, cfg.rms_eps), b.rmsnorm(k, layer.k_norm, cfg.rms_eps)
+        q, k = b.rmsnorm(q, layer.q_norm, eps), b.rmsnorm(k, layer.k_norm, eps)
     cos, sin = rope
     q, k = b.rope(q, cos, sin, cfg.rope_neox), b.rope(k, cos, sin, cfg.rope_neox)
-    kv.k[layer_i, p0:p0 + T] = k
-    kv.v[layer_i, p0:p0 + T] = v
-    out = b.attention(q, kv.k[layer_i, :p0 + T], kv.v[layer_i, :p0 + T], p0)  # [T, H * Dv]
-    return b.linear(layer.attn_output, out)  # [T, D]
+    b.kv_write(kv, layer_i, p0, k, v)
+    out = b.attention(q, *b.kv_read(kv, layer_i, p0 + T), p0)  # [T, H * Dv]
+    return b.to_host(b.linear(layer.attn_output, out))  # [T, D]
 
 
 ATTENTION = {"gqa": gqa_block}

@@ -6,8 +6,8 @@ again), all with the one interface the attention blocks (engine/attention.py) us
     kv.k[layer, :S]                    read the first S positions   (-> float32-compatible [S, G, Dh])
 and the same for kv.v, plus kv.n (tokens stored) / kv.n_ctx / clear(). The int8 cache stores K and V as
 `QuantizedPlane`s, small adapters that quantize on write and dequantize the prefix asked for on read, so the blocks
-run unchanged. The CUDA backend's `DeviceKVCache` (backends/cuda.py) has the same fields in device memory and
-`on_device = True`, which sends the block to the backend's device attention.
+run unchanged. The blocks read and write a cache through the backend (`kv_write`, `kv_read`), so the CUDA backend's
+`DeviceKVCache` (backends/cuda.py), the same fields in device memory, runs the very same block code.
 State of other kinds goes here, indexed by layer like k and v: a linear-attention (Gated DeltaNet) layer keeps a
 recurrent state and a conv state instead of K/V, an MLA layer a compressed latent (the next issue adds them).
 What this is not: a paged or shared KV pool (each sequence owns one cache), or a faster attention: the int8 read

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
-from gguf import GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
 
 from pymoe import quant
 from .config import REQUIRED, LayerPlan, ModelConfig
@@ -265,6 +265,32 @@ def _squeezed(t: Tensor, shape: tuple) -> Tensor:
     return Tensor(t.name, t.qtype, tuple(shape), data)
 
 
+class UnknownTensorType(ValueError):
+    """A tensor's GGML type id is not one gguf-py (with pymoe.quant.ggml_types) knows: no block size, no layout."""
+
+    def __init__(self, type_id: int, tensor: str):
+        super().__init__(f"unsupported tensor type {type_id} in {tensor}")
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that names the tensor whose type id it does not know.
+
+    gguf-py turns each tensor's type field into `GGMLQuantizationType(id)` while it builds the tensor views, and an
+    unknown id surfaces as a bare ValueError ("57 is not a valid GGMLQuantizationType") with no tensor name. The
+    header is already parsed when `_build_tensors` runs (one field per tensor: name, dims, type id, offset), so the
+    ids are checked here first, against the same table the reader then uses for block sizes (GGML_QUANT_SIZES,
+    extended with Q2_0 by pymoe.quant.ggml_types). Any other failure is still the reader's own.
+    """
+
+    def _build_tensors(self, start_offs, fields):
+        known = {int(t) for t in GGML_QUANT_SIZES}
+        for field in fields:
+            type_id = int(field.parts[4][0])  # parts: name length, name, n_dims, dims, type id, offset
+            if type_id not in known:
+                raise UnknownTensorType(type_id, field.name)
+        return super()._build_tensors(start_offs, fields)
+
+
 def _open_reader(path: str) -> GGUFReader:
     """GGUFReader with its failures turned into one-line errors naming the file."""
     if not os.path.exists(path):
@@ -278,9 +304,11 @@ def _open_reader(path: str) -> GGUFReader:
         if f.read(4) != b"GGUF":
             raise PymoeError(f"{path}: not a GGUF file (bad magic)")
     try:
-        return GGUFReader(path, "r")
+        return _Reader(path, "r")
     except PermissionError:
         raise PymoeError(f"{path}: permission denied") from None
+    except UnknownTensorType as e:
+        raise PymoeError(f"{path}: {e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError, UnicodeDecodeError) as e:
         # A header that runs past the end of the file shows up as a short read, i.e. a reshape/index error.
         raise PymoeError(f"{path}: corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None

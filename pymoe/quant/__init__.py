@@ -1,11 +1,13 @@
 """Quantized weight formats: one registry, the reference dequantizers, the fused CPU kernels, the quantizers.
 
 What this package is: every GGML tensor type pymoe reads (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
-Q4_K, Q5_K, Q6_K), each described once in a `QuantFormat` with
-  - `dequantize_ref`: a readable NumPy reference, bit-exact with `gguf.dequantize` (the oracle);
+Q4_K, Q5_K, Q6_K, Q2_0), each described once in a `QuantFormat` with
+  - `dequantize_ref`: a readable NumPy reference, bit-exact with `gguf.dequantize` (the oracle), or for a type
+    gguf-py does not know (Q2_0) with llama.cpp's own `dequantize_row_*` (tests/test_q2_0.py);
   - `decode_block`: a Numba twin that decodes n consecutive blocks into a float32 scratch buffer, used by the fused kernels in
     `kernels.py` so a weight matrix is never dequantized as a whole;
-  - `quantize`: float32 blocks -> raw blocks (gguf-py for the simple types, `quantize.py` for the K-quants).
+  - `quantize`: float32 blocks -> raw blocks (gguf-py for the simple types, `quantize.py` for the K-quants,
+    `q2_0.py` for Q2_0).
 What it is not: a place for model logic. Callers pass raw bytes exactly as they sit in the GGUF mmap:
 a weight matrix is `uint8 [rows, row_bytes]` with `row_bytes = cols // block_size * type_size`.
 
@@ -18,6 +20,8 @@ from typing import Callable, Optional
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import ggml_types  # noqa: F401  first: teaches gguf-py the types it lacks (Q2_0), see ggml_types.py
 
 QType = GGMLQuantizationType
 
@@ -57,7 +61,7 @@ def get_format(qtype) -> QuantFormat:
 
 
 # The modules below fill FORMATS through register(); importing them is what makes a type supported.
-from . import floats, legacy, kquants  # noqa: E402,F401
+from . import floats, legacy, kquants, q2_0  # noqa: E402,F401
 from .kernels import matmul, matvec  # noqa: E402,F401
 
 

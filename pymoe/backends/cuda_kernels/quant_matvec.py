@@ -1,7 +1,7 @@
 """Quantized mat-vec and mat-mat on the GPU (Numba CUDA): Y[T, R] = X[T, C] W[R, C]^T, W as raw GGML blocks.
 
 What this is: for every format in `pymoe.quant.FORMATS` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K,
-Q4_K, Q5_K, Q6_K), a per-format pair of scalar decode functions (below), one kernel source per version that is
+Q4_K, Q5_K, Q6_K, Q2_0), a per-format pair of scalar decode functions (below), one kernel source per version that is
 specialised per format, and host wrappers `matvec(w, qtype, x)` / `matmul(w, qtype, X)`.
 What this is not: the reference (that is `pymoe.quant.dequantize(w, qtype) @ x`, NumPy; tests/test_cuda_kernels.py
 compares the two), nor memory management: the caller owns every device buffer and stream (pymoe/backends).
@@ -226,6 +226,14 @@ def q5_k_code(src, s, k):  # qh[32] at 16: bit k // 32 of byte k % 32 is bit 4; 
     return np.float32(low | (high << 4))
 
 
+def q2_0_scale(src, s, g):  # d fp16 at 0; w = d * (q - 1), one group of 64 (q2_0.py)
+    return read_f16(src, s), F32_ZERO
+
+
+def q2_0_code(src, s, k):  # qs[16] at 2: weight k in byte k // 4, bits 2(k % 4)..2(k % 4)+1
+    return np.float32(((np.int64(src[s + 2 + (k >> 2)]) >> (2 * (k & 3))) & 3) - 1)
+
+
 def q6_k_scale(src, s, g):  # scales[16] int8 at 192, d fp16 at 208; w = (d * sc) * q
     return read_f16(src, s + 208) * np.float32(int8_at(src, s + 192 + g)), F32_ZERO
 
@@ -270,6 +278,7 @@ DEVICE_FORMATS: dict[QType, DeviceFormat] = {
         DeviceFormat(QType.Q4_K, 32, q4_k_scale, q4_k_code),
         DeviceFormat(QType.Q5_K, 32, q4_k_scale, q5_k_code),  # Q5_K's d, dmin and scale table sit where Q4_K's do
         DeviceFormat(QType.Q6_K, 16, q6_k_scale, q6_k_code),
+        DeviceFormat(QType.Q2_0, 64, q2_0_scale, q2_0_code),
     )
 }
 # tests/test_cuda_kernels.py checks that this covers every format of pymoe.quant.FORMATS.
