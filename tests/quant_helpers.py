@@ -26,6 +26,7 @@ FP16_FIELDS = {
     QType.Q4_K: (0, 2),  # d dmin scales[12] qs[128]
     QType.Q5_K: (0, 2),  # d dmin scales[12] qh[32] qs[128]
     QType.Q6_K: (208,),  # ql[128] qh[64] scales[16] d
+    QType.Q2_0: (0,),  # d qs[16]
 }
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 

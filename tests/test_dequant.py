@@ -1,9 +1,10 @@
 """Dequantization oracles for every registered format (pymoe.quant.FORMATS), parametrised over the registry.
 
 What this is: (1) `pymoe.quant.dequantize` (the NumPy references) bit-exact with `gguf.dequantize` on random raw
-blocks; (2) each Numba `decode_block` bit-exact with its reference (np.array_equal, not "within 1 ulp": the twins
-perform the same float32 operations in the same order, so any difference is a bug), also on blocks that start at
-an odd byte address; (3) `f16_to_f32` exact over all 65536 half-precision patterns; (4) quantize -> dequantize
+blocks (for a type gguf-py does not implement, Q2_0: with llama.cpp's own `dequantize_row_*`, tests/ggml_lib.py);
+(2) each Numba `decode_block` bit-exact with its reference (np.array_equal, not "within 1 ulp": the twins perform
+the same float32 operations in the same order, so any difference is a bug), also on blocks that start at an odd
+byte address; (3) `f16_to_f32` exact over all 65536 half-precision patterns; (4) quantize -> dequantize
 round trips within stated error bounds for the types that have a quantizer.
 What this is not: the fused matrix kernels (tests/test_kernels.py) or hand-placed-bit layout checks
 (tests/test_kquants_layout.py).
@@ -15,6 +16,7 @@ import pytest
 import pymoe.quant as Q
 from pymoe.quant import QType
 from pymoe.quant.floats import f16_to_f32
+from ggml_lib import ggml_dequantize
 from quant_helpers import random_blocks
 
 FORMATS = sorted(Q.FORMATS.values(), key=lambda f: f.name)
@@ -25,12 +27,20 @@ def n_blocks_for(fmt, rows=7, weights_per_row=512):
     return rows * max(1, weights_per_row // fmt.block_size)
 
 
+def oracle_dequantize(raw, fmt):
+    """gguf-py's dequantizer; for a type it does not implement (NotImplementedError), llama.cpp's."""
+    try:
+        return gguf.dequantize(raw, fmt.qtype)
+    except NotImplementedError:
+        return ggml_dequantize(raw, fmt.qtype, fmt.block_size)
+
+
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_reference_is_bit_exact_with_gguf(fmt):
     rng = np.random.default_rng(1)
     raw = random_blocks(fmt.qtype, n_blocks_for(fmt), rng).reshape(7, -1)  # [rows, row_bytes]
     ours = Q.dequantize(raw, fmt.qtype)  # [rows, cols]
-    oracle = gguf.dequantize(raw, fmt.qtype)
+    oracle = oracle_dequantize(raw, fmt)
     assert ours.dtype == np.float32 and ours.shape == oracle.shape
     assert np.isfinite(ours).all()
     assert np.array_equal(ours.view(np.uint32), np.asarray(oracle, np.float32).view(np.uint32))  # bits, so -0 != +0
@@ -66,13 +76,14 @@ def test_f16_to_f32_is_exact_for_every_half():
 
 # Round trip on standard-normal data. RMS_BOUND: sqrt(mean((w' - w)^2) / mean(w^2)), with margin over what the
 # quantizers reach (measured: F16 2e-4, BF16 1.7e-3, Q8_0 5.4e-3, Q4_0 .087, Q4_1 .078, Q5_0 .043, Q5_1 .038,
-# Q2_K .30, Q3_K .15, Q4_K .071, Q6_K .018). MAX_BOUND: the worst-case |w' - w| / max|w| within one block that
+# Q2_K .30, Q3_K .15, Q4_K .071, Q6_K .018, Q2_0 .716: llama.cpp's Q2_0 quantizer is ternary with d = max|w|, see
+# quant/q2_0.py). MAX_BOUND: the worst-case |w' - w| / max|w| within one block that
 # round-to-nearest guarantees (half a step, a whole step where the extreme is clipped, plus fp16 rounding of the
 # scale and offset: 2^-11 relative), for the formats simple enough to state one.
 RMS_BOUND = {
     QType.F32: 0.0, QType.F16: 5e-4, QType.BF16: 4e-3, QType.Q8_0: 0.01,
     QType.Q4_0: 0.11, QType.Q4_1: 0.10, QType.Q5_0: 0.06, QType.Q5_1: 0.05,
-    QType.Q2_K: 0.35, QType.Q3_K: 0.20, QType.Q4_K: 0.10, QType.Q5_K: 0.05, QType.Q6_K: 0.03,
+    QType.Q2_K: 0.35, QType.Q3_K: 0.20, QType.Q4_K: 0.10, QType.Q5_K: 0.05, QType.Q6_K: 0.03, QType.Q2_0: 0.75,
 }
 MAX_BOUND = {
     QType.F32: 0.0,
@@ -83,6 +94,7 @@ MAX_BOUND = {
     QType.Q4_1: 1 / 15 + 2.0 ** -8,  # d = (max - min)/15 <= 2 max/15: half a step
     QType.Q5_0: 1 / 16 + 2.0 ** -9,  # d = max/-16: one clipped step
     QType.Q5_1: 1 / 31 + 2.0 ** -8,  # d = (max - min)/31: half a step
+    QType.Q2_0: 1 / 2 + 2.0 ** -11,  # d = max: |w| < d/2 -> 0, else +-d; half a step plus d's fp16 rounding
 }
 
 
