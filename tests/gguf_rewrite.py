@@ -8,9 +8,10 @@ GGUFReader hands out). `change` returns its arguments unchanged for the tensors 
 What this is not: a quantizer (pymoe.quant) or a model writer (pymoe.demo.tinymodel).
 """
 import numpy as np
-from gguf import GGUFReader, GGUFValueType, GGUFWriter
+from gguf import GGUFReader, GGUFWriter
 
 from pymoe import quant
+from pymoe.demo.tinymodel import copy_metadata
 
 
 def keep(name, qtype, data):
@@ -21,21 +22,7 @@ def rewrite_gguf(src: str, dst: str, change=keep) -> None:
     r = GGUFReader(src)
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
     w = GGUFWriter(dst, arch)  # writes general.architecture itself
-    for key, field in r.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture":
-            continue
-        vtype = field.types[0]
-        if vtype == GGUFValueType.ARRAY:
-            sub = field.types[-1]
-            if sub == GGUFValueType.STRING:
-                val = [bytes(field.parts[i]) for i in field.data]
-            else:
-                val = [field.parts[i].tolist()[0] for i in field.data]
-            w.add_key_value(key, val, vtype, sub_type=sub)
-        elif vtype == GGUFValueType.STRING:
-            w.add_key_value(key, bytes(field.parts[-1]), vtype)
-        else:
-            w.add_key_value(key, field.parts[-1].tolist()[0], vtype)
+    copy_metadata(r, w)
     for t in r.tensors:
         data, qtype = change(t.name, t.tensor_type, np.array(t.data))
         if qtype == quant.QType.F32:

@@ -350,22 +350,17 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     return ap.parse_args(argv)
 
 
-def write_f32_copy(src: str, dst: str) -> None:
-    """Copy a GGUF with every tensor dequantized to F32 (pymoe's reference dequantizer), metadata unchanged but the
-    file type. The oracle for K-quant files: llama.cpp quantizes activations to 8 bits when it multiplies by K-quant
-    weights, so pymoe on the quantized file is compared with llama.cpp on this float copy (same weights, float math).
-    """
-    from gguf import GGUFReader, GGUFValueType
+def copy_metadata(r, w, file_type=None) -> None:
+    """Every metadata key of GGUFReader `r` into GGUFWriter `w` (made with r's architecture, which it writes itself),
+    as stored; `file_type`: a new general.file_type, if given."""
+    from gguf import GGUFValueType
 
-    r = GGUFReader(src)
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    w = GGUFWriter(dst, arch)  # writes general.architecture itself
     for key, field in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         vtype = field.types[0]
-        if key == "general.file_type":
-            w.add_key_value(key, int(LlamaFileType.ALL_F32), vtype)
+        if key == "general.file_type" and file_type is not None:
+            w.add_key_value(key, int(file_type), vtype)
         elif vtype == GGUFValueType.ARRAY:
             sub = field.types[-1]
             if sub == GGUFValueType.STRING:
@@ -377,6 +372,19 @@ def write_f32_copy(src: str, dst: str) -> None:
             w.add_key_value(key, bytes(field.parts[-1]), vtype)
         else:
             w.add_key_value(key, field.parts[-1].tolist()[0], vtype)
+
+
+def write_f32_copy(src: str, dst: str) -> None:
+    """Copy a GGUF with every tensor dequantized to F32 (pymoe's reference dequantizer), metadata unchanged but the
+    file type. The oracle for K-quant files: llama.cpp quantizes activations to 8 bits when it multiplies by K-quant
+    weights, so pymoe on the quantized file is compared with llama.cpp on this float copy (same weights, float math).
+    """
+    from gguf import GGUFReader
+
+    r = GGUFReader(src)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    w = GGUFWriter(dst, arch)  # writes general.architecture itself
+    copy_metadata(r, w, file_type=LlamaFileType.ALL_F32)
     for t in r.tensors:
         shape = tuple(int(n) for n in reversed(t.shape))
         raw = np.asarray(t.data).view(np.uint8)

@@ -1,0 +1,604 @@
+#!/usr/bin/env python
+"""Mutation check: plant known bugs ("mutants") in a temporary copy of the repo and confirm the oracle tests fail.
+
+What this is: a table of mutants (MUTANTS below), each a plain string replacement in one file of pymoe/ plus the
+oracle tests that must catch it, and the loop that checks them:
+  1. snapshot the working tree (`git ls-files` + untracked, not ignored files) into a temp dir, with `../shared`
+     (data the tests read from beside the checkout) linked beside the copy, read-only use;
+  2. check that every mutant's `old` snippet occurs exactly once in its file (else stop: the table is stale);
+  3. collect the node ids every mutant selects (patterns over `pytest --collect-only`; a pattern that matches
+     nothing stops the run: the table is stale);
+  4. baseline: run the union of the selected tests on the UNMUTATED copy; they must all pass (no failures, no
+     skips), or no verdict below means anything;
+  5. each mutant: a fresh copy, the replacement applied, its tests run -> "killed" (pytest exit 1: a test failed),
+     "SURVIVED" (exit 0: every test passed with the bug in) or "error" (any other exit: collection error, usage
+     error, timeout; not counted as killed).
+Exit status 0 only when the baseline passed and every mutant was killed.
+
+The mutated package really is the one imported: the tests run with this interpreter (`sys.executable`, the repo
+venv's), cwd = the copy and PYTHONPATH = the copy, and the script checks that `pymoe.__file__` lies in the copy
+before anything else runs (the editable install of /work/main would otherwise win).
+
+Numba: its on-disk cache is keyed by the source file's directory path and content hash. Every run uses the same
+copy path and its own NUMBA_CACHE_DIR: the baseline starts empty (everything compiles: minutes) and each mutant run
+starts from a copy of the baseline's cache with the entries of the mutated module, and of every pymoe module that
+imports it (directly or not), removed: Numba's content hash only watches a function's own file, and a cached caller
+in another file would keep the unmutated callee compiled in. `--numba-cache fresh` compiles everything in every
+run instead (slow; for when in doubt).
+
+Usage (from the repo root, with the repo's venv):
+    .venv/bin/python tests/mutants/run_mutants.py            # baseline + every mutant, then the table
+    .venv/bin/python tests/mutants/run_mutants.py --list     # the table of mutants and their test selections
+    .venv/bin/python tests/mutants/run_mutants.py --only rope_base_halved --only sampler_drops_least_likely
+This file is a script, not a test module: pytest does not collect it (its name does not match test_*.py, and the
+folder has no __init__.py and no conftest).
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    path: str  # file, relative to the repo root
+    old: str  # exact source snippet, must occur exactly once in `path`
+    new: str  # its replacement
+    tests: tuple  # node-id patterns ('*' is the only wildcard) of the oracle tests that must catch it
+    why: str  # the bug, in words
+
+
+LLAMACPP_LOGITS = "tests/test_model_vs_llamacpp.py::test_logits_match_llamacpp"
+# the same oracle on files whose routers are not saturated (routing-weight bugs are invisible on the others)
+SOFT_ROUTER = "tests/test_model_vs_llamacpp.py::test_logits_match_llamacpp_with_a_soft_router"
+
+MUTANTS: list[Mutant] = [
+    Mutant(
+        "rope_base_halved", "pymoe/backends/reference.py",
+        "inv_freq = base ** (-2.0 * i / rope_dim)",
+        "inv_freq = (base / 2) ** (-2.0 * i / rope_dim)",
+        (LLAMACPP_LOGITS + "[*]",),
+        "RoPE tables built from half the file's rope.freq_base"),
+    Mutant(
+        "decode_position_off_by_one", "pymoe/engine/model.py",
+        "rope = rope_tables(cfg.rope_dim, cfg.rope_freq_base, np.arange(kv.n, kv.n + tokens.size))",
+        'rope = rope_tables(cfg.rope_dim, cfg.rope_freq_base, np.arange(kv.n, kv.n + tokens.size) + (phase == "decode"))',
+        ("tests/test_model.py::test_kv_cache_decode_equals_full_forward[*f32*]",
+         "tests/test_model_vs_llamacpp.py::test_greedy_tokens_match_llamacpp[*]"),
+        "a decoded token is rotated (RoPE) as if it sat one position later than its KV slot"),
+    Mutant(
+        "expert_gate_up_swapped", "pymoe/backends/reference.py",
+        'return backend.linear_raw(ex.down, types["down"], silu(gate) * up)',
+        'return backend.linear_raw(ex.down, types["down"], silu(up) * gate)',
+        ("tests/test_model.py::test_moe_block_by_hand[*]", LLAMACPP_LOGITS + "[*f32*]"),
+        "expert FFN computes down(silu(up x) * gate x) (the float, one-expert-at-a-time path)"),
+    Mutant(
+        "fused_moe_gate_up_swapped", "pymoe/quant/kernels.py",
+        "h[a + i, r] = g[i] / (np.float32(1.0) + np.exp(-g[i])) * u[i]",
+        "h[a + i, r] = u[i] / (np.float32(1.0) + np.exp(-u[i])) * g[i]",
+        ("tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]",
+         # the whole-model check of the CPU backend's integer path; the llama.cpp test runs K-quant files on the
+         # reference backend
+         "tests/test_kernels_qact.py::test_cpu_and_reference_backends_agree_on_q2_k_models[*]"),
+        "the fused integer MoE kernel (K-quant experts) computes silu(up) * gate"),
+    Mutant(
+        "topk_renorm_dropped", "pymoe/backends/cpu.py",
+        "        if norm_topk:\n            s = pairwise_sum(w[t], k)",
+        "        if False:  # MUTANT: norm_topk ignored\n            s = pairwise_sum(w[t], k)",
+        ("tests/test_model.py::test_moe_block_by_hand[*]", LLAMACPP_LOGITS + "[*f32*]", SOFT_ROUTER + "[*]"),
+        "the compiled router (CPU backend's route hook) never renormalises the top-k weights"),
+    Mutant(
+        "olmoe_renorm_added", "pymoe/gguf/config.py",
+        '"olmoe": ArchTraits(rope_neox=True, qk_norm="full", qkv_bias=False, shared_expert=False, norm_topk=False,',
+        '"olmoe": ArchTraits(rope_neox=True, qk_norm="full", qkv_bias=False, shared_expert=False, norm_topk=True,',
+        (LLAMACPP_LOGITS + "[*olmoe*]", SOFT_ROUTER + "[olmoe]"),
+        "OLMoE's arch default renormalises the top-k routing weights (llama.cpp does not)"),
+    Mutant(
+        "q2k_reference_scale_min_swapped", "pymoe/quant/kquants.py",
+        "return _affine(d, scales & 15, q, dmin, scales >> 4, sub=16)",
+        "return _affine(d, scales >> 4, q, dmin, scales & 15, sub=16)",
+        ("tests/test_dequant.py::test_reference_is_bit_exact_with_gguf[Q2_K]",
+         "tests/test_kquants_layout.py::*Q2_K*", "tests/test_kquants_layout.py::test_q2_k_weight_index"),
+        "NumPy reference dequantizer of Q2_K reads the scale from the high nibble and the min from the low one"),
+    Mutant(
+        "q2k_numba_decoder_scale_min_swapped", "pymoe/quant/kquants.py",
+        "dl0, ml0 = d * np.float32(sc0 & 15), dmin * np.float32(sc0 >> 4)",
+        "dl0, ml0 = d * np.float32(sc0 >> 4), dmin * np.float32(sc0 & 15)",
+        ("tests/test_dequant.py::test_decode_block_is_bit_exact_with_reference[Q2_K]",
+         "tests/test_kernels.py::test_matvec_and_matmul_match_reference[Q2_K]"),
+        "Numba decode_q2_k swaps scale and min nibbles of the first sub-block of each 4-group"),
+    Mutant(
+        "q2k_int_dot_min_from_scale_nibble", "pymoe/quant/qact.py",
+        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)])",
+        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [0] * 16, 15, 0)])",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[Q2_K-*]",
+         "tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]"),
+        "the integer-path Q2_K row dot (LLVM IR layout table) takes the mins from the scale nibbles"),
+    Mutant(
+        "sampler_drops_least_likely", "pymoe/engine/sampler.py",
+        "        z = cand / p.temperature\n",
+        "        ids, cand = (ids[:-1], cand[:-1]) if len(ids) > 1 else (ids, cand)  # MUTANT\n"
+        "        z = cand / p.temperature\n",
+        ("tests/test_sampler.py::*",),
+        "the sampler never draws the least likely candidate left after top-k/top-p/min-p"),
+    Mutant(
+        "act_rounding_12_bits", "pymoe/quant/qact.py",
+        "_QMAX = {np.dtype(np.int8): 127, np.dtype(np.int16): 32767}",
+        "_QMAX = {np.dtype(np.int8): 127, np.dtype(np.int16): 2047}",
+        ("tests/test_kernels_qact.py::*",),
+        "the 16-bit activation path rounds x (and h) to 12 bits (reference and Numba twin alike)"),
+    Mutant(
+        "batch_rows_mixed", "pymoe/engine/batch.py",
+        "model.attention_block(layer, a[j:j + 1], kv, i)",
+        "model.attention_block(layer, a[::-1][j:j + 1], kv, i)",
+        ("tests/test_batch.py::test_decode_batch_equals_single_decodes[*]",),
+        "batched decode: sequence j attends with another row's hidden state (rows reversed)"),
+    Mutant(
+        "cache_promotion_without_copy", "pymoe/experts/cache.py",
+        "        for slot, (lay, e) in pending.items():\n            self.pool.write(slot, self.model.expert(lay, e))",
+        "        for slot, (lay, e) in pending.items():\n            pass  # MUTANT: promoted without copying the bytes",
+        ("tests/test_cache.py::test_cache_never_changes_results[*lru-1.0*]",
+         "tests/test_cache.py::test_cache_never_changes_results[*lfu-0.4*]"),
+        "expert cache: a promotion marks the slot resident but never copies the expert's bytes into it"),
+    Mutant(
+        "tokenizer_llama3_digit_groups_of_4", "pymoe/engine/tokenizer.py",
+        '\\p{N}{1,3}"',
+        '\\p{N}{1,4}"',
+        ("tests/test_tokenizer.py::test_ids_match_llama_cpp_pre_tokenizers[llama-bpe]",),
+        "Llama-3 pre-tokenizer regex groups digits by up to 4 instead of 3"),
+    Mutant(
+        "tokenizer_spm_no_prefix_after_special", "pymoe/engine/tokenizer.py",
+        "                ids.append(piece)\n                prev_special = True",
+        "                ids.append(piece)\n                prev_special = False  # MUTANT",
+        ("tests/test_tokenizer.py::test_ids_match_llama_cpp_sentencepiece",),
+        "SentencePiece: no space prefix on the text fragment after a special token"),
+    Mutant(
+        "plan_spill_at_device_bandwidth", "pymoe/experts/plan.py",
+        "spill_s=spilled_bytes_per_token(hit_rate, facts) / cost.pcie_bw,",
+        "spill_s=spilled_bytes_per_token(hit_rate, facts) / cost.device_bw,",
+        ("tests/test_plan.py::*",),
+        "planner cost model: spilled (missed) expert bytes priced at device bandwidth instead of PCIe"),
+    Mutant(
+        "rmsnorm_eps_outside_sqrt", "pymoe/backends/cpu.py",
+        "denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n) + eps)",
+        "denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n)) + eps",
+        ("tests/test_kernels_cpu_backend.py::test_rmsnorm_and_rope_hooks_are_bit_identical_to_numpy",
+         "tests/test_backends.py::test_cpu_primitives_give_the_references_bits", LLAMACPP_LOGITS + "[*f32*]"),
+        "RMSNorm (the CPU backend's compiled hook) adds eps after the square root"),
+    Mutant(
+        "olmoe_qk_norm_skipped", "pymoe/engine/attention.py",
+        'if cfg.qk_norm == "full":',
+        'if cfg.qk_norm == "full" and False:  # MUTANT',
+        (LLAMACPP_LOGITS + "[*olmoe*]",),
+        "OLMoE's q/k RMSNorm (over the whole projection) is skipped"),
+    Mutant(
+        "qwen2moe_k_bias_dropped", "pymoe/engine/attention.py",
+        'q, k, v = b.add(q, layer.bias["q"]), b.add(k, layer.bias["k"]), b.add(v, layer.bias["v"])',
+        'q, k, v = b.add(q, layer.bias["q"]), k, b.add(v, layer.bias["v"])',
+        (LLAMACPP_LOGITS + "[*qwen2moe*]",),
+        "Qwen2-MoE's attn_k bias is not added (q and v biases still are)"),
+]
+
+
+# --- the copy --------------------------------------------------------------------------------------------------------
+
+def git_files(repo: Path) -> list[str]:
+    """Tracked files plus untracked files that are not ignored, as the working tree has them now."""
+    out = []
+    for args in (["ls-files", "-z"], ["ls-files", "-z", "--others", "--exclude-standard"]):
+        r = subprocess.run(["git", "-C", str(repo), *args], capture_output=True, check=True)
+        out += [p for p in r.stdout.decode().split("\0") if p]
+    return sorted(set(out))
+
+
+def snapshot(repo: Path, dest: Path) -> int:
+    """Copy the working tree's files (git's view) to dest -> the number of files copied."""
+    n = 0
+    for rel in git_files(repo):
+        src = repo / rel
+        if not src.is_file():  # deleted in the working tree, or a submodule
+            continue
+        (dest / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src, dest / rel)
+        n += 1
+    return n
+
+
+def check_table(tree: Path, mutants: list[Mutant]) -> list[str]:
+    """-> one line per mutant whose `old` does not occur exactly once in its file (the table is stale)."""
+    problems, names = [], set()
+    for m in mutants:
+        if m.name in names:
+            problems.append(f"{m.name}: duplicate mutant name")
+        names.add(m.name)
+        f = tree / m.path
+        if not f.is_file():
+            problems.append(f"{m.name}: {m.path} does not exist")
+            continue
+        n = f.read_text().count(m.old)
+        if n != 1:
+            problems.append(f"{m.name}: `old` occurs {n} times in {m.path} (must be exactly once):\n    {m.old!r}")
+        if m.old == m.new:
+            problems.append(f"{m.name}: `new` equals `old`")
+    return problems
+
+
+def apply(tree: Path, m: Mutant) -> int:
+    """Apply mutant m to the copy at tree -> the 1-based line of the change."""
+    f = tree / m.path
+    text = f.read_text()
+    if text.count(m.old) != 1:
+        raise SystemExit(f"run_mutants: {m.name}: `old` does not occur exactly once in {m.path}")
+    f.write_text(text.replace(m.old, m.new))
+    return text[:text.index(m.old)].count("\n") + 1
+
+
+def spot(tree: Path, m: Mutant) -> str:
+    text = (tree / m.path).read_text()
+    i = text.find(m.old)
+    return f"{m.path}:{text[:i].count(chr(10)) + 1}" if i >= 0 else m.path
+
+
+# --- which modules a mutation can reach through Numba's cache -----------------------------------------------------------
+
+def module_of(tree: Path, path: Path) -> str:
+    rel = path.relative_to(tree).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def import_graph(tree: Path, package: str = "pymoe") -> dict:
+    """module -> set of pymoe modules it imports (any import statement, also inside functions)."""
+    files = {module_of(tree, p): p for p in (tree / package).rglob("*.py")}
+    graph = {m: set() for m in files}
+    for mod, path in files.items():
+        pkg = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base_parts = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    base = ".".join(base_parts + ([node.module] if node.module else []))
+                else:
+                    base = node.module or ""
+                # `from pkg import sub` depends on the submodule only; `from mod import name` on mod
+                subs = [f"{base}.{a.name}" for a in node.names]
+                targets = [t for t in subs if t in files]
+                if len(targets) < len(subs):
+                    targets.append(base)
+            else:
+                continue
+            graph[mod].update(t for t in targets if t in files)
+    return graph
+
+
+def importers_of(graph: dict, module: str) -> set:
+    """module and every module that imports it, directly or through others."""
+    seen, todo = {module}, [module]
+    while todo:
+        m = todo.pop()
+        for other, deps in graph.items():
+            if m in deps and other not in seen:
+                seen.add(other)
+                todo.append(other)
+    return seen
+
+
+def numba_cache_subdir(cache: Path, source_dir: Path) -> Path:
+    """Where Numba (UserProvidedCacheLocator) keeps the cache of functions defined in source_dir."""
+    import hashlib
+
+    d = os.path.abspath(source_dir)
+    return cache / "_".join([os.path.split(d)[-1], hashlib.sha1(d.encode()).hexdigest()])
+
+
+def seed_numba_cache(base_cache: Path, cache: Path, tree: Path, modules: set) -> int:
+    """cache = base_cache minus the entries of `modules` -> the number of files left out."""
+    shutil.copytree(base_cache, cache)
+    dropped = 0
+    for mod in modules:
+        path = tree / (mod.replace(".", "/") + ".py")
+        if not path.is_file():
+            path = tree / mod.replace(".", "/") / "__init__.py"
+        sub = numba_cache_subdir(cache, path.parent)
+        stem = path.stem + "."
+        if sub.is_dir():
+            for f in sub.iterdir():
+                if f.name.startswith(stem):
+                    f.unlink()
+                    dropped += 1
+    return dropped
+
+
+# --- running pytest in the copy ---------------------------------------------------------------------------------------
+
+def env_for(tree: Path, numba_cache: Path) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tree) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env["NUMBA_CACHE_DIR"] = str(numba_cache)
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["PYMOE_REQUIRE_ORACLE"] = "1"  # a missing llama.cpp oracle fails (is visible) instead of skipping
+    for k in ("PYMOE_EXACT", "PYMOE_ACT_BITS", "PYTEST_ADDOPTS"):  # the default paths are what is being tested
+        env.pop(k, None)
+    return env
+
+
+def check_import_location(tree: Path, env: dict) -> str:
+    r = subprocess.run([sys.executable, "-c", "import pymoe; print(pymoe.__file__)"], cwd=tree, env=env,
+                       capture_output=True, text=True)
+    where = r.stdout.strip()
+    if r.returncode != 0 or not Path(where).resolve().is_relative_to(tree.resolve()):
+        raise SystemExit(f"run_mutants: the copy's environment imports pymoe from {where or r.stderr!r}, not from "
+                         f"{tree}: a mutant would not be tested")
+    return where
+
+
+def collect(tree: Path, env: dict, files: list[str]) -> list[str]:
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *files],
+                       cwd=tree, env=env, capture_output=True, text=True)
+    ids = [line.strip() for line in r.stdout.splitlines() if "::" in line and not line.startswith(" ")]
+    if r.returncode not in (0, 5):
+        raise SystemExit(f"run_mutants: collecting {files} failed (exit {r.returncode}):\n{r.stdout[-3000:]}"
+                         f"{r.stderr[-2000:]}")
+    return ids
+
+
+def pattern_re(pattern: str):
+    return re.compile("^" + ".*".join(re.escape(p) for p in pattern.split("*")) + "$")
+
+
+def select(ids: list[str], patterns) -> dict:
+    """pattern -> the collected node ids it matches, in collection order."""
+    return {p: [i for i in ids if pattern_re(p).match(i)] for p in patterns}
+
+
+@dataclass
+class RunResult:
+    rc: int
+    seconds: float
+    outcomes: dict = field(default_factory=dict)  # node id -> passed | failed | error | skipped
+    tail: str = ""
+    timed_out: bool = False
+
+    def names(self, outcome: str) -> list[str]:
+        return [i for i, o in self.outcomes.items() if o == outcome]
+
+
+def junit_outcomes(xml_path: Path, tree: Path) -> dict:
+    """node id -> outcome, from pytest's junit xml (classname 'tests.test_x', name 'test_y[param]')."""
+    out = {}
+    if not xml_path.is_file():
+        return out
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        cls, name = case.get("classname", ""), case.get("name", "")
+        parts = cls.split(".")
+        # the module path: the longest prefix of classname that is a file of the copy; the rest are classes
+        for k in range(len(parts), 0, -1):
+            f = "/".join(parts[:k]) + ".py"
+            if (tree / f).is_file():
+                node = "::".join([f] + parts[k:] + [name])
+                break
+        else:
+            node = f"{cls}::{name}"
+        kinds = {child.tag for child in case}
+        outcome = ("failed" if "failure" in kinds else "error" if "error" in kinds
+                   else "skipped" if "skipped" in kinds else "passed")
+        if out.get(node) in ("failed", "error"):  # a teardown error after a failure: keep the failure
+            continue
+        out[node] = outcome
+    return out
+
+
+def run_pytest(tree: Path, env: dict, node_ids: list[str], work: Path, label: str, timeout: float,
+               exitfirst: bool) -> RunResult:
+    xml = work / f"junit-{label}.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}",
+           f"--basetemp={work / ('pytest-' + label)}", "-o", "junit_family=xunit1", "--tb=line", "-rfEs"]
+    if exitfirst:
+        cmd.append("-x")
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run(cmd + node_ids, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, tail, timed_out = r.returncode, (r.stdout + r.stderr)[-4000:], False
+    except subprocess.TimeoutExpired as e:
+        out = (e.stdout or b"") + (e.stderr or b"")
+        rc, tail, timed_out = -9, (out.decode(errors="replace") if isinstance(out, bytes) else out)[-4000:], True
+    res = RunResult(rc, time.perf_counter() - t0, junit_outcomes(xml, tree), tail, timed_out)
+    (work / f"log-{label}.txt").write_text(tail)
+    return res
+
+
+# --- the report -------------------------------------------------------------------------------------------------------
+
+def short(node: str) -> str:
+    """tests/test_model.py::test_kv_cache_decode_equals_full_forward[f32-llama] -> test_model::test_kv_cache..."""
+    f, _, rest = node.partition("::")
+    return f"{Path(f).stem}::{rest}"
+
+
+def summarize(nodes: list[str], limit: int = 3) -> str:
+    """A few node ids, grouped by test function: 'test_model::test_x[4/8], test_y'."""
+    groups: dict = {}
+    for n in nodes:
+        base = short(n).split("[")[0]
+        groups.setdefault(base, []).append(n)
+    parts = [f"{b} x{len(v)}" if len(v) > 1 else short(v[0]) for b, v in groups.items()]
+    return ", ".join(parts[:limit]) + (f", +{len(parts) - limit} more" if len(parts) > limit else "")
+
+
+def print_table(rows: list[tuple]) -> None:
+    headers = ("mutant", "spot", "tests", "verdict", "failing tests", "s")
+    widths = [max(len(str(r[i])) for r in rows + [headers]) for i in range(len(headers))]
+    widths[4] = min(widths[4], 90)
+    line = "  ".join(h.ljust(w) for h, w in zip(headers, widths))
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        cells = [str(c) for c in r]
+        cells[4] = cells[4] if len(cells[4]) <= 90 else cells[4][:87] + "..."
+        print("  ".join(c.ljust(w) for c, w in zip(cells, widths)))
+
+
+def list_mutants(tree: Path, mutants: list[Mutant]) -> None:
+    for m in mutants:
+        print(f"{m.name}\n    {spot(tree, m)}: {m.why}\n    - {m.old!r}\n    + {m.new!r}")
+        for p in m.tests:
+            print(f"    test: {p}")
+
+
+# --- main ---------------------------------------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--list", action="store_true", help="print the mutants and their test selections, then exit")
+    ap.add_argument("--only", action="append", default=[], metavar="NAME",
+                    help="run only this mutant (repeatable; comma-separated names too)")
+    ap.add_argument("--repo", type=Path, default=REPO, help="the repository to copy (default: this file's repo)")
+    ap.add_argument("--timeout", type=float, default=1200, help="seconds per pytest run (default 1200)")
+    ap.add_argument("-x", "--exitfirst", action="store_true",
+                    help="stop a mutant's run at its first failing test (faster; the 'failing tests' column then "
+                         "shows only the first)")
+    ap.add_argument("--numba-cache", choices=("reuse", "fresh"), default="reuse",
+                    help="reuse: mutant runs start from the baseline's Numba cache minus the mutated module and "
+                         "its importers (default); fresh: an empty cache for every run")
+    ap.add_argument("--allow-baseline-failures", action="store_true",
+                    help="drop tests that fail or skip on the unmutated copy from the selections, instead of "
+                         "stopping (the report says which)")
+    ap.add_argument("--keep", action="store_true", help="keep the temp dir (logs, junit xml) and print its path")
+    args = ap.parse_args(argv)
+
+    only = [n for o in args.only for n in o.split(",") if n]
+    unknown = sorted(set(only) - {m.name for m in MUTANTS})
+    if unknown:
+        ap.error(f"unknown mutant(s): {', '.join(unknown)} (see --list)")
+    chosen = [m for m in MUTANTS if not only or m.name in only]
+
+    t_start = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="pymoe-mutants-"))
+    try:
+        pristine, tree, work = tmp / "pristine", tmp / "repo", tmp / "work"
+        work.mkdir()
+        n_files = snapshot(args.repo.resolve(), pristine)
+        shared = args.repo.resolve().parent / "shared"
+        if shared.is_dir():  # data some tests read from beside the checkout (../shared/data): the same for the copy
+            (tmp / "shared").symlink_to(shared)
+        problems = check_table(pristine, MUTANTS)  # the whole table, not just the chosen: it must stay true
+        if problems:
+            print("run_mutants: the mutant table is stale:\n  " + "\n  ".join(problems), file=sys.stderr)
+            return 2
+        if args.list:
+            list_mutants(pristine, chosen)
+            return 0
+        print(f"copied {n_files} files of {args.repo} to {pristine} (a snapshot: later edits are not seen)")
+
+        # Baseline: the unmutated copy, at the path every run uses.
+        shutil.copytree(pristine, tree)
+        base_cache = tmp / "numba-baseline"
+        env = env_for(tree, base_cache)
+        print(f"pymoe imported from {check_import_location(tree, env)}")
+        files = sorted({p.split("::")[0] for m in chosen for p in m.tests})
+        ids = collect(tree, env, files)
+        selections = {m.name: select(ids, m.tests) for m in chosen}
+        stale = [f"{name}: {p!r} matches no collected test" for name, sel in selections.items()
+                 for p, hit in sel.items() if not hit]
+        if stale:
+            print("run_mutants: test selections are stale:\n  " + "\n  ".join(stale), file=sys.stderr)
+            return 2
+        node_ids = {name: list(dict.fromkeys(i for hit in sel.values() for i in hit))
+                    for name, sel in selections.items()}
+        union = list(dict.fromkeys(i for v in node_ids.values() for i in v))
+        print(f"baseline: {len(union)} selected tests on the unmutated copy (Numba compiles from scratch) ...",
+              flush=True)
+        base = run_pytest(tree, env, union, work, "baseline", args.timeout, exitfirst=False)
+        bad = {i: o for i, o in base.outcomes.items() if o != "passed"}
+        missing = [i for i in union if i not in base.outcomes]
+        print(f"baseline: exit {base.rc}, {len(base.names('passed'))} passed, {len(base.names('failed'))} failed, "
+              f"{len(base.names('error'))} errors, {len(base.names('skipped'))} skipped, "
+              f"{len(missing)} not reported, {base.seconds:.0f} s")
+        if base.rc != 0 or bad or missing:
+            for i, o in sorted(bad.items()):
+                print(f"  baseline {o}: {i}")
+            for i in missing:
+                print(f"  baseline not run: {i}")
+            if not args.allow_baseline_failures or base.timed_out or not base.outcomes:
+                print(base.tail, file=sys.stderr)
+                print("run_mutants: the baseline does not pass: no mutant verdict would mean anything "
+                      "(--allow-baseline-failures drops the failing tests instead)", file=sys.stderr)
+                return 2
+            drop = set(bad) | set(missing)
+            node_ids = {n: [i for i in v if i not in drop] for n, v in node_ids.items()}
+            print(f"  --allow-baseline-failures: {len(drop)} tests dropped from the selections")
+
+        graph = import_graph(tree)
+        rows, verdicts = [], {}
+        for m in chosen:
+            sel = node_ids[m.name]
+            where = spot(pristine, m)
+            if not sel:
+                rows.append((m.name, where, 0, "error", "no test left to run", 0))
+                verdicts[m.name] = "error"
+                continue
+            shutil.rmtree(tree)
+            shutil.copytree(pristine, tree)
+            apply(tree, m)
+            cache = work / f"numba-{m.name}"
+            if args.numba_cache == "reuse":
+                seed_numba_cache(base_cache, cache, tree, importers_of(graph, module_of(tree, tree / m.path)))
+            print(f"{m.name}: {where} ({m.why}); {len(sel)} tests ...", flush=True)
+            res = run_pytest(tree, env_for(tree, cache), sel, work, m.name, args.timeout, args.exitfirst)
+            failing = res.names("failed") + res.names("error")
+            if res.timed_out:
+                verdict, detail = "error", f"timeout after {args.timeout:.0f} s"
+            elif res.rc == 1 and failing:
+                verdict, detail = "killed", f"{len(failing)}/{len(sel)}: {summarize(failing)}"
+                if res.names("error"):
+                    detail += f" ({len(res.names('error'))} as errors)"
+            elif res.rc == 0:
+                verdict, detail = "SURVIVED", f"all {len(res.names('passed'))} passed"
+                if res.names("skipped"):
+                    detail += f", {len(res.names('skipped'))} skipped"
+            else:
+                verdict = "error"
+                last = [l for l in res.tail.strip().splitlines() if l.strip()]
+                detail = f"pytest exit {res.rc}: {last[-1][:80] if last else ''}"
+            print(f"  -> {verdict} ({detail}), {res.seconds:.0f} s", flush=True)
+            if verdict != "killed":
+                print("     " + "\n     ".join(res.tail.strip().splitlines()[-8:]))
+            rows.append((m.name, where, len(sel), verdict, detail, f"{res.seconds:.0f}"))
+            verdicts[m.name] = verdict
+            shutil.rmtree(cache, ignore_errors=True)
+
+        total = time.perf_counter() - t_start
+        print()
+        print_table(rows)
+        counts = {v: list(verdicts.values()).count(v) for v in ("killed", "SURVIVED", "error")}
+        print(f"\n{counts['killed']} killed, {counts['SURVIVED']} survived, {counts['error']} errors, "
+              f"of {len(chosen)} mutants; baseline {base.seconds:.0f} s; total {total:.0f} s")
+        return 0 if counts["killed"] == len(chosen) else 1
+    finally:
+        if args.keep:
+            print(f"kept {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
