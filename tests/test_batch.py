@@ -104,11 +104,14 @@ def teacher_forced(model, ids, kind):
 # Bounds of the 8- and 16-bit KV caches against the f32 one, relative to the logit scale s = max |logit| of the f32
 # run. Measured (2026-11-30; 4 tiny files x prompt seeds 2, 3, 4; 40 tokens teacher-forced): int8 2.6e-3 s to
 # 6.6e-3 s (the tiny llama file, whose tied output gives logits 3x larger than the others', is the worst: 0.055-0.080
-# absolute), f16 8.5e-5 s to 2.2e-4 s. Each bound is 2.3x the worst; the f16 one is also about one f16 rounding step of
-# the logit scale (2^-11 = 4.9e-4). Top-1 agreement: f16 1.0 everywhere; int8 1.0 except one near-tie flip of 40
-# (0.975, llama, seed 4). The 8-bit accuracy itself has an independent oracle: llama.cpp's q8_0 cache (next test).
-KV_REL_BOUND = {"int8": 1.5e-2, "f16": 5e-4}
-KV_TOP1 = {"int8": 0.95, "f16": 1.0}
+# absolute), f16 8.5e-5 s to 2.2e-4 s. On the prompt tested here (seed 2) the worst are 4.2e-3 s (int8, llama) and
+# 1.4e-4 s (f16). Bounds: int8 1e-2 s (1.5x the worst of all 12 runs, 2.4x this prompt's; tighter than the old
+# absolute 0.05 on the three files of scale ~4), f16 5e-4 s (2.3x the worst; about one f16 rounding step of the
+# logit scale, 2^-11 = 4.9e-4). Top-1 agreement: f16 1.0 everywhere; int8 1.0 on this prompt (one near-tie flip of
+# 40 on another: 0.975, llama, seed 4); the old bound 0.96 is kept. The 8-bit accuracy itself has an independent
+# oracle: llama.cpp's q8_0 cache (next test).
+KV_REL_BOUND = {"int8": 1e-2, "f16": 5e-4}
+KV_TOP1 = {"int8": 0.96, "f16": 1.0}
 
 
 @pytest.mark.parametrize("arch", ARCHS)
