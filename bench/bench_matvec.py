@@ -9,6 +9,8 @@ memory-bound mat-vec can approach.
 What this is not: a correctness test (tests/test_kernels.py) or a model benchmark (`pymoe bench`).
 
     PYTHONPATH=. python bench/bench_matvec.py --rows 4096 --cols 4096 --threads 2 --types Q2_K,Q4_K
+    PYTHONPATH=. python bench/bench_matvec.py --working-set-mb 128 \
+        --types Q2_K,Q2_0,MXFP4,NVFP4,IQ4_NL,IQ4_XS,IQ3_XXS,IQ3_S,IQ2_XXS,IQ2_XS,IQ2_S,IQ1_S,IQ1_M,TQ1_0,TQ2_0,Q1_0
 """
 from __future__ import annotations
 
@@ -20,8 +22,13 @@ import numba
 import numpy as np
 from numba import njit, prange
 
-import pymoe.quant as Q
-from pymoe.quant import QType
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))  # quant_helpers
+
+import pymoe.quant as Q  # noqa: E402
+from pymoe.quant import QType  # noqa: E402
 
 
 @njit(cache=True, fastmath={"reassoc"})
@@ -67,9 +74,15 @@ def weight_copies(qtype, rows: int, cols: int, working_set_mb: float, rng) -> li
     """Enough distinct raw [rows, row_bytes] matrices of `qtype` to fill the working set (at least 1).
 
     Realistic values (quantized Gaussians, no subnormal or NaN scales), built by quantizing 64 rows and tiling them,
-    then one copy per matrix so that every call reads different memory.
+    then one copy per matrix so that every call reads different memory. Types pymoe has no quantizer for (the IQ
+    family, MXFP4, TQ: llama.cpp writes them) get random blocks with moderate scales (tests/quant_helpers.py): the
+    kernels have no data-dependent branches, so the values do not change the time.
     """
-    seed_rows = Q.quantize(rng.standard_normal((64, cols)).astype(np.float32), qtype)  # [64, row_bytes]
+    if Q.get_format(qtype).quantize is None:
+        from quant_helpers import random_rows
+        seed_rows = random_rows(qtype, 64, cols, rng)  # [64, row_bytes]
+    else:
+        seed_rows = Q.quantize(rng.standard_normal((64, cols)).astype(np.float32), qtype)  # [64, row_bytes]
     w = np.tile(seed_rows, (-(-rows // 64), 1))[:rows]  # [rows, row_bytes]
     n = max(1, int(working_set_mb * 2**20 // w.nbytes))
     return [w.copy() for _ in range(n)]
@@ -106,10 +119,10 @@ def main():
     print(f"memory read bandwidth (Numba parallel sum, 1 GiB): 1 thread {bw1:.1f} GB/s, "
           f"{args.threads} threads {bwn:.1f} GB/s")
     print(f"matvec {args.rows} x {args.cols}, {args.threads} threads, median of {args.repeat}")
-    print(f"{'type':<6} {'MiB':>7} {'copies':>6} {'ms':>8} {'GB/s':>7} {'Gw/s':>7} {'% of bw':>8}")
+    print(f"{'type':<7} {'MiB':>7} {'copies':>6} {'ms':>8} {'GB/s':>7} {'Gw/s':>7} {'% of bw':>8}")
     for qtype in types:
         r = bench_type(qtype, args.rows, args.cols, args.threads, args.repeat, args.working_set_mb, rng)
-        print(f"{r['type']:<6} {r['mib']:>7.2f} {r['copies']:>6} {r['ms']:>8.3f} {r['gbs']:>7.2f} {r['gws']:>7.2f} "
+        print(f"{r['type']:<7} {r['mib']:>7.2f} {r['copies']:>6} {r['ms']:>8.3f} {r['gbs']:>7.2f} {r['gws']:>7.2f} "
               f"{100 * r['gbs'] / bwn:>7.0f}%")
 
 

@@ -199,7 +199,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path):
     """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
 
-    Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/formats.md."""
+    Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/trace-files.md."""
     from .experts.simulate import report
 
     click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,

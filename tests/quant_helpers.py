@@ -27,7 +27,24 @@ FP16_FIELDS = {
     QType.Q5_K: (0, 2),  # d dmin scales[12] qh[32] qs[128]
     QType.Q6_K: (208,),  # ql[128] qh[64] scales[16] d
     QType.Q2_0: (0,),  # d qs[16]
+    QType.IQ4_NL: (0,),  # d qs[16]
+    QType.IQ4_XS: (0,),  # d scales_h scales_l[4] qs[128]
+    QType.IQ3_XXS: (0,),  # d qs[96]
+    QType.IQ3_S: (0,),  # d qs[64] qh[8] signs[32] scales[4]
+    QType.IQ2_XXS: (0,),  # d qs[32] (uint16)
+    QType.IQ2_XS: (0,),  # d qs[32] (uint16) scales[8]
+    QType.IQ2_S: (0,),  # d qs[64] qh[8] scales[8]
+    QType.IQ1_S: (0,),  # d qs[32] qh[8] (uint16)
+    QType.TQ1_0: (52,),  # qs[48] qh[4] d
+    QType.TQ2_0: (64,),  # qs[64] d
+    QType.Q1_0: (0,),  # d qs[16]
+    QType.MXFP4: (),  # e (E8M0 byte, set below) qs[16]
+    QType.NVFP4: (),  # d[4] (UE4M3 bytes: every byte is a finite scale) qs[32]
+    QType.IQ1_M: (),  # qs[32] qh[16] scales[8]: d's fp16 bits are the top nibbles of the 4 uint16 scales (below)
 }
+# MXFP4's scale is 2^(e - 128) for the byte e: drawn over 2^-20 .. 2^1 like the fp16 scales above (moderate, so
+# a matrix product stays finite); tests/test_iquants.py tries the extremes (e = 0, 1: float32 subnormal scales; 252).
+MXFP4_E_RANGE = (108, 129)
 FLOAT_TYPES = (QType.F32, QType.F16, QType.BF16)
 
 
@@ -62,6 +79,13 @@ def random_blocks(qtype, n_blocks: int, rng: np.random.Generator) -> np.ndarray:
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.type_size), dtype=np.uint8)  # [B, type_size]
     for offset in FP16_FIELDS[qtype]:
         blocks[:, offset:offset + 2] = moderate_f16(n_blocks, rng)
+    if qtype == QType.MXFP4:
+        blocks[:, 0] = rng.integers(MXFP4_E_RANGE[0], MXFP4_E_RANGE[1] + 1, size=n_blocks)
+    if qtype == QType.IQ1_M:  # nibble i of d's bits goes to the top nibble of scales uint16 i (bytes 49, 51, 53, 55)
+        d_bits = moderate_f16(n_blocks, rng).view("<u2")[:, 0]  # [B]
+        for i in range(4):
+            top = ((d_bits >> np.uint16(4 * i)) & np.uint16(15)).astype(np.uint8)  # [B]
+            blocks[:, 49 + 2 * i] = (blocks[:, 49 + 2 * i] & np.uint8(15)) | (top << np.uint8(4))
     return blocks
 
 

@@ -143,7 +143,7 @@ def test_input_errors_are_clear():
     with pytest.raises(ValueError, match="whole blocks"):
         K.matvec(cuda.to_device(np.zeros((3, 35), np.uint8)), QType.Q4_0, cuda.to_device(np.zeros(64, np.float32)))
     with pytest.raises(KeyError, match="unsupported tensor type"):
-        K.matvec(w, QType.IQ2_XXS, cuda.to_device(np.zeros(64, np.float32)))
+        K.matvec(w, QType.Q8_K, cuda.to_device(np.zeros(64, np.float32)))
 
 
 # ----------------------------------------------------------------------------------------------------------------

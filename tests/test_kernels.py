@@ -96,7 +96,7 @@ def test_input_errors_are_clear():
     with pytest.raises(ValueError, match="raw uint8"):
         Q.matvec(np.zeros((4, 64), np.float32), QType.Q4_0, np.zeros(64, np.float32))
     with pytest.raises(KeyError, match="unsupported tensor type"):
-        Q.matvec(w, QType.IQ2_XXS, np.zeros(64, np.float32))
+        Q.matvec(w, QType.Q8_K, np.zeros(64, np.float32))  # Q8_K: llama.cpp's activation type, never a weight
 
 
 def test_empty_shapes():

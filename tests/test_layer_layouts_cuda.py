@@ -35,3 +35,24 @@ def test_device_pool_uses_each_layers_layout(tiny_model, tmp_path, monkeypatch):
 
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
+
+
+@in_process
+@pytest.mark.parametrize("ftype", ["IQ2_M", "IQ4_XS", "MXFP4_MOE", "TQ1_0"])
+def test_device_pool_holds_llama_cpp_quantized_experts(ftype, tiny_model, tmp_path):
+    """Files llama.cpp's quantizer wrote (tests/llama_quantize.py), codebook, FP4 and ternary experts: slots sized
+    from the file's own types, the device's bytes equal the host's, greedy tokens equal the reference backend's."""
+    from llama_quantize import llama_quantize
+
+    path = str(tmp_path / f"tiny-{ftype}.gguf")
+    llama_quantize(tiny_model("qwen3moe", "f32"), path, ftype)
+    want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    engine = pymoe.load(path, backend="cuda", backend_options=SIM, cache_slots=6, policy="lru", pcie_frac=0.5,
+                        chunk=8)
+    assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
+    cache = engine.cache
+    resident = np.argwhere(cache.residency >= 0)
+    assert {int(layer) for layer, _ in resident} == {0, 1}
+    for layer, e in resident:
+        host = np.concatenate([getattr(engine.file.expert(int(layer), int(e)), p).reshape(-1) for p in EXPERT_PROJ])
+        np.testing.assert_array_equal(cache.pool.read(int(cache.residency[layer, e]))[:host.size], host)

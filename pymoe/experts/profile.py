@@ -1,4 +1,4 @@
-"""Expert profiles: every (layer, expert) pair ranked by how often the router chose it (format: docs/formats.md).
+"""Expert profiles: every (layer, expert) pair ranked by how often the router chose it (format: docs/trace-files.md).
 
 What this is: `Profile` = pairs int [n_pairs, 2] (layer, expert), hottest first, with their counts int64 [n_pairs].
 Built from a routing trace (`from_trace`) or from aggregate heat counts `heat[layer][expert]` (`from_heat`, e.g.

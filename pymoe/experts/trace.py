@@ -1,4 +1,4 @@
-"""Routing traces: which experts every token was routed to, in every layer, in time order (format: docs/formats.md).
+"""Routing traces: which experts every token was routed to, in every layer, in time order (format: docs/trace-files.md).
 
 What this is:
     TraceRecorder(meta)      the engine side: record(layer, ids [T, K], weights [T, K], phase) once per layer per

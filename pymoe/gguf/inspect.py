@@ -32,7 +32,7 @@ def describe_model(path: str, show_tensors: bool = False) -> str:
     total = sum(bytes_by_type.values())
     lines.append(f"tensors: {len(m.tensors)} ({fmt_bytes(total)})")
     for name, count in sorted(by_type.items(), key=lambda kv: -bytes_by_type[kv[0]]):
-        lines.append(f"  {name:<6} {count:>5} tensors  {fmt_bytes(bytes_by_type[name]):>12}")
+        lines.append(f"  {name:<7} {count:>5} tensors  {fmt_bytes(bytes_by_type[name]):>12}")
 
     n_experts = cfg.n_layers * cfg.n_expert
     lines.append(f"experts: {cfg.n_layers} layers x {cfg.n_expert} = {n_experts} experts, top-{cfg.n_expert_used}"

@@ -34,6 +34,7 @@ class QuantFormat:
     dequantize_ref: Callable[[np.ndarray], np.ndarray]  # uint8 [B, type_size] -> float32 [B, QK]
     decode_block: object  # numba njit: (src uint8 [n * type_size], out float32 [n * QK]) -> None; n blocks
     quantize: Optional[Callable[[np.ndarray], np.ndarray]]  # float32 [B, QK] -> uint8 [B, type_size]
+    layout: Optional[object] = None  # layout.Layout for formats described once as (scale, code); see layout.py
 
     @property
     def name(self) -> str:
@@ -61,7 +62,7 @@ def get_format(qtype) -> QuantFormat:
 
 
 # The modules below fill FORMATS through register(); importing them is what makes a type supported.
-from . import floats, legacy, kquants, q2_0  # noqa: E402,F401
+from . import floats, legacy, kquants, q2_0, mxfp4, ternary, iquants  # noqa: E402,F401
 from .kernels import matmul, matvec  # noqa: E402,F401
 
 

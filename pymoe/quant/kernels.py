@@ -124,9 +124,12 @@ def _source_fingerprint(paths) -> str:
 
 
 def _decoder_fingerprint(fmt: QuantFormat) -> str:
-    """A short hash of the source files the format's decoder is compiled from (its module and floats.py)."""
-    return _source_fingerprint([inspect.getsourcefile(fmt.decode_block.py_func),
-                                os.path.join(os.path.dirname(__file__), "floats.py")])
+    """A short hash of the source files the format's decoder is compiled from (its module and floats.py; for a
+    format described by a layout, also the layout's module)."""
+    paths = [inspect.getsourcefile(fmt.decode_block.py_func), os.path.join(os.path.dirname(__file__), "floats.py")]
+    if fmt.layout is not None:
+        paths.append(inspect.getsourcefile(fmt.layout.code))
+    return _source_fingerprint(paths)
 
 
 def _compile(template, suffix: str, constants: dict, parallel: bool = True):

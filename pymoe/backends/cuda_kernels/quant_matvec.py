@@ -47,7 +47,6 @@ Shape legend: R rows (output features), C cols (input features) = n_blocks * QK,
 from __future__ import annotations
 
 import math
-import types as pytypes
 from dataclasses import dataclass
 from typing import Callable
 
@@ -55,7 +54,7 @@ import numpy as np
 from numba import cuda, njit
 
 from pymoe.quant import QType, get_format
-from pymoe.quant import floats, kquants
+from pymoe.quant import FORMATS, floats, kquants, layout
 
 from .reduce import block_sum_rows
 
@@ -69,16 +68,9 @@ F32_ZERO = np.float32(0.0)
 # ----------------------------------------------------------------------------------------------------------------
 # retarget: the same Python source, compiled for another target
 # ----------------------------------------------------------------------------------------------------------------
-def retarget(fn, jit, name: str | None = None, **bindings):
-    """Compile plain-Python `fn` with `jit` (numba.njit, cuda.jit, cuda.jit(device=True)), with the global names in
-    `bindings` replaced (callees compiled for the same target, per-format constants). Numba treats globals as
-    compile-time constants, so each binding yields straight-line code."""
-    fn = getattr(fn, "py_func", fn)  # a Numba CPU dispatcher -> its Python source function
-    glbs = dict(fn.__globals__)
-    glbs.update(bindings)
-    clone = pytypes.FunctionType(fn.__code__, glbs, name or fn.__name__, fn.__defaults__, fn.__closure__)
-    clone.__qualname__ = clone.__name__
-    return jit(clone)
+# `retarget` (pymoe/quant/layout.py) compiles a plain-Python function for a target with some global names rebound;
+# `compile_fn` also compiles the module-local functions it calls. Both live with the layouts they were made for.
+retarget, compile_fn = layout.retarget, layout.compile_fn
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -113,8 +105,10 @@ def f32_from_bits(bits):
 
 
 def helpers_for(jit) -> dict:
-    """The scalar helpers compiled for one target, each one's callees rebound to the same target's versions."""
-    h = {"f16_to_f32": retarget(f16_to_f32, jit)}
+    """The scalar helpers compiled for one target, each one's callees rebound to the same target's versions: this
+    module's (for the formats restated below) on top of pymoe.quant.layout's (for the formats described there)."""
+    h = layout.helpers_for(jit)
+    h["f16_to_f32"] = retarget(f16_to_f32, jit)
     h["read_f16"] = retarget(read_f16, jit, f16_to_f32=h["f16_to_f32"])
     h["get_scale_min"] = retarget(get_scale_min, jit, _scale_min_k4_jit=retarget(kquants.scale_min_k4, jit))
     h["q3_k_scale"] = retarget(q3_k_scale, jit)
@@ -281,6 +275,9 @@ DEVICE_FORMATS: dict[QType, DeviceFormat] = {
         DeviceFormat(QType.Q2_0, 64, q2_0_scale, q2_0_code),
     )
 }
+# The formats described once as a layout (MXFP4, IQ*, TQ*: pymoe/quant/layout.py) are taken as they are.
+DEVICE_FORMATS.update({q: DeviceFormat(q, f.layout.group, f.layout.scale, f.layout.code)
+                       for q, f in FORMATS.items() if f.layout is not None})
 # tests/test_cuda_kernels.py checks that this covers every format of pymoe.quant.FORMATS.
 
 
@@ -349,8 +346,8 @@ def specialise(template, qtype, target: str):
         helpers = _COMPILED["helpers", target]
         _COMPILED[key] = retarget(
             template, jit, f"{template.__name__}_{fmt.qtype.name}",
-            SCALE=retarget(fmt.scale, jit, f"{fmt.scale.__name__}_{fmt.qtype.name}", **helpers),
-            CODE=retarget(fmt.code, jit, **helpers),
+            SCALE=compile_fn(fmt.scale, jit, helpers, f"{fmt.scale.__name__}_{fmt.qtype.name}"),
+            CODE=compile_fn(fmt.code, jit, helpers),
             QK=fmt.block_size, TYPE_SIZE=fmt.type_size, GROUP=fmt.group, GROUPS=fmt.block_size // fmt.group)
     return _COMPILED[key]
 
