@@ -72,7 +72,8 @@ class Engine:
         self.model.cache = self.cache
         self.backend.warm_up((t.qtype for t in self.file.tensors.values()), progress=progress)
         if hasattr(self.backend, "warm_up_experts"):  # the fused expert kernel, once per gate/up/down type triple
-            triples = {tuple(lay.types[p] for p in EXPERT_PROJ): lay.types for lay in self.file.expert_layouts()}
+            triples = {tuple(lay.types[p] for p in EXPERT_PROJ): lay.types for lay in self.file.expert_layouts()
+                       if lay is not None}
             for types in triples.values():  # (layers may differ: llama.cpp's Q4_K_M has ffn_down Q4_K or Q6_K)
                 self.backend.warm_up_experts(types)
         self.tokenizer = Tokenizer(self.file)

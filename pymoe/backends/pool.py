@@ -20,8 +20,8 @@ class HostPool:
     any slot can hold an expert of any layer, and a slot is always read with the layout of the expert it holds."""
 
     def __init__(self, n_slots: int, slot_bytes: int, layouts: list):
-        self.layouts = list(layouts)  # [L] loader.ExpertLayout, one per layer
-        need = max(lay.nbytes for lay in self.layouts)
+        self.layouts = list(layouts)  # [L] loader.ExpertLayout, one per layer (None: a dense layer, no experts)
+        need = max(lay.nbytes for lay in self.layouts if lay is not None)
         if slot_bytes < need:
             raise ValueError(f"slots of {slot_bytes} bytes cannot hold the largest expert ({need} bytes)")
         self.bytes = self.allocate(n_slots, slot_bytes)  # [N, slot_bytes]

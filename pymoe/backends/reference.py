@@ -100,6 +100,22 @@ def route(logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.n
     return ids, w.astype(np.float32)
 
 
+def route_sigmoid(logits: np.ndarray, k: int, bias, norm_topk: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:
+    """Sigmoid routing (llama.cpp build_moe_ffn with LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID): logits [T, E],
+    bias float32 [E] or None -> (ids int [T, K], weights float32 [T, K]). The bias only chooses the experts; the
+    weights are the unbiased sigmoids, divided by their sum (clamped below at 2^-14, the smallest normal fp16, as
+    llama.cpp does) if norm_topk, times `scale` unless it is 0 or 1."""
+    probs = sigmoid(logits.astype(np.float32))  # [T, E]
+    choose = probs + bias if bias is not None else probs  # [T, E]
+    ids = np.argsort(-choose, axis=-1, kind="stable")[:, :k]  # [T, K]
+    w = np.take_along_axis(probs, ids, axis=-1)  # [T, K]
+    if norm_topk:
+        w = w / np.maximum(w.sum(axis=-1, keepdims=True), np.float32(6.103515625e-5))
+    if scale not in (0.0, 1.0):
+        w = w * np.float32(scale)
+    return ids, w.astype(np.float32)
+
+
 def swiglu_expert(backend, ex, types: dict, x: np.ndarray) -> np.ndarray:
     """One expert on the tokens routed to it: x [n, D] -> [n, D]. `ex` = raw gate/up/down rows, `types` their qtypes;
     the products run on `backend.linear_raw`."""

@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
-from gguf import GGUFWriter, LlamaFileType, TokenType
+from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, TokenType
 
 from pymoe import quant
 from pymoe.quant.ggml_types import LLAMA_FTYPE_MOSTLY_Q2_0
@@ -105,10 +105,17 @@ ARCH_TWEAKS = {
     "qwen2moe": dict(),
     "llama": dict(),
     "olmoe": dict(n_head_kv=4),  # OLMoE has no GQA; llama.cpp sizes its k_norm as n_embd
+    "glm4moe": dict(n_layers=3),  # one dense layer, then two MoE layers
 }
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
-TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False}  # llama.cpp requires olmoe output
-ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0}
+TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False}  # llama.cpp
+#                                                                                  requires olmoe's output
+ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0,
+             "glm4moe": 1_000_000.0}
+# What GLM-4.5-Air's config.json gives llama.cpp's converter (conversion/glm.py Glm4MoeModel), at tiny size:
+# first_k_dense_replace 1, routed_scaling_factor 2.5, norm_topk_prob true, partial_rotary_factor 0.5, n_shared_experts 1
+# (here 2, so the shared expert is n_ff_shexp = 2 x n_ff_exp wide), intermediate_size (the dense MLP) 2 x n_ff_shexp.
+GLM = dict(n_dense_lead=1, expert_weights_scale=2.5, gating="sigmoid", rope_fraction=0.5, dense_ff_factor=2)
 QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
 
@@ -121,13 +128,18 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
     elif preset == "micro":
         p = replace(p, **MICRO_ARCH_TWEAKS.get(arch, {}))
     t = ARCHS[arch]
+    glm = arch == "glm4moe"
     return ModelConfig(
         arch=arch, name=f"pymoe-{preset}-{arch}", n_layers=p.n_layers, n_embd=p.n_embd, n_vocab=n_vocab,
         n_ctx_train=p.n_ctx, n_head=p.n_head, n_head_kv=p.n_head_kv, head_dim=p.head_dim, head_dim_v=p.head_dim,
         n_expert=p.n_expert, n_expert_used=p.n_expert_used, n_ff_exp=p.n_ff_exp,
         n_ff_shexp=p.n_ff_shexp if t.shared_expert else 0, rms_eps=float(np.float32(1e-6)), rope_freq_base=ROPE_BASE[arch],
-        rope_dim=p.head_dim, rope_neox=t.rope_neox, qk_norm=t.qk_norm, qkv_bias=t.qkv_bias, norm_topk=t.norm_topk,
-        tied_output=TIED_OUTPUT[arch] if preset == "tiny" else False,
+        rope_dim=int(p.head_dim * GLM["rope_fraction"]) if glm else p.head_dim, rope_neox=t.rope_neox,
+        qk_norm=t.qk_norm, qkv_bias=t.qkv_bias, norm_topk=t.norm_topk,
+        tied_output=TIED_OUTPUT[arch] if preset == "tiny" else False, gating=t.gating,
+        expert_weights_scale=GLM["expert_weights_scale"] if glm else 1.0,
+        n_dense_lead=GLM["n_dense_lead"] if glm else 0,
+        n_ff=GLM["dense_ff_factor"] * p.n_ff_shexp if glm else 0,
     )
 
 
@@ -319,10 +331,18 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
     if cfg.traits.ff_key == "feed_forward_length":
         w.add_feed_forward_length(cfg.n_ff_exp)
     else:
-        w.add_feed_forward_length(cfg.n_ff_exp)  # unused by the arch but written by llama.cpp's converter too
+        # the dense MLP's width (GLM); unused by qwen2/3moe but written by llama.cpp's converter too
+        w.add_feed_forward_length(cfg.n_ff or cfg.n_ff_exp)
         w.add_expert_feed_forward_length(cfg.n_ff_exp)
-    if cfg.has_shared_expert:
+    if cfg.has_shared_expert and cfg.arch == "glm4moe":  # the converter writes the count; n_ff_shexp = count x n_ff_exp
+        w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
+    elif cfg.has_shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+    if cfg.arch == "glm4moe":  # conversion/glm.py Glm4MoeModel.set_gguf_parameters
+        w.add_leading_dense_block_count(cfg.n_dense_lead)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_scale(cfg.expert_weights_scale)
+        w.add_expert_weights_norm(cfg.norm_topk)
     w.add_vocab_size(cfg.n_vocab)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("qwen2")

@@ -5,7 +5,7 @@ What this is: `Model(gguf_model, backend, cache)` with
     decode_one_token(token, kv)  one token (mat-vec kernels), returns logits [V]
 both built on one `forward(tokens, kv, phase)`, which applies the file's layer plan (gguf/config.LayerPlan):
     x = x + ATTENTION[plan.attention]( rmsnorm(x) * attn_norm )     engine/attention.py
-    x = x + FFN[plan.ffn]( rmsnorm(x) * ffn_norm )                   engine/moe.py
+    x = x + FFN[plan.ffn]( rmsnorm(x) * ffn_norm )                   engine/moe.py (MoE, or a dense MLP)
 What this is not: the arithmetic (the backend's primitives: backends/protocol.py, backends/reference.py holds the
 math in NumPy), a tokenizer, sampler or generation loop (generate.py), or a cache (experts/cache.py).
 
@@ -42,8 +42,10 @@ class Layer:
     q_norm: object  # float32 [Dh] or [H * Dh] or None
     k_norm: object
     ffn_norm: np.ndarray
-    ffn_gate_inp: object  # the router [E, D]
-    shared: dict  # qwen2moe: gate/up/down DenseWeight, gate_inp float32 [D]; else empty
+    ffn_gate_inp: object  # the router [E, D] (None in a dense layer)
+    shared: dict  # the shared expert: gate/up/down DenseWeight (+ gate_inp float32 [D]: qwen2moe); else empty
+    dense: dict = None  # a dense layer's MLP: gate/up/down DenseWeight
+    expert_bias: object = None  # exp_probs_b float32 [E]: added to the probabilities to choose the top K (GLM)
 
     @property
     def expert_types(self) -> dict:
@@ -74,16 +76,22 @@ class Model:
         lt = lambda name: self.file.layer_tensor(i, name)  # noqa: E731
         bias = {p: b.vector(lt(f"attn_{p}.bias")) for p in "qkv"} if cfg.qkv_bias else {}
         norms = (b.vector(lt("attn_q_norm.weight")), b.vector(lt("attn_k_norm.weight"))) if cfg.qk_norm else (None, None)
-        shared = {}
+        shared, dense = {}, None
         if plan.ffn == "moe+shared":
             shared = {p: b.dense(lt(f"ffn_{p}_shexp.weight")) for p in ("gate", "up", "down")}
-            shared["gate_inp"] = b.vector(lt("ffn_gate_inp_shexp.weight"))
+            if cfg.traits.shared_gate:
+                shared["gate_inp"] = b.vector(lt("ffn_gate_inp_shexp.weight"))
+        if plan.ffn == "dense":
+            dense = {p: b.dense(lt(f"ffn_{p}.weight")) for p in ("gate", "up", "down")}
+        moe = plan.ffn != "dense"
         return Layer(
             index=i, cfg=cfg, plan=plan, attn_norm=b.vector(lt("attn_norm.weight")),
             attn_q=b.dense(lt("attn_q.weight")), attn_k=b.dense(lt("attn_k.weight")),
             attn_v=b.dense(lt("attn_v.weight")), attn_output=b.dense(lt("attn_output.weight")),
-            bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=b.vector(lt("ffn_norm.weight")),
-            ffn_gate_inp=b.dense(lt("ffn_gate_inp.weight")), shared=shared,
+            bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=b.vector(lt(f"{cfg.traits.ffn_norm}.weight")),
+            ffn_gate_inp=b.dense(lt("ffn_gate_inp.weight")) if moe else None, shared=shared, dense=dense,
+            expert_bias=np.asarray(lt("exp_probs_b.bias").data, np.float32) if moe and cfg.traits.expert_bias
+            else None,
         )
 
     # --- the pieces -----------------------------------------------------------------------------------------

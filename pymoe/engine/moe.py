@@ -13,9 +13,15 @@ The path, as llama.cpp computes it (build_moe_ffn):
     w      = probs[ids]  (/ sum(w) if norm_topk)      [T, K]
     y[t]   = sum_k w[t, k] * expert_{ids[t, k]}(x[t])  [T, D]
     expert(x) = down(silu(gate(x)) * up(x))
-plus, for qwen2moe ("moe+shared" in the layer plan), a shared expert every token uses, scaled by
-sigmoid(x @ ffn_gate_inp_shexp). The router's softmax/top-K and the experts' SwiGLU are backend primitives (`route`,
+plus, for "moe+shared" in the layer plan, a shared expert every token uses, scaled by sigmoid(x @ ffn_gate_inp_shexp)
+(qwen2moe) or not at all (GLM). The router's softmax/top-K and the experts' SwiGLU are backend primitives (`route`,
 `moe_experts`; their NumPy form: backends/reference.py).
+
+Sigmoid routing (GLM-4.5, DeepSeek-V3; config.gating == "sigmoid", reference.route_sigmoid):
+    probs  = sigmoid(logits)                          [T, E]   each expert scored on its own
+    ids    = top-K of probs + exp_probs_b             [T, K]   a per-expert bias steers the choice only
+    w      = probs[ids] (/ sum, if norm_topk) * expert_weights_scale
+A "dense" layer (GLM's and DeepSeek's first layers) is the SwiGLU MLP down(silu(gate(x)) * up(x)): `dense_block`.
 
 Experts are fetched through the expert cache (`cache.expert(layer, e)`), never from the model directly: this file
 does not know where an expert's bytes live (mmap, a VRAM slot, ...). Once they are computed, `cache.finish(layer)`
@@ -27,14 +33,20 @@ from __future__ import annotations
 
 import numpy as np
 
-from pymoe.backends.reference import sigmoid, silu
+from pymoe.backends.reference import route_sigmoid, sigmoid, silu
 
 
 def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [T, D] (already ffn-normed) -> (y [T, D], expert ids [T, K], their weights [T, K]). `layer`: model.Layer."""
     cfg = layer.cfg
     logits = backend.linear(layer.ffn_gate_inp, x)  # [T, E]
-    ids, w = backend.route(logits, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
+    if cfg.gating == "sigmoid":
+        ids, w = route_sigmoid(np.asarray(logits), cfg.n_expert_used, layer.expert_bias, cfg.norm_topk,
+                               cfg.expert_weights_scale)  # [T, K], [T, K]
+    else:
+        ids, w = backend.route(logits, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
+        if cfg.expert_weights_scale not in (0.0, 1.0):  # llama.cpp skips the scale at 0 and 1
+            w = w * np.float32(cfg.expert_weights_scale)
     cache.lookup(layer.index, ids, phase)
     experts = {e: cache.expert(layer.index, e) for e in np.unique(ids).tolist()}  # each chosen expert once
     y = backend.moe_experts(experts, layer.expert_types, x, ids, w)  # [T, D]
@@ -43,9 +55,18 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
     if layer.plan.ffn == "moe+shared":
         sh = layer.shared
         h = silu(backend.linear(sh["gate"], x)) * backend.linear(sh["up"], x)  # [T, S]
-        gate = sigmoid((x * sh["gate_inp"]).sum(axis=-1, keepdims=True))  # [T, 1]; per-row order, as in decode
-        y += gate * backend.linear(sh["down"], h)
+        out = backend.linear(sh["down"], h)  # [T, D]
+        if "gate_inp" in sh:  # qwen2moe: a sigmoid gate per token
+            out = sigmoid((x * sh["gate_inp"]).sum(axis=-1, keepdims=True)) * out  # [T, 1]; per-row order
+        y += out
     return y, ids, w
 
 
-FFN = {"moe": moe_block, "moe+shared": moe_block}  # a layer plan's feed-forward kind -> its block
+def dense_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndarray, None, None]:
+    """A dense layer's SwiGLU MLP: x [T, D] (ffn-normed) -> (y [T, D], None, None): no routing, no experts."""
+    d = layer.dense
+    h = silu(backend.linear(d["gate"], x)) * backend.linear(d["up"], x)  # [T, n_ff]
+    return backend.linear(d["down"], h), None, None
+
+
+FFN = {"moe": moe_block, "moe+shared": moe_block, "dense": dense_block}  # a layer plan's FFN kind -> its block

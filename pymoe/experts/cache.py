@@ -124,9 +124,9 @@ class PassThroughCache:
     def describe(self) -> str:
         cfg = self.model.config
         if self.gpu:
-            return (f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read over PCIe from pinned host "
+            return (f"expert cache: none (all {len(cfg.moe_layers) * cfg.n_expert} experts read over PCIe from pinned host "
                     "memory)")
-        return (f"expert cache: none (all {cfg.n_layers * cfg.n_expert} experts read in place from the memory map; "
+        return (f"expert cache: none (all {len(cfg.moe_layers) * cfg.n_expert} experts read in place from the memory map; "
                 "--cache-slots N emulates a GPU slot pool)")
 
 

@@ -143,14 +143,19 @@ class ModelFacts:
     dense_resident_bytes: int = 0  # every non-expert tensor: what sits in VRAM beside the cache
     dense_bytes_per_token: int = 0  # what one decoded token reads of them (one embedding row, not the whole table)
     kv_bytes_per_ctx_token: int = 0  # KV cache bytes per context position, all layers
+    n_dense: int = 0  # leading dense layers (no experts): n_layers counts them, as trace and profile keys do
+
+    @property
+    def n_moe_layers(self) -> int:
+        return self.n_layers - self.n_dense
 
     @property
     def n_total(self) -> int:
-        return self.n_layers * self.n_expert
+        return self.n_moe_layers * self.n_expert
 
     @property
     def lookups_per_token(self) -> int:
-        return self.n_layers * self.k
+        return self.n_moe_layers * self.k
 
 
 def dense_bytes(model) -> tuple[int, int]:
@@ -184,7 +189,7 @@ def facts_from_gguf(path) -> ModelFacts:
     resident, per_token = dense_bytes(m)
     return ModelFacts(name=str(path), n_layers=cfg.n_layers, n_expert=cfg.n_expert, k=cfg.n_expert_used,
                       slot_bytes=m.slot_bytes, dense_resident_bytes=resident, dense_bytes_per_token=per_token,
-                      kv_bytes_per_ctx_token=kv_bytes_per_ctx_token(cfg))
+                      kv_bytes_per_ctx_token=kv_bytes_per_ctx_token(cfg), n_dense=cfg.n_dense_lead)
 
 
 @dataclass(frozen=True)
@@ -453,10 +458,10 @@ def format_rows(rows: Sequence[PlanRow]) -> list[str]:
 
 def format_header(facts: ModelFacts, cost: CostModel, hit_model: HitModel, reserve: int, extra_reserve: int,
                   overhead: Optional[str]) -> list[str]:
-    L, E, k, S = facts.n_layers, facts.n_expert, facts.k, facts.slot_bytes
+    E, k, S = facts.n_expert, facts.k, facts.slot_bytes
     lines = [
         f"model: {facts.name}",
-        f"  experts: {L} layers x {E} = {facts.n_total} slots for full coverage, top-{k} -> {facts.lookups_per_token}"
+        f"  experts: {facts.n_moe_layers} layers x {E} = {facts.n_total} slots for full coverage, top-{k} -> {facts.lookups_per_token}"
         f" routed lookups per decoded token; slot {S} bytes ({fmt_size(S)}, one expert's gate+up+down)",
         f"  dense bytes read per token: {facts.dense_bytes_per_token} ({fmt_size(facts.dense_bytes_per_token)})",
     ]

@@ -24,9 +24,16 @@ class ArchTraits:
     rope_neox: bool  # NEOX rotates pairs (i, i + d/2); "normal" (llama) rotates adjacent pairs (2i, 2i + 1)
     qk_norm: Optional[str]  # None | "head" (RMSNorm over each head's d) | "full" (over the whole q / k projection)
     qkv_bias: bool  # attn_q/k/v carry a bias
-    shared_expert: bool  # ffn_*_shexp tensors plus a sigmoid gate ffn_gate_inp_shexp
+    shared_expert: bool  # ffn_*_shexp tensors (a shared expert every token uses)
     norm_topk: bool  # renormalise the k routing weights to sum to 1 (default when no metadata key says otherwise)
     ff_key: str  # metadata key of one routed expert's hidden size
+    shared_gate: bool = True  # the shared expert is scaled by sigmoid(x . ffn_gate_inp_shexp) (qwen2moe); else by 1
+    gating: str = "softmax"  # router probabilities: "softmax" over the E logits, or "sigmoid" of each (llama.cpp's
+    #                          expert_gating_func default for the arch; the metadata key overrides it)
+    expert_bias: bool = False  # exp_probs_b.bias: a per-expert bias added to the probabilities for the top-K choice
+    #                            only (DeepSeek-V3 style "aux-loss-free" balancing); the weights stay unbiased
+    ffn_norm: str = "ffn_norm"  # name of the pre-FFN RMSNorm tensor (GLM: post_attention_norm)
+    qk_norm_optional: bool = False  # q/k norms (per head) when the file has them (GLM-4.5 355B yes, -Air no)
 
 
 ARCHS: dict[str, ArchTraits] = {
@@ -42,7 +49,15 @@ ARCHS: dict[str, ArchTraits] = {
     # OLMoE: q/k RMSNorm over the whole projection (not per head), no renormalisation of routing weights.
     "olmoe": ArchTraits(rope_neox=True, qk_norm="full", qkv_bias=False, shared_expert=False, norm_topk=False,
                         ff_key="feed_forward_length"),
+    # GLM-4.5 / 4.5-Air: leading dense layers (leading_dense_block_count), then sigmoid routing with a selection
+    # bias, weights renormalised and scaled (expert_weights_scale), an ungated shared expert; q/k/v biases, partial
+    # NEOX RoPE (rope.dimension_count = half the head), the pre-FFN norm named post_attention_norm; NextN (MTP)
+    # layers at the end of block_count, which the trunk does not run (llama.cpp: n_layer = block_count - nextn).
+    "glm4moe": ArchTraits(rope_neox=True, qk_norm=None, qkv_bias=True, shared_expert=True, norm_topk=True,
+                          ff_key="expert_feed_forward_length", shared_gate=False, gating="sigmoid", expert_bias=True,
+                          ffn_norm="post_attention_norm", qk_norm_optional=True),
 }
+GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # {arch}.expert_gating_func: llama.cpp's llama_expert_gating_func_type
 
 
 @dataclass(frozen=True)
@@ -52,8 +67,9 @@ class LayerPlan:
 
     attention: "gqa": softmax attention with RoPE over a KV cache (grouped-query; q/k norms and q/k/v biases as
                the arch says). Kinds to come sit beside it: gated attention, Gated DeltaNet, MLA, sliding window.
-    ffn:       "moe": routed experts; "moe+shared": routed experts plus a sigmoid-gated shared expert (qwen2moe).
-               A dense MLP ("dense", DeepSeek's and GLM's leading layers) is the next kind.
+    ffn:       "moe": routed experts; "moe+shared": routed experts plus a shared expert (sigmoid-gated: qwen2moe;
+               ungated: GLM); "dense": a SwiGLU MLP, ffn_gate/ffn_up/ffn_down (GLM's and DeepSeek's leading
+               layers).
     experts:   the MoE layer's expert layout (gguf/loader.ExpertLayout: types, byte layout in a slot), filled in by
                the loader from the tensors; None in the metadata-only plan and for layers without experts."""
 
@@ -87,6 +103,11 @@ class ModelConfig:
     qkv_bias: bool
     norm_topk: bool  # {arch}.expert_weights_norm when present, else the arch default
     tied_output: bool  # no output.weight: the output head reuses token_embd
+    gating: str = "softmax"  # {arch}.expert_gating_func (1 softmax, 2 sigmoid), else the arch default
+    expert_weights_scale: float = 1.0  # {arch}.expert_weights_scale: routing weights are multiplied by it
+    n_dense_lead: int = 0  # {arch}.leading_dense_block_count: the first layers are dense MLPs
+    n_ff: int = 0  # {arch}.feed_forward_length: the dense layers' hidden size (0: no dense layer)
+    n_nextn: int = 0  # {arch}.nextn_predict_layers: MTP blocks after the trunk (not run by the forward pass)
 
     @property
     def traits(self) -> ArchTraits:
@@ -97,9 +118,17 @@ class ModelConfig:
         return self.n_ff_shexp > 0
 
     def layer_plan(self) -> tuple[LayerPlan, ...]:
-        """The per-layer plan from the metadata alone (every supported arch: GQA attention and an MoE block)."""
-        ffn = "moe+shared" if self.has_shared_expert else "moe"
-        return tuple(LayerPlan(i, "gqa", ffn) for i in range(self.n_layers))
+        """The per-layer plan from the metadata alone: GQA attention everywhere; the first n_dense_lead layers a
+        dense MLP, the others an MoE block (with the shared expert where the arch has one)."""
+        moe = "moe+shared" if self.has_shared_expert else "moe"
+        return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead else moe) for i in range(self.n_layers))
+
+    def is_moe_layer(self, i: int) -> bool:
+        return i >= self.n_dense_lead
+
+    @property
+    def moe_layers(self) -> range:
+        return range(self.n_dense_lead, self.n_layers)
 
     def describe(self) -> list[tuple[str, object]]:
         return [(f.name, getattr(self, f.name)) for f in fields(self)]
@@ -122,10 +151,18 @@ class ModelConfig:
             raise PymoeError(f"{where}'{arch}' model has no experts ({arch}.expert_count is absent or 0): "
                              "pymoe runs Mixture-of-Experts models only")
         head_dim = int(key("attention.key_length", n_embd // n_head))
+        n_ff_exp = int(key(t.ff_key))
+        n_nextn = int(key("nextn_predict_layers", 0))
+        gating_id = key("expert_gating_func", None)
+        if gating_id is not None and int(gating_id) not in GATING_FUNCS:
+            raise PymoeError(f"{where}{arch}.expert_gating_func = {gating_id} is not supported "
+                             f"(pymoe: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})")
+        shexp_default = n_ff_exp * int(key("expert_shared_count", 1))  # llama.cpp: n_ff_exp * n_expert_shared
+        n_dense_lead = int(key("leading_dense_block_count", 0))
         cfg = cls(
             arch=arch,
             name=str(get("general.name", "") or ""),
-            n_layers=int(key("block_count")),
+            n_layers=int(key("block_count")) - n_nextn,
             n_embd=n_embd,
             n_vocab=int(key("vocab_size", n_vocab)),
             n_ctx_train=int(key("context_length")),
@@ -135,8 +172,8 @@ class ModelConfig:
             head_dim_v=int(key("attention.value_length", head_dim)),
             n_expert=n_expert,
             n_expert_used=int(key("expert_used_count")),
-            n_ff_exp=int(key(t.ff_key)),
-            n_ff_shexp=int(key("expert_shared_feed_forward_length", 0)) if t.shared_expert else 0,
+            n_ff_exp=n_ff_exp,
+            n_ff_shexp=int(key("expert_shared_feed_forward_length", shexp_default)) if t.shared_expert else 0,
             rms_eps=float(key("attention.layer_norm_rms_epsilon")),
             rope_freq_base=float(key("rope.freq_base", 10000.0)),
             rope_dim=int(key("rope.dimension_count", head_dim)),
@@ -145,6 +182,11 @@ class ModelConfig:
             qkv_bias=t.qkv_bias,
             norm_topk=bool(key("expert_weights_norm", t.norm_topk)),
             tied_output=tied_output,
+            gating=GATING_FUNCS[int(gating_id)] if gating_id is not None else t.gating,
+            expert_weights_scale=float(key("expert_weights_scale", 1.0)),
+            n_dense_lead=n_dense_lead,
+            n_ff=int(key("feed_forward_length", 0)) if n_dense_lead else 0,  # only dense layers use it
+            n_nextn=n_nextn,
         )
         cfg.validate(where)
         return cfg
@@ -163,6 +205,9 @@ class ModelConfig:
             (0 < self.rope_dim <= self.head_dim and self.rope_dim % 2 == 0,
              f"{a}.rope.dimension_count ({self.rope_dim}) must be even and <= the head size ({self.head_dim})"),
             (self.n_vocab > 0, "the vocabulary is empty"),
+            (0 <= self.n_dense_lead < self.n_layers,
+             f"{a}.leading_dense_block_count ({self.n_dense_lead}) leaves no MoE layer of {self.n_layers}"),
+            (self.n_dense_lead == 0 or self.n_ff > 0, f"{a}.feed_forward_length must be > 0 for the dense layers"),
         ]
         for ok, what in checks:
             if not ok:

@@ -34,11 +34,15 @@ def describe_model(path: str, show_tensors: bool = False) -> str:
     for name, count in sorted(by_type.items(), key=lambda kv: -bytes_by_type[kv[0]]):
         lines.append(f"  {name:<7} {count:>5} tensors  {fmt_bytes(bytes_by_type[name]):>12}")
 
-    n_experts = cfg.n_layers * cfg.n_expert
-    lines.append(f"experts: {cfg.n_layers} layers x {cfg.n_expert} = {n_experts} experts, top-{cfg.n_expert_used}"
+    n_moe = len(cfg.moe_layers)
+    n_experts = n_moe * cfg.n_expert
+    dense = f" (+ {cfg.n_dense_lead} dense)" if cfg.n_dense_lead else ""
+    lines.append(f"experts: {n_moe} layers{dense} x {cfg.n_expert} = {n_experts} experts, top-{cfg.n_expert_used}"
                  f", {fmt_bytes(m.expert_bytes_total)} in all ({100 * m.expert_bytes_total / total:.1f}% of the file)")
     by_layout = defaultdict(list)  # the experts' layout (types and bytes per matrix) -> layers that have it
     for i, lay in enumerate(m.expert_layouts()):
+        if lay is None:
+            continue
         by_layout[tuple((p, lay.types[p].name, shape[0] * shape[1]) for p, _, shape in lay.parts)].append(i)
     for layout, layers in by_layout.items():
         parts = ", ".join(f"{p} {qtype} {fmt_bytes(n)}" for p, qtype, n in layout)

@@ -103,30 +103,39 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
     shapes = {"token_embd.weight": (cfg.n_vocab, D), "output_norm.weight": (D,)}
     if not cfg.tied_output:
         shapes["output.weight"] = (cfg.n_vocab, D)
-    for i in range(cfg.n_layers):
-        b = f"blk.{i}."
+    for plan in cfg.layer_plan():
+        b = f"blk.{plan.index}."
         shapes.update({
             b + "attn_norm.weight": (D,),
             b + "attn_q.weight": (q_dim, D),
             b + "attn_k.weight": (k_dim, D),
             b + "attn_v.weight": (v_dim, D),
             b + "attn_output.weight": (D, o_dim),
-            b + "ffn_norm.weight": (D,),
-            b + "ffn_gate_inp.weight": (E, D),  # the router
-            b + "ffn_gate_exps.weight": (E, F, D),
-            b + "ffn_up_exps.weight": (E, F, D),
-            b + "ffn_down_exps.weight": (E, D, F),
+            b + f"{cfg.traits.ffn_norm}.weight": (D,),
         })
+        if plan.ffn == "dense":
+            shapes.update({b + "ffn_gate.weight": (cfg.n_ff, D), b + "ffn_up.weight": (cfg.n_ff, D),
+                           b + "ffn_down.weight": (D, cfg.n_ff)})
+        else:
+            shapes.update({
+                b + "ffn_gate_inp.weight": (E, D),  # the router
+                b + "ffn_gate_exps.weight": (E, F, D),
+                b + "ffn_up_exps.weight": (E, F, D),
+                b + "ffn_down_exps.weight": (E, D, F),
+            })
+            if cfg.traits.expert_bias:
+                shapes[b + "exp_probs_b.bias"] = (E,)
         if cfg.qkv_bias:
             shapes.update({b + "attn_q.bias": (q_dim,), b + "attn_k.bias": (k_dim,), b + "attn_v.bias": (v_dim,)})
         if cfg.qk_norm == "head":
             shapes.update({b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)})
         elif cfg.qk_norm == "full":
             shapes.update({b + "attn_q_norm.weight": (q_dim,), b + "attn_k_norm.weight": (k_dim,)})
-        if cfg.has_shared_expert:
+        if plan.ffn == "moe+shared":
             S = cfg.n_ff_shexp
+            if cfg.traits.shared_gate:
+                shapes[b + "ffn_gate_inp_shexp.weight"] = (D,)
             shapes.update({
-                b + "ffn_gate_inp_shexp.weight": (D,),
                 b + "ffn_gate_shexp.weight": (S, D),
                 b + "ffn_up_shexp.weight": (S, D),
                 b + "ffn_down_shexp.weight": (D, S),
@@ -150,6 +159,8 @@ class GGUFModel:
             raise PymoeError(f"{where}missing tensor token_embd.weight")
         self.config = ModelConfig.from_gguf(self.metadata_getter(where), n_vocab=embd.shape[0],
                                             tied_output="output.weight" not in self.tensors, where=where)
+        if self.config.traits.qk_norm_optional and "blk.0.attn_q_norm.weight" in self.tensors:
+            self.config = replace(self.config, qk_norm="head")  # llama.cpp: optional tensors, used when present
         self._validate_tensors(where)
 
     # --- metadata -------------------------------------------------------------------------------------------
@@ -235,19 +246,19 @@ class GGUFModel:
         return [replace(p, experts=self.expert_layout(p.index) if p.ffn.startswith("moe") else None)
                 for p in self.config.layer_plan()]
 
-    def expert_layouts(self) -> list[ExpertLayout]:
-        """expert_layout(i) of every layer, in layer order."""
-        return [self.expert_layout(i) for i in range(self.config.n_layers)]
+    def expert_layouts(self) -> list[Optional[ExpertLayout]]:
+        """expert_layout(i) of every layer, in layer order; None for a layer without experts (a dense one)."""
+        return [self.expert_layout(i) if self.config.is_moe_layer(i) else None for i in range(self.config.n_layers)]
 
     @property
     def slot_bytes(self) -> int:
         """Bytes of the largest single expert (gate + up + down) over all layers: the size of one cache slot."""
-        return max(lay.nbytes for lay in self.expert_layouts())
+        return max(lay.nbytes for lay in self.expert_layouts() if lay is not None)
 
     @property
     def expert_bytes_total(self) -> int:
         return sum(self.layer_tensor(i, f"ffn_{p}_exps.weight").nbytes
-                   for i in range(self.config.n_layers) for p in EXPERT_PROJ)
+                   for i in self.config.moe_layers for p in EXPERT_PROJ)
 
 
 def _fits(have: tuple, want: tuple) -> bool:

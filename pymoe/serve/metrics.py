@@ -21,7 +21,7 @@ def model_id(engine) -> str:
 def status_of(scheduler) -> dict:
     """/v1/status: model, backend, KV, slots and their cached tokens, expert cache, request outcomes, recent jobs."""
     eng, cfg, cache = scheduler.engine, scheduler.engine.config, scheduler.engine.cache
-    n_experts = cfg.n_layers * cfg.n_expert
+    n_experts = len(cfg.moe_layers) * cfg.n_expert
     counts = {p: dict(c) for p, c in cache.stats.counts.items()}
     S = scheduler
     with S.lock:
