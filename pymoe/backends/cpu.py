@@ -51,7 +51,7 @@ def transpose_keys(k, kt):
 
 
 @njit(parallel=True, cache=True)
-def attention_rows(q, kt, v, p0, out):
+def attention_rows(q, kt, v, p0, window, sinks, out):
     """Causal GQA attention, each (query, head) on its own: q [T, H, Dh], kt [G, Dh, >= S] (the keys, transposed:
     transpose_keys), v [S, G, Dv] (S = p0 + T) -> out float32 [T, H * Dv] (written). The math of model.attention,
     in an order that depends only on the query's position, not on T: query t gives the same bits in a prefill of
@@ -71,6 +71,7 @@ def attention_rows(q, kt, v, p0, out):
         t = i // 2 if i % 2 == 0 else T - 1 - i // 2
         g = h // (H // G)  # the KV head query head h reads
         n = p0 + t + 1  # keys 0 .. p0 + t: causal
+        lo = max(0, n - window) if window > 0 else 0  # sliding window: keys lo .. p0 + t
         scores = np.zeros(n, dtype=np.float32)  # [n]
         for d in range(Dh):
             qd = q[t, h, d]
@@ -80,9 +81,12 @@ def attention_rows(q, kt, v, p0, out):
         top = np.float32(-np.inf)
         for s in range(n):
             scores[s] = scores[s] / sqrt_dh
-            top = max(top, scores[s])
+            if s >= lo:
+                top = max(top, scores[s])
+        if sinks.shape[0] > 0:  # gpt-oss: the head's sink logit joins the max and the sum, with no value
+            top = max(top, sinks[h])
         for s in range(n):
-            scores[s] = exp_f32(scores[s] - top)
+            scores[s] = exp_f32(scores[s] - top) if s >= lo else np.float32(0.0)
         part = np.zeros(16, dtype=np.float32)  # [16] the softmax sum, lane s % 16
         for s0 in range(0, n - n % 16, 16):
             for j in range(16):
@@ -95,6 +99,8 @@ def attention_rows(q, kt, v, p0, out):
                 part[j] += part[j + w]
             w //= 2
         total = part[0]
+        if sinks.shape[0] > 0:
+            total += exp_f32(sinks[h] - top)
         o = np.zeros(Dv, dtype=np.float32)  # [Dv]
         for s in range(n):
             p = scores[s] / total
@@ -348,15 +354,17 @@ class CPUBackend(HostArrays):
         """x float32 [T, C] -> [T, R]."""
         return self.linear_raw(w.raw, w.qtype, x)
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
-        """reference.attention's contract (q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]) by
-        `attention_rows`, whose bits do not depend on T."""
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
+                  sinks=None) -> np.ndarray:
+        """reference.attention's contract (q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]; a sliding
+        window and per-head sinks) by `attention_rows`, whose bits do not depend on T."""
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=np.float32)  # [T, H * Dv]
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731  (a KV cache may store f16)
         S, G, Dh = k.shape
         kt = np.empty((G, Dh, (S + 15) // 16 * 16 + 16), dtype=np.float32)  # [G, Dh, S + pad]: for SIMD over keys
         transpose_keys(f32(k), kt)
-        attention_rows(f32(q), kt, f32(v), p0, out)
+        no_sinks = np.zeros(0, np.float32)
+        attention_rows(f32(q), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)
         return out
 
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -407,13 +415,17 @@ class CPUBackend(HostArrays):
             return quant.matvec(raw, qtype, x[0])[None, :]  # [1, R]: decode, one token
         return quant.matmul(raw, qtype, x)  # [T, R]: prefill, each weight block decoded once for all T
 
-    def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray):
+    def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
+                    ffn=None):
         """The routed experts of one layer, fused: experts {e: ExpertBytes} (every e in ids), x float32 [T, D],
         ids int [T, K], w float32 [T, K] -> y float32 [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]).
-        Without a fused path for these types (float path, a non-K type, odd widths): one expert at a time."""
+        Without a fused path for these types (float path, a non-K type, odd widths) or for this expert function
+        (ffn: gpt-oss's biases and clamped SwiGLU): one expert at a time."""
         qtypes = tuple(expert_types[p] for p in ("gate", "up", "down"))
         any_ex = next(iter(experts.values()))
         F = any_ex.gate.shape[0]
+        if ffn is not None:
+            return experts_one_by_one(self, experts, expert_types, x, ids, w, ffn)
         if not (self.integer_path(qtypes[0], x.shape[1]) and self.integer_path(qtypes[1], x.shape[1])
                 and self.integer_path(qtypes[2], F)):
             return experts_one_by_one(self, experts, expert_types, x, ids, w)

@@ -589,11 +589,12 @@ class CUDABackend:
     def kv_read(self, kv, layer: int, S: int) -> tuple:
         return kv.k[layer, :S], kv.v[layer, :S]  # device views, or host arrays
 
-    def attention(self, q, k, v, p0):
+    def attention(self, q, k, v, p0, window: int = 0, sinks=None):
         """Over the device KV cache: one decode-attention launch per new token (token t attends to positions
-        0..p0 + t, all written before); over a host KV cache: on the CPU (q brought to the host)."""
-        if isinstance(k, np.ndarray):
-            return self.cpu.attention(self.to_host(q), k, v, p0)
+        0..p0 + t, all written before); over a host KV cache: on the CPU (q brought to the host). A sliding window
+        or attention sinks (gpt-oss) have no device kernel yet: q, k, v go to the host and the CPU computes."""
+        if isinstance(k, np.ndarray) or window or sinks is not None:
+            return self.cpu.attention(self.to_host(q), self.to_host(k), self.to_host(v), p0, window, sinks)
         T, H, _ = q.shape
         Dv = v.shape[2]
         o = self._arena((T, H * Dv))  # [T, H * Dv]
@@ -614,13 +615,18 @@ class CUDABackend:
                                                                "dense weights"), host)
         return entry[0]
 
-    def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray):
+    def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray, w: np.ndarray,
+                    ffn=None):
         """The routed experts of one layer: x float32 [T, D], ids int [T, K], w float32 [T, K] -> y [T, D].
+        (ffn, gpt-oss's expert biases and clamped SwiGLU, has no fused device kernel yet: `_experts_with_ffn`
+        runs each expert's three products on the device and the biases and activation on the host.)
 
         The (token, expert) pairs are grouped by expert (the CPU backend's `group_by_expert`): expert used[i] owns
         pairs start[i]:start[i+1]. GPU experts (slot, spill, staged) are queued on the compute stream, all of them
         before the CPU starts on the "cpu" misses, so both sides work at once; the pairs' outputs are added into
         y on the host at the end, in ascending expert order per token."""
+        if ffn is not None:
+            return self._experts_with_ffn(experts, expert_types, x, ids, w, ffn)
         T, D = x.shape
         self._check_tokens(T)
         used, start, tok, weight = group_by_expert(np.ascontiguousarray(ids, dtype=np.int64),
@@ -655,6 +661,30 @@ class CUDABackend:
             self.compute.synchronize()
         y = np.zeros((T, D), dtype=np.float32)  # [T, D]
         np.add.at(y, tok, out)  # pairs in ascending expert order: each token's experts added in that order
+        return y
+
+    def _experts_with_ffn(self, experts: dict, expert_types: dict, x, ids, w, ffn) -> np.ndarray:
+        """One expert at a time (reference.swiglu_expert with `ffn`): a GPU expert's gate, up and down products by
+        the device kernels over its slot or its mapped host bytes, the biases and swiglu_oai on the host; a "cpu"
+        miss entirely on the CPU. Correct and simple, not fast: a fused device kernel is the next step."""
+        y = np.zeros_like(x)  # [T, D]
+        done = self.cuda.event()
+        for e, ex in experts.items():
+            tok, slot = np.nonzero(ids == e)  # [n] tokens routed to e, and at which of their K positions
+            if ex.where == "cpu":
+                out = swiglu_expert(self.cpu, ex, expert_types, x[tok], ffn)
+            else:
+                if ex.where == "slot":
+                    self.cache_pool.before_read(ex.slot)
+                    dev = ex
+                else:  # spill or staged: read in place over PCIe
+                    m = self.host.device_view
+                    dev = ExpertBytes(ex.layer, ex.expert, m(ex.gate), m(ex.up), m(ex.down), where="spill")
+                out = swiglu_expert(self, dev, expert_types, x[tok], ffn)  # linear_raw synchronises
+                if ex.where == "slot":
+                    done.record(self.compute)
+                    self.cache_pool.after_read(ex.slot, done)
+            y[tok] += w[tok, slot][:, None] * out  # [n, D]
         return y
 
     def _device_expert(self, ex: ExpertBytes, n_tokens: int, i: int) -> ExpertBytes:

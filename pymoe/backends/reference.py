@@ -36,12 +36,49 @@ def rmsnorm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope_tables(rope_dim: int, base: float, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+@dataclass(frozen=True)
+class RopeScaling:
+    """Context extension of RoPE, as llama.cpp applies it (ggml's rope_yarn; llama-context.cpp's attn factor).
+
+    linear: every angle is multiplied by freq_scale = 1 / factor (positions squeezed).
+    yarn:   pair i keeps its original angle (extrapolation) where its wavelength is short, takes the squeezed angle
+            where it is long, and a linear ramp between: the ramp runs over pair indices corr_dims (ggml's
+            ggml_rope_yarn_corr_dims with beta_fast 32, beta_slow 1 over the original context). cos and sin are
+            then multiplied by mscale = 1 + 0.1 ln(factor) (llama.cpp's attn_factor cancels its own get_mscale, so
+            this is what remains): q.k grows by mscale^2, YaRN's attention temperature."""
+
+    kind: str = "none"  # none | linear | yarn
+    factor: float = 1.0
+    ctx_orig: int = 0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+
+
+def yarn_corr_dims(rope_dim: int, ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple:
+    """The pair-index range of YaRN's ramp (ggml_rope_yarn_corr_dims, in float32 as ggml computes it)."""
+    def corr_dim(n_rot):  # the dimension whose wavelength turns n_rot times over the original context
+        return np.float32(rope_dim * np.log(np.float32(ctx_orig / (n_rot * 2 * np.pi)))
+                          / (2 * np.log(np.float32(base))))
+    start, end = np.floor(corr_dim(beta_fast)), np.ceil(corr_dim(beta_slow))
+    return max(0.0, float(start)), min(rope_dim - 1.0, float(end))
+
+
+def rope_tables(rope_dim: int, base: float, positions: np.ndarray,
+                scaling: RopeScaling = RopeScaling()) -> tuple[np.ndarray, np.ndarray]:
     """cos, sin float32 [T, rope_dim/2] for the given positions (angles in float64, as llama.cpp's rope cache)."""
     i = np.arange(rope_dim // 2, dtype=np.float64)
     inv_freq = base ** (-2.0 * i / rope_dim)  # [rope_dim/2]
     theta = positions[:, None].astype(np.float64) * inv_freq[None, :]  # [T, rope_dim/2]
-    return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    if scaling.kind == "none" or scaling.factor == 1.0:
+        return np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
+    squeezed = theta / scaling.factor  # [T, rope_dim/2] freq_scale * theta
+    if scaling.kind == "linear":
+        return np.cos(squeezed).astype(np.float32), np.sin(squeezed).astype(np.float32)
+    low, high = yarn_corr_dims(rope_dim, scaling.ctx_orig, base, scaling.beta_fast, scaling.beta_slow)
+    ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # [rope_dim/2] 1: extrapolate, 0: squeeze
+    theta = squeezed * (1.0 - ramp) + theta * ramp  # [T, rope_dim/2]
+    mscale = 1.0 + 0.1 * np.log(scaling.factor)
+    return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
 
 
 def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
@@ -60,19 +97,33 @@ def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> n
     return out
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
+              sinks: np.ndarray = None) -> np.ndarray:
     """Causal GQA attention of T new queries at positions p0.. over S = p0 + T cached keys.
 
     q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv].
+    window > 0: query position p sees keys p - window + 1 .. p only (llama.cpp's LLAMA_SWA_TYPE_STANDARD).
+    sinks float32 [H]: per head, one more logit in the softmax's denominator that has no value ("attention sink",
+    gpt-oss): weights = exp(s) / (sum exp(s) + exp(sink)), computed against max(max s, sink) as ggml does.
     """
     T, H, Dh = q.shape
     S, G, Dv = v.shape
     qg = q.reshape(T, G, H // G, Dh)  # [T, G, H/G, Dh]: the query heads sharing each KV head
     scores = np.einsum("tgqd,sgd->gqts", qg, k) / np.float32(np.sqrt(Dh))  # [G, H/G, T, S]
-    future = np.arange(S)[None, :] > (p0 + np.arange(T))[:, None]  # [T, S]
-    scores = np.where(future, -np.inf, scores)
-    scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    probs = scores / scores.sum(axis=-1, keepdims=True)  # [G, H/G, T, S]
+    pos = p0 + np.arange(T)  # [T] the queries' positions
+    hidden = np.arange(S)[None, :] > pos[:, None]  # [T, S] the future
+    if window:
+        hidden |= pos[:, None] - np.arange(S)[None, :] >= window  # [T, S] out of the window
+    scores = np.where(hidden, -np.inf, scores)
+    top = scores.max(axis=-1, keepdims=True)  # [G, H/G, T, 1]
+    if sinks is not None:
+        sink = np.asarray(sinks, np.float32).reshape(G, H // G, 1, 1)  # [G, H/G, 1, 1]
+        top = np.maximum(top, sink)
+    scores = np.exp(scores - top)
+    total = scores.sum(axis=-1, keepdims=True)  # [G, H/G, T, 1]
+    if sinks is not None:
+        total = total + np.exp(sink - top)
+    probs = scores / total  # [G, H/G, T, S]
     out = np.einsum("gqts,sgd->tgqd", probs, v)  # [T, G, H/G, Dv]
     return out.reshape(T, H * Dv).astype(np.float32)
 
@@ -100,6 +151,31 @@ def route(logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.n
     return ids, w.astype(np.float32)
 
 
+def route_softmax_weight(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """gpt-oss routing (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT): the K largest logits [T, E] are chosen and
+    softmaxed among themselves -> (ids int [T, K], weights float32 [T, K])."""
+    logits = logits.astype(np.float32)
+    ids = np.argsort(-logits, axis=-1, kind="stable")[:, :k]  # [T, K]
+    return ids, softmax(np.take_along_axis(logits, ids, axis=-1)).astype(np.float32)
+
+
+def swiglu_oai(gate: np.ndarray, up: np.ndarray, alpha: float = 1.702, limit: float = 7.0) -> np.ndarray:
+    """gpt-oss's expert activation (ggml_swiglu_oai): g = min(gate, limit), u = clamp(up, -limit, limit),
+    g * sigmoid(alpha g) * (u + 1)."""
+    g = np.minimum(gate, np.float32(limit))
+    u = np.clip(up, np.float32(-limit), np.float32(limit))
+    return (g / (np.float32(1.0) + np.exp(np.float32(alpha) * -g)) * (u + np.float32(1.0))).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class ExpertFFN:
+    """What an expert computes beyond down(silu(gate x) * up x): the activation and per-expert biases
+    (gate/up float32 [E, F], down [E, D]), gpt-oss's. None everywhere else."""
+
+    activation: str  # "swiglu_oai"
+    bias: dict
+
+
 def route_sigmoid(logits: np.ndarray, k: int, bias, norm_topk: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:
     """Sigmoid routing (llama.cpp build_moe_ffn with LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID): logits [T, E],
     bias float32 [E] or None -> (ids int [T, K], weights float32 [T, K]). The bias only chooses the experts; the
@@ -116,22 +192,26 @@ def route_sigmoid(logits: np.ndarray, k: int, bias, norm_topk: bool, scale: floa
     return ids, w.astype(np.float32)
 
 
-def swiglu_expert(backend, ex, types: dict, x: np.ndarray) -> np.ndarray:
+def swiglu_expert(backend, ex, types: dict, x: np.ndarray, ffn: ExpertFFN = None) -> np.ndarray:
     """One expert on the tokens routed to it: x [n, D] -> [n, D]. `ex` = raw gate/up/down rows, `types` their qtypes;
-    the products run on `backend.linear_raw`."""
+    the products run on `backend.linear_raw`. ffn (gpt-oss): biases after each product, swiglu_oai in between."""
     gate = backend.linear_raw(ex.gate, types["gate"], x)  # [n, F]
     up = backend.linear_raw(ex.up, types["up"], x)  # [n, F]
-    return backend.linear_raw(ex.down, types["down"], silu(gate) * up)  # [n, D]
+    if ffn is None:
+        return backend.linear_raw(ex.down, types["down"], silu(gate) * up)  # [n, D]
+    b = {p: ffn.bias[p][ex.expert] for p in ffn.bias}  # this expert's gate/up [F], down [D] biases
+    h = swiglu_oai(gate + b["gate"], up + b["up"])  # [n, F]
+    return backend.linear_raw(ex.down, types["down"], h) + b["down"]  # [n, D]
 
 
 def experts_one_by_one(backend, experts: dict, types: dict, x: np.ndarray, ids: np.ndarray,
-                       w: np.ndarray) -> np.ndarray:
+                       w: np.ndarray, ffn: ExpertFFN = None) -> np.ndarray:
     """y [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]): one expert at a time, on all of its tokens (each
     expert's weights are read once per call). experts {e: ExpertBytes}, x [T, D], ids int [T, K], w [T, K]."""
     y = np.zeros_like(x)  # [T, D]
     for e, ex in experts.items():
         tok, slot = np.nonzero(ids == e)  # tokens routed to e, and at which of their K positions
-        y[tok] += w[tok, slot][:, None] * swiglu_expert(backend, ex, types, x[tok])  # [n, D]
+        y[tok] += w[tok, slot][:, None] * swiglu_expert(backend, ex, types, x[tok], ffn)  # [n, D]
     return y
 
 
@@ -216,15 +296,17 @@ class ReferenceBackend(HostArrays):
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
         return apply_rope(x, cos, sin, neox)
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
-        return attention(np.asarray(q, np.float32), np.asarray(k, np.float32), np.asarray(v, np.float32), p0)
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
+                  sinks=None) -> np.ndarray:
+        return attention(np.asarray(q, np.float32), np.asarray(k, np.float32), np.asarray(v, np.float32), p0,
+                         window, sinks)
 
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
         return route(logits, k, norm_topk)
 
     def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray,
-                    w: np.ndarray) -> np.ndarray:
-        return experts_one_by_one(self, experts, expert_types, x, ids, w)
+                    w: np.ndarray, ffn: ExpertFFN = None) -> np.ndarray:
+        return experts_one_by_one(self, experts, expert_types, x, ids, w, ffn)
 
     def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> HostPool:
         return HostPool(n_slots, slot_bytes, layouts)

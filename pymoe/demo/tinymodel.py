@@ -28,7 +28,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
-from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, TokenType
+from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, RopeScalingType, TokenType
 
 from pymoe import quant
 from pymoe.quant.ggml_types import LLAMA_FTYPE_MOSTLY_Q2_0
@@ -106,16 +106,21 @@ ARCH_TWEAKS = {
     "llama": dict(),
     "olmoe": dict(n_head_kv=4),  # OLMoE has no GQA; llama.cpp sizes its k_norm as n_embd
     "glm4moe": dict(n_layers=3),  # one dense layer, then two MoE layers
+    "gpt-oss": dict(n_head=8, head_dim=64, n_layers=3),  # q width 512 != n_embd, as gpt-oss (64 x 64 vs 2880)
 }
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
-TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False}  # llama.cpp
+TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
+               "gpt-oss": False}  # llama.cpp
 #                                                                                  requires olmoe's output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0,
-             "glm4moe": 1_000_000.0}
+             "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0}
 # What GLM-4.5-Air's config.json gives llama.cpp's converter (conversion/glm.py Glm4MoeModel), at tiny size:
 # first_k_dense_replace 1, routed_scaling_factor 2.5, norm_topk_prob true, partial_rotary_factor 0.5, n_shared_experts 1
 # (here 2, so the shared expert is n_ff_shexp = 2 x n_ff_exp wide), intermediate_size (the dense MLP) 2 x n_ff_shexp.
 GLM = dict(n_dense_lead=1, expert_weights_scale=2.5, gating="sigmoid", rope_fraction=0.5, dense_ff_factor=2)
+# gpt-oss-20b's config.json at tiny size: sliding_window 128 -> 8 (so that the window cuts within a test's 50
+# tokens), YaRN factor 32 over 4096 original positions -> factor 4 over 128 (the ramp then covers middle pairs).
+GPT_OSS = dict(n_swa=8, rope_scaling="yarn", rope_scale=4.0, rope_ctx_orig=128)
 QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
 
@@ -140,6 +145,7 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
         expert_weights_scale=GLM["expert_weights_scale"] if glm else 1.0,
         n_dense_lead=GLM["n_dense_lead"] if glm else 0,
         n_ff=GLM["dense_ff_factor"] * p.n_ff_shexp if glm else 0,
+        **({k: v for k, v in GPT_OSS.items()} if arch == "gpt-oss" else {}),
     )
 
 
@@ -238,6 +244,11 @@ def random_tensor(name: str, shape: tuple, cfg: ModelConfig, rng: np.random.Gene
         w = rng.standard_normal(shape) / np.sqrt(shape[-1])  # [E, D]
         w += 3.0 * popularity[layer][:, None] * common[None, :] / np.linalg.norm(common)
         return w.astype(np.float32)
+    if cfg.arch == "gpt-oss" and base in ("ffn_gate_exps", "ffn_up_exps"):
+        # pre-activations of std ~4, so that swiglu_oai's clamp at +-7 really cuts some of them (~8%)
+        return (4.0 * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
+    if base == "attn_sinks":  # gpt-oss: learned logits of the order of the scores
+        return rng.standard_normal(shape).astype(np.float32)
     if base == "ffn_gate_inp_shexp":
         return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # [..., rows, cols]
@@ -338,6 +349,11 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
     elif cfg.has_shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+    if cfg.arch == "gpt-oss":  # conversion/gpt_oss.py GptOssModel.set_gguf_parameters and TextModel's rope scaling
+        w.add_sliding_window(cfg.n_swa)
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_scale)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_ctx_orig)
     if cfg.arch == "glm4moe":  # conversion/glm.py Glm4MoeModel.set_gguf_parameters
         w.add_leading_dense_block_count(cfg.n_dense_lead)
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)

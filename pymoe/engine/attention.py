@@ -1,11 +1,12 @@
 """The attention blocks: one function per attention kind, written once over the backend's primitives.
 
 What this is: `gqa_block(backend, layer, x, kv, layer_i, rope)`, the softmax attention of every supported arch:
-    q, k, v = x @ attn_q.T, x @ attn_k.T, x @ attn_v.T    (+ q/k/v biases: qwen2moe)
+    q, k, v = x @ attn_q.T, x @ attn_k.T, x @ attn_v.T    (+ q/k/v biases: qwen2moe, glm4moe, gpt-oss)
     q, k    = rmsnorm(q), rmsnorm(k)                     (q/k norm: per head, qwen3moe; over the projection, olmoe)
     q, k    = rope(q), rope(k)                           (NEOX or normal pairs, positions kv.n ..)
     kv[layer, kv.n ..] = k, v
-    out     = attention(q, kv[layer, :kv.n + T]) @ attn_output.T
+    out     = attention(q, kv[layer, :kv.n + T]) @ attn_output.T   (+ output bias: gpt-oss)
+              (a sliding window on the layers the plan says, and per-head sinks: gpt-oss)
 `ATTENTION` maps a layer plan's attention kind (gguf/config.LayerPlan) to its block. A new kind (gated attention,
 Gated DeltaNet, MLA, sliding window) is one more function here, over the same primitives, plus its per-layer state
 in engine/kv.py; docs/adding-a-model.md walks through it.
@@ -36,8 +37,11 @@ def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndar
     cos, sin = rope
     q, k = b.rope(q, cos, sin, cfg.rope_neox), b.rope(k, cos, sin, cfg.rope_neox)
     b.kv_write(kv, layer_i, p0, k, v)
-    out = b.attention(q, *b.kv_read(kv, layer_i, p0 + T), p0)  # [T, H * Dv]
-    return b.to_host(b.linear(layer.attn_output, out))  # [T, D]
+    out = b.attention(q, *b.kv_read(kv, layer_i, p0 + T), p0, layer.plan.window, layer.sinks)  # [T, H * Dv]
+    y = b.linear(layer.attn_output, out)  # [T, D]
+    if layer.out_bias is not None:  # gpt-oss
+        y = b.add(y, layer.out_bias)
+    return b.to_host(y)  # [T, D]
 
 
 ATTENTION = {"gqa": gqa_block}

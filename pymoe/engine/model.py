@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pymoe.backends.reference import rope_tables
+from pymoe.backends.reference import ExpertFFN, RopeScaling, rope_tables
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION
@@ -46,6 +46,10 @@ class Layer:
     shared: dict  # the shared expert: gate/up/down DenseWeight (+ gate_inp float32 [D]: qwen2moe); else empty
     dense: dict = None  # a dense layer's MLP: gate/up/down DenseWeight
     expert_bias: object = None  # exp_probs_b float32 [E]: added to the probabilities to choose the top K (GLM)
+    out_bias: object = None  # attn_output.bias float32 [D] (gpt-oss)
+    sinks: object = None  # attn_sinks float32 [H] (gpt-oss)
+    router_bias: object = None  # ffn_gate_inp.bias float32 [E] (gpt-oss)
+    ffn: object = None  # reference.ExpertFFN: the experts' activation and biases (gpt-oss); None: plain SwiGLU
 
     @property
     def expert_types(self) -> dict:
@@ -84,17 +88,31 @@ class Model:
         if plan.ffn == "dense":
             dense = {p: b.dense(lt(f"ffn_{p}.weight")) for p in ("gate", "up", "down")}
         moe = plan.ffn != "dense"
+        tr = cfg.traits
+        vec = lambda name: np.asarray(lt(name).data, np.float32)  # noqa: E731  small float32 tensors, host
+        ffn = None
+        if moe and tr.expert_ffn != "swiglu":
+            ffn = ExpertFFN(tr.expert_ffn, {p: vec(f"ffn_{p}_exps.bias") for p in ("gate", "up", "down")})
         return Layer(
             index=i, cfg=cfg, plan=plan, attn_norm=b.vector(lt("attn_norm.weight")),
             attn_q=b.dense(lt("attn_q.weight")), attn_k=b.dense(lt("attn_k.weight")),
             attn_v=b.dense(lt("attn_v.weight")), attn_output=b.dense(lt("attn_output.weight")),
             bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=b.vector(lt(f"{cfg.traits.ffn_norm}.weight")),
             ffn_gate_inp=b.dense(lt("ffn_gate_inp.weight")) if moe else None, shared=shared, dense=dense,
-            expert_bias=np.asarray(lt("exp_probs_b.bias").data, np.float32) if moe and cfg.traits.expert_bias
-            else None,
+            expert_bias=vec("exp_probs_b.bias") if moe and tr.expert_bias else None,
+            out_bias=b.vector(lt("attn_output.bias")) if tr.attn_out_bias else None,
+            sinks=vec("attn_sinks.weight") if tr.attn_sinks else None,
+            router_bias=vec("ffn_gate_inp.bias") if moe and tr.router_bias else None,
+            ffn=ffn,
         )
 
     # --- the pieces -----------------------------------------------------------------------------------------
+    def rope_tables(self, positions: np.ndarray) -> tuple:
+        """RoPE's cos, sin [T, rope_dim / 2] of these positions, with the file's context scaling (YaRN: gpt-oss)."""
+        c = self.cfg
+        scaling = RopeScaling(c.rope_scaling, c.rope_scale, c.rope_ctx_orig)
+        return rope_tables(c.rope_dim, c.rope_freq_base, positions, scaling)
+
     def embed(self, tokens: np.ndarray) -> np.ndarray:
         """token ids [T] -> float32 [T, D]: only the rows used are dequantized."""
         from pymoe import quant
@@ -108,7 +126,7 @@ class Model:
         """The layer's attention block on x [T, D] (attn-normed) -> [T, D]. rope: (cos, sin) of positions
         kv.n .. kv.n + T - 1, computed once per forward call (None: computed here)."""
         if rope is None:
-            rope = rope_tables(self.cfg.rope_dim, self.cfg.rope_freq_base, np.arange(kv.n, kv.n + x.shape[0]))
+            rope = self.rope_tables(np.arange(kv.n, kv.n + x.shape[0]))
         return ATTENTION[layer.plan.attention](self.backend, layer, x, kv, layer_i, rope)
 
     # --- the forward pass -------------------------------------------------------------------------------------
@@ -124,7 +142,7 @@ class Model:
             raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
         x = self.embed(tokens)  # [T, D]
         norm = self.backend.rmsnorm
-        rope = rope_tables(cfg.rope_dim, cfg.rope_freq_base, np.arange(kv.n, kv.n + tokens.size))  # for all layers
+        rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size))  # for all layers
         for i, layer in enumerate(self.layers):
             x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
             h = norm(x, layer.ffn_norm, cfg.rms_eps)

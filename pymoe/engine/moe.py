@@ -21,6 +21,9 @@ Sigmoid routing (GLM-4.5, DeepSeek-V3; config.gating == "sigmoid", reference.rou
     probs  = sigmoid(logits)                          [T, E]   each expert scored on its own
     ids    = top-K of probs + exp_probs_b             [T, K]   a per-expert bias steers the choice only
     w      = probs[ids] (/ sum, if norm_topk) * expert_weights_scale
+Softmax-weight routing (gpt-oss; config.gating == "softmax_weight", reference.route_softmax_weight): the router has a
+bias, the K largest logits are chosen and softmaxed among themselves; the experts add biases after each product and
+use OpenAI's clamped SwiGLU (reference.swiglu_oai, passed to the backend as an ExpertFFN).
 A "dense" layer (GLM's and DeepSeek's first layers) is the SwiGLU MLP down(silu(gate(x)) * up(x)): `dense_block`.
 
 Experts are fetched through the expert cache (`cache.expert(layer, e)`), never from the model directly: this file
@@ -33,14 +36,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from pymoe.backends.reference import route_sigmoid, sigmoid, silu
+from pymoe.backends.reference import route_sigmoid, route_softmax_weight, sigmoid, silu
 
 
 def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x [T, D] (already ffn-normed) -> (y [T, D], expert ids [T, K], their weights [T, K]). `layer`: model.Layer."""
     cfg = layer.cfg
     logits = backend.linear(layer.ffn_gate_inp, x)  # [T, E]
-    if cfg.gating == "sigmoid":
+    if layer.router_bias is not None:  # gpt-oss
+        logits = np.asarray(logits) + layer.router_bias
+    if cfg.gating == "softmax_weight":  # gpt-oss: top-K logits, softmaxed among themselves
+        ids, w = route_softmax_weight(np.asarray(logits), cfg.n_expert_used)  # [T, K], [T, K]
+    elif cfg.gating == "sigmoid":
         ids, w = route_sigmoid(np.asarray(logits), cfg.n_expert_used, layer.expert_bias, cfg.norm_topk,
                                cfg.expert_weights_scale)  # [T, K], [T, K]
     else:
@@ -49,7 +56,10 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
             w = w * np.float32(cfg.expert_weights_scale)
     cache.lookup(layer.index, ids, phase)
     experts = {e: cache.expert(layer.index, e) for e in np.unique(ids).tolist()}  # each chosen expert once
-    y = backend.moe_experts(experts, layer.expert_types, x, ids, w)  # [T, D]
+    if layer.ffn is None:
+        y = backend.moe_experts(experts, layer.expert_types, x, ids, w)  # [T, D]
+    else:  # gpt-oss: expert biases and the clamped SwiGLU (reference.swiglu_oai)
+        y = backend.moe_experts(experts, layer.expert_types, x, ids, w, layer.ffn)  # [T, D]
     cache.finish(layer.index)  # the experts are computed: promoted ones may now be copied into their slots
 
     if layer.plan.ffn == "moe+shared":

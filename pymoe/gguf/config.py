@@ -34,6 +34,13 @@ class ArchTraits:
     #                            only (DeepSeek-V3 style "aux-loss-free" balancing); the weights stay unbiased
     ffn_norm: str = "ffn_norm"  # name of the pre-FFN RMSNorm tensor (GLM: post_attention_norm)
     qk_norm_optional: bool = False  # q/k norms (per head) when the file has them (GLM-4.5 355B yes, -Air no)
+    attn_out_bias: bool = False  # attn_output.bias (gpt-oss)
+    attn_sinks: bool = False  # attn_sinks.weight: one learned logit per head that joins every softmax (gpt-oss)
+    swa_pattern: int = 0  # sliding-window layers: layer i uses the window when i % n < n - 1 (gpt-oss: 2, the even
+    #                       layers); 0: none. llama.cpp's set_swa_pattern; attention.sliding_window is the window
+    router_bias: bool = False  # ffn_gate_inp.bias added to the router logits (gpt-oss)
+    expert_ffn: str = "swiglu"  # "swiglu": down(silu(gate) * up); "swiglu_oai": gpt-oss's clamped variant with
+    #                             per-expert biases (reference.swiglu_oai)
 
 
 ARCHS: dict[str, ArchTraits] = {
@@ -56,8 +63,16 @@ ARCHS: dict[str, ArchTraits] = {
     "glm4moe": ArchTraits(rope_neox=True, qk_norm=None, qkv_bias=True, shared_expert=True, norm_topk=True,
                           ff_key="expert_feed_forward_length", shared_gate=False, gating="sigmoid", expert_bias=True,
                           ffn_norm="post_attention_norm", qk_norm_optional=True),
+    # gpt-oss: attention with q/k/v/output biases and per-head sinks, every other layer a 128-token sliding window,
+    # YaRN RoPE (factor 32 over 4096 positions); the router has a bias, picks the top K logits and softmaxes only
+    # those ("softmax_weight"); the experts have biases and the clamped SwiGLU of OpenAI (alpha 1.702, limit 7).
+    "gpt-oss": ArchTraits(rope_neox=True, qk_norm=None, qkv_bias=True, shared_expert=False, norm_topk=False,
+                          ff_key="expert_feed_forward_length", gating="softmax_weight",
+                          ffn_norm="post_attention_norm", attn_out_bias=True, attn_sinks=True, swa_pattern=2,
+                          router_bias=True, expert_ffn="swiglu_oai"),
 }
-GATING_FUNCS = {1: "softmax", 2: "sigmoid"}  # {arch}.expert_gating_func: llama.cpp's llama_expert_gating_func_type
+GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # {arch}.expert_gating_func: llama.cpp's
+#                                                                     llama_expert_gating_func_type
 
 
 @dataclass(frozen=True)
@@ -77,6 +92,7 @@ class LayerPlan:
     attention: str
     ffn: str
     experts: Optional[object] = None
+    window: int = 0  # sliding-window attention: a query sees the last `window` positions (0: all of them)
 
 
 @dataclass(frozen=True)
@@ -108,6 +124,10 @@ class ModelConfig:
     n_dense_lead: int = 0  # {arch}.leading_dense_block_count: the first layers are dense MLPs
     n_ff: int = 0  # {arch}.feed_forward_length: the dense layers' hidden size (0: no dense layer)
     n_nextn: int = 0  # {arch}.nextn_predict_layers: MTP blocks after the trunk (not run by the forward pass)
+    n_swa: int = 0  # {arch}.attention.sliding_window: positions a sliding-window layer sees (its own included)
+    rope_scaling: str = "none"  # {arch}.rope.scaling.type: none | linear | yarn
+    rope_scale: float = 1.0  # {arch}.rope.scaling.factor (positions are divided by it: freq_scale = 1 / factor)
+    rope_ctx_orig: int = 0  # {arch}.rope.scaling.original_context_length (YaRN), default context_length
 
     @property
     def traits(self) -> ArchTraits:
@@ -121,7 +141,9 @@ class ModelConfig:
         """The per-layer plan from the metadata alone: GQA attention everywhere; the first n_dense_lead layers a
         dense MLP, the others an MoE block (with the shared expert where the arch has one)."""
         moe = "moe+shared" if self.has_shared_expert else "moe"
-        return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead else moe) for i in range(self.n_layers))
+        n = self.traits.swa_pattern
+        return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead else moe,
+                               window=self.n_swa if n and i % n < n - 1 else 0) for i in range(self.n_layers))
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.n_dense_lead
@@ -187,6 +209,11 @@ class ModelConfig:
             n_dense_lead=n_dense_lead,
             n_ff=int(key("feed_forward_length", 0)) if n_dense_lead else 0,  # only dense layers use it
             n_nextn=n_nextn,
+            n_swa=int(key("attention.sliding_window", 0)) if t.swa_pattern else 0,
+            rope_scaling=str(key("rope.scaling.type", "none")),
+            rope_scale=float(key("rope.scaling.factor", 1.0) or 1.0),
+            rope_ctx_orig=int(key("rope.scaling.original_context_length", key("context_length")))
+            if key("rope.scaling.type", "none") == "yarn" else 0,  # only YaRN reads it
         )
         cfg.validate(where)
         return cfg
@@ -208,6 +235,9 @@ class ModelConfig:
             (0 <= self.n_dense_lead < self.n_layers,
              f"{a}.leading_dense_block_count ({self.n_dense_lead}) leaves no MoE layer of {self.n_layers}"),
             (self.n_dense_lead == 0 or self.n_ff > 0, f"{a}.feed_forward_length must be > 0 for the dense layers"),
+            (self.rope_scaling in ("none", "linear", "yarn"),
+             f"{a}.rope.scaling.type '{self.rope_scaling}' is not supported (none, linear, yarn)"),
+            (not self.traits.swa_pattern or self.n_swa > 0, f"{a}.attention.sliding_window must be > 0"),
         ]
         for ok, what in checks:
             if not ok:

@@ -125,6 +125,15 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
             })
             if cfg.traits.expert_bias:
                 shapes[b + "exp_probs_b.bias"] = (E,)
+            if cfg.traits.router_bias:
+                shapes[b + "ffn_gate_inp.bias"] = (E,)
+            if cfg.traits.expert_ffn == "swiglu_oai":  # gpt-oss: a bias per expert after each product
+                shapes.update({b + "ffn_gate_exps.bias": (E, F), b + "ffn_up_exps.bias": (E, F),
+                               b + "ffn_down_exps.bias": (E, D)})
+        if cfg.traits.attn_out_bias:
+            shapes[b + "attn_output.bias"] = (D,)
+        if cfg.traits.attn_sinks:
+            shapes[b + "attn_sinks.weight"] = (cfg.n_head,)
         if cfg.qkv_bias:
             shapes.update({b + "attn_q.bias": (q_dim,), b + "attn_k.bias": (k_dim,), b + "attn_v.bias": (v_dim,)})
         if cfg.qk_norm == "head":

@@ -75,8 +75,8 @@ MUTANTS: list[Mutant] = [
         "RoPE tables built from half the file's rope.freq_base"),
     Mutant(
         "decode_position_off_by_one", "pymoe/engine/model.py",
-        "rope = rope_tables(cfg.rope_dim, cfg.rope_freq_base, np.arange(kv.n, kv.n + tokens.size))",
-        'rope = rope_tables(cfg.rope_dim, cfg.rope_freq_base, np.arange(kv.n, kv.n + tokens.size) + (phase == "decode"))',
+        "rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size))",
+        'rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size) + (phase == "decode"))',
         ("tests/test_model.py::test_kv_cache_decode_equals_full_forward[*f32*]",
          "tests/test_model_vs_llamacpp.py::test_greedy_tokens_match_llamacpp[*]"),
         "a decoded token is rotated (RoPE) as if it sat one position later than its KV slot"),
@@ -191,6 +191,62 @@ MUTANTS: list[Mutant] = [
         'q, k, v = b.add(q, layer.bias["q"]), k, b.add(v, layer.bias["v"])',
         (LLAMACPP_LOGITS + "[*qwen2moe*]",),
         "Qwen2-MoE's attn_k bias is not added (q and v biases still are)"),
+    Mutant(
+        "glm_selection_bias_in_weights", "pymoe/backends/reference.py",
+        "    w = np.take_along_axis(probs, ids, axis=-1)  # [T, K]\n    if norm_topk:\n        w = w / np.maximum(",
+        "    w = np.take_along_axis(choose, ids, axis=-1)  # [T, K]  MUTANT\n    if norm_topk:\n        w = w / np.maximum(",
+        (LLAMACPP_LOGITS + "[*glm4moe*]",),
+        "sigmoid routing (GLM): the weights take the selection bias exp_probs_b too"),
+    Mutant(
+        "glm_weights_scale_dropped", "pymoe/backends/reference.py",
+        "    if scale not in (0.0, 1.0):\n        w = w * np.float32(scale)",
+        "    if False:  # MUTANT\n        w = w * np.float32(scale)",
+        (LLAMACPP_LOGITS + "[*glm4moe*]",),
+        "sigmoid routing (GLM): expert_weights_scale (routed_scaling_factor 2.5) is not applied"),
+    Mutant(
+        "glm_dense_layer_runs_as_moe_plan", "pymoe/gguf/config.py",
+        'return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead else moe,',
+        'return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead - 1 else moe,',
+        (LLAMACPP_LOGITS + "[*glm4moe*]", "tests/test_model_vs_llamacpp.py::test_greedy_tokens_match_llamacpp[*glm4moe*]"),
+        "GLM: the leading dense layer is planned as an MoE layer (a loader error or wrong logits)"),
+    Mutant(
+        "gpt_oss_sinks_dropped_on_cpu", "pymoe/backends/cpu.py",
+        "attention_rows(f32(q), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)",
+        "attention_rows(f32(q), kt, f32(v), p0, int(window), no_sinks, out)  # MUTANT",
+        (LLAMACPP_LOGITS + "[*gpt-oss*]",),
+        "gpt-oss: the CPU backend's attention ignores the per-head sinks"),
+    Mutant(
+        "gpt_oss_window_one_wider", "pymoe/backends/reference.py",
+        "hidden |= pos[:, None] - np.arange(S)[None, :] >= window  # [T, S] out of the window",
+        "hidden |= pos[:, None] - np.arange(S)[None, :] > window  # MUTANT",
+        (LLAMACPP_LOGITS + "[*gpt-oss*]",),
+        "gpt-oss: the reference's sliding window lets in one position too many"),
+    Mutant(
+        "gpt_oss_swiglu_not_clamped", "pymoe/backends/reference.py",
+        "    g = np.minimum(gate, np.float32(limit))",
+        "    g = gate  # MUTANT",
+        (LLAMACPP_LOGITS + "[*gpt-oss*]",),
+        "gpt-oss: the expert activation's gate is not clamped at 7"),
+    Mutant(
+        "gpt_oss_yarn_mscale_dropped", "pymoe/backends/reference.py",
+        "    mscale = 1.0 + 0.1 * np.log(scaling.factor)",
+        "    mscale = 1.0  # MUTANT",
+        (LLAMACPP_LOGITS + "[*gpt-oss*]",),
+        "YaRN: cos and sin are not scaled by 1 + 0.1 ln(factor) (the attention temperature)"),
+    Mutant(
+        "iq2_xxs_sign_parity_dropped", "pymoe/quant/iquants.py",
+        'KSIGNS = np.array([i | (bin(i).count("1") & 1) << 7 for i in range(128)], dtype=np.int64)',
+        'KSIGNS = np.array([i for i in range(128)], dtype=np.int64)',
+        ("tests/test_iquants.py::test_reference_is_bit_exact_with_ggml_and_gguf[IQ2_XXS]",
+         "tests/test_dequant.py::test_reference_is_bit_exact_with_gguf[IQ3_XXS]"),
+        "IQ2/IQ3 sign expansion: the implied 8th sign bit (parity of the other 7) is never set"),
+    Mutant(
+        "tq1_0_digit_order_reversed", "pymoe/quant/ternary.py",
+        "    q = (u8(src, s + byte) * POW3[digit]) & 255",
+        "    q = (u8(src, s + byte) * POW3[4 - digit]) & 255",
+        ("tests/test_iquants.py::test_reference_is_bit_exact_with_ggml_and_gguf[TQ1_0]",
+         "tests/test_kernels.py::test_matvec_and_matmul_match_reference[TQ1_0]"),
+        "TQ1_0: the five base-3 digits of a byte read in reverse order"),
 ]
 
 
