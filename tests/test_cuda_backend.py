@@ -58,7 +58,7 @@ def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, poli
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss"])
 def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch):
     """The device KV cache and attention block (q/k/v biases, q/k norms per head or whole, NEOX or normal RoPE,
     GQA) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
@@ -77,6 +77,13 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
         np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
     del first, kv
     assert isinstance(engine.model.new_kv(64), DeviceKVCache)  # lent again once the first sequence is gone
+
+
+@in_process
+def test_qwen3next_says_it_has_no_cuda_path_yet(tiny_model):
+    """Gated DeltaNet and gated attention run on the host backends only, for now: a one-line error, not a crash."""
+    with pytest.raises(PymoeError, match="Gated DeltaNet and gated attention have no CUDA path yet; use --backend cpu"):
+        load_cuda(tiny_model("qwen3next", "f32"), cache_slots=4)
 
 
 @in_process

@@ -362,9 +362,9 @@ class CUDABackend:
         """Pin and map the model file (all of it: every expert can be a miss)."""
         self.host = HostMapping(self.cuda, file.reader.data)
         cfg = file.config
-        self._widths = (max(cfg.n_embd, cfg.n_head * cfg.head_dim_v, cfg.n_ff_exp, cfg.n_ff_shexp or 0),
+        self._widths = (max(cfg.n_embd, cfg.n_head * cfg.head_dim_v, cfg.n_ff_exp, cfg.n_ff_shexp or 0, cfg.n_ff),
                         max(cfg.n_vocab, cfg.n_head * cfg.head_dim, cfg.n_embd, cfg.n_expert, cfg.n_ff_exp,
-                            cfg.n_ff_shexp or 0))
+                            cfg.n_ff_shexp or 0, cfg.n_ff))  # (n_ff: the dense layers' MLP, GLM's first layer)
         self._moe = (cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp)
         self._cfg = cfg
         self._slot_bytes = file.slot_bytes

@@ -107,13 +107,14 @@ ARCH_TWEAKS = {
     "olmoe": dict(n_head_kv=4),  # OLMoE has no GQA; llama.cpp sizes its k_norm as n_embd
     "glm4moe": dict(n_layers=3),  # one dense layer, then two MoE layers
     "gpt-oss": dict(n_head=8, head_dim=64, n_layers=3),  # q width 512 != n_embd, as gpt-oss (64 x 64 vs 2880)
+    "qwen3next": dict(n_layers=4),  # three Gated DeltaNet layers, then one gated full-attention layer
 }
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
-               "gpt-oss": False}  # llama.cpp
+               "gpt-oss": False, "qwen3next": False}  # llama.cpp
 #                                                                                  requires olmoe's output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0,
-             "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0}
+             "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0, "qwen3next": 10_000_000.0}
 # What GLM-4.5-Air's config.json gives llama.cpp's converter (conversion/glm.py Glm4MoeModel), at tiny size:
 # first_k_dense_replace 1, routed_scaling_factor 2.5, norm_topk_prob true, partial_rotary_factor 0.5, n_shared_experts 1
 # (here 2, so the shared expert is n_ff_shexp = 2 x n_ff_exp wide), intermediate_size (the dense MLP) 2 x n_ff_shexp.
@@ -121,6 +122,11 @@ GLM = dict(n_dense_lead=1, expert_weights_scale=2.5, gating="sigmoid", rope_frac
 # gpt-oss-20b's config.json at tiny size: sliding_window 128 -> 8 (so that the window cuts within a test's 50
 # tokens), YaRN factor 32 over 4096 original positions -> factor 4 over 128 (the ramp then covers middle pairs).
 GPT_OSS = dict(n_swa=8, rope_scaling="yarn", rope_scale=4.0, rope_ctx_orig=128)
+# Qwen3-Next-80B-A3B's config.json at tiny size: linear_conv_kernel_dim 4, linear_key_head_dim 128 -> 32,
+# linear_value_head_dim 128 -> 32, linear_num_key_heads 16 -> 2, linear_num_value_heads 32 -> 4 (two v heads per
+# q/k head, as there), full_attention_interval 4, partial_rotary_factor 0.25.
+QWEN3NEXT = dict(ssm_conv=4, ssm_state=32, ssm_k_heads=2, ssm_v_heads=4, ssm_inner=4 * 32, interval=4,
+                 rope_fraction=0.25)
 QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
 
@@ -139,14 +145,23 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
         n_ctx_train=p.n_ctx, n_head=p.n_head, n_head_kv=p.n_head_kv, head_dim=p.head_dim, head_dim_v=p.head_dim,
         n_expert=p.n_expert, n_expert_used=p.n_expert_used, n_ff_exp=p.n_ff_exp,
         n_ff_shexp=p.n_ff_shexp if t.shared_expert else 0, rms_eps=float(np.float32(1e-6)), rope_freq_base=ROPE_BASE[arch],
-        rope_dim=int(p.head_dim * GLM["rope_fraction"]) if glm else p.head_dim, rope_neox=t.rope_neox,
+        rope_dim=int(p.head_dim * {"glm4moe": GLM, "qwen3next": QWEN3NEXT}.get(arch, {}).get("rope_fraction", 1)),
+        rope_neox=t.rope_neox,
         qk_norm=t.qk_norm, qkv_bias=t.qkv_bias, norm_topk=t.norm_topk,
         tied_output=TIED_OUTPUT[arch] if preset == "tiny" else False, gating=t.gating,
         expert_weights_scale=GLM["expert_weights_scale"] if glm else 1.0,
         n_dense_lead=GLM["n_dense_lead"] if glm else 0,
         n_ff=GLM["dense_ff_factor"] * p.n_ff_shexp if glm else 0,
         **({k: v for k, v in GPT_OSS.items()} if arch == "gpt-oss" else {}),
+        **(qwen3next_fields(p) if arch == "qwen3next" else {}),
     )
+
+
+def qwen3next_fields(p: Preset) -> dict:
+    n = QWEN3NEXT
+    return dict(ssm_conv=n["ssm_conv"], ssm_state=n["ssm_state"], ssm_k_heads=n["ssm_k_heads"],
+                ssm_v_heads=n["ssm_v_heads"], ssm_inner=n["ssm_inner"],
+                recurrent=tuple((i + 1) % n["interval"] != 0 for i in range(p.n_layers)))
 
 
 # --- tokenizer ---------------------------------------------------------------------------------------------------
@@ -244,6 +259,10 @@ def random_tensor(name: str, shape: tuple, cfg: ModelConfig, rng: np.random.Gene
         w = rng.standard_normal(shape) / np.sqrt(shape[-1])  # [E, D]
         w += 3.0 * popularity[layer][:, None] * common[None, :] / np.linalg.norm(common)
         return w.astype(np.float32)
+    if name.endswith(".ssm_a"):  # -exp(A_log), A_log ~ N(0, 0.5): decays e^g between ~0.2 and ~0.9 per token
+        return (-np.exp(0.5 * rng.standard_normal(shape))).astype(np.float32)
+    if base == "ssm_conv1d":  # [C, K]: taps of the order of 1/sqrt(K)
+        return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
     if cfg.arch == "gpt-oss" and base in ("ffn_gate_exps", "ffn_up_exps"):
         # pre-activations of std ~4, so that swiglu_oai's clamp at +-7 really cuts some of them (~8%)
         return (4.0 * rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)
@@ -349,6 +368,13 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
     elif cfg.has_shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
+    if cfg.arch == "qwen3next":  # conversion/qwen.py Qwen3NextModel.set_gguf_parameters
+        w.add_ssm_conv_kernel(cfg.ssm_conv)
+        w.add_ssm_state_size(cfg.ssm_state)
+        w.add_ssm_group_count(cfg.ssm_k_heads)
+        w.add_ssm_time_step_rank(cfg.ssm_v_heads)
+        w.add_ssm_inner_size(cfg.ssm_inner)
+        w.add_full_attention_interval(QWEN3NEXT["interval"])
     if cfg.arch == "gpt-oss":  # conversion/gpt_oss.py GptOssModel.set_gguf_parameters and TextModel's rope scaling
         w.add_sliding_window(cfg.n_swa)
         w.add_rope_scaling_type(RopeScalingType.YARN)

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from pymoe.backends.reference import sigmoid
+from .deltanet import gdn_block
+
 
 def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndarray:
     """x [T, D] (attn-normed, host) -> [T, D] (host); writes the T new keys and values into kv at positions kv.n ...
@@ -27,6 +30,10 @@ def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndar
     T, p0 = x.shape[0], kv.n
     x = b.to_device(x)  # [T, D]
     q, k, v = b.linear_many([layer.attn_q, layer.attn_k, layer.attn_v], x)  # [T, H*Dh], [T, G*Dh], [T, G*Dv]
+    gate = None
+    if layer.plan.attention == "gated":  # qwen3next: per head a query then an output gate (host backends only)
+        qg = np.asarray(q).reshape(T, H, 2, Dh)
+        q, gate = np.ascontiguousarray(qg[:, :, 0].reshape(T, H * Dh)), qg[:, :, 1].reshape(T, H * Dh)
     if layer.bias:  # qwen2moe
         q, k, v = b.add(q, layer.bias["q"]), b.add(k, layer.bias["k"]), b.add(v, layer.bias["v"])
     if cfg.qk_norm == "full":  # olmoe: over the whole projection, before splitting into heads
@@ -38,10 +45,12 @@ def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndar
     q, k = b.rope(q, cos, sin, cfg.rope_neox), b.rope(k, cos, sin, cfg.rope_neox)
     b.kv_write(kv, layer_i, p0, k, v)
     out = b.attention(q, *b.kv_read(kv, layer_i, p0 + T), p0, layer.plan.window, layer.sinks)  # [T, H * Dv]
+    if gate is not None:
+        out = out * sigmoid(gate)  # [T, H * Dv]
     y = b.linear(layer.attn_output, out)  # [T, D]
     if layer.out_bias is not None:  # gpt-oss
         y = b.add(y, layer.out_bias)
     return b.to_host(y)  # [T, D]
 
 
-ATTENTION = {"gqa": gqa_block}
+ATTENTION = {"gqa": gqa_block, "gated": gqa_block, "gdn": gdn_block}

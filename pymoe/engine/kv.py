@@ -9,7 +9,7 @@ and the same for kv.v, plus kv.n (tokens stored) / kv.n_ctx / clear(). The int8 
 run unchanged. The blocks read and write a cache through the backend (`kv_write`, `kv_read`), so the CUDA backend's
 `DeviceKVCache` (backends/cuda.py), the same fields in device memory, runs the very same block code.
 State of other kinds goes here, indexed by layer like k and v: a linear-attention (Gated DeltaNet) layer keeps a
-recurrent state and a conv state instead of K/V, an MLA layer a compressed latent (the next issue adds them).
+recurrent state and a conv state (`recurrent(layer)`, engine/deltanet.py) instead of K/V.
 What this is not: a paged or shared KV pool (each sequence owns one cache), or a faster attention: the int8 read
 dequantizes the whole prefix every layer and every token, trading compute for memory.
 
@@ -46,6 +46,17 @@ class KVCache:
 
     def clear(self) -> None:
         self.n = 0
+        self.__dict__.pop("_recurrent", None)
+
+    def recurrent(self, layer: int, **shapes) -> dict:
+        """The state a recurrent layer carries from call to call (Gated DeltaNet: conv [K - 1, C] and ssm
+        [H, dv, dk]), float32 zeros on first use; name -> shape as keyword arguments. Unlike K and V it cannot be
+        cut back to an earlier position: `clear()` is the only way back (prefix reuse checks
+        `ModelConfig.has_recurrent_state`)."""
+        states = self.__dict__.setdefault("_recurrent", {})
+        if layer not in states:
+            states[layer] = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        return states[layer]
 
 
 class QuantizedPlane:

@@ -22,6 +22,7 @@ from pymoe.backends.reference import ExpertFFN, RopeScaling, rope_tables
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION
+from .deltanet import gdn_weights
 from .kv import KVCache
 from .moe import FFN
 
@@ -50,6 +51,7 @@ class Layer:
     sinks: object = None  # attn_sinks float32 [H] (gpt-oss)
     router_bias: object = None  # ffn_gate_inp.bias float32 [E] (gpt-oss)
     ffn: object = None  # reference.ExpertFFN: the experts' activation and biases (gpt-oss); None: plain SwiGLU
+    gdn: dict = None  # a Gated DeltaNet layer's weights (engine/deltanet.py); its attn_q/k/v/output are None
 
     @property
     def expert_types(self) -> dict:
@@ -72,6 +74,9 @@ class Model:
         from tqdm import tqdm
 
         self.plan = gguf_model.layer_plan()  # [L] gguf/config.LayerPlan
+        if backend.name == "cuda" and any(p.attention in ("gdn", "gated") for p in self.plan):
+            raise PymoeError(f"{cfg.arch}: Gated DeltaNet and gated attention have no CUDA path yet; "
+                             "use --backend cpu")
         self.layers = [self._layer(p) for p in tqdm(self.plan, desc="loading", unit="layer", disable=not progress,
                                                     leave=False)]
 
@@ -79,7 +84,9 @@ class Model:
         cfg, b, i = self.cfg, self.backend, plan.index
         lt = lambda name: self.file.layer_tensor(i, name)  # noqa: E731
         bias = {p: b.vector(lt(f"attn_{p}.bias")) for p in "qkv"} if cfg.qkv_bias else {}
-        norms = (b.vector(lt("attn_q_norm.weight")), b.vector(lt("attn_k_norm.weight"))) if cfg.qk_norm else (None, None)
+        gdn = plan.attention == "gdn"
+        norms = ((b.vector(lt("attn_q_norm.weight")), b.vector(lt("attn_k_norm.weight"))) if cfg.qk_norm and not gdn
+                 else (None, None))
         shared, dense = {}, None
         if plan.ffn == "moe+shared":
             shared = {p: b.dense(lt(f"ffn_{p}_shexp.weight")) for p in ("gate", "up", "down")}
@@ -93,10 +100,10 @@ class Model:
         ffn = None
         if moe and tr.expert_ffn != "swiglu":
             ffn = ExpertFFN(tr.expert_ffn, {p: vec(f"ffn_{p}_exps.bias") for p in ("gate", "up", "down")})
+        attn = (None,) * 4 if gdn else tuple(b.dense(lt(f"attn_{p}.weight")) for p in ("q", "k", "v", "output"))
         return Layer(
             index=i, cfg=cfg, plan=plan, attn_norm=b.vector(lt("attn_norm.weight")),
-            attn_q=b.dense(lt("attn_q.weight")), attn_k=b.dense(lt("attn_k.weight")),
-            attn_v=b.dense(lt("attn_v.weight")), attn_output=b.dense(lt("attn_output.weight")),
+            attn_q=attn[0], attn_k=attn[1], attn_v=attn[2], attn_output=attn[3],
             bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=b.vector(lt(f"{cfg.traits.ffn_norm}.weight")),
             ffn_gate_inp=b.dense(lt("ffn_gate_inp.weight")) if moe else None, shared=shared, dense=dense,
             expert_bias=vec("exp_probs_b.bias") if moe and tr.expert_bias else None,
@@ -104,6 +111,7 @@ class Model:
             sinks=vec("attn_sinks.weight") if tr.attn_sinks else None,
             router_bias=vec("ffn_gate_inp.bias") if moe and tr.router_bias else None,
             ffn=ffn,
+            gdn=gdn_weights(b, lt, vec) if gdn else None,
         )
 
     # --- the pieces -----------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ class ArchTraits:
     router_bias: bool = False  # ffn_gate_inp.bias added to the router logits (gpt-oss)
     expert_ffn: str = "swiglu"  # "swiglu": down(silu(gate) * up); "swiglu_oai": gpt-oss's clamped variant with
     #                             per-expert biases (reference.swiglu_oai)
+    hybrid: bool = False  # Gated DeltaNet layers ("gdn") between gated full-attention layers ("gated"), qwen3next
 
 
 ARCHS: dict[str, ArchTraits] = {
@@ -71,6 +72,14 @@ ARCHS: dict[str, ArchTraits] = {
                           ffn_norm="post_attention_norm", attn_out_bias=True, attn_sinks=True, swa_pattern=2,
                           router_bias=True, expert_ffn="swiglu_oai"),
 }
+# Qwen3-Next (the reference article's family): 3 of every 4 layers are Gated DeltaNet (linear attention with a
+# recurrent state: attn_qkv -> short causal conv -> L2-normed q, k -> the gated delta rule -> gated RMSNorm ->
+# ssm_out), the 4th full attention with an output gate (attn_q is twice as wide: query and gate per head), per-head
+# q/k norms, partial NEOX RoPE (a quarter of the head); 512 experts top-10 renormalised, a sigmoid-gated shared
+# expert. The converter writes norm weights as 1 + w (Qwen3-Next's RMSNorm is zero-centred), A as -exp(A_log).
+ARCHS["qwen3next"] = ArchTraits(rope_neox=True, qk_norm="head", qkv_bias=False, shared_expert=True,
+                                norm_topk=True, ff_key="expert_feed_forward_length",
+                                ffn_norm="post_attention_norm", hybrid=True)
 GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # {arch}.expert_gating_func: llama.cpp's
 #                                                                     llama_expert_gating_func_type
 
@@ -81,7 +90,9 @@ class LayerPlan:
     layer 0 speaks for the others.
 
     attention: "gqa": softmax attention with RoPE over a KV cache (grouped-query; q/k norms and q/k/v biases as
-               the arch says). Kinds to come sit beside it: gated attention, Gated DeltaNet, MLA, sliding window.
+               the arch says; a sliding window where `window` says); "gated": the same with a sigmoid output gate
+               (qwen3next's full-attention layers); "gdn": Gated DeltaNet, linear attention with a recurrent state
+               (qwen3next, engine/deltanet.py). MLA (DeepSeek) is the kind to come.
     ffn:       "moe": routed experts; "moe+shared": routed experts plus a shared expert (sigmoid-gated: qwen2moe;
                ungated: GLM); "dense": a SwiGLU MLP, ffn_gate/ffn_up/ffn_down (GLM's and DeepSeek's leading
                layers).
@@ -128,6 +139,15 @@ class ModelConfig:
     rope_scaling: str = "none"  # {arch}.rope.scaling.type: none | linear | yarn
     rope_scale: float = 1.0  # {arch}.rope.scaling.factor (positions are divided by it: freq_scale = 1 / factor)
     rope_ctx_orig: int = 0  # {arch}.rope.scaling.original_context_length (YaRN), default context_length
+    # Gated DeltaNet (qwen3next), llama.cpp's names: ssm.conv_kernel, ssm.state_size (head size of q and k),
+    # ssm.group_count (q/k heads), ssm.time_step_rank (v heads), ssm.inner_size (v heads x v head size)
+    ssm_conv: int = 0
+    ssm_state: int = 0
+    ssm_k_heads: int = 0
+    ssm_v_heads: int = 0
+    ssm_inner: int = 0
+    recurrent: tuple = ()  # per layer: True where the layer is Gated DeltaNet ({arch}.attention.recurrent_layers,
+    #                        else every layer but each full_attention_interval-th)
 
     @property
     def traits(self) -> ArchTraits:
@@ -142,8 +162,18 @@ class ModelConfig:
         dense MLP, the others an MoE block (with the shared expert where the arch has one)."""
         moe = "moe+shared" if self.has_shared_expert else "moe"
         n = self.traits.swa_pattern
-        return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead else moe,
+
+        def attention(i):
+            if self.traits.hybrid:
+                return "gdn" if self.recurrent[i] else "gated"
+            return "gqa"
+        return tuple(LayerPlan(i, attention(i), "dense" if i < self.n_dense_lead else moe,
                                window=self.n_swa if n and i % n < n - 1 else 0) for i in range(self.n_layers))
+
+    @property
+    def has_recurrent_state(self) -> bool:
+        """A layer keeps state that cannot be cut back to an earlier position (no prefix reuse from the middle)."""
+        return any(self.recurrent)
 
     def is_moe_layer(self, i: int) -> bool:
         return i >= self.n_dense_lead
@@ -181,7 +211,19 @@ class ModelConfig:
                              f"(pymoe: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})")
         shexp_default = n_ff_exp * int(key("expert_shared_count", 1))  # llama.cpp: n_ff_exp * n_expert_shared
         n_dense_lead = int(key("leading_dense_block_count", 0))
+        hybrid = {}
+        if t.hybrid:
+            n_all = int(key("block_count"))
+            recurrent = key("attention.recurrent_layers", None)
+            if recurrent is None:
+                interval = int(key("full_attention_interval", 4))
+                recurrent = [(i + 1) % interval != 0 for i in range(n_all)]
+            hybrid = dict(ssm_conv=int(key("ssm.conv_kernel")), ssm_state=int(key("ssm.state_size")),
+                          ssm_k_heads=int(key("ssm.group_count")), ssm_v_heads=int(key("ssm.time_step_rank")),
+                          ssm_inner=int(key("ssm.inner_size")),
+                          recurrent=tuple(bool(r) for r in recurrent)[:n_all - n_nextn])
         cfg = cls(
+            **hybrid,
             arch=arch,
             name=str(get("general.name", "") or ""),
             n_layers=int(key("block_count")) - n_nextn,
@@ -238,6 +280,12 @@ class ModelConfig:
             (self.rope_scaling in ("none", "linear", "yarn"),
              f"{a}.rope.scaling.type '{self.rope_scaling}' is not supported (none, linear, yarn)"),
             (not self.traits.swa_pattern or self.n_swa > 0, f"{a}.attention.sliding_window must be > 0"),
+            (not self.traits.hybrid or (len(self.recurrent) == self.n_layers and self.ssm_k_heads > 0
+                                        and self.ssm_v_heads % self.ssm_k_heads == 0
+                                        and self.ssm_inner % self.ssm_v_heads == 0),
+             f"{a}: the Gated DeltaNet shapes do not fit (ssm.group_count {self.ssm_k_heads}, ssm.time_step_rank "
+             f"{self.ssm_v_heads}, ssm.inner_size {self.ssm_inner}, {len(self.recurrent)} recurrent-layer flags for "
+             f"{self.n_layers} layers)"),
         ]
         for ok, what in checks:
             if not ok:

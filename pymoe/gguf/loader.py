@@ -105,14 +105,27 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
         shapes["output.weight"] = (cfg.n_vocab, D)
     for plan in cfg.layer_plan():
         b = f"blk.{plan.index}."
-        shapes.update({
-            b + "attn_norm.weight": (D,),
-            b + "attn_q.weight": (q_dim, D),
-            b + "attn_k.weight": (k_dim, D),
-            b + "attn_v.weight": (v_dim, D),
-            b + "attn_output.weight": (D, o_dim),
-            b + f"{cfg.traits.ffn_norm}.weight": (D,),
-        })
+        shapes[b + "attn_norm.weight"] = (D,)  # (the order of the tiny files' random draws: keep it)
+        if plan.attention == "gdn":  # Gated DeltaNet (qwen3next): conv_dim = 2 key_dim + value_dim channels
+            key_dim, value_dim = cfg.ssm_k_heads * cfg.ssm_state, cfg.ssm_inner
+            shapes.update({
+                b + "attn_qkv.weight": (2 * key_dim + value_dim, D),
+                b + "attn_gate.weight": (value_dim, D),  # z, the output gate
+                b + "ssm_conv1d.weight": (2 * key_dim + value_dim, cfg.ssm_conv),
+                b + "ssm_dt.bias": (cfg.ssm_v_heads,),
+                b + "ssm_a": (cfg.ssm_v_heads,),  # -exp(A_log), per v head
+                b + "ssm_ba.weight": (2 * cfg.ssm_v_heads, D),  # beta and alpha, grouped by q/k head
+                b + "ssm_norm.weight": (cfg.ssm_inner // cfg.ssm_v_heads,),
+                b + "ssm_out.weight": (D, value_dim),
+            })
+        else:  # softmax attention; "gated" (qwen3next): attn_q holds a query and a gate per head
+            shapes.update({
+                b + "attn_q.weight": (q_dim * (2 if plan.attention == "gated" else 1), D),
+                b + "attn_k.weight": (k_dim, D),
+                b + "attn_v.weight": (v_dim, D),
+                b + "attn_output.weight": (D, o_dim),
+            })
+        shapes[b + f"{cfg.traits.ffn_norm}.weight"] = (D,)
         if plan.ffn == "dense":
             shapes.update({b + "ffn_gate.weight": (cfg.n_ff, D), b + "ffn_up.weight": (cfg.n_ff, D),
                            b + "ffn_down.weight": (D, cfg.n_ff)})
@@ -136,7 +149,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
             shapes[b + "attn_sinks.weight"] = (cfg.n_head,)
         if cfg.qkv_bias:
             shapes.update({b + "attn_q.bias": (q_dim,), b + "attn_k.bias": (k_dim,), b + "attn_v.bias": (v_dim,)})
-        if cfg.qk_norm == "head":
+        if cfg.qk_norm == "head" and plan.attention != "gdn":
             shapes.update({b + "attn_q_norm.weight": (cfg.head_dim,), b + "attn_k_norm.weight": (cfg.head_dim,)})
         elif cfg.qk_norm == "full":
             shapes.update({b + "attn_q_norm.weight": (q_dim,), b + "attn_k_norm.weight": (k_dim,)})

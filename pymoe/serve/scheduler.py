@@ -252,6 +252,10 @@ class Scheduler:
         """Prefill the job's prompt into the slot, reusing the cached prefix, and sample its first token."""
         prompt, st = job.prompt_ids, job.stats
         reused = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)  # at least one token to get logits from
+        if self.model.cfg.has_recurrent_state and reused < slot.kv.n:  # a recurrent state cannot be cut back
+            reused = 0
+        if reused == 0:
+            slot.kv.clear()
         job.queue_s = time.perf_counter() - job.t_submit
         job.sampler, job.text, job.history = Sampler(job.sampling), TextStream(self.tokenizer, job.stop), list(prompt)
         slot.job, slot.kv.n, slot.tokens = job, reused, slot.tokens[:reused]
@@ -309,7 +313,8 @@ class Scheduler:
         job, st = slot.job, slot.job.stats
         slot.job, slot.last_used = None, time.perf_counter()
         if len(slot.tokens) != slot.kv.n:  # an error mid-step: the cache no longer matches, don't reuse it
-            slot.tokens, slot.kv.n = [], 0
+            slot.tokens = []
+            slot.kv.clear()
         job.done = True
         st.stop_reason = reason
         if reason in ("stop", "length"):

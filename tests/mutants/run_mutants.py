@@ -205,8 +205,8 @@ MUTANTS: list[Mutant] = [
         "sigmoid routing (GLM): expert_weights_scale (routed_scaling_factor 2.5) is not applied"),
     Mutant(
         "glm_dense_layer_runs_as_moe_plan", "pymoe/gguf/config.py",
-        'return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead else moe,',
-        'return tuple(LayerPlan(i, "gqa", "dense" if i < self.n_dense_lead - 1 else moe,',
+        'return tuple(LayerPlan(i, attention(i), "dense" if i < self.n_dense_lead else moe,',
+        'return tuple(LayerPlan(i, attention(i), "dense" if i < self.n_dense_lead - 1 else moe,',
         (LLAMACPP_LOGITS + "[*glm4moe*]", "tests/test_model_vs_llamacpp.py::test_greedy_tokens_match_llamacpp[*glm4moe*]"),
         "GLM: the leading dense layer is planned as an MoE layer (a loader error or wrong logits)"),
     Mutant(
@@ -233,6 +233,31 @@ MUTANTS: list[Mutant] = [
         "    mscale = 1.0  # MUTANT",
         (LLAMACPP_LOGITS + "[*gpt-oss*]",),
         "YaRN: cos and sin are not scaled by 1 + 0.1 ln(factor) (the attention temperature)"),
+    Mutant(
+        "gdn_heads_tiled_not_grouped", "pymoe/engine/deltanet.py",
+        "q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)",
+        "q, k = np.tile(q, (1, r, 1)), np.tile(k, (1, r, 1))  # MUTANT",
+        (LLAMACPP_LOGITS + "[*qwen3next*]", "tests/test_deltanet.py::test_llama_cpp_agrees_at_100_tokens"),
+        "Gated DeltaNet: v head h reads q/k head h % nk (tiled) instead of h // r (grouped, as the converter writes)"),
+    Mutant(
+        "gdn_chunked_decay_of_the_start_state_dropped", "pymoe/engine/deltanet.py",
+        "oc = np.exp(G)[:, :, None] * np.einsum(\"hvk,htk->htv\", M, qc)",
+        "oc = np.einsum(\"hvk,htk->htv\", M, qc)  # MUTANT",
+        ("tests/test_deltanet.py::test_chunked_form_equals_recurrent_form[*]",
+         "tests/test_deltanet.py::test_llama_cpp_agrees_at_100_tokens"),
+        "chunked delta rule: the carried state is read without its decay within the chunk"),
+    Mutant(
+        "gdn_conv_state_not_carried", "pymoe/engine/deltanet.py",
+        "    return y, xin[xin.shape[0] - (K - 1):].copy()",
+        "    return y, state  # MUTANT",
+        (LLAMACPP_LOGITS + "[*qwen3next*]", "tests/test_deltanet.py::test_state_carries_over_from_a_chunked_prefill_to_decode"),
+        "Gated DeltaNet: the causal conv never updates its state (decode sees zeros instead of the last inputs)"),
+    Mutant(
+        "recurrent_prefix_reused_from_the_middle", "pymoe/serve/scheduler.py",
+        "        if self.model.cfg.has_recurrent_state and reused < slot.kv.n:  # a recurrent state cannot be cut back",
+        "        if False:  # MUTANT",
+        ("tests/test_deltanet.py::test_server_never_reuses_part_of_a_recurrent_state",),
+        "server: a qwen3next slot's prefix is reused from the middle of its recurrent state"),
     Mutant(
         "iq2_xxs_sign_parity_dropped", "pymoe/quant/iquants.py",
         'KSIGNS = np.array([i | (bin(i).count("1") & 1) << 7 for i in range(128)], dtype=np.int64)',
