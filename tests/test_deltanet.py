@@ -115,3 +115,24 @@ def test_server_never_reuses_part_of_a_recurrent_state(model_path):
     kv.clear()
     fresh = m.prefill(np.asarray(other), kv)[-1]
     assert np.abs(cut - fresh).max() > 1e-3 * np.abs(fresh).max()  # ... would be wrong
+
+
+def test_qwen35_rope_sections_that_leave_pairs_to_the_image_position_are_one_line(tiny_model):
+    """IMRoPE for text is plain RoPE only when the t/h/w sections cover every rotated pair (the converter's default
+    [11, 11, 10, 0] does); sections that leave pairs to the 4th position are refused in one line, not run wrong."""
+    from pymoe.errors import PymoeError
+    from pymoe.gguf.config import REQUIRED, ModelConfig
+    from pymoe.gguf.loader import load_gguf
+
+    m = load_gguf(tiny_model("qwen35moe", "f32"))
+    base = m.metadata_getter("x.gguf: ")
+
+    def get(key, default=REQUIRED):
+        if key == "qwen35moe.rope.dimension_sections":
+            return [1, 1, 1, 1]  # 8 pairs, sectors i % 4: sector 3 goes to the e position
+        return base(key, default)
+
+    with pytest.raises(PymoeError, match=r"x.gguf: qwen35moe.rope.dimension_sections \[1, 1, 1, 1\] leave rotated "
+                                         "pairs to the 4th"):
+        ModelConfig.from_gguf(get, n_vocab=m.config.n_vocab, tied_output=False, where="x.gguf: ")
+    assert m.config.arch == "qwen35moe" and m.metadata("qwen35moe.rope.dimension_sections") == [3, 3, 2, 0]

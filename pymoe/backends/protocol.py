@@ -84,18 +84,22 @@ class Backend(Protocol):
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
         """x [T, heads, Dh] with the first 2 * cos.shape[1] dims of each head rotated; cos, sin [T, rope_dim / 2]."""
 
-    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int) -> np.ndarray:
-        """Causal GQA attention of q [T, H, Dh] (positions p0..) over k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]."""
+    def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
+                  sinks=None) -> np.ndarray:
+        """Causal GQA attention of q [T, H, Dh] (positions p0..) over k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv].
+        window > 0: each query sees only the last `window` positions (gpt-oss's sliding layers); sinks float32 [H]:
+        one extra logit per head in the softmax's denominator (gpt-oss). reference.attention is the math."""
 
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple:
         """Router logits [T, E] -> (ids int64 [T, K], weights float32 [T, K]): softmax, top-K highest first (ties to
         the lower id), renormalised over the K when norm_topk."""
 
     def moe_experts(self, experts: dict, expert_types: dict, x: np.ndarray, ids: np.ndarray,
-                    w: np.ndarray) -> np.ndarray:
+                    w: np.ndarray, ffn=None) -> np.ndarray:
         """The routed experts of one layer: experts {e: ExpertBytes} (each routed e once; its bytes wherever the
         expert cache says: a slot, the memory map, tagged with `where`), x [T, D], ids [T, K], w [T, K]
-        -> y [T, D] = sum_k w[t, k] * down(silu(gate(x[t])) * up(x[t])) of expert ids[t, k]."""
+        -> y [T, D] = sum_k w[t, k] * down(silu(gate(x[t])) * up(x[t])) of expert ids[t, k].
+        ffn (reference.ExpertFFN, gpt-oss): per-expert biases after each product and swiglu_oai instead of SwiGLU."""
 
 
 PRIMITIVES = [name for name in Backend.__dict__ if not name.startswith("_") and callable(Backend.__dict__[name])]

@@ -108,13 +108,14 @@ ARCH_TWEAKS = {
     "glm4moe": dict(n_layers=3),  # one dense layer, then two MoE layers
     "gpt-oss": dict(n_head=8, head_dim=64, n_layers=3),  # q width 512 != n_embd, as gpt-oss (64 x 64 vs 2880)
     "qwen3next": dict(n_layers=4),  # three Gated DeltaNet layers, then one gated full-attention layer
+    "qwen35moe": dict(n_layers=4),
 }
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
-               "gpt-oss": False, "qwen3next": False}  # llama.cpp
+               "gpt-oss": False, "qwen3next": False, "qwen35moe": False}  # llama.cpp
 #                                                                                  requires olmoe's output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0,
-             "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0, "qwen3next": 10_000_000.0}
+             "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0, "qwen3next": 10_000_000.0, "qwen35moe": 10_000_000.0}
 # What GLM-4.5-Air's config.json gives llama.cpp's converter (conversion/glm.py Glm4MoeModel), at tiny size:
 # first_k_dense_replace 1, routed_scaling_factor 2.5, norm_topk_prob true, partial_rotary_factor 0.5, n_shared_experts 1
 # (here 2, so the shared expert is n_ff_shexp = 2 x n_ff_exp wide), intermediate_size (the dense MLP) 2 x n_ff_shexp.
@@ -145,7 +146,8 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
         n_ctx_train=p.n_ctx, n_head=p.n_head, n_head_kv=p.n_head_kv, head_dim=p.head_dim, head_dim_v=p.head_dim,
         n_expert=p.n_expert, n_expert_used=p.n_expert_used, n_ff_exp=p.n_ff_exp,
         n_ff_shexp=p.n_ff_shexp if t.shared_expert else 0, rms_eps=float(np.float32(1e-6)), rope_freq_base=ROPE_BASE[arch],
-        rope_dim=int(p.head_dim * {"glm4moe": GLM, "qwen3next": QWEN3NEXT}.get(arch, {}).get("rope_fraction", 1)),
+        rope_dim=int(p.head_dim * {"glm4moe": GLM, "qwen3next": QWEN3NEXT, "qwen35moe": QWEN3NEXT}.get(
+            arch, {}).get("rope_fraction", 1)),
         rope_neox=t.rope_neox,
         qk_norm=t.qk_norm, qkv_bias=t.qkv_bias, norm_topk=t.norm_topk,
         tied_output=TIED_OUTPUT[arch] if preset == "tiny" else False, gating=t.gating,
@@ -153,7 +155,7 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
         n_dense_lead=GLM["n_dense_lead"] if glm else 0,
         n_ff=GLM["dense_ff_factor"] * p.n_ff_shexp if glm else 0,
         **({k: v for k, v in GPT_OSS.items()} if arch == "gpt-oss" else {}),
-        **(qwen3next_fields(p) if arch == "qwen3next" else {}),
+        **(qwen3next_fields(p) if arch in ("qwen3next", "qwen35moe") else {}),
     )
 
 
@@ -368,7 +370,9 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
     elif cfg.has_shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
-    if cfg.arch == "qwen3next":  # conversion/qwen.py Qwen3NextModel.set_gguf_parameters
+    if cfg.arch == "qwen35moe":  # conversion/qwen.py _Qwen35MRopeMixin: the default [11, 11, 10, 0], scaled to
+        w.add_rope_dimension_sections([3, 3, 2, 0])  # the tiny rope's 8 pairs (every pair a text position)
+    if cfg.arch in ("qwen3next", "qwen35moe"):  # conversion/qwen.py Qwen3NextModel.set_gguf_parameters
         w.add_ssm_conv_kernel(cfg.ssm_conv)
         w.add_ssm_state_size(cfg.ssm_state)
         w.add_ssm_group_count(cfg.ssm_k_heads)

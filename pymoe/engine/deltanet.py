@@ -12,9 +12,11 @@ The layer, for T tokens (shapes in brackets; nk q/k heads of size dk, nv v heads
     qkv  = x @ attn_qkv.T                  [T, 2 nk dk + nv dv]   q | k | v, each all heads
     z    = x @ attn_gate.T                 [T, nv dv]             the output gate
     ba   = x @ ssm_ba.T                    [T, 2 nv]              per q/k head j: r betas, then r alphas
+                                           (qwen35moe: ssm_beta and ssm_alpha, [T, nv] each)
     qkv  = silu(causal_conv(qkv))          a depth-wise conv of width K over time, per channel, its K - 1 last
                                            inputs carried over to the next call (the conv state)
     q, k = l2norm(q), l2norm(k)            x / sqrt(sum x^2 + eps) per head; v head h reads q/k head h // r
+                                           (qwen35moe: h % nk, its converter reorders the V heads so)
     beta = sigmoid(b)                      [T, nv] how much of the new value is written
     g    = softplus(a + ssm_dt) * ssm_a    [T, nv] log of the decay (ssm_a = -exp(A_log) < 0, so 0 < e^g < 1)
     per v head, with a state M [dv, dk] carried from call to call (the recurrent state):
@@ -35,10 +37,13 @@ from pymoe.backends.reference import rmsnorm, sigmoid, silu
 CHUNK = 64  # tokens per block of the chunked form (llama.cpp's chunking uses 64 too)
 
 
-def gdn_weights(b, lt, vec) -> dict:
-    """The layer's tensors: projections as backend weights, the small vectors and the conv kernel as float32."""
-    return dict(qkv=b.dense(lt("attn_qkv.weight")), gate=b.dense(lt("attn_gate.weight")),
-                ba=b.dense(lt("ssm_ba.weight")), out=b.dense(lt("ssm_out.weight")),
+def gdn_weights(b, lt, vec, tiled: bool) -> dict:
+    """The layer's tensors: projections as backend weights, the small vectors and the conv kernel as float32.
+    tiled (qwen35moe): beta and alpha are two projections; else one, ssm_ba, grouped by q/k head (qwen3next)."""
+    split = (dict(beta=b.dense(lt("ssm_beta.weight")), alpha=b.dense(lt("ssm_alpha.weight"))) if tiled
+             else dict(ba=b.dense(lt("ssm_ba.weight"))))
+    return dict(qkv=b.dense(lt("attn_qkv.weight")), gate=b.dense(lt("attn_gate.weight")), **split,
+                out=b.dense(lt("ssm_out.weight")),
                 conv=np.ascontiguousarray(np.asarray(lt("ssm_conv1d.weight").data, np.float32)),  # [conv_dim, K]
                 dt=vec("ssm_dt.bias"), a=vec("ssm_a"), norm=vec("ssm_norm.weight"))
 
@@ -114,16 +119,23 @@ def gdn_block(b, layer, x: np.ndarray, kv, layer_i: int, rope=None, chunked=None
     nk, nv, dk = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
     dv, r, key_dim = cfg.ssm_inner // nv, nv // nk, nk * cfg.ssm_state
     st = kv.recurrent(layer_i, conv=(cfg.ssm_conv - 1, 2 * key_dim + cfg.ssm_inner), ssm=(nv, dv, dk))
-    qkv, z, ba = b.linear_many([w["qkv"], w["gate"], w["ba"]], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv]
+    tiled = cfg.traits.gdn_tiled
+    mix = [w["beta"], w["alpha"]] if tiled else [w["ba"]]
+    qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
     qkv, st["conv"] = causal_conv(np.asarray(qkv, np.float32), st["conv"], w["conv"])
     qkv = silu(qkv)
     q = l2norm(qkv[:, :key_dim].reshape(T, nk, dk), cfg.rms_eps)  # [T, nk, dk]
     k = l2norm(qkv[:, key_dim:2 * key_dim].reshape(T, nk, dk), cfg.rms_eps)  # [T, nk, dk]
     v = np.ascontiguousarray(qkv[:, 2 * key_dim:].reshape(T, nv, dv))  # [T, nv, dv]
-    q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)  # [T, nv, dk]: v head h reads q/k head h // r
-    ba = np.asarray(ba, np.float32).reshape(T, nk, 2, r)  # per q/k head: r betas, then r alphas
-    beta = sigmoid(ba[:, :, 0].reshape(T, nv)).astype(np.float32)  # [T, nv]
-    g = softplus(ba[:, :, 1].reshape(T, nv) + w["dt"]) * w["a"]  # [T, nv] log-decay, <= 0
+    if tiled:  # qwen35moe: v head h reads q/k head h % nk; beta and alpha come as [T, nv] each
+        q, k = np.tile(q, (1, r, 1)), np.tile(k, (1, r, 1))  # [T, nv, dk]
+        b_raw, a_raw = (np.asarray(m, np.float32) for m in ba)  # [T, nv] each
+    else:  # qwen3next: v head h reads q/k head h // r; per q/k head r betas, then r alphas
+        q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)  # [T, nv, dk]
+        ba4 = np.asarray(ba[0], np.float32).reshape(T, nk, 2, r)
+        b_raw, a_raw = ba4[:, :, 0].reshape(T, nv), ba4[:, :, 1].reshape(T, nv)  # [T, nv] each
+    beta = sigmoid(b_raw).astype(np.float32)  # [T, nv]
+    g = softplus(a_raw + w["dt"]) * w["a"]  # [T, nv] log-decay, <= 0
     rule = delta_rule_chunked if chunked else delta_rule_recurrent
     o = rule(q * np.float32(1.0 / np.sqrt(dk)), k, v, g, beta, st["ssm"])  # [T, nv, dv]
     o = rmsnorm(o, w["norm"], cfg.rms_eps) * silu(np.asarray(z, np.float32).reshape(T, nv, dv))  # [T, nv, dv]

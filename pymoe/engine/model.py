@@ -111,7 +111,7 @@ class Model:
             sinks=vec("attn_sinks.weight") if tr.attn_sinks else None,
             router_bias=vec("ffn_gate_inp.bias") if moe and tr.router_bias else None,
             ffn=ffn,
-            gdn=gdn_weights(b, lt, vec) if gdn else None,
+            gdn=gdn_weights(b, lt, vec, tr.gdn_tiled) if gdn else None,
         )
 
     # --- the pieces -----------------------------------------------------------------------------------------

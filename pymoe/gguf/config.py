@@ -11,7 +11,7 @@ Metadata keys are `{arch}.<name>`, e.g. `qwen3moe.block_count`; `general.archite
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
 from pymoe.errors import PymoeError
@@ -42,6 +42,10 @@ class ArchTraits:
     expert_ffn: str = "swiglu"  # "swiglu": down(silu(gate) * up); "swiglu_oai": gpt-oss's clamped variant with
     #                             per-expert biases (reference.swiglu_oai)
     hybrid: bool = False  # Gated DeltaNet layers ("gdn") between gated full-attention layers ("gated"), qwen3next
+    gdn_tiled: bool = False  # qwen35moe: v head h reads q/k head h % n_k (the converter reorders V heads to
+    #                          tiled order) and beta, alpha are two tensors (ssm_beta, ssm_alpha); qwen3next: h // r
+    #                          (grouped) and one ssm_ba tensor, grouped by q/k head
+    rope_sections: bool = False  # qwen35moe: rope.dimension_sections (interleaved multi-section RoPE, IMRoPE)
 
 
 ARCHS: dict[str, ArchTraits] = {
@@ -80,6 +84,10 @@ ARCHS: dict[str, ArchTraits] = {
 ARCHS["qwen3next"] = ArchTraits(rope_neox=True, qk_norm="head", qkv_bias=False, shared_expert=True,
                                 norm_topk=True, ff_key="expert_feed_forward_length",
                                 ffn_norm="post_attention_norm", hybrid=True)
+# Qwen3.5-MoE: Qwen3-Next's layers, with the V heads of Gated DeltaNet in tiled order, beta and alpha as two
+# projections, and IMRoPE (for text every section sees the same position: plain NEOX RoPE when the sections cover
+# every rotated pair, which the converter's default [11, 11, 10, 0] does).
+ARCHS["qwen35moe"] = replace(ARCHS["qwen3next"], gdn_tiled=True, rope_sections=True)
 GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # {arch}.expert_gating_func: llama.cpp's
 #                                                                     llama_expert_gating_func_type
 
@@ -218,6 +226,16 @@ class ModelConfig:
             if recurrent is None:
                 interval = int(key("full_attention_interval", 4))
                 recurrent = [(i + 1) % interval != 0 for i in range(n_all)]
+            if t.rope_sections:
+                sections = ([int(n) for n in key("rope.dimension_sections")] + [0] * 4)[:4]  # t, h, w, e
+                rope_pairs = int(key("rope.dimension_count", int(key("attention.key_length", n_embd // n_head)))) // 2
+                # ggml's IMRoPE: pair i is in sector i % sum(sections); sectors 3j + s (s = 0, 1, 2) below
+                # 3 sections[s] rotate by the t, h, w position (all = the token's position for text), others by
+                # the e position (0 for text: no rotation). Pymoe runs the first case only.
+                if not all(any(p % 3 == j and p < 3 * sections[j] for j in range(3))
+                           for p in (i % max(1, sum(sections)) for i in range(rope_pairs))):
+                    raise PymoeError(f"{where}{arch}.rope.dimension_sections {sections} leave rotated pairs to the "
+                                     "4th (image) position: not supported for text")
             hybrid = dict(ssm_conv=int(key("ssm.conv_kernel")), ssm_state=int(key("ssm.state_size")),
                           ssm_k_heads=int(key("ssm.group_count")), ssm_v_heads=int(key("ssm.time_step_rank")),
                           ssm_inner=int(key("ssm.inner_size")),

@@ -114,7 +114,9 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
                 b + "ssm_conv1d.weight": (2 * key_dim + value_dim, cfg.ssm_conv),
                 b + "ssm_dt.bias": (cfg.ssm_v_heads,),
                 b + "ssm_a": (cfg.ssm_v_heads,),  # -exp(A_log), per v head
-                b + "ssm_ba.weight": (2 * cfg.ssm_v_heads, D),  # beta and alpha, grouped by q/k head
+                **({b + "ssm_beta.weight": (cfg.ssm_v_heads, D), b + "ssm_alpha.weight": (cfg.ssm_v_heads, D)}
+                   if cfg.traits.gdn_tiled else  # qwen35moe: two projections; qwen3next: one, grouped by q/k head
+                   {b + "ssm_ba.weight": (2 * cfg.ssm_v_heads, D)}),
                 b + "ssm_norm.weight": (cfg.ssm_inner // cfg.ssm_v_heads,),
                 b + "ssm_out.weight": (D, value_dim),
             })

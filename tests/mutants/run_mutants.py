@@ -240,6 +240,12 @@ MUTANTS: list[Mutant] = [
         (LLAMACPP_LOGITS + "[*qwen3next*]", "tests/test_deltanet.py::test_llama_cpp_agrees_at_100_tokens"),
         "Gated DeltaNet: v head h reads q/k head h % nk (tiled) instead of h // r (grouped, as the converter writes)"),
     Mutant(
+        "qwen35_heads_grouped_not_tiled", "pymoe/engine/deltanet.py",
+        "q, k = np.tile(q, (1, r, 1)), np.tile(k, (1, r, 1))  # [T, nv, dk]",
+        "q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)  # MUTANT",
+        (LLAMACPP_LOGITS + "[*qwen35moe*]",),
+        "Qwen3.5: v head h reads q/k head h // r (qwen3next's grouped order) instead of h % nk"),
+    Mutant(
         "gdn_chunked_decay_of_the_start_state_dropped", "pymoe/engine/deltanet.py",
         "oc = np.exp(G)[:, :, None] * np.einsum(\"hvk,htk->htv\", M, qc)",
         "oc = np.einsum(\"hvk,htk->htv\", M, qc)  # MUTANT",
