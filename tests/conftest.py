@@ -14,7 +14,7 @@ import pytest
 from oracle import strict
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe")
+ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "deepseek2")
 MIXES = ("f32", "q2_k")
 
 

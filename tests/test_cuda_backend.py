@@ -82,7 +82,7 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
 @in_process
 def test_qwen3next_says_it_has_no_cuda_path_yet(tiny_model):
     """Gated DeltaNet and gated attention run on the host backends only, for now: a one-line error, not a crash."""
-    with pytest.raises(PymoeError, match="Gated DeltaNet and gated attention have no CUDA path yet; use --backend cpu"):
+    with pytest.raises(PymoeError, match="Gated DeltaNet, gated attention and MLA have no CUDA path yet; use --backend cpu"):
         load_cuda(tiny_model("qwen3next", "f32"), cache_slots=4)
 
 

@@ -52,6 +52,8 @@ class RopeScaling:
     ctx_orig: int = 0
     beta_fast: float = 32.0
     beta_slow: float = 1.0
+    mscale: float = None  # YaRN's cos/sin factor; None: 1 + 0.1 ln(factor). DeepSeek (a yarn_log_multiplier in the
+    #                       file): llama.cpp's attn factor becomes 1 there, its mscale goes to the attention scale
 
 
 def yarn_corr_dims(rope_dim: int, ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple:
@@ -77,7 +79,7 @@ def rope_tables(rope_dim: int, base: float, positions: np.ndarray,
     low, high = yarn_corr_dims(rope_dim, scaling.ctx_orig, base, scaling.beta_fast, scaling.beta_slow)
     ramp = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # [rope_dim/2] 1: extrapolate, 0: squeeze
     theta = squeezed * (1.0 - ramp) + theta * ramp  # [T, rope_dim/2]
-    mscale = 1.0 + 0.1 * np.log(scaling.factor)
+    mscale = 1.0 + 0.1 * np.log(scaling.factor) if scaling.mscale is None else scaling.mscale
     return (np.cos(theta) * mscale).astype(np.float32), (np.sin(theta) * mscale).astype(np.float32)
 
 
@@ -176,13 +178,25 @@ class ExpertFFN:
     bias: dict
 
 
-def route_sigmoid(logits: np.ndarray, k: int, bias, norm_topk: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:
+def route_sigmoid(logits: np.ndarray, k: int, bias, norm_topk: bool, scale: float, groups: int = 0,
+                  groups_used: int = 0, gating: str = "sigmoid") -> tuple[np.ndarray, np.ndarray]:
     """Sigmoid routing (llama.cpp build_moe_ffn with LLAMA_EXPERT_GATING_FUNC_TYPE_SIGMOID): logits [T, E],
     bias float32 [E] or None -> (ids int [T, K], weights float32 [T, K]). The bias only chooses the experts; the
     weights are the unbiased sigmoids, divided by their sum (clamped below at 2^-14, the smallest normal fp16, as
-    llama.cpp does) if norm_topk, times `scale` unless it is 0 or 1."""
-    probs = sigmoid(logits.astype(np.float32))  # [T, E]
+    llama.cpp does) if norm_topk, times `scale` unless it is 0 or 1.
+    groups > 1 (DeepSeek-V3's group-limited choice): the E experts form `groups` groups; each group scores the sum
+    of its two best (biased) probabilities, and the K experts are chosen among the `groups_used` best groups only.
+    gating "softmax" (DeepSeek-V2 with groups): the probabilities are a softmax instead of sigmoids."""
+    probs = (softmax if gating == "softmax" else sigmoid)(logits.astype(np.float32)).astype(np.float32)  # [T, E]
     choose = probs + bias if bias is not None else probs  # [T, E]
+    if groups > 1:
+        T, E = choose.shape
+        per_group = choose.reshape(T, groups, E // groups)  # [T, G, E/G]
+        score = np.sort(per_group, axis=-1)[..., -2:].sum(axis=-1)  # [T, G] the two best of each group
+        keep = np.argsort(-score, axis=-1, kind="stable")[:, :groups_used]  # [T, G_used]
+        mask = np.zeros((T, groups), bool)
+        np.put_along_axis(mask, keep, True, axis=-1)
+        choose = np.where(np.repeat(mask, E // groups, axis=1), choose, -np.inf)  # [T, E]
     ids = np.argsort(-choose, axis=-1, kind="stable")[:, :k]  # [T, K]
     w = np.take_along_axis(probs, ids, axis=-1)  # [T, K]
     if norm_topk:

@@ -109,13 +109,15 @@ ARCH_TWEAKS = {
     "gpt-oss": dict(n_head=8, head_dim=64, n_layers=3),  # q width 512 != n_embd, as gpt-oss (64 x 64 vs 2880)
     "qwen3next": dict(n_layers=4),  # three Gated DeltaNet layers, then one gated full-attention layer
     "qwen35moe": dict(n_layers=4),
+    "deepseek2": dict(n_layers=3),  # one dense layer, then two MLA + MoE layers
 }
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
-               "gpt-oss": False, "qwen3next": False, "qwen35moe": False}  # llama.cpp
+               "gpt-oss": False, "qwen3next": False, "qwen35moe": False, "deepseek2": False}  # llama.cpp
 #                                                                                  requires olmoe's output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0,
-             "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0, "qwen3next": 10_000_000.0, "qwen35moe": 10_000_000.0}
+             "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0, "qwen3next": 10_000_000.0, "qwen35moe": 10_000_000.0,
+             "deepseek2": 10_000.0}
 # What GLM-4.5-Air's config.json gives llama.cpp's converter (conversion/glm.py Glm4MoeModel), at tiny size:
 # first_k_dense_replace 1, routed_scaling_factor 2.5, norm_topk_prob true, partial_rotary_factor 0.5, n_shared_experts 1
 # (here 2, so the shared expert is n_ff_shexp = 2 x n_ff_exp wide), intermediate_size (the dense MLP) 2 x n_ff_shexp.
@@ -128,6 +130,16 @@ GPT_OSS = dict(n_swa=8, rope_scaling="yarn", rope_scale=4.0, rope_ctx_orig=128)
 # q/k head, as there), full_attention_interval 4, partial_rotary_factor 0.25.
 QWEN3NEXT = dict(ssm_conv=4, ssm_state=32, ssm_k_heads=2, ssm_v_heads=4, ssm_inner=4 * 32, interval=4,
                  rope_fraction=0.25)
+# DeepSeek-V3's config.json at tiny size: q_lora_rank 1536 -> 128, kv_lora_rank 512 -> 96, qk_rope_head_dim 64 -> 32,
+# qk_nope_head_dim 128 -> 32, v_head_dim 128 -> 32 (the cached K row, 96 + 32, and V row, 96, whole Q8_0 blocks, so
+# llama.cpp's q8_0 KV cache takes them as it takes DeepSeek's 576 and 512), n_group 8 -> 4 (topk_group 4 -> 2), scoring_func sigmoid with
+# e_score_correction_bias, routed_scaling_factor 2.5, norm_topk_prob, first_k_dense_replace 3 -> 1, one shared expert;
+# YaRN factor 40 over 4096 (mscale_all_dim 1) -> 4 over 128 with mscale_all_dim 0.707 (so that it matters).
+DEEPSEEK2_CONFIG = dict(n_head_kv=1, head_dim=96 + 32, head_dim_v=96, rope_dim=32, q_lora_rank=128, kv_lora_rank=96,
+                        head_dim_mla=32 + 32, head_dim_v_mla=32, n_expert_groups=4, n_group_used=2,
+                        gating="sigmoid", expert_weights_scale=2.5, norm_topk=True, n_dense_lead=1, n_ff=512,
+                        n_ff_shexp=256, rope_scaling="yarn", rope_scale=4.0, rope_ctx_orig=128,
+                        yarn_log_mul=float(np.float32(0.0707)) / 0.1)  # what a reader gets back from the f32 key
 QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
 
@@ -141,7 +153,7 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
         p = replace(p, **MICRO_ARCH_TWEAKS.get(arch, {}))
     t = ARCHS[arch]
     glm = arch == "glm4moe"
-    return ModelConfig(
+    kw = dict(
         arch=arch, name=f"pymoe-{preset}-{arch}", n_layers=p.n_layers, n_embd=p.n_embd, n_vocab=n_vocab,
         n_ctx_train=p.n_ctx, n_head=p.n_head, n_head_kv=p.n_head_kv, head_dim=p.head_dim, head_dim_v=p.head_dim,
         n_expert=p.n_expert, n_expert_used=p.n_expert_used, n_ff_exp=p.n_ff_exp,
@@ -157,6 +169,9 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
         **({k: v for k, v in GPT_OSS.items()} if arch == "gpt-oss" else {}),
         **(qwen3next_fields(p) if arch in ("qwen3next", "qwen35moe") else {}),
     )
+    if arch == "deepseek2":
+        kw.update(DEEPSEEK2_CONFIG)
+    return ModelConfig(**kw)
 
 
 def qwen3next_fields(p: Preset) -> dict:
@@ -366,7 +381,7 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         # the dense MLP's width (GLM); unused by qwen2/3moe but written by llama.cpp's converter too
         w.add_feed_forward_length(cfg.n_ff or cfg.n_ff_exp)
         w.add_expert_feed_forward_length(cfg.n_ff_exp)
-    if cfg.has_shared_expert and cfg.arch == "glm4moe":  # the converter writes the count; n_ff_shexp = count x n_ff_exp
+    if cfg.has_shared_expert and cfg.arch in ("glm4moe", "deepseek2"):  # the converter writes the count; n_ff_shexp = count x n_ff_exp
         w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
     elif cfg.has_shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
@@ -384,6 +399,21 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(cfg.rope_scale)
         w.add_rope_scaling_orig_ctx_len(cfg.rope_ctx_orig)
+    if cfg.arch == "deepseek2":  # conversion/deepseek.py DeepseekV2Model and base.py's MoE keys
+        w.add_leading_dense_block_count(cfg.n_dense_lead)
+        w.add_q_lora_rank(cfg.q_lora_rank)
+        w.add_kv_lora_rank(cfg.kv_lora_rank)
+        w.add_key_length_mla(cfg.head_dim_mla)
+        w.add_value_length_mla(cfg.head_dim_v_mla)
+        w.add_expert_weights_scale(cfg.expert_weights_scale)
+        w.add_expert_weights_norm(cfg.norm_topk)
+        w.add_expert_group_count(cfg.n_expert_groups)
+        w.add_expert_group_used_count(cfg.n_group_used)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(cfg.rope_scale)
+        w.add_rope_scaling_orig_ctx_len(cfg.rope_ctx_orig)
+        w.add_rope_scaling_yarn_log_mul(0.1 * cfg.yarn_log_mul)  # the converter's legacy 0.1 factor
     if cfg.arch == "glm4moe":  # conversion/glm.py Glm4MoeModel.set_gguf_parameters
         w.add_leading_dense_block_count(cfg.n_dense_lead)
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)

@@ -19,6 +19,7 @@ import numpy as np
 
 from pymoe.backends.reference import sigmoid
 from .deltanet import gdn_block
+from .mla import mla_block
 
 
 def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndarray:
@@ -53,4 +54,4 @@ def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndar
     return b.to_host(y)  # [T, D]
 
 
-ATTENTION = {"gqa": gqa_block, "gated": gqa_block, "gdn": gdn_block}
+ATTENTION = {"gqa": gqa_block, "gated": gqa_block, "gdn": gdn_block, "mla": mla_block}

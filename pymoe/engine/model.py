@@ -23,6 +23,7 @@ from pymoe.errors import PymoeError
 from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION
 from .deltanet import gdn_weights
+from .mla import mla_weights
 from .kv import KVCache
 from .moe import FFN
 
@@ -52,6 +53,7 @@ class Layer:
     router_bias: object = None  # ffn_gate_inp.bias float32 [E] (gpt-oss)
     ffn: object = None  # reference.ExpertFFN: the experts' activation and biases (gpt-oss); None: plain SwiGLU
     gdn: dict = None  # a Gated DeltaNet layer's weights (engine/deltanet.py); its attn_q/k/v/output are None
+    mla: dict = None  # an MLA layer's weights (engine/mla.py); its attn_q/k/v/output are None
 
     @property
     def expert_types(self) -> dict:
@@ -74,8 +76,8 @@ class Model:
         from tqdm import tqdm
 
         self.plan = gguf_model.layer_plan()  # [L] gguf/config.LayerPlan
-        if backend.name == "cuda" and any(p.attention in ("gdn", "gated") for p in self.plan):
-            raise PymoeError(f"{cfg.arch}: Gated DeltaNet and gated attention have no CUDA path yet; "
+        if backend.name == "cuda" and any(p.attention in ("gdn", "gated", "mla") for p in self.plan):
+            raise PymoeError(f"{cfg.arch}: Gated DeltaNet, gated attention and MLA have no CUDA path yet; "
                              "use --backend cpu")
         self.layers = [self._layer(p) for p in tqdm(self.plan, desc="loading", unit="layer", disable=not progress,
                                                     leave=False)]
@@ -100,7 +102,8 @@ class Model:
         ffn = None
         if moe and tr.expert_ffn != "swiglu":
             ffn = ExpertFFN(tr.expert_ffn, {p: vec(f"ffn_{p}_exps.bias") for p in ("gate", "up", "down")})
-        attn = (None,) * 4 if gdn else tuple(b.dense(lt(f"attn_{p}.weight")) for p in ("q", "k", "v", "output"))
+        mla = plan.attention == "mla"
+        attn = (None,) * 4 if gdn or mla else tuple(b.dense(lt(f"attn_{p}.weight")) for p in ("q", "k", "v", "output"))
         return Layer(
             index=i, cfg=cfg, plan=plan, attn_norm=b.vector(lt("attn_norm.weight")),
             attn_q=attn[0], attn_k=attn[1], attn_v=attn[2], attn_output=attn[3],
@@ -112,13 +115,16 @@ class Model:
             router_bias=vec("ffn_gate_inp.bias") if moe and tr.router_bias else None,
             ffn=ffn,
             gdn=gdn_weights(b, lt, vec, tr.gdn_tiled) if gdn else None,
+            mla=mla_weights(b, lt, cfg) if mla else None,
         )
 
     # --- the pieces -----------------------------------------------------------------------------------------
     def rope_tables(self, positions: np.ndarray) -> tuple:
         """RoPE's cos, sin [T, rope_dim / 2] of these positions, with the file's context scaling (YaRN: gpt-oss)."""
         c = self.cfg
-        scaling = RopeScaling(c.rope_scaling, c.rope_scale, c.rope_ctx_orig)
+        # DeepSeek's files carry a yarn_log_multiplier: llama.cpp's YaRN factor on cos/sin is then 1 (the mscale
+        # moves into the attention scale, engine/mla.py)
+        scaling = RopeScaling(c.rope_scaling, c.rope_scale, c.rope_ctx_orig, mscale=1.0 if c.yarn_log_mul else None)
         return rope_tables(c.rope_dim, c.rope_freq_base, positions, scaling)
 
     def embed(self, tokens: np.ndarray) -> np.ndarray:

@@ -47,9 +47,10 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
         logits = np.asarray(logits) + layer.router_bias
     if cfg.gating == "softmax_weight":  # gpt-oss: top-K logits, softmaxed among themselves
         ids, w = route_softmax_weight(np.asarray(logits), cfg.n_expert_used)  # [T, K], [T, K]
-    elif cfg.gating == "sigmoid":
+    elif cfg.gating == "sigmoid" or cfg.n_expert_groups > 1:  # GLM, DeepSeek-V3 (and V2's expert groups)
         ids, w = route_sigmoid(np.asarray(logits), cfg.n_expert_used, layer.expert_bias, cfg.norm_topk,
-                               cfg.expert_weights_scale)  # [T, K], [T, K]
+                               cfg.expert_weights_scale, cfg.n_expert_groups, cfg.n_group_used,
+                               cfg.gating)  # [T, K], [T, K]
     else:
         ids, w = backend.route(logits, cfg.n_expert_used, cfg.norm_topk)  # [T, K], [T, K]
         if cfg.expert_weights_scale not in (0.0, 1.0):  # llama.cpp skips the scale at 0 and 1

@@ -46,6 +46,7 @@ class ArchTraits:
     #                          tiled order) and beta, alpha are two tensors (ssm_beta, ssm_alpha); qwen3next: h // r
     #                          (grouped) and one ssm_ba tensor, grouped by q/k head
     rope_sections: bool = False  # qwen35moe: rope.dimension_sections (interleaved multi-section RoPE, IMRoPE)
+    mla: bool = False  # DeepSeek's multi-head latent attention ("mla" in the layer plan, engine/mla.py)
 
 
 ARCHS: dict[str, ArchTraits] = {
@@ -84,6 +85,13 @@ ARCHS: dict[str, ArchTraits] = {
 ARCHS["qwen3next"] = ArchTraits(rope_neox=True, qk_norm="head", qkv_bias=False, shared_expert=True,
                                 norm_topk=True, ff_key="expert_feed_forward_length",
                                 ffn_norm="post_attention_norm", hybrid=True)
+# DeepSeek-V2/V3 (and GLM-4.7-Flash, Kimi-K2 style files): MLA attention over a compressed KV (one KV "head" of
+# kv_lora_rank + rope dims, values kv_lora_rank wide, the per-head up-projections attn_k_b / attn_v_b absorbed into
+# q and the output), normal-style RoPE on the rope part only, YaRN with DeepSeek's mscale; leading dense layers,
+# softmax (V2) or sigmoid + selection bias (V3) routing, optionally limited to the best expert groups; an ungated
+# shared expert.
+ARCHS["deepseek2"] = ArchTraits(rope_neox=False, qk_norm=None, qkv_bias=False, shared_expert=True, norm_topk=False,
+                                ff_key="expert_feed_forward_length", shared_gate=False, expert_bias=True, mla=True)
 # Qwen3.5-MoE: Qwen3-Next's layers, with the V heads of Gated DeltaNet in tiled order, beta and alpha as two
 # projections, and IMRoPE (for text every section sees the same position: plain NEOX RoPE when the sections cover
 # every rotated pair, which the converter's default [11, 11, 10, 0] does).
@@ -156,6 +164,16 @@ class ModelConfig:
     ssm_inner: int = 0
     recurrent: tuple = ()  # per layer: True where the layer is Gated DeltaNet ({arch}.attention.recurrent_layers,
     #                        else every layer but each full_attention_interval-th)
+    # MLA (deepseek2): attention.q_lora_rank (0: one q projection), attention.kv_lora_rank, the uncompressed head
+    # sizes attention.key_length_mla (nope + rope) and value_length_mla; head_dim / head_dim_v above are those of
+    # the compressed cache (kv_lora_rank + rope, kv_lora_rank), n_head_kv is 1
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    head_dim_mla: int = 0
+    head_dim_v_mla: int = 0
+    yarn_log_mul: float = 0.0  # rope.scaling.yarn_log_multiplier / 0.1 (the converter stores 0.1 mscale_all_dim)
+    n_expert_groups: int = 0  # expert_group_count: experts in groups, the top K chosen from the best groups only
+    n_group_used: int = 0  # expert_group_used_count
 
     @property
     def traits(self) -> ArchTraits:
@@ -172,6 +190,8 @@ class ModelConfig:
         n = self.traits.swa_pattern
 
         def attention(i):
+            if self.traits.mla:
+                return "mla"
             if self.traits.hybrid:
                 return "gdn" if self.recurrent[i] else "gated"
             return "gqa"
@@ -240,8 +260,15 @@ class ModelConfig:
                           ssm_k_heads=int(key("ssm.group_count")), ssm_v_heads=int(key("ssm.time_step_rank")),
                           ssm_inner=int(key("ssm.inner_size")),
                           recurrent=tuple(bool(r) for r in recurrent)[:n_all - n_nextn])
+        mla = {}
+        if t.mla:
+            mla = dict(q_lora_rank=int(key("attention.q_lora_rank", 0)), kv_lora_rank=int(key("attention.kv_lora_rank")),
+                       head_dim_mla=int(key("attention.key_length_mla")),
+                       head_dim_v_mla=int(key("attention.value_length_mla")),
+                       yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
         cfg = cls(
-            **hybrid,
+            **hybrid, **mla,
+            n_expert_groups=int(key("expert_group_count", 0)), n_group_used=int(key("expert_group_used_count", 0)),
             arch=arch,
             name=str(get("general.name", "") or ""),
             n_layers=int(key("block_count")) - n_nextn,
@@ -298,6 +325,15 @@ class ModelConfig:
             (self.rope_scaling in ("none", "linear", "yarn"),
              f"{a}.rope.scaling.type '{self.rope_scaling}' is not supported (none, linear, yarn)"),
             (not self.traits.swa_pattern or self.n_swa > 0, f"{a}.attention.sliding_window must be > 0"),
+            (self.n_expert_groups <= 1 or (self.n_expert % self.n_expert_groups == 0
+                                           and 0 < self.n_group_used <= self.n_expert_groups),
+             f"{a}.expert_group_count ({self.n_expert_groups}) / expert_group_used_count ({self.n_group_used}) do "
+             f"not fit {self.n_expert} experts"),
+            (not self.traits.mla or (self.n_head_kv == 1 and self.head_dim == self.kv_lora_rank + self.rope_dim
+                                     and self.head_dim_v == self.kv_lora_rank
+                                     and self.rope_dim < self.head_dim_mla),
+             f"{a}: the MLA shapes do not fit (key_length {self.head_dim} must be kv_lora_rank {self.kv_lora_rank} + "
+             f"rope {self.rope_dim}, value_length {self.head_dim_v} = kv_lora_rank, head_count_kv 1)"),
             (not self.traits.hybrid or (len(self.recurrent) == self.n_layers and self.ssm_k_heads > 0
                                         and self.ssm_v_heads % self.ssm_k_heads == 0
                                         and self.ssm_inner % self.ssm_v_heads == 0),

@@ -120,6 +120,19 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
                 b + "ssm_norm.weight": (cfg.ssm_inner // cfg.ssm_v_heads,),
                 b + "ssm_out.weight": (D, value_dim),
             })
+        elif plan.attention == "mla":  # DeepSeek: q (optionally through a low-rank q_a), the compressed kv_a, and
+            H, C, R = cfg.n_head, cfg.kv_lora_rank, cfg.rope_dim  # the per-head k/v up-projections (absorbed)
+            q_shapes = ({b + "attn_q_a.weight": (cfg.q_lora_rank, D), b + "attn_q_a_norm.weight": (cfg.q_lora_rank,),
+                         b + "attn_q_b.weight": (H * cfg.head_dim_mla, cfg.q_lora_rank)} if cfg.q_lora_rank
+                        else {b + "attn_q.weight": (H * cfg.head_dim_mla, D)})
+            shapes.update({
+                **q_shapes,
+                b + "attn_kv_a_mqa.weight": (C + R, D),
+                b + "attn_kv_a_norm.weight": (C,),
+                b + "attn_k_b.weight": (H, C, cfg.head_dim_mla - R),  # ne {nope, C, H}
+                b + "attn_v_b.weight": (H, cfg.head_dim_v_mla, C),  # ne {C, dv, H}
+                b + "attn_output.weight": (D, H * cfg.head_dim_v_mla),
+            })
         else:  # softmax attention; "gated" (qwen3next): attn_q holds a query and a gate per head
             shapes.update({
                 b + "attn_q.weight": (q_dim * (2 if plan.attention == "gated" else 1), D),

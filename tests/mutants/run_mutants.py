@@ -265,6 +265,18 @@ MUTANTS: list[Mutant] = [
         ("tests/test_deltanet.py::test_server_never_reuses_part_of_a_recurrent_state",),
         "server: a qwen3next slot's prefix is reused from the middle of its recurrent state"),
     Mutant(
+        "mla_scale_from_the_cache_head", "pymoe/engine/mla.py",
+        "    Q = Q * np.float32(mla_scale(cfg) * np.sqrt(C + R))",
+        "    Q = Q * np.float32(mla_scale(cfg) * np.sqrt(C + R)) * np.float32(np.sqrt(cfg.head_dim_mla / (C + R)))  # MUTANT",
+        (LLAMACPP_LOGITS + "[*deepseek2*]",),
+        "MLA: scores scaled by 1/sqrt(kv_lora_rank + rope) (the cached head) instead of 1/sqrt(key_length_mla)"),
+    Mutant(
+        "deepseek_expert_groups_ignored", "pymoe/backends/reference.py",
+        "    if groups > 1:\n        T, E = choose.shape",
+        "    if False:  # MUTANT\n        T, E = choose.shape",
+        (LLAMACPP_LOGITS + "[*deepseek2*]",),
+        "DeepSeek-V3 routing: the top K are chosen among all experts, not only the best expert groups"),
+    Mutant(
         "iq2_xxs_sign_parity_dropped", "pymoe/quant/iquants.py",
         'KSIGNS = np.array([i | (bin(i).count("1") & 1) << 7 for i in range(128)], dtype=np.int64)',
         'KSIGNS = np.array([i for i in range(128)], dtype=np.int64)',

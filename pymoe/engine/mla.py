@@ -1,0 +1,77 @@
+"""Multi-head latent attention (MLA): DeepSeek-V2/V3's attention over a compressed KV cache.
+
+What this is: `mla_block(backend, layer, x, kv, layer_i, rope)`, the layer plan's "mla" attention kind, as
+llama.cpp's deepseek2.cpp computes it with the absorption trick (read in the llama.cpp that llama-cpp-python 0.3.36
+vendors; the converter splits kv_b_proj into attn_k_b and attn_v_b for it). Tested through the whole model against
+llama.cpp (tests/test_model_vs_llamacpp.py, arch deepseek2).
+What this is not: the uncompressed form (a KV of H full heads: mathematically the same, H times the memory), or a
+device kernel (the CUDA backend refuses MLA layers for now).
+
+For T tokens (H heads; C = kv_lora_rank; R = rope dims; N = nope dims = key_length_mla - R; V = value_length_mla):
+    q      = x @ attn_q.T, or rmsnorm(x @ attn_q_a.T) * attn_q_a_norm @ attn_q_b.T      [T, H, N + R]
+    q_nope, q_pe = q[..., :N], rope(q[..., N:])                                          (normal-style pairs)
+    ckv    = x @ attn_kv_a_mqa.T                                                         [T, C + R]
+    c      = rmsnorm(ckv[:, :C]) * attn_kv_a_norm      the compressed KV: what the cache holds, one "head"
+    k_pe   = rope(ckv[:, C:])                          one rope key shared by all heads
+    q_abs  = q_nope @ attn_k_b[h]                      [T, H, C]  (k_b: [H, C, N]: the key up-projection, moved
+                                                                   onto the query: q_nope . (k_b c) = (q_nope k_b) . c)
+    K, V   = [c | k_pe] [T, 1, C + R],  c [T, 1, C]    written to the KV cache (MQA: one KV head)
+    a      = softmax([q_abs | q_pe] . K * s) V          [T, H, C]   s = mscale^2 / sqrt(N + R)
+    out    = a @ attn_v_b[h].T -> [T, H * V] @ attn_output.T   (v_b: [H, V, C], the value up-projection)
+mscale = 1 + 0.1 * yarn_log_mul * ln(factor) with YaRN (DeepSeek's mscale_all_dim), else 1; the RoPE tables of
+these layers carry no extra factor (llama.cpp's attn factor cancels it for DeepSeek, backends/reference.RopeScaling).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pymoe import quant
+
+
+def mla_weights(b, lt, cfg) -> dict:
+    """The layer's MLA tensors: projections as backend weights, the absorbed per-head matrices as float32."""
+    f32 = lambda name: np.ascontiguousarray(quant.dequantize(  # noqa: E731  small 3-D tensors, dequantized once
+        np.asarray(lt(name).data).view(np.uint8), lt(name).qtype)).reshape(lt(name).shape) \
+        if lt(name).qtype != quant.QType.F32 else np.asarray(lt(name).data, np.float32)
+    w = dict(kv_a=b.dense(lt("attn_kv_a_mqa.weight")), kv_a_norm=b.vector(lt("attn_kv_a_norm.weight")),
+             k_b=f32("attn_k_b.weight"), v_b=f32("attn_v_b.weight"), out=b.dense(lt("attn_output.weight")))
+    if cfg.q_lora_rank:
+        w.update(q_a=b.dense(lt("attn_q_a.weight")), q_a_norm=b.vector(lt("attn_q_a_norm.weight")),
+                 q_b=b.dense(lt("attn_q_b.weight")))
+    else:
+        w.update(q=b.dense(lt("attn_q.weight")))
+    return w
+
+
+def mla_scale(cfg) -> float:
+    """The attention's score scale: mscale^2 / sqrt(key_length_mla) (deepseek2.cpp's kq_scale)."""
+    mscale = 1.0
+    if cfg.rope_scaling == "yarn" and cfg.rope_scale > 1.0:
+        mscale = 1.0 + 0.1 * cfg.yarn_log_mul * np.log(cfg.rope_scale)
+    return float(np.float32(mscale * mscale / np.sqrt(cfg.head_dim_mla)))
+
+
+def mla_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndarray:
+    """x [T, D] (attn-normed, host) -> [T, D]; writes the compressed K and V of the T tokens at kv.n .."""
+    cfg, w, eps = layer.cfg, layer.mla, layer.cfg.rms_eps
+    T, p0, H = x.shape[0], kv.n, cfg.n_head
+    C, R = cfg.kv_lora_rank, cfg.rope_dim
+    N = cfg.head_dim_mla - R
+    if cfg.q_lora_rank:
+        q = b.linear(w["q_b"], b.rmsnorm(b.linear(w["q_a"], x), w["q_a_norm"], eps))  # [T, H * (N + R)]
+    else:
+        q = b.linear(w["q"], x)
+    q = np.asarray(q, np.float32).reshape(T, H, N + R)
+    cos, sin = rope
+    q_pe = b.rope(np.ascontiguousarray(q[..., N:]), cos, sin, cfg.rope_neox)  # [T, H, R]
+    ckv = np.asarray(b.linear(w["kv_a"], x), np.float32)  # [T, C + R]
+    c = b.rmsnorm(np.ascontiguousarray(ckv[:, :C]), w["kv_a_norm"], eps)  # [T, C]
+    k_pe = b.rope(np.ascontiguousarray(ckv[:, None, C:]), cos, sin, cfg.rope_neox)  # [T, 1, R]
+    q_abs = np.einsum("thn,hcn->thc", q[..., :N], w["k_b"]).astype(np.float32)  # [T, H, C]
+    Q = np.concatenate([q_abs, q_pe], axis=-1)  # [T, H, C + R]
+    b.kv_write(kv, layer_i, p0, np.concatenate([c[:, None, :], k_pe], axis=-1), c[:, None, :])
+    # attention() scales by 1 / sqrt(C + R); MLA's scale is mla_scale: the queries carry the ratio
+    Q = Q * np.float32(mla_scale(cfg) * np.sqrt(C + R))
+    a = np.asarray(b.attention(Q, *b.kv_read(kv, layer_i, p0 + T), p0), np.float32).reshape(T, H, C)  # [T, H, C]
+    out = np.einsum("thc,hvc->thv", a, w["v_b"]).astype(np.float32).reshape(T, H * cfg.head_dim_v_mla)
+    return b.linear(w["out"], out)  # [T, D]
