@@ -33,10 +33,11 @@ def llama_logits(path: str, ids) -> np.ndarray:
 
 
 def check_ftype(f32_path: str, ftype: str, folder: str) -> dict:
-    path = os.path.join(folder, f"tiny-{ftype}.gguf")
+    stem = os.path.basename(f32_path).replace(".gguf", "")
+    path = os.path.join(folder, f"{stem}-{ftype}.gguf")
     if not os.path.exists(path):
         llama_quantize(f32_path, path, ftype)
-    copy = os.path.join(folder, f"tiny-{ftype}-as-f32.gguf")
+    copy = os.path.join(folder, f"{stem}-{ftype}-as-f32.gguf")
     write_f32_copy(path, copy)
     types = collections.Counter(t.qtype.name for t in load_gguf(path).tensors.values())
 
@@ -54,5 +55,9 @@ def check_ftype(f32_path: str, ftype: str, folder: str) -> dict:
         types=dict(types), ids=ids, exact=exact, on_copy=on_copy, ours=ours, theirs=theirs,
         exact_rel=float(np.abs(exact - on_copy).max() / np.abs(on_copy).max()),
         llama_rel=float(np.abs(ours - theirs).max() / np.abs(theirs).max()),
+        # llama.cpp's own distance between its run on the file and on the F32 copy: its activation quantization
+        llama_drift=float(np.abs(theirs - on_copy).max() / np.abs(theirs).max()),
+        # pymoe's CPU backend (16-bit activations on K-quants, float elsewhere) against its float reference
+        cpu_rel=float(np.abs(ours - exact).max() / np.abs(exact).max()),
         top1=float((ours.argmax(-1) == theirs.argmax(-1)).mean()),
         pool_equal=got == want, promoted=pooled.cache.stats.counts["decode"]["promoted"])

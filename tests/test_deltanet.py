@@ -136,3 +136,54 @@ def test_qwen35_rope_sections_that_leave_pairs_to_the_image_position_are_one_lin
                                          "pairs to the 4th"):
         ModelConfig.from_gguf(get, n_vocab=m.config.n_vocab, tied_output=False, where="x.gguf: ")
     assert m.config.arch == "qwen35moe" and m.metadata("qwen35moe.rope.dimension_sections") == [3, 3, 2, 0]
+
+
+def test_long_context_chunked_prefill_equals_one_chunk_equals_token_by_token(model_path):
+    """2,100 tokens through qwen3next (3 Gated DeltaNet layers + 1 gated attention layer): a prefill cut into calls
+    of 512 tokens, one call of all of them (the chunked form over 33 blocks of 64), and 2,100 single-token decodes
+    (the recurrent form) give the same last-position logits and the same final states, within FORMS_REL of the
+    largest value (measured: 1.6e-7 and 3.4e-7 of the logit scale, states 2.1e-7; the decays keep the rounding of
+    2,100 steps from adding up)."""
+    engine = pymoe.load(model_path)
+    m = engine.model
+    ids = np.random.default_rng(6).integers(0, engine.config.n_vocab, 2100)
+    runs = {}
+    for name, chunk in (("chunks of 512", 512), ("one call", 4096)):
+        m.chunk, kv = chunk, m.new_kv(2200)
+        runs[name] = (m.prefill(ids, kv)[-1], kv)
+    kv = m.new_kv(2200)
+    for t in ids[:-1]:
+        m.decode_one_token(int(t), kv)
+    runs["token by token"] = (m.decode_one_token(int(ids[-1]), kv), kv)
+    ref_logits, ref_kv = runs["token by token"]
+    for name, (logits, kv) in runs.items():
+        assert np.abs(logits - ref_logits).max() <= FORMS_REL * np.abs(ref_logits).max(), name
+        for layer in (0, 1, 2):
+            s, r = kv.recurrent(layer)["ssm"], ref_kv.recurrent(layer)["ssm"]
+            assert np.abs(s - r).max() <= FORMS_REL * np.abs(r).max(), (name, layer)
+
+
+def test_a_file_with_an_mtp_block_runs_its_trunk_and_keeps_the_block(model_path, tmp_path):
+    """The article's model ships an MTP (NextN) head: block_count counts it, nextn_predict_layers says so, and its
+    tensors (a full-attention block plus nextn.eh_proj/enorm/hnorm/shared_head_norm) follow the trunk, as the
+    converter writes them. pymoe runs the 4 trunk layers, gives the same logits as the file without the block
+    (bit for bit: same trunk weights), agrees with llama.cpp on the file, and keeps the block's tensors for
+    speculative decoding."""
+    from pymoe.demo.tinymodel import write_model
+    from pymoe.gguf.loader import load_gguf
+
+    path = str(tmp_path / "tiny-qwen3next-mtp.gguf")
+    write_model(path, "qwen3next", "tiny", "f32", seed=0, mtp=True)
+    m = load_gguf(path)
+    assert (m.config.n_layers, m.config.n_nextn) == (4, 1)
+    assert {"blk.4.nextn.eh_proj.weight", "blk.4.attn_q.weight", "blk.4.ffn_gate_exps.weight"} <= set(m.mtp_tensors)
+    assert not load_gguf(model_path).mtp_tensors
+    engine = pymoe.load(path, backend="reference")
+    ids = np.random.default_rng(7).integers(0, engine.config.n_vocab, 30).tolist()
+    ours = engine.logits(ids)
+    assert np.array_equal(ours, pymoe.load(model_path, backend="reference").logits(ids))
+    llm = require_llama_cpp().Llama(model_path=path, n_ctx=64, n_threads=2, n_batch=64, verbose=False,
+                                    logits_all=True, type_k=0, type_v=0, seed=0)
+    llm.eval(ids)
+    ref = np.asarray(llm.scores[:30])
+    assert np.abs(ours - ref).max() <= EXACT_REL_BOUND * np.abs(ref).max()

@@ -290,10 +290,26 @@ def random_tensor(name: str, shape: tuple, cfg: ModelConfig, rng: np.random.Gene
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # [..., rows, cols]
 
 
+def mtp_tensors(cfg: ModelConfig) -> dict:
+    """The NextN (MTP) block the converters append after the trunk (qwen3next: conversion/qwen.py _QwenMtpMixin;
+    llama.cpp's load_block_mtp): a full-attention trunk block as layer n_layers, plus nextn.eh_proj [D, 2D] (the
+    embedding and the last hidden state, concatenated, back to D), nextn.enorm, nextn.hnorm, nextn.shared_head_norm."""
+    from dataclasses import replace as dc_replace
+    L, D = cfg.n_layers, cfg.n_embd
+    bigger = dc_replace(cfg, n_layers=L + 1, recurrent=tuple(cfg.recurrent) + (False,) if cfg.recurrent else ())
+    b = f"blk.{L}."
+    shapes = {name: shape for name, shape in expected_tensors(bigger).items() if name.startswith(b)}
+    shapes.update({b + "nextn.eh_proj.weight": (D, 2 * D), b + "nextn.enorm.weight": (D,),
+                   b + "nextn.hnorm.weight": (D,), b + "nextn.shared_head_norm.weight": (D,)})
+    return shapes
+
+
 def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: str = "f32", seed: int = 0,
-                progress: bool = False, jobs: int = 1) -> ModelConfig:
+                progress: bool = False, jobs: int = 1, mtp: bool = False) -> ModelConfig:
     """Write a random-weight MoE GGUF; returns its config. Deterministic for a given (arch, preset, mix, seed),
-    whatever `jobs` (processes quantizing tensors side by side; the random draws stay in this process, in order)."""
+    whatever `jobs` (processes quantizing tensors side by side; the random draws stay in this process, in order).
+    mtp: append a NextN/MTP block (block_count + 1, nextn_predict_layers 1) after the trunk, drawn after every trunk
+    tensor, so the trunk's weights are those of the file without it."""
     from tqdm import tqdm
 
     p = PRESETS[preset]
@@ -306,9 +322,13 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
     popularity = (1.0 / (1.0 + ranks)) - 1.0 / cfg.n_expert  # [L, E]
 
     shapes = expected_tensors(cfg)
+    extra = mtp_tensors(cfg) if mtp else {}
+    if mtp:  # the MTP block's router draws from the popularity table like a layer of its own
+        popularity = np.concatenate([popularity, popularity[-1:]])
     weights = ((name, random_tensor(name, shape, cfg, rng, common, popularity))
-               for name, shape in tqdm(shapes.items(), desc=f"writing {path}", unit="tensor", disable=not progress))
-    write_gguf(path, cfg, tokens, types, merges, mix, weights, jobs=jobs)
+               for name, shape in tqdm({**shapes, **extra}.items(), desc=f"writing {path}", unit="tensor",
+                                       disable=not progress))
+    write_gguf(path, cfg, tokens, types, merges, mix, weights, jobs=jobs, extra_shapes=extra)
     return cfg
 
 
@@ -339,13 +359,14 @@ def _quantized(weights, mix: str, jobs: int, cfg: Optional[ModelConfig] = None):
             yield done(pending.popleft())
 
 
-def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, weights, jobs: int = 1) -> None:
+def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, weights, jobs: int = 1,
+               extra_shapes: Optional[dict] = None) -> None:
     """Write a GGUF: metadata of `cfg` + tokenizer, then `weights` ((name, float32 array in NumPy order), in the
     order of `expected_tensors(cfg)`), each quantized to its type in `mix`. Shared by the random tiny models and the
     trained demo model (pymoe/demo/train.py)."""
     w = GGUFWriter(path, cfg.arch)
-    _write_metadata(w, cfg, tokens, types, merges, mix)
-    shapes = expected_tensors(cfg)
+    _write_metadata(w, cfg, tokens, types, merges, mix, n_mtp=1 if extra_shapes else 0)
+    shapes = {**expected_tensors(cfg), **(extra_shapes or {})}
     for name, shape, qtype, data in _quantized(weights, mix, jobs, cfg):
         if tuple(shape) != shapes[name]:
             raise ValueError(f"tensor {name} has shape {list(shape)}, expected {list(shapes[name])}")
@@ -359,13 +380,15 @@ def write_gguf(path: str, cfg: ModelConfig, tokens, types, merges, mix: str, wei
     w.close()
 
 
-def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix: str) -> None:
+def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix: str, n_mtp: int = 0) -> None:
     w.add_name(cfg.name)
     file_type = {"f32": LlamaFileType.ALL_F32, "q2_0": LLAMA_FTYPE_MOSTLY_Q2_0}.get(mix, LlamaFileType.MOSTLY_Q2_K)
     w.add_file_type(int(file_type))
     w.add_context_length(cfg.n_ctx_train)
     w.add_embedding_length(cfg.n_embd)
-    w.add_block_count(cfg.n_layers)
+    w.add_block_count(cfg.n_layers + n_mtp)  # the converters count NextN blocks in block_count
+    if n_mtp:
+        w.add_nextn_predict_layers(n_mtp)
     w.add_head_count(cfg.n_head)
     w.add_head_count_kv(cfg.n_head_kv)
     w.add_key_length(cfg.head_dim)
@@ -441,6 +464,8 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS), help="size preset (default tiny)")
     ap.add_argument("--quant", default="f32", choices=QUANT_MIXES, help="quant mix (default f32)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ap.add_argument("--mtp", action="store_true", help="append a NextN/MTP block after the trunk, as the converters "
+                    "write it for Qwen3-Next, GLM-4.5 and DeepSeek-V3 (kept by pymoe, not run)")
     ap.add_argument("--jobs", type=int, default=1, help="processes quantizing tensors (default 1); the file is the "
                     "same for any number")
     return ap.parse_args(argv)

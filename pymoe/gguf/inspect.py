@@ -18,11 +18,39 @@ def fmt_bytes(n: float) -> str:
     return f"{int(n)} B"
 
 
+ATTENTION_WORDS = {"gqa": "softmax attention", "gated": "gated softmax attention", "gdn": "Gated DeltaNet (linear)",
+                   "mla": "MLA (compressed KV)"}
+FFN_WORDS = {"moe": "MoE", "moe+shared": "MoE + shared expert", "dense": "dense MLP"}
+
+
+def layer_plan_lines(cfg) -> list:
+    """The layer plan, consecutive layers of the same kind together: 'layers 0-2, 4-6: Gated DeltaNet + MoE'."""
+    kinds = defaultdict(list)  # (attention, ffn, window) -> layers
+    for p in cfg.layer_plan():
+        kinds[(p.attention, p.ffn, p.window)].append(p.index)
+    lines = [f"layer plan ({cfg.n_layers} layers" + (f", + {cfg.n_nextn} MTP/NextN not run" if cfg.n_nextn else "")
+             + "):"]
+    for (attention, ffn, window), layers in kinds.items():
+        win = f", window {window}" if window else ""
+        lines.append(f"  {'layer' if len(layers) == 1 else 'layers'} {_ranges(layers)}: "
+                     f"{ATTENTION_WORDS.get(attention, attention)}{win} + {FFN_WORDS.get(ffn, ffn)}")
+    kv = kv_values_per_token(cfg)
+    lines.append(f"  KV cache: {kv} values per token over the layers that keep one"
+                 + (" (+ a fixed recurrent state per sequence)" if cfg.has_recurrent_state else ""))
+    return lines
+
+
+def kv_values_per_token(cfg) -> int:
+    """K and V values one token adds to the cache, all layers (MLA: the compressed row; Gated DeltaNet: none)."""
+    return sum(cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) for p in cfg.layer_plan() if p.attention != "gdn")
+
+
 def describe_model(path: str, show_tensors: bool = False) -> str:
     m = load_gguf(path)
     cfg = m.config
     lines = [f"model {path}", "config:"]
     lines += [f"  {k:<16} {v}" for k, v in cfg.describe()]
+    lines += layer_plan_lines(cfg)
 
     by_type = Counter()
     bytes_by_type = defaultdict(int)

@@ -245,6 +245,14 @@ class GGUFModel:
     def tensor(self, name: str) -> Tensor:
         return self.tensors[name]
 
+    @property
+    def mtp_tensors(self) -> dict:
+        """The NextN/MTP block(s) after the trunk (blk.n_layers and up): loaded with the file, not run by the
+        forward pass; kept for speculative decoding (issue 16). Empty for a file without them."""
+        first = self.config.n_layers
+        return {n: t for n, t in self.tensors.items()
+                if n.startswith("blk.") and int(n.split(".")[1]) >= first}
+
     def get(self, name: str) -> Optional[Tensor]:
         return self.tensors.get(name)
 
