@@ -33,7 +33,7 @@ def bytes_per_decoded_token(engine) -> int:
     dense = sum(t.nbytes for name, t in f.tensors.items() if "_exps." not in name and name != "token_embd.weight")
     if cfg.tied_output:
         dense += f.tensor("token_embd.weight").nbytes
-    experts = sum(f.expert(i, 0).nbytes for i in range(cfg.n_layers)) * cfg.n_expert_used
+    experts = sum(f.expert(i, 0).nbytes for i in cfg.moe_layers) * cfg.n_expert_used  # dense layers: none
     return dense + experts
 
 

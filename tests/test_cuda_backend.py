@@ -80,10 +80,25 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
 
 
 @in_process
-def test_qwen3next_says_it_has_no_cuda_path_yet(tiny_model):
-    """Gated DeltaNet and gated attention run on the host backends only, for now: a one-line error, not a crash."""
-    with pytest.raises(PymoeError, match="Gated DeltaNet, gated attention and MLA have no CUDA path yet; use --backend cpu"):
-        load_cuda(tiny_model("qwen3next", "f32"), cache_slots=4)
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "deepseek2"])
+def test_host_attention_kinds_with_device_experts(tiny_model, arch):
+    """Gated DeltaNet, gated attention and MLA have no device kernels yet: on the CUDA backend they run on its host
+    side (its CPU backend, a host KV cache and recurrent state) while the experts go through the device slot pool.
+    Logits (prefill and decode) and greedy tokens equal the reference backend's within the device tests' bound."""
+    from pymoe.backends.cuda import DeviceKVCache
+
+    path = tiny_model(arch, "q2_k")
+    cpu = pymoe.load(path, backend="reference")
+    kv = cpu.model.new_kv(64)
+    want = np.concatenate([cpu.model.prefill(PROMPT, kv), cpu.model.decode_one_token(9, kv)[None]])
+    engine = load_cuda(path, cache_slots=4, pcie_frac=0.5, chunk=8)
+    kv = engine.model.new_kv(64)
+    assert not isinstance(kv, DeviceKVCache)
+    got = np.concatenate([engine.model.prefill(PROMPT, kv), engine.model.decode_one_token(9, kv)[None]])
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-4)
+    assert list(engine.generate(PROMPT, max_tokens=6, stop_at_eos=False)) == \
+        list(cpu.generate(PROMPT, max_tokens=6, stop_at_eos=False))
+    assert engine.cache.stats.counts["decode"]["lookups"] > 0
 
 
 @in_process

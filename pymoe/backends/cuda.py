@@ -336,6 +336,7 @@ class CUDABackend:
         # The CPU side: "cpu" misses, attention over host KV caches. Float path, like the GPU kernels,
         # so that which side computes an expert changes nothing but rounding order.
         self.cpu = CPUBackend(threads=threads, act_bits=0)
+        self.host_backend = self.cpu  # where attention kinds without device kernels run (attention.HOST_ATTENTION)
         self.threads = self.cpu.threads
         self.compute, self.copy = cuda.stream(), cuda.stream()
         from pymoe.backends.cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)

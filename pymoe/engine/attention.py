@@ -55,3 +55,6 @@ def gqa_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndar
 
 
 ATTENTION = {"gqa": gqa_block, "gated": gqa_block, "gdn": gdn_block, "mla": mla_block}
+# Kinds whose block computes on host arrays between primitives (no device kernels yet): a device backend runs them
+# on its host side (`backend.host_backend`, CUDA: its CPU backend; engine/model.py Model.attention_backend).
+HOST_ATTENTION = {"gated", "gdn", "mla"}

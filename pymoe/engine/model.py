@@ -21,7 +21,7 @@ import numpy as np
 from pymoe.backends.reference import ExpertFFN, RopeScaling, rope_tables
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import LayerPlan, ModelConfig
-from .attention import ATTENTION
+from .attention import ATTENTION, HOST_ATTENTION
 from .deltanet import gdn_weights
 from .mla import mla_weights
 from .kv import KVCache
@@ -76,14 +76,19 @@ class Model:
         from tqdm import tqdm
 
         self.plan = gguf_model.layer_plan()  # [L] gguf/config.LayerPlan
-        if backend.name == "cuda" and any(p.attention in ("gdn", "gated", "mla") for p in self.plan):
-            raise PymoeError(f"{cfg.arch}: Gated DeltaNet, gated attention and MLA have no CUDA path yet; "
-                             "use --backend cpu")
+        # Attention kinds without device kernels run on the backend's host side (CUDA: its CPU backend) with a
+        # host KV cache, their weights in host memory; the experts of those layers still go through the device.
+        self.host_attention = any(p.attention in HOST_ATTENTION for p in self.plan)
         self.layers = [self._layer(p) for p in tqdm(self.plan, desc="loading", unit="layer", disable=not progress,
                                                     leave=False)]
 
+    def attention_backend(self, plan: LayerPlan):
+        """The backend a layer's attention runs on: the model's, or its host side for kinds the device lacks."""
+        return getattr(self.backend, "host_backend", self.backend) if plan.attention in HOST_ATTENTION else self.backend
+
     def _layer(self, plan: LayerPlan) -> Layer:
-        cfg, b, i = self.cfg, self.backend, plan.index
+        cfg, b, i = self.cfg, self.attention_backend(plan), plan.index  # b: the attention's weights; bf: the FFN's
+        bf = self.backend
         lt = lambda name: self.file.layer_tensor(i, name)  # noqa: E731
         bias = {p: b.vector(lt(f"attn_{p}.bias")) for p in "qkv"} if cfg.qkv_bias else {}
         gdn = plan.attention == "gdn"
@@ -91,11 +96,11 @@ class Model:
                  else (None, None))
         shared, dense = {}, None
         if plan.ffn == "moe+shared":
-            shared = {p: b.dense(lt(f"ffn_{p}_shexp.weight")) for p in ("gate", "up", "down")}
+            shared = {p: bf.dense(lt(f"ffn_{p}_shexp.weight")) for p in ("gate", "up", "down")}
             if cfg.traits.shared_gate:
-                shared["gate_inp"] = b.vector(lt("ffn_gate_inp_shexp.weight"))
+                shared["gate_inp"] = bf.vector(lt("ffn_gate_inp_shexp.weight"))
         if plan.ffn == "dense":
-            dense = {p: b.dense(lt(f"ffn_{p}.weight")) for p in ("gate", "up", "down")}
+            dense = {p: bf.dense(lt(f"ffn_{p}.weight")) for p in ("gate", "up", "down")}
         moe = plan.ffn != "dense"
         tr = cfg.traits
         vec = lambda name: np.asarray(lt(name).data, np.float32)  # noqa: E731  small float32 tensors, host
@@ -105,10 +110,10 @@ class Model:
         mla = plan.attention == "mla"
         attn = (None,) * 4 if gdn or mla else tuple(b.dense(lt(f"attn_{p}.weight")) for p in ("q", "k", "v", "output"))
         return Layer(
-            index=i, cfg=cfg, plan=plan, attn_norm=b.vector(lt("attn_norm.weight")),
+            index=i, cfg=cfg, plan=plan, attn_norm=bf.vector(lt("attn_norm.weight")),
             attn_q=attn[0], attn_k=attn[1], attn_v=attn[2], attn_output=attn[3],
-            bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=b.vector(lt(f"{cfg.traits.ffn_norm}.weight")),
-            ffn_gate_inp=b.dense(lt("ffn_gate_inp.weight")) if moe else None, shared=shared, dense=dense,
+            bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=bf.vector(lt(f"{cfg.traits.ffn_norm}.weight")),
+            ffn_gate_inp=bf.dense(lt("ffn_gate_inp.weight")) if moe else None, shared=shared, dense=dense,
             expert_bias=vec("exp_probs_b.bias") if moe and tr.expert_bias else None,
             out_bias=b.vector(lt("attn_output.bias")) if tr.attn_out_bias else None,
             sinks=vec("attn_sinks.weight") if tr.attn_sinks else None,
@@ -141,7 +146,7 @@ class Model:
         kv.n .. kv.n + T - 1, computed once per forward call (None: computed here)."""
         if rope is None:
             rope = self.rope_tables(np.arange(kv.n, kv.n + x.shape[0]))
-        return ATTENTION[layer.plan.attention](self.backend, layer, x, kv, layer_i, rope)
+        return ATTENTION[layer.plan.attention](self.attention_backend(layer.plan), layer, x, kv, layer_i, rope)
 
     # --- the forward pass -------------------------------------------------------------------------------------
     def forward(self, tokens, kv: KVCache, phase: str) -> np.ndarray:
@@ -189,4 +194,6 @@ class Model:
         """A KV cache for a new sequence: the backend's own when it has one free (CUDA: in device memory, so that
         attention runs there), else a host one."""
         n_ctx = n_ctx or self.cfg.n_ctx_train
+        if self.host_attention:  # some layers attend on the host: one host cache for all of them
+            return KVCache(self.cfg, n_ctx)
         return self.backend.new_kv(n_ctx) or KVCache(self.cfg, n_ctx)
