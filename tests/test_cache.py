@@ -184,11 +184,11 @@ def test_decode_batch_serves_rows_as_counted(tiny_model):
     served = [dict.fromkeys(SERVED_AS.values(), 0) for _ in kvs]
     inner = engine.backend.moe_experts
 
-    def moe_experts(experts, types, x, ids, w):  # what the backend is handed, row by row
+    def moe_experts(experts, types, x, ids, w, ffn=None):  # what the backend is handed, row by row
         for j, row in enumerate(ids):
             for e in row.tolist():
                 served[j][SERVED_AS[experts[e].where]] += 1
-        return inner(experts, types, x, ids, w)
+        return inner(experts, types, x, ids, w, ffn)
 
     engine.backend.moe_experts = moe_experts
     rows = [{} for _ in kvs]

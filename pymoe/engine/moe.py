@@ -57,27 +57,28 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
             w = w * np.float32(cfg.expert_weights_scale)
     cache.lookup(layer.index, ids, phase)
     experts = {e: cache.expert(layer.index, e) for e in np.unique(ids).tolist()}  # each chosen expert once
-    if layer.ffn is None:
-        y = backend.moe_experts(experts, layer.expert_types, x, ids, w)  # [T, D]
-    else:  # gpt-oss: expert biases and the clamped SwiGLU (reference.swiglu_oai)
-        y = backend.moe_experts(experts, layer.expert_types, x, ids, w, layer.ffn)  # [T, D]
+    y = backend.moe_experts(experts, layer.expert_types, x, ids, w, layer.ffn)  # [T, D]; ffn: gpt-oss's experts
     cache.finish(layer.index)  # the experts are computed: promoted ones may now be copied into their slots
 
     if layer.plan.ffn == "moe+shared":
         sh = layer.shared
-        h = silu(backend.linear(sh["gate"], x)) * backend.linear(sh["up"], x)  # [T, S]
-        out = backend.linear(sh["down"], h)  # [T, D]
+        out = swiglu_mlp(backend, sh, x)  # [T, D]
         if "gate_inp" in sh:  # qwen2moe: a sigmoid gate per token
             out = sigmoid((x * sh["gate_inp"]).sum(axis=-1, keepdims=True)) * out  # [T, 1]; per-row order
         y += out
     return y, ids, w
 
 
+def swiglu_mlp(backend, w: dict, x: np.ndarray) -> np.ndarray:
+    """down(silu(gate(x)) * up(x)) with dense weights w {gate, up, down}: x [T, D] -> [T, D] (the shared expert's
+    and a dense layer's MLP)."""
+    h = silu(backend.linear(w["gate"], x)) * backend.linear(w["up"], x)  # [T, F]
+    return backend.linear(w["down"], h)
+
+
 def dense_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndarray, None, None]:
     """A dense layer's SwiGLU MLP: x [T, D] (ffn-normed) -> (y [T, D], None, None): no routing, no experts."""
-    d = layer.dense
-    h = silu(backend.linear(d["gate"], x)) * backend.linear(d["up"], x)  # [T, n_ff]
-    return backend.linear(d["down"], h), None, None
+    return swiglu_mlp(backend, layer.dense, x), None, None
 
 
 FFN = {"moe": moe_block, "moe+shared": moe_block, "dense": dense_block}  # a layer plan's FFN kind -> its block

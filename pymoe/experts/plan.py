@@ -179,8 +179,7 @@ def dense_bytes(model) -> tuple[int, int]:
 def kv_bytes_per_ctx_token(cfg, bytes_per_value: int = KV_BYTES_PER_VALUE) -> int:
     """K and V of one position over the layers that keep them (not Gated DeltaNet layers, whose state has a fixed
     size): n_kv_layers * n_head_kv * (head_dim + head_dim_v) values."""
-    n_kv_layers = sum(1 for p in cfg.layer_plan() if p.attention != "gdn")
-    return n_kv_layers * cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) * bytes_per_value
+    return cfg.kv_values_per_token() * bytes_per_value
 
 
 def facts_from_gguf(path) -> ModelFacts:

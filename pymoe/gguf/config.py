@@ -198,6 +198,11 @@ class ModelConfig:
         return tuple(LayerPlan(i, attention(i), "dense" if i < self.n_dense_lead else moe,
                                window=self.n_swa if n and i % n < n - 1 else 0) for i in range(self.n_layers))
 
+    def kv_values_per_token(self) -> int:
+        """K and V values one token adds to the cache over all layers (MLA: the compressed row; Gated DeltaNet
+        layers keep a fixed-size state instead, none)."""
+        return sum(self.n_head_kv * (self.head_dim + self.head_dim_v) for p in self.layer_plan() if p.attention != "gdn")
+
     @property
     def has_recurrent_state(self) -> bool:
         """A layer keeps state that cannot be cut back to an earlier position (no prefix reuse from the middle)."""

@@ -34,15 +34,10 @@ def layer_plan_lines(cfg) -> list:
         win = f", window {window}" if window else ""
         lines.append(f"  {'layer' if len(layers) == 1 else 'layers'} {_ranges(layers)}: "
                      f"{ATTENTION_WORDS.get(attention, attention)}{win} + {FFN_WORDS.get(ffn, ffn)}")
-    kv = kv_values_per_token(cfg)
+    kv = cfg.kv_values_per_token()
     lines.append(f"  KV cache: {kv} values per token over the layers that keep one"
                  + (" (+ a fixed recurrent state per sequence)" if cfg.has_recurrent_state else ""))
     return lines
-
-
-def kv_values_per_token(cfg) -> int:
-    """K and V values one token adds to the cache, all layers (MLA: the compressed row; Gated DeltaNet: none)."""
-    return sum(cfg.n_head_kv * (cfg.head_dim + cfg.head_dim_v) for p in cfg.layer_plan() if p.attention != "gdn")
 
 
 def describe_model(path: str, show_tensors: bool = False) -> str:
