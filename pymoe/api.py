@@ -64,7 +64,7 @@ class Engine:
         self.model = Model(self.file, self.backend, None, progress=progress)  # dense weights land on the device
         self.model.chunk = int(chunk)
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
-            self.backend.prepare(chunk, self.n_ctx)
+            self.backend.prepare(chunk, self.n_ctx, device_kv=not self.model.host_attention)
             log(self.backend.memory_line())
         if pcie_frac is None:  # measured on a GPU; with none, the probe's answer without one (every miss on the CPU)
             pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else NO_GPU_PCIE_FRAC

@@ -13,10 +13,14 @@ IQ2_M, a popular "UD"-style low-bit mix; qwen35moe: IQ3_XXS), then, as tests/tes
     purpose), so a fixed bound like tests/test_ftypes.py's 5% would measure llama.cpp's rounding, not pymoe;
   - greedy tokens through a 6-slot expert pool equal those without, experts promoted into slots.
 Decode == prefill for every family (recurrent state included) is tests/test_model.py's, over conftest.ARCHS.
-Runtime: about 40 s.
+DeepSeek-V2-Lite's differences from V3 (one q projection, softmax routing without a selection bias, no group
+limit) get their own file (make-tiny-model --variant lite), checked the same way plus decode == prefill.
+Runtime: about 50 s.
 """
+import numpy as np
 import pytest
 
+import pymoe
 from ftype_check import check_ftype
 
 EXACT_REL_BOUND = 1e-5  # tests/test_model_vs_llamacpp.py: float32 summation order only (measured <= 2.5e-6 here)
@@ -38,3 +42,23 @@ def test_family_file_agrees_with_llama_cpp(arch, ftype, tiny_model, tmp_path):
           f"llama {r['llama_rel']:.1e} llama's own drift {r['llama_drift']:.1e}")
     assert r["llama_rel"] <= r["llama_drift"] + CPU_REL_BOUND, (r["llama_rel"], r["llama_drift"])
     assert r["pool_equal"] and r["promoted"] > 0
+
+
+def test_deepseek_v2_lite_agrees_with_llama_cpp(tmp_path):
+    from pymoe.demo.tinymodel import write_model
+
+    path = str(tmp_path / "deepseek2-lite-f32.gguf")
+    write_model(path, "deepseek2", "tiny", "f32", seed=0, variant="lite")
+    m = pymoe.load(path)
+    cfg = m.config
+    assert (cfg.q_lora_rank, cfg.gating, cfg.expert_bias) == (0, "softmax", False)  # the V2-Lite paths are the ones run
+    r = check_ftype(path, "Q4_K_M", str(tmp_path))
+    assert r["exact_rel"] <= EXACT_REL_BOUND, r["exact_rel"]
+    assert r["cpu_rel"] <= CPU_REL_BOUND, r["cpu_rel"]
+    assert r["llama_rel"] <= r["llama_drift"] + CPU_REL_BOUND, (r["llama_rel"], r["llama_drift"])
+    assert r["pool_equal"] and r["promoted"] > 0
+    ids = np.random.default_rng(3).integers(0, cfg.n_vocab, 12)
+    full = m.logits(ids)  # [12, V]
+    kv = m.model.new_kv(32)
+    step = [m.model.prefill(ids[:8], kv)[-1]] + [m.model.decode_one_token(int(t), kv) for t in ids[8:]]
+    np.testing.assert_array_equal(np.stack(step), full[7:])  # tests/test_model.py's contract: the same bits

@@ -294,13 +294,13 @@ class DevicePool(HostPool):
 
 
 class DeviceKVCache:
-    """Keys and values of one sequence in device memory: float32 [L, n_ctx, G, Dh] each (the fields of
-    engine/kv.KVCache: n, n_ctx, clear()). The backend owns one, allocated at start-up within the budget, and lends it
+    """Keys and values of one sequence in device memory: float32 [L_kv, n_ctx, G, Dh] each (the fields of
+    engine/kv.KVCache: n, n_ctx, rows, clear()). The backend owns one, allocated at start-up within the budget, and lends it
     to one sequence at a time (`CUDABackend.new_kv`)."""
 
-    def __init__(self, k, v, n_ctx: int):
-        self.k, self.v = k, v  # device [L, capacity, G, Dh], [L, capacity, G, Dv]
-        self.n_ctx = n_ctx
+    def __init__(self, k, v, n_ctx: int, rows: dict):
+        self.k, self.v = k, v  # device [L_kv, capacity, G, Dh], [L_kv, capacity, G, Dv]
+        self.n_ctx, self.rows = n_ctx, rows  # rows: layer -> row (ModelConfig.kv_layers)
         self.n = 0
 
     def clear(self) -> None:
@@ -394,11 +394,12 @@ class CUDABackend:
 
     def kv_bytes(self, n_ctx: int) -> int:
         c = self._cfg
-        return c.n_layers * n_ctx * c.n_head_kv * (c.head_dim + c.head_dim_v) * 4
+        return n_ctx * c.kv_values_per_token() * 4
 
-    def prepare(self, chunk: int, n_ctx: int) -> None:
+    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True) -> None:
         """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
-        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions."""
+        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions (not with `device_kv` False: a
+        model whose attention runs on the host side keeps its KV cache there, engine/model.Model.new_kv)."""
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
@@ -407,9 +408,10 @@ class CUDABackend:
         self.rope_dev = (shaped(self.scratch["rope_cos"], cos.shape), shaped(self.scratch["rope_sin"], sin.shape))
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
-        kv_shape = (c.n_layers, self.n_ctx, c.n_head_kv)
+        rows = {layer: r for r, layer in enumerate(c.kv_layers())} if device_kv else {}
+        kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
         self._kv = DeviceKVCache(self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache"),
-                                 self.mem.alloc((*kv_shape, c.head_dim_v), np.float32, "KV cache"), self.n_ctx)
+                                 self.mem.alloc((*kv_shape, c.head_dim_v), np.float32, "KV cache"), self.n_ctx, rows)
         self._kv_holder = None
         ev = self.cuda.event
         self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
@@ -422,7 +424,7 @@ class CUDABackend:
         holder = self._kv_holder() if self._kv_holder is not None else None
         if holder is not None or n_ctx > self.n_ctx:
             return None
-        kv = DeviceKVCache(self._kv.k, self._kv.v, n_ctx)
+        kv = DeviceKVCache(self._kv.k, self._kv.v, n_ctx, self._kv.rows)
         self._kv_holder = weakref.ref(kv)
         return kv
 
@@ -581,14 +583,16 @@ class CUDABackend:
         host KV cache (a sequence without the device one), to the host."""
         T = k.shape[0]
         if isinstance(kv, DeviceKVCache):
-            kv.k[layer, p0:p0 + T].copy_to_device(k, stream=self.compute)
-            kv.v[layer, p0:p0 + T].copy_to_device(v, stream=self.compute)
+            r = kv.rows[layer]
+            kv.k[r, p0:p0 + T].copy_to_device(k, stream=self.compute)
+            kv.v[r, p0:p0 + T].copy_to_device(v, stream=self.compute)
         else:
-            kv.k[layer, p0:p0 + T] = self.to_host(k)
-            kv.v[layer, p0:p0 + T] = self.to_host(v)
+            kv.write(layer, p0, self.to_host(k), None if v is None else self.to_host(v))
 
     def kv_read(self, kv, layer: int, S: int) -> tuple:
-        return kv.k[layer, :S], kv.v[layer, :S]  # device views, or host arrays
+        if isinstance(kv, DeviceKVCache):
+            return kv.k[kv.rows[layer], :S], kv.v[kv.rows[layer], :S]  # device views
+        return kv.read(layer, S)
 
     def attention(self, q, k, v, p0, window: int = 0, sinks=None):
         """Over the device KV cache: one decode-attention launch per new token (token t attends to positions

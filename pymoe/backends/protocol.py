@@ -62,7 +62,8 @@ class Backend(Protocol):
         """a reshaped (contiguous; no copy): [T, H * Dh] -> [T, H, Dh]."""
 
     def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
-        """k [T, G, Dh], v [T, G, Dv] into the KV cache (engine/kv.py, or the backend's own) at positions p0.."""
+        """k [T, G, Dh], v [T, G, Dv] into the KV cache (engine/kv.py, or the backend's own) at positions p0..;
+        v None for a cache whose V is part of K (MLA: engine/kv.KVCache.v_in_k)."""
 
     def kv_read(self, kv, layer: int, S: int) -> tuple:
         """The first S cached positions of `layer`: (k [S, G, Dh], v [S, G, Dv]), where the cache keeps them."""

@@ -261,12 +261,11 @@ class HostArrays:
     def view(self, a: np.ndarray, shape: tuple) -> np.ndarray:
         return a.reshape(shape)
 
-    def kv_write(self, kv, layer: int, p0: int, k: np.ndarray, v: np.ndarray) -> None:
-        kv.k[layer, p0:p0 + k.shape[0]] = k
-        kv.v[layer, p0:p0 + v.shape[0]] = v
+    def kv_write(self, kv, layer: int, p0: int, k: np.ndarray, v) -> None:
+        kv.write(layer, p0, k, v)
 
     def kv_read(self, kv, layer: int, S: int) -> tuple:
-        return kv.k[layer, :S], kv.v[layer, :S]
+        return kv.read(layer, S)
 
 
 class ReferenceBackend(HostArrays):

@@ -140,12 +140,22 @@ DEEPSEEK2_CONFIG = dict(n_head_kv=1, head_dim=96 + 32, head_dim_v=96, rope_dim=3
                         gating="sigmoid", expert_weights_scale=2.5, norm_topk=True, n_dense_lead=1, n_ff=512,
                         n_ff_shexp=256, rope_scaling="yarn", rope_scale=4.0, rope_ctx_orig=128,
                         yarn_log_mul=float(np.float32(0.0707)) / 0.1)  # what a reader gets back from the f32 key
+# DeepSeek-V2-Lite's config.json (the 16B file people run on one GPU) differs from V3's: q_lora_rank null (one q
+# projection, attn_q, and no attention.q_lora_rank key), scoring_func softmax with no e_score_correction_bias,
+# n_group 1 / topk_group 1 (no group limit), routed_scaling_factor 1.0, norm_topk_prob false (the converter then
+# writes no expert_weights_norm key), 2 shared experts, 27 layers. llama.cpp tells a Lite file by its 26 or 27
+# layers (deepseek2.cpp `is_lite`, which skips the q_lora_rank key), so the tiny Lite file keeps 27.
+DEEPSEEK2_LITE = dict(n_layers=27, q_lora_rank=0, gating="softmax", expert_bias=False, n_expert_groups=1,
+                      n_group_used=1, expert_weights_scale=1.0, norm_topk=False)
+VARIANTS = {"deepseek2": {"lite": DEEPSEEK2_LITE}}  # make-tiny-model --variant
 QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
 
-def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelConfig:
+def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512, variant: str = "") -> ModelConfig:
     if arch not in ARCHS:
         raise ValueError(f"unknown arch {arch!r} (choose from {', '.join(ARCHS)})")
+    if variant and variant not in VARIANTS.get(arch, {}):
+        raise ValueError(f"{arch} has no variant {variant!r} (variants: {', '.join(VARIANTS.get(arch, {})) or 'none'})")
     p = PRESETS[preset]
     if preset == "tiny":
         p = replace(p, **ARCH_TWEAKS[arch])
@@ -163,7 +173,7 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
         rope_neox=t.rope_neox,
         qk_norm=t.qk_norm, qkv_bias=t.qkv_bias, norm_topk=t.norm_topk,
         tied_output=TIED_OUTPUT[arch] if preset == "tiny" else False, gating=t.gating,
-        expert_weights_scale=GLM["expert_weights_scale"] if glm else 1.0,
+        expert_weights_scale=GLM["expert_weights_scale"] if glm else 1.0, expert_bias=t.expert_bias,
         n_dense_lead=GLM["n_dense_lead"] if glm else 0,
         n_ff=GLM["dense_ff_factor"] * p.n_ff_shexp if glm else 0,
         **({k: v for k, v in GPT_OSS.items()} if arch == "gpt-oss" else {}),
@@ -171,6 +181,7 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512) -> ModelCon
     )
     if arch == "deepseek2":
         kw.update(DEEPSEEK2_CONFIG)
+    kw.update(VARIANTS.get(arch, {}).get(variant, {}))
     return ModelConfig(**kw)
 
 
@@ -305,7 +316,7 @@ def mtp_tensors(cfg: ModelConfig) -> dict:
 
 
 def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: str = "f32", seed: int = 0,
-                progress: bool = False, jobs: int = 1, mtp: bool = False) -> ModelConfig:
+                progress: bool = False, jobs: int = 1, mtp: bool = False, variant: str = "") -> ModelConfig:
     """Write a random-weight MoE GGUF; returns its config. Deterministic for a given (arch, preset, mix, seed),
     whatever `jobs` (processes quantizing tensors side by side; the random draws stay in this process, in order).
     mtp: append a NextN/MTP block (block_count + 1, nextn_predict_layers 1) after the trunk, drawn after every trunk
@@ -314,7 +325,7 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
 
     p = PRESETS[preset]
     tokens, types, merges = train_tokenizer(p.n_vocab)
-    cfg = make_config(arch, preset, n_vocab=len(tokens))
+    cfg = make_config(arch, preset, n_vocab=len(tokens), variant=variant)
     rng = np.random.default_rng(seed)
     common = rng.standard_normal(cfg.n_embd)  # [D]
     # Zipf-like popularity per (layer, expert), in a random order per layer.
@@ -424,15 +435,18 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_rope_scaling_orig_ctx_len(cfg.rope_ctx_orig)
     if cfg.arch == "deepseek2":  # conversion/deepseek.py DeepseekV2Model and base.py's MoE keys
         w.add_leading_dense_block_count(cfg.n_dense_lead)
-        w.add_q_lora_rank(cfg.q_lora_rank)
+        if cfg.q_lora_rank:  # V2-Lite's config says null: no key
+            w.add_q_lora_rank(cfg.q_lora_rank)
         w.add_kv_lora_rank(cfg.kv_lora_rank)
         w.add_key_length_mla(cfg.head_dim_mla)
         w.add_value_length_mla(cfg.head_dim_v_mla)
         w.add_expert_weights_scale(cfg.expert_weights_scale)
-        w.add_expert_weights_norm(cfg.norm_topk)
+        if cfg.norm_topk:  # written only when true
+            w.add_expert_weights_norm(cfg.norm_topk)
         w.add_expert_group_count(cfg.n_expert_groups)
         w.add_expert_group_used_count(cfg.n_group_used)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if cfg.gating == "sigmoid"
+                                 else ExpertGatingFuncType.SOFTMAX)
         w.add_rope_scaling_type(RopeScalingType.YARN)
         w.add_rope_scaling_factor(cfg.rope_scale)
         w.add_rope_scaling_orig_ctx_len(cfg.rope_ctx_orig)
@@ -464,6 +478,8 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     ap.add_argument("--preset", default="tiny", choices=list(PRESETS), help="size preset (default tiny)")
     ap.add_argument("--quant", default="f32", choices=QUANT_MIXES, help="quant mix (default f32)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    ap.add_argument("--variant", default="", help="a variant of the arch's tiny config: deepseek2 'lite' "
+                    "(DeepSeek-V2-Lite: one q projection, softmax routing, no selection bias, 27 layers)")
     ap.add_argument("--mtp", action="store_true", help="append a NextN/MTP block after the trunk, as the converters "
                     "write it for Qwen3-Next, GLM-4.5 and DeepSeek-V3 (kept by pymoe, not run)")
     ap.add_argument("--jobs", type=int, default=1, help="processes quantizing tensors (default 1); the file is the "

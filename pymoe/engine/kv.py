@@ -1,15 +1,18 @@
 """The KV module: one sequence's per-layer attention state, in float32, float16 or int8.
 
 What this is: `new_kv(cfg, n_ctx, kind)` for kind "f32" (`KVCache`), "f16" (halves f32) or "int8" (halves f16
-again), all with the one interface the attention blocks (engine/attention.py) use:
-    kv.k[layer, p0:p0 + T] = k        write the new tokens' keys   (k [T, G, Dh] float32)
-    kv.k[layer, :S]                    read the first S positions   (-> float32-compatible [S, G, Dh])
-and the same for kv.v, plus kv.n (tokens stored) / kv.n_ctx / clear(). The int8 cache stores K and V as
-`QuantizedPlane`s, small adapters that quantize on write and dequantize the prefix asked for on read, so the blocks
-run unchanged. The blocks read and write a cache through the backend (`kv_write`, `kv_read`), so the CUDA backend's
+again), all with the one interface the attention blocks (engine/attention.py) use, through the backend's
+`kv_write` / `kv_read`:
+    kv.write(layer, p0, k, v)   the new tokens' keys and values   (k [T, G, Dh], v [T, G, Dv] float32)
+    kv.read(layer, S)           the first S positions             (-> float32-compatible [S, G, Dh], [S, G, Dv])
+plus kv.n (tokens stored) / kv.n_ctx / clear(). Rows exist only for the layers that keep K/V
+(`ModelConfig.kv_layers`: not Gated DeltaNet layers), and MLA has no V plane: its V is the first kv_lora_rank
+values of the compressed K row, read from there (so an MLA cache holds kv_lora_rank + rope values per token and
+layer, as llama.cpp's does). The int8 cache stores K and V as `QuantizedPlane`s, small adapters that quantize on
+write and dequantize the prefix asked for on read, so the blocks run unchanged. The CUDA backend's
 `DeviceKVCache` (backends/cuda.py), the same fields in device memory, runs the very same block code.
-State of other kinds goes here, indexed by layer like k and v: a linear-attention (Gated DeltaNet) layer keeps a
-recurrent state and a conv state (`recurrent(layer)`, engine/deltanet.py) instead of K/V.
+State of other kinds goes here too: a linear-attention (Gated DeltaNet) layer keeps a recurrent state and a conv
+state (`recurrent(layer)`, engine/deltanet.py) instead of K/V.
 What this is not: a paged or shared KV pool (each sequence owns one cache), or a faster attention: the int8 read
 dequantizes the whole prefix every layer and every token, trading compute for memory.
 
@@ -36,13 +39,32 @@ GROUP = 32  # int8 values per float16 scale, as in GGML's Q8_0 (llama.cpp's `--c
 
 
 class KVCache:
-    """Keys and values of every layer for one sequence: float32 [L, n_ctx, G, Dh]; `n` tokens stored so far."""
+    """Keys and values for one sequence: float32 K [L_kv, n_ctx, G, Dh] and V [L_kv, n_ctx, G, Dv] over the L_kv
+    layers that keep them (`rows`: layer -> row; ModelConfig.kv_layers), `n` tokens stored so far. MLA's V is the
+    first Dv values of its K row, so it has no V plane (`v` None; `read` slices it from K)."""
 
     def __init__(self, cfg: ModelConfig, n_ctx: int):
-        self.n_ctx = n_ctx
-        self.k = np.zeros((cfg.n_layers, n_ctx, cfg.n_head_kv, cfg.head_dim), dtype=np.float32)
-        self.v = np.zeros((cfg.n_layers, n_ctx, cfg.n_head_kv, cfg.head_dim_v), dtype=np.float32)
-        self.n = 0
+        self.n_ctx, self.n = n_ctx, 0
+        self.rows = {layer: r for r, layer in enumerate(cfg.kv_layers())}
+        shape = (len(self.rows), n_ctx, cfg.n_head_kv)
+        self.k = self._plane((*shape, cfg.head_dim))
+        self.v = self._plane((*shape, cfg.kv_v_width)) if cfg.kv_v_width else None
+        self.v_in_k = 0 if cfg.kv_v_width else cfg.head_dim_v  # MLA: V = K[..., :v_in_k]
+
+    def _plane(self, shape: tuple):
+        return np.zeros(shape, dtype=np.float32)
+
+    def write(self, layer: int, p0: int, k: np.ndarray, v) -> None:
+        """k [T, G, Dh], v [T, G, Dv] (or None without a V plane) into positions p0 .. p0 + T - 1."""
+        r = self.rows[layer]
+        self.k[r, p0:p0 + k.shape[0]] = k
+        if self.v is not None:
+            self.v[r, p0:p0 + v.shape[0]] = v
+
+    def read(self, layer: int, S: int) -> tuple:
+        """-> K [S, G, Dh], V [S, G, Dv] of the first S positions."""
+        k = self.k[self.rows[layer], :S]
+        return k, (self.v[self.rows[layer], :S] if self.v is not None else k[..., :self.v_in_k])
 
     def clear(self) -> None:
         self.n = 0
@@ -92,19 +114,15 @@ class QuantizedPlane:
 class Float16KVCache(KVCache):
     """KVCache with float16 storage: writes round to f16, reads come back as f16 and attention upcasts."""
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int):
-        self.n_ctx, self.n = n_ctx, 0
-        self.k = np.zeros((cfg.n_layers, n_ctx, cfg.n_head_kv, cfg.head_dim), dtype=np.float16)
-        self.v = np.zeros((cfg.n_layers, n_ctx, cfg.n_head_kv, cfg.head_dim_v), dtype=np.float16)
+    def _plane(self, shape: tuple):
+        return np.zeros(shape, dtype=np.float16)
 
 
 class Int8KVCache(KVCache):
     """KVCache with K and V as QuantizedPlanes (int8 values + a float16 scale per 32 values of a head)."""
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int):
-        self.n_ctx, self.n = n_ctx, 0
-        self.k = QuantizedPlane((cfg.n_layers, n_ctx, cfg.n_head_kv, cfg.head_dim))
-        self.v = QuantizedPlane((cfg.n_layers, n_ctx, cfg.n_head_kv, cfg.head_dim_v))
+    def _plane(self, shape: tuple):
+        return QuantizedPlane(shape)
 
 
 def new_kv(cfg: ModelConfig, n_ctx: int, kind: str = "f32") -> KVCache:
@@ -116,4 +134,4 @@ def new_kv(cfg: ModelConfig, n_ctx: int, kind: str = "f32") -> KVCache:
 
 def kv_nbytes(kv: KVCache) -> int:
     """Bytes the cache's K and V storage holds (all n_ctx positions, allocated up front)."""
-    return kv.k.nbytes + kv.v.nbytes
+    return kv.k.nbytes + (kv.v.nbytes if kv.v is not None else 0)

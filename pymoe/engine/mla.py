@@ -15,7 +15,7 @@ For T tokens (H heads; C = kv_lora_rank; R = rope dims; N = nope dims = key_leng
     k_pe   = rope(ckv[:, C:])                          one rope key shared by all heads
     q_abs  = q_nope @ attn_k_b[h]                      [T, H, C]  (k_b: [H, C, N]: the key up-projection, moved
                                                                    onto the query: q_nope . (k_b c) = (q_nope k_b) . c)
-    K, V   = [c | k_pe] [T, 1, C + R],  c [T, 1, C]    written to the KV cache (MQA: one KV head)
+    K      = [c | k_pe] [T, 1, C + R]                 written to the KV cache (MQA: one KV head); V = K[..., :C]
     a      = softmax([q_abs | q_pe] . K * s) V          [T, H, C]   s = mscale^2 / sqrt(N + R)
     out    = a @ attn_v_b[h].T -> [T, H * V] @ attn_output.T   (v_b: [H, V, C], the value up-projection)
 mscale = 1 + 0.1 * yarn_log_mul * ln(factor) with YaRN (DeepSeek's mscale_all_dim), else 1; the RoPE tables of
@@ -69,7 +69,7 @@ def mla_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndar
     k_pe = b.rope(np.ascontiguousarray(ckv[:, None, C:]), cos, sin, cfg.rope_neox)  # [T, 1, R]
     q_abs = np.einsum("thn,hcn->thc", q[..., :N], w["k_b"]).astype(np.float32)  # [T, H, C]
     Q = np.concatenate([q_abs, q_pe], axis=-1)  # [T, H, C + R]
-    b.kv_write(kv, layer_i, p0, np.concatenate([c[:, None, :], k_pe], axis=-1), c[:, None, :])
+    b.kv_write(kv, layer_i, p0, np.concatenate([c[:, None, :], k_pe], axis=-1), None)  # V = K[..., :C] on read
     # attention() scales by 1 / sqrt(C + R); MLA's scale is mla_scale: the queries carry the ratio
     Q = Q * np.float32(mla_scale(cfg) * np.sqrt(C + R))
     a = np.asarray(b.attention(Q, *b.kv_read(kv, layer_i, p0 + T), p0), np.float32).reshape(T, H, C)  # [T, H, C]

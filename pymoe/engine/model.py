@@ -47,7 +47,7 @@ class Layer:
     ffn_gate_inp: object  # the router [E, D] (None in a dense layer)
     shared: dict  # the shared expert: gate/up/down DenseWeight (+ gate_inp float32 [D]: qwen2moe); else empty
     dense: dict = None  # a dense layer's MLP: gate/up/down DenseWeight
-    expert_bias: object = None  # exp_probs_b float32 [E]: added to the probabilities to choose the top K (GLM)
+    expert_bias: object = None  # exp_probs_b float32 [E]: added to the probabilities to choose the top K (GLM, V3)
     out_bias: object = None  # attn_output.bias float32 [D] (gpt-oss)
     sinks: object = None  # attn_sinks float32 [H] (gpt-oss)
     router_bias: object = None  # ffn_gate_inp.bias float32 [E] (gpt-oss)
@@ -114,7 +114,7 @@ class Model:
             attn_q=attn[0], attn_k=attn[1], attn_v=attn[2], attn_output=attn[3],
             bias=bias, q_norm=norms[0], k_norm=norms[1], ffn_norm=bf.vector(lt(f"{cfg.traits.ffn_norm}.weight")),
             ffn_gate_inp=bf.dense(lt("ffn_gate_inp.weight")) if moe else None, shared=shared, dense=dense,
-            expert_bias=vec("exp_probs_b.bias") if moe and tr.expert_bias else None,
+            expert_bias=vec("exp_probs_b.bias") if moe and cfg.expert_bias else None,
             out_bias=b.vector(lt("attn_output.bias")) if tr.attn_out_bias else None,
             sinks=vec("attn_sinks.weight") if tr.attn_sinks else None,
             router_bias=vec("ffn_gate_inp.bias") if moe and tr.router_bias else None,

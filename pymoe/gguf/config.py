@@ -34,6 +34,7 @@ class ArchTraits:
     #                            only (DeepSeek-V3 style "aux-loss-free" balancing); the weights stay unbiased
     ffn_norm: str = "ffn_norm"  # name of the pre-FFN RMSNorm tensor (GLM: post_attention_norm)
     qk_norm_optional: bool = False  # q/k norms (per head) when the file has them (GLM-4.5 355B yes, -Air no)
+    expert_bias_optional: bool = False  # exp_probs_b only when the file has it (DeepSeek-V3 yes, V2 no)
     attn_out_bias: bool = False  # attn_output.bias (gpt-oss)
     attn_sinks: bool = False  # attn_sinks.weight: one learned logit per head that joins every softmax (gpt-oss)
     swa_pattern: int = 0  # sliding-window layers: layer i uses the window when i % n < n - 1 (gpt-oss: 2, the even
@@ -91,7 +92,8 @@ ARCHS["qwen3next"] = ArchTraits(rope_neox=True, qk_norm="head", qkv_bias=False, 
 # softmax (V2) or sigmoid + selection bias (V3) routing, optionally limited to the best expert groups; an ungated
 # shared expert.
 ARCHS["deepseek2"] = ArchTraits(rope_neox=False, qk_norm=None, qkv_bias=False, shared_expert=True, norm_topk=False,
-                                ff_key="expert_feed_forward_length", shared_gate=False, expert_bias=True, mla=True)
+                                ff_key="expert_feed_forward_length", shared_gate=False, expert_bias=True, mla=True,
+                                expert_bias_optional=True)
 # Qwen3.5-MoE: Qwen3-Next's layers, with the V heads of Gated DeltaNet in tiled order, beta and alpha as two
 # projections, and IMRoPE (for text every section sees the same position: plain NEOX RoPE when the sections cover
 # every rotated pair, which the converter's default [11, 11, 10, 0] does).
@@ -147,6 +149,8 @@ class ModelConfig:
     norm_topk: bool  # {arch}.expert_weights_norm when present, else the arch default
     tied_output: bool  # no output.weight: the output head reuses token_embd
     gating: str = "softmax"  # {arch}.expert_gating_func (1 softmax, 2 sigmoid), else the arch default
+    expert_bias: bool = False  # the MoE layers have exp_probs_b (traits.expert_bias; unless the file lacks an
+    #                            optional one: gguf/loader.GGUFModel)
     expert_weights_scale: float = 1.0  # {arch}.expert_weights_scale: routing weights are multiplied by it
     n_dense_lead: int = 0  # {arch}.leading_dense_block_count: the first layers are dense MLPs
     n_ff: int = 0  # {arch}.feed_forward_length: the dense layers' hidden size (0: no dense layer)
@@ -198,10 +202,20 @@ class ModelConfig:
         return tuple(LayerPlan(i, attention(i), "dense" if i < self.n_dense_lead else moe,
                                window=self.n_swa if n and i % n < n - 1 else 0) for i in range(self.n_layers))
 
+    def kv_layers(self) -> tuple[int, ...]:
+        """The layers that keep keys and values per position (Gated DeltaNet layers keep a fixed-size state
+        instead): engine/kv.KVCache holds rows for these only."""
+        return tuple(p.index for p in self.layer_plan() if p.attention != "gdn")
+
+    @property
+    def kv_v_width(self) -> int:
+        """Values per KV head the cache stores for V: head_dim_v, or 0 for MLA, whose V is the first kv_lora_rank
+        values of its K row ([c | k_pe]), read from there as llama.cpp does."""
+        return 0 if self.traits.mla else self.head_dim_v
+
     def kv_values_per_token(self) -> int:
-        """K and V values one token adds to the cache over all layers (MLA: the compressed row; Gated DeltaNet
-        layers keep a fixed-size state instead, none)."""
-        return sum(self.n_head_kv * (self.head_dim + self.head_dim_v) for p in self.layer_plan() if p.attention != "gdn")
+        """K and V values one token adds to the cache over all layers (MLA: the compressed row only)."""
+        return len(self.kv_layers()) * self.n_head_kv * (self.head_dim + self.kv_v_width)
 
     @property
     def has_recurrent_state(self) -> bool:
@@ -298,6 +312,7 @@ class ModelConfig:
             tied_output=tied_output,
             gating=GATING_FUNCS[int(gating_id)] if gating_id is not None else t.gating,
             expert_weights_scale=float(key("expert_weights_scale", 1.0)),
+            expert_bias=t.expert_bias,
             n_dense_lead=n_dense_lead,
             n_ff=int(key("feed_forward_length", 0)) if n_dense_lead else 0,  # only dense layers use it
             n_nextn=n_nextn,

@@ -151,7 +151,7 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
                 b + "ffn_up_exps.weight": (E, F, D),
                 b + "ffn_down_exps.weight": (E, D, F),
             })
-            if cfg.traits.expert_bias:
+            if cfg.expert_bias:
                 shapes[b + "exp_probs_b.bias"] = (E,)
             if cfg.traits.router_bias:
                 shapes[b + "ffn_gate_inp.bias"] = (E,)
@@ -198,6 +198,9 @@ class GGUFModel:
                                             tied_output="output.weight" not in self.tensors, where=where)
         if self.config.traits.qk_norm_optional and "blk.0.attn_q_norm.weight" in self.tensors:
             self.config = replace(self.config, qk_norm="head")  # llama.cpp: optional tensors, used when present
+        first_moe = self.config.n_dense_lead
+        if self.config.traits.expert_bias_optional and f"blk.{first_moe}.exp_probs_b.bias" not in self.tensors:
+            self.config = replace(self.config, expert_bias=False)
         self._validate_tensors(where)
 
     # --- metadata -------------------------------------------------------------------------------------------
