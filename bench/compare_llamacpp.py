@@ -86,6 +86,11 @@ def _worker(kind: str, model: str, threads: int, n_ctx: int, exact: bool, conn) 
     else:
         import llama_cpp
 
+        import sys
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+        from oracle import _plain_cpu_kernels
+
+        _plain_cpu_kernels(llama_cpp)  # as the tests run it: without the AMX buffers that SIGILL in this VM
         llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                               n_batch=512, verbose=False, logits_all=False)
         fn = lambda p, g: time_llama(llm, p, g)  # noqa: E731
@@ -120,7 +125,12 @@ def main():
         parent, child = ctx.Pipe()
         proc = ctx.Process(target=_worker, args=(kind, args.model, args.threads, n_ctx, args.exact, child))
         proc.start()
-        engines[kind] = (proc, parent, parent.recv())
+        child.close()  # so that a worker that dies is an EOFError here, not a wait for ever
+        try:
+            engines[kind] = (proc, parent, parent.recv())
+        except EOFError:
+            raise SystemExit(f"compare_llamacpp: the {kind} worker died while loading {args.model} "
+                             f"(exit code {proc.join() or proc.exitcode})")
     info = engines["pymoe"][2]
     n_vocab = pymoe.load_gguf(args.model).config.n_vocab
     rng = np.random.default_rng(0)
