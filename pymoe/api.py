@@ -144,19 +144,28 @@ class Engine:
         return [int(t) for t in prompt]
 
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, chat: bool = False,
-                 stop_at_eos: bool = True, **sampling) -> Iterator[int]:
-        """New token ids after the prompt (text or ids). `sampling`: SamplingParams fields (temperature, seed...)."""
+                 stop_at_eos: bool = True, spec=None, **sampling) -> Iterator[int]:
+        """New token ids after the prompt (text or ids). `sampling`: SamplingParams fields (temperature, seed...).
+        spec: a Speculator (`speculator`), for speculative decoding."""
         self.last_stats = RequestStats()
         is_stop = self.tokenizer.is_eog if stop_at_eos else (lambda t: False)
         return generate_tokens(self.model, self.encode_prompt(prompt, chat), max_tokens,
-                               Sampler(SamplingParams(**sampling)), is_stop, self.n_ctx, self.last_stats)
+                               Sampler(SamplingParams(**sampling)), is_stop, self.n_ctx, self.last_stats, spec)
 
     def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, chat: bool = False,
-               stop: Sequence[str] = (), **sampling) -> Iterator[str]:
+               stop: Sequence[str] = (), spec=None, **sampling) -> Iterator[str]:
         """Text pieces of the answer, stop strings applied; telemetry in `last_stats`."""
         self.last_stats = RequestStats()
         return stream_text(self.model, self.tokenizer, self.encode_prompt(prompt, chat), max_tokens,
-                           Sampler(SamplingParams(**sampling)), stop, self.n_ctx, self.last_stats)
+                           Sampler(SamplingParams(**sampling)), stop, self.n_ctx, self.last_stats, spec)
+
+    def speculator(self, spec: str, k: int = 4, **draft_options):
+        """`spec` "ngram" or "draft:FILE" -> an engine/speculative.Speculator for generate/stream (one per request:
+        it holds that request's counters). draft_options: `load` options of the draft model (threads, backend)."""
+        from .engine.speculative import make_speculator
+
+        return make_speculator(spec, k, self.model, self.n_ctx,
+                               lambda path: load(path, n_ctx=self.n_ctx, **draft_options))
 
 
 def load(path: str, backend: str = "auto", threads: Optional[int] = None, n_ctx: Optional[int] = None,

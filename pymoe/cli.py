@@ -94,9 +94,13 @@ def engine_options(f):
 @click.option("--ctx", default=None, type=int, help="Context size in tokens (default: the model's).")
 @click.option("--trace", "trace_path", default=None,
               help="Record the routing of every token to this trace file (appended to if it exists).")
+@click.option("--spec", default=None,
+              help="Speculative decoding: ngram (prompt lookup) or draft:FILE (a smaller GGUF with the same "
+                   "vocabulary, run on the CPU); same output when greedy, same distribution when sampling.")
+@click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step.")
 @engine_options
 def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_penalty, seed, stop, ctx, trace_path,
-            **engine_opts):
+            spec, spec_k, **engine_opts):
     """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
 
     With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
@@ -125,10 +129,20 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
     temp = 0.0 if temp is None else temp
     repeat_penalty = 1.0 if repeat_penalty is None else repeat_penalty
 
+    if spec:
+        from .engine.speculative import parse_spec
+
+        parse_spec(spec)  # a bad --spec is refused before the model loads
+        if spec_k < 1:
+            raise PymoeError(f"--spec-k must be >= 1, got {spec_k}")
     engine = load(model, n_ctx=ctx, progress=True, log=log, **engine_opts)
+    speculator = None
+    if spec:
+        speculator = engine.speculator(spec, spec_k, threads=engine_opts.get("threads"),
+                                       backend="cpu" if engine.backend.name == "cuda" else engine.backend.name)
     recorder = engine.record_trace() if trace_path else None
     pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
-                           top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed)
+                           top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, spec=speculator)
     if not chat:
         click.echo(prompt, nl=False)  # like llama.cpp: the continuation reads on from the prompt
     for piece in pieces:
@@ -138,6 +152,8 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
     stats = engine.last_stats
     log(stats.prompt_line())
     log(stats.cache_line())
+    if speculator is not None:
+        log(speculator.stats.line(spec, spec_k))
     if recorder is not None:
         appended = os.path.exists(trace_path)
         recorder.save(trace_path, append=appended)

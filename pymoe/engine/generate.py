@@ -27,7 +27,7 @@ class RequestStats:
     prompt_s: float = 0.0
     n_generated: int = 0
     decode_s: float = 0.0  # time of the decode forward passes (the first new token comes from the prefill)
-    n_decoded: int = 0  # decode forward passes: n_generated - 1 when no stop cut it short
+    n_decoded: int = 0  # tokens that came from decode steps (all but the first): decode tok/s counts these
     decode: dict = field(default_factory=dict)  # the expert cache's decode counters of this request
     stop_reason: str = ""
     pool: bool = True  # the engine has an expert slot pool (False: none; every expert read in place or over PCIe)
@@ -80,8 +80,10 @@ class RequestStats:
 
 
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: Sampler, is_stop=lambda t: False,
-                    n_ctx: int | None = None, stats: RequestStats | None = None) -> Iterator[int]:
-    """Yield up to `max_tokens` new token ids after `prompt_ids`; stops early on a token with is_stop(id)."""
+                    n_ctx: int | None = None, stats: RequestStats | None = None, spec=None) -> Iterator[int]:
+    """Yield up to `max_tokens` new token ids after `prompt_ids`; stops early on a token with is_stop(id).
+    spec: a speculative.Speculator: each decode step then drafts and verifies several tokens (same output when
+    greedy, same distribution when sampling); its counters are in spec.stats."""
     stats = stats if stats is not None else RequestStats()
     prompt_ids = [int(t) for t in prompt_ids]
     n_ctx = n_ctx or model.cfg.n_ctx_train
@@ -106,20 +108,24 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
     history = list(prompt_ids)
     before = cache_stats.snapshot("decode")
     stats.stop_reason = "length"
-    for i in range(max_tokens):
-        token = sampler(logits, history)
-        history.append(token)
-        stats.n_generated += 1
-        yield token
-        if is_stop(token):
-            stats.stop_reason = "stop"
-            break
-        if i + 1 == max_tokens:
-            break
+    pending = [sampler(logits, history)] if max_tokens > 0 else []  # sampled, not yet yielded
+    while pending:
+        for token in pending:
+            history.append(token)
+            stats.n_generated += 1
+            stats.n_decoded = stats.n_generated - 1  # every token after the first came from a decode step
+            yield token
+            if is_stop(token):
+                stats.stop_reason = "stop"
+                return
+            if stats.n_generated == max_tokens:
+                return
         t1 = time.perf_counter()
-        logits = model.decode_one_token(token, kv)
+        if spec is not None:  # history[-1] is not in the KV cache yet: the speculator runs it with its drafts
+            pending = spec.step(model, kv, history, sampler, max_tokens - stats.n_generated)
+        else:
+            pending = [sampler(model.decode_one_token(history[-1], kv), history)]
         stats.decode_s += time.perf_counter() - t1
-        stats.n_decoded += 1
         stats.decode = {k: v - before[k] for k, v in cache_stats.snapshot("decode").items()}
 
 
@@ -159,13 +165,13 @@ class TextStream:
 
 
 def stream_text(model, tokenizer, prompt_ids: Sequence[int], max_tokens: int, sampler: Sampler,
-                stop: Sequence[str] = (), n_ctx: int | None = None, stats: RequestStats | None = None
+                stop: Sequence[str] = (), n_ctx: int | None = None, stats: RequestStats | None = None, spec=None
                 ) -> Iterator[str]:
     """Like generate_tokens, but yields text pieces: only complete UTF-8 characters (tokenizer.decode_stream), cut
     at the first stop string (which is not yielded); end-of-generation tokens end the stream and are not shown."""
     stats = stats if stats is not None else RequestStats()
     out = TextStream(tokenizer, stop)
-    for token in generate_tokens(model, prompt_ids, max_tokens, sampler, tokenizer.is_eog, n_ctx, stats):
+    for token in generate_tokens(model, prompt_ids, max_tokens, sampler, tokenizer.is_eog, n_ctx, stats, spec):
         if tokenizer.is_eog(token):
             break
         piece = out.put(token)

@@ -80,6 +80,17 @@ class KVCache:
             states[layer] = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         return states[layer]
 
+    def save_recurrent(self) -> dict:
+        """A copy of every recurrent layer's state, to go back to with `restore_recurrent` (speculative decoding
+        rolls back rejected drafts this way: engine/speculative.py)."""
+        return {layer: {name: a.copy() for name, a in st.items()} for layer, st in self.__dict__.get("_recurrent",
+                                                                                                      {}).items()}
+
+    def restore_recurrent(self, saved: dict) -> None:
+        states = self.__dict__.setdefault("_recurrent", {})
+        states.clear()
+        states.update({layer: {name: a.copy() for name, a in st.items()} for layer, st in saved.items()})
+
 
 class QuantizedPlane:
     """Looks like a float32 array [L, n_ctx, G, Dh] to code that writes and reads [layer, positions] blocks."""

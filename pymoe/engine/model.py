@@ -69,6 +69,7 @@ class Model:
         self.cache = cache
         self.trace = None  # a trace.TraceRecorder, when routing is being recorded (`pymoe run --trace`)
         self.chunk = 512  # most prompt tokens per forward call (prefill)
+        self.last_experts = 0
         cfg, b, t = self.cfg, backend, gguf_model.tensor
         self.token_embd = t("token_embd.weight")  # rows read on demand, dequantized one token at a time
         self.output_norm = b.vector(t("output_norm.weight"))
@@ -162,11 +163,14 @@ class Model:
         x = self.embed(tokens)  # [T, D]
         norm = self.backend.rmsnorm
         rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size))  # for all layers
+        self.last_experts = 0  # distinct (layer, expert) pairs this call routed to (speculative.SpecStats)
         for i, layer in enumerate(self.layers):
             x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
             h = norm(x, layer.ffn_norm, cfg.rms_eps)
             y, ids, w = FFN[layer.plan.ffn](layer, h, self.cache, self.backend, phase)
             x = x + y
+            if ids is not None:
+                self.last_experts += np.unique(ids).size
             if self.trace is not None and ids is not None:
                 self.trace.record(i, ids, w, phase)
         if self.trace is not None:

@@ -71,13 +71,38 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits float32 [V] -> the next token id."""
+        if self.params.temperature == 0.0:
+            return int(np.argmax(self._penalised(logits, history)))
+        ids, probs = self.distribution(logits, history)
+        return int(ids[self.rng.choice(len(ids), p=probs)])
+
+    def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
         p = self.params
         if p.repeat_last_n and p.repeat_penalty != 1.0:
-            logits = apply_repetition_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
-        if p.temperature == 0.0:
-            return int(np.argmax(logits))
-        ids, cand = filter_candidates(logits, p.top_k, p.top_p, p.min_p)
+            return apply_repetition_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
+        return logits
+
+    def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
+        """The distribution a draw at temperature > 0 samples from: (candidate ids [C], probabilities [C])."""
+        p = self.params
+        ids, cand = filter_candidates(self._penalised(logits, history), p.top_k, p.top_p, p.min_p)
         z = cand / p.temperature
         probs = np.exp(z - z.max())
-        probs /= probs.sum()
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+        return ids, probs / probs.sum()
+
+    def verify(self, logits: np.ndarray, history: Sequence[int], draft: int) -> tuple[int, bool]:
+        """Speculative decoding's check of one drafted token (engine/speculative.py) -> (token, draft kept).
+
+        Greedy: keep the draft when it is the argmax. Temperature > 0, for a deterministic draft (the proposal puts
+        all its mass on `draft`): keep it with probability p(draft), else draw from p with `draft` removed and the
+        rest renormalised. Then P(draft) = p(draft) and P(x) = (1 - p(draft)) p(x) / (1 - p(draft)) = p(x) for
+        every other x: the target distribution exactly (Leviathan et al. 2023's rule with q one-hot)."""
+        if self.params.temperature == 0.0:
+            x = self(logits, history)
+            return x, x == draft
+        ids, probs = self.distribution(logits, history)
+        p_draft = float(probs[ids == draft].sum())
+        if self.rng.random() < p_draft:
+            return int(draft), True
+        rest = np.where(ids == draft, 0.0, probs)
+        return int(ids[self.rng.choice(len(ids), p=rest / rest.sum())]), False

@@ -290,6 +290,18 @@ MUTANTS: list[Mutant] = [
         ("tests/test_iquants.py::test_reference_is_bit_exact_with_ggml_and_gguf[TQ1_0]",
          "tests/test_kernels.py::test_matvec_and_matmul_match_reference[TQ1_0]"),
         "TQ1_0: the five base-3 digits of a byte read in reverse order"),
+    Mutant(
+        "spec_recurrent_state_not_restored", "pymoe/engine/speculative.py",
+        "        if saved is not None and accepted < len(drafts):",
+        "        if False:  # MUTANT",
+        ("tests/test_speculative.py::test_greedy_speculation_equals_plain_decoding[qwen3next]",),
+        "speculative decoding: the Gated DeltaNet state keeps the rejected drafts"),
+    Mutant(
+        "spec_rejection_draws_from_the_full_distribution", "pymoe/engine/sampler.py",
+        "        rest = np.where(ids == draft, 0.0, probs)",
+        "        rest = probs  # MUTANT",
+        ("tests/test_speculative.py::test_rejection_rule_keeps_the_target_distribution",),
+        "speculative sampling: a rejected draft can be drawn again (the output over-weights drafted tokens)"),
 ]
 
 

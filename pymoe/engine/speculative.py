@@ -1,0 +1,193 @@
+"""Speculative decoding: draft k tokens cheaply, check them all in one forward of k + 1 positions, keep the prefix
+the model agrees with.
+
+What this is: `Speculator(drafter, k)`, whose `step(...)` replaces one decode step of the generation loop
+(engine/generate.py) by:
+    drafts d1..dk   = drafter.propose(history, k)           cheap guesses of the next k tokens
+    logits [k+1, V] = model.forward([t0, d1..dk], kv)       t0: the last sampled token, not yet in the KV cache
+    for i = 0..k-1:  x = the target's choice at logits[i]; keep d(i+1) while x == d(i+1) (greedy), or accept
+                     d(i+1) with probability p(d(i+1)) and else draw from p without it (temperature > 0)
+    a bonus token from logits[k] when all k were kept
+    kv.n            = p0 + 1 + accepted                      the rejected positions' K/V are simply overwritten later
+so one forward yields 1 .. k + 1 tokens. Greedy output is token for token the output without speculation: each
+position's logits are the bits a single decode step computes (the CPU fast path's contract, tests/test_model.py),
+and the target's choice is made by the same sampler on the same history. At temperature > 0 the output has
+exactly the target's distribution (`Sampler.verify`; tests/test_speculative.py tests it statistically).
+Recurrent state (Gated DeltaNet layers) cannot be cut back by moving kv.n: it is saved before the verification
+forward and, when a draft was rejected, restored and advanced over the kept tokens only (one more forward of
+1 + accepted positions).
+
+Drafters (one interface, `propose(history, k) -> list of at most k ids`):
+    ngram        prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens
+                 (n = 4 .. 1, longest first) in prompt + output; no model, strong when the output repeats its input
+    draft:FILE   a second, smaller GGUF with the same vocabulary, decoding greedily on its own KV cache
+Drafts are deterministic (a one-hot proposal), which is what makes the acceptance rule above exact.
+
+Why experts per step rise: a verification forward routes k + 1 tokens through every MoE layer at once, so it
+touches the union of their experts (up to (k + 1) x K per layer instead of K), each read once for all of them. On a
+slot pool that means more distinct experts per step but fewer steps; `Speculator` counts both
+(`experts_per_step`), next to the acceptance rate.
+What this is not: the MTP head drafter (the file's nextn block; loaded, not run yet), or speculation in the server's
+batched decode (serve/scheduler.py decodes one token per slot per step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from pymoe.errors import PymoeError
+
+
+class NgramDrafter:
+    """Prompt lookup: propose what followed the most recent earlier match of the history's last n tokens."""
+
+    name = "ngram"
+
+    def __init__(self, n_max: int = 4, n_min: int = 1):
+        self.n_max, self.n_min = n_max, n_min
+
+    def propose(self, history: list, k: int) -> list:
+        h = np.asarray(history, dtype=np.int64)  # [N]
+        N = h.size
+        for n in range(min(self.n_max, N - 1), self.n_min - 1, -1):
+            tail = h[N - n:]  # [n]
+            # windows[s] = h[s : s + n] for every start s whose match is followed by at least one token
+            windows = np.lib.stride_tricks.sliding_window_view(h[:N - 1], n)  # [N - n, n]
+            starts = np.flatnonzero((windows == tail).all(axis=1))
+            if starts.size:
+                full = starts[starts + n + k <= N]  # matches followed by k tokens: the latest of those, else the latest
+                s = int(full[-1] if full.size else starts[-1]) + n
+                return h[s:s + k].tolist()
+        return []
+
+
+class ModelDrafter:
+    """A smaller model of the same vocabulary drafting greedily on its own KV cache. It keeps the tokens it has
+    seen; on each call it rewinds to the part of the history it shares with them (or starts over, for a draft
+    model with recurrent state) and reads the rest."""
+
+    name = "draft"
+
+    def __init__(self, engine, target_vocab: int, n_ctx: int):
+        if engine.config.n_vocab != target_vocab:
+            raise PymoeError(f"{engine.path}: draft model has {engine.config.n_vocab} tokens, the model "
+                             f"{target_vocab}: a draft model needs the same vocabulary")
+        self.model = engine.model
+        self.kv = self.model.new_kv(n_ctx)
+        self.seen: list = []  # tokens whose K/V (or state) the draft cache holds, in order
+
+    def propose(self, history: list, k: int) -> list:
+        common = 0
+        for a, b in zip(self.seen, history):
+            if a != b:
+                break
+            common += 1
+        common = min(common, len(history) - 1)  # the last token is always read, for its logits
+        if self.model.cfg.has_recurrent_state and common < len(self.seen):
+            self.kv.clear()
+            common = 0
+        self.kv.n, self.seen = common, list(history[:common])
+        if self.kv.n + len(history) - common + k > self.kv.n_ctx:
+            return []  # the draft model's context is full: no drafts, plain decoding goes on
+        logits = self.model.prefill(np.asarray(history[common:]), self.kv)[-1]  # [V]
+        self.seen = list(history)
+        drafts = []
+        for i in range(k):
+            drafts.append(int(np.argmax(logits)))
+            if i + 1 < k:
+                logits = self.model.decode_one_token(drafts[-1], self.kv)
+                self.seen.append(drafts[-1])
+        return drafts
+
+
+@dataclass
+class SpecStats:
+    """What speculation did in one request: the article's acceptance rate, and experts per forward."""
+
+    steps: int = 0  # verification forwards
+    drafted: int = 0
+    accepted: int = 0
+    verify_experts: int = 0  # distinct (layer, expert) pairs summed over the verification forwards
+    single_steps: int = 0  # plain one-token decode steps (the drafter had nothing to propose)
+    single_experts: int = 0
+    rollbacks: int = field(default=0)  # recurrent state restored and re-advanced after a rejection
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    def line(self, name: str, k: int) -> str:
+        per = (self.accepted + self.steps) / self.steps if self.steps else 0.0
+        ve = self.verify_experts / self.steps if self.steps else 0.0
+        se = f"{self.single_experts / self.single_steps:.1f}" if self.single_steps else "-"
+        return (f"speculation {name} k={k}: {self.steps} verify steps, acceptance {100 * self.acceptance:.1f}% "
+                f"({self.accepted} / {self.drafted} drafted), {per:.2f} tokens per verify step; distinct experts "
+                f"per step {ve:.1f} (verify) vs {se} (single-token, {self.single_steps} steps)")
+
+
+class Speculator:
+    def __init__(self, drafter, k: int = 4):
+        if k < 1:
+            raise PymoeError(f"--spec-k must be >= 1, got {k}")
+        self.drafter, self.k = drafter, k
+        self.stats = SpecStats()
+
+    def step(self, model, kv, history: list, sampler, budget: int) -> list:
+        """The token history[-1] is sampled but not in kv; -> the next 1 .. k + 1 tokens (at most `budget`)."""
+        token = history[-1]
+        k = min(self.k, budget - 1, kv.n_ctx - kv.n - 1)
+        drafts = self.drafter.propose(history, k) if k > 0 else []
+        s = self.stats
+        if not drafts:  # a plain decode step
+            logits = model.decode_one_token(token, kv)
+            s.single_steps += 1
+            s.single_experts += model.last_experts
+            return [sampler(logits, history)]
+        p0 = kv.n
+        saved = kv.save_recurrent() if model.cfg.has_recurrent_state else None
+        logits = model.forward([token] + drafts, kv, "decode")  # [k + 1, V]
+        s.steps += 1
+        s.drafted += len(drafts)
+        s.verify_experts += model.last_experts
+        out = []
+        for i, d in enumerate(drafts):
+            x, kept = sampler.verify(logits[i], history + out, d)
+            out.append(x)
+            if not kept:
+                break
+        else:
+            out.append(sampler(logits[len(drafts)], history + out))
+        accepted = len(out) - 1
+        s.accepted += accepted
+        kv.n = p0 + 1 + accepted  # the token and the drafts kept; the rest of the positions are overwritten later
+        if saved is not None and accepted < len(drafts):  # state holds the rejected drafts too: redo the kept part
+            kv.restore_recurrent(saved)
+            kv.n = p0
+            model.forward([token] + drafts[:accepted], kv, "decode")
+            s.rollbacks += 1
+        return out
+
+
+def parse_spec(spec: str) -> tuple[str, str]:
+    """`--spec` -> (kind, draft path or ""), refusing what is not ngram / draft:FILE in one line (before any model
+    is loaded)."""
+    if spec == "ngram":
+        return "ngram", ""
+    if spec.startswith("draft:"):
+        path = spec[len("draft:"):]
+        if not path:
+            raise PymoeError("--spec draft:FILE needs the draft model's GGUF file")
+        return "draft", path
+    if spec == "mtp":
+        raise PymoeError("--spec mtp: running the model's MTP (nextn) head is not implemented yet (its tensors are "
+                         "loaded and kept); use --spec ngram or --spec draft:FILE")
+    raise PymoeError(f"--spec must be ngram, draft:FILE or mtp, got '{spec}'")
+
+
+def make_speculator(spec: str, k: int, target, n_ctx: int, load_draft=None) -> Speculator:
+    """`--spec` -> a Speculator: "ngram", or "draft:FILE" (loaded with `load_draft(path)`)."""
+    kind, path = parse_spec(spec)
+    if kind == "ngram":
+        return Speculator(NgramDrafter(), k)
+    return Speculator(ModelDrafter(load_draft(path), target.cfg.n_vocab, n_ctx), k)

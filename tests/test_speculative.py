@@ -1,0 +1,129 @@
+"""Speculative decoding (engine/speculative.py): greedy output token for token that of plain decoding for every
+family (recurrent state restored after rejections; with a slot pool), the rejection rule's output distribution
+equal to the target's (a chi-square test), the prompt-lookup drafter, and one-line CLI errors."""
+import numpy as np
+import pytest
+
+import pymoe
+from conftest import ARCHS, run_pymoe
+from pymoe.engine.sampler import Sampler, SamplingParams
+from pymoe.engine.speculative import NgramDrafter, Speculator
+
+# A prompt that repeats itself, so that prompt lookup finds drafts some of which the model keeps and some not.
+PROMPT = [int(t) for t in np.random.default_rng(5).integers(0, 500, 12)] * 3
+
+
+def greedy(engine, n, spec=None):
+    return list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False, spec=spec))
+
+
+class ScriptedDrafter:
+    """Drafts the plain run's own next tokens, the third of each draft made wrong: every verification keeps two
+    drafts and rejects one (when k >= 3), so both paths, and the recurrent state's restore, run at known places."""
+
+    def __init__(self, want, n_vocab):
+        self.want, self.n_vocab = want, n_vocab
+        self.drafted = self.kept = 0  # what verification must report: all drafts, the ones before the wrong one
+
+    def propose(self, history, k):
+        j = len(history) - len(PROMPT)  # tokens generated so far
+        d = list(self.want[j:j + k])
+        if len(d) >= 3:
+            d[2] = (d[2] + 1) % self.n_vocab
+        self.drafted += len(d)
+        self.kept += min(len(d), 2)
+        return d
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_speculation_equals_plain_decoding(tiny_model, arch):
+    path = tiny_model(arch, "f32")
+    want = greedy(pymoe.load(path, n_ctx=128, cache_slots=6), 24)
+    e = pymoe.load(path, n_ctx=128, cache_slots=6)  # a small slot pool: promotions during verification
+    spec = Speculator(ScriptedDrafter(want, e.config.n_vocab), k=4)
+    assert greedy(e, 24, spec) == want
+    s = spec.stats
+    d = spec.drafter
+    assert (s.drafted, s.accepted) == (d.drafted, d.kept) and 0 < s.accepted < s.drafted
+    if e.config.has_recurrent_state:
+        assert s.rollbacks > 0  # the Gated DeltaNet state was restored and re-advanced
+    assert e.cache.stats.counts["decode"]["promoted"] > 0
+    e = pymoe.load(path, n_ctx=128, cache_slots=6)
+    lookup = Speculator(NgramDrafter(), k=4)  # prompt lookup on the same prompt: the same tokens
+    assert greedy(e, 24, lookup) == want and lookup.stats.steps > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_a_draft_model_identical_to_the_target_is_always_accepted(tiny_model, arch, tmp_path):
+    """The draft model is the target's own file: its greedy drafts are the target's greedy tokens, bit for bit
+    (decode == prefill), so every draft is kept; a draft model with other weights (another seed) agrees less."""
+    from pymoe.demo.tinymodel import write_model
+
+    path = tiny_model(arch, "f32")
+    want = greedy(pymoe.load(path, n_ctx=128), 20)
+    e = pymoe.load(path, n_ctx=128)
+    same = e.speculator(f"draft:{path}", k=3)
+    assert greedy(e, 20, same) == want
+    assert same.stats.accepted == same.stats.drafted > 0
+    other = str(tmp_path / "other.gguf")
+    write_model(other, arch, "tiny", "f32", seed=1)
+    e = pymoe.load(path, n_ctx=128)
+    spec = e.speculator(f"draft:{other}", k=3)
+    assert greedy(e, 20, spec) == want
+    assert spec.stats.accepted < spec.stats.drafted
+
+
+def test_rejection_rule_keeps_the_target_distribution():
+    """Sampler.verify with a fixed draft: the tokens it returns are distributed as the sampler's own draws
+    (Sampler.distribution), for a draft the target likes, one it does not, and one outside the candidates.
+    Chi-square over the candidates at 40,000 draws: the 0.1% critical value (scipy-free: Wilson-Hilferty)."""
+    logits = np.array([2.0, 1.5, 1.0, 0.2, -1.0, -3.0, -9.0], np.float32)
+    s = Sampler(SamplingParams(temperature=0.8, top_k=0, top_p=1.0, min_p=0.0, seed=1))
+    ids, probs = s.distribution(logits)
+    p = np.zeros(logits.size)
+    p[ids] = probs
+    n = 40_000
+    df = int((p > 0).sum()) - 1
+    z = 3.09  # one-sided 0.1%
+    critical = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    for draft in (0, 3, 6):
+        counts = np.bincount([s.verify(logits, [], draft)[0] for _ in range(n)], minlength=logits.size)
+        expected = n * p
+        keep = expected > 0
+        chi2 = float((((counts - expected) ** 2)[keep] / expected[keep]).sum())
+        assert chi2 < critical, (draft, chi2, critical, counts, expected)
+        assert counts[~keep].sum() == 0
+    kept = [s.verify(logits, [], 1)[1] for _ in range(n)]
+    assert abs(np.mean(kept) - p[1]) < 4 * np.sqrt(p[1] * (1 - p[1]) / n)  # kept with probability p(draft)
+
+
+def test_greedy_verify_is_argmax_with_the_penalty():
+    s = Sampler(SamplingParams(temperature=0.0, repeat_penalty=2.0))
+    logits = np.array([1.0, 1.5, 0.2], np.float32)
+    assert s.verify(logits, [], 1) == (1, True)
+    assert s.verify(logits, [1], 1) == (0, False)  # 1.5 / 2 < 1.0: the penalty sees the drafts as history
+
+
+def test_ngram_drafter():
+    d = NgramDrafter()
+    assert d.propose([1, 2, 3, 9, 1, 2, 3], 3) == [9, 1, 2]  # the longest suffix match (1 2 3) wins
+    assert d.propose([7, 1, 2, 8, 5, 2], 2) == [8, 5]  # n = 1: the latest 2 is followed by 8
+    assert d.propose([1, 2, 3], 4) == []
+    assert d.propose([4, 4, 4, 4], 2) == [4]  # the latest match's continuation, cut by the history's end
+
+
+@pytest.mark.parametrize("spec, msg", [("bogus", "--spec must be ngram, draft:FILE or mtp"),
+                                       ("mtp", "--spec mtp: running the model's MTP"),
+                                       ("draft:/nonexistent.gguf", "nonexistent.gguf")])
+def test_spec_errors_are_one_line(tiny_model, spec, msg):
+    r = run_pymoe("run", tiny_model("qwen3moe", "f32"), "-p", "hello", "-n", "4", "--spec", spec)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pymoe: error:") and msg in last
+
+
+def test_run_cli_prints_the_speculation_line(tiny_model):
+    r = run_pymoe("run", tiny_model("qwen3moe", "f32"), "-p", "a b c a b c a b", "-n", "12", "--spec", "ngram",
+                  "--spec-k", "3")
+    assert r.returncode == 0, r.stderr
+    assert "speculation ngram k=3:" in r.stderr and "acceptance" in r.stderr
