@@ -95,8 +95,9 @@ def engine_options(f):
 @click.option("--trace", "trace_path", default=None,
               help="Record the routing of every token to this trace file (appended to if it exists).")
 @click.option("--spec", default=None,
-              help="Speculative decoding: ngram (prompt lookup) or draft:FILE (a smaller GGUF with the same "
-                   "vocabulary, run on the CPU); same output when greedy, same distribution when sampling.")
+              help="Speculative decoding: ngram (prompt lookup), mtp (the file's own MTP/nextn block) or "
+                   "draft:FILE (a smaller GGUF with the same vocabulary, run on the CPU); same output when greedy, "
+                   "same distribution when sampling.")
 @click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step.")
 @engine_options
 def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_penalty, seed, stop, ctx, trace_path,

@@ -1,6 +1,7 @@
 """Speculative decoding (engine/speculative.py): greedy output token for token that of plain decoding for every
-family (recurrent state restored after rejections; with a slot pool), the rejection rule's output distribution
-equal to the target's (a chi-square test), the prompt-lookup drafter, and one-line CLI errors."""
+family (recurrent state restored after rejections; with a slot pool) and every drafter (prompt lookup, a draft
+model, the file's MTP block), the rejection rule's output distribution equal to the target's (a chi-square test),
+the prompt-lookup drafter, and one-line CLI errors."""
 import numpy as np
 import pytest
 
@@ -73,6 +74,54 @@ def test_a_draft_model_identical_to_the_target_is_always_accepted(tiny_model, ar
     assert spec.stats.accepted < spec.stats.drafted
 
 
+@pytest.fixture(scope="module")
+def mtp_file(tmp_path_factory):
+    from pymoe.demo.tinymodel import write_model
+
+    made = {}
+
+    def make(arch):
+        if arch not in made:
+            made[arch] = str(tmp_path_factory.mktemp("mtp") / f"tiny-{arch}-mtp.gguf")
+            write_model(made[arch], arch, "tiny", "f32", seed=0, mtp=True)
+        return made[arch]
+    return make
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "glm4moe", "deepseek2"])
+def test_mtp_drafts_keep_greedy_output(mtp_file, arch):
+    """--spec mtp on files with an MTP block as the converters write it (make-tiny-model --mtp): the block runs
+    (its own attention kind and KV cache, the experts read in place) and the output is the plain run's. The tiny
+    heads are random, so their drafts are mostly rejected: every step is a rollback for the hybrid."""
+    path = mtp_file(arch)
+    want = greedy(pymoe.load(path, n_ctx=128, cache_slots=6), 16)
+    e = pymoe.load(path, n_ctx=128, cache_slots=6)
+    spec = e.speculator("mtp", 3)
+    assert greedy(e, 16, spec) == want
+    assert spec.stats.steps > 0 and spec.stats.drafted >= 2 * spec.stats.steps
+    assert e.model.on_hidden is None  # the drafter unhooked itself at the end of the request
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "deepseek2"])
+def test_mtp_block_reads_its_pairs_the_same_in_one_call_or_many(mtp_file, arch):
+    """The MTP block's KV cache and positions: the logits of the pairs (h_i, t_(i+1)) computed in one call equal
+    those computed one pair at a time (the block's own decode == prefill, bit for bit as for the trunk)."""
+    from pymoe.engine.mtp import MTPHead
+
+    e = pymoe.load(mtp_file(arch), n_ctx=64)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, e.config.n_vocab, 10)
+    h = rng.standard_normal((10, e.config.n_embd)).astype(np.float32)
+    head = MTPHead(e.model)
+    kv = head.new_kv(64)
+    together, h_out = head.forward(tokens, h, kv)
+    kv = head.new_kv(64)
+    one = [head.forward(tokens[i:i + 1], h[i:i + 1], kv) for i in range(10)]
+    np.testing.assert_array_equal(np.concatenate([lg for lg, _ in one]), together)
+    np.testing.assert_array_equal(np.concatenate([hh for _, hh in one]), h_out)
+    assert kv.n == 10
+
+
 def test_rejection_rule_keeps_the_target_distribution():
     """Sampler.verify with a fixed draft: the tokens it returns are distributed as the sampler's own draws
     (Sampler.distribution), for a draft the target likes, one it does not, and one outside the candidates.
@@ -113,7 +162,7 @@ def test_ngram_drafter():
 
 
 @pytest.mark.parametrize("spec, msg", [("bogus", "--spec must be ngram, draft:FILE or mtp"),
-                                       ("mtp", "--spec mtp: running the model's MTP"),
+                                       ("mtp", "--spec mtp needs an MTP (nextn) block"),
                                        ("draft:/nonexistent.gguf", "nonexistent.gguf")])
 def test_spec_errors_are_one_line(tiny_model, spec, msg):
     r = run_pymoe("run", tiny_model("qwen3moe", "f32"), "-p", "hello", "-n", "4", "--spec", spec)

@@ -481,7 +481,7 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     ap.add_argument("--variant", default="", help="a variant of the arch's tiny config: deepseek2 'lite' "
                     "(DeepSeek-V2-Lite: one q projection, softmax routing, no selection bias, 27 layers)")
     ap.add_argument("--mtp", action="store_true", help="append a NextN/MTP block after the trunk, as the converters "
-                    "write it for Qwen3-Next, GLM-4.5 and DeepSeek-V3 (kept by pymoe, not run)")
+                    "write it for Qwen3-Next, GLM-4.5 and DeepSeek-V3 (run by pymoe run --spec mtp)")
     ap.add_argument("--jobs", type=int, default=1, help="processes quantizing tensors (default 1); the file is the "
                     "same for any number")
     return ap.parse_args(argv)

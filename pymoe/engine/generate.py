@@ -96,12 +96,22 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
         raise PymoeError("max tokens must be >= 0")
     max_tokens = min(max_tokens, n_ctx - len(prompt_ids))
     kv = model.new_kv(n_ctx)
-    cache_stats = model.cache.stats
     stats.note_cache(model.cache)
     if model.trace is not None:
         model.trace.start_request(len(prompt_ids))
     stats.n_prompt = len(prompt_ids)
 
+    if spec is not None:
+        spec.begin(model)
+    try:
+        yield from _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec)
+    finally:
+        if spec is not None:
+            spec.end(model)
+
+
+def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec) -> Iterator[int]:
+    cache_stats = model.cache.stats
     t0 = time.perf_counter()
     logits = model.prefill(np.asarray(prompt_ids), kv)[-1]  # [V] of the last prompt position
     stats.prompt_s = time.perf_counter() - t0

@@ -29,6 +29,8 @@ float-oracle tolerances and llama.cpp's own q8_0 cache on the same files.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import numpy as np
 
 from pymoe.errors import PymoeError
@@ -43,9 +45,10 @@ class KVCache:
     layers that keep them (`rows`: layer -> row; ModelConfig.kv_layers), `n` tokens stored so far. MLA's V is the
     first Dv values of its K row, so it has no V plane (`v` None; `read` slices it from K)."""
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int):
+    def __init__(self, cfg: ModelConfig, n_ctx: int, layers: Optional[tuple] = None):
+        """layers: the layers to keep K/V for (default: ModelConfig.kv_layers(); the MTP block: its own one)."""
         self.n_ctx, self.n = n_ctx, 0
-        self.rows = {layer: r for r, layer in enumerate(cfg.kv_layers())}
+        self.rows = {layer: r for r, layer in enumerate(cfg.kv_layers() if layers is None else layers)}
         shape = (len(self.rows), n_ctx, cfg.n_head_kv)
         self.k = self._plane((*shape, cfg.head_dim))
         self.v = self._plane((*shape, cfg.kv_v_width)) if cfg.kv_v_width else None

@@ -70,6 +70,7 @@ class Model:
         self.trace = None  # a trace.TraceRecorder, when routing is being recorded (`pymoe run --trace`)
         self.chunk = 512  # most prompt tokens per forward call (prefill)
         self.last_experts = 0
+        self.on_hidden = None  # f(first position, hidden [T, D]) after the output norm, when set (engine/mtp.py)
         cfg, b, t = self.cfg, backend, gguf_model.tensor
         self.token_embd = t("token_embd.weight")  # rows read on demand, dequantized one token at a time
         self.output_norm = b.vector(t("output_norm.weight"))
@@ -133,11 +134,12 @@ class Model:
         scaling = RopeScaling(c.rope_scaling, c.rope_scale, c.rope_ctx_orig, mscale=1.0 if c.yarn_log_mul else None)
         return rope_tables(c.rope_dim, c.rope_freq_base, positions, scaling)
 
-    def embed(self, tokens: np.ndarray) -> np.ndarray:
-        """token ids [T] -> float32 [T, D]: only the rows used are dequantized."""
+    def embed(self, tokens: np.ndarray, table=None) -> np.ndarray:
+        """token ids [T] -> float32 [T, D]: only the rows used are dequantized (table: another embedding tensor of
+        the same shape, the MTP block's own when it has one)."""
         from pymoe import quant
 
-        t = self.token_embd
+        t = self.token_embd if table is None else table
         if t.qtype == quant.QType.F32:
             return np.asarray(t.data, dtype=np.float32)[tokens]
         return quant.dequantize(t.rows()[tokens], t.qtype)
@@ -177,6 +179,8 @@ class Model:
             self.trace.end_forward()
         kv.n += tokens.size
         x = norm(x, self.output_norm, cfg.rms_eps)
+        if self.on_hidden is not None:  # the MTP drafter reads the normed last hidden states (engine/mtp.py)
+            self.on_hidden(kv.n - tokens.size, x)
         return self.backend.linear(self.output, x)  # [T, V]
 
     def prefill(self, tokens, kv: KVCache) -> np.ndarray:

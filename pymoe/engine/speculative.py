@@ -21,14 +21,15 @@ Drafters (one interface, `propose(history, k) -> list of at most k ids`):
     ngram        prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens
                  (n = 4 .. 1, longest first) in prompt + output; no model, strong when the output repeats its input
     draft:FILE   a second, smaller GGUF with the same vocabulary, decoding greedily on its own KV cache
+    mtp          the file's own MTP (nextn) block, drafting from the trunk's last hidden state (engine/mtp.py)
 Drafts are deterministic (a one-hot proposal), which is what makes the acceptance rule above exact.
 
 Why experts per step rise: a verification forward routes k + 1 tokens through every MoE layer at once, so it
 touches the union of their experts (up to (k + 1) x K per layer instead of K), each read once for all of them. On a
 slot pool that means more distinct experts per step but fewer steps; `Speculator` counts both
 (`experts_per_step`), next to the acceptance rate.
-What this is not: the MTP head drafter (the file's nextn block; loaded, not run yet), or speculation in the server's
-batched decode (serve/scheduler.py decodes one token per slot per step).
+What this is not: speculation in the server's batched decode (serve/scheduler.py decodes one token per slot per
+step).
 """
 from __future__ import annotations
 
@@ -133,6 +134,15 @@ class Speculator:
         self.drafter, self.k = drafter, k
         self.stats = SpecStats()
 
+    def begin(self, model) -> None:
+        """Before the prompt's prefill: a drafter that reads the model's hidden states (mtp) hooks in."""
+        if hasattr(self.drafter, "attach"):
+            self.drafter.attach(model)
+
+    def end(self, model) -> None:
+        if hasattr(self.drafter, "detach"):
+            self.drafter.detach(model)
+
     def step(self, model, kv, history: list, sampler, budget: int) -> list:
         """The token history[-1] is sampled but not in kv; -> the next 1 .. k + 1 tokens (at most `budget`)."""
         token = history[-1]
@@ -170,8 +180,8 @@ class Speculator:
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
-    """`--spec` -> (kind, draft path or ""), refusing what is not ngram / draft:FILE in one line (before any model
-    is loaded)."""
+    """`--spec` -> (kind, draft path or ""), refusing what is not ngram / mtp / draft:FILE in one line (before any
+    model is loaded)."""
     if spec == "ngram":
         return "ngram", ""
     if spec.startswith("draft:"):
@@ -180,14 +190,18 @@ def parse_spec(spec: str) -> tuple[str, str]:
             raise PymoeError("--spec draft:FILE needs the draft model's GGUF file")
         return "draft", path
     if spec == "mtp":
-        raise PymoeError("--spec mtp: running the model's MTP (nextn) head is not implemented yet (its tensors are "
-                         "loaded and kept); use --spec ngram or --spec draft:FILE")
+        return "mtp", ""
     raise PymoeError(f"--spec must be ngram, draft:FILE or mtp, got '{spec}'")
 
 
 def make_speculator(spec: str, k: int, target, n_ctx: int, load_draft=None) -> Speculator:
-    """`--spec` -> a Speculator: "ngram", or "draft:FILE" (loaded with `load_draft(path)`)."""
+    """`--spec` -> a Speculator: "ngram", "mtp" (the file's MTP block, engine/mtp.py) or "draft:FILE" (loaded
+    with `load_draft(path)`)."""
     kind, path = parse_spec(spec)
     if kind == "ngram":
         return Speculator(NgramDrafter(), k)
+    if kind == "mtp":
+        from .mtp import MtpDrafter
+
+        return Speculator(MtpDrafter(target, n_ctx), k)
     return Speculator(ModelDrafter(load_draft(path), target.cfg.n_vocab, n_ctx), k)

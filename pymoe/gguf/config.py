@@ -110,7 +110,8 @@ class LayerPlan:
     attention: "gqa": softmax attention with RoPE over a KV cache (grouped-query; q/k norms and q/k/v biases as
                the arch says; a sliding window where `window` says); "gated": the same with a sigmoid output gate
                (qwen3next's full-attention layers); "gdn": Gated DeltaNet, linear attention with a recurrent state
-               (qwen3next, engine/deltanet.py). MLA (DeepSeek) is the kind to come.
+               (qwen3next, engine/deltanet.py); "mla": multi-head latent attention over a compressed KV cache
+               (DeepSeek, engine/mla.py).
     ffn:       "moe": routed experts; "moe+shared": routed experts plus a shared expert (sigmoid-gated: qwen2moe;
                ungated: GLM); "dense": a SwiGLU MLP, ffn_gate/ffn_up/ffn_down (GLM's and DeepSeek's leading
                layers).

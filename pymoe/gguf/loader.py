@@ -251,10 +251,20 @@ class GGUFModel:
     @property
     def mtp_tensors(self) -> dict:
         """The NextN/MTP block(s) after the trunk (blk.n_layers and up): loaded with the file, not run by the
-        forward pass; kept for speculative decoding (issue 16). Empty for a file without them."""
+        forward pass; run by `--spec mtp` (engine/mtp.py, docs/speculative.md). Empty for a file without them."""
         first = self.config.n_layers
         return {n: t for n, t in self.tensors.items()
                 if n.startswith("blk.") and int(n.split(".")[1]) >= first}
+
+    def mtp_plan(self) -> Optional[LayerPlan]:
+        """The plan of the first MTP block (layer n_layers), or None without one: a full-attention trunk block (the
+        trunk's attention kind: "gated" for the hybrids, "mla" for DeepSeek) over the routed experts (and the shared
+        expert where the trunk has one), run by engine/mtp.py as a speculative-decoding drafter."""
+        cfg, L = self.config, self.config.n_layers
+        if not cfg.n_nextn or f"blk.{L}.nextn.eh_proj.weight" not in self.tensors:
+            return None
+        attention = "mla" if cfg.traits.mla else "gated" if cfg.traits.hybrid else "gqa"
+        return LayerPlan(L, attention, "moe+shared" if cfg.has_shared_expert else "moe", self.expert_layout(L))
 
     def get(self, name: str) -> Optional[Tensor]:
         return self.tensors.get(name)

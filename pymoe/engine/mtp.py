@@ -1,0 +1,107 @@
+"""The model's own multi-token-prediction (MTP / NextN) block, run as a speculative-decoding drafter.
+
+What this is: `MTPHead(model)`, the block the converters append after the trunk (blk.{n_layers}: qwen3next,
+glm4moe and deepseek2 name it so; gguf/loader.GGUFModel.mtp_plan), and `MtpDrafter`, the `--spec mtp` drafter of
+engine/speculative.py. As llama.cpp's MTP graph computes it (qwen3next.cpp graph_mtp, read in the llama.cpp that
+llama-cpp-python 0.3.36 vendors), for the hidden state h_i of trunk position i (after the output norm) and the
+token t_{i+1} that followed it:
+    x  = eh_proj( [rmsnorm(embed(t_{i+1})) * enorm | rmsnorm(h_i) * hnorm] )         [T, 2D] -> [T, D]
+    x  = x + attention(rmsnorm(x) * attn_norm)      a trunk attention block of the trunk's kind (gated / gqa /
+                                                    mla) on the MTP block's own KV cache, at position i + 1
+    x  = x + moe(rmsnorm(x) * ffn_norm)             routed experts (+ the shared expert)
+    h' = rmsnorm(x) * shared_head_norm              (output_norm when the file has none)
+    logits = h' @ output.T                          (nextn.shared_head_head when the file has one)
+logits predict t_{i+2}; h' stands in for the trunk's h_{i+1} in the next step, so the block drafts k tokens
+one after another from one trunk state.
+`MtpDrafter` keeps the trunk's hidden states (`Model.on_hidden`), feeds the block every committed (h_i, t_{i+1})
+pair once (its KV cache then holds entry i at index i), and drafts past them; the drafted entries are dropped
+(kv.n set back) at the next call.
+What this is not: a test of the head against llama.cpp (its MTP context needs the llama_batch_ext API, which
+llama-cpp-python 0.3.36 does not bind), or a trained head: the tiny files' MTP blocks are random, so they draft at
+chance; the demo model has none. The block's experts are read in place (`PassThroughCache`), outside the slot pool.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from pymoe.errors import PymoeError
+from pymoe.experts.cache import PassThroughCache
+from .kv import KVCache
+from .moe import FFN
+
+
+class MTPHead:
+    def __init__(self, model):
+        plan = model.file.mtp_plan()
+        if plan is None:
+            raise PymoeError(f"{model.file.path}: --spec mtp needs an MTP (nextn) block after the trunk, and this "
+                             "file has none")
+        self.model, self.plan, L = model, plan, plan.index
+        b, t = model.backend, model.file.get
+        self.layer = model._layer(plan)  # the trunk's layer code reads blk.{L}.* like any layer
+        self.eh_proj = b.dense(t(f"blk.{L}.nextn.eh_proj.weight"))  # [D, 2D]
+        self.enorm = b.vector(t(f"blk.{L}.nextn.enorm.weight"))
+        self.hnorm = b.vector(t(f"blk.{L}.nextn.hnorm.weight"))
+        head_norm, head = t(f"blk.{L}.nextn.shared_head_norm.weight"), t(f"blk.{L}.nextn.shared_head_head.weight")
+        self.head_norm = b.vector(head_norm) if head_norm is not None else model.output_norm
+        self.head = b.dense(head) if head is not None else model.output
+        self.embed_table = t(f"blk.{L}.nextn.embed_tokens.weight")  # None: the trunk's token_embd
+        self.cache = PassThroughCache(model.file, "spill" if getattr(model.cache, "gpu", False) else None)
+
+    def new_kv(self, n_ctx: int) -> KVCache:
+        return KVCache(self.model.cfg, n_ctx, layers=(self.plan.index,))
+
+    def forward(self, tokens, h: np.ndarray, kv: KVCache) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [T] (t_{i+1} ..), h [T, D] (h_i ..), the pairs of kv.n .. kv.n + T - 1 -> (logits [T, V], h' [T, D])."""
+        m, cfg, layer = self.model, self.model.cfg, self.layer
+        norm, eps, T = m.backend.rmsnorm, cfg.rms_eps, len(tokens)
+        e = norm(m.embed(np.asarray(tokens, np.int64), self.embed_table), self.enorm, eps)  # [T, D]
+        x = m.backend.linear(self.eh_proj, np.concatenate([np.asarray(e), np.asarray(norm(h, self.hnorm, eps))],
+                                                          axis=1))  # [T, D]
+        rope = m.rope_tables(np.arange(kv.n + 1, kv.n + 1 + T))  # pair i sits at the position of t_{i+1}
+        x = x + m.attention_block(layer, norm(x, layer.attn_norm, eps), kv, self.plan.index, rope)
+        y, _, _ = FFN[layer.plan.ffn](layer, norm(x, layer.ffn_norm, eps), self.cache, m.backend, "decode")
+        x = x + y
+        kv.n += T
+        hn = norm(x, self.head_norm, eps)  # [T, D]
+        return np.asarray(m.backend.linear(self.head, hn)), np.asarray(hn)
+
+
+class MtpDrafter:
+    """`--spec mtp`: drafts with the file's MTP block from the trunk's last hidden state."""
+
+    name = "mtp"
+
+    def __init__(self, model, n_ctx: int):
+        self.head = MTPHead(model)
+        self.kv = self.head.new_kv(n_ctx)
+        self.hidden: dict = {}  # trunk position -> its hidden state [D], until fed to the block
+        self.done = 0  # pairs (h_i, t_{i+1}) in the block's KV cache: i < done
+
+    def attach(self, model) -> None:
+        model.on_hidden = self._keep
+
+    def detach(self, model) -> None:
+        model.on_hidden = None
+
+    def _keep(self, p0: int, h) -> None:
+        h = np.asarray(h, np.float32)  # [T, D]
+        for j in range(h.shape[0]):
+            self.hidden[p0 + j] = h[j]  # a later forward over the same positions (after a rollback) overwrites
+
+    def propose(self, history: list, k: int) -> list:
+        n = len(history) - 1  # trunk positions in the KV cache; history[n] is sampled, not yet run
+        self.kv.n = self.done  # drop the entries drafted at the last call
+        if n <= self.done or self.kv.n + (n - self.done) + k > self.kv.n_ctx:
+            return []
+        logits, h = self.head.forward(history[self.done + 1:n + 1],
+                                      np.stack([self.hidden[i] for i in range(self.done, n)]), self.kv)
+        for i in range(self.done, n):
+            del self.hidden[i]
+        self.done = n
+        drafts = [int(np.argmax(logits[-1]))]
+        h = h[-1:]  # [1, D]
+        while len(drafts) < k:
+            logits, h = self.head.forward([drafts[-1]], h, self.kv)
+            drafts.append(int(np.argmax(logits[-1])))
+        return drafts
