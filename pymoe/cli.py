@@ -210,7 +210,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 @click.option("--profile", "profile_path", default=None,
               help="Expert profile (.bin, routing-heat .json or trace .npz) for static/pinned-lru and the pre-fill "
                    "[default: built from TRACE itself, in-sample].")
-@click.option("--phase", default="all", show_default=True, type=click.Choice(["all", "decode", "prefill"]),
+@click.option("--phase", default="all", show_default=True, type=click.Choice(["all", "decode", "prefill", "verify"]),
               help="Which lookups count (the cache still sees all of them, in order).")
 @click.option("--plot", "plot_path", default=None, help="Draw hit rate against coverage to this image (matplotlib).")
 def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path):

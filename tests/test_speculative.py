@@ -176,3 +176,27 @@ def test_run_cli_prints_the_speculation_line(tiny_model):
                   "--spec-k", "3")
     assert r.returncode == 0, r.stderr
     assert "speculation ngram k=3:" in r.stderr and "acceptance" in r.stderr
+
+
+def test_trace_marks_verification_forwards_and_simulate_replays_them(tiny_model, tmp_path):
+    """A traced speculative run: its verification forwards are phase 2 ("verify", counted in "decode" too), one
+    row per position verified (drafts rejected included: their experts were read), and `pymoe simulate` replays
+    the trace and counts them."""
+    from pymoe.experts.simulate import sweep
+    from pymoe.experts.trace import Trace
+
+    e = pymoe.load(tiny_model("qwen3moe", "f32"), n_ctx=128)
+    rec = e.record_trace()
+    spec = Speculator(NgramDrafter(), k=4)
+    out = greedy(e, 24, spec)
+    path = str(tmp_path / "spec.npz")
+    rec.save(path)
+    t = Trace.load(path)
+    s = spec.stats
+    assert t.tokens("verify") == s.drafted + s.steps  # each verification: the pending token and its drafts
+    assert t.tokens("decode") == t.tokens("verify") + s.single_steps
+    assert t.tokens("prefill") == len(PROMPT) and len(out) == 24
+    assert np.unique(t.forward[t.rows("verify")]).size == s.steps
+    assert "speculative verification forwards" in t.summary()
+    (r,) = sweep(t, ["lru"], [4], ["global"], phase="verify")
+    assert r.lookups == t.tokens("verify") * t.n_layers * t.k

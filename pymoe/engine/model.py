@@ -173,8 +173,8 @@ class Model:
             x = x + y
             if ids is not None:
                 self.last_experts += np.unique(ids).size
-            if self.trace is not None and ids is not None:
-                self.trace.record(i, ids, w, phase)
+            if self.trace is not None and ids is not None:  # a decode forward of several positions: speculation's
+                self.trace.record(i, ids, w, "verify" if phase == "decode" and tokens.size > 1 else phase)
         if self.trace is not None:
             self.trace.end_forward()
         kv.n += tokens.size

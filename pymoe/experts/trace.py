@@ -5,7 +5,8 @@ What this is:
                              forward, end_forward() to commit those T tokens, start_request(prompt_len) per request;
                              save(path, append=False)
     Trace.load(path)         the analysis side: .experts uint16 [N, L, K], .weights float16 [N, L, K],
-                             .phase uint8 [N] (0 prefill, 1 decode), .request int32 [N], .forward int32 [N], .meta;
+                             .phase uint8 [N] (0 prefill, 1 decode, 2 verify: a speculative-decoding forward of
+                             several decode positions), .request int32 [N], .forward int32 [N], .meta;
                              .keys() the global-key access sequence the cache simulator replays
     synthetic_trace(...)     a trace with skewed popularity and temporal locality, for tests and demos
 What this is not: a profile (profile.py ranks the pairs of a trace) or a simulator (simulate.py replays one).
@@ -26,7 +27,7 @@ from pymoe.errors import PymoeError, file_error
 
 FORMAT = "pymoe-trace"
 VERSION = 1
-PHASES = {"prefill": 0, "decode": 1}
+PHASES = {"prefill": 0, "decode": 1, "verify": 2}  # verify rows are decode rows too (`rows("decode")`)
 SHAPE_KEYS = ("n_layers", "n_experts", "k")  # meta fields that must agree to append
 ARRAYS = ("experts", "weights", "phase", "request", "forward")
 
@@ -63,11 +64,14 @@ class Trace:
         return int(self.rows(phase).sum())
 
     def rows(self, phase: Optional[str] = None) -> np.ndarray:
-        """bool [N]: the tokens of one phase ("prefill" / "decode"), or all of them for None / "all"."""
+        """bool [N]: the tokens of one phase ("prefill" / "decode", which includes "verify": the positions of
+        speculative decoding's verification forwards, engine/speculative.py), or all of them for None / "all"."""
         if phase in (None, "all"):
             return np.ones(self.n_tokens, dtype=bool)
         if phase not in PHASES:
-            raise PymoeError(f"unknown phase {phase!r} (choose from prefill, decode, all)")
+            raise PymoeError(f"unknown phase {phase!r} (choose from prefill, decode, verify, all)")
+        if phase == "decode":
+            return self.phase >= PHASES["decode"]
         return self.phase == PHASES[phase]
 
     def keys(self, phase: Optional[str] = None, order: str = "token") -> np.ndarray:
@@ -105,8 +109,8 @@ class Trace:
                 raise file_error(where, f"{name} has shape {getattr(self, name).shape}, expected ({n},)")
         if n and int(self.experts.max()) >= self.n_experts:
             raise file_error(where, f"expert id {int(self.experts.max())} out of range 0..{self.n_experts - 1}")
-        if n and int(self.phase.max()) > 1:
-            raise file_error(where, "phase must be 0 (prefill) or 1 (decode)")
+        if n and int(self.phase.max()) > 2:
+            raise file_error(where, "phase must be 0 (prefill), 1 (decode) or 2 (verify)")
 
     def save(self, path, append: bool = False) -> None:
         """Write the trace; append=True adds these rows after an existing trace of the same model and shape."""
@@ -145,9 +149,13 @@ class Trace:
 
     def summary(self) -> str:
         m = self.meta
-        n_dec = int((self.phase == PHASES["decode"]).sum())
+        n_dec, n_ver = self.tokens("decode"), self.tokens("verify")
+        ver = ""
+        if n_ver:
+            n_fwd = np.unique(self.forward[self.rows("verify")]).size
+            ver = f", {n_ver} of them in {n_fwd} speculative verification forwards"
         return (f"{m.get('model', '?')} ({m.get('arch', '?')}): {self.n_layers} layers x {self.n_experts} experts, "
-                f"top-{self.k}; {self.n_tokens} tokens ({self.n_tokens - n_dec} prefill, {n_dec} decode) in "
+                f"top-{self.k}; {self.n_tokens} tokens ({self.n_tokens - n_dec} prefill, {n_dec} decode{ver}) in "
                 f"{m.get('n_requests', 0)} request(s)")
 
 
