@@ -232,6 +232,9 @@ def serve_options(f):
         click.option("--parallel", default=1, show_default=True, help="Slots: sequences decoded together per step."),
         click.option("--max-queue", default=16, show_default=True,
                      help="Requests that may wait for a slot; beyond that the server answers 429."),
+        click.option("--spec", default=None,
+                     help="Speculative decoding when one slot is busy: ngram or draft:FILE (docs/speculative.md)."),
+        click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -246,7 +249,8 @@ def serve_options(f):
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env PYMOE_API_KEY).")
 @click.option("--max-body-mib", default=4.0, show_default=True, help="Largest request body accepted (else 413).")
 @serve_options
-def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, **engine_options):
+def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, spec, spec_k,
+              **engine_options):
     """Serve MODEL (a GGUF file) over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /v1/status, /metrics, /health."""
     from .serve.app import serve
@@ -255,7 +259,7 @@ def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_q
         click.echo(f"pymoe serve: {line}", err=True)
 
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
-          max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, **engine_options)
+          max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k, **engine_options)
 
 
 @cli.command("bench")

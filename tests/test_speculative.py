@@ -200,3 +200,30 @@ def test_trace_marks_verification_forwards_and_simulate_replays_them(tiny_model,
     assert "speculative verification forwards" in t.summary()
     (r,) = sweep(t, ["lru"], [4], ["global"], phase="verify")
     assert r.lookups == t.tokens("verify") * t.n_layers * t.k
+
+
+def test_server_speculates_when_one_slot_is_busy(tiny_model):
+    """pymoe serve --spec ngram: a greedy completion through the official openai client is the text of plain
+    decoding (the reference engine, f32 KV), and the server logged the request's speculation line."""
+    import openai
+
+    from pymoe.serve.app import BackgroundServer, create_app
+
+    path = tiny_model("qwen3moe", "f32")
+    text = "a b c d a b c d a b c d a b"
+    want = "".join(pymoe.load(path, n_ctx=256).stream(text, max_tokens=24))
+    logs = []
+    app = create_app(pymoe.load(path, n_ctx=256), parallel=2, kv="f32", log=logs.append, spec="ngram", spec_k=4)
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        r = client.completions.create(model="tiny", prompt=text, max_tokens=24, temperature=0)
+    assert r.choices[0].text == want and r.usage.completion_tokens == 24
+    assert any("speculation ngram k=4:" in line for line in logs), logs
+
+
+def test_server_refuses_mtp_speculation_in_one_line(tiny_model):
+    from pymoe.errors import PymoeError
+    from pymoe.serve.scheduler import Scheduler
+
+    with pytest.raises(PymoeError, match="--spec mtp is not supported by pymoe serve"):
+        Scheduler(pymoe.load(tiny_model("qwen3moe", "f32"), n_ctx=64), spec="mtp")

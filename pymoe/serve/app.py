@@ -139,7 +139,7 @@ def sse(obj) -> str:
 # --- the app -----------------------------------------------------------------------------------------------------
 
 def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
-               max_body_bytes: int = 4 << 20, log=lambda line: None):
+               max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
     (app.state.scheduler)."""
     from fastapi import Depends, FastAPI, Request
@@ -147,7 +147,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     from prometheus_client import generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-    scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log)
+    scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k)
     registry = registry_for(scheduler)
     name = model_id(engine)
 
@@ -276,7 +276,7 @@ def is_loopback(host: str) -> bool:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
-          log=print, **engine_options) -> None:
+          log=print, spec: Optional[str] = None, spec_k: int = 4, **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
     import uvicorn
 
@@ -284,9 +284,13 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
 
     if not is_loopback(host) and not api_key:
         log(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model")
+    if spec:
+        from pymoe.engine.speculative import parse_spec
+
+        parse_spec(spec)  # a bad --spec is refused before the model loads
     engine = load(model, progress=True, log=log, **engine_options)
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
-                     max_body_bytes=max_body_bytes, log=log)
+                     max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k)
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics)")
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 

@@ -38,6 +38,7 @@ from pymoe.engine.batch import decode_batch
 from pymoe.engine.generate import RequestStats, TextStream
 from pymoe.engine.kv import new_kv
 from pymoe.engine.sampler import Sampler, SamplingParams
+from pymoe.engine.speculative import SpecStats, parse_spec
 from pymoe.errors import PymoeError
 from pymoe.experts.cache import COUNTERS
 
@@ -116,6 +117,7 @@ class Slot:
     tokens: list = field(default_factory=list)
     job: Optional[Job] = None
     last_used: float = 0.0
+    spec: object = None  # engine/speculative.Speculator of this slot (`--spec`), its counters reset per job
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -131,7 +133,8 @@ class Scheduler:
     what the HTTP side adds with `count`), `totals` (prompt / reused / generated tokens, prefill / decode
     seconds), `last` (the last step's rates and batch size), `max_batch`, `recent` (the last finished jobs)."""
 
-    def __init__(self, engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", log=lambda line: None):
+    def __init__(self, engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", log=lambda line: None,
+                 spec: Optional[str] = None, spec_k: int = 4):
         if parallel < 1:
             raise PymoeError(f"--parallel must be >= 1, got {parallel}")
         if max_queue < 1:
@@ -139,6 +142,14 @@ class Scheduler:
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
         self.n_ctx, self.kv_kind, self.log = engine.n_ctx, kv, log
         self.slots = [Slot(i, new_kv(engine.config, engine.n_ctx, kv)) for i in range(parallel)]
+        self.spec = spec
+        if spec:  # one speculator per slot (a draft model keeps that slot's tokens); used when the slot is alone
+            if parse_spec(spec)[0] == "mtp":
+                raise PymoeError("--spec mtp is not supported by pymoe serve yet (the MTP drafter follows one "
+                                 "sequence's hidden states; batched steps do not keep them): use it with pymoe run, "
+                                 "or serve with --spec ngram or --spec draft:FILE")
+            for slot in self.slots:
+                slot.spec = engine.speculator(spec, spec_k, backend="cpu")
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)  # jobs waiting for a slot
         self.max_queue = max_queue
         self.lock = threading.Lock()
@@ -257,6 +268,8 @@ class Scheduler:
         if reused == 0:
             slot.kv.clear()
         job.queue_s = time.perf_counter() - job.t_submit
+        if slot.spec is not None:
+            slot.spec.stats = SpecStats()
         job.sampler, job.text, job.history = Sampler(job.sampling), TextStream(self.tokenizer, job.stop), list(prompt)
         slot.job, slot.kv.n, slot.tokens = job, reused, slot.tokens[:reused]
         st.n_prompt, st.n_reused, st.stop_reason = len(prompt), reused, "length"
@@ -274,7 +287,11 @@ class Scheduler:
         self._advance(slot, logits)
 
     def _decode_step(self, active: list) -> None:
-        """One batched forward: the last token of every busy slot -> their next logits."""
+        """One batched forward: the last token of every busy slot -> their next logits. With --spec and one busy
+        slot, a speculative step instead: batching already shares the expert reads between slots, speculation
+        shares them between the positions of one sequence."""
+        if len(active) == 1 and active[0].spec is not None:
+            return self._spec_step(active[0])
         counts = [s.job.stats.decode for s in active]
         t0 = time.perf_counter()
         logits = decode_batch(self.model, [s.job.next_token for s in active], [s.kv for s in active], counts)
@@ -289,10 +306,36 @@ class Scheduler:
             s.job.stats.n_decoded += 1
             self._advance(s, row)
 
+    def _spec_step(self, s: Slot) -> None:
+        """engine/speculative.Speculator.step on the slot: 1 .. k + 1 tokens from one verification forward."""
+        job, st = s.job, s.job.stats
+        before = self.engine.cache.stats.snapshot("decode")
+        t0 = time.perf_counter()
+        pending = job.next_token
+        tokens = s.spec.step(self.model, s.kv, job.history, job.sampler, job.max_tokens - st.n_generated)
+        dt = time.perf_counter() - t0
+        after = self.engine.cache.stats.snapshot("decode")
+        for name in st.decode:
+            st.decode[name] += after[name] - before[name]
+        s.tokens.extend([pending] + tokens[:-1])  # in the KV cache now: the pending token and the kept drafts
+        with self.lock:
+            self.totals["decode_seconds"] += dt
+            self.last["decode_tok_s"], self.last["batch"] = len(tokens) / dt if dt > 0 else 0.0, 1
+            self.max_batch = max(self.max_batch, 1)
+        st.decode_s += dt
+        for token in tokens:
+            st.n_decoded += 1
+            self._take(s, token)
+            if s.job is not job:  # finished (stop, length): the tokens after it are dropped
+                return
+
     def _advance(self, slot: Slot, logits: np.ndarray) -> None:
-        """Sample the slot's next token and pass its text on; finish on end-of-generation, a stop string or length."""
+        """Sample the slot's next token and pass it on (`_take`)."""
+        self._take(slot, slot.job.sampler(logits, slot.job.history))
+
+    def _take(self, slot: Slot, token: int) -> None:
+        """Pass a sampled token's text on; finish on end-of-generation, a stop string or length."""
         job, st = slot.job, slot.job.stats
-        token = job.sampler(logits, job.history)
         job.history.append(token)
         st.n_generated += 1
         with self.lock:
@@ -337,3 +380,6 @@ class Scheduler:
                                 cache_line=st.cache_line()))
         self.log(f"slot {slot.index}: {st.prompt_line()}, {st.stop_reason}")
         self.log(f"slot {slot.index}: {st.cache_line()}")
+        if slot.spec is not None and slot.spec.stats.steps:
+            self.recent[-1]["spec_line"] = slot.spec.stats.line(self.spec, slot.spec.k)
+            self.log(f"slot {slot.index}: {self.recent[-1]['spec_line']}")
