@@ -102,6 +102,30 @@ def test_host_attention_kinds_with_device_experts(tiny_model, arch):
 
 
 @in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_speculative_decoding_on_the_device(tiny_model, arch):
+    """Verification forwards of several decode positions on the CUDA backend (device KV cache and attention for
+    qwen3moe, its rollback by kv.n; host attention with the recurrent state restored for qwen3next), experts
+    through a small device slot pool: the greedy tokens of the reference backend's plain decoding."""
+    from pymoe.engine.speculative import Speculator
+
+    path = tiny_model(arch, "q2_k")
+    want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+
+    class Drafter:  # the right tokens, the third of each draft wrong: keeps two, rejects one per step
+        def propose(self, history, k):
+            d = list(want[len(history) - len(PROMPT):][:k])
+            if len(d) >= 3:
+                d[2] = (d[2] + 1) % 256
+            return d
+
+    engine = load_cuda(path, cache_slots=4, pcie_frac=0.5, chunk=8)
+    spec = Speculator(Drafter(), k=4)
+    assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False, spec=spec)) == want
+    assert spec.stats.steps > 0 and 0 < spec.stats.accepted < spec.stats.drafted
+
+
+@in_process
 def test_no_slots_reads_every_expert_over_pcie(tiny_model, float_tokens):
     engine = load_cuda(tiny_model("qwen3moe", "q2_k"), cache="none", pcie_frac=1.0, chunk=8)
     assert greedy(engine) == float_tokens["q2_k"]
