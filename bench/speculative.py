@@ -12,6 +12,7 @@ What this is not: a test (tests/test_speculative.py), or a measurement of a GPU'
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 
@@ -49,7 +50,7 @@ def main():
     specs = ["none", "ngram"] + ([f"draft:{args.draft}"] if args.draft else [])
     print(f"model {path}: {engine.config.arch}, {engine.config.n_layers} layers, {engine.config.n_expert} experts "
           f"top-{engine.config.n_expert_used}; greedy, {args.tokens} tokens, k={args.spec_k}, median of {args.runs}")
-    print(f"{'prompt':<7} {'drafter':<12} {'tok/s':>8} {'speed-up':>8} {'accept':>7} {'tok/step':>8} "
+    print(f"{'prompt':<7} {'drafter':<20} {'tok/s':>8} {'speed-up':>8} {'accept':>7} {'tok/step':>8} "
           f"{'experts/step verify':>20} {'single':>7}")
     run_once(engine, engine.tokenizer.encode("warm up"), 8, None)  # compile, page in
     for kind, text in PROMPTS.items():
@@ -70,13 +71,14 @@ def main():
             rate = statistics.median(rates)
             base = base or rate
             if stats is None:
-                print(f"{kind:<7} {spec_name:<12} {rate:>8.1f} {1.0:>8.2f} {'-':>7} {'1.00':>8} {'-':>20} "
+                print(f"{kind:<7} {spec_name:<20} {rate:>8.1f} {1.0:>8.2f} {'-':>7} {'1.00':>8} {'-':>20} "
                       f"{engine.model.last_experts:>7}")
                 continue
             per = (stats.accepted + stats.steps) / stats.steps if stats.steps else 0.0
             ve = stats.verify_experts / stats.steps if stats.steps else 0.0
             se = f"{stats.single_experts / stats.single_steps:.1f}" if stats.single_steps else "-"
-            print(f"{kind:<7} {spec_name[:12]:<12} {rate:>8.1f} {rate / base:>8.2f} {100 * stats.acceptance:>6.1f}% "
+            shown = spec_name if spec_name == "ngram" else "draft:" + os.path.basename(spec_name[6:])
+            print(f"{kind:<7} {shown[:20]:<20} {rate:>8.1f} {rate / base:>8.2f} {100 * stats.acceptance:>6.1f}% "
                   f"{per:>8.2f} {ve:>20.1f} {se:>7}")
 
 

@@ -487,16 +487,21 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     return ap.parse_args(argv)
 
 
-def copy_metadata(r, w, file_type=None) -> None:
+def copy_metadata(r, w, file_type=None, change=None) -> None:
     """Every metadata key of GGUFReader `r` into GGUFWriter `w` (made with r's architecture, which it writes itself),
-    as stored; `file_type`: a new general.file_type, if given."""
+    as stored; `file_type`: a new general.file_type, if given; `change`: key -> a new value of the same type, or
+    None to leave the key out."""
     from gguf import GGUFValueType
 
+    change = change or {}
     for key, field in r.fields.items():
         if key.startswith("GGUF.") or key == "general.architecture":
             continue
         vtype = field.types[0]
-        if key == "general.file_type" and file_type is not None:
+        if key in change:
+            if change[key] is not None:
+                w.add_key_value(key, change[key], vtype)
+        elif key == "general.file_type" and file_type is not None:
             w.add_key_value(key, int(file_type), vtype)
         elif vtype == GGUFValueType.ARRAY:
             sub = field.types[-1]
@@ -509,6 +514,35 @@ def copy_metadata(r, w, file_type=None) -> None:
             w.add_key_value(key, bytes(field.parts[-1]), vtype)
         else:
             w.add_key_value(key, field.parts[-1].tolist()[0], vtype)
+
+
+def write_first_layers(src: str, dst: str, n_layers: int) -> None:
+    """A draft model cut from a model: its first `n_layers` blocks, then its own output norm and head (the idea of
+    self-speculative / layer-skip drafting), every tensor byte for byte, the metadata with block_count n_layers and
+    no MTP block. Same vocabulary and tokenizer, so it drafts for the full model (`--spec draft:FILE`)."""
+    from gguf import GGUFReader, GGUFWriter
+
+    r = GGUFReader(src)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    total = int(r.fields[f"{arch}.block_count"].parts[-1][0])
+    nextn = int(r.fields[f"{arch}.nextn_predict_layers"].parts[-1][0]) if f"{arch}.nextn_predict_layers" in r.fields else 0
+    if not 0 < n_layers < total - nextn:
+        raise ValueError(f"{src}: keep 1 .. {total - nextn - 1} of its {total - nextn} layers, not {n_layers}")
+    dense_lead = f"{arch}.leading_dense_block_count"
+    change = {f"{arch}.block_count": n_layers, f"{arch}.nextn_predict_layers": None,
+              f"{arch}.attention.recurrent_layers": None}  # per-layer arrays: recomputed from the interval
+    if dense_lead in r.fields:
+        change[dense_lead] = min(int(r.fields[dense_lead].parts[-1][0]), n_layers)
+    w = GGUFWriter(dst, arch)
+    copy_metadata(r, w, change=change)
+    for t in r.tensors:
+        if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
+            continue
+        w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
 
 
 def write_f32_copy(src: str, dst: str) -> None:
