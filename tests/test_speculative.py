@@ -264,3 +264,29 @@ def test_a_draft_cut_from_the_model_loads_in_llama_cpp_and_drafts(tmp_path):
     assert list(e.generate(text, max_tokens=32, stop_at_eos=False, spec=spec)) == want
     # measured 13 / 64 = 0.20 on this prompt; a draft unrelated to the model is kept at chance, 1 / 4096
     assert spec.stats.acceptance > 0.1, spec.stats
+
+
+def test_drafting_backs_off_when_drafts_are_rejected(tiny_model):
+    """A drafter that is always wrong: after BACKOFF_WINDOW verifications that kept nothing, speculation pauses for
+    BACKOFF_PAUSE plain steps (the first pause is decided by the kept-drafts rule, before any plain step is timed);
+    without back-off it never pauses. The output is the plain output either way."""
+    from pymoe.engine.speculative import BACKOFF_PAUSE, BACKOFF_WINDOW
+
+    path = tiny_model("qwen3moe", "f32")
+    n = BACKOFF_WINDOW + BACKOFF_PAUSE + 4
+    want = greedy(pymoe.load(path, n_ctx=128), n)
+
+    class Wrong:
+        def propose(self, history, k):
+            j = len(history) - len(PROMPT)
+            return [(t + 1) % 512 for t in want[j:j + k]]
+
+    for backoff in (True, False):
+        spec = Speculator(Wrong(), k=2, backoff=backoff)
+        assert greedy(pymoe.load(path, n_ctx=128), n, spec) == want
+        s = spec.stats
+        assert s.accepted == 0
+        if backoff:
+            assert s.pauses >= 1 and s.single_steps >= BACKOFF_PAUSE and s.steps >= BACKOFF_WINDOW
+        else:
+            assert s.pauses == 0 and s.single_steps <= 1  # the last token only: no room left for a draft

@@ -33,6 +33,7 @@ step).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -113,6 +114,7 @@ class SpecStats:
     single_steps: int = 0  # plain one-token decode steps (the drafter had nothing to propose)
     single_experts: int = 0
     rollbacks: int = field(default=0)  # recurrent state restored and re-advanced after a rejection
+    pauses: int = 0  # times drafting paused for BACKOFF_PAUSE steps (speculation was slower than plain steps)
 
     @property
     def acceptance(self) -> float:
@@ -124,15 +126,41 @@ class SpecStats:
         se = f"{self.single_experts / self.single_steps:.1f}" if self.single_steps else "-"
         return (f"speculation {name} k={k}: {self.steps} verify steps, acceptance {100 * self.acceptance:.1f}% "
                 f"({self.accepted} / {self.drafted} drafted), {per:.2f} tokens per verify step; distinct experts "
-                f"per step {ve:.1f} (verify) vs {se} (single-token, {self.single_steps} steps)")
+                f"per step {ve:.1f} (verify) vs {se} (single-token, {self.single_steps} steps)"
+                + (f"; drafting paused {self.pauses}x (slower than plain steps)" if self.pauses else ""))
+
+
+# Back-off: a verification forward of k + 1 positions costs more than a one-token step (it reads the union of their
+# experts: on the demo model on the CPU, 2.6x a one-token step for k = 4, bench/speculative.py), and drafting costs
+# too, so drafts that are mostly rejected make decoding slower. Speculation therefore measures itself: the tokens and
+# seconds of its verification steps (drafting included) and of plain steps (running means, weight 0.8 on the past).
+# After BACKOFF_WINDOW verifications, if they yield fewer tokens per second than plain steps did (or, before any plain
+# step was timed, fewer than BACKOFF_MIN_KEPT kept drafts per step), the next BACKOFF_PAUSE steps are plain steps
+# (the drafter still sees every token), then drafting is tried again. The output is the same either way.
+BACKOFF_WINDOW, BACKOFF_MIN_KEPT, BACKOFF_PAUSE = 8, 0.5, 16
 
 
 class Speculator:
-    def __init__(self, drafter, k: int = 4):
+    def __init__(self, drafter, k: int = 4, backoff: bool = True):
         if k < 1:
             raise PymoeError(f"--spec-k must be >= 1, got {k}")
-        self.drafter, self.k = drafter, k
+        self.drafter, self.k, self.backoff = drafter, k, backoff
         self.stats = SpecStats()
+        self.kept: list = []  # drafts kept by the verifications since the last pause (back-off)
+        self.pause = 0  # plain steps left before drafting again
+        self.rates = {"verify": [0.0, 0.0], "single": [0.0, 0.0]}  # running means of (tokens, seconds) per step
+
+    def _timed(self, kind: str, tokens: list, t0: float) -> list:
+        r, dt = self.rates[kind], time.perf_counter() - t0
+        w = 0.8 if r[1] > 0 else 0.0
+        r[0], r[1] = w * r[0] + (1 - w) * len(tokens), w * r[1] + (1 - w) * dt
+        return tokens
+
+    def _slower_than_plain(self) -> bool:
+        v, one = self.rates["verify"], self.rates["single"]
+        if one[1] > 0:
+            return v[0] * one[1] < one[0] * v[1]  # v tokens / v seconds < one tokens / one seconds
+        return float(np.mean(self.kept)) < BACKOFF_MIN_KEPT
 
     def begin(self, model) -> None:
         """Before the prompt's prefill: a drafter that reads the model's hidden states (mtp) hooks in."""
@@ -145,15 +173,19 @@ class Speculator:
 
     def step(self, model, kv, history: list, sampler, budget: int) -> list:
         """The token history[-1] is sampled but not in kv; -> the next 1 .. k + 1 tokens (at most `budget`)."""
+        t0 = time.perf_counter()
         token = history[-1]
         k = min(self.k, budget - 1, kv.n_ctx - kv.n - 1)
+        if self.pause:
+            self.pause -= 1
+            k = 0
         drafts = self.drafter.propose(history, k) if k > 0 else []
         s = self.stats
         if not drafts:  # a plain decode step
             logits = model.decode_one_token(token, kv)
             s.single_steps += 1
             s.single_experts += model.last_experts
-            return [sampler(logits, history)]
+            return self._timed("single", [sampler(logits, history)], t0)
         p0 = kv.n
         saved = kv.save_recurrent() if model.cfg.has_recurrent_state else None
         logits = model.forward([token] + drafts, kv, "decode")  # [k + 1, V]
@@ -170,12 +202,17 @@ class Speculator:
             out.append(sampler(logits[len(drafts)], history + out))
         accepted = len(out) - 1
         s.accepted += accepted
+        self.kept.append(accepted)
         kv.n = p0 + 1 + accepted  # the token and the drafts kept; the rest of the positions are overwritten later
         if saved is not None and accepted < len(drafts):  # state holds the rejected drafts too: redo the kept part
             kv.restore_recurrent(saved)
             kv.n = p0
             model.forward([token] + drafts[:accepted], kv, "decode")
             s.rollbacks += 1
+        self._timed("verify", out, t0)
+        if self.backoff and len(self.kept) >= BACKOFF_WINDOW and self._slower_than_plain():
+            self.pause, self.kept = BACKOFF_PAUSE, []
+            s.pauses += 1
         return out
 
 
