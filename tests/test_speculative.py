@@ -266,14 +266,21 @@ def test_a_draft_cut_from_the_model_loads_in_llama_cpp_and_drafts(tmp_path):
     assert spec.stats.acceptance > 0.1, spec.stats
 
 
-def test_drafting_backs_off_when_drafts_are_rejected(tiny_model):
-    """A drafter that is always wrong: after BACKOFF_WINDOW verifications that kept nothing, speculation pauses for
-    BACKOFF_PAUSE plain steps (the first pause is decided by the kept-drafts rule, before any plain step is timed);
-    without back-off it never pauses. The output is the plain output either way."""
-    from pymoe.engine.speculative import BACKOFF_PAUSE, BACKOFF_WINDOW
+def test_drafting_backs_off_when_it_is_slower_than_plain_steps(tiny_model):
+    """The back-off: the first BACKOFF_CALIBRATE steps are plain (timed); after BACKOFF_WINDOW verifications that
+    made fewer tokens per second than plain steps, BACKOFF_PAUSE plain steps; the output is the plain output either
+    way. The timing rule is held to hand-made rates; the mechanism runs with the rule forced each way (on a tiny
+    model a verification costs about what a plain step does, so real timings would decide by noise)."""
+    from pymoe.engine.speculative import BACKOFF_CALIBRATE, BACKOFF_PAUSE, BACKOFF_WINDOW
+
+    sp = Speculator(NgramDrafter())
+    sp.rates = {"verify": [3.0, 3.0], "single": [1.0, 0.5]}  # 1 token/s against 2 tokens/s: slower
+    assert sp._slower_than_plain()
+    sp.rates = {"verify": [3.0, 1.0], "single": [1.0, 0.5]}  # 3 against 2: faster
+    assert not sp._slower_than_plain()
 
     path = tiny_model("qwen3moe", "f32")
-    n = BACKOFF_WINDOW + BACKOFF_PAUSE + 4
+    n = BACKOFF_CALIBRATE + BACKOFF_WINDOW + BACKOFF_PAUSE + 4
     want = greedy(pymoe.load(path, n_ctx=128), n)
 
     class Wrong:
@@ -281,12 +288,15 @@ def test_drafting_backs_off_when_drafts_are_rejected(tiny_model):
             j = len(history) - len(PROMPT)
             return [(t + 1) % 512 for t in want[j:j + k]]
 
-    for backoff in (True, False):
+    for slower, backoff in ((True, True), (False, True), (True, False)):
         spec = Speculator(Wrong(), k=2, backoff=backoff)
+        spec._slower_than_plain = lambda: slower  # noqa: B023
         assert greedy(pymoe.load(path, n_ctx=128), n, spec) == want
         s = spec.stats
         assert s.accepted == 0
-        if backoff:
-            assert s.pauses >= 1 and s.single_steps >= BACKOFF_PAUSE and s.steps >= BACKOFF_WINDOW
+        if backoff and slower:
+            assert s.pauses >= 1 and s.single_steps >= BACKOFF_CALIBRATE + BACKOFF_PAUSE
+        elif backoff:
+            assert s.pauses == 0 and s.single_steps <= BACKOFF_CALIBRATE + 1  # + the last token: no room to draft
         else:
-            assert s.pauses == 0 and s.single_steps <= 1  # the last token only: no room left for a draft
+            assert s.pauses == 0 and s.single_steps <= 1

@@ -134,10 +134,11 @@ class SpecStats:
 # experts: on the demo model on the CPU, 2.6x a one-token step for k = 4, bench/speculative.py), and drafting costs
 # too, so drafts that are mostly rejected make decoding slower. Speculation therefore measures itself: the tokens and
 # seconds of its verification steps (drafting included) and of plain steps (running means, weight 0.8 on the past).
-# After BACKOFF_WINDOW verifications, if they yield fewer tokens per second than plain steps did (or, before any plain
-# step was timed, fewer than BACKOFF_MIN_KEPT kept drafts per step), the next BACKOFF_PAUSE steps are plain steps
-# (the drafter still sees every token), then drafting is tried again. The output is the same either way.
-BACKOFF_WINDOW, BACKOFF_MIN_KEPT, BACKOFF_PAUSE = 8, 0.5, 16
+# The first BACKOFF_CALIBRATE steps of a request are plain ones, to time them. After BACKOFF_WINDOW verifications,
+# if they yield fewer tokens per second than plain steps did (or, were no plain step timed, fewer than
+# BACKOFF_MIN_KEPT kept drafts per step), the next BACKOFF_PAUSE steps are plain steps (the drafter still sees every
+# token), then drafting is tried again. The output is the same either way.
+BACKOFF_CALIBRATE, BACKOFF_WINDOW, BACKOFF_MIN_KEPT, BACKOFF_PAUSE = 2, 8, 0.5, 16
 
 
 class Speculator:
@@ -147,7 +148,7 @@ class Speculator:
         self.drafter, self.k, self.backoff = drafter, k, backoff
         self.stats = SpecStats()
         self.kept: list = []  # drafts kept by the verifications since the last pause (back-off)
-        self.pause = 0  # plain steps left before drafting again
+        self.pause = BACKOFF_CALIBRATE if backoff else 0  # plain steps left before drafting (again)
         self.rates = {"verify": [0.0, 0.0], "single": [0.0, 0.0]}  # running means of (tokens, seconds) per step
 
     def _timed(self, kind: str, tokens: list, t0: float) -> list:
