@@ -200,7 +200,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 
 @cli.command("simulate")
 @click.argument("trace")
-@click.option("--policy", "policies", default="static,lru,lfu,pinned-lru,belady", show_default=True,
+@click.option("--policy", "policies", default="static,lru,lfu,lfru,pinned-lru,belady", show_default=True,
               help="Cache policies to replay, comma-separated (belady: the offline optimum, simulation only).")
 @click.option("--slots", default=None, help="Slot counts to simulate, comma-separated (instead of --coverage).")
 @click.option("--coverage", default=None,

@@ -56,6 +56,24 @@ def test_lfu_counts_survive_eviction_and_ties_go_to_lru():
     assert replay(LRUPolicy(2), [1, 1, 2, 3, 2, 3, 1], 2)[0] == 3
 
 
+def test_lfru_by_hand_between_lru_and_lfu():
+    """Capacity 2; key 1 used at t = 1, 2, 3, key 2 at t = 4; key 3 misses at t = 5 (clock = uses seen). Scores
+    at t = 5, score(k) = sum 2^(-(5 - t_u) / H):
+      H = 4: key 1: 2^-1 + 2^-0.75 + 2^-0.5 = 1.802, key 2: 2^-0.25 = 0.841 -> 2 goes (as LFU; LRU would drop 1)
+      H = 1: key 1: 2^-4 + 2^-3 + 2^-2 = 0.4375,     key 2: 2^-1 = 0.5      -> 1 goes (as LRU; LFU would drop 2)"""
+    from pymoe.experts.policies import LFRUPolicy
+
+    seq = [1, 1, 1, 2, 3]
+    assert replay(LFRUPolicy(2, half_life=4), seq, 2)[1] == [2]
+    assert replay(LFRUPolicy(2, half_life=1), seq, 2)[1] == [1]
+    assert replay(LFUPolicy(2), seq, 2)[1] == [2] and replay(LRUPolicy(2), seq, 2)[1] == [1]
+    p = LFRUPolicy(2, half_life=4)
+    replay(p, seq[:4], 2)
+    now = 5 / 4  # the score the formula gives at t = 5, from the stored v
+    assert 2 ** (p.v[1] - now) == pytest.approx(2 ** -1 + 2 ** -0.75 + 2 ** -0.5)
+    assert make_policy("lfru", 8).h == 32  # the default half-life: 4 x the capacity (LFRU_HALF_LIFE)
+
+
 def test_static_keeps_the_profile_set():
     policy = make_policy("static", 2, profile_keys=[5, 6, 7])
     hits, evicted, steps = replay(policy, [5, 7, 6, 7, 5], 2, prefill=[5, 6, 7])

@@ -60,14 +60,15 @@ def test_static_hit_rate_is_the_profiles_coverage_bound_in_sample():
 
 def test_sweep_policies_order_and_belady_on_top():
     trace = synthetic_trace(150, 4, 16, 2, seed=1, prompt_len=10)
-    results = sweep(trace, ["lru", "lfu", "static", "pinned-lru", "belady"], [4, 8, 16, 32], ["per-layer", "global"],
-                    phase="decode")
-    assert len(results) == 2 * 5 * 4
+    results = sweep(trace, ["lru", "lfu", "lfru", "static", "pinned-lru", "belady"], [4, 8, 16, 32],
+                    ["per-layer", "global"], phase="decode")
+    assert len(results) == 2 * 6 * 4
     assert all(r.lookups == 140 * 4 * 2 for r in results)
     by = {(r.pool, r.policy, r.slots): r for r in results}
     for pool in ("per-layer", "global"):
         for slots in (4, 8, 16, 32):
-            assert by[pool, "belady", slots].hits >= max(by[pool, p, slots].hits for p in ("lru", "lfu", "static"))
+            assert by[pool, "belady", slots].hits >= max(by[pool, p, slots].hits
+                                                         for p in ("lru", "lfu", "lfru", "static"))
         rates = [by[pool, "lru", s].hit_rate for s in (4, 8, 16, 32)]
         assert rates == sorted(rates)  # LRU is a stack algorithm: more slots never hurt (per-layer split too)
 

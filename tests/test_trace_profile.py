@@ -223,7 +223,7 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
     r = run_tool(str(trace1), "-o", str(profile_path), "--slots", "3")
     assert r.returncode == 0, r.stderr
     profile = Profile.load(profile_path)
-    for policy in ("lru", "lfu"):
+    for policy in ("lru", "lfu", "lfru"):
         trace2 = tmp_path / f"t2-{policy}.npz"
         r = run_pymoe("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
                       "--cache-slots", "3", "--policy", policy, "--trace", str(trace2))

@@ -244,7 +244,7 @@ def profile_hit_model(profile, source: str = "profile") -> HitModel:
 def trace_hit_model(trace, facts: ModelFacts, source: str = "trace", policy: Optional[str] = None) -> HitModel:
     """Hit rate simulated on a recorded routing trace: decode lookups counted, one global pool, default policy.
 
-    It runs the simulator exactly as `pymoe simulate TRACE --pool global --phase decode --policy lfu` does (the
+    It runs the simulator exactly as `pymoe simulate TRACE --pool global --phase decode --policy lfru` does (the
     engine's own policy code, slots pre-filled from an in-sample profile, prefill misses kept out of the cache), so
     the planner's hit rates are the numbers `pymoe simulate` prints. Memoised per slot count: the table and the
     inverse search ask for the same counts again."""

@@ -14,6 +14,8 @@ What this is not: memory. Slots are numbers; copying expert bytes into slot `s` 
 The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, future)`):
     static      the profile's top `capacity` keys and nothing else, never evicted (`admit` refuses the rest).
     lru         evict the least recently used key.
+    lfru        evict the key with the lowest use count decayed with a half-life of H lookups (4 x the capacity):
+                between LRU (H -> 0) and LFU (H -> infinity); `LFRUPolicy` states the formula.
     lfu         evict the least frequently used key; ties go to the least recently used. Counts are kept for every
                 key ever looked up, resident or not ("perfect LFU"): an expert that was hot, evicted and comes back
                 keeps its history. Counts never decay, so LFU adapts slowly when the hot set drifts.
@@ -31,6 +33,7 @@ lookups.
 from __future__ import annotations
 
 import heapq
+import math
 from collections import OrderedDict
 from typing import Optional, Sequence
 
@@ -155,6 +158,67 @@ class LFUPolicy(Policy):
         del self.last[key]
 
 
+LFRU_HALF_LIFE = 4  # x the capacity, in lookups. Measured (docs/expert-cache.md, bench/cache_policies.py): on the
+# demo trace 4x beats 1x, 2x, 8x, 16x, 64x at 10/25/50% coverage but for 8x-16x at 10%; on a synthetic 512-expert
+# trace with strong locality 1x is best (LRU-like) and 4x within 0.6 points of it at 25/50%, 5 points below at 10%.
+
+
+class LFRUPolicy(Policy):
+    """Frequency with a half-life (LFRU): evict the resident key whose decayed use count is lowest,
+        score(k, now) = sum over the uses u of k of 2^(-(now - t_u) / H)
+    with time counted in lookups (uses that reach the policy) and H = `half_life` (default LFRU_HALF_LIFE x the
+    capacity). H -> 0 is LRU, H -> infinity is LFU; in between, a once-hot expert fades instead of squatting (LFU's
+    weakness) and a burst of one-off experts does not flush the hot set (LRU's).
+    Scores of every key ever seen are kept, as LFU keeps its counts.
+
+    The score changes with `now`, but the order of two keys does not: score(k, now) = 2^(v_k - now / H) with
+    v_k = log2(score at k's last use) + t_last / H, which changes only when k is used. So residents sit in a min-heap
+    of v with lazy deletion, like LFU's counts. A use at time t: v = t / H + log2(2^(v_old - t / H) + 1).
+    """
+
+    name = "lfru"
+
+    def __init__(self, capacity: int, half_life: Optional[float] = None):
+        super().__init__(capacity)
+        self.h = float(half_life) if half_life else float(LFRU_HALF_LIFE * max(capacity, 1))
+        self.v: dict[int, float] = {}  # key -> log2(decayed count at its last use) + (last use) / H
+        self.heap: list[tuple[float, int]] = []  # (v, key) of residents, stale entries skipped
+        self.resident: set[int] = set()
+        self.clock = 0  # uses seen (hits and misses): the lookup count when every lookup reaches the policy
+
+    def _use(self, key: int) -> None:
+        self.clock += 1
+        now = self.clock / self.h
+        old = self.v.get(key)
+        self.v[key] = now + (math.log2(2.0 ** (old - now) + 1.0) if old is not None else 0.0)
+
+    def on_hit(self, key: int, t: int) -> None:
+        self._use(key)
+        heapq.heappush(self.heap, (self.v[key], key))
+
+    def admit(self, key: int, t: int) -> bool:
+        self._use(key)  # the miss is a use too, admitted or not
+        return True
+
+    def victim(self, t: int) -> int:
+        while True:
+            v, key = self.heap[0]
+            if key in self.resident and self.v[key] == v:
+                return key
+            heapq.heappop(self.heap)  # stale
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        self.resident.add(key)
+        if t is None:  # placed from a profile, not looked up: counts as one use now
+            self._use(key)
+        heapq.heappush(self.heap, (self.v[key], key))
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        self.resident.discard(key)
+
+
 class PinnedLRUPolicy(LRUPolicy):
     """The profile's top `pinned_frac * capacity` keys are never evicted once resident; LRU over the others."""
 
@@ -264,13 +328,15 @@ class BeladyPolicy(Policy):
         del self.nxt[key]
 
 
-DEFAULT_POLICY = "lfu"  # what `pymoe run` and the planner use unless told otherwise; chosen by measurement:
-# docs/expert-cache.md, "Which default" (demo-model trace: LFU >= LRU at every coverage, far above it at <= 10%)
+DEFAULT_POLICY = "lfru"  # what `pymoe run` and the planner use unless told otherwise; chosen by measurement:
+# docs/expert-cache.md, "Which default" (the demo model's trace and a synthetic 512-expert one: LFRU above LFU, the
+# previous default, at 10, 25 and 50% coverage on both, and above every online policy on the demo trace)
 
 POLICIES = {
     "static": StaticPolicy,
     "lru": LRUPolicy,
     "lfu": LFUPolicy,
+    "lfru": LFRUPolicy,
     "pinned-lru": PinnedLRUPolicy,
     "belady": BeladyPolicy,
 }

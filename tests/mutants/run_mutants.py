@@ -302,6 +302,12 @@ MUTANTS: list[Mutant] = [
         "        rest = probs  # MUTANT",
         ("tests/test_speculative.py::test_rejection_rule_keeps_the_target_distribution",),
         "speculative sampling: a rejected draft can be drawn again (the output over-weights drafted tokens)"),
+    Mutant(
+        "lfru_use_adds_nothing", "pymoe/experts/policies.py",
+        "math.log2(2.0 ** (old - now) + 1.0)",
+        "math.log2(2.0 ** (old - now) + 0.0)",
+        ("tests/test_policies.py::test_lfru_by_hand_between_lru_and_lfu",),
+        "LFRU: a use does not add to the decayed count (a key's score never grows)"),
 ]
 
 
