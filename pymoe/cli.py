@@ -66,6 +66,10 @@ def engine_options(f):
         click.option("--policy", default=DEFAULT_POLICY, show_default=True,
                      help=f"Slot cache policy: {', '.join(ENGINE_POLICIES)}."),
         click.option("--profile", default=None, help="Expert profile to pre-fill the slot pool from."),
+        click.option("--admit", default="all", show_default=True, type=click.Choice(["all", "second-miss"]),
+                     help="Slot pool admission: every decode miss may take a slot, or only a key's second miss."),
+        click.option("--max-inserts", default=0, show_default=True,
+                     help="Slot insertions per layer per decode step (0: no cap)."),
         click.option("--pcie-frac", default=None, type=float,
                      help="Share of decode cache misses read over PCIe (spill); the rest are computed on the CPU "
                           "[default: measured by the PCIe probe on cuda; 0 on cpu, as the probe says with no GPU]."),
@@ -213,14 +217,17 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 @click.option("--phase", default="all", show_default=True, type=click.Choice(["all", "decode", "prefill", "verify"]),
               help="Which lookups count (the cache still sees all of them, in order).")
 @click.option("--plot", "plot_path", default=None, help="Draw hit rate against coverage to this image (matplotlib).")
-def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path):
+@click.option("--admit", default="all", show_default=True, type=click.Choice(["all", "second-miss"]),
+              help="Admission control: every miss may take a slot, or only a key's second miss.")
+@click.option("--max-inserts", default=0, show_default=True, help="Insertions per layer per step (0: no cap).")
+def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path, admit, max_inserts):
     """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
 
     Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/trace-files.md."""
     from .experts.simulate import report
 
     click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,
-                      phase=phase, plot_path=plot_path, progress=True), nl=False)
+                      phase=phase, plot_path=plot_path, progress=True, admit=admit, max_inserts=max_inserts), nl=False)
 
 
 def serve_options(f):

@@ -74,6 +74,24 @@ def test_lfru_by_hand_between_lru_and_lfu():
     assert make_policy("lfru", 8).h == 32  # the default half-life: 4 x the capacity (LFRU_HALF_LIFE)
 
 
+def test_admission_by_hand():
+    """LRU, 2 slots, second-miss (the doorkeeper remembers the last 2 refused keys), by hand:
+      t0 1 miss, refused (doorkeeper 1)     t1 1 miss, admitted -> slot
+      t2 2 miss, refused (doorkeeper 2)     t3 3 miss, refused (doorkeeper 2 3)
+      t4 4 miss, refused (doorkeeper 3 4: 2 forgotten)   t5 2 miss, refused again (doorkeeper 4 2)
+      t6 2 miss, admitted -> slot; t7 1 hit
+    max_inserts 1 per step: of three misses in one step only the first takes a slot; a new step admits again."""
+    from pymoe.experts.policies import Admission
+
+    table = SlotTable(2, LRUPolicy(2), Admission(second_miss=True))
+    got = [table.access(k, t) for t, k in enumerate([1, 1, 2, 3, 4, 2, 2, 1])]
+    assert [h for h, _, _ in got] == [False] * 7 + [True]
+    assert [s is not None for _, s, _ in got] == [False, True, False, False, False, False, True, True]
+    table = SlotTable(4, LRUPolicy(4), Admission(max_inserts=1))
+    got = [table.access(k, t, step=step) for t, (k, step) in enumerate([(1, 0), (2, 0), (3, 0), (2, 1), (3, 1)])]
+    assert [s is not None for _, s, _ in got] == [True, False, False, True, False]
+
+
 def test_static_keeps_the_profile_set():
     policy = make_policy("static", 2, profile_keys=[5, 6, 7])
     hits, evicted, steps = replay(policy, [5, 7, 6, 7, 5], 2, prefill=[5, 6, 7])

@@ -223,13 +223,18 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
     r = run_tool(str(trace1), "-o", str(profile_path), "--slots", "3")
     assert r.returncode == 0, r.stderr
     profile = Profile.load(profile_path)
-    for policy in ("lru", "lfu", "lfru"):
-        trace2 = tmp_path / f"t2-{policy}.npz"
+    from pymoe.experts.policies import make_admission
+
+    for policy, admit, max_inserts in (("lru", "all", 0), ("lfu", "all", 0), ("lfru", "all", 0),
+                                       ("lfru", "second-miss", 0), ("lru", "all", 1), ("lfru", "second-miss", 1)):
+        trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}.npz"
         r = run_pymoe("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
-                      "--cache-slots", "3", "--policy", policy, "--trace", str(trace2))
+                      "--cache-slots", "3", "--policy", policy, "--trace", str(trace2), "--admit", admit,
+                      "--max-inserts", str(max_inserts))
         assert r.returncode == 0, r.stderr
         assert f"profile {profile_path}: {profile.n_pairs} ranked pairs, built for 3 slots" in r.stderr
         hits, lookups = decode_hits(r.stderr)
         assert 0 < hits < lookups  # 3 slots are too few for the tiny model's routing: a real test of the policy
-        (sim,) = sweep(Trace.load(trace2), [policy], [3], ["global"], profile=profile, phase="decode")
-        assert (sim.hits, sim.lookups) == (hits, lookups), policy
+        (sim,) = sweep(Trace.load(trace2), [policy], [3], ["global"], profile=profile, phase="decode",
+                       admission=make_admission(admit, max_inserts))
+        assert (sim.hits, sim.lookups) == (hits, lookups), (policy, admit, max_inserts)

@@ -134,10 +134,10 @@ class SlotCache:
     """N expert slots in a pool, a residency table, a policy; spill / cpu / promote on a miss."""
 
     def __init__(self, model: GGUFModel, n_slots: int, policy: str = DEFAULT_POLICY, profile=None,
-                 pcie_frac: float = 1.0, new_pool=None, gpu: bool = False, **policy_args):
+                 pcie_frac: float = 1.0, new_pool=None, gpu: bool = False, admission=None, **policy_args):
         """new_pool(n_slots, slot_bytes, layouts): the backend's pool (default: HostPool, in RAM); gpu: the pool is
         on a GPU, so spill misses cross PCIe (else the spill / cpu split is only the one a GPU would make)."""
-        from .policies import SlotTable, make_policy
+        from .policies import Admission, SlotTable, make_policy
 
         cfg = model.config
         self.model = model
@@ -153,7 +153,10 @@ class SlotCache:
         self.pcie_frac = pcie_frac
         self.profile = profile
         profile_keys = list(profile.keys()) if profile is not None else None
-        self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args))
+        self.admission = admission or Admission()
+        self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
+                               self.admission)
+        self.steps = 0  # lookup calls so far: one per layer per forward, the unit of the insert cap
         self.residency = np.full((self.n_layers, self.n_experts), -1, dtype=np.int32)  # [L, E] -> slot or -1
         # Byte layout of a slot: gate | up | down, each as stored in the GGUF, with the types of the layer of the
         # expert it holds (they may change from layer to layer); slots are sized for the largest layer's expert.
@@ -209,12 +212,13 @@ class SlotCache:
         self.finish(layer)  # a caller that skipped finish(): the last call's promotions land before anything else
         c = self.stats.counts[phase]
         self._served = {}
+        self.steps += 1
         for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
             counts = (c,) if rows is None else (c, rows[t])
             for e in row.tolist():
                 key = self.key(layer, e)
                 self.clock += 1
-                hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode")
+                hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode", step=self.steps)
                 served = self._served.get((layer, e))
                 if served is None:  # the first pair of this call to choose e decides how e is served
                     served = (("slot", slot) if hit else ("staged", -1) if phase == "prefill"
@@ -273,4 +277,5 @@ class SlotCache:
     def describe(self) -> str:
         n_total = self.n_layers * self.n_experts
         return (f"expert cache: {self.n_slots} slots of {self.slot_bytes} bytes ({100 * self.n_slots / n_total:.1f}% "
-                f"of {n_total} experts), policy {self.policy_name}, pcie_frac {self.pcie_frac:g}")
+                f"of {n_total} experts), policy {self.policy_name}, admission: {self.admission}, "
+                f"pcie_frac {self.pcie_frac:g}")

@@ -35,6 +35,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
@@ -374,20 +375,72 @@ def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] 
     return POLICIES[name](capacity)
 
 
+@dataclass(frozen=True)
+class Admission:
+    """Which misses may take a slot at all, before the policy is asked (admission control):
+        second_miss   only a key that missed recently already: a refused miss is remembered among the last
+                      `capacity` refused keys (a FIFO, TinyLFU's "doorkeeper" idea), and the key's next miss while
+                      it is remembered takes a slot. One-off experts are served without a slot and evict nothing.
+        max_inserts   at most this many insertions per layer per step (one lookup call: a layer of one forward),
+                      0 = no cap (llama.cpp's --moe-expert-cache-inserts; 2 was its best)"""
+
+    second_miss: bool = False
+    max_inserts: int = 0
+
+    def __str__(self) -> str:
+        parts = (["second-miss"] if self.second_miss else []) + (
+            [f"max {self.max_inserts} inserts per layer-step"] if self.max_inserts else [])
+        return ", ".join(parts) or "every miss"
+
+
+ADMIT = ("all", "second-miss")
+
+
+def make_admission(admit: str = "all", max_inserts: int = 0) -> Admission:
+    """`--admit` and `--max-inserts` -> an Admission, or a one-line PymoeError."""
+    from pymoe.errors import PymoeError
+
+    if admit not in ADMIT:
+        raise PymoeError(f"--admit must be one of {', '.join(ADMIT)}, got {admit!r}")
+    if max_inserts < 0:
+        raise PymoeError(f"--max-inserts must be >= 0 (0: no cap), got {max_inserts}")
+    return Admission(second_miss=admit == "second-miss", max_inserts=int(max_inserts))
+
+
 class SlotTable:
     """`capacity` numbered slots, the keys resident in them, and the policy that decides who stays.
 
     Counters: lookups, hits, evictions (since construction). Slots are handed out lowest number first.
+    `admission` filters misses before the policy hears of them (`Admission`); `access(..., step=s)` names the
+    layer-step a lookup belongs to, for the per-step insert cap.
     """
 
-    def __init__(self, capacity: int, policy: Policy):
+    def __init__(self, capacity: int, policy: Policy, admission: Admission = Admission()):
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.capacity = int(capacity)
         self.policy = policy
+        self.admission = admission
+        self.missed: OrderedDict = OrderedDict()  # the last `capacity` refused keys, oldest first (second_miss)
+        self._step, self._inserts = None, 0  # the current layer-step and its insertions (max_inserts)
         self.slot_of: dict[int, int] = {}  # resident key -> slot
         self.free = list(range(self.capacity - 1, -1, -1))  # free slots; pop() gives the lowest
         self.lookups = self.hits = self.evictions = 0
+
+    def _admitted(self, key: int, step) -> bool:
+        """Admission control, before the policy: the per-step cap, then the second-miss rule."""
+        a = self.admission
+        if step != self._step:
+            self._step, self._inserts = step, 0
+        if a.max_inserts and self._inserts >= a.max_inserts:
+            return False
+        if a.second_miss:
+            if self.missed.pop(key, False) is False:  # not seen lately: remember it, refuse it
+                self.missed[key] = True
+                if len(self.missed) > self.capacity:
+                    self.missed.popitem(last=False)
+                return False
+        return True
 
     @property
     def n_resident(self) -> int:
@@ -412,19 +465,21 @@ class SlotTable:
             self.policy.on_insert(key, None)
         return len(placed)
 
-    def access(self, key: int, t: int, insert: bool = True) -> tuple[bool, Optional[int], Optional[int]]:
+    def access(self, key: int, t: int, insert: bool = True, step=None) -> tuple[bool, Optional[int], Optional[int]]:
         """One lookup of `key` at position t -> (hit, slot the key now occupies or None, evicted key or None).
 
         insert=False: a miss is served without a slot and the policy is not asked (the engine's rule for prefill
-        lookups, which would otherwise flush the decode working set; a hit still refreshes the policy)."""
+        lookups, which would otherwise flush the decode working set; a hit still refreshes the policy).
+        step: the layer-step of the lookup (any hashable; a new value starts a new insert count)."""
         self.lookups += 1
         slot = self.slot_of.get(key)
         if slot is not None:
             self.hits += 1
             self.policy.on_hit(key, t)
             return True, slot, None
-        if not insert or self.capacity == 0 or not self.policy.admit(key, t):
+        if not insert or self.capacity == 0 or not self._admitted(key, step) or not self.policy.admit(key, t):
             return False, None, None
+        self._inserts += 1
         evicted = None
         if self.free:
             slot = self.free.pop()

@@ -38,7 +38,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pymoe.errors import PymoeError
-from .policies import DEFAULT_POLICY, POLICIES, NextUse, SlotTable, make_policy  # noqa: F401 (DEFAULT_POLICY: plan.py)
+from .policies import (DEFAULT_POLICY, POLICIES, Admission, NextUse, SlotTable,  # noqa: F401 (DEFAULT_POLICY: plan.py)
+                       make_policy)
 from .profile import Profile
 
 POOLS = ("per-layer", "global")
@@ -69,7 +70,7 @@ def slots_for_coverage(coverage_pct: float, n_layers: int, n_experts: int) -> in
 
 
 def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: int, profile: Optional[Profile],
-                future: Optional[NextUse], prefill: bool) -> list[SlotTable]:
+                future: Optional[NextUse], prefill: bool, admission: Admission = Admission()) -> list[SlotTable]:
     """One SlotTable (global) or one per layer, each with its policy and, if asked, pre-filled from the profile."""
     if pool not in POOLS:
         raise PymoeError(f"unknown pool {pool!r} (choose from {', '.join(POOLS)})")
@@ -83,7 +84,7 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
                  for layer, n in enumerate(split_slots(slots, n_layers))]
     tables = []
     for capacity, keys in parts:
-        table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future))
+        table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future), admission)
         if prefill and keys is not None:
             table.prefill(keys)
         tables.append(table)
@@ -92,27 +93,30 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
 
 def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots: int, pool: str = "per-layer",
              profile: Optional[Profile] = None, tokens: Optional[int] = None, counted: Optional[np.ndarray] = None,
-             future: Optional[NextUse] = None, prefill: bool = True, staged: Optional[np.ndarray] = None
-             ) -> SimResult:
+             future: Optional[NextUse] = None, prefill: bool = True, staged: Optional[np.ndarray] = None,
+             admission: Admission = Admission(), steps: Optional[np.ndarray] = None) -> SimResult:
     """Replay the access sequence keys int64 [n] (time order) through `policy` with `slots` slots.
 
     tokens: how many tokens the counted lookups belong to (for misses per token). counted: bool [n], the lookups
     that count (None: all). future: a NextUse of `keys` to share between runs (belady; built here if None).
     prefill: start with the slots pre-filled from `profile`. staged: bool [n], lookups whose misses do not enter
     the cache (SlotTable.access(insert=False): the engine's rule for prefill lookups); None: every miss may.
+    admission: the tables' admission control; steps: int [n], the layer-step of each lookup (its insert cap), as
+    the engine's lookup calls number them (None: one step).
     """
     keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [n]
     if keys.size and (keys.min() < 0 or keys.max() >= n_layers * n_experts):
         raise PymoeError(f"key out of range for {n_layers} layers x {n_experts} experts")
     if policy == "belady" and future is None:
         future = NextUse(keys)
-    tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill)
+    tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill, admission)
     group = n_experts if pool == "per-layer" else n_layers * n_experts  # key // group = the key's table
     access = [table.access for table in tables]
     inserts = itertools.repeat(True) if staged is None else (~np.asarray(staged, dtype=bool)).tolist()
     hit = np.zeros(keys.size, dtype=bool)  # [n]
-    for t, (key, insert) in enumerate(zip(keys.tolist(), inserts)):
-        if access[key // group](key, t, insert)[0]:
+    step_of = itertools.repeat(None) if steps is None else np.asarray(steps).tolist()
+    for t, (key, insert, step) in enumerate(zip(keys.tolist(), inserts, step_of)):
+        if access[key // group](key, t, insert, step)[0]:
             hit[t] = True
     if counted is not None:
         hit = hit[np.asarray(counted, dtype=bool)]
@@ -123,9 +127,11 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
 
 
 def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequence[str] = POOLS,
-          profile: Optional[Profile] = None, phase: Optional[str] = None, progress: bool = False) -> list[SimResult]:
+          profile: Optional[Profile] = None, phase: Optional[str] = None, progress: bool = False,
+          admission: Admission = Admission()) -> list[SimResult]:
     """simulate() for every pool x policy x slot count on one trace; counts the lookups of `phase` (None: all).
-    Without a profile, one is built from the trace (in-sample)."""
+    Without a profile, one is built from the trace (in-sample). admission: as the engine's `--admit` /
+    `--max-inserts` (a layer-step is one layer of one forward, as in the engine)."""
     for name in policies:
         if name not in POLICIES:
             raise PymoeError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
@@ -146,8 +152,10 @@ def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequ
 
     runs = [(pool, name, n) for pool in pools for name in policies for n in slots_list]
     bar = tqdm(runs, desc="simulating", unit="run", disable=None if progress else True, leave=False)  # None: TTY only
+    steps = trace.forward[row].astype(np.int64) * L + keys // E  # [N * L * K]: (forward, layer) of each lookup
     return [simulate(keys, L, E, name, n, pool, profile, tokens=int(rows.sum()), counted=counted, future=future,
-                     staged=staged if staged.any() else None) for pool, name, n in bar]
+                     staged=staged if staged.any() else None, admission=admission, steps=steps)
+            for pool, name, n in bar]
 
 
 def grouped(results: Sequence[SimResult]) -> dict[tuple[str, str], list[SimResult]]:
@@ -237,10 +245,13 @@ def parse_numbers(text: str, what: str, kind=float) -> list:
 
 def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] = None,
            coverage: Optional[str] = None, pool: str = "both", profile_path=None, phase: str = "all",
-           plot_path=None, progress: bool = False) -> str:
+           plot_path=None, progress: bool = False, admit: str = "all", max_inserts: int = 0) -> str:
     """What `pymoe simulate` prints: trace summary, where the profile came from, one table per pool."""
     from .trace import Trace
 
+    from .policies import make_admission
+
+    admission = make_admission(admit, max_inserts)
     trace = Trace.load(trace_path)
     L, E = trace.n_layers, trace.n_experts
     if slots is not None and coverage is not None:
@@ -264,10 +275,12 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
     else:
         profile = None
         origin = "profile: in-sample, built from this trace (static is an upper bound; all policies start pre-filled)"
-    results = sweep(trace, names, slots_list, pools, profile=profile, phase=phase, progress=progress)
+    results = sweep(trace, names, slots_list, pools, profile=profile, phase=phase, progress=progress,
+                    admission=admission)
     n_tok = int(trace.rows(phase).sum())
     head = [f"trace {trace_path}: {trace.summary()}",
-            f"counted: {phase or 'all'} lookups ({n_tok} tokens x {L} layers x {trace.k}); {origin}", ""]
+            f"counted: {phase or 'all'} lookups ({n_tok} tokens x {L} layers x {trace.k}); {origin}; "
+            f"admission: {admission}", ""]
     if plot_path is not None:
         plot(results, plot_path, title=f"{trace.meta.get('model', '')} expert cache hit rate")
         head.insert(2, f"plot: {plot_path}")

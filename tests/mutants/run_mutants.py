@@ -308,6 +308,12 @@ MUTANTS: list[Mutant] = [
         "math.log2(2.0 ** (old - now) + 0.0)",
         ("tests/test_policies.py::test_lfru_by_hand_between_lru_and_lfu",),
         "LFRU: a use does not add to the decayed count (a key's score never grows)"),
+    Mutant(
+        "admission_cap_off_by_one", "pymoe/experts/policies.py",
+        "if a.max_inserts and self._inserts >= a.max_inserts:",
+        "if a.max_inserts and self._inserts > a.max_inserts:",
+        ("tests/test_policies.py::test_admission_by_hand",),
+        "admission: one insertion more per layer-step than --max-inserts"),
 ]
 
 
