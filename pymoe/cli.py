@@ -103,9 +103,12 @@ def engine_options(f):
                    "draft:FILE (a smaller GGUF with the same vocabulary, run on the CPU); same output when greedy, "
                    "same distribution when sampling.")
 @click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step.")
+@click.option("--lookahead", default=0, show_default=True,
+              help="Router lookahead: predict N experts per token of each next MoE layer one layer early, report "
+                   "precision/recall, madvise them WILLNEED (0: off).")
 @engine_options
 def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_penalty, seed, stop, ctx, trace_path,
-            spec, spec_k, **engine_opts):
+            spec, spec_k, lookahead, **engine_opts):
     """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
 
     With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
@@ -145,6 +148,12 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
     if spec:
         speculator = engine.speculator(spec, spec_k, threads=engine_opts.get("threads"),
                                        backend="cpu" if engine.backend.name == "cuda" else engine.backend.name)
+    if lookahead < 0:
+        raise PymoeError(f"--lookahead must be >= 0 (0: off), got {lookahead}")
+    if lookahead:
+        from .experts.prefetch import Lookahead
+
+        engine.model.lookahead = Lookahead(engine.model, k=lookahead)
     recorder = engine.record_trace() if trace_path else None
     pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
                            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, spec=speculator)
@@ -159,6 +168,8 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
     log(stats.cache_line())
     if speculator is not None:
         log(speculator.stats.line(spec, spec_k))
+    if engine.model.lookahead is not None:
+        log(engine.model.lookahead.line())
     if recorder is not None:
         appended = os.path.exists(trace_path)
         recorder.save(trace_path, append=appended)

@@ -71,6 +71,7 @@ class Model:
         self.chunk = 512  # most prompt tokens per forward call (prefill)
         self.last_experts = 0
         self.on_hidden = None  # f(first position, hidden [T, D]) after the output norm, when set (engine/mtp.py)
+        self.lookahead = None  # experts/prefetch.Lookahead, when set (`pymoe run --lookahead`)
         cfg, b, t = self.cfg, backend, gguf_model.tensor
         self.token_embd = t("token_embd.weight")  # rows read on demand, dequantized one token at a time
         self.output_norm = b.vector(t("output_norm.weight"))
@@ -171,6 +172,10 @@ class Model:
             h = norm(x, layer.ffn_norm, cfg.rms_eps)
             y, ids, w = FFN[layer.plan.ffn](layer, h, self.cache, self.backend, phase)
             x = x + y
+            if self.lookahead is not None:  # experts/prefetch.Lookahead: score layer i's guess, guess the next
+                if ids is not None:
+                    self.lookahead.chosen(i, ids)
+                self.lookahead.after_layer(i, x)
             if ids is not None:
                 self.last_experts += np.unique(ids).size
             if self.trace is not None and ids is not None:  # a decode forward of several positions: speculation's
