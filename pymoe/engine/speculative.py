@@ -26,10 +26,11 @@ Drafts are deterministic (a one-hot proposal), which is what makes the acceptanc
 
 Why experts per step rise: a verification forward routes k + 1 tokens through every MoE layer at once, so it
 touches the union of their experts (up to (k + 1) x K per layer instead of K), each read once for all of them. On a
-slot pool that means more distinct experts per step but fewer steps; `Speculator` counts both
-(`experts_per_step`), next to the acceptance rate.
-What this is not: speculation in the server's batched decode (serve/scheduler.py decodes one token per slot per
-step).
+slot pool that means more distinct experts per step but fewer steps; `SpecStats` counts both (`verify_experts`,
+`single_experts`, from `Model.last_experts`), next to the acceptance rate. A verification also costs more than a
+one-token step, so speculation times itself and backs off when it does not pay (BACKOFF_* below).
+What this is not: speculation across several busy server slots (serve/scheduler.py speculates only when one slot is
+busy; batched steps otherwise).
 """
 from __future__ import annotations
 
