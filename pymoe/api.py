@@ -63,6 +63,11 @@ class Engine:
         self.n_ctx = int(n_ctx or self.config.n_ctx_train)
         if self.n_ctx <= 0:
             raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
+        if self.n_ctx > self.config.n_ctx_train:
+            scaled = self.config.rope_scaling != "none"
+            log(f"warning: context {self.n_ctx} is beyond the {self.config.n_ctx_train} positions the model was "
+                f"trained on ({f'RoPE scaling {self.config.rope_scaling} x{self.config.rope_scale:g} in the file' if scaled else 'no RoPE scaling in the file'}): "
+                "expect worse output past that point")
         self.model = Model(self.file, self.backend, None, progress=progress)  # dense weights land on the device
         self.model.chunk = int(chunk)
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
@@ -122,6 +127,12 @@ class Engine:
         if self.profile is not None:
             log(cache.prefill_from_profile())
         return cache
+
+    def use_chat_template(self, source: str) -> None:
+        """`--chat-template`: a Jinja template instead of the file's own, given as a file path or as the text."""
+        import os
+
+        self.tokenizer.chat_template = open(source, encoding="utf-8").read() if os.path.isfile(source) else source
 
     def record_trace(self, meta_extra: Optional[dict] = None):
         """Start recording routing (every token, every layer) -> the TraceRecorder; save it with .save(path)."""

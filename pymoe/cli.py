@@ -52,7 +52,7 @@ def probe_cmd(model, backend, threads, repeats):
 def engine_options(f):
     """Options of the engine every model-running command shares (run, serve, bench): threads, backend, cache."""
     options = [
-        click.option("--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores)."),
+        click.option("-t", "--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores)."),
         click.option("--backend", default="auto", show_default=True,
                      help="Where to compute: cpu, cuda, auto (cuda when a CUDA GPU is present, else cpu), or reference "
                           "(plain NumPy: slow, the readable twin the others are tested against)."),
@@ -77,25 +77,105 @@ def engine_options(f):
                      help="Prompt tokens per forward call; each expert missing from the cache is streamed once "
                           "per chunk."),
     ]
+    options += [click.option(*names, default=None, expose_value=False, hidden=True, callback=_offload_flag)
+                for names in (("-ngl", "--n-gpu-layers", "--gpu-layers"), ("--n-cpu-moe",), ("-ot", "--override-tensor"),
+                              ("--cpu-moe",))]
     for option in reversed(options):
         f = option(f)
     return f
 
 
+def _offload_flag(ctx, param, value):
+    """llama.cpp's layer and tensor offload flags: pymoe places weights by another rule, and says which one."""
+    if value is not None:
+        raise PymoeError(f"{param.opts[0]} is llama.cpp's: pymoe puts every dense weight on the GPU and keeps the "
+                         "experts in host memory behind a slot cache; size it with --cache-slots N or --cache-gib X "
+                         "(--cache auto: from free VRAM), and split misses with --pcie-frac F")
+    return value
+
+
+def model_options(f):
+    """The model and context options of run, chat and serve, with llama.cpp's names as aliases."""
+    options = [
+        click.option("-m", "--model", "model_opt", default=None, help="MODEL as an option (llama.cpp's -m)."),
+        click.option("-c", "--ctx", "--ctx-size", "ctx", default=None, type=int,
+                     help="Context size in tokens (default: the model's)."),
+        click.option("--chat-template", default=None,
+                     help="A Jinja chat template (a file, or the template text) instead of the model's own."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def sampling_options(f):
+    options = [
+        click.option("--temp", default=None, type=float, help="Temperature; 0 is greedy [default: 0; demo: 0.7]."),
+        click.option("--top-k", default=40, show_default=True, help="Top-k filter (0: off)."),
+        click.option("--top-p", default=0.95, show_default=True, help="Top-p (nucleus) filter (1: off)."),
+        click.option("--min-p", default=0.05, show_default=True, help="Min-p filter (0: off)."),
+        click.option("--repeat-penalty", default=None, type=float,
+                     help="Repetition penalty, 1 is off [default: 1; demo: 1.1]."),
+        click.option("--seed", default=None, type=int, help="Random seed for sampling [default: random; demo: 0]."),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _stdin_prompt(wait_s: float = 1.0):
+    """The prompt piped on standard input, or None: a terminal is never read (that is `pymoe chat`), and neither is
+    a pipe that says nothing within `wait_s` (a harness that leaves stdin open must not hang the command)."""
+    import select
+
+    try:
+        if sys.stdin is None or sys.stdin.isatty() or not select.select([sys.stdin], [], [], wait_s)[0]:
+            return None
+        text = sys.stdin.read()
+    except (OSError, ValueError):  # no usable stdin (closed, or not selectable)
+        return None
+    return text if text.strip() else None
+
+
+def _pick_model(model, model_opt):
+    if model is not None and model_opt is not None and model != model_opt:
+        raise PymoeError(f"two models given: {model} and -m {model_opt}")
+    return model if model is not None else model_opt
+
+
+def _demo_sampling(temp, repeat_penalty, seed, engine_opts):
+    """The demo model's defaults: a small model repeats itself under greedy decoding, so it samples, reproducibly,
+    unless told otherwise; with a slot pool, its profile pre-fills it."""
+    from . import demo
+    from .backends.cuda import cuda_available
+
+    pool = engine_opts.get("cache_slots") or engine_opts.get("cache_gib") or (
+        engine_opts.get("cache") == "auto" and engine_opts.get("backend") in ("auto", "cuda") and cuda_available())
+    if pool and engine_opts.get("profile") is None:
+        engine_opts["profile"] = demo.demo_profile()
+    return (0.7 if temp is None else temp, 1.1 if repeat_penalty is None else repeat_penalty, 0 if seed is None else seed)
+
+
+def _load(model, ctx, chat_template, log, **engine_opts):
+    from .api import load
+
+    engine = load(model, n_ctx=ctx, progress=True, log=log, **engine_opts)
+    if chat_template is not None:
+        engine.use_chat_template(chat_template)
+    return engine
+
+
 @cli.command("run")
 @click.argument("model", required=False)
-@click.option("-p", "--prompt", default=None, help="The prompt text (required with a MODEL).")
+@click.option("-p", "--prompt", default=None,
+              help="The prompt text [default: -f FILE, or standard input when it is not a terminal].")
+@click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file.")
 @click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate at most.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
-@click.option("--temp", default=None, type=float, help="Temperature; 0 is greedy [default: 0; demo: 0.7].")
-@click.option("--top-k", default=40, show_default=True, help="Top-k filter (0: off).")
-@click.option("--top-p", default=0.95, show_default=True, help="Top-p (nucleus) filter (1: off).")
-@click.option("--min-p", default=0.05, show_default=True, help="Min-p filter (0: off).")
-@click.option("--repeat-penalty", default=None, type=float,
-              help="Repetition penalty, 1 is off [default: 1; demo: 1.1].")
-@click.option("--seed", default=None, type=int, help="Random seed for sampling [default: random; demo: 0].")
+@click.option("-i", "--interactive", is_flag=True, help="Chat in turns instead (the same as `pymoe chat`).")
+@sampling_options
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
-@click.option("--ctx", default=None, type=int, help="Context size in tokens (default: the model's).")
+@model_options
 @click.option("--trace", "trace_path", default=None,
               help="Record the routing of every token to this trace file (appended to if it exists).")
 @click.option("--spec", default=None,
@@ -107,33 +187,37 @@ def engine_options(f):
               help="Router lookahead: predict N experts per token of each next MoE layer one layer early, report "
                    "precision/recall, madvise them WILLNEED (0: off).")
 @engine_options
-def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_penalty, seed, stop, ctx, trace_path,
-            spec, spec_k, lookahead, **engine_opts):
+def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_k, top_p, min_p, repeat_penalty, seed,
+            stop, model_opt, ctx, chat_template, trace_path, spec, spec_k, lookahead, **engine_opts):
     """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
 
     With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
     import os
 
     from . import demo
-    from .api import load
-    from .backends.cuda import cuda_available
+
+    model = _pick_model(model, model_opt)
+    if interactive:
+        return _chat(model, None, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, ctx, chat_template,
+                     engine_opts, "pymoe run")
 
     def log(line):
         click.echo(f"pymoe run: {line}", err=True)
 
+    if prompt is None and prompt_file is not None:
+        try:
+            prompt = open(prompt_file, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PymoeError(f"-f {prompt_file}: {e.strerror if isinstance(e, OSError) else 'not UTF-8 text'}") from None
+    elif prompt is None:
+        prompt = _stdin_prompt()
     if model is None:
         model = demo.demo_model()
         prompt = demo.DEMO_PROMPT if prompt is None else prompt
         log(f"no model given: running the demo model {model}")
-        # A small model repeats itself under greedy decoding: the demo samples, reproducibly, unless told otherwise.
-        temp, repeat_penalty, seed = (0.7 if temp is None else temp, 1.1 if repeat_penalty is None else repeat_penalty,
-                                      0 if seed is None else seed)
-        pool = engine_opts.get("cache_slots") or engine_opts.get("cache_gib") or (
-            engine_opts.get("cache") == "auto" and engine_opts.get("backend") in ("auto", "cuda") and cuda_available())
-        if pool and engine_opts.get("profile") is None:
-            engine_opts["profile"] = demo.demo_profile()
+        temp, repeat_penalty, seed = _demo_sampling(temp, repeat_penalty, seed, engine_opts)
     if prompt is None:
-        raise PymoeError("give a prompt with -p PROMPT")
+        raise PymoeError("give a prompt with -p PROMPT, -f FILE or on standard input (or chat: pymoe chat MODEL)")
     temp = 0.0 if temp is None else temp
     repeat_penalty = 1.0 if repeat_penalty is None else repeat_penalty
 
@@ -143,7 +227,7 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
         parse_spec(spec)  # a bad --spec is refused before the model loads
         if spec_k < 1:
             raise PymoeError(f"--spec-k must be >= 1, got {spec_k}")
-    engine = load(model, n_ctx=ctx, progress=True, log=log, **engine_opts)
+    engine = _load(model, ctx, chat_template, log, **engine_opts)
     speculator = None
     if spec:
         speculator = engine.speculator(spec, spec_k, threads=engine_opts.get("threads"),
@@ -174,6 +258,95 @@ def run_cmd(model, prompt, n_predict, chat, temp, top_k, top_p, min_p, repeat_pe
         appended = os.path.exists(trace_path)
         recorder.save(trace_path, append=appended)
         log(f"trace {trace_path}: {recorder.n_tokens} tokens {'appended' if appended else 'written'}")
+
+
+@cli.command("chat")
+@click.argument("model", required=False)
+@click.option("-s", "--system", default=None, help="A system message to start the conversation with.")
+@click.option("-n", "--n-predict", default=512, show_default=True, help="Tokens per reply at most.")
+@sampling_options
+@model_options
+@engine_options
+def chat_cmd(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, model_opt, ctx, chat_template,
+             **engine_opts):
+    """Chat with MODEL in turns on its chat template (with no MODEL: the demo model). Replies stream; Ctrl-C stops a
+    reply, Ctrl-D (or /quit) ends. Commands: /system TEXT, /reset, /stats, /help, /quit."""
+    _chat(_pick_model(model, model_opt), system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, ctx,
+          chat_template, engine_opts, "pymoe chat")
+
+
+CHAT_HELP = ("commands: /system TEXT (set the system message and start over), /reset (forget the conversation), "
+             "/stats (the last reply's telemetry), /help, /quit; Ctrl-C stops a reply, Ctrl-D ends")
+
+
+def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, ctx, chat_template, engine_opts,
+          who):
+    """The chat loop: each turn renders the whole conversation through the chat template and generates the reply
+    (the conversation is read again each turn: no KV cache is kept between turns)."""
+    from . import demo
+
+    def log(line):
+        click.echo(f"{who}: {line}", err=True)
+
+    if model is None:
+        model = demo.demo_model()
+        log(f"no model given: chatting with the demo model {model} (it was trained on Python code, not dialogue)")
+        temp, repeat_penalty, seed = _demo_sampling(temp, repeat_penalty, seed, engine_opts)
+    temp, repeat_penalty = (0.0 if temp is None else temp), (1.0 if repeat_penalty is None else repeat_penalty)
+    engine = _load(model, ctx, chat_template, log, **engine_opts)
+    sampling = dict(temperature=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty)
+    messages = [{"role": "system", "content": system}] if system else []
+    log(CHAT_HELP)
+    turn, last = 0, None
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            click.echo()
+            return
+        except KeyboardInterrupt:
+            click.echo()
+            log("(Ctrl-D or /quit ends the chat)")
+            continue
+        text = line.strip()
+        if not text:
+            continue
+        if text.startswith("/"):
+            cmd, _, arg = text.partition(" ")
+            if cmd == "/quit":
+                return
+            if cmd == "/reset":
+                messages = [m for m in messages if m["role"] == "system"]
+                log("conversation forgotten")
+            elif cmd == "/system":
+                messages = [{"role": "system", "content": arg.strip()}] if arg.strip() else []
+                log("system message set; conversation started over" if arg.strip() else "system message removed")
+            elif cmd == "/stats":
+                log("no reply yet" if last is None else f"{last.prompt_line()}\n{who}: {last.cache_line()}")
+            else:
+                log(CHAT_HELP)
+            continue
+        messages.append({"role": "user", "content": text})
+        reply, pieces = [], None
+        try:
+            ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+            pieces = engine.stream(ids, max_tokens=n_predict, seed=None if seed is None else seed + turn, **sampling)
+            for piece in pieces:
+                reply.append(piece)
+                click.echo(piece, nl=False)
+                sys.stdout.flush()
+        except KeyboardInterrupt:
+            if pieces is not None:
+                pieces.close()
+            click.echo(" [stopped]", nl=False)
+        except PymoeError as e:  # e.g. the conversation outgrew the context: say so, keep the chat
+            messages.pop()
+            click.echo()
+            log(f"error: {e} (/reset starts over)")
+            continue
+        click.echo()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        last, turn = engine.last_stats, turn + 1
 
 
 @cli.command("plan")
@@ -244,10 +417,12 @@ def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, pl
 def serve_options(f):
     """The options of the server `pymoe serve` runs (shared with `pymoe bench`, which starts one)."""
     options = [
-        click.option("--ctx", default=None, type=int, help="Context size per slot in tokens (default: the model's)."),
+        click.option("-c", "--ctx", "--ctx-size", "ctx", default=None, type=int,
+                     help="Context size per slot in tokens (default: the model's)."),
         click.option("--kv", default="f16", show_default=True, type=click.Choice(["f32", "f16", "int8"]),
                      help="KV cache storage: f32 (exact), f16, or int8 with a float16 scale per 32 values."),
-        click.option("--parallel", default=1, show_default=True, help="Slots: sequences decoded together per step."),
+        click.option("-np", "--parallel", default=1, show_default=True,
+                     help="Slots: sequences decoded together per step."),
         click.option("--max-queue", default=16, show_default=True,
                      help="Requests that may wait for a slot; beyond that the server answers 429."),
         click.option("--spec", default=None,
@@ -260,15 +435,18 @@ def serve_options(f):
 
 
 @cli.command("serve")
-@click.argument("model")
+@click.argument("model", required=False)
+@click.option("-m", "--model", "model_opt", default=None, help="MODEL as an option (llama.cpp's -m).")
+@click.option("--chat-template", default=None,
+              help="A Jinja chat template (a file, or the template text) instead of the model's own.")
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (loopback by default).")
 @click.option("--port", default=8080, show_default=True, help="TCP port.")
 @click.option("--api-key", default=None, envvar="PYMOE_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env PYMOE_API_KEY).")
 @click.option("--max-body-mib", default=4.0, show_default=True, help="Largest request body accepted (else 413).")
 @serve_options
-def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, spec, spec_k,
-              **engine_options):
+def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, spec,
+              spec_k, **engine_options):
     """Serve MODEL (a GGUF file) over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /v1/status, /metrics, /health."""
     from .serve.app import serve
@@ -276,8 +454,12 @@ def serve_cmd(model, host, port, api_key, max_body_mib, ctx, kv, parallel, max_q
     def log(line):
         click.echo(f"pymoe serve: {line}", err=True)
 
+    model = _pick_model(model, model_opt)
+    if model is None:
+        raise PymoeError("give the model to serve: pymoe serve MODEL.gguf (or -m MODEL.gguf)")
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
-          max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k, **engine_options)
+          max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,
+          chat_template=chat_template, **engine_options)
 
 
 @cli.command("bench")

@@ -40,7 +40,7 @@ def run_pymoe(*args, timeout=120):
     """Run `python -m pymoe ARGS` in a subprocess -> CompletedProcess (text)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run([sys.executable, "-m", "pymoe", *args], capture_output=True, text=True, timeout=timeout,
-                          env=env, cwd=ROOT)
+                          env=env, cwd=ROOT, stdin=subprocess.DEVNULL)  # nothing piped: as from a terminal
 
 
 # --- the skip audit -------------------------------------------------------------------------------------------------

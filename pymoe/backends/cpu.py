@@ -307,7 +307,7 @@ class CPUBackend(HostArrays):
         from tqdm import tqdm
 
         todo = sorted(set(qtypes), key=lambda q: q.name)
-        for qtype in tqdm(todo, desc="kernels (compiled on first use, then cached)", disable=not progress,
+        for qtype in tqdm(todo, desc="kernels (compiled on first use, then cached)", disable=None if progress else True,
                           leave=False):
             fmt = quant.get_format(qtype)
             w = np.zeros((1, fmt.type_size), dtype=np.uint8)  # [1, row_bytes]: one block

@@ -446,7 +446,7 @@ class CUDABackend:
         from tqdm import tqdm
 
         self.cpu.warm_up(qtypes)
-        for qtype in tqdm(sorted(set(qtypes), key=lambda q: q.name), desc="CUDA kernels", disable=not progress,
+        for qtype in tqdm(sorted(set(qtypes), key=lambda q: q.name), desc="CUDA kernels", disable=None if progress else True,
                           leave=False):
             fmt = quant.get_format(qtype)
             w = self.cuda.to_device(np.zeros((1, fmt.type_size), np.uint8))

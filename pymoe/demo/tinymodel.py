@@ -338,7 +338,7 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
         popularity = np.concatenate([popularity, popularity[-1:]])
     weights = ((name, random_tensor(name, shape, cfg, rng, common, popularity))
                for name, shape in tqdm({**shapes, **extra}.items(), desc=f"writing {path}", unit="tensor",
-                                       disable=not progress))
+                                       disable=None if progress else True))
     write_gguf(path, cfg, tokens, types, merges, mix, weights, jobs=jobs, extra_shapes=extra)
     return cfg
 

@@ -82,8 +82,8 @@ class Model:
         # Attention kinds without device kernels run on the backend's host side (CUDA: its CPU backend) with a
         # host KV cache, their weights in host memory; the experts of those layers still go through the device.
         self.host_attention = any(p.attention in HOST_ATTENTION for p in self.plan)
-        self.layers = [self._layer(p) for p in tqdm(self.plan, desc="loading", unit="layer", disable=not progress,
-                                                    leave=False)]
+        bar = tqdm(self.plan, desc="loading", unit="layer", disable=None if progress else True, leave=False)  # TTY only
+        self.layers = [self._layer(p) for p in bar]
 
     def attention_backend(self, plan: LayerPlan):
         """The backend a layer's attention runs on: the model's, or its host side for kinds the device lacks."""

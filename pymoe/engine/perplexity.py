@@ -94,7 +94,7 @@ def engine_perplexity(engine, ids: Sequence[int], n_ctx: int = 512, stride: Opti
     t0 = time.perf_counter()
     try:
         for start, end, first in tqdm(list(windows(ids.size, n_ctx, stride)), desc="pymoe perplexity",
-                                      unit="window", disable=not progress):
+                                      unit="window", disable=None if progress else True):
             logits = model.prefill(ids[start:end], model.new_kv(end - start))  # [T, V]
             res.add(token_nll(logits[first - 1 - start:end - 1 - start], ids[first:end]))
     finally:
@@ -117,7 +117,7 @@ def llamacpp_perplexity(model_path: str, ids: Sequence[int], n_ctx: int = 512, s
     res = Perplexity()
     t0 = time.perf_counter()
     for start, end, first in tqdm(list(windows(ids.size, n_ctx, stride)), desc="llama.cpp perplexity",
-                                  unit="window", disable=not progress):
+                                  unit="window", disable=None if progress else True):
         llm.reset()
         llm.eval([int(t) for t in ids[start:end]])
         logits = np.asarray(llm.scores[:end - start], dtype=np.float32)  # [T, V]

@@ -276,7 +276,8 @@ def is_loopback(host: str) -> bool:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
-          log=print, spec: Optional[str] = None, spec_k: int = 4, **engine_options) -> None:
+          log=print, spec: Optional[str] = None, spec_k: int = 4, chat_template: Optional[str] = None,
+          **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
     import uvicorn
 
@@ -289,6 +290,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
 
         parse_spec(spec)  # a bad --spec is refused before the model loads
     engine = load(model, progress=True, log=log, **engine_options)
+    if chat_template is not None:
+        engine.use_chat_template(chat_template)
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
                      max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k)
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics)")

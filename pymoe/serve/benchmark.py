@@ -246,7 +246,7 @@ def run_protocol(url: str, tokenizer, n_ctx: int, gen: int = 128, requests: int 
     prompts = Prompts(tokenizer)
     rows = []
     with httpx.Client() as sync, tqdm(total=sum(s[3] for s in steps), desc="bench", unit="req",
-                                      disable=not progress) as bar:
+                                      disable=None if progress else True) as bar:
         for name, c, n_prompt, n_req in steps:
             bar.set_postfix_str(f"{name} c={c}")
             before = cache_counts(sync, url, headers)

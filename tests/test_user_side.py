@@ -1,0 +1,87 @@
+"""The user's side of the CLI (issue "The user's side"): `pymoe chat` driven through a pseudo-terminal (pexpect)
+as a person types, llama.cpp's flag names, prompts from files and standard input, the tools as installed commands,
+and logs without progress-bar fragments when not on a terminal."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import run_pymoe
+
+pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extra")
+BIN = os.path.dirname(sys.executable)
+
+
+def test_chat_two_turns_an_interrupt_and_stats():
+    """On the demo model: a turn that runs to its end, a turn stopped by Ctrl-C (the program goes on), /stats with
+    the telemetry of the stopped reply, /system, then /quit."""
+    child = pexpect.spawn(sys.executable, ["-m", "pymoe", "chat", "-n", "1000", "-c", "4096", "--temp", "0"],
+                          encoding="utf-8", timeout=120, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        child.expect("commands: /system")
+        child.expect("> ")
+        child.sendline("def add(a, b):")
+        child.expect("> ")  # the first reply ran to its end (1000 tokens at most)
+        first = child.before
+        assert len(first.strip()) > 20
+        child.sendline("class Stack:")
+        child.expect("class Stack:")  # the terminal's echo of what was typed
+        child.expect(r"\w")  # the reply has started
+        child.sendintr()  # Ctrl-C: stops the reply, not the program
+        child.expect(r"\[stopped\]")
+        child.expect("> ")
+        child.sendline("/stats")
+        child.expect(r"prompt \d+ tokens = 0 reused \+ \d+ read in \d+ ms, (\d+) generated")
+        assert int(child.match.group(1)) < 1000  # the interrupted reply, not the first one
+        child.expect("> ")
+        child.sendline("/system You write Python.")
+        child.expect("system message set")
+        child.expect("> ")
+        child.sendline("/quit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def test_llama_cpp_flag_names(tiny_model, tmp_path):
+    model = tiny_model("qwen3moe", "f32")
+    r = run_pymoe("run", "-m", model, "-c", "64", "-t", "1", "-p", "hello", "-n", "4", "--temp", "0")
+    assert r.returncode == 0, r.stderr
+    for flag in (["-ngl", "99"], ["--n-cpu-moe", "4"], ["-ot", "exps=CPU"]):
+        r = run_pymoe("run", model, "-p", "hi", *flag)
+        assert r.returncode == 2 and "Traceback" not in r.stderr
+        assert r.stderr.strip().splitlines() == [r.stderr.strip()] and "--cache-slots" in r.stderr, r.stderr
+    r = run_pymoe("run", "-m", model, "-c", "1024", "-p", "hi", "-n", "2")  # trained on 512
+    assert r.returncode == 0 and "warning: context 1024 is beyond the 512 positions" in r.stderr
+    r = run_pymoe("serve", "-m", str(tmp_path / "missing.gguf"), "-np", "2", "-c", "128")
+    assert r.returncode == 2 and "missing.gguf" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_prompt_from_a_file_and_from_stdin(tiny_model, tmp_path):
+    model = tiny_model("qwen3moe", "f32")
+    want = run_pymoe("run", model, "-p", "the cat sat", "-n", "6", "--temp", "0")
+    (tmp_path / "p.txt").write_text("the cat sat", encoding="utf-8")
+    from_file = run_pymoe("run", model, "-f", str(tmp_path / "p.txt"), "-n", "6", "--temp", "0")
+    from_stdin = subprocess.run([sys.executable, "-m", "pymoe", "run", model, "-n", "6", "--temp", "0"],
+                                input="the cat sat", capture_output=True, text=True, timeout=120)
+    assert want.returncode == from_file.returncode == from_stdin.returncode == 0, from_stdin.stderr
+    assert want.stdout == from_file.stdout == from_stdin.stdout
+    r = run_pymoe("run", model, "-f", str(tmp_path / "nope.txt"))
+    assert r.returncode == 2 and "nope.txt" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tools_are_installed_commands(tmp_path):
+    """The install puts the tools on the venv's PATH: no activation, no sys.path games."""
+    for name in ("pymoe-build-profile", "pymoe-make-tiny-model", "pymoe-make-draft-model"):
+        r = subprocess.run([os.path.join(BIN, name), "--help"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "usage:" in r.stdout, (name, r.stderr)
+    r = subprocess.run([os.path.join(BIN, "pymoe-make-tiny-model"), "-o", str(tmp_path / "t.gguf"), "--arch",
+                        "olmoe"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "wrote" in r.stdout, r.stderr
+
+
+def test_no_progress_bar_fragments_off_a_terminal(tiny_model):
+    r = run_pymoe("run", tiny_model("qwen3moe", "f32"), "-p", "hello", "-n", "4")
+    assert r.returncode == 0 and "\r" not in r.stderr and "loading:" not in r.stderr, r.stderr
