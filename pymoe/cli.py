@@ -373,8 +373,10 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
 @click.option("--trace", "trace_path", default=None, help="Predict hit rates by simulating this routing trace.")
 @click.option("--profile", "profile_path", default=None,
               help="Predict hit rates as this expert profile's static bound (.bin, heat .json, trace .npz).")
+@click.option("--plot", "plot_path", default=None,
+              help="Draw hit rate and predicted tok/s against VRAM to this image, the --vram sizes marked.")
 def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, device_bw, pcie, fixed_ms, targets,
-             trace_path, profile_path):
+             trace_path, profile_path, plot_path):
     """Capacity plan for MODEL: VRAM -> slots -> coverage -> hit rate -> spill -> predicted decode tok/s, and back.
 
     Formulas and the reference article's numbers worked through: docs/planning.md."""
@@ -383,7 +385,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
     click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
                            device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
                            runtime=runtime, n_ctx=n_ctx, targets=targets, trace_path=trace_path,
-                           profile_path=profile_path))
+                           profile_path=profile_path, plot_path=plot_path))
 
 
 @cli.command("simulate")

@@ -35,27 +35,31 @@ def build(paths, phase):
     return Profile.from_heat(sum(heats))
 
 
-def plot_heat(profile, path, title):
-    """Left: the layer x expert heat map (share of each layer's lookups); right: the static bound by coverage."""
-    try:
-        import matplotlib
+def plot_heat(profile, path, title, slots=None):
+    """Left: the layer x expert heat map (share of each layer's lookups), one tick per layer (at most 16 labels);
+    right: the static bound by coverage, with the profile's slot count marked."""
+    import numpy as np
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        import numpy as np
-    except ImportError:
-        raise PymoeError("--plot needs matplotlib: pip install 'pymoe[plot]'") from None
+    from pymoe.experts.simulate import pyplot
+
+    plt = pyplot()
     heat = profile.heat().astype(float)  # [L, E]
     share = heat / np.maximum(heat.sum(axis=1, keepdims=True), 1.0)  # [L, E] share of the layer's lookups
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), gridspec_kw={"width_ratios": [3, 1]})
     im = axes[0].imshow(share, aspect="auto", cmap="inferno", interpolation="nearest")
     axes[0].set_xlabel("expert")
     axes[0].set_ylabel("layer")
+    step = max(1, -(-profile.n_layers // 16))  # whole layers only: no fractional ticks on a 4-layer model
+    axes[0].set_yticks(np.arange(0, profile.n_layers, step))
     axes[0].set_title(title)
     fig.colorbar(im, ax=axes[0], label="share of the layer's lookups")
     n = profile.n_pairs
     x = np.arange(1, n + 1)
     axes[1].plot(100 * x / n, 100 * np.cumsum(profile.counts) / max(profile.counts.sum(), 1))
+    if slots:
+        cov, hit = 100 * slots / n, 100 * profile.coverage_hit_rate(slots)
+        axes[1].axvline(cov, color="gray", linestyle=":")
+        axes[1].annotate(f"{slots} slots: {hit:.0f}%", (cov, hit), textcoords="offset points", xytext=(5, -12))
     axes[1].set_xlabel("coverage, % of pairs (hottest first)")
     axes[1].set_ylabel("static hit rate, % of lookups")
     axes[1].grid(alpha=0.3)
@@ -85,7 +89,8 @@ def build_profile_main(argv=None):
         print(f"static bound: the top {slots} pairs ({100 * slots / profile.n_pairs:.1f}% coverage) serve "
               f"{100 * profile.coverage_hit_rate(slots):.1f}% of {int(profile.counts.sum())} counted lookups")
         if args.plot:
-            plot_heat(profile, args.plot, f"routing heat: {', '.join(os.path.basename(p) for p in args.inputs)}")
+            plot_heat(profile, args.plot, f"routing heat: {', '.join(os.path.basename(p) for p in args.inputs)}",
+                      args.slots)
             print(f"heat map: {args.plot}")
     except PymoeError as e:
         print(f"build-profile: error: {e}", file=sys.stderr)

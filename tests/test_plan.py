@@ -247,3 +247,14 @@ def test_cli_plan_bad_values(tiny_model, args, needle):
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pymoe: error:") and needle in lines[0]
+
+
+def test_plan_plot(tiny_model, tmp_path):
+    """`pymoe plan --plot`: the VRAM -> hit rate -> tok/s curves as an image, the --vram sizes marked."""
+    from conftest import run_pymoe
+
+    out = tmp_path / "plan.png"
+    r = run_pymoe("plan", tiny_model("qwen3moe", "q2_k"), "--vram", "2MiB,4MiB", "--overhead", "1MiB",
+                  "--reserve", "0", "--plot", str(out))
+    assert r.returncode == 0, r.stderr
+    assert f"plot: {out}" in r.stdout and out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000

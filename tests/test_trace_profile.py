@@ -198,7 +198,7 @@ def test_build_profile_tool(tmp_path):
     r = run_tool(str(tmp_path / "nope.npz"), "-o", str(out))
     assert r.returncode == 2 and "no such file" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     pytest.importorskip("matplotlib")
-    r = run_tool(paths[0], "-o", str(out), "--plot", str(tmp_path / "heat.png"))
+    r = run_tool(paths[0], "-o", str(out), "--plot", str(tmp_path / "heat.png"), "--slots", "3")
     assert r.returncode == 0 and (tmp_path / "heat.png").read_bytes()[:4] == b"\x89PNG"
 
 

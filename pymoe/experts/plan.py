@@ -29,9 +29,12 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import re
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
+
+import numpy as np
 
 from pymoe.errors import PymoeError
 
@@ -519,11 +522,44 @@ def check_shape(path, n_layers: int, n_experts: int, facts: ModelFacts) -> None:
                          f"{facts.n_layers} x {facts.n_expert}")
 
 
+def plot_plan(path, facts: ModelFacts, overhead: int, reserve: int, hit_model: HitModel, cost: CostModel,
+              extra_reserve: int, cards: Sequence[int], title: str) -> None:
+    """`pymoe plan --plot`: hit rate and predicted decode tok/s against VRAM, from the overhead to a card that holds
+    every expert, the --vram card sizes marked."""
+    from .simulate import pyplot
+
+    plt = pyplot()
+    top = max(vram_for_slots(facts.n_total, facts, overhead, reserve, extra_reserve), *cards)
+    vrams = np.linspace(overhead + reserve + extra_reserve, top, 80).astype(np.int64)
+    rows = plan_table(vrams, facts, overhead, reserve, hit_model, cost, extra_reserve)
+    marked = plan_table(cards, facts, overhead, reserve, hit_model, cost, extra_reserve)
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    unit, scale = ("GiB", 2.0 ** 30) if top >= 2 ** 31 else ("MiB", 2.0 ** 20)
+    a.plot([r.vram / scale for r in rows], [100 * r.hit_rate for r in rows])
+    b.plot([r.vram / scale for r in rows], [r.tok_s for r in rows])
+    for r in marked:
+        for ax, y, fmt in ((a, 100 * r.hit_rate, "{:.0f}%"), (b, r.tok_s, "{:.0f} tok/s")):
+            ax.plot([r.vram / scale], [y], "o", color="C3")
+            ax.annotate(f"{fmt_size(r.vram)}: " + fmt.format(y), (r.vram / scale, y), textcoords="offset points",
+                        xytext=(5, -12), fontsize=8)
+    a.set_ylabel("decode hit rate, %")
+    a.set_title(hit_model.label, fontsize=8)
+    b.set_ylabel("predicted decode tok/s")
+    for ax in (a, b):
+        ax.set_xlabel(f"VRAM, {unit}")
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
 def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None, reserve: str = DEFAULT_RESERVE,
                 extra_reserve: str = "0", device_bw_gbs: float = DEFAULT_DEVICE_BW_GBS,
                 pcie_gbs: float = DEFAULT_PCIE_GBS, fixed_ms: float = DEFAULT_FIXED_MS, overhead: str = "auto",
                 runtime: str = DEFAULT_RUNTIME, n_ctx: int = DEFAULT_CTX, targets: Sequence[float] = (),
-                trace_path: Optional[str] = None, profile_path: Optional[str] = None) -> str:
+                trace_path: Optional[str] = None, profile_path: Optional[str] = None,
+                plot_path: Optional[str] = None) -> str:
     """Everything `pymoe plan` prints, as text: the inputs, the cost model, the table, the auto line, the inverse."""
     reserve_b = parse_size(reserve, what="--reserve")
     extra_b = parse_size(extra_reserve, what="--extra-reserve")
@@ -553,4 +589,8 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
         lines += format_rows(plan_table(vrams, facts, overhead_b, reserve_b, hit_model, cost, extra_b))
     for target in targets:
         lines.append(format_target(vram_for_target(target, facts, overhead_b, reserve_b, hit_model, cost, extra_b)))
+    if plot_path is not None:
+        plot_plan(plot_path, facts, overhead_b, reserve_b, hit_model, cost, extra_b, vrams,
+                  f"{os.path.basename(str(model_path))}: VRAM -> hit rate -> decode tok/s")
+        lines.append(f"plot: {plot_path}")
     return "\n".join(lines)

@@ -204,8 +204,8 @@ def format_table(results: Sequence[SimResult]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def plot(results: Sequence[SimResult], path, title: str = "expert cache hit rate") -> None:
-    """Hit rate against coverage, one line per policy (solid per-layer, dashed global), knees circled."""
+def pyplot():
+    """matplotlib.pyplot on the file-only Agg backend, or a one-line PymoeError naming the extra to install."""
     try:
         import matplotlib
 
@@ -213,6 +213,13 @@ def plot(results: Sequence[SimResult], path, title: str = "expert cache hit rate
         import matplotlib.pyplot as plt
     except ImportError:
         raise PymoeError("--plot needs matplotlib: pip install 'pymoe[plot]'") from None
+    return plt
+
+
+def plot(results: Sequence[SimResult], path, title: str = "expert cache hit rate") -> None:
+    """Hit rate against coverage, one line per policy (solid per-layer, dashed global), knees circled and labelled
+    (coverage: hit rate)."""
+    plt = pyplot()
     knees = knee(results)
     fig, ax = plt.subplots(figsize=(8, 5))
     colors = {}
@@ -223,6 +230,8 @@ def plot(results: Sequence[SimResult], path, title: str = "expert cache hit rate
         k = knees[pool, policy]
         if k is not None:
             ax.plot([100 * k.coverage], [100 * k.hit_rate], "o", mfc="none", ms=12, color=color)
+            ax.annotate(f"knee {100 * k.coverage:.0f}%: {100 * k.hit_rate:.0f}%", (100 * k.coverage, 100 * k.hit_rate),
+                        textcoords="offset points", xytext=(8, -14), fontsize=7, color=color)
     ax.set_xlabel("coverage: slots / (layers x experts), %")
     ax.set_ylabel("hit rate, % of lookups")
     ax.set_title(title)
