@@ -123,6 +123,18 @@ def sampling_options(f):
     return f
 
 
+SERVER_SAMPLING = (("--temp", "temperature", float), ("--top-k", "top_k", int), ("--top-p", "top_p", float),
+                   ("--min-p", "min_p", float), ("--repeat-penalty", "repeat_penalty", float), ("--seed", "seed", int))
+
+
+def server_sampling_options(f):
+    """`serve`'s sampling flags (llama.cpp's server has them): the values of requests that leave a field out."""
+    for flag, field, kind in reversed(SERVER_SAMPLING):
+        f = click.option(flag, f"default_{field}", default=None, type=kind,
+                         help=f"{field} for requests that do not set it (default: the API's).")(f)
+    return f
+
+
 def _stdin_prompt(wait_s: float = 1.0):
     """The prompt piped on standard input, or None: a terminal is never read (that is `pymoe chat`), and neither is
     a pipe that says nothing within `wait_s` (a harness that leaves stdin open must not hang the command)."""
@@ -446,6 +458,7 @@ def serve_options(f):
 @click.option("--api-key", default=None, envvar="PYMOE_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env PYMOE_API_KEY).")
 @click.option("--max-body-mib", default=4.0, show_default=True, help="Largest request body accepted (else 413).")
+@server_sampling_options
 @serve_options
 def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, spec,
               spec_k, **engine_options):
@@ -459,9 +472,11 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
     model = _pick_model(model, model_opt)
     if model is None:
         raise PymoeError("give the model to serve: pymoe serve MODEL.gguf (or -m MODEL.gguf)")
+    defaults = {field: engine_options.pop(f"default_{field}") for _, field, _ in SERVER_SAMPLING}
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
           max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,
-          chat_template=chat_template, **engine_options)
+          chat_template=chat_template, sampling_defaults={k: v for k, v in defaults.items() if v is not None},
+          **engine_options)
 
 
 @cli.command("bench")

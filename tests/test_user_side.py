@@ -85,3 +85,34 @@ def test_tools_are_installed_commands(tmp_path):
 def test_no_progress_bar_fragments_off_a_terminal(tiny_model):
     r = run_pymoe("run", tiny_model("qwen3moe", "f32"), "-p", "hello", "-n", "4")
     assert r.returncode == 0 and "\r" not in r.stderr and "loading:" not in r.stderr, r.stderr
+
+
+def test_server_sampling_defaults_apply_to_requests_that_leave_them_out(tiny_model):
+    """`pymoe serve --temp 0 ...`: a request without temperature samples greedily (the API's default is 1); one that
+    sets it keeps its own value."""
+    from pymoe.serve.schemas import CompletionRequest
+
+    bare = CompletionRequest(prompt="x")
+    own = CompletionRequest(prompt="x", temperature=0.5, top_k=3)
+    defaults = {"temperature": 0.0, "top_k": 7, "seed": 11}
+    assert (bare.sampling().temperature, bare.sampling(defaults).temperature) == (1.0, 0.0)
+    assert bare.sampling(defaults).top_k == 7 and bare.sampling(defaults).seed == 11
+    assert (own.sampling(defaults).temperature, own.sampling(defaults).top_k) == (0.5, 3)
+    r = run_pymoe("serve", "-m", tiny_model("qwen3moe", "f32"), "--temp", "abc")
+    assert r.returncode == 2 and "--temp" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_server_uses_its_sampling_defaults_end_to_end(tiny_model):
+    import openai
+
+    import pymoe
+    from pymoe.serve.app import BackgroundServer, create_app
+
+    path = tiny_model("qwen3moe", "f32")
+    want = "".join(pymoe.load(path, n_ctx=256).stream("the cat", max_tokens=12))  # greedy
+    app = create_app(pymoe.load(path, n_ctx=256), kv="f32", sampling_defaults={"temperature": 0.0})
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=60)
+        texts = [client.completions.create(model="tiny", prompt="the cat", max_tokens=12).choices[0].text
+                 for _ in range(2)]  # no temperature in the request: the server's 0, not the API's 1
+    assert texts == [want, want]

@@ -49,7 +49,7 @@ def prompt_ids(req, tokenizer) -> list:
     return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
 
 
-def make_job(req, prompt: list, n_ctx: int, n_vocab: int) -> Job:
+def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None) -> Job:
     """Check the prompt against the context and the vocabulary -> a Job (400 on what is wrong)."""
     param = "messages" if isinstance(req, ChatRequest) else "prompt"
     if not prompt:
@@ -60,7 +60,7 @@ def make_job(req, prompt: list, n_ctx: int, n_vocab: int) -> Job:
         raise ApiError(400, f"the prompt of {len(prompt)} tokens does not fit the context of {n_ctx} tokens "
                             "(room is needed for at least one generated token)", code="context_length_exceeded",
                        param=param)
-    return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=req.sampling(),
+    return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=req.sampling(defaults),
                stop=req.stop_strings(), ignore_eos=req.ignore_eos)
 
 
@@ -139,9 +139,10 @@ def sse(obj) -> str:
 # --- the app -----------------------------------------------------------------------------------------------------
 
 def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
-               max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4):
+               max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4,
+               sampling_defaults: Optional[dict] = None):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
-    (app.state.scheduler)."""
+    (app.state.scheduler). sampling_defaults: SamplingParams fields for requests that leave them out."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import generate_latest
@@ -203,7 +204,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     async def complete(request: Request, kind: str):
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, await read_json(request))
-        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab)
+        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
         events: asyncio.Queue = asyncio.Queue()
         job.sink = asyncio_sink(events)
         submit(job)
@@ -277,7 +278,7 @@ def is_loopback(host: str) -> bool:
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
           log=print, spec: Optional[str] = None, spec_k: int = 4, chat_template: Optional[str] = None,
-          **engine_options) -> None:
+          sampling_defaults: Optional[dict] = None, **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
     import uvicorn
 
@@ -293,7 +294,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
     if chat_template is not None:
         engine.use_chat_template(chat_template)
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
-                     max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k)
+                     max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k,
+                     sampling_defaults=sampling_defaults)
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics)")
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
 

@@ -79,6 +79,9 @@ class StreamOptions(Strict):
     include_usage: bool = Field(False, description="a boolean")
 
 
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed")  # SamplingParams' names
+
+
 class Common(Strict):
     """What both endpoints accept: length, sampling (OpenAI's and llama.cpp's), stop strings, streaming."""
 
@@ -105,9 +108,13 @@ class Common(Strict):
     frequency_penalty: unsupported(0) = None
     logit_bias: unsupported({}) = None
 
-    def sampling(self) -> SamplingParams:
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k, min_p=self.min_p,
-                              repeat_penalty=self.repeat_penalty, seed=self.seed)
+    def sampling(self, defaults: Optional[dict] = None) -> SamplingParams:
+        """The request's sampling; a field the request does not set takes the server's default (`pymoe serve --temp
+        ...`, llama.cpp's server flags) when there is one, else the API's."""
+        defaults = defaults or {}
+        value = {name: getattr(self, name) if name in self.model_fields_set or name not in defaults else defaults[name]
+                 for name in SAMPLING_FIELDS}
+        return SamplingParams(**value)
 
     def stop_strings(self) -> tuple:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
