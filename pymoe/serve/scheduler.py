@@ -378,8 +378,9 @@ class Scheduler:
                                 n_generated=st.n_generated, stop_reason=st.stop_reason,
                                 queue_ms=round(job.queue_s * 1e3, 1), prompt_line=st.prompt_line(),
                                 cache_line=st.cache_line()))
-        self.log(f"slot {slot.index}: {st.prompt_line()}, {st.stop_reason}")
-        self.log(f"slot {slot.index}: {st.cache_line()}")
+        spec = ""
         if slot.spec is not None and slot.spec.stats.steps:
             self.recent[-1]["spec_line"] = slot.spec.stats.line(self.spec, slot.spec.k)
-            self.log(f"slot {slot.index}: {self.recent[-1]['spec_line']}")
+            spec = f"; {self.recent[-1]['spec_line']}"
+        # one line per request, the article's two lines joined: prompt and speed, then the expert cache
+        self.log(f"slot {slot.index} {st.stop_reason}: {st.prompt_line()}; {st.cache_line()}{spec}")
