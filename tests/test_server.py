@@ -340,3 +340,25 @@ def test_the_scheduler_queue_is_bounded_and_a_cancelled_job_frees_its_slot(model
         assert len(running.generated) < 200 and sched.outcomes["cancelled"] == 2
         after = sched.submit(greedy([1, 2, 3], 3, ignore_eos=True))  # the slot serves the next job
         assert list(after.events(timeout=30))[-1] == ("done", "length") and len(after.generated) == 3
+
+
+def test_tokenize_detokenize_apply_template(server, reference):
+    """llama.cpp's utility endpoints: the tokenizer's ids and pieces, the round trip, and the chat prompt the chat
+    endpoint runs; bad bodies are 400s naming the field."""
+    tok = reference.tokenizer
+    post = lambda path, body: httpx.post(server.url + path, json=body, headers=auth(), timeout=10)  # noqa: E731
+    r = post("/tokenize", {"content": "the cat sat"})
+    assert r.status_code == 200 and r.json()["tokens"] == tok.encode("the cat sat", add_bos=False)
+    r = post("/tokenize", {"content": "the cat", "with_pieces": True})
+    assert [p["id"] for p in r.json()["tokens"]] == tok.encode("the cat", add_bos=False)
+    assert "".join(p["piece"] for p in r.json()["tokens"]) == "the cat"
+    ids = tok.encode("hello world", add_bos=False)
+    assert post("/detokenize", {"tokens": ids}).json() == {"content": "hello world"}
+    messages = [{"role": "user", "content": "Hello there"}]
+    r = post("/apply-template", {"messages": messages})
+    assert r.json() == {"prompt": tok.apply_chat_template(messages)}
+    for path, body, param in (("/detokenize", {"tokens": [10 ** 9]}, "tokens"), ("/tokenize", {"text": "x"}, "content"),
+                              ("/apply-template", {"messages": []}, "messages")):
+        r = post(path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
+    assert httpx.post(server.url + "/tokenize", json={"content": "x"}, timeout=10).status_code == 401

@@ -32,20 +32,26 @@ from pymoe.engine.kv import kv_nbytes
 from pymoe.errors import PymoeError
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.scheduler import EngineStopped, Job, QueueFull, Scheduler
-from pymoe.serve.schemas import ApiError, ChatRequest, CompletionRequest, parse
+from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
+                                 TokenizeRequest, parse)
 
 OUTCOMES = {400: "bad_request", 401: "unauthorized", 413: "too_large", 429: "rejected"}  # /metrics labels
 
 
 # --- request -> job ----------------------------------------------------------------------------------------------
 
+def chat_prompt(req, tokenizer) -> str:
+    """messages -> the model's chat template (sandboxed) -> the prompt text (400 naming `messages` on a failure)."""
+    try:
+        return tokenizer.apply_chat_template(req.template_messages())
+    except PymoeError as e:
+        raise ApiError(400, str(e), code="invalid_value", param="messages") from None
+
+
 def prompt_ids(req, tokenizer) -> list:
     """Chat: messages -> the model's chat template (sandboxed) -> token ids. Completion: the text's ids, or the ids."""
     if isinstance(req, ChatRequest):
-        try:
-            return tokenizer.encode(tokenizer.apply_chat_template(req.template_messages()))
-        except PymoeError as e:
-            raise ApiError(400, str(e), code="invalid_value", param="messages") from None
+        return tokenizer.encode(chat_prompt(req, tokenizer))
     return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
 
 
@@ -252,6 +258,27 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(os.path.getmtime(
             engine.file.path)), "owned_by": "pymoe", "meta": {"arch": engine.config.arch, "n_ctx": engine.n_ctx}}]}
+
+    # llama.cpp's server utilities: what the tokenizer and the chat template make of an input, without a model run
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(request: Request):
+        req = parse(TokenizeRequest, await read_json(request))
+        ids = engine.tokenizer.encode(req.content, add_bos=None if req.add_special else False)  # None: as the file says
+        if not req.with_pieces:
+            return {"tokens": ids}
+        return {"tokens": [{"id": t, "piece": engine.tokenizer.decode([t])} for t in ids]}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(request: Request):
+        req = parse(DetokenizeRequest, await read_json(request))
+        n = engine.config.n_vocab
+        if any(not 0 <= t < n for t in req.tokens):
+            raise ApiError(400, f"token ids must be in 0..{n - 1}", code="invalid_value", param="tokens")
+        return {"content": engine.tokenizer.decode(req.tokens)}
+
+    @app.post("/apply-template", dependencies=guarded)
+    async def apply_template(request: Request):
+        return {"prompt": chat_prompt(parse(ApplyTemplateRequest, await read_json(request)), engine.tokenizer)}
 
     @app.get("/health")
     async def health():

@@ -194,6 +194,31 @@ class CompletionRequest(Common):
     suffix: unsupported("") = None
 
 
+# --- llama.cpp's utility endpoints -------------------------------------------------------------------------------
+
+class TokenizeRequest(Strict):
+    """POST /tokenize, as llama.cpp's server: text -> token ids (with their pieces when asked)."""
+
+    content: str = Field(description="a string")
+    add_special: bool = Field(False, description="a boolean (prepend BOS when the model adds one)")
+    with_pieces: bool = Field(False, description="a boolean")
+
+
+class DetokenizeRequest(Strict):
+    """POST /detokenize: token ids -> text."""
+
+    tokens: list[int] = Field(description="a list of token ids")
+
+
+class ApplyTemplateRequest(Strict):
+    """POST /apply-template: chat messages -> the prompt the chat endpoint would run (the model's template)."""
+
+    messages: list[Message] = Field(min_length=1, description="a non-empty list of {role, content}")
+
+    def template_messages(self) -> list:
+        return ChatRequest.template_messages(self)
+
+
 # --- pydantic's first error -> one line of OpenAI error ----------------------------------------------------------
 
 def parse(model: type, body: dict):
