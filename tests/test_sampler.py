@@ -99,3 +99,16 @@ def test_stop_string_cuts_the_stream(tiny_model):
     cut = "".join(m.stream([5, 6, 7], max_tokens=30, stop=[stop]))
     assert cut == full[: full.find(stop)]
     assert m.last_stats.stop_reason == "stop"
+
+
+def test_logit_bias_and_presence_frequency_penalties_by_hand():
+    """z = [1, 2, 3, 0]; bias +5 on token 3 -> [1, 2, 3, 5]; history [2, 2, 1] (token 2 twice, 1 once); presence 0.5,
+    frequency 1.0: z[2] = 3 - 0.5 - 2 = 0.5, z[1] = 2 - 0.5 - 1 = 0.5 -> [1, 0.5, 0.5, 5]: greedy picks 3; without the
+    bias, 0 (1.0 > 0.5)."""
+    z = np.array([1.0, 2.0, 3.0, 0.0], np.float32)
+    p = dict(temperature=0.0, presence_penalty=0.5, frequency_penalty=1.0)
+    s = Sampler(SamplingParams(**p, logit_bias=((3, 5.0),)))
+    np.testing.assert_allclose(s._penalised(z, [2, 2, 1]), [1.0, 0.5, 0.5, 5.0])
+    assert s(z, [2, 2, 1]) == 3
+    assert Sampler(SamplingParams(**p))(z, [2, 2, 1]) == 0
+    assert Sampler(SamplingParams(temperature=0.0))(z, [2, 2, 1]) == 2  # no penalties: the argmax

@@ -261,11 +261,7 @@ def post(srv, kind, fields):
 
 UNSUPPORTED = [("chat", "response_format", {"type": "json_object"}),
                ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-               ("chat", "tool_choice", "auto"), ("chat", "logit_bias", {"15": 5}),
-               ("completion", "logit_bias", {"15": 5}),
-               ("chat", "presence_penalty", 0.5), ("completion", "presence_penalty", -1),
-               ("chat", "frequency_penalty", 0.5), ("completion", "frequency_penalty", 1),
-               ("completion", "echo", True), ("chat", "logprobs", True), ("completion", "logprobs", 2),
+               ("chat", "tool_choice", "auto"), ("completion", "echo", True), ("chat", "logprobs", True), ("completion", "logprobs", 2),
                ("completion", "logprobs", 0), ("chat", "top_logprobs", 2), ("chat", "n", 2), ("completion", "n", 3),
                ("completion", "best_of", 2), ("completion", "suffix", "end")]
 
@@ -362,3 +358,21 @@ def test_tokenize_detokenize_apply_template(server, reference):
         r = post(path, body)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, r.text)
     assert httpx.post(server.url + "/tokenize", json={"content": "x"}, timeout=10).status_code == 401
+
+
+def test_logit_bias_and_penalties(server, reference):
+    """logit_bias, presence_penalty and frequency_penalty are applied (engine/sampler.py): a +100 bias makes greedy
+    decoding say that token every time; out-of-range values and foreign keys are 400s naming the field."""
+    tok = reference.tokenizer.encode(" cat", add_bos=False)[-1]
+    r = post(server, "completion", {"logit_bias": {str(tok): 100}, "temperature": 0, "max_tokens": 5})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == reference.tokenizer.decode([tok] * 5)
+    want = "".join(reference.stream("hi", max_tokens=5, frequency_penalty=1.5, presence_penalty=0.5))
+    r = post(server, "completion", {"frequency_penalty": 1.5, "presence_penalty": 0.5, "temperature": 0,
+                                    "max_tokens": 5})
+    assert r.json()["choices"][0]["text"] == want
+    for fields, param in (({"presence_penalty": 3}, "presence_penalty"), ({"frequency_penalty": -2.5},
+                          "frequency_penalty"), ({"logit_bias": {"abc": 1}}, "logit_bias"),
+                          ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"logit_bias": {"15": 500}}, "logit_bias")):
+        r = post(server, "chat", fields)
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.text)

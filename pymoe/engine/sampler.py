@@ -1,8 +1,9 @@
-"""Choosing the next token from logits: greedy, or temperature + top-k + top-p + min-p, with a repetition penalty.
+"""Choosing the next token from logits: greedy, or temperature + top-k + top-p + min-p, with logit biases and
+repetition, presence and frequency penalties.
 
 What this is: `Sampler(SamplingParams)`, a small stateful object (it owns the random generator, so a seed makes a
 whole generation reproducible). The order of the steps is llama.cpp's default sampler chain:
-    repetition penalty -> top-k -> top-p -> min-p -> temperature -> draw
+    logit bias -> repetition / presence / frequency penalties -> top-k -> top-p -> min-p -> temperature -> draw
 What this is not: stop handling (generate.py), or anything that changes logits of the model itself.
 """
 from __future__ import annotations
@@ -24,9 +25,14 @@ class SamplingParams:
     repeat_penalty: float = 1.0  # >1 discourages tokens seen in the last `repeat_last_n` (1.0: off)
     repeat_last_n: int = 64
     seed: Optional[int] = None
+    presence_penalty: float = 0.0  # OpenAI's: minus this from the logit of every token seen (same window)
+    frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the token was seen (same window)
+    logit_bias: tuple = ()  # ((token id, bias), ...): added to those logits before anything else (OpenAI, llama.cpp)
 
     def validate(self) -> "SamplingParams":
         checks = [(self.temperature >= 0, "temperature must be >= 0"), (self.top_k >= 0, "top-k must be >= 0"),
+                  (-2 <= self.presence_penalty <= 2, "presence penalty must be in [-2, 2]"),
+                  (-2 <= self.frequency_penalty <= 2, "frequency penalty must be in [-2, 2]"),
                   (0 < self.top_p <= 1, "top-p must be in (0, 1]"), (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
                   (self.repeat_penalty > 0, "repeat penalty must be > 0"),
                   (self.repeat_last_n >= 0, "repeat-last-n must be >= 0")]
@@ -77,9 +83,21 @@ class Sampler:
         return int(ids[self.rng.choice(len(ids), p=probs)])
 
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
+        """logit bias, then the repetition penalty, then presence and frequency penalties (llama.cpp's order):
+            z[t] += bias[t];  z[t] /= or *= repeat_penalty (seen t);  z[t] -= presence * [seen t] + frequency * count(t)
+        over the last `repeat_last_n` tokens of the history (prompt included)."""
         p = self.params
-        if p.repeat_last_n and p.repeat_penalty != 1.0:
-            return apply_repetition_penalty(logits, history[-p.repeat_last_n:], p.repeat_penalty)
+        if p.logit_bias:
+            logits = logits.copy()
+            for t, bias in p.logit_bias:
+                logits[t] += np.float32(bias)
+        recent = history[-p.repeat_last_n:] if p.repeat_last_n else ()
+        if p.repeat_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, recent, p.repeat_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and len(recent):
+            ids, counts = np.unique(np.asarray(recent, dtype=np.int64), return_counts=True)
+            logits = logits.copy()
+            logits[ids] -= np.float32(p.presence_penalty) + np.float32(p.frequency_penalty) * counts.astype(np.float32)
         return logits
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:

@@ -58,6 +58,7 @@ def prompt_ids(req, tokenizer) -> list:
 def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None) -> Job:
     """Check the prompt against the context and the vocabulary -> a Job (400 on what is wrong)."""
     param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    req.check_logit_bias(n_vocab)
     if not prompt:
         raise ApiError(400, "the prompt is empty", code="invalid_value", param=param)
     if min(prompt) < 0 or max(prompt) >= n_vocab:

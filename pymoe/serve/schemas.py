@@ -3,9 +3,10 @@
 Every field of /v1/chat/completions and /v1/completions is declared below as one of:
     implemented   typed, range-checked, with its default: messages / prompt, model, max_tokens,
                   max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
-                  user; and llama.cpp's top_k, min_p, repeat_penalty, ignore_eos
+                  user, presence_penalty, frequency_penalty, logit_bias; and llama.cpp's top_k, min_p,
+                  repeat_penalty, ignore_eos
     unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (n: 1, logprobs: false,
-                  presence_penalty: 0, response_format: {"type": "text"}, ...), else a 400 naming it
+                  response_format: {"type": "text"}, ...), else a 400 naming it
 A field no model declares is a 400 naming it too (extra="forbid"): nothing is accepted and silently ignored.
 JSON null means the field's default. Every 400 is one line in OpenAI's shape, {"error": {"message", "type",
 "param", "code"}}: `parse` turns pydantic's first error into it ("'max_tokens' must be an integer >= 1, got 0").
@@ -79,7 +80,8 @@ class StreamOptions(Strict):
     include_usage: bool = Field(False, description="a boolean")
 
 
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed")  # SamplingParams' names
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "presence_penalty",
+                   "frequency_penalty")  # SamplingParams' names
 
 
 class Common(Strict):
@@ -104,9 +106,10 @@ class Common(Strict):
     # OpenAI's, not implemented
     n: unsupported(1, why="one choice per request") = None
     logprobs: unsupported(False) = None
-    presence_penalty: unsupported(0) = None
-    frequency_penalty: unsupported(0) = None
-    logit_bias: unsupported({}) = None
+    presence_penalty: float = Field(0.0, ge=-2, le=2, description="a number in [-2, 2]")
+    frequency_penalty: float = Field(0.0, ge=-2, le=2, description="a number in [-2, 2]")
+    logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] = Field(
+        {}, max_length=1024, description="an object of at most 1024 token ids (as strings) -> a bias in [-100, 100]")
 
     def sampling(self, defaults: Optional[dict] = None) -> SamplingParams:
         """The request's sampling; a field the request does not set takes the server's default (`pymoe serve --temp
@@ -114,7 +117,14 @@ class Common(Strict):
         defaults = defaults or {}
         value = {name: getattr(self, name) if name in self.model_fields_set or name not in defaults else defaults[name]
                  for name in SAMPLING_FIELDS}
-        return SamplingParams(**value)
+        return SamplingParams(**value, logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias.items()))
+
+    def check_logit_bias(self, n_vocab: int) -> None:
+        """The keys of logit_bias are token ids of this model (a 400 naming logit_bias otherwise)."""
+        for key in self.logit_bias:
+            if not key.isdigit() or int(key) >= n_vocab:
+                raise ApiError(400, f"logit_bias keys must be token ids 0..{n_vocab - 1} as strings, got {key!r}",
+                               code="invalid_value", param="logit_bias")
 
     def stop_strings(self) -> tuple:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
