@@ -261,7 +261,7 @@ def post(srv, kind, fields):
 
 UNSUPPORTED = [("chat", "response_format", {"type": "json_object"}),
                ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-               ("chat", "tool_choice", "auto"), ("completion", "echo", True), ("chat", "logprobs", True), ("completion", "logprobs", 2),
+               ("chat", "tool_choice", "auto"), ("chat", "logprobs", True), ("completion", "logprobs", 2),
                ("completion", "logprobs", 0), ("chat", "top_logprobs", 2), ("chat", "n", 2), ("completion", "n", 3),
                ("completion", "best_of", 2), ("completion", "suffix", "end")]
 
@@ -376,3 +376,16 @@ def test_logit_bias_and_penalties(server, reference):
                           ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"logit_bias": {"15": 500}}, "logit_bias")):
         r = post(server, "chat", fields)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.text)
+
+
+def test_completion_echo(client, reference):
+    """echo: the prompt's text, then the completion, streamed or not (a token-id prompt decoded)."""
+    want = "".join(reference.stream("The expert cache", max_tokens=6))
+    r = client.completions.create(model="tiny", prompt="The expert cache", max_tokens=6, temperature=0, echo=True)
+    assert r.choices[0].text == "The expert cache" + want
+    chunks = client.completions.create(model="tiny", prompt="The expert cache", max_tokens=6, temperature=0,
+                                       echo=True, stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "The expert cache" + want
+    ids = reference.tokenizer.encode("The expert cache")
+    r = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, echo=True)
+    assert r.choices[0].text == reference.tokenizer.decode(ids) + want

@@ -216,10 +216,13 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         job.sink = asyncio_sink(events)
         submit(job)
         reply = Reply(kind, name)
+        # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
+        echo = "" if kind == "chat" or not req.echo else (
+            req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
         if req.stream:
-            return StreamingResponse(stream_reply(job, events, reply, req.stream_options.include_usage),
+            return StreamingResponse(stream_reply(job, events, reply, req.stream_options.include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        pieces, reason = [], None
+        pieces, reason = [echo], None
         async for ev, value in job_events(job, events, request):
             if ev == "piece":
                 pieces.append(value)
@@ -232,9 +235,11 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         return JSONResponse(reply.envelope([reply.choice("".join(pieces), reason, stream=False)], stream=False,
                                            usage=usage_of(job.stats), timings=timings_of(job)))
 
-    async def stream_reply(job: Job, events: asyncio.Queue, reply: Reply, include_usage: bool):
+    async def stream_reply(job: Job, events: asyncio.Queue, reply: Reply, include_usage: bool, echo: str = ""):
         if reply.kind == "chat":
             yield sse(reply.envelope([reply.choice("", None, stream=True, role=True)], stream=True))
+        if echo:
+            yield sse(reply.envelope([reply.choice(echo, None, stream=True)], stream=True))
         async for ev, value in job_events(job, events):
             if ev == "piece":
                 yield sse(reply.envelope([reply.choice(value, None, stream=True)], stream=True))

@@ -3,7 +3,7 @@
 Every field of /v1/chat/completions and /v1/completions is declared below as one of:
     implemented   typed, range-checked, with its default: messages / prompt, model, max_tokens,
                   max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
-                  user, presence_penalty, frequency_penalty, logit_bias; and llama.cpp's top_k, min_p,
+                  user, presence_penalty, frequency_penalty, logit_bias, echo; and llama.cpp's top_k, min_p,
                   repeat_penalty, ignore_eos
     unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (n: 1, logprobs: false,
                   response_format: {"type": "text"}, ...), else a 400 naming it
@@ -199,7 +199,7 @@ def _one_prompt(p):
 class CompletionRequest(Common):
     prompt: Annotated[Union[str, Annotated[list[int], Field(min_length=1)]], BeforeValidator(_one_prompt)] = Field(
         description="a string or a list of token ids (one prompt per request)")
-    echo: unsupported(False) = None
+    echo: bool = Field(False, description="a boolean (the prompt's text before the completion)")
     best_of: unsupported(1) = None
     suffix: unsupported("") = None
 
