@@ -52,6 +52,7 @@ def main():
           f"top-{engine.config.n_expert_used}; greedy, {args.tokens} tokens, k={args.spec_k}, median of {args.runs}")
     print(f"{'prompt':<7} {'drafter':<20} {'tok/s':>8} {'speed-up':>8} {'accept':>7} {'tok/step':>8} "
           f"{'experts/step verify':>20} {'single':>7}")
+    engine.model.count_experts = True  # the plain runs' experts per step too (speculation turns it on itself)
     run_once(engine, engine.tokenizer.encode("warm up"), 8, None)  # compile, page in
     for kind, text in PROMPTS.items():
         ids = engine.tokenizer.encode(text)

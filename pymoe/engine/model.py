@@ -69,7 +69,8 @@ class Model:
         self.cache = cache
         self.trace = None  # a trace.TraceRecorder, when routing is being recorded (`pymoe run --trace`)
         self.chunk = 512  # most prompt tokens per forward call (prefill)
-        self.last_experts = 0
+        self.last_experts = 0  # distinct (layer, expert) pairs the last forward routed to, while `count_experts`
+        self.count_experts = False  # set by speculation (engine/speculative.py), whose telemetry reports them
         self.on_hidden = None  # f(first position, hidden [T, D]) after the output norm, when set (engine/mtp.py)
         self.lookahead = None  # experts/prefetch.Lookahead, when set (`pymoe run --lookahead`)
         cfg, b, t = self.cfg, backend, gguf_model.tensor
@@ -83,13 +84,15 @@ class Model:
         # host KV cache, their weights in host memory; the experts of those layers still go through the device.
         self.host_attention = any(p.attention in HOST_ATTENTION for p in self.plan)
         bar = tqdm(self.plan, desc="loading", unit="layer", disable=None if progress else True, leave=False)  # TTY only
-        self.layers = [self._layer(p) for p in bar]
+        self.layers = [self.layer_for(p) for p in bar]
 
     def attention_backend(self, plan: LayerPlan):
         """The backend a layer's attention runs on: the model's, or its host side for kinds the device lacks."""
         return getattr(self.backend, "host_backend", self.backend) if plan.attention in HOST_ATTENTION else self.backend
 
-    def _layer(self, plan: LayerPlan) -> Layer:
+    def layer_for(self, plan: LayerPlan) -> Layer:
+        """The weights of the layer `plan` describes, prepared for the backend (the MTP block is built this way
+        too: engine/mtp.py)."""
         cfg, b, i = self.cfg, self.attention_backend(plan), plan.index  # b: the attention's weights; bf: the FFN's
         bf = self.backend
         lt = lambda name: self.file.layer_tensor(i, name)  # noqa: E731
@@ -166,7 +169,7 @@ class Model:
         x = self.embed(tokens)  # [T, D]
         norm = self.backend.rmsnorm
         rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size))  # for all layers
-        self.last_experts = 0  # distinct (layer, expert) pairs this call routed to (speculative.SpecStats)
+        self.last_experts = 0
         for i, layer in enumerate(self.layers):
             x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
             h = norm(x, layer.ffn_norm, cfg.rms_eps)
@@ -176,7 +179,7 @@ class Model:
                 if ids is not None:
                     self.lookahead.chosen(i, ids)
                 self.lookahead.after_layer(i, x)
-            if ids is not None:
+            if self.count_experts and ids is not None:
                 self.last_experts += np.unique(ids).size
             if self.trace is not None and ids is not None:  # a decode forward of several positions: speculation's
                 self.trace.record(i, ids, w, "verify" if phase == "decode" and tokens.size > 1 else phase)

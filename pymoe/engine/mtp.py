@@ -38,7 +38,7 @@ class MTPHead:
                              "file has none")
         self.model, self.plan, L = model, plan, plan.index
         b, t = model.backend, model.file.get
-        self.layer = model._layer(plan)  # the trunk's layer code reads blk.{L}.* like any layer
+        self.layer = model.layer_for(plan)  # the trunk's layer code reads blk.{L}.* like any layer
         self.eh_proj = b.dense(t(f"blk.{L}.nextn.eh_proj.weight"))  # [D, 2D]
         self.enorm = b.vector(t(f"blk.{L}.nextn.enorm.weight"))
         self.hnorm = b.vector(t(f"blk.{L}.nextn.hnorm.weight"))

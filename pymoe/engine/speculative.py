@@ -35,7 +35,7 @@ busy; batched steps otherwise).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -114,7 +114,7 @@ class SpecStats:
     verify_experts: int = 0  # distinct (layer, expert) pairs summed over the verification forwards
     single_steps: int = 0  # plain one-token decode steps (the drafter had nothing to propose)
     single_experts: int = 0
-    rollbacks: int = field(default=0)  # recurrent state restored and re-advanced after a rejection
+    rollbacks: int = 0  # recurrent state restored and re-advanced after a rejection
     pauses: int = 0  # times drafting paused for BACKOFF_PAUSE steps (speculation was slower than plain steps)
 
     @property
@@ -165,11 +165,14 @@ class Speculator:
         return float(np.mean(self.kept)) < BACKOFF_MIN_KEPT
 
     def begin(self, model) -> None:
-        """Before the prompt's prefill: a drafter that reads the model's hidden states (mtp) hooks in."""
+        """Before the prompt's prefill: the model counts experts per forward, and a drafter that reads the model's
+        hidden states (mtp) hooks in."""
+        model.count_experts = True
         if hasattr(self.drafter, "attach"):
             self.drafter.attach(model)
 
     def end(self, model) -> None:
+        model.count_experts = False
         if hasattr(self.drafter, "detach"):
             self.drafter.detach(model)
 

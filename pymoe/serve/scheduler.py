@@ -38,7 +38,7 @@ from pymoe.engine.batch import decode_batch
 from pymoe.engine.generate import RequestStats, TextStream
 from pymoe.engine.kv import new_kv
 from pymoe.engine.sampler import Sampler, SamplingParams
-from pymoe.engine.speculative import SpecStats, parse_spec
+from pymoe.engine.speculative import SpecStats, Speculator, parse_spec
 from pymoe.errors import PymoeError
 from pymoe.experts.cache import COUNTERS
 
@@ -148,8 +148,9 @@ class Scheduler:
                 raise PymoeError("--spec mtp is not supported by pymoe serve yet (the MTP drafter follows one "
                                  "sequence's hidden states; batched steps do not keep them): use it with pymoe run, "
                                  "or serve with --spec ngram or --spec draft:FILE")
-            for slot in self.slots:
-                slot.spec = engine.speculator(spec, spec_k, backend="cpu")
+            drafter = engine.speculator(spec, spec_k, backend="cpu").drafter  # one: a draft model loads once
+            for slot in self.slots:  # a Speculator per slot: its own counters and back-off timing
+                slot.spec = Speculator(drafter, spec_k)
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)  # jobs waiting for a slot
         self.max_queue = max_queue
         self.lock = threading.Lock()
@@ -296,10 +297,7 @@ class Scheduler:
         t0 = time.perf_counter()
         logits = decode_batch(self.model, [s.job.next_token for s in active], [s.kv for s in active], counts)
         dt = time.perf_counter() - t0
-        with self.lock:
-            self.totals["decode_seconds"] += dt
-            self.last["decode_tok_s"], self.last["batch"] = len(active) / dt if dt > 0 else 0.0, len(active)
-            self.max_batch = max(self.max_batch, len(active))
+        self._account_step(dt, len(active), len(active))
         for s, row in zip(active, logits):
             s.tokens.append(s.job.next_token)
             s.job.stats.decode_s += dt
@@ -318,16 +316,20 @@ class Scheduler:
         for name in st.decode:
             st.decode[name] += after[name] - before[name]
         s.tokens.extend([pending] + tokens[:-1])  # in the KV cache now: the pending token and the kept drafts
-        with self.lock:
-            self.totals["decode_seconds"] += dt
-            self.last["decode_tok_s"], self.last["batch"] = len(tokens) / dt if dt > 0 else 0.0, 1
-            self.max_batch = max(self.max_batch, 1)
+        self._account_step(dt, len(tokens), 1)
         st.decode_s += dt
         for token in tokens:
             st.n_decoded += 1
             self._take(s, token)
             if s.job is not job:  # finished (stop, length): the tokens after it are dropped
                 return
+
+    def _account_step(self, dt: float, n_tokens: int, batch: int) -> None:
+        """A decode step's share of the server's counters: seconds, tokens per second, batch size."""
+        with self.lock:
+            self.totals["decode_seconds"] += dt
+            self.last["decode_tok_s"], self.last["batch"] = n_tokens / dt if dt > 0 else 0.0, batch
+            self.max_batch = max(self.max_batch, batch)
 
     def _advance(self, slot: Slot, logits: np.ndarray) -> None:
         """Sample the slot's next token and pass it on (`_take`)."""
