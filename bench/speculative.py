@@ -29,6 +29,7 @@ PROMPTS = {
 
 
 def run_once(engine, ids, n, spec):
+    engine.model.count_experts = True  # plain runs count experts per step too (a speculator turns it off at its end)
     t0 = time.perf_counter()
     out = list(engine.generate(ids, max_tokens=n, stop_at_eos=False, spec=spec))
     return out, engine.last_stats, time.perf_counter() - t0
@@ -52,7 +53,6 @@ def main():
           f"top-{engine.config.n_expert_used}; greedy, {args.tokens} tokens, k={args.spec_k}, median of {args.runs}")
     print(f"{'prompt':<7} {'drafter':<20} {'tok/s':>8} {'speed-up':>8} {'accept':>7} {'tok/step':>8} "
           f"{'experts/step verify':>20} {'single':>7}")
-    engine.model.count_experts = True  # the plain runs' experts per step too (speculation turns it on itself)
     run_once(engine, engine.tokenizer.encode("warm up"), 8, None)  # compile, page in
     for kind, text in PROMPTS.items():
         ids = engine.tokenizer.encode(text)
