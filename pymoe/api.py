@@ -157,20 +157,26 @@ class Engine:
         return [int(t) for t in prompt]
 
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, chat: bool = False,
-                 stop_at_eos: bool = True, spec=None, **sampling) -> Iterator[int]:
+                 stop_at_eos: bool = True, spec=None, grammar=None, **sampling) -> Iterator[int]:
         """New token ids after the prompt (text or ids). `sampling`: SamplingParams fields (temperature, seed...).
-        spec: a Speculator (`speculator`), for speculative decoding."""
+        spec: a Speculator (`speculator`), for speculative decoding. grammar: an engine/grammar.Grammar the output
+        follows."""
         self.last_stats = RequestStats()
         is_stop = self.tokenizer.is_eog if stop_at_eos else (lambda t: False)
         return generate_tokens(self.model, self.encode_prompt(prompt, chat), max_tokens,
-                               Sampler(SamplingParams(**sampling)), is_stop, self.n_ctx, self.last_stats, spec)
+                               self._sampler(sampling, grammar, spec), is_stop, self.n_ctx, self.last_stats, spec)
 
     def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, chat: bool = False,
-               stop: Sequence[str] = (), spec=None, **sampling) -> Iterator[str]:
+               stop: Sequence[str] = (), spec=None, grammar=None, **sampling) -> Iterator[str]:
         """Text pieces of the answer, stop strings applied; telemetry in `last_stats`."""
         self.last_stats = RequestStats()
         return stream_text(self.model, self.tokenizer, self.encode_prompt(prompt, chat), max_tokens,
-                           Sampler(SamplingParams(**sampling)), stop, self.n_ctx, self.last_stats, spec)
+                           self._sampler(sampling, grammar, spec), stop, self.n_ctx, self.last_stats, spec)
+
+    def _sampler(self, sampling: dict, grammar, spec) -> Sampler:
+        if grammar is not None and spec is not None:
+            raise PymoeError("speculative decoding does not take a grammar (a draft would move its position)")
+        return Sampler(SamplingParams(**sampling), constraint=grammar.constraint(self.tokenizer) if grammar else None)
 
     def speculator(self, spec: str, k: int = 4, **draft_options):
         """`spec` "ngram" or "draft:FILE" -> an engine/speculative.Speculator for generate/stream (one per request:

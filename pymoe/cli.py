@@ -177,6 +177,28 @@ def _load(model, ctx, chat_template, log, **engine_opts):
     return engine
 
 
+def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
+    """run's --grammar / --grammar-file / --json-schema / --json-schema-file (at most one) -> a Grammar, or None."""
+    from .engine.grammar import Grammar
+
+    given = [(flag, value) for flag, value in (("--grammar", grammar), ("--grammar-file", grammar_file),
+             ("--json-schema", json_schema), ("--json-schema-file", json_schema_file)) if value is not None]
+    if len(given) > 1:
+        raise PymoeError(f"{given[0][0]} and {given[1][0]} both constrain the output: give one")
+    if not given:
+        return None
+    flag, value = given[0]
+    if flag.endswith("-file"):
+        try:
+            value = open(value, encoding="utf-8").read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise PymoeError(f"{flag} {value}: {e.strerror if isinstance(e, OSError) else 'not UTF-8 text'}") from None
+    try:
+        return Grammar.from_request("gbnf" if flag.startswith("--grammar") else "json_schema", value)
+    except PymoeError as e:
+        raise PymoeError(f"{flag}: {e}") from None
+
+
 @cli.command("run")
 @click.argument("model", required=False)
 @click.option("-p", "--prompt", default=None,
@@ -198,9 +220,14 @@ def _load(model, ctx, chat_template, log, **engine_opts):
 @click.option("--lookahead", default=0, show_default=True,
               help="Router lookahead: predict N experts per token of each next MoE layer one layer early, report "
                    "precision/recall, madvise them WILLNEED (0: off).")
+@click.option("--grammar", default=None, help="Constrain the output to this GBNF grammar (llama.cpp's).")
+@click.option("--grammar-file", default=None, help="... read from this file.")
+@click.option("-j", "--json-schema", default=None, help="Constrain the output to JSON following this JSON schema.")
+@click.option("--json-schema-file", default=None, help="... read from this file.")
 @engine_options
 def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_k, top_p, min_p, repeat_penalty, seed,
-            stop, model_opt, ctx, chat_template, trace_path, spec, spec_k, lookahead, **engine_opts):
+            stop, model_opt, ctx, chat_template, trace_path, spec, spec_k, lookahead, grammar, grammar_file,
+            json_schema, json_schema_file, **engine_opts):
     """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
 
     With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
@@ -232,6 +259,9 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         raise PymoeError("give a prompt with -p PROMPT, -f FILE or on standard input (or chat: pymoe chat MODEL)")
     temp = 0.0 if temp is None else temp
     repeat_penalty = 1.0 if repeat_penalty is None else repeat_penalty
+    output_grammar = _output_grammar(grammar, grammar_file, json_schema, json_schema_file)
+    if output_grammar is not None and spec:
+        raise PymoeError("--spec does not take a grammar (a draft would move its position): use one of them")
 
     if spec:
         from .engine.speculative import parse_spec
@@ -252,7 +282,8 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         engine.model.lookahead = Lookahead(engine.model, k=lookahead)
     recorder = engine.record_trace() if trace_path else None
     pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
-                           top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, spec=speculator)
+                           top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, spec=speculator,
+                           grammar=output_grammar)
     if not chat:
         click.echo(prompt, nl=False)  # like llama.cpp: the continuation reads on from the prompt
     for piece in pieces:

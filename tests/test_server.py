@@ -9,10 +9,12 @@ own, without HTTP: batched jobs give one-at-a-time tokens; the bounded queue; ca
 Every request has a timeout; every loop is bounded.
 """
 import json
+import re
 import threading
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -259,10 +261,8 @@ def post(srv, kind, fields):
     return httpx.post(srv.url + path, headers=auth(), json={**base, "max_tokens": 2, **fields}, timeout=30)
 
 
-UNSUPPORTED = [("chat", "response_format", {"type": "json_object"}),
-               ("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-               ("chat", "tool_choice", "auto"), ("chat", "logprobs", True), ("completion", "logprobs", 2),
-               ("completion", "logprobs", 0), ("chat", "top_logprobs", 2), ("chat", "n", 2), ("completion", "n", 3),
+UNSUPPORTED = [("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+               ("chat", "tool_choice", "auto"), ("chat", "n", 2), ("completion", "n", 3),
                ("completion", "best_of", 2), ("completion", "suffix", "end")]
 
 
@@ -389,3 +389,133 @@ def test_completion_echo(client, reference):
     ids = reference.tokenizer.encode("The expert cache")
     r = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, echo=True)
     assert r.choices[0].text == reference.tokenizer.decode(ids) + want
+
+
+# --- structured output and log-probabilities --------------------------------------------------------------------
+
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "pet"],
+          "properties": {"name": {"type": "string", "maxLength": 8}, "age": {"type": "integer", "minimum": 0,
+                         "maximum": 120}, "pet": {"enum": ["cat", "dog", "none"]}}}
+
+
+def check_person(text):
+    """The schema checked by hand with Python's json module (independent of the grammar library)."""
+    obj = json.loads(text)
+    assert set(obj) == {"name", "age", "pet"}, text
+    assert isinstance(obj["name"], str) and len(obj["name"]) <= 8, text
+    assert type(obj["age"]) is int and 0 <= obj["age"] <= 120, text
+    assert obj["pet"] in ("cat", "dog", "none"), text
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_response_format_json_schema_output_parses_and_follows_the_schema(client, seed):
+    """The tiny model's random weights write no JSON on their own: every object below is the grammar's doing
+    (engine/grammar.py masks the logits). Sampled at temperature 1, streamed and not."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    msgs = [{"role": "user", "content": "a person"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, response_format=fmt, max_tokens=120,
+                                       temperature=1, seed=seed)
+    assert r.choices[0].finish_reason == "stop", r.choices[0].message.content
+    check_person(r.choices[0].message.content)
+    chunks = client.chat.completions.create(model="tiny", messages=msgs, response_format=fmt, max_tokens=120,
+                                            temperature=1, seed=seed, stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == r.choices[0].message.content  # same seed, same draws
+
+
+def test_unconstrained_output_is_not_json(client):
+    """The control for the test above: without response_format the same requests do not parse."""
+    for seed in (1, 2, 3):
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "a person"}],
+                                           max_tokens=40, temperature=1, seed=seed)
+        with pytest.raises(ValueError):
+            json.loads(r.choices[0].message.content)
+
+
+def test_json_object_mode_and_llamacpp_grammar_fields(server, client):
+    """response_format json_object -> a JSON object; llama.cpp's `grammar` (GBNF) and `json_schema` fields on
+    completions."""
+    r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "json"}], max_tokens=60,
+                                       temperature=1, seed=5, response_format={"type": "json_object"})
+    if r.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(r.choices[0].message.content), dict)
+    else:  # cut at max_tokens: a prefix of an object
+        assert r.choices[0].message.content.startswith("{")
+    for seed in range(4):
+        r = post(server, "completion", {"grammar": 'root ::= ("yes" | "no") "." [0-9]', "temperature": 1,
+                                        "seed": seed, "max_tokens": 20})
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and re.fullmatch(r"(yes|no)\.[0-9]", choice["text"]), r.text
+    r = post(server, "completion", {"json_schema": PERSON, "temperature": 1, "seed": 9, "max_tokens": 120})
+    check_person(r.json()["choices"][0]["text"])
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "strnig"}}}},
+     "response_format"),
+    ({"response_format": {"type": "json_object", "json_schema": {"name": "x", "schema": {}}}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"grammar": "root ::= missing"}, "grammar"), ({"grammar": "root := 'x'"}, "grammar"),
+    ({"grammar": 'root ::= "x"', "response_format": {"type": "json_object"}}, "grammar"),
+    ({"logprobs": False, "top_logprobs": 2}, "top_logprobs"), ({"logprobs": True, "top_logprobs": 21}, "top_logprobs")])
+def test_a_bad_grammar_or_logprobs_request_is_a_400_naming_it(server, fields, param):
+    r = post(server, "chat", fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def log_softmax(z):
+    z = z.astype(np.float64)
+    return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+
+# Reference logits come from one prefill over prompt + answer, the server's from a prefill then batched one-token
+# decode steps (f32 KV both). On this model they agreed to 4e-16 (measured); 1e-4 leaves room for another summation
+# order and still catches a wrong row, a missing normalisation (log p off by log Z, here > 1) or a temperature.
+LOGPROB_TOL = 1e-4
+
+
+def greedy_with_logits(reference, prompt, n):
+    """n greedy tokens after `prompt`, and the logits [len(prompt) + n, V] of one prefill over all of them."""
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(np.argmax(reference.logits(prompt + tokens)[-1])))
+    return tokens, reference.logits(prompt + tokens)
+
+
+def test_chat_logprobs_are_the_log_softmax_of_the_logits(client, reference):
+    msgs = [{"role": "user", "content": "The expert cache"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    prompt = reference.tokenizer.encode(reference.tokenizer.apply_chat_template(msgs))
+    tokens, logits = greedy_with_logits(reference, prompt, len(content))
+    assert len(content) == r.usage.completion_tokens == 6
+    assert "".join(e.token for e in content) == r.choices[0].message.content
+    for i, e in enumerate(content):
+        lp = log_softmax(logits[len(prompt) - 1 + i])  # [V] the distribution of answer token i
+        assert bytes(e.bytes) == reference.tokenizer.token_bytes(tokens[i])
+        assert abs(e.logprob - lp[tokens[i]]) < LOGPROB_TOL
+        best = np.argsort(-lp, kind="stable")[:3]
+        assert [bytes(a.bytes) for a in e.top_logprobs] == [reference.tokenizer.token_bytes(int(t)) for t in best]
+        assert np.allclose([a.logprob for a in e.top_logprobs], lp[best], atol=LOGPROB_TOL)
+    chunks = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=6, temperature=0, logprobs=True,
+                                            top_logprobs=3, stream=True)
+    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+
+
+def test_completion_logprobs(client, reference):
+    r = client.completions.create(model="tiny", prompt="The expert cache", max_tokens=5, temperature=0, logprobs=2,
+                                  echo=True)
+    lp_obj, text = r.choices[0].logprobs, r.choices[0].text
+    prompt = reference.tokenizer.encode("The expert cache")
+    tokens, logits = greedy_with_logits(reference, prompt, 5)
+    assert "The expert cache" + "".join(lp_obj.tokens) == text
+    assert lp_obj.text_offset[0] == len("The expert cache")
+    assert all(text[o:].startswith(t) for o, t in zip(lp_obj.text_offset, lp_obj.tokens))
+    for i in range(5):
+        lp = log_softmax(logits[len(prompt) - 1 + i])
+        assert abs(lp_obj.token_logprobs[i] - lp[tokens[i]]) < LOGPROB_TOL
+        assert len(lp_obj.top_logprobs[i]) <= 2 and max(lp_obj.top_logprobs[i].values()) == pytest.approx(
+            lp.max(), abs=LOGPROB_TOL)

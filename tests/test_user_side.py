@@ -1,6 +1,7 @@
 """The user's side of the CLI (issue "The user's side"): `pymoe chat` driven through a pseudo-terminal (pexpect)
 as a person types, llama.cpp's flag names, prompts from files and standard input, the tools as installed commands,
 and logs without progress-bar fragments when not on a terminal."""
+import json
 import os
 import subprocess
 import sys
@@ -116,3 +117,21 @@ def test_server_uses_its_sampling_defaults_end_to_end(tiny_model):
         texts = [client.completions.create(model="tiny", prompt="the cat", max_tokens=12).choices[0].text
                  for _ in range(2)]  # no temperature in the request: the server's 0, not the API's 1
     assert texts == [want, want]
+
+
+def test_run_with_a_grammar_or_a_json_schema(tmp_path):
+    """llama.cpp's --grammar / --grammar-file / -j: the demo model (trained on Python code) writes inside them."""
+    r = run_pymoe("run", "-p", "answer: ", "-n", "30", "--temp", "0.8", "--grammar", 'root ::= ("yes" | "no") "."')
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.rstrip("\n") in ("answer: yes.", "answer: no."), r.stdout
+    schema = tmp_path / "s.json"
+    schema.write_text('{"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}}, '
+                      '"required": ["n"], "additionalProperties": false}')
+    r = run_pymoe("run", "-p", "x = ", "-n", "30", "--temp", "0", "--json-schema-file", str(schema))
+    assert r.returncode == 0, r.stderr
+    value = json.loads(r.stdout[len("x = "):])
+    assert list(value) == ["n"] and value["n"] in range(10), r.stdout
+    for bad in (["--grammar", "root := 1"], ["-j", "{", "--grammar", "root ::= [a]"], ["--grammar-file", "/nope"]):
+        r = run_pymoe("run", "-p", "x", *bad)
+        assert r.returncode == 2 and len(r.stderr.strip().splitlines()[-1]) < 200 and "Traceback" not in r.stderr
+        assert r.stderr.strip().splitlines()[-1].startswith("pymoe: error: --"), r.stderr

@@ -1,9 +1,14 @@
-"""Choosing the next token from logits: greedy, or temperature + top-k + top-p + min-p, with logit biases and
-repetition, presence and frequency penalties.
+"""Choosing the next token from logits: greedy, or temperature + top-k + top-p + min-p, with logit biases,
+repetition, presence and frequency penalties, and a grammar.
 
-What this is: `Sampler(SamplingParams)`, a small stateful object (it owns the random generator, so a seed makes a
-whole generation reproducible). The order of the steps is llama.cpp's default sampler chain:
-    logit bias -> repetition / presence / frequency penalties -> top-k -> top-p -> min-p -> temperature -> draw
+What this is: `Sampler(SamplingParams, constraint=None, top_logprobs=None)`, a small stateful object (it owns the
+random generator, so a seed makes a whole generation reproducible, and the grammar's position). The order of the
+steps is llama.cpp's default sampler chain, with the grammar first:
+    grammar mask -> logit bias -> repetition / presence / frequency penalties -> top-k -> top-p -> min-p
+    -> temperature -> draw
+With `top_logprobs` (0 or more) the sampler records, for each token it draws, its log-probability and the n most
+likely tokens' (`last_logprobs`): the log-softmax of the logits after the mask, bias and penalties, before top-k/p
+and temperature: the model's distribution as the request shaped it, not the truncated one the draw used.
 What this is not: stop handling (generate.py), or anything that changes logits of the model itself.
 """
 from __future__ import annotations
@@ -70,23 +75,47 @@ def filter_candidates(logits: np.ndarray, top_k: int, top_p: float, min_p: float
     return order, cand
 
 
+def log_probs(z: np.ndarray, token: int, top: int) -> tuple:
+    """log-softmax of z [V] -> (log p(token), [(id, log p)] for the `top` most likely, most likely first)."""
+    z = z.astype(np.float64)
+    lse = z.max() + np.log(np.exp(z - z.max()).sum())  # [] log sum exp, shifted so the largest term is exp(0)
+    best = np.argsort(-z, kind="stable")[:top]
+    return float(z[token] - lse), [(int(t), float(z[t] - lse)) for t in best]
+
+
 class Sampler:
-    def __init__(self, params: SamplingParams = SamplingParams()):
+    def __init__(self, params: SamplingParams = SamplingParams(), constraint=None, top_logprobs: Optional[int] = None):
+        """constraint: a grammar.Constraint (the draw stays inside its grammar, and it follows each token drawn).
+        top_logprobs: None (no log-probabilities), else how many alternatives to record beside the drawn token."""
         self.params = params.validate()
         self.rng = np.random.default_rng(params.seed)
+        self.constraint, self.top_logprobs = constraint, top_logprobs
+        self.last_logprobs: Optional[tuple] = None  # (log p(token), [(id, log p)] * top_logprobs) of the last draw
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits float32 [V] -> the next token id."""
         if self.params.temperature == 0.0:
-            return int(np.argmax(self._penalised(logits, history)))
-        ids, probs = self.distribution(logits, history)
-        return int(ids[self.rng.choice(len(ids), p=probs)])
+            z = self._penalised(logits, history)
+            token = int(np.argmax(z))
+        else:
+            z = self._penalised(logits, history)
+            ids, probs = self._distribution(z)
+            token = int(ids[self.rng.choice(len(ids), p=probs)])
+        if self.top_logprobs is not None:
+            self.last_logprobs = log_probs(z, token, self.top_logprobs)
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
 
     def _penalised(self, logits: np.ndarray, history: Sequence[int]) -> np.ndarray:
-        """logit bias, then the repetition penalty, then presence and frequency penalties (llama.cpp's order):
-            z[t] += bias[t];  z[t] /= or *= repeat_penalty (seen t);  z[t] -= presence * [seen t] + frequency * count(t)
+        """The grammar's mask, then logit bias, then the repetition penalty, then presence and frequency penalties
+        (llama.cpp's order):
+            z[t] = -inf (t outside the grammar);  z[t] += bias[t];  z[t] /= or *= repeat_penalty (seen t);
+            z[t] -= presence * [seen t] + frequency * count(t)
         over the last `repeat_last_n` tokens of the history (prompt included)."""
         p = self.params
+        if self.constraint is not None:
+            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf)).astype(np.float32)
         if p.logit_bias:
             logits = logits.copy()
             for t, bias in p.logit_bias:
@@ -102,8 +131,11 @@ class Sampler:
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The distribution a draw at temperature > 0 samples from: (candidate ids [C], probabilities [C])."""
+        return self._distribution(self._penalised(logits, history))
+
+    def _distribution(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
-        ids, cand = filter_candidates(self._penalised(logits, history), p.top_k, p.top_p, p.min_p)
+        ids, cand = filter_candidates(z, p.top_k, p.top_p, p.min_p)
         z = cand / p.temperature
         probs = np.exp(z - z.max())
         return ids, probs / probs.sum()
@@ -115,6 +147,8 @@ class Sampler:
         all its mass on `draft`): keep it with probability p(draft), else draw from p with `draft` removed and the
         rest renormalised. Then P(draft) = p(draft) and P(x) = (1 - p(draft)) p(x) / (1 - p(draft)) = p(x) for
         every other x: the target distribution exactly (Leviathan et al. 2023's rule with q one-hot)."""
+        if self.constraint is not None:
+            raise PymoeError("speculative decoding does not take a grammar (a draft would move its position)")
         if self.params.temperature == 0.0:
             x = self(logits, history)
             return x, x == draft

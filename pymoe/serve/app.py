@@ -68,7 +68,8 @@ def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dic
                             "(room is needed for at least one generated token)", code="context_length_exceeded",
                        param=param)
     return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=req.sampling(defaults),
-               stop=req.stop_strings(), ignore_eos=req.ignore_eos)
+               stop=req.stop_strings(), ignore_eos=req.ignore_eos, grammar=req.output_grammar(),
+               top_logprobs=req.top_logprobs_n())
 
 
 def asyncio_sink(queue: asyncio.Queue):
@@ -120,18 +121,39 @@ def timings_of(job: Job) -> dict:
 class Reply:
     """The JSON shapes of one answer: chat (chat.completion[.chunk]) or completion (text_completion)."""
 
-    def __init__(self, kind: str, model: str):
-        self.kind, self.model = kind, model
+    def __init__(self, kind: str, model: str, tokenizer=None):
+        self.kind, self.model, self.tokenizer = kind, model, tokenizer
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
+        self.text_offset = 0  # completions' logprobs: where the next token's text starts in the answer
 
-    def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False) -> dict:
+    def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False,
+               logprobs: Optional[list] = None) -> dict:
+        """logprobs: the scheduler's ("logprobs", ...) values of the tokens in `text` (None: not asked for)."""
+        lp = None if logprobs is None else self.logprobs(logprobs)
         if self.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": reason}
+            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
         msg = {"role": "assistant"} if role or not stream else {}
         if text is not None:
             msg["content"] = text
-        return {"index": 0, "delta" if stream else "message": msg, "logprobs": None, "finish_reason": reason}
+        return {"index": 0, "delta" if stream else "message": msg, "logprobs": lp, "finish_reason": reason}
+
+    def logprobs(self, entries: list) -> dict:
+        """[(id, logp, [(id, logp)])] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or
+        completions' {tokens, token_logprobs, top_logprobs: [{text: logp}], text_offset}."""
+        def text(t):
+            return self.tokenizer.token_bytes(t).decode("utf-8", errors="replace")
+
+        if self.kind == "chat":
+            def one(t, lp):
+                return {"token": text(t), "logprob": lp, "bytes": list(self.tokenizer.token_bytes(t))}
+            return {"content": [{**one(t, lp), "top_logprobs": [one(u, lu) for u, lu in top]} for t, lp, top in entries]}
+        offsets = []
+        for t, _, _ in entries:
+            offsets.append(self.text_offset)
+            self.text_offset += len(text(t))
+        return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
+                "top_logprobs": [{text(u): lu for u, lu in top} for _, _, top in entries], "text_offset": offsets}
 
     def envelope(self, choices: list, stream: bool, **extra) -> dict:
         obj = "text_completion" if self.kind == "completion" else "chat.completion" + (".chunk" if stream else "")
@@ -215,24 +237,29 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         events: asyncio.Queue = asyncio.Queue()
         job.sink = asyncio_sink(events)
         submit(job)
-        reply = Reply(kind, name)
+        reply = Reply(kind, name, engine.tokenizer)
         # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
         echo = "" if kind == "chat" or not req.echo else (
             req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
+        reply.text_offset = len(echo)
         if req.stream:
             return StreamingResponse(stream_reply(job, events, reply, req.stream_options.include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         pieces, reason = [echo], None
+        logprobs = [] if job.top_logprobs is not None else None
         async for ev, value in job_events(job, events, request):
             if ev == "piece":
                 pieces.append(value)
+            elif ev == "logprobs":
+                logprobs.append(value)
             elif ev == "error":
                 raise ApiError(500, value)
             else:
                 reason = value
         if reason is None:  # the client went away; nobody reads this
             return JSONResponse({}, status_code=499)
-        return JSONResponse(reply.envelope([reply.choice("".join(pieces), reason, stream=False)], stream=False,
+        return JSONResponse(reply.envelope([reply.choice("".join(pieces), reason, stream=False, logprobs=logprobs)],
+                                           stream=False,
                                            usage=usage_of(job.stats), timings=timings_of(job)))
 
     async def stream_reply(job: Job, events: asyncio.Queue, reply: Reply, include_usage: bool, echo: str = ""):
@@ -240,14 +267,18 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             yield sse(reply.envelope([reply.choice("", None, stream=True, role=True)], stream=True))
         if echo:
             yield sse(reply.envelope([reply.choice(echo, None, stream=True)], stream=True))
+        logprobs = [] if job.top_logprobs is not None else None  # the tokens whose text is not sent yet
         async for ev, value in job_events(job, events):
-            if ev == "piece":
-                yield sse(reply.envelope([reply.choice(value, None, stream=True)], stream=True))
+            if ev == "logprobs":
+                logprobs.append(value)
+            elif ev == "piece":
+                yield sse(reply.envelope([reply.choice(value, None, stream=True, logprobs=logprobs)], stream=True))
+                logprobs = [] if logprobs is not None else None
             elif ev == "error":
                 yield sse(ApiError(500, value).body())
             else:
-                yield sse(reply.envelope([reply.choice(None, value, stream=True)], stream=True,
-                                         timings=timings_of(job)))
+                yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs or None)],
+                                         stream=True, timings=timings_of(job)))
                 if include_usage:
                     yield sse(reply.envelope([], stream=True, usage=usage_of(job.stats)))
         yield "data: [DONE]\n\n"

@@ -2,7 +2,8 @@
 
     job = Job(prompt_ids=[...], max_tokens=32, sampling=SamplingParams(temperature=0))
     scheduler.submit(job)                 # QueueFull (the queue is full) / EngineStopped, else queued
-    for kind, value in job.events(): ...  # ("piece", text)* then ("done", "stop" | "length") or ("error", message)
+    for kind, value in job.events(): ...  # ("piece", text)* then ("done", "stop" | "length") or ("error", message);
+                                          # with top_logprobs, ("logprobs", (id, logp, [(id, logp)])) before a piece
     job.cancel()                          # from any thread: the slot is freed at the next step
 
 What this is, in the order a job meets it:
@@ -36,6 +37,7 @@ import numpy as np
 
 from pymoe.engine.batch import decode_batch
 from pymoe.engine.generate import RequestStats, TextStream
+from pymoe.engine.grammar import Grammar
 from pymoe.engine.kv import new_kv
 from pymoe.engine.sampler import Sampler, SamplingParams
 from pymoe.engine.speculative import SpecStats, Speculator, parse_spec
@@ -69,6 +71,8 @@ class Job:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple = ()
     ignore_eos: bool = False
+    grammar: Optional[Grammar] = None  # the output stays inside it (engine/grammar.py): response_format, grammar
+    top_logprobs: Optional[int] = None  # None: no ("logprobs", ...) events; n: each token's and the n best's
     sink: Optional[Callable[[tuple], None]] = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_submit: float = 0.0
@@ -271,7 +275,9 @@ class Scheduler:
         job.queue_s = time.perf_counter() - job.t_submit
         if slot.spec is not None:
             slot.spec.stats = SpecStats()
-        job.sampler, job.text, job.history = Sampler(job.sampling), TextStream(self.tokenizer, job.stop), list(prompt)
+        constraint = job.grammar.constraint(self.tokenizer) if job.grammar is not None else None
+        job.sampler = Sampler(job.sampling, constraint=constraint, top_logprobs=job.top_logprobs)
+        job.text, job.history = TextStream(self.tokenizer, job.stop), list(prompt)
         slot.job, slot.kv.n, slot.tokens = job, reused, slot.tokens[:reused]
         st.n_prompt, st.n_reused, st.stop_reason = len(prompt), reused, "length"
         st.decode = dict.fromkeys(COUNTERS, 0)
@@ -290,8 +296,9 @@ class Scheduler:
     def _decode_step(self, active: list) -> None:
         """One batched forward: the last token of every busy slot -> their next logits. With --spec and one busy
         slot, a speculative step instead: batching already shares the expert reads between slots, speculation
-        shares them between the positions of one sequence."""
-        if len(active) == 1 and active[0].spec is not None:
+        shares them between the positions of one sequence. Not with a grammar: a draft would move the grammar's
+        position before it is verified."""
+        if len(active) == 1 and active[0].spec is not None and active[0].job.grammar is None:
             return self._spec_step(active[0])
         counts = [s.job.stats.decode for s in active]
         t0 = time.perf_counter()
@@ -344,10 +351,12 @@ class Scheduler:
             self.totals["generated_tokens"] += 1
         if self.tokenizer.is_eog(token) and not job.ignore_eos:
             return self._finish(slot, "stop")
+        if job.sampler.last_logprobs is not None:  # before the token's text, which may be held back (UTF-8, stop)
+            job.emit("logprobs", (token, *job.sampler.last_logprobs))
         piece = job.text.put(token)
         if piece:
             job.emit("piece", piece)
-        if job.text.stopped:
+        if job.text.stopped or (job.grammar is not None and job.sampler.constraint.finished):
             return self._finish(slot, "stop")
         if st.n_generated >= job.max_tokens:
             return self._finish(slot, "length")

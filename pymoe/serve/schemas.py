@@ -3,10 +3,11 @@
 Every field of /v1/chat/completions and /v1/completions is declared below as one of:
     implemented   typed, range-checked, with its default: messages / prompt, model, max_tokens,
                   max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
-                  user, presence_penalty, frequency_penalty, logit_bias, echo; and llama.cpp's top_k, min_p,
-                  repeat_penalty, ignore_eos
-    unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (n: 1, logprobs: false,
-                  response_format: {"type": "text"}, ...), else a 400 naming it
+                  user, presence_penalty, frequency_penalty, logit_bias, echo, response_format (text,
+                  json_object, json_schema), logprobs and top_logprobs; and llama.cpp's top_k, min_p,
+                  repeat_penalty, ignore_eos, grammar (GBNF) and json_schema
+    unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (n: 1, tools: [],
+                  tool_choice: "none", ...), else a 400 naming it
 A field no model declares is a 400 naming it too (extra="forbid"): nothing is accepted and silently ignored.
 JSON null means the field's default. Every 400 is one line in OpenAI's shape, {"error": {"message", "type",
 "param", "code"}}: `parse` turns pydantic's first error into it ("'max_tokens' must be an integer >= 1, got 0").
@@ -20,7 +21,9 @@ from typing import Annotated, Any, Literal, Optional, Union, get_args
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic_core import PydanticCustomError, PydanticUndefined
 
+from pymoe.engine.grammar import Grammar
 from pymoe.engine.sampler import SamplingParams
+from pymoe.errors import PymoeError
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 ROLES = get_args(Role)
@@ -80,6 +83,29 @@ class StreamOptions(Strict):
     include_usage: bool = Field(False, description="a boolean")
 
 
+class JsonSchemaFormat(Strict):
+    """response_format.json_schema: {name, schema, strict, description} (OpenAI's structured outputs)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
+    name: str = Field(description="a string")
+    schema_: dict = Field({}, alias="schema", description="a JSON schema object")
+    strict: Optional[bool] = Field(None, description="a boolean (the output always follows the schema here)")
+    description: Optional[str] = Field(None, description="a string")
+
+
+class ResponseFormat(Strict):
+    type: Literal["text", "json_object", "json_schema"] = Field(
+        description="one of 'text', 'json_object', 'json_schema'")
+    json_schema: Optional[JsonSchemaFormat] = Field(None, description="an object {name, schema, strict}")
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise PydanticCustomError("invalid_value", "{param}: 'json_schema' goes with type 'json_schema', "
+                                      "and only with it")
+        return self
+
+
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "presence_penalty",
                    "frequency_penalty")  # SamplingParams' names
 
@@ -103,9 +129,12 @@ class Common(Strict):
     min_p: float = Field(0.05, ge=0, le=1, description="a number in [0, 1]")
     repeat_penalty: float = Field(1.0, gt=0, description="a number > 0")
     ignore_eos: bool = Field(False, description="a boolean")
+    response_format: ResponseFormat = Field(ResponseFormat(type="text"),
+                                            description="an object {type: text | json_object | json_schema}")
+    grammar: Optional[str] = Field(None, description="a string (a GBNF grammar, llama.cpp's)")
+    json_schema: Optional[dict] = Field(None, description="a JSON schema object (llama.cpp's)")
     # OpenAI's, not implemented
     n: unsupported(1, why="one choice per request") = None
-    logprobs: unsupported(False) = None
     presence_penalty: float = Field(0.0, ge=-2, le=2, description="a number in [-2, 2]")
     frequency_penalty: float = Field(0.0, ge=-2, le=2, description="a number in [-2, 2]")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] = Field(
@@ -125,6 +154,25 @@ class Common(Strict):
             if not key.isdigit() or int(key) >= n_vocab:
                 raise ApiError(400, f"logit_bias keys must be token ids 0..{n_vocab - 1} as strings, got {key!r}",
                                code="invalid_value", param="logit_bias")
+
+    def output_grammar(self) -> Optional[Grammar]:
+        """response_format, grammar or json_schema (at most one) -> the Grammar the output must follow, or None.
+        A schema or grammar that does not compile is a 400 naming its field."""
+        asked = [(param, kind, source) for param, kind, source in (
+            ("response_format", self.response_format.type,
+             self.response_format.json_schema.schema_ if self.response_format.json_schema else None),
+            ("grammar", "gbnf", self.grammar), ("json_schema", "json_schema", self.json_schema))
+            if source is not None or kind == "json_object"]
+        if len(asked) > 1:
+            raise ApiError(400, f"'{asked[0][0]}' and '{asked[1][0]}' both constrain the output: give one",
+                           code="invalid_value", param=asked[1][0])
+        if not asked:
+            return None
+        param, kind, source = asked[0]
+        try:
+            return Grammar.from_request(kind, source)
+        except PymoeError as e:
+            raise ApiError(400, f"'{param}': {e}", code="invalid_value", param=param) from None
 
     def stop_strings(self) -> tuple:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -170,19 +218,25 @@ class Message(Strict):
 
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1, description="a non-empty list of {role, content}")
-    response_format: unsupported({"type": "text"}) = None
+    logprobs: bool = Field(False, description="a boolean")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="an integer in [0, 20]")
     tools: unsupported([]) = None
     tool_choice: unsupported("none") = None
     parallel_tool_calls: unsupported() = None
     functions: unsupported([]) = None
     function_call: unsupported("none") = None
-    top_logprobs: unsupported(0) = None
     modalities: unsupported(["text"]) = None
     audio: unsupported() = None
     prediction: unsupported() = None
     reasoning_effort: unsupported() = None
     store: unsupported(False) = None
     metadata: unsupported({}) = None
+
+    def top_logprobs_n(self) -> Optional[int]:
+        """None: no log-probabilities; else the number of alternatives per token."""
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list:
         """What the chat template reads: [{role, content}]."""
@@ -200,8 +254,12 @@ class CompletionRequest(Common):
     prompt: Annotated[Union[str, Annotated[list[int], Field(min_length=1)]], BeforeValidator(_one_prompt)] = Field(
         description="a string or a list of token ids (one prompt per request)")
     echo: bool = Field(False, description="a boolean (the prompt's text before the completion)")
+    logprobs: Optional[int] = Field(None, ge=0, le=5, description="an integer in [0, 5]")
     best_of: unsupported(1) = None
     suffix: unsupported("") = None
+
+    def top_logprobs_n(self) -> Optional[int]:
+        return self.logprobs
 
 
 # --- llama.cpp's utility endpoints -------------------------------------------------------------------------------
