@@ -8,6 +8,7 @@ those fields and the openai client's own requests pass, unknown fields are a 400
 own, without HTTP: batched jobs give one-at-a-time tokens; the bounded queue; cancellation.
 Every request has a timeout; every loop is bounded.
 """
+import asyncio
 import json
 import re
 import threading
@@ -21,7 +22,7 @@ import pytest
 import pymoe
 from conftest import run_pymoe
 from pymoe.engine.sampler import SamplingParams
-from pymoe.serve.app import BackgroundServer, create_app
+from pymoe.serve.app import DISCONNECT_POLL_S, BackgroundServer, create_app, job_events
 from pymoe.serve.scheduler import EngineStopped, Job, QueueFull, Scheduler
 
 KEY = "test-key"
@@ -233,6 +234,34 @@ def test_a_disconnect_cancels_the_generation_and_frees_the_slot(small_server):
     assert last["stop_reason"] == "cancelled" and last["n_generated"] < 240
     r = httpx.post(**long_request(small_server.url, n=4))  # the slot serves the next request
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+
+
+def test_a_non_streaming_client_that_leaves_is_noticed_while_tokens_flow():
+    """app.job_events polls the request for a disconnect every DISCONNECT_POLL_S even when events keep coming (the
+    case that once let a 6,000-token answer run on for 24 s after its client left): the job is cancelled."""
+    class Gone:
+        async def is_disconnected(self):
+            return True
+
+    async def consume():
+        events, job = asyncio.Queue(), Job(prompt_ids=[1], max_tokens=10**6)
+
+        async def feed():  # an engine that never stops producing
+            while True:
+                await events.put(("piece", "x"))
+                await asyncio.sleep(0.001)
+
+        feeder = asyncio.create_task(feed())
+        try:
+            t0 = time.monotonic()
+            async for _ in job_events(job, events, Gone()):
+                pass
+            return job, time.monotonic() - t0
+        finally:
+            feeder.cancel()
+
+    job, waited = asyncio.run(asyncio.wait_for(consume(), timeout=10))
+    assert job.cancelled and waited < DISCONNECT_POLL_S + 0.5  # 0.5 s: room for a loaded CI machine's scheduler
 
 
 def test_bench_runs_the_protocol_against_a_server_it_starts(model_path, tmp_path):

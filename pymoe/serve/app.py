@@ -83,17 +83,25 @@ def asyncio_sink(queue: asyncio.Queue):
     return put
 
 
+DISCONNECT_POLL_S = 0.25  # a non-streaming client that hangs up is noticed within this (plus one engine step)
+
+
 async def job_events(job: Job, queue: asyncio.Queue, request=None):
     """The job's events until done/error. If the consumer stops (client gone) the job is cancelled.
-    `request`: poll it for a disconnect while waiting (non-streaming answers; streaming ones are cancelled by
-    Starlette when the client goes away)."""
+    `request`: poll it for a disconnect every DISCONNECT_POLL_S, whether events are flowing or not (non-streaming
+    answers; streaming ones are cancelled by Starlette when the client goes away)."""
     try:
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         while True:
             try:
-                kind, value = await asyncio.wait_for(queue.get(), timeout=0.25)
+                kind, value = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if request is not None and await request.is_disconnected():
+                kind = None
+            if request is not None and time.monotonic() >= next_poll:
+                next_poll = time.monotonic() + DISCONNECT_POLL_S
+                if await request.is_disconnected():
                     return
+            if kind is None:
                 continue
             yield kind, value
             if kind in ("done", "error"):
