@@ -548,3 +548,70 @@ def test_completion_logprobs(client, reference):
         assert abs(lp_obj.token_logprobs[i] - lp[tokens[i]]) < LOGPROB_TOL
         assert len(lp_obj.top_logprobs[i]) <= 2 and max(lp_obj.top_logprobs[i].values()) == pytest.approx(
             lp.max(), abs=LOGPROB_TOL)
+
+
+# --- Anthropic's Messages API -----------------------------------------------------------------------------------
+
+@pytest.fixture
+def claude(server):
+    anthropic = pytest.importorskip("anthropic", reason="anthropic is in the test extra")
+    return anthropic.Anthropic(base_url=server.url, api_key=KEY, max_retries=0, timeout=60)
+
+
+def test_anthropic_messages_with_the_official_client(claude, reference):
+    """system + messages through the model's chat template; the greedy text equals the reference engine's;
+    usage, stop_reason (end_turn / max_tokens / stop_sequence) and the streamed events."""
+    msgs = [{"role": "user", "content": "The expert cache"}]
+    prompt = reference.tokenizer.encode(reference.tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}] + msgs))
+    want = "".join(reference.stream(prompt, max_tokens=8))
+    greedy = {"temperature": 0}  # the 2.x client declares no sampling fields
+    m = claude.messages.create(model="tiny", max_tokens=8, system="Be brief.", messages=msgs, extra_body=greedy)
+    assert m.type == "message" and m.role == "assistant" and m.content[0].type == "text"
+    assert m.content[0].text == want
+    assert m.stop_reason in ("max_tokens", "end_turn") and m.stop_sequence is None
+    assert m.usage.output_tokens == reference.last_stats.n_generated
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(prompt)
+    with claude.messages.stream(model="tiny", max_tokens=8, system=[{"type": "text", "text": "Be brief."}],
+                                messages=msgs, extra_body=greedy) as stream:
+        streamed = "".join(stream.text_stream)
+        final = stream.get_final_message()
+    assert streamed == want and final.content[0].text == want and final.stop_reason == m.stop_reason
+    assert final.usage.output_tokens == m.usage.output_tokens
+    if len(want) > 3:  # a stop sequence taken from the greedy text itself
+        stop = want[2:4]
+        m = claude.messages.create(model="tiny", max_tokens=8, messages=msgs, extra_body=greedy, system="Be brief.",
+                                   stop_sequences=[stop])
+        assert (m.stop_reason, m.stop_sequence) == ("stop_sequence", stop)
+        assert m.content[0].text == want[:want.index(stop)]
+    n = claude.messages.count_tokens(model="tiny", system="Be brief.", messages=msgs)
+    assert n.input_tokens == len(prompt)
+
+
+def test_anthropic_structured_output(claude):
+    """output_config.format: the answer parses and follows the schema (the grammar of engine/grammar.py)."""
+    for seed in (1, 2):
+        m = claude.messages.create(model="tiny", max_tokens=120, messages=[{"role": "user", "content": "a person"}],
+                                   output_config={"format": {"type": "json_schema", "schema": PERSON}},
+                                   extra_body={"temperature": 1})
+        assert m.stop_reason == "end_turn", m.content
+        check_person(m.content[0].text)
+
+
+def test_anthropic_errors_are_in_anthropic_shape(server, claude):
+    import anthropic
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="tiny", max_tokens=8, messages=[{"role": "user", "content": "hi"}],
+                               tools=[{"name": "f", "input_schema": {"type": "object"}}])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "invalid_request_error"
+    assert "'tools' is not supported" in e.value.body["error"]["message"]
+    r = httpx.post(server.url + "/v1/messages", json={"model": "m", "messages": [{"role": "user", "content": "hi"}]},
+                   headers={"x-api-key": KEY}, timeout=30)  # max_tokens is required, as Anthropic's
+    assert r.status_code == 400 and "'max_tokens'" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/messages", json={"model": "m", "max_tokens": 2, "temperature": 1.5,
+                                                      "messages": [{"role": "user", "content": "hi"}]},
+                   headers={"x-api-key": KEY}, timeout=30)
+    assert r.status_code == 400 and "'temperature'" in r.json()["error"]["message"], r.text
+    with pytest.raises(anthropic.AuthenticationError):
+        anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
+            model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])

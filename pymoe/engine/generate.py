@@ -155,6 +155,7 @@ class TextStream:
         self.utf8 = tokenizer.decode_stream()
         self.text, self.shown = "", 0  # everything decoded so far; how much of it was returned
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text (the earliest one found)
 
     def put(self, token: int) -> str:
         self.text += self.utf8.put(token)
@@ -165,10 +166,11 @@ class TextStream:
         return self._release(final=True)
 
     def _release(self, final: bool) -> str:
-        hits = [i for i in (self.text.find(s, max(0, self.shown - self.hold)) for s in self.stop) if i >= 0]
+        hits = [(i, s) for i, s in ((self.text.find(s, max(0, self.shown - self.hold)), s) for s in self.stop) if i >= 0]
         if hits:
             self.stopped = True
-        end = min(hits) if hits else len(self.text) - (0 if final else self.hold)
+            self.matched = min(hits)[1]
+        end = min(hits)[0] if hits else len(self.text) - (0 if final else self.hold)
         piece = self.text[self.shown:end] if end > self.shown else ""
         self.shown = max(self.shown, end)
         return piece

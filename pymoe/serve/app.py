@@ -30,6 +30,7 @@ from typing import Optional
 from pymoe.engine.generate import RequestStats
 from pymoe.engine.kv import kv_nbytes
 from pymoe.errors import PymoeError
+from pymoe.serve import anthropic
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.scheduler import EngineStopped, Job, QueueFull, Scheduler
 from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -49,15 +50,16 @@ def chat_prompt(req, tokenizer) -> str:
 
 
 def prompt_ids(req, tokenizer) -> list:
-    """Chat: messages -> the model's chat template (sandboxed) -> token ids. Completion: the text's ids, or the ids."""
-    if isinstance(req, ChatRequest):
+    """Chat (OpenAI's or Anthropic's): messages -> the model's chat template (sandboxed) -> token ids. Completion:
+    the text's ids, or the ids."""
+    if hasattr(req, "template_messages"):
         return tokenizer.encode(chat_prompt(req, tokenizer))
     return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
 
 
 def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None) -> Job:
     """Check the prompt against the context and the vocabulary -> a Job (400 on what is wrong)."""
-    param = "messages" if isinstance(req, ChatRequest) else "prompt"
+    param = getattr(req, "PROMPT_PARAM", "messages" if isinstance(req, ChatRequest) else "prompt")
     req.check_logit_bias(n_vocab)
     if not prompt:
         raise ApiError(400, "the prompt is empty", code="invalid_value", param=param)
@@ -203,14 +205,19 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
         scheduler.count(OUTCOMES.get(e.status, "error"))
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+        body = anthropic.error_body(e.status, e.message) if request.url.path.startswith("/v1/messages") else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
     async def authorized(request: Request):
+        """The key as OpenAI's clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY)."""
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                           code="invalid_api_key")
 
     guarded = [Depends(authorized)]
 
@@ -298,6 +305,50 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request):
         return await complete(request, "completion")
+
+    @app.post("/v1/messages", dependencies=guarded)
+    async def messages(request: Request):
+        """Anthropic's Messages API (anthropic.py): the same job as a chat completion, in its shapes."""
+        req = parse(anthropic.MessagesRequest, await read_json(request))
+        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
+        events: asyncio.Queue = asyncio.Queue()
+        job.sink = asyncio_sink(events)
+        submit(job)
+        reply = anthropic.MessageReply(name)
+        if req.stream:
+            return StreamingResponse(stream_message(job, events, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        pieces, reason = [], None
+        async for ev, value in job_events(job, events, request):
+            if ev == "piece":
+                pieces.append(value)
+            elif ev == "error":
+                raise ApiError(500, value)
+            elif ev == "done":
+                reason = value
+        if reason is None:  # the client went away; nobody reads this
+            return JSONResponse({}, status_code=499)
+        stop_reason, stop_sequence = reply.stop_reason(reason, job.text.matched)
+        st = job.stats
+        return JSONResponse(reply.message("".join(pieces), stop_reason, stop_sequence,
+                                          anthropic.usage(st.n_prompt, st.n_generated, st.n_reused)))
+
+    async def stream_message(job: Job, events: asyncio.Queue, reply):
+        for event in reply.start_events(len(job.prompt_ids)):
+            yield event
+        async for ev, value in job_events(job, events):
+            if ev == "piece":
+                yield reply.delta_event(value)
+            elif ev == "error":
+                yield reply.event("error", error={"type": "api_error", "message": value})
+            elif ev == "done":
+                for event in reply.end_events(*reply.stop_reason(value, job.text.matched), job.stats.n_generated):
+                    yield event
+
+    @app.post("/v1/messages/count_tokens", dependencies=guarded)
+    async def count_tokens(request: Request):
+        req = parse(anthropic.CountTokensRequest, await read_json(request))
+        return {"input_tokens": len(prompt_ids(req, engine.tokenizer))}
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
