@@ -248,13 +248,13 @@ def test_a_non_streaming_client_that_leaves_is_noticed_while_tokens_flow():
 
         async def feed():  # an engine that never stops producing
             while True:
-                await events.put(("piece", "x"))
+                await events.put((0, "piece", "x"))
                 await asyncio.sleep(0.001)
 
         feeder = asyncio.create_task(feed())
         try:
             t0 = time.monotonic()
-            async for _ in job_events(job, events, Gone()):
+            async for _ in job_events([job], events, Gone()):
                 pass
             return job, time.monotonic() - t0
         finally:
@@ -291,8 +291,7 @@ def post(srv, kind, fields):
 
 
 UNSUPPORTED = [("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-               ("chat", "tool_choice", "auto"), ("chat", "n", 2), ("completion", "n", 3),
-               ("completion", "best_of", 2), ("completion", "suffix", "end")]
+               ("chat", "tool_choice", "auto"), ("completion", "best_of", 2), ("completion", "suffix", "end")]
 
 
 @pytest.mark.parametrize("kind, name, value", UNSUPPORTED, ids=[f"{k}-{n}={v}" for k, n, v in UNSUPPORTED])
@@ -615,3 +614,28 @@ def test_anthropic_errors_are_in_anthropic_shape(server, claude):
     with pytest.raises(anthropic.AuthenticationError):
         anthropic.Anthropic(base_url=server.url, api_key="wrong", max_retries=0).messages.create(
             model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}])
+
+
+def test_n_choices(client, reference):
+    """n > 1: n sequences for one prompt; greedy ones all equal the reference, sampled ones are seeded seed + i
+    (so a request with n = 3 repeats as three n = 1 requests with seeds 7, 8, 9), streamed and not."""
+    want = "".join(reference.stream("The expert cache", max_tokens=6))
+    r = client.completions.create(model="tiny", prompt="The expert cache", max_tokens=6, temperature=0, n=3)
+    assert [c.index for c in r.choices] == [0, 1, 2] and {c.text for c in r.choices} == {want}
+    assert r.usage.completion_tokens == 3 * reference.last_stats.n_generated
+    msgs = [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=1, seed=7, n=3)
+    got = [c.message.content for c in sorted(r.choices, key=lambda c: c.index)]
+    one = [client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=1, seed=s
+                                          ).choices[0].message.content for s in (7, 8, 9)]
+    assert got == one and len(set(got)) > 1
+    chunks = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=8, temperature=1, seed=7, n=3,
+                                            stream=True, stream_options={"include_usage": True})
+    texts, finished, usage = ["", "", ""], set(), None
+    for c in chunks:
+        usage = c.usage or usage
+        for ch in c.choices:
+            texts[ch.index] += ch.delta.content or ""
+            if ch.finish_reason:
+                finished.add(ch.index)
+    assert texts == got and finished == {0, 1, 2} and usage.completion_tokens == r.usage.completion_tokens

@@ -74,13 +74,14 @@ def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dic
                top_logprobs=req.top_logprobs_n())
 
 
-def asyncio_sink(queue: asyncio.Queue):
-    """A Job sink for the engine thread: each event is put on `queue` by this (the running) asyncio loop."""
+def asyncio_sink(queue: asyncio.Queue, index: int = 0):
+    """A Job sink for the engine thread: each event, tagged with the job's choice index, is put on `queue` as
+    (index, kind, value) by this (the running) asyncio loop. The n jobs of one request share the queue."""
     loop = asyncio.get_running_loop()
 
     def put(event: tuple) -> None:
         with contextlib.suppress(RuntimeError):  # the event loop is already closed: the server is stopping
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            loop.call_soon_threadsafe(queue.put_nowait, (index, *event))
 
     return put
 
@@ -88,15 +89,17 @@ def asyncio_sink(queue: asyncio.Queue):
 DISCONNECT_POLL_S = 0.25  # a non-streaming client that hangs up is noticed within this (plus one engine step)
 
 
-async def job_events(job: Job, queue: asyncio.Queue, request=None):
-    """The job's events until done/error. If the consumer stops (client gone) the job is cancelled.
-    `request`: poll it for a disconnect every DISCONNECT_POLL_S, whether events are flowing or not (non-streaming
-    answers; streaming ones are cancelled by Starlette when the client goes away)."""
+async def job_events(jobs: list, queue: asyncio.Queue, request=None):
+    """The events (index, kind, value) of a request's jobs until each has ended (done/error). If the consumer stops
+    (client gone) the jobs still running are cancelled. `request`: poll it for a disconnect every
+    DISCONNECT_POLL_S, whether events are flowing or not (non-streaming answers; streaming ones are cancelled by
+    Starlette when the client goes away)."""
+    running = len(jobs)
     try:
         next_poll = time.monotonic() + DISCONNECT_POLL_S
-        while True:
+        while running:
             try:
-                kind, value = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
+                index, kind, value = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
                 kind = None
             if request is not None and time.monotonic() >= next_poll:
@@ -105,19 +108,21 @@ async def job_events(job: Job, queue: asyncio.Queue, request=None):
                     return
             if kind is None:
                 continue
-            yield kind, value
-            if kind in ("done", "error"):
-                return
+            yield index, kind, value
+            running -= kind in ("done", "error")
     finally:
-        if not job.done:
-            job.cancel()
+        for job in jobs:
+            if not job.done:
+                job.cancel()
 
 
 # --- responses ---------------------------------------------------------------------------------------------------
 
-def usage_of(st: RequestStats) -> dict:
-    return {"prompt_tokens": st.n_prompt, "completion_tokens": st.n_generated,
-            "total_tokens": st.n_prompt + st.n_generated, "prompt_tokens_details": {"cached_tokens": st.n_reused}}
+def usage_of(st: RequestStats, n_generated: Optional[int] = None) -> dict:
+    """OpenAI's usage; with n choices, the prompt counted once and `n_generated` their tokens together."""
+    n_generated = st.n_generated if n_generated is None else n_generated
+    return {"prompt_tokens": st.n_prompt, "completion_tokens": n_generated,
+            "total_tokens": st.n_prompt + n_generated, "prompt_tokens_details": {"cached_tokens": st.n_reused}}
 
 
 def timings_of(job: Job) -> dict:
@@ -135,20 +140,20 @@ class Reply:
         self.kind, self.model, self.tokenizer = kind, model, tokenizer
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
-        self.text_offset = 0  # completions' logprobs: where the next token's text starts in the answer
+        self.text_offset = {}  # completions' logprobs: choice index -> where its next token's text starts
 
     def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False,
-               logprobs: Optional[list] = None) -> dict:
+               logprobs: Optional[list] = None, index: int = 0) -> dict:
         """logprobs: the scheduler's ("logprobs", ...) values of the tokens in `text` (None: not asked for)."""
-        lp = None if logprobs is None else self.logprobs(logprobs)
+        lp = None if logprobs is None else self.logprobs(logprobs, index)
         if self.kind == "completion":
-            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": reason}
+            return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         msg = {"role": "assistant"} if role or not stream else {}
         if text is not None:
             msg["content"] = text
-        return {"index": 0, "delta" if stream else "message": msg, "logprobs": lp, "finish_reason": reason}
+        return {"index": index, "delta" if stream else "message": msg, "logprobs": lp, "finish_reason": reason}
 
-    def logprobs(self, entries: list) -> dict:
+    def logprobs(self, entries: list, index: int = 0) -> dict:
         """[(id, logp, [(id, logp)])] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or
         completions' {tokens, token_logprobs, top_logprobs: [{text: logp}], text_offset}."""
         def text(t):
@@ -160,8 +165,8 @@ class Reply:
             return {"content": [{**one(t, lp), "top_logprobs": [one(u, lu) for u, lu in top]} for t, lp, top in entries]}
         offsets = []
         for t, _, _ in entries:
-            offsets.append(self.text_offset)
-            self.text_offset += len(text(t))
+            offsets.append(self.text_offset.get(index, 0))
+            self.text_offset[index] = offsets[-1] + len(text(t))
         return {"tokens": [text(t) for t, _, _ in entries], "token_logprobs": [lp for _, lp, _ in entries],
                 "top_logprobs": [{text(u): lu for u, lu in top} for _, _, top in entries], "text_offset": offsets}
 
@@ -246,56 +251,72 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         except EngineStopped as e:
             raise ApiError(503, str(e)) from None
 
+    def submit_all(jobs: list, queue: asyncio.Queue) -> None:
+        """Submit a request's jobs, their events to `queue`; all or none (a full queue cancels those already in)."""
+        for index, job in enumerate(jobs):
+            job.sink = asyncio_sink(queue, index)
+            try:
+                submit(job)
+            except ApiError:
+                for submitted in jobs[:index]:
+                    submitted.cancel()
+                raise
+
     async def complete(request: Request, kind: str):
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, await read_json(request))
         job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
+        jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
         events: asyncio.Queue = asyncio.Queue()
-        job.sink = asyncio_sink(events)
-        submit(job)
+        submit_all(jobs, events)
         reply = Reply(kind, name, engine.tokenizer)
         # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
         echo = "" if kind == "chat" or not req.echo else (
             req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
-        reply.text_offset = len(echo)
+        reply.text_offset = dict.fromkeys(range(req.n), len(echo))
         if req.stream:
-            return StreamingResponse(stream_reply(job, events, reply, req.stream_options.include_usage, echo),
+            return StreamingResponse(stream_reply(jobs, events, reply, req.stream_options.include_usage, echo),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        pieces, reason = [echo], None
-        logprobs = [] if job.top_logprobs is not None else None
-        async for ev, value in job_events(job, events, request):
+        pieces, reasons = [[echo] for _ in jobs], [None] * len(jobs)
+        logprobs = [[] if job.top_logprobs is not None else None for _ in jobs]
+        async for index, ev, value in job_events(jobs, events, request):
             if ev == "piece":
-                pieces.append(value)
+                pieces[index].append(value)
             elif ev == "logprobs":
-                logprobs.append(value)
+                logprobs[index].append(value)
             elif ev == "error":
                 raise ApiError(500, value)
             else:
-                reason = value
-        if reason is None:  # the client went away; nobody reads this
+                reasons[index] = value
+        if None in reasons:  # the client went away; nobody reads this
             return JSONResponse({}, status_code=499)
-        return JSONResponse(reply.envelope([reply.choice("".join(pieces), reason, stream=False, logprobs=logprobs)],
-                                           stream=False,
-                                           usage=usage_of(job.stats), timings=timings_of(job)))
+        choices = [reply.choice("".join(p), r, stream=False, logprobs=lp, index=i)
+                   for i, (p, r, lp) in enumerate(zip(pieces, reasons, logprobs))]
+        return JSONResponse(reply.envelope(choices, stream=False, timings=timings_of(job),
+                                           usage=usage_of(job.stats, sum(j.stats.n_generated for j in jobs))))
 
-    async def stream_reply(job: Job, events: asyncio.Queue, reply: Reply, include_usage: bool, echo: str = ""):
-        if reply.kind == "chat":
-            yield sse(reply.envelope([reply.choice("", None, stream=True, role=True)], stream=True))
-        if echo:
-            yield sse(reply.envelope([reply.choice(echo, None, stream=True)], stream=True))
-        logprobs = [] if job.top_logprobs is not None else None  # the tokens whose text is not sent yet
-        async for ev, value in job_events(job, events):
+    async def stream_reply(jobs: list, events: asyncio.Queue, reply: Reply, include_usage: bool, echo: str = ""):
+        for index in range(len(jobs)):
+            if reply.kind == "chat":
+                yield sse(reply.envelope([reply.choice("", None, stream=True, role=True, index=index)], stream=True))
+            if echo:
+                yield sse(reply.envelope([reply.choice(echo, None, stream=True, index=index)], stream=True))
+        # per choice: the log-probabilities of the tokens whose text is not sent yet
+        logprobs = [[] if job.top_logprobs is not None else None for job in jobs]
+        async for index, ev, value in job_events(jobs, events):
             if ev == "logprobs":
-                logprobs.append(value)
+                logprobs[index].append(value)
             elif ev == "piece":
-                yield sse(reply.envelope([reply.choice(value, None, stream=True, logprobs=logprobs)], stream=True))
-                logprobs = [] if logprobs is not None else None
+                yield sse(reply.envelope([reply.choice(value, None, stream=True, logprobs=logprobs[index],
+                                                       index=index)], stream=True))
+                logprobs[index] = [] if logprobs[index] is not None else None
             elif ev == "error":
                 yield sse(ApiError(500, value).body())
             else:
-                yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs or None)],
-                                         stream=True, timings=timings_of(job)))
-                if include_usage:
-                    yield sse(reply.envelope([], stream=True, usage=usage_of(job.stats)))
+                yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs[index] or None,
+                                                       index=index)], stream=True, timings=timings_of(jobs[index])))
+        if include_usage:
+            yield sse(reply.envelope([], stream=True, usage=usage_of(jobs[0].stats,
+                                                                     sum(j.stats.n_generated for j in jobs))))
         yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions", dependencies=guarded)
@@ -312,14 +333,13 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         req = parse(anthropic.MessagesRequest, await read_json(request))
         job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
         events: asyncio.Queue = asyncio.Queue()
-        job.sink = asyncio_sink(events)
-        submit(job)
+        submit_all([job], events)
         reply = anthropic.MessageReply(name)
         if req.stream:
             return StreamingResponse(stream_message(job, events, reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         pieces, reason = [], None
-        async for ev, value in job_events(job, events, request):
+        async for _, ev, value in job_events([job], events, request):
             if ev == "piece":
                 pieces.append(value)
             elif ev == "error":
@@ -336,7 +356,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     async def stream_message(job: Job, events: asyncio.Queue, reply):
         for event in reply.start_events(len(job.prompt_ids)):
             yield event
-        async for ev, value in job_events(job, events):
+        async for _, ev, value in job_events([job], events):
             if ev == "piece":
                 yield reply.delta_event(value)
             elif ev == "error":

@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterator, Optional
 
 import numpy as np
@@ -87,6 +87,13 @@ class Job:
     _inbox: queue.Queue = field(default_factory=queue.Queue, repr=False)
 
     # --- the consumer's side (any thread) -----------------------------------------------------------------------
+    def sibling(self, i: int) -> "Job":
+        """Choice i of a request with n > 1: the same prompt and settings, draws of its own (seed + i when the
+        request gave a seed; greedy choices are all the same, as on OpenAI)."""
+        seed = None if self.sampling.seed is None else self.sampling.seed + i
+        return Job(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, sampling=replace(self.sampling, seed=seed),
+                   stop=self.stop, ignore_eos=self.ignore_eos, grammar=self.grammar, top_logprobs=self.top_logprobs)
+
     def cancel(self) -> None:
         self._cancelled.set()
 

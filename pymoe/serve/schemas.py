@@ -4,9 +4,9 @@ Every field of /v1/chat/completions and /v1/completions is declared below as one
     implemented   typed, range-checked, with its default: messages / prompt, model, max_tokens,
                   max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
                   user, presence_penalty, frequency_penalty, logit_bias, echo, response_format (text,
-                  json_object, json_schema), logprobs and top_logprobs; and llama.cpp's top_k, min_p,
+                  json_object, json_schema), logprobs and top_logprobs, n; and llama.cpp's top_k, min_p,
                   repeat_penalty, ignore_eos, grammar (GBNF) and json_schema
-    unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (n: 1, tools: [],
+    unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (best_of: 1, tools: [],
                   tool_choice: "none", ...), else a 400 naming it
 A field no model declares is a 400 naming it too (extra="forbid"): nothing is accepted and silently ignored.
 JSON null means the field's default. Every 400 is one line in OpenAI's shape, {"error": {"message", "type",
@@ -133,8 +133,7 @@ class Common(Strict):
                                             description="an object {type: text | json_object | json_schema}")
     grammar: Optional[str] = Field(None, description="a string (a GBNF grammar, llama.cpp's)")
     json_schema: Optional[dict] = Field(None, description="a JSON schema object (llama.cpp's)")
-    # OpenAI's, not implemented
-    n: unsupported(1, why="one choice per request") = None
+    n: int = Field(1, ge=1, le=16, description="an integer in [1, 16]")
     presence_penalty: float = Field(0.0, ge=-2, le=2, description="a number in [-2, 2]")
     frequency_penalty: float = Field(0.0, ge=-2, le=2, description="a number in [-2, 2]")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] = Field(
