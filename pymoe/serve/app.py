@@ -7,9 +7,11 @@ The path of one request through the serve/ files:
                   context (400 context_length_exceeded) -> a Job whose events hop to this asyncio loop
     scheduler.py  submit: the bounded queue (full -> QueueFull -> 429 + Retry-After here), then slots and
                   batched decode steps on the engine thread -> events: ("piece", text)*, ("done", reason)
+                  (n > 1: n jobs, their events tagged with the choice index on one queue)
     app.py        the events -> one JSON answer, or SSE chunks `data: {...}` ... `data: [DONE]`; a client that
-                  goes away cancels its job
-Also: /v1/models, /health (no key), /v1/status and /metrics (metrics.py). Security defaults: binds 127.0.0.1;
+                  goes away cancels its jobs
+Also: Anthropic's /v1/messages (anthropic.py: its request and answer shapes, the same jobs), /v1/models,
+/health (no key), /v1/status and /metrics (metrics.py), llama.cpp's /tokenize, /detokenize, /apply-template. Security defaults: binds 127.0.0.1;
 --api-key protects every endpoint but /health (Authorization: Bearer KEY, else 401); bodies are capped
 (--max-body-mib, else 413).
 What this is not: the scheduling (scheduler.py, no HTTP in it), the field-by-field validation (schemas.py), the

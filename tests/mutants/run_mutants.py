@@ -314,6 +314,30 @@ MUTANTS: list[Mutant] = [
         "if a.max_inserts and self._inserts > a.max_inserts:",
         ("tests/test_policies.py::test_admission_by_hand",),
         "admission: one insertion more per layer-step than --max-inserts"),
+    Mutant(
+        "grammar_mask_not_applied", "pymoe/engine/sampler.py",
+        "            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf)).astype(np.float32)",
+        "            logits = logits  # MUTANT",
+        ("tests/test_server.py::test_response_format_json_schema_output_parses_and_follows_the_schema",),
+        "structured output: the grammar's mask never reaches the logits"),
+    Mutant(
+        "logprobs_at_the_sampling_temperature", "pymoe/engine/sampler.py",
+        "            self.last_logprobs = log_probs(z, token, self.top_logprobs)",
+        "            self.last_logprobs = log_probs(z / 0.5, token, self.top_logprobs)",
+        ("tests/test_server.py::test_chat_logprobs_are_the_log_softmax_of_the_logits",),
+        "logprobs: reported from logits scaled by a temperature, not the model's distribution"),
+    Mutant(
+        "disconnect_polled_only_when_idle", "pymoe/serve/app.py",
+        "            if request is not None and time.monotonic() >= next_poll:",
+        "            if request is not None and kind is None and time.monotonic() >= next_poll:",
+        ("tests/test_server.py::test_a_non_streaming_client_that_leaves_is_noticed_while_tokens_flow",),
+        "a non-streaming client's hang-up goes unnoticed while tokens keep coming"),
+    Mutant(
+        "n_choices_share_one_seed", "pymoe/serve/scheduler.py",
+        "        seed = None if self.sampling.seed is None else self.sampling.seed + i",
+        "        seed = self.sampling.seed",
+        ("tests/test_server.py::test_n_choices",),
+        "n > 1: every choice drawn with the request's seed (n copies of one answer)"),
 ]
 
 
