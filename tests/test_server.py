@@ -639,3 +639,21 @@ def test_n_choices(client, reference):
             if ch.finish_reason:
                 finished.add(ch.index)
     assert texts == got and finished == {0, 1, 2} and usage.completion_tokens == r.usage.completion_tokens
+
+
+def test_langchain_with_structured_output(server):
+    """LangChain's ChatOpenAI.with_structured_output (a pydantic class -> response_format json_schema) gets a
+    validated object back; bind_tools is still refused with a 400 that names 'tools'."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key=KEY, model="tiny", max_tokens=100, temperature=1, seed=3,
+                     max_retries=0, timeout=60)
+    person = llm.with_structured_output(Person).invoke("a person")
+    assert isinstance(person, Person) and len(person.name) <= 8 and 0 <= person.age <= 120
+    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+        llm.bind_tools([Person]).invoke("a person")
