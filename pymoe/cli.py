@@ -473,6 +473,9 @@ def serve_options(f):
         click.option("--spec", default=None,
                      help="Speculative decoding when one slot is busy: ngram or draft:FILE (docs/speculative.md)."),
         click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step."),
+        click.option("--prefill-chunk", default=512, show_default=True,
+                     help="Prompt tokens prefilled per engine step, between the other slots' decode steps "
+                          "(0: a whole prompt at once)."),
     ]
     for option in reversed(options):
         f = option(f)
@@ -492,7 +495,7 @@ def serve_options(f):
 @server_sampling_options
 @serve_options
 def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, spec,
-              spec_k, **engine_options):
+              spec_k, prefill_chunk, **engine_options):
     """Serve MODEL (a GGUF file) over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
     /v1/models, /v1/status, /metrics, /health."""
     from .serve.app import serve
@@ -506,7 +509,7 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
     defaults = {field: engine_options.pop(f"default_{field}") for _, field, _ in SERVER_SAMPLING}
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
           max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,
-          chat_template=chat_template, sampling_defaults={k: v for k, v in defaults.items() if v is not None},
+          prefill_chunk=prefill_chunk, chat_template=chat_template, sampling_defaults={k: v for k, v in defaults.items() if v is not None},
           **engine_options)
 
 

@@ -344,6 +344,42 @@ def test_the_scheduler_alone_batches_two_jobs_into_one_at_a_time_tokens(model_pa
     assert sched.max_batch == 2 and dict(sched.outcomes) == {"ok": 2}
 
 
+LONG_PROMPT = ("An MoE token touches only k of E experts per layer. The expert cache keeps the most used experts in "
+               "VRAM, and the rest stay memory-mapped in pinned host RAM.")
+
+
+@pytest.mark.parametrize("chunk", [0, 5])
+def test_chunked_prefill_interleaves_with_decoding_and_keeps_the_tokens(model_path, reference, chunk):
+    """A long prompt arriving while another slot decodes: with --prefill-chunk 5 it is read 5 tokens per engine step
+    and the decoding slot gets one token per chunk meanwhile; with 0 it is read in one step (at most one token of the
+    other slot in between). Either way both answers are the one-at-a-time greedy tokens."""
+    long = reference.tokenizer.encode(LONG_PROMPT)
+    assert len(long) >= 30
+    log = []  # (job name, kind), in the order the engine thread emitted them
+
+    def sink(name):
+        return lambda event: log.append((name, event[0]))
+
+    with Scheduler(pymoe.load(model_path, n_ctx=CTX), parallel=2, kv="f32", prefill_chunk=chunk) as sched:
+        first = sched.submit(greedy([1, 2, 3], 120, ignore_eos=True, top_logprobs=0, sink=sink("first")))
+        deadline = time.monotonic() + 30
+        while ("first", "logprobs") not in log and time.monotonic() < deadline:  # decoding now
+            time.sleep(0.001)
+        second = sched.submit(greedy(long, 8, top_logprobs=0, sink=sink("second")))
+        submitted = len(log)
+        while not (first.done and second.done) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    assert first.done and second.done
+    # the first job's tokens from the second's submission to its first token
+    between = [name for name, kind in log[submitted:log.index(("second", "logprobs"))] if kind == "logprobs"]
+    if chunk:
+        assert len(between) >= len(long) // chunk - 1  # one decode step per chunk (-1: the chunk read at admission)
+    else:
+        assert len(between) <= 2  # the step in flight when it was submitted, and the one before its prefill
+    assert second.generated == list(reference.generate(long, max_tokens=8))
+    assert first.generated == list(reference.generate([1, 2, 3], max_tokens=120, stop_at_eos=False))
+
+
 def test_the_scheduler_queue_is_bounded_and_a_cancelled_job_frees_its_slot(model_path):
     sched = Scheduler(pymoe.load(model_path, n_ctx=CTX), parallel=1, max_queue=1, kv="int8")
     with pytest.raises(EngineStopped):

@@ -34,7 +34,7 @@ from pymoe.engine.kv import kv_nbytes
 from pymoe.errors import PymoeError
 from pymoe.serve import anthropic
 from pymoe.serve.metrics import model_id, registry_for, status_of
-from pymoe.serve.scheduler import EngineStopped, Job, QueueFull, Scheduler
+from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
 from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, parse)
 
@@ -186,6 +186,7 @@ def sse(obj) -> str:
 
 def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
                max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4,
+               prefill_chunk: int = PREFILL_CHUNK,
                sampling_defaults: Optional[dict] = None):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
     (app.state.scheduler). sampling_defaults: SamplingParams fields for requests that leave them out."""
@@ -194,7 +195,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     from prometheus_client import generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-    scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k)
+    scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k,
+                          prefill_chunk=prefill_chunk)
     registry = registry_for(scheduler)
     name = model_id(engine)
 
@@ -422,7 +424,8 @@ def is_loopback(host: str) -> bool:
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
-          log=print, spec: Optional[str] = None, spec_k: int = 4, chat_template: Optional[str] = None,
+          log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
+          chat_template: Optional[str] = None,
           sampling_defaults: Optional[dict] = None, **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
     import uvicorn
@@ -439,7 +442,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
     if chat_template is not None:
         engine.use_chat_template(chat_template)
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
-                     max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k,
+                     max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k, prefill_chunk=prefill_chunk,
                      sampling_defaults=sampling_defaults)
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics)")
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)

@@ -45,6 +45,10 @@ from pymoe.errors import PymoeError
 from pymoe.experts.cache import COUNTERS
 
 FINAL = ("done", "error")  # the kinds of event that end a job's stream
+# Chunked prefill: a prompt is read PREFILL_CHUNK tokens per engine step, between the decode steps of the other
+# slots, so a long prompt delays their next token by one chunk's prefill instead of its whole prefill (llama.cpp's
+# n_ubatch is 512 too). 0: each prompt in one piece.
+PREFILL_CHUNK = 512
 
 
 class QueueFull(PymoeError):
@@ -129,6 +133,7 @@ class Slot:
     job: Optional[Job] = None
     last_used: float = 0.0
     spec: object = None  # engine/speculative.Speculator of this slot (`--spec`), its counters reset per job
+    pending: list = field(default_factory=list)  # prompt ids not prefilled yet (chunked prefill); [] once decoding
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -145,9 +150,12 @@ class Scheduler:
     seconds), `last` (the last step's rates and batch size), `max_batch`, `recent` (the last finished jobs)."""
 
     def __init__(self, engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", log=lambda line: None,
-                 spec: Optional[str] = None, spec_k: int = 4):
+                 spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK):
         if parallel < 1:
             raise PymoeError(f"--parallel must be >= 1, got {parallel}")
+        if prefill_chunk < 0:
+            raise PymoeError(f"--prefill-chunk must be >= 0 (0: a whole prompt at once), got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         if max_queue < 1:
             raise PymoeError(f"--max-queue must be >= 1, got {max_queue}")
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
@@ -224,9 +232,16 @@ class Scheduler:
             try:
                 self._drop_cancelled()
                 self._admit()
-                active = [s for s in self.slots if s.job is not None]
-                if active:
-                    self._decode_step(active)
+                decoding = [s for s in self.slots if s.job is not None and not s.pending]
+                if decoding:
+                    self._decode_step(decoding)
+                prefilling = [s for s in self.slots if s.job is not None and s.pending]
+                if prefilling:  # one chunk of one prompt per step: the oldest job's first
+                    slot = min(prefilling, key=lambda s: s.job.t_submit)
+                    try:
+                        self._prefill_chunk(slot)
+                    except PymoeError as e:  # this prompt's problem (a bad input), not the other jobs'
+                        self._finish(slot, "error", str(e))
             except Exception as e:  # a bug or a model error: fail the jobs in flight, keep serving
                 msg = " ".join(str(e).split()) or type(e).__name__
                 self.log(f"engine error: {type(e).__name__}: {msg}")
@@ -272,7 +287,8 @@ class Scheduler:
         return max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
 
     def _start(self, slot: Slot, job: Job) -> None:
-        """Prefill the job's prompt into the slot, reusing the cached prefix, and sample its first token."""
+        """Give the job the slot: reuse the cached prefix; the rest of the prompt is pending, prefilled a chunk per
+        step by `_prefill_chunk`, which samples the first token after the last chunk."""
         prompt, st = job.prompt_ids, job.stats
         reused = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)  # at least one token to get logits from
         if self.model.cfg.has_recurrent_state and reused < slot.kv.n:  # a recurrent state cannot be cut back
@@ -289,16 +305,30 @@ class Scheduler:
         st.n_prompt, st.n_reused, st.stop_reason = len(prompt), reused, "length"
         st.decode = dict.fromkeys(COUNTERS, 0)
         st.note_cache(self.engine.cache)
-        t0 = time.perf_counter()
-        logits = self.model.prefill(np.asarray(prompt[reused:]), slot.kv)[-1]  # [V]
-        st.prompt_s = time.perf_counter() - t0
-        slot.tokens = list(prompt)
+        slot.pending = list(prompt[reused:])
         with self.lock:
             self.totals["prompt_tokens"] += len(prompt)
             self.totals["reused_tokens"] += reused
-            self.totals["prefill_seconds"] += st.prompt_s
-            self.last["prefill_tok_s"] = st.prefill_tok_s
-        self._advance(slot, logits)
+        if not self.prefill_chunk:
+            self._prefill_chunk(slot)
+
+    def _prefill_chunk(self, slot: Slot) -> None:
+        """Prefill the next `prefill_chunk` pending prompt tokens (all of them with 0); after the last chunk,
+        sample the job's first token."""
+        job, st = slot.job, slot.job.stats
+        n = len(slot.pending) if not self.prefill_chunk else min(self.prefill_chunk, len(slot.pending))
+        chunk, slot.pending = slot.pending[:n], slot.pending[n:]
+        t0 = time.perf_counter()
+        logits = self.model.prefill(np.asarray(chunk), slot.kv)[-1]  # [V] the chunk's last position
+        dt = time.perf_counter() - t0
+        st.prompt_s += dt
+        slot.tokens.extend(chunk)
+        with self.lock:
+            self.totals["prefill_seconds"] += dt
+            if not slot.pending:
+                self.last["prefill_tok_s"] = st.prefill_tok_s
+        if not slot.pending:
+            self._advance(slot, logits)
 
     def _decode_step(self, active: list) -> None:
         """One batched forward: the last token of every busy slot -> their next logits. With --spec and one busy
