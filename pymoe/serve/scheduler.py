@@ -10,9 +10,12 @@ What this is, in the order a job meets it:
     submit: a bounded queue of jobs waiting for a slot; full -> QueueFull with a retry estimate (admission control)
     admit:  a free slot for each queued job; the slot whose cached tokens share the longest prefix with the prompt
             is chosen, and that prefix's KV is reused ("prompt 26 tokens = 20 reused + 6 read"); the rest is
-            prefilled on its own
-    step:   one batched decode of all busy slots (batch.decode_batch: per-slot attention, one MoE call so expert
-            lookups are grouped per expert) -> sample -> TextStream (UTF-8, stop strings) -> an event for the job
+            pending
+    step:   one batched decode of the slots that are decoding (batch.decode_batch: per-slot attention, one MoE
+            call so expert lookups are grouped per expert) -> sample -> TextStream (UTF-8, stop strings) -> an
+            event for the job; then one chunk (--prefill-chunk tokens) of the oldest pending prompt, whose first
+            token is sampled after its last chunk (chunked prefill: a long prompt never stalls the others for more
+            than a chunk)
     cancel: a job cancelled by its consumer (an HTTP client that went away) is dropped at the next step
 Why one engine thread and a queue: the model is one shared resource (its expert cache, its kernels); requests are
 serialized into batched steps rather than run side by side. The reference article measured what happens without
@@ -315,7 +318,7 @@ class Scheduler:
     def _prefill_chunk(self, slot: Slot) -> None:
         """Prefill the next `prefill_chunk` pending prompt tokens (all of them with 0); after the last chunk,
         sample the job's first token."""
-        job, st = slot.job, slot.job.stats
+        st = slot.job.stats
         n = len(slot.pending) if not self.prefill_chunk else min(self.prefill_chunk, len(slot.pending))
         chunk, slot.pending = slot.pending[:n], slot.pending[n:]
         t0 = time.perf_counter()
@@ -402,7 +405,7 @@ class Scheduler:
     def _finish(self, slot: Slot, reason: str, error: str = "") -> None:
         """Free the slot (its KV cache and tokens stay, for prefix reuse) and tell the job how it ended."""
         job, st = slot.job, slot.job.stats
-        slot.job, slot.last_used = None, time.perf_counter()
+        slot.job, slot.last_used, slot.pending = None, time.perf_counter(), []
         if len(slot.tokens) != slot.kv.n:  # an error mid-step: the cache no longer matches, don't reuse it
             slot.tokens = []
             slot.kv.clear()
