@@ -10,6 +10,7 @@ Every request has a timeout; every loop is bounded.
 """
 import asyncio
 import json
+import os
 import re
 import threading
 import time
@@ -290,8 +291,7 @@ def post(srv, kind, fields):
     return httpx.post(srv.url + path, headers=auth(), json={**base, "max_tokens": 2, **fields}, timeout=30)
 
 
-UNSUPPORTED = [("chat", "tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-               ("chat", "tool_choice", "auto"), ("completion", "best_of", 2), ("completion", "suffix", "end")]
+UNSUPPORTED = [("chat", "functions", [{"name": "f", "parameters": {}}]), ("completion", "best_of", 2), ("completion", "suffix", "end")]
 
 
 @pytest.mark.parametrize("kind, name, value", UNSUPPORTED, ids=[f"{k}-{n}={v}" for k, n, v in UNSUPPORTED])
@@ -691,5 +691,114 @@ def test_langchain_with_structured_output(server):
                      max_retries=0, timeout=60)
     person = llm.with_structured_output(Person).invoke("a person")
     assert isinstance(person, Person) and len(person.name) <= 8 and 0 <= person.age <= 120
-    with pytest.raises(openai.BadRequestError, match="'tools' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="'tools' is not supported for this model"):  # ChatML
         llm.bind_tools([Person]).invoke("a person")
+
+
+# --- tools ------------------------------------------------------------------------------------------------------
+
+QWEN3_TEMPLATE = os.path.join(os.path.dirname(__file__), "data", "templates", "Qwen-Qwen3-0.6B.jinja")
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+       "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"],
+       "additionalProperties": False}}}
+
+
+@pytest.fixture(scope="module")
+def tools_client(model_path):
+    """The tiny model with Qwen3's chat template (Hermes-style <tool_call> JSON), as a Qwen3 GGUF carries it."""
+    engine = pymoe.load(model_path, n_ctx=1024)  # the tools' descriptions take ~600 tokens of this tiny vocabulary
+    engine.use_chat_template(QWEN3_TEMPLATE)
+    with BackgroundServer(create_app(engine, kv="f32", api_key=KEY)) as srv:
+        yield openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+
+
+def check_call(call, tools):
+    """A tool call as OpenAI returns it: a known name, arguments that parse and follow that tool's schema."""
+    spec = {t["function"]["name"]: t["function"]["parameters"] for t in tools}[call.function.name]
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.id.startswith("call_") and set(args) == set(spec["required"])
+    for key, prop in spec["properties"].items():
+        assert isinstance(args[key], {"string": str, "integer": int}[prop["type"]]), args
+    if call.function.name == "get_weather":
+        assert len(args["city"]) <= 12
+    return args
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_forced_tool_choice_gives_a_call_that_parses(tools_client, seed):
+    """tool_choice required / a named function: decoded under the call's grammar (serve/tools.py), so even the
+    tiny random model's answer is a call of a listed tool whose arguments follow its schema; streamed the same."""
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    for choice, names in (("required", {"get_weather", "add"}),
+                          ({"type": "function", "function": {"name": "add"}}, {"add"})):
+        r = tools_client.chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER, ADD],
+                                                 tool_choice=choice, max_tokens=150, temperature=1, seed=seed)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and len(c.message.tool_calls) == 1, c
+        assert c.message.tool_calls[0].function.name in names
+        args = check_call(c.message.tool_calls[0], [WEATHER, ADD])
+    chunks = list(tools_client.chat.completions.create(model="tiny", messages=msgs, tools=[WEATHER, ADD],
+                                                       tool_choice=choice, max_tokens=150, temperature=1, seed=seed,
+                                                       stream=True))
+    deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or []) if ch.choices]
+    assert len(deltas) == 1 and deltas[0].function.name == "add" and json.loads(deltas[0].function.arguments) == args
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "tool_calls"]
+
+
+def test_tool_history_renders_through_the_template_and_auto_answers(tools_client, server):
+    """An assistant's earlier call and the tool's answer go through the model's template (Qwen3 writes them as
+    <tool_call> and <tool_response>); with tool_choice auto the answer is text or calls, whichever the model wrote.
+    A template without a tool format is a 400 naming tools; a choice naming no listed tool is a 400."""
+    history = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+                   "name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    r = tools_client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=5,
+                                             temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    prompt = httpx.post(str(tools_client.base_url).replace("/v1/", "/apply-template"), json={"messages": history},
+                        headers=auth(), timeout=30).json()["prompt"]
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in prompt
+    r = post(server, "chat", {"tools": [WEATHER]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        tools_client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=5,
+                                             tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_hermes_call_parsing():
+    from pymoe.serve.tools import parse_calls, tool_format
+
+    text = 'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n' \
+           '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    content, calls = parse_calls(text)
+    assert content == "Let me check."
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("get_weather", {"city": "Paris"}), ("add", {"a": 1, "b": 2})]
+    assert parse_calls("<tool_call>\n{not json}\n</tool_call>") == ("<tool_call>\n{not json}\n</tool_call>", [])
+    assert parse_calls("plain") == ("plain", [])
+    templates = os.path.join(os.path.dirname(__file__), "data", "templates")
+    formats = {f: tool_format(open(os.path.join(templates, f), encoding="utf-8").read())
+               for f in sorted(os.listdir(templates)) if f.endswith(".jinja")}
+    assert formats == {"GLM-4.6.jinja": None, "Qwen-Qwen3-0.6B.jinja": "hermes", "Qwen3.5-4B.jinja": None,
+                       "deepseek-ai-DeepSeek-V3.1.jinja": None, "openai-gpt-oss-120b.jinja": None}
+
+
+def test_langchain_bind_tools(tools_client):
+    """LangChain's bind_tools with a forced choice: the AIMessage carries a parsed call of that tool."""
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class GetWeather(BaseModel):
+        """The weather in a city."""
+        city: str = Field(max_length=12)
+
+    llm = ChatOpenAI(base_url=str(tools_client.base_url), api_key=KEY, model="tiny", max_tokens=100, temperature=1,
+                     seed=3, max_retries=0, timeout=60)
+    msg = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("weather in Paris?")
+    assert [c["name"] for c in msg.tool_calls] == ["GetWeather"] and isinstance(msg.tool_calls[0]["args"]["city"], str)

@@ -32,7 +32,7 @@ from typing import Optional
 from pymoe.engine.generate import RequestStats
 from pymoe.engine.kv import kv_nbytes
 from pymoe.errors import PymoeError
-from pymoe.serve import anthropic
+from pymoe.serve import anthropic, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
 from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
@@ -44,9 +44,13 @@ OUTCOMES = {400: "bad_request", 401: "unauthorized", 413: "too_large", 429: "rej
 # --- request -> job ----------------------------------------------------------------------------------------------
 
 def chat_prompt(req, tokenizer) -> str:
-    """messages -> the model's chat template (sandboxed) -> the prompt text (400 naming `messages` on a failure)."""
+    """messages (and the tools in play) -> the model's chat template (sandboxed) -> the prompt text (400 naming
+    `messages` on a failure)."""
+    extra = {}
+    if getattr(req, "tools", None) and req.tool_choice_value() is not None:
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]  # as transformers passes them
     try:
-        return tokenizer.apply_chat_template(req.template_messages())
+        return tokenizer.apply_chat_template(req.template_messages(), **extra)
     except PymoeError as e:
         raise ApiError(400, str(e), code="invalid_value", param="messages") from None
 
@@ -57,6 +61,28 @@ def prompt_ids(req, tokenizer) -> list:
     if hasattr(req, "template_messages"):
         return tokenizer.encode(chat_prompt(req, tokenizer))
     return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
+
+
+def tool_mode(req, tokenizer) -> Optional[str]:
+    """A chat request's tool choice: None (no tools in play), "auto", "required" or a function's name; checks that
+    the model's template has a tool format pymoe parses (serve/tools.py), else a 400 naming `tools`."""
+    choice = req.tool_choice_value() if isinstance(req, ChatRequest) else None
+    if choice is not None and tools.tool_format(tokenizer.chat_template) is None:
+        raise ApiError(400, "'tools' is not supported for this model: its chat template has no tool-call format "
+                            "pymoe can parse (pymoe parses Hermes' <tool_call> JSON: Qwen2.5/Qwen3/Qwen3-Next)",
+                       code="unsupported_parameter", param="tools")
+    return choice
+
+
+def forced_call_grammar(req, choice: Optional[str], job: Job):
+    """tool_choice "required" or a named function -> the grammar of such a call (the answer always parses)."""
+    if choice in (None, "auto"):
+        return job.grammar
+    if job.grammar is not None:
+        raise ApiError(400, "'tool_choice' forces a tool call: it does not combine with response_format or "
+                            "grammar", code="invalid_value", param="tool_choice")
+    return tools.call_grammar([{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools
+                               if choice == "required" or t.function.name == choice])
 
 
 def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None) -> Job:
@@ -143,16 +169,25 @@ class Reply:
         self.id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.text_offset = {}  # completions' logprobs: choice index -> where its next token's text starts
+        self.calls = None  # chat with tools in play: "all" or "first" (parallel_tool_calls false) calls are kept
 
     def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False,
                logprobs: Optional[list] = None, index: int = 0) -> dict:
-        """logprobs: the scheduler's ("logprobs", ...) values of the tokens in `text` (None: not asked for)."""
+        """logprobs: the scheduler's ("logprobs", ...) values of the tokens in `text` (None: not asked for). With
+        tools in play, `text` is a whole answer: its tool calls become `tool_calls` (finish_reason tool_calls)."""
         lp = None if logprobs is None else self.logprobs(logprobs, index)
         if self.kind == "completion":
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         msg = {"role": "assistant"} if role or not stream else {}
-        if text is not None:
+        calls = []
+        if self.calls is not None and text is not None:
+            text, calls = tools.parse_calls(text)
+            calls = calls[:1] if self.calls == "first" else calls
+        if text is not None or (calls and not stream):
             msg["content"] = text
+        if calls:
+            msg["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)] if stream else calls
+            reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "delta" if stream else "message": msg, "logprobs": lp, "finish_reason": reason}
 
     def logprobs(self, entries: list, index: int = 0) -> dict:
@@ -268,11 +303,15 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     async def complete(request: Request, kind: str):
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, await read_json(request))
+        choice = tool_mode(req, engine.tokenizer)
         job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
+        job.grammar = forced_call_grammar(req, choice, job)
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
         events: asyncio.Queue = asyncio.Queue()
         submit_all(jobs, events)
         reply = Reply(kind, name, engine.tokenizer)
+        if choice is not None:  # the answers are parsed for tool calls when they end
+            reply.calls = "first" if not req.parallel_tool_calls else "all"
         # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
         echo = "" if kind == "chat" or not req.echo else (
             req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
@@ -306,9 +345,12 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                 yield sse(reply.envelope([reply.choice(echo, None, stream=True, index=index)], stream=True))
         # per choice: the log-probabilities of the tokens whose text is not sent yet
         logprobs = [[] if job.top_logprobs is not None else None for job in jobs]
+        held = [[] for _ in jobs]  # with tools in play: the text, sent whole at the end, its calls parsed
         async for index, ev, value in job_events(jobs, events):
             if ev == "logprobs":
                 logprobs[index].append(value)
+            elif ev == "piece" and reply.calls is not None:
+                held[index].append(value)
             elif ev == "piece":
                 yield sse(reply.envelope([reply.choice(value, None, stream=True, logprobs=logprobs[index],
                                                        index=index)], stream=True))
@@ -316,6 +358,10 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             elif ev == "error":
                 yield sse(ApiError(500, value).body())
             else:
+                if reply.calls is not None:
+                    yield sse(reply.envelope([reply.choice("".join(held[index]), value, stream=True,
+                                                           logprobs=logprobs[index], index=index)], stream=True))
+                    continue
                 yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs[index] or None,
                                                        index=index)], stream=True, timings=timings_of(jobs[index])))
         if include_usage:

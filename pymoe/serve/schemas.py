@@ -184,14 +184,28 @@ class Common(Strict):
 
 # --- /v1/chat/completions --------------------------------------------------------------------------------------
 
+class FunctionCall(Strict):
+    name: str = Field(description="a string")
+    arguments: str = Field(description="a string (the arguments as JSON text)")
+
+
+class ToolCall(Strict):
+    """An assistant message's earlier tool call, as the API returned it."""
+
+    id: str = Field(description="a string")
+    type: Literal["function"] = Field(description="'function'")
+    function: FunctionCall = Field(description="an object {name, arguments}")
+
+
 class Message(Strict):
-    """One chat message: a role and its text (a string, or a list of text parts, joined)."""
+    """One chat message: a role and its text (a string, or a list of text parts, joined); an assistant's tool calls,
+    a tool's answer to one (tool_call_id)."""
 
     role: Role
     content: Optional[str] = Field(None, description="a string or a list of text parts")
     name: unsupported() = None
-    tool_calls: unsupported([]) = None
-    tool_call_id: unsupported() = None
+    tool_calls: list[ToolCall] = Field([], description="a list of {id, type: function, function: {name, arguments}}")
+    tool_call_id: Optional[str] = Field(None, description="a string (the call a tool message answers)")
     function_call: unsupported() = None
     refusal: unsupported() = None
     audio: unsupported() = None
@@ -215,13 +229,35 @@ class Message(Strict):
         return "".join(p["text"] for p in content)
 
 
+class FunctionDef(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="a function name (letters, digits, _ . -)")
+    description: Optional[str] = Field(None, description="a string")
+    parameters: dict = Field({"type": "object", "properties": {}}, description="a JSON schema object")
+    strict: Optional[bool] = Field(None, description="a boolean (a forced call always follows the schema here)")
+
+
+class Tool(Strict):
+    type: Literal["function"] = Field(description="'function'")
+    function: FunctionDef = Field(description="an object {name, description, parameters}")
+
+
+class NamedFunction(Strict):
+    name: str = Field(description="a string")
+
+
+class NamedToolChoice(Strict):
+    type: Literal["function"] = Field(description="'function'")
+    function: NamedFunction = Field(description="an object {name}")
+
+
 class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1, description="a non-empty list of {role, content}")
     logprobs: bool = Field(False, description="a boolean")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="an integer in [0, 20]")
-    tools: unsupported([]) = None
-    tool_choice: unsupported("none") = None
-    parallel_tool_calls: unsupported() = None
+    tools: list[Tool] = Field([], max_length=128, description="a list of {type: function, function: {name, ...}}")
+    tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
+        None, description="'none', 'auto', 'required' or {type: function, function: {name}}")
+    parallel_tool_calls: bool = Field(True, description="a boolean (false: the first call only)")
     functions: unsupported([]) = None
     function_call: unsupported("none") = None
     modalities: unsupported(["text"]) = None
@@ -238,11 +274,42 @@ class ChatRequest(Common):
         return (self.top_logprobs or 0) if self.logprobs else None
 
     def template_messages(self) -> list:
-        """What the chat template reads: [{role, content}]."""
-        return [{"role": m.role, "content": m.content or ""} for m in self.messages]
+        """What the chat template reads: [{role, content}], an assistant's tool_calls with their arguments as
+        objects (as transformers passes them; the JSON text when it does not parse), a tool's tool_call_id."""
+        out = []
+        for m in self.messages:
+            msg = {"role": m.role, "content": m.content or ""}
+            if m.tool_calls:
+                msg["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                    "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in m.tool_calls]
+            if m.tool_call_id is not None:
+                msg["tool_call_id"] = m.tool_call_id
+            out.append(msg)
+        return out
+
+    def tool_choice_value(self):
+        """None (no tools in play), "auto", "required", or the name of the function the answer must call."""
+        choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")
+        if choice == "none":
+            return None
+        if not self.tools:
+            raise ApiError(400, "'tool_choice' needs 'tools'", code="invalid_value", param="tool_choice")
+        if isinstance(choice, NamedToolChoice):
+            if choice.function.name not in {t.function.name for t in self.tools}:
+                raise ApiError(400, f"'tool_choice' names {choice.function.name!r}, which is not in 'tools'",
+                               code="invalid_value", param="tool_choice")
+            return choice.function.name
+        return choice
 
 
 # --- /v1/completions -------------------------------------------------------------------------------------------
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
 
 def _one_prompt(p):
     """[prompt] -> prompt: a list holding one string or one list of token ids is that prompt."""

@@ -338,6 +338,12 @@ MUTANTS: list[Mutant] = [
         "        seed = self.sampling.seed",
         ("tests/test_server.py::test_n_choices",),
         "n > 1: every choice drawn with the request's seed (n copies of one answer)"),
+    Mutant(
+        "forced_tool_choice_not_constrained", "pymoe/serve/app.py",
+        "    if choice in (None, \"auto\"):\n        return job.grammar",
+        "    if True:  # MUTANT\n        return job.grammar",
+        ("tests/test_server.py::test_forced_tool_choice_gives_a_call_that_parses",),
+        "tools: a forced tool choice decoded without the call's grammar (the answer need not be a call)"),
 ]
 
 
