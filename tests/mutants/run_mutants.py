@@ -318,7 +318,7 @@ MUTANTS: list[Mutant] = [
         "grammar_mask_not_applied", "pymoe/engine/sampler.py",
         "            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf)).astype(np.float32)",
         "            logits = logits  # MUTANT",
-        ("tests/test_server.py::test_response_format_json_schema_output_parses_and_follows_the_schema",),
+        ("tests/test_server.py::test_response_format_json_schema_output_parses_and_follows_the_schema[1]",),
         "structured output: the grammar's mask never reaches the logits"),
     Mutant(
         "logprobs_at_the_sampling_temperature", "pymoe/engine/sampler.py",
@@ -342,8 +342,14 @@ MUTANTS: list[Mutant] = [
         "forced_tool_choice_not_constrained", "pymoe/serve/app.py",
         "    if choice in (None, \"auto\"):\n        return job.grammar",
         "    if True:  # MUTANT\n        return job.grammar",
-        ("tests/test_server.py::test_forced_tool_choice_gives_a_call_that_parses",),
+        ("tests/test_server.py::test_forced_tool_choice_gives_a_call_that_parses[1]",),
         "tools: a forced tool choice decoded without the call's grammar (the answer need not be a call)"),
+    Mutant(
+        "prefill_chunk_ignored", "pymoe/serve/scheduler.py",
+        "        n = len(slot.pending) if not self.prefill_chunk else min(self.prefill_chunk, len(slot.pending))",
+        "        n = len(slot.pending)  # MUTANT",
+        ("tests/test_server.py::test_chunked_prefill_interleaves_with_decoding_and_keeps_the_tokens[5]",),
+        "chunked prefill: a prompt read whole in one step (the other slots stall for all of it)"),
 ]
 
 
