@@ -496,8 +496,8 @@ def serve_options(f):
 @serve_options
 def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, spec,
               spec_k, prefill_chunk, **engine_options):
-    """Serve MODEL (a GGUF file) over an OpenAI-compatible HTTP API: /v1/chat/completions, /v1/completions,
-    /v1/models, /v1/status, /metrics, /health."""
+    """Serve MODEL (a GGUF file) over OpenAI- and Anthropic-compatible HTTP APIs: /v1/chat/completions,
+    /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health."""
     from .serve.app import serve
 
     def log(line):
