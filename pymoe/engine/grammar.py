@@ -36,7 +36,7 @@ def _llguidance():
         import llguidance
         import llguidance.numpy  # noqa: F401  (the bitmask helpers)
     except ImportError as e:
-        raise PymoeError("constrained decoding needs llguidance (pip install 'pymoe[serve]')") from e
+        raise PymoeError("constrained decoding needs llguidance (pip install -e . installs it)") from e
     return llguidance
 
 
