@@ -79,7 +79,10 @@ def log_probs(z: np.ndarray, token: int, top: int) -> tuple:
     """log-softmax of z [V] -> (log p(token), [(id, log p)] for the `top` most likely, most likely first)."""
     z = z.astype(np.float64)
     lse = z.max() + np.log(np.exp(z - z.max()).sum())  # [] log sum exp, shifted so the largest term is exp(0)
-    best = np.argsort(-z, kind="stable")[:top]
+    # the ids at or above the top-th largest value (O(V), ties at the cut included), then the stable order of them:
+    # the same as a stable argsort of all of z, most likely first and ties by id, without sorting V values
+    best = np.flatnonzero(z >= -np.partition(-z, top - 1)[top - 1]) if 0 < top < z.size else np.arange(z.size)
+    best = best[np.argsort(-z[best], kind="stable")][:top]
     return float(z[token] - lse), [(int(t), float(z[t] - lse)) for t in best]
 
 
@@ -94,11 +97,10 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits float32 [V] -> the next token id."""
+        z = self._penalised(logits, history)
         if self.params.temperature == 0.0:
-            z = self._penalised(logits, history)
             token = int(np.argmax(z))
         else:
-            z = self._penalised(logits, history)
             ids, probs = self._distribution(z)
             token = int(ids[self.rng.choice(len(ids), p=probs)])
         if self.top_logprobs is not None:
@@ -115,7 +117,7 @@ class Sampler:
         over the last `repeat_last_n` tokens of the history (prompt included)."""
         p = self.params
         if self.constraint is not None:
-            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf)).astype(np.float32)
+            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf))
         if p.logit_bias:
             logits = logits.copy()
             for t, bias in p.logit_bias:

@@ -24,8 +24,7 @@ from pydantic import Field, field_validator
 
 from pymoe.engine.grammar import Grammar
 from pymoe.engine.sampler import SamplingParams
-from pymoe.errors import PymoeError
-from pymoe.serve.schemas import ApiError, Strict, unsupported
+from pymoe.serve.schemas import Strict, grammar_or_400, unsupported
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
@@ -130,11 +129,7 @@ class MessagesRequest(Strict):
         fmt = self.output_config.format
         if fmt is None:
             return None
-        try:
-            return Grammar.from_request("json_schema", fmt.schema_)
-        except PymoeError as e:
-            raise ApiError(400, f"'output_config.format': {e}", code="invalid_value",
-                           param="output_config.format") from None
+        return grammar_or_400("json_schema", fmt.schema_, "output_config.format")
 
     def top_logprobs_n(self):
         return None

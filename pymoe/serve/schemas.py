@@ -168,10 +168,7 @@ class Common(Strict):
         if not asked:
             return None
         param, kind, source = asked[0]
-        try:
-            return Grammar.from_request(kind, source)
-        except PymoeError as e:
-            raise ApiError(400, f"'{param}': {e}", code="invalid_value", param=param) from None
+        return grammar_or_400(kind, source, param)
 
     def stop_strings(self) -> tuple:
         return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -303,6 +300,14 @@ class ChatRequest(Common):
 
 
 # --- /v1/completions -------------------------------------------------------------------------------------------
+
+def grammar_or_400(kind: str, source, param: str) -> Grammar:
+    """engine/grammar.Grammar.from_request, its error a 400 naming the request field `param`."""
+    try:
+        return Grammar.from_request(kind, source)
+    except PymoeError as e:
+        raise ApiError(400, f"'{param}': {e}", code="invalid_value", param=param) from None
+
 
 def _json_or_text(text: str):
     try:

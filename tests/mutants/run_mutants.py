@@ -316,7 +316,7 @@ MUTANTS: list[Mutant] = [
         "admission: one insertion more per layer-step than --max-inserts"),
     Mutant(
         "grammar_mask_not_applied", "pymoe/engine/sampler.py",
-        "            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf)).astype(np.float32)",
+        "            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf))",
         "            logits = logits  # MUTANT",
         ("tests/test_server.py::test_response_format_json_schema_output_parses_and_follows_the_schema[1]",),
         "structured output: the grammar's mask never reaches the logits"),
