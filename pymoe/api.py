@@ -20,6 +20,7 @@ from .experts.cache import PassThroughCache
 from .errors import PymoeError
 from .engine.generate import RequestStats, generate_tokens, stream_text
 from .gguf.loader import EXPERT_PROJ, load_gguf
+from .engine.kv import check_kv_fits
 from .engine.model import Model
 from .experts.policies import DEFAULT_POLICY, check_engine_policy, make_admission
 from .experts.probe import NO_GPU_PCIE_FRAC
@@ -63,6 +64,7 @@ class Engine:
         self.n_ctx = int(n_ctx or self.config.n_ctx_train)
         if self.n_ctx <= 0:
             raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
+        check_kv_fits(self.config, self.n_ctx)  # before anything is allocated for it (a corrupt context_length)
         if self.n_ctx > self.config.n_ctx_train:
             scaled = self.config.rope_scaling != "none"
             log(f"warning: context {self.n_ctx} is beyond the {self.config.n_ctx_train} positions the model was "
@@ -84,6 +86,9 @@ class Engine:
             for types in triples.values():  # (layers may differ: llama.cpp's Q4_K_M has ffn_down Q4_K or Q6_K)
                 self.backend.warm_up_experts(types)
         self.tokenizer = Tokenizer(self.file)
+        if self.tokenizer.n_vocab != self.config.n_vocab:  # llama.cpp: "token_embd.weight has wrong shape"
+            raise PymoeError(f"{path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} tokens but the model has "
+                             f"{self.config.n_vocab} (token_embd.weight rows)")
         self.last_stats = RequestStats()
 
     def _probe_pcie_frac(self, log) -> float:

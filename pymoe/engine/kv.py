@@ -29,6 +29,7 @@ float-oracle tolerances and llama.cpp's own q8_0 cache on the same files.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import numpy as np
@@ -137,6 +138,44 @@ class Int8KVCache(KVCache):
 
     def _plane(self, shape: tuple):
         return QuantizedPlane(shape)
+
+
+def memory_limit() -> int:
+    """Bytes this process can ever hold: the machine's memory plus swap, lowered by an address-space limit
+    (`ulimit -v`) or a cgroup's memory.max when one is set."""
+    import resource
+
+    limit = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    try:
+        with open("/proc/meminfo") as f:
+            limit += next(int(line.split()[1]) * 1024 for line in f if line.startswith("SwapTotal:"))
+    except (OSError, StopIteration, ValueError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        limit = min(limit, soft)
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            text = f.read().strip()
+        if text.isdigit():
+            limit = min(limit, int(text))
+    except OSError:
+        pass
+    return limit
+
+
+def check_kv_fits(cfg: ModelConfig, n_ctx: int, kind: str = "f32", sequences: int = 1) -> None:
+    """A one-line error when `sequences` KV caches of `n_ctx` positions could never be held (the caches are
+    allocated up front; an untouched page costs nothing, so a context that fits memory is fine even when most of it
+    is never used). It names the bytes: a file whose context_length is 2**31 asks for terabytes."""
+    per_value = {"f32": 4, "f16": 2, "int8": 1 + 2 / GROUP}[kind]
+    need = int(cfg.kv_values_per_token() * n_ctx * per_value * sequences)
+    have = memory_limit()
+    if need > have:
+        raise PymoeError(f"a context of {n_ctx} tokens needs {need / 2**30:,.1f} GiB of KV cache"
+                         + (f" ({sequences} sequences)" if sequences > 1 else "")
+                         + f", more than the {have / 2**30:,.1f} GiB this process can use: give a smaller context "
+                         "(-c/--ctx-size)")
 
 
 def new_kv(cfg: ModelConfig, n_ctx: int, kind: str = "f32") -> KVCache:

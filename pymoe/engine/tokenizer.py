@@ -31,12 +31,14 @@ scores are distinct, do not produce differently.)
 from __future__ import annotations
 
 import codecs
+import math
 import json
 import re
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
+import numpy as np
 from gguf import TokenType
 
 from pymoe.errors import PymoeError
@@ -156,39 +158,44 @@ class Tokenizer:
         else:
             get = source
         where = f"{source.path}: " if hasattr(source, "path") else ""
-        self.model = get("tokenizer.ggml.model", None)
-        tokens = get("tokenizer.ggml.tokens", None)
+        get = _typed_getter(get, where)
+        self.model = get("tokenizer.ggml.model", None, str)
+        tokens = get("tokenizer.ggml.tokens", None, list, str)
         if self.model is None or tokens is None:
             raise PymoeError(f"{where}no tokenizer in the file (missing tokenizer.ggml.model or tokenizer.ggml.tokens)")
         # llama.cpp renames empty tokens so that every id has a distinct, non-empty text.
         self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        types = get("tokenizer.ggml.token_type", None) or [TokenType.NORMAL] * len(tokens)
+        types = get("tokenizer.ggml.token_type", None, list, int) or [TokenType.NORMAL] * len(tokens)
+        if len(types) != len(tokens):
+            raise PymoeError(f"{where}tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         self.types: list[TokenType] = [_token_type(t) for t in types]
         self.n_vocab = len(self.tokens)
         self.id_of = {t: i for i, t in enumerate(self.tokens)}  # duplicates: the last id wins, as in llama.cpp
 
         def special_id(key):
-            i = get(f"tokenizer.ggml.{key}_token_id", None)
+            i = get(f"tokenizer.ggml.{key}_token_id", None, int)
             return int(i) if i is not None and 0 <= int(i) < self.n_vocab else None  # out of range: disabled
 
         if self.model == "gpt2":
-            pre_name = get("tokenizer.ggml.pre", None) or "default"
+            pre_name = get("tokenizer.ggml.pre", None, str) or "default"
             pre = PRE_TOKENIZERS.get(pre_name)
             if pre is None:
                 raise PymoeError(f"{where}unsupported pre-tokenizer tokenizer.ggml.pre={pre_name!r} "
                                  f"(pymoe knows: {', '.join(sorted(PRE_TOKENIZERS))})")
             self.pre_name = pre_name
-            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", False))
+            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", False, bool))
             default_add_bos = pre.add_bos
-            merges = get("tokenizer.ggml.merges", None)
+            merges = get("tokenizer.ggml.merges", None, list, str)
             if merges is None:
                 raise PymoeError(f"{where}byte-level BPE vocab without tokenizer.ggml.merges")
             self._bpe = _byte_level_bpe(self.id_of, merges, pre, where)
         elif self.model == "llama":
             self.pre_name = "default"  # llama.cpp ignores tokenizer.ggml.pre for SentencePiece vocabs
-            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True))
+            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True, bool))
             default_add_bos = True
-            scores = get("tokenizer.ggml.scores", None) or [0.0] * self.n_vocab
+            scores = get("tokenizer.ggml.scores", None, list, float) or [0.0] * self.n_vocab
+            if len(scores) != self.n_vocab:
+                raise PymoeError(f"{where}tokenizer.ggml.scores has {len(scores)} entries for {self.n_vocab} tokens")
             self._bpe = _sentencepiece_bpe(self.tokens, self.types, [float(s) for s in scores], self.id_of)
         else:
             raise PymoeError(f"{where}unsupported tokenizer tokenizer.ggml.model={self.model!r} "
@@ -198,8 +205,8 @@ class Tokenizer:
         self.eos_id = special_id("eos")
         self.eot_id = special_id("eot")
         self.eom_id = special_id("eom")
-        self.add_bos = bool(get("tokenizer.ggml.add_bos_token", default_add_bos))
-        self.add_eos = bool(get("tokenizer.ggml.add_eos_token", False))  # true only for some encoder-style vocabs
+        self.add_bos = bool(get("tokenizer.ggml.add_bos_token", default_add_bos, bool))
+        self.add_eos = bool(get("tokenizer.ggml.add_eos_token", False, bool))  # true only for some encoder-style vocabs
         if self.eot_id is None:  # llama.cpp finds the end-of-turn token by its text when the key is absent
             self.eot_id = next((i for i, t in enumerate(self.tokens) if t in EOT_TEXTS), None)
         for i, t in enumerate(self.tokens):  # texts that look like control tokens are control tokens
@@ -214,7 +221,7 @@ class Tokenizer:
         self._specials = sorted((i for i, ty in enumerate(self.types) if ty in SPECIAL_TYPES),
                                 key=lambda i: (-len(self.tokens[i].encode()), i))
         self._piece_cache: dict[int, bytes] = {}
-        self.chat_template: Optional[str] = get("tokenizer.chat_template", None)
+        self.chat_template: Optional[str] = get("tokenizer.chat_template", None, str)
 
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
@@ -400,11 +407,37 @@ class DecodeStream:
 
 # --- building the `tokenizers` models ---------------------------------------------------------------------------------
 
+UNDEFINED = 0  # llama.h's LLAMA_TOKEN_TYPE_UNDEFINED (gguf-py's TokenType has no member for it)
+
+
 def _token_type(value) -> TokenType:
     try:
         return TokenType(int(value))
     except ValueError:
-        return TokenType.UNDEFINED  # llama.cpp maps unknown type numbers to UNDEFINED too
+        return UNDEFINED  # llama.cpp gives unknown type numbers the UNDEFINED attribute too: a plain, non-special id
+
+
+_KINDS = {str: (str,), int: (int, np.integer), float: (int, float, np.integer, np.floating),
+          bool: (bool, np.bool_, int, np.integer), list: (list,)}
+
+
+def _typed_getter(get: Metadata, where: str):
+    """get(key, default, kind[, item kind]) -> the value, or one line naming the key when it has another type (a
+    fuzzed file's token list may be an array of numbers, its bos id a string: bench/fuzz_gguf.py)."""
+    def typed(key, default, kind, item=None):
+        value = get(key, default)
+        if value is default:
+            return value
+        bad = not isinstance(value, _KINDS[kind]) or (kind in (int, float) and isinstance(value, (bool, np.bool_)))
+        if not bad and item is not None:
+            bad = not all(isinstance(v, _KINDS[item]) for v in value)
+            if not bad and item is float:
+                bad = not all(math.isfinite(v) for v in value)
+        if bad:
+            what = f"a list of {item.__name__} values" if item else f"a {kind.__name__}"
+            raise PymoeError(f"{where}{key} is not {what}")
+        return value
+    return typed
 
 
 def _byte_level_bpe(vocab: dict[str, int], merges: list[str], pre: PreTokenizer, where: str):

@@ -11,10 +11,31 @@ Metadata keys are `{arch}.<name>`, e.g. `qwen3moe.block_count`; `general.archite
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Callable, Optional
 
+import numpy as np
+
 from pymoe.errors import PymoeError
+
+# The most layers a file may declare. The largest MoE models have under 100; this bound only keeps a corrupt
+# block_count (2**64 - 1 in a fuzzed file) from driving a loop that builds the layer plan before any tensor is checked.
+MAX_LAYERS = 4096
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
+def _is_number(v) -> bool:
+    return _is_int(v) or isinstance(v, (float, np.floating))
+
+
+def _short(value) -> str:
+    """A metadata value for an error line: at most ~60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 @dataclass(frozen=True)
@@ -238,37 +259,73 @@ class ModelConfig:
         """Build from metadata. `get(key, default)` returns a field's value; `default=REQUIRED` makes it mandatory
         (the getter raises a PymoeError naming the key). `where` prefixes error messages (the file name)."""
         arch = get("general.architecture", REQUIRED)
-        if arch not in ARCHS:
-            raise PymoeError(f"{where}unsupported architecture '{arch}' (pymoe runs {', '.join(ARCHS)})")
+        if not isinstance(arch, str) or arch not in ARCHS:
+            raise PymoeError(f"{where}unsupported architecture {_short(arch)} (pymoe runs {', '.join(ARCHS)})")
         t = ARCHS[arch]
 
         def key(name, default=REQUIRED):
             return get(f"{arch}.{name}", default)
 
-        n_embd, n_head = int(key("embedding_length")), int(key("attention.head_count"))
-        n_expert = int(key("expert_count", 0))
+        # Typed reads: a value of the wrong type, or out of range, is one line naming the key (a fuzzed or broken
+        # file must never reach int() / float() with a string, an inf or a 2**64; bench/fuzz_gguf.py).
+        def typed(name, default, ok, what):
+            value = key(name, default)
+            if value is default and default is not REQUIRED:
+                return value  # pymoe's own default (or None): trusted
+            if not ok(value):
+                raise PymoeError(f"{where}{arch}.{name} = {_short(value)} is not {what}")
+            return value
+
+        def count(name, default=REQUIRED):  # sizes and counts: 0 <= n < 2**31, so products of two fit in int64
+            return int(typed(name, default, lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in 0..2^31-1"))
+
+        def real(name, default=REQUIRED):
+            return float(typed(name, default, lambda v: _is_number(v) and math.isfinite(v), "a finite number"))
+
+        def flag(name, default=REQUIRED):
+            return bool(typed(name, default, lambda v: isinstance(v, (bool, np.bool_)) or _is_int(v), "a boolean"))
+
+        def text(name, default=REQUIRED):
+            return typed(name, default, lambda v: isinstance(v, str), "a string")
+
+        def counts(name, default=REQUIRED):
+            return typed(name, default, lambda v: isinstance(v, list) and len(v) <= MAX_LAYERS
+                         and all(_is_int(n) and 0 <= n < 2**31 for n in v), "a list of integers in 0..2^31-1")
+
+        def flags(name, default=REQUIRED):
+            return typed(name, default, lambda v: isinstance(v, list) and len(v) <= MAX_LAYERS
+                         and all(isinstance(b, (bool, np.bool_)) or _is_int(b) for b in v), "a list of booleans")
+
+        n_embd, n_head = count("embedding_length"), count("attention.head_count")
+        if n_head == 0:
+            raise PymoeError(f"{where}{arch}.attention.head_count must be > 0")
+        if count("block_count") > MAX_LAYERS:
+            raise PymoeError(f"{where}{arch}.block_count = {count('block_count')} is more than {MAX_LAYERS} layers")
+        n_expert = count("expert_count", 0)
         if n_expert == 0:
             raise PymoeError(f"{where}'{arch}' model has no experts ({arch}.expert_count is absent or 0): "
                              "pymoe runs Mixture-of-Experts models only")
-        head_dim = int(key("attention.key_length", n_embd // n_head))
-        n_ff_exp = int(key(t.ff_key))
-        n_nextn = int(key("nextn_predict_layers", 0))
+        head_dim = count("attention.key_length", n_embd // n_head)
+        n_ff_exp = count(t.ff_key)
+        n_nextn = count("nextn_predict_layers", 0)
         gating_id = key("expert_gating_func", None)
-        if gating_id is not None and int(gating_id) not in GATING_FUNCS:
+        if gating_id is not None and (not _is_int(gating_id) or int(gating_id) not in GATING_FUNCS):
             raise PymoeError(f"{where}{arch}.expert_gating_func = {gating_id} is not supported "
                              f"(pymoe: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})")
-        shexp_default = n_ff_exp * int(key("expert_shared_count", 1))  # llama.cpp: n_ff_exp * n_expert_shared
-        n_dense_lead = int(key("leading_dense_block_count", 0))
+        shexp_default = n_ff_exp * count("expert_shared_count", 1)  # llama.cpp: n_ff_exp * n_expert_shared
+        n_dense_lead = count("leading_dense_block_count", 0)
         hybrid = {}
         if t.hybrid:
-            n_all = int(key("block_count"))
-            recurrent = key("attention.recurrent_layers", None)
+            n_all = count("block_count")
+            recurrent = flags("attention.recurrent_layers", None)
             if recurrent is None:
-                interval = int(key("full_attention_interval", 4))
+                interval = count("full_attention_interval", 4)
+                if interval == 0:
+                    raise PymoeError(f"{where}{arch}.full_attention_interval must be > 0")
                 recurrent = [(i + 1) % interval != 0 for i in range(n_all)]
             if t.rope_sections:
-                sections = ([int(n) for n in key("rope.dimension_sections")] + [0] * 4)[:4]  # t, h, w, e
-                rope_pairs = int(key("rope.dimension_count", int(key("attention.key_length", n_embd // n_head)))) // 2
+                sections = (list(counts("rope.dimension_sections")) + [0] * 4)[:4]  # t, h, w, e
+                rope_pairs = count("rope.dimension_count", count("attention.key_length", n_embd // n_head)) // 2
                 # ggml's IMRoPE: pair i is in sector i % sum(sections); sectors 3j + s (s = 0, 1, 2) below
                 # 3 sections[s] rotate by the t, h, w position (all = the token's position for text), others by
                 # the e position (0 for text: no rotation). Pymoe runs the first case only.
@@ -276,52 +333,52 @@ class ModelConfig:
                            for p in (i % max(1, sum(sections)) for i in range(rope_pairs))):
                     raise PymoeError(f"{where}{arch}.rope.dimension_sections {sections} leave rotated pairs to the "
                                      "4th (image) position: not supported for text")
-            hybrid = dict(ssm_conv=int(key("ssm.conv_kernel")), ssm_state=int(key("ssm.state_size")),
-                          ssm_k_heads=int(key("ssm.group_count")), ssm_v_heads=int(key("ssm.time_step_rank")),
-                          ssm_inner=int(key("ssm.inner_size")),
+            hybrid = dict(ssm_conv=count("ssm.conv_kernel"), ssm_state=count("ssm.state_size"),
+                          ssm_k_heads=count("ssm.group_count"), ssm_v_heads=count("ssm.time_step_rank"),
+                          ssm_inner=count("ssm.inner_size"),
                           recurrent=tuple(bool(r) for r in recurrent)[:n_all - n_nextn])
         mla = {}
         if t.mla:
-            mla = dict(q_lora_rank=int(key("attention.q_lora_rank", 0)), kv_lora_rank=int(key("attention.kv_lora_rank")),
-                       head_dim_mla=int(key("attention.key_length_mla")),
-                       head_dim_v_mla=int(key("attention.value_length_mla")),
-                       yarn_log_mul=float(key("rope.scaling.yarn_log_multiplier", 0.0)) / 0.1)
+            mla = dict(q_lora_rank=count("attention.q_lora_rank", 0), kv_lora_rank=count("attention.kv_lora_rank"),
+                       head_dim_mla=count("attention.key_length_mla"),
+                       head_dim_v_mla=count("attention.value_length_mla"),
+                       yarn_log_mul=real("rope.scaling.yarn_log_multiplier", 0.0) / 0.1)
         cfg = cls(
             **hybrid, **mla,
-            n_expert_groups=int(key("expert_group_count", 0)), n_group_used=int(key("expert_group_used_count", 0)),
+            n_expert_groups=count("expert_group_count", 0), n_group_used=count("expert_group_used_count", 0),
             arch=arch,
             name=str(get("general.name", "") or ""),
-            n_layers=int(key("block_count")) - n_nextn,
+            n_layers=count("block_count") - n_nextn,
             n_embd=n_embd,
-            n_vocab=int(key("vocab_size", n_vocab)),
-            n_ctx_train=int(key("context_length")),
+            n_vocab=count("vocab_size", n_vocab),
+            n_ctx_train=count("context_length"),
             n_head=n_head,
-            n_head_kv=int(key("attention.head_count_kv", n_head)),
+            n_head_kv=count("attention.head_count_kv", n_head),
             head_dim=head_dim,
-            head_dim_v=int(key("attention.value_length", head_dim)),
+            head_dim_v=count("attention.value_length", head_dim),
             n_expert=n_expert,
-            n_expert_used=int(key("expert_used_count")),
+            n_expert_used=count("expert_used_count"),
             n_ff_exp=n_ff_exp,
-            n_ff_shexp=int(key("expert_shared_feed_forward_length", shexp_default)) if t.shared_expert else 0,
-            rms_eps=float(key("attention.layer_norm_rms_epsilon")),
-            rope_freq_base=float(key("rope.freq_base", 10000.0)),
-            rope_dim=int(key("rope.dimension_count", head_dim)),
+            n_ff_shexp=count("expert_shared_feed_forward_length", shexp_default) if t.shared_expert else 0,
+            rms_eps=real("attention.layer_norm_rms_epsilon"),
+            rope_freq_base=real("rope.freq_base", 10000.0),
+            rope_dim=count("rope.dimension_count", head_dim),
             rope_neox=t.rope_neox,
             qk_norm=t.qk_norm,
             qkv_bias=t.qkv_bias,
-            norm_topk=bool(key("expert_weights_norm", t.norm_topk)),
+            norm_topk=flag("expert_weights_norm", t.norm_topk),
             tied_output=tied_output,
             gating=GATING_FUNCS[int(gating_id)] if gating_id is not None else t.gating,
-            expert_weights_scale=float(key("expert_weights_scale", 1.0)),
+            expert_weights_scale=real("expert_weights_scale", 1.0),
             expert_bias=t.expert_bias,
             n_dense_lead=n_dense_lead,
-            n_ff=int(key("feed_forward_length", 0)) if n_dense_lead else 0,  # only dense layers use it
+            n_ff=count("feed_forward_length", 0) if n_dense_lead else 0,  # only dense layers use it
             n_nextn=n_nextn,
-            n_swa=int(key("attention.sliding_window", 0)) if t.swa_pattern else 0,
-            rope_scaling=str(key("rope.scaling.type", "none")),
-            rope_scale=float(key("rope.scaling.factor", 1.0) or 1.0),
-            rope_ctx_orig=int(key("rope.scaling.original_context_length", key("context_length")))
-            if key("rope.scaling.type", "none") == "yarn" else 0,  # only YaRN reads it
+            n_swa=count("attention.sliding_window", 0) if t.swa_pattern else 0,
+            rope_scaling=text("rope.scaling.type", "none"),
+            rope_scale=real("rope.scaling.factor", 1.0) or 1.0,
+            rope_ctx_orig=count("rope.scaling.original_context_length", count("context_length"))
+            if text("rope.scaling.type", "none") == "yarn" else 0,  # only YaRN reads it
         )
         cfg.validate(where)
         return cfg
@@ -330,9 +387,14 @@ class ModelConfig:
         """Relations the forward pass relies on; a file that breaks one gets a one-line error, not a wrong answer."""
         a = self.arch
         checks = [
-            (self.n_layers > 0, f"{a}.block_count must be > 0"),
+            (self.n_layers > 0, f"{a}.block_count must be > the {self.n_nextn} MTP layers"),
+            (self.n_embd > 0 and self.head_dim > 0, f"{a}.embedding_length and attention.key_length must be > 0"),
+            (self.n_ctx_train > 0, f"{a}.context_length must be > 0"),
+            (self.rms_eps > 0 and self.rope_freq_base > 0 and self.rope_scale > 0,
+             f"{a}: layer_norm_rms_epsilon ({self.rms_eps}), rope.freq_base ({self.rope_freq_base}) and "
+             f"rope.scaling.factor ({self.rope_scale}) must be > 0"),
             (self.n_head > 0 and self.n_head_kv > 0, f"{a}.attention.head_count(_kv) must be > 0"),
-            (self.n_head % self.n_head_kv == 0,
+            (self.n_head_kv > 0 and self.n_head % self.n_head_kv == 0,
              f"{a}.attention.head_count ({self.n_head}) is not a multiple of head_count_kv ({self.n_head_kv})"),
             (0 < self.n_expert_used <= self.n_expert,
              f"{a}.expert_used_count ({self.n_expert_used}) must be in 1..expert_count ({self.n_expert})"),
@@ -356,6 +418,7 @@ class ModelConfig:
              f"{a}: the MLA shapes do not fit (key_length {self.head_dim} must be kv_lora_rank {self.kv_lora_rank} + "
              f"rope {self.rope_dim}, value_length {self.head_dim_v} = kv_lora_rank, head_count_kv 1)"),
             (not self.traits.hybrid or (len(self.recurrent) == self.n_layers and self.ssm_k_heads > 0
+                                        and self.ssm_v_heads > 0 and self.ssm_conv > 0 and self.ssm_state > 0
                                         and self.ssm_v_heads % self.ssm_k_heads == 0
                                         and self.ssm_inner % self.ssm_v_heads == 0),
              f"{a}: the Gated DeltaNet shapes do not fit (ssm.group_count {self.ssm_k_heads}, ssm.time_step_rank "

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGUFReader, GGUFValueType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from pymoe import quant
 from .config import REQUIRED, LayerPlan, ModelConfig
@@ -209,10 +209,15 @@ class GGUFModel:
         field = self.reader.fields.get(key)
         if field is None:
             return default
+        # Strings are decoded here, not by gguf-py's contents() (which raises on bytes that are not UTF-8): a
+        # broken byte becomes U+FFFD, as llama.cpp's tokenizer and template code would carry it along.
+        text = lambda part: bytes(part).decode("utf-8", errors="replace")  # noqa: E731
         if field.types and field.types[0] == GGUFValueType.ARRAY:
             if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
-                return [bytes(field.parts[i]).decode("utf-8", errors="replace") for i in field.data]
+                return [text(field.parts[i]) for i in field.data]
             return field.contents()
+        if field.types and field.types[0] == GGUFValueType.STRING:
+            return text(field.parts[-1])
         return field.contents()
 
     def metadata_getter(self, where: str):
@@ -341,23 +346,110 @@ class UnknownTensorType(ValueError):
         super().__init__(f"unsupported tensor type {type_id} in {tensor}")
 
 
-class _Reader(GGUFReader):
-    """GGUFReader that names the tensor whose type id it does not know.
+class CorruptHeader(ValueError):
+    """A header value that cannot be right, found before the reader acts on it (the message says where)."""
 
-    gguf-py turns each tensor's type field into `GGMLQuantizationType(id)` while it builds the tensor views, and an
-    unknown id surfaces as a bare ValueError ("57 is not a valid GGMLQuantizationType") with no tensor name. The
-    header is already parsed when `_build_tensors` runs (one field per tensor: name, dims, type id, offset), so the
-    ids are checked here first, against the same table the reader then uses for block sizes (GGML_QUANT_SIZES,
-    extended with Q2_0 by pymoe.quant.ggml_types). Any other failure is still the reader's own.
+
+GGML_MAX_DIMS = 4  # ggml.h: a tensor has at most 4 dimensions
+
+
+class _Reader(GGUFReader):
+    """GGUFReader that checks every size it reads against the file before it loops or allocates with it.
+
+    gguf-py trusts the header: a read past the end of the file gives a short (or empty) view rather than an error,
+    so an array length of 2**62 makes its per-element loop run ~forever on empty reads, and an unknown tensor type id
+    surfaces as a bare ValueError with no tensor name. This subclass overrides the reader's own steps (it parses
+    nothing itself) and raises `CorruptHeader` / `UnknownTensorType`, which `_open_reader` turns into one line:
+      - `_get`: a read that runs past the end of the file is an error (the root of every "loop on empty reads");
+      - `_get_field_parts`: an array's length times its smallest element must fit in the bytes left, and its
+        element type must be one GGUF defines, before the loop over its elements;
+      - `_build_fields` / `_build_tensor_info`: the key / tensor counts must fit in the bytes left;
+      - `_build_tensors`: per tensor, before any view is made: a known type id, at most 4 dims, an element count that
+        is a whole number of blocks, data inside the file, aligned, and no two tensors overlapping (offsets are
+        Python ints: no int64 overflow).
+    The last complete metadata key is kept (`_after`) so an error says where in the header it happened.
     """
+
+    _after = "the header"
+
+    def _get(self, offset, dtype, count=1, override_order=None):
+        count, itemsize = int(count), np.dtype(dtype).itemsize
+        if count < 0 or offset + itemsize * count > len(self.data):
+            raise CorruptHeader(f"{self._where(offset)}: a value runs past the end of the file")
+        return super()._get(offset, dtype, count, override_order)
+
+    def _where(self, offset) -> str:
+        return f"corrupt or truncated header at byte {offset} (after {self._after})"
+
+    def _push_field(self, field, skip_sum=False):
+        self._after = f"key {field.name}"
+        return super()._push_field(field, skip_sum)
+
+    def _get_field_parts(self, orig_offs, raw_type):
+        if raw_type == GGUFValueType.ARRAY:
+            item_type, length = int(self._get(orig_offs, np.uint32)[0]), int(self._get(orig_offs + 4, np.uint64)[0])
+            if item_type not in _MIN_VALUE_BYTES:
+                raise CorruptHeader(f"{self._where(orig_offs)}: array of unknown value type {item_type}")
+            if item_type == GGUFValueType.ARRAY:  # gguf.cpp: "nested arrays are not supported"
+                raise CorruptHeader(f"{self._where(orig_offs)}: an array of arrays (llama.cpp refuses them too)")
+            if length * _MIN_VALUE_BYTES[item_type] > len(self.data) - orig_offs - 12:
+                raise CorruptHeader(f"{self._where(orig_offs)}: an array of {length} values cannot fit in the file")
+        elif raw_type not in _MIN_VALUE_BYTES:
+            raise CorruptHeader(f"{self._where(orig_offs)}: unknown value type {int(raw_type)}")
+        return super()._get_field_parts(orig_offs, raw_type)
+
+    def _build_fields(self, offs, count):
+        if int(count) * 13 > len(self.data) - offs:  # key length 8 + value type 4 + at least 1 byte of value
+            raise CorruptHeader(f"{self._where(offs)}: {int(count)} metadata keys cannot fit in the file")
+        return super()._build_fields(offs, count)
+
+    def _build_tensor_info(self, offs, count):
+        if int(count) * 24 > len(self.data) - offs:  # name length 8 + n_dims 4 + type 4 + offset 8
+            raise CorruptHeader(f"{self._where(offs)}: {int(count)} tensors cannot fit in the file")
+        fields = []
+        for _ in range(int(count)):  # (the reader's own loop, with a dims check before each dims read)
+            n_dims = int(self._get(offs + 8 + int(self._get(offs, np.uint64)[0]), np.uint32)[0])
+            if n_dims > GGML_MAX_DIMS:
+                raise CorruptHeader(f"{self._where(offs)}: a tensor with {n_dims} dimensions (GGUF allows "
+                                    f"{GGML_MAX_DIMS})")
+            field = self._get_tensor_info_field(offs)
+            offs += sum(int(part.nbytes) for part in field.parts)
+            fields.append(field)
+            self._after = f"the info of tensor {field.name}"
+        return offs, fields
 
     def _build_tensors(self, start_offs, fields):
         known = {int(t) for t in GGML_QUANT_SIZES}
-        for field in fields:
-            type_id = int(field.parts[4][0])  # parts: name length, name, n_dims, dims, type id, offset
+        spans = []  # (start, end, name) of each tensor's data
+        for field in fields:  # parts: name length, name, n_dims, dims, type id, offset
+            name = bytes(field.parts[1]).decode("utf-8", errors="replace")
+            type_id = int(field.parts[4][0])
             if type_id not in known:
-                raise UnknownTensorType(type_id, field.name)
+                raise UnknownTensorType(type_id, name)
+            dims = [int(d) for d in field.parts[3]]
+            block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(type_id)]
+            n = int(np.prod(dims, dtype=object)) if dims else 1
+            if any(d == 0 for d in dims) or dims[0] % block:
+                raise CorruptHeader(f"tensor {name}: dimensions {dims} (a row of {dims[0] if dims else 0} values is "
+                                    f"not a whole number of {block}-value blocks, or a dimension is 0)")
+            start, end = start_offs + int(field.parts[5][0]), start_offs + int(field.parts[5][0]) + n // block * type_size
+            if start % self.alignment:
+                raise CorruptHeader(f"tensor {name}: data offset {start - start_offs} is not a multiple of the "
+                                    f"alignment {self.alignment}")
+            spans.append((start, end, name))
+            if end > len(self.data):
+                raise CorruptHeader(f"truncated: tensor {name} ends at byte {end} but the file has {len(self.data)} "
+                                    "bytes")
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:  # (llama.cpp's gguf.cpp is stricter: each tensor right after the previous one, padded)
+                raise CorruptHeader(f"tensors {first} and {second} overlap (bytes {start}..{end})")
         return super()._build_tensors(start_offs, fields)
+
+
+# Smallest encoded size of one value of each GGUF value type (a string: its 8-byte length; an array: type + length).
+_MIN_VALUE_BYTES = {int(t): np.dtype(d).itemsize for t, d in GGUFReader.gguf_scalar_to_np.items()}
+_MIN_VALUE_BYTES.update({int(GGUFValueType.STRING): 8, int(GGUFValueType.ARRAY): 12})
 
 
 def _open_reader(path: str) -> GGUFReader:
@@ -376,7 +468,7 @@ def _open_reader(path: str) -> GGUFReader:
         return _Reader(path, "r")
     except PermissionError:
         raise PymoeError(f"{path}: permission denied") from None
-    except UnknownTensorType as e:
+    except (UnknownTensorType, CorruptHeader) as e:
         raise PymoeError(f"{path}: {e}") from None
     except (ValueError, IndexError, KeyError, OverflowError, MemoryError, UnicodeDecodeError) as e:
         # A header that runs past the end of the file shows up as a short read, i.e. a reshape/index error.
