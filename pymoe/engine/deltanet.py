@@ -44,7 +44,7 @@ def gdn_weights(b, lt, vec, tiled: bool) -> dict:
              else dict(ba=b.dense(lt("ssm_ba.weight"))))
     return dict(qkv=b.dense(lt("attn_qkv.weight")), gate=b.dense(lt("attn_gate.weight")), **split,
                 out=b.dense(lt("ssm_out.weight")),
-                conv=np.ascontiguousarray(np.asarray(lt("ssm_conv1d.weight").data, np.float32)),  # [conv_dim, K]
+                conv=np.ascontiguousarray(lt("ssm_conv1d.weight").floats()),  # [conv_dim, K]
                 dt=vec("ssm_dt.bias"), a=vec("ssm_a"), norm=vec("ssm_norm.weight"))
 
 

@@ -109,7 +109,7 @@ class Model:
             dense = {p: bf.dense(lt(f"ffn_{p}.weight")) for p in ("gate", "up", "down")}
         moe = plan.ffn != "dense"
         tr = cfg.traits
-        vec = lambda name: np.asarray(lt(name).data, np.float32)  # noqa: E731  small float32 tensors, host
+        vec = lambda name: lt(name).floats()  # noqa: E731  small tensors as float32 on the host (any stored type)
         ffn = None
         if moe and tr.expert_ffn != "swiglu":
             ffn = ExpertFFN(tr.expert_ffn, {p: vec(f"ffn_{p}_exps.bias") for p in ("gate", "up", "down")})
