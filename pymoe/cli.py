@@ -492,10 +492,13 @@ def serve_options(f):
 @click.option("--api-key", default=None, envvar="PYMOE_API_KEY",
               help="Require 'Authorization: Bearer KEY' on every endpoint but /health (env PYMOE_API_KEY).")
 @click.option("--max-body-mib", default=4.0, show_default=True, help="Largest request body accepted (else 413).")
+@click.option("--request-timeout", default=600.0, show_default=True,
+              help="Seconds from a request's arrival to its end: a generation still running then stops as if at "
+                   "max_tokens (finish_reason length); a body not received by then is a 408.")
 @server_sampling_options
 @serve_options
-def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, ctx, kv, parallel, max_queue, spec,
-              spec_k, prefill_chunk, **engine_options):
+def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, request_timeout, ctx, kv, parallel,
+              max_queue, spec, spec_k, prefill_chunk, **engine_options):
     """Serve MODEL (a GGUF file) over OpenAI- and Anthropic-compatible HTTP APIs: /v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health."""
     from .serve.app import serve
@@ -509,7 +512,8 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
     defaults = {field: engine_options.pop(f"default_{field}") for _, field, _ in SERVER_SAMPLING}
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
           max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,
-          prefill_chunk=prefill_chunk, chat_template=chat_template, sampling_defaults={k: v for k, v in defaults.items() if v is not None},
+          prefill_chunk=prefill_chunk, chat_template=chat_template, request_timeout=request_timeout,
+          sampling_defaults={k: v for k, v in defaults.items() if v is not None},
           **engine_options)
 
 

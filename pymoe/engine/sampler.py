@@ -29,7 +29,7 @@ class SamplingParams:
     min_p: float = 0.05  # drop tokens below min_p * p(most likely) (0.0: none)
     repeat_penalty: float = 1.0  # >1 discourages tokens seen in the last `repeat_last_n` (1.0: off)
     repeat_last_n: int = 64
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # None or -1 (llama.cpp's "random"): a fresh random generator; else 0 .. 2**64 - 1
     presence_penalty: float = 0.0  # OpenAI's: minus this from the logit of every token seen (same window)
     frequency_penalty: float = 0.0  # OpenAI's: minus this times how often the token was seen (same window)
     logit_bias: tuple = ()  # ((token id, bias), ...): added to those logits before anything else (OpenAI, llama.cpp)
@@ -40,7 +40,8 @@ class SamplingParams:
                   (-2 <= self.frequency_penalty <= 2, "frequency penalty must be in [-2, 2]"),
                   (0 < self.top_p <= 1, "top-p must be in (0, 1]"), (0 <= self.min_p <= 1, "min-p must be in [0, 1]"),
                   (self.repeat_penalty > 0, "repeat penalty must be > 0"),
-                  (self.repeat_last_n >= 0, "repeat-last-n must be >= 0")]
+                  (self.repeat_last_n >= 0, "repeat-last-n must be >= 0"),
+                  (self.seed is None or -1 <= self.seed < 2**64, "seed must be in [0, 2**64 - 1], or -1 (random)")]
         for ok, what in checks:
             if not ok:
                 raise PymoeError(what)
@@ -91,7 +92,7 @@ class Sampler:
         """constraint: a grammar.Constraint (the draw stays inside its grammar, and it follows each token drawn).
         top_logprobs: None (no log-probabilities), else how many alternatives to record beside the drawn token."""
         self.params = params.validate()
-        self.rng = np.random.default_rng(params.seed)
+        self.rng = np.random.default_rng(None if params.seed == -1 else params.seed)
         self.constraint, self.top_logprobs = constraint, top_logprobs
         self.last_logprobs: Optional[tuple] = None  # (log p(token), [(id, log p)] * top_logprobs) of the last draw
 
@@ -138,7 +139,10 @@ class Sampler:
     def _distribution(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         p = self.params
         ids, cand = filter_candidates(z, p.top_k, p.top_p, p.min_p)
-        z = cand / p.temperature
+        with np.errstate(over="ignore"):
+            z = cand / p.temperature
+        if not np.isfinite(z[0]):  # a temperature so small the largest logit overflows (inf - inf): greedy, as at 0
+            return ids[:1], np.ones(1)
         probs = np.exp(z - z.max())
         return ids, probs / probs.sum()
 

@@ -24,10 +24,11 @@ from pydantic import Field, field_validator
 
 from pymoe.engine.grammar import Grammar
 from pymoe.engine.sampler import SamplingParams
-from pymoe.serve.schemas import Strict, grammar_or_400, unsupported
+from pymoe.serve.schemas import MAX_STOP_CHARS, MAX_TOKENS, StopString, Strict, grammar_or_400, unsupported
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               413: "request_too_large", 429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+               405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large",
+               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
 STOP_REASONS = {"length": "max_tokens"}  # the engine's "stop": end_turn, or stop_sequence when a stop string ended it
 
 
@@ -70,10 +71,11 @@ class MessagesRequest(Strict):
     PROMPT_PARAM: ClassVar[str] = "messages"  # what a prompt error names (app.make_job)
 
     model: str = Field(description="a string (any name: the server serves one model)")
-    max_tokens: int = Field(ge=1, description="an integer >= 1")
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS, description=f"an integer >= 1 (at most {MAX_TOKENS})")
     messages: list[AnthropicMessage] = Field(min_length=1, description="a non-empty list of {role, content}")
     system: Union[str, list[TextBlock], None] = Field(None, description="a string or a list of text blocks")
-    stop_sequences: list[str] = Field([], description="a list of strings")
+    stop_sequences: list[StopString] = Field([], max_length=16, description=(
+        f"a list of at most 16 strings of at most {MAX_STOP_CHARS} characters"))
     stream: bool = Field(False, description="a boolean")
     output_config: OutputConfig = Field(OutputConfig(), description="an object {format}")
     cache_control: Optional[dict] = Field(None, description="an object (prefix reuse is automatic here)")

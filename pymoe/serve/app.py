@@ -14,6 +14,11 @@ Also: Anthropic's /v1/messages (anthropic.py: its request and answer shapes, the
 /health (no key), /v1/status and /metrics (metrics.py), llama.cpp's /tokenize, /detokenize, /apply-template. Security defaults: binds 127.0.0.1;
 --api-key protects every endpoint but /health (Authorization: Bearer KEY, else 401); bodies are capped
 (--max-body-mib, else 413).
+Hostile input (docs/server.md, "Limits"): every answer, errors included (404, 405, a bug's 500), is in OpenAI's shape
+(Anthropic's under /v1/messages); a body must be JSON nested at most MAX_DEPTH deep with no lone UTF-16 surrogates
+(else 400); parsing, templating and tokenizing run on worker threads, never on the event loop that answers /health;
+a request still running request_timeout seconds after it came in ends as if at max_tokens; a client that leaves
+sent data unread for CLIENT_STALL_S seconds is dropped by the kernel (TCP_USER_TIMEOUT on the listening socket).
 What this is not: the scheduling (scheduler.py, no HTTP in it), the field-by-field validation (schemas.py), the
 counters (metrics.py), or a multi-process / multi-GPU deployment.
 """
@@ -22,7 +27,9 @@ import asyncio
 import contextlib
 import hmac
 import json
+import math
 import os
+import re
 import socket
 import threading
 import time
@@ -38,7 +45,63 @@ from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, 
 from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, parse)
 
-OUTCOMES = {400: "bad_request", 401: "unauthorized", 413: "too_large", 429: "rejected"}  # /metrics labels
+OUTCOMES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "bad_method", 408: "timeout",
+            413: "too_large", 429: "rejected"}  # /metrics labels
+MAX_DEPTH = 128  # JSON nesting of a body: a schema 60 objects deep fits; Python's json gives up near 1,000
+REQUEST_TIMEOUT_S = 600.0  # request_timeout: a request's wall time, from its arrival to its last token
+CLIENT_STALL_S = 60.0  # TCP_USER_TIMEOUT: sent data left unacknowledged (a client that stopped reading) this long
+
+
+# --- body -> JSON ------------------------------------------------------------------------------------------------
+
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # how a lone surrogate gets into JSON text (valid UTF-8 has none)
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not JSON")
+
+
+def load_body(data: bytes) -> dict:
+    """A request body -> its JSON object, or a 400 saying why not: not JSON (NaN and Infinity are not JSON either),
+    not an object, nested deeper than MAX_DEPTH, or a string holding a lone UTF-16 surrogate ("\\ud800" decodes
+    to one; the tokenizer, like any UTF-8 encoder, cannot take it)."""
+    try:
+        body = json.loads(data, parse_constant=_refuse_constant)
+    except RecursionError:  # the C parser's own guard, near 1,000 levels
+        raise ApiError(400, f"request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object", code="invalid_json")
+    check_json(body, strings=SURROGATE_ESCAPE.search(data) is not None)
+    return body
+
+
+def check_json(body, strings: bool) -> None:
+    """Walk the parsed body (iteratively): its depth is at most MAX_DEPTH; with `strings`, every key and string is
+    valid Unicode (a 400 naming where one is not, as `param`: 'messages[0].content')."""
+    stack = [(body, "", 1)]
+    while stack:
+        value, path, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(400, f"request body is nested deeper than {MAX_DEPTH} levels", code="invalid_json")
+        for key, v in value.items() if isinstance(value, dict) else enumerate(value):
+            where = "" if not strings else f"{path}[{key}]" if isinstance(value, list) else \
+                f"{path}.{key}" if path else key
+            if strings and not (_is_unicode(str(key)) and (not isinstance(v, str) or _is_unicode(v))):
+                where = where.encode("utf-8", "backslashreplace").decode()  # a bad key: shown as its escape
+                raise ApiError(400, f"'{where}' holds a lone UTF-16 surrogate (an escape \\ud800-\\udfff without its "
+                                    "pair): not valid Unicode text", code="invalid_value", param=where)
+            if isinstance(v, (dict, list)):
+                stack.append((v, where, depth + 1))
+
+
+def _is_unicode(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+        return True
+    except UnicodeEncodeError:
+        return False
 
 
 # --- request -> job ----------------------------------------------------------------------------------------------
@@ -81,8 +144,11 @@ def forced_call_grammar(req, choice: Optional[str], job: Job):
     if job.grammar is not None:
         raise ApiError(400, "'tool_choice' forces a tool call: it does not combine with response_format or "
                             "grammar", code="invalid_value", param="tool_choice")
-    return tools.call_grammar([{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools
-                               if choice == "required" or t.function.name == choice])
+    try:
+        return tools.call_grammar([{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools
+                                   if choice == "required" or t.function.name == choice])
+    except PymoeError as e:  # a tool's `parameters` that is no JSON schema the grammar compiler takes
+        raise ApiError(400, f"'tools': {e}", code="invalid_value", param="tools") from None
 
 
 def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None) -> Job:
@@ -221,14 +287,21 @@ def sse(obj) -> str:
 
 def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
                max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4,
-               prefill_chunk: int = PREFILL_CHUNK,
+               prefill_chunk: int = PREFILL_CHUNK, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
                sampling_defaults: Optional[dict] = None):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
-    (app.state.scheduler). sampling_defaults: SamplingParams fields for requests that leave them out."""
+    (app.state.scheduler). sampling_defaults: SamplingParams fields for requests that leave them out.
+    request_timeout: seconds from a request's arrival after which its generation ends as if at max_tokens, and
+    reading its body gives up (408); None: no limit."""
     from fastapi import Depends, FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
     from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
+    from starlette.exceptions import HTTPException
+
+    if request_timeout is not None and not request_timeout > 0:
+        raise PymoeError(f"the request time limit must be > 0 seconds, got {request_timeout}")
 
     scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k,
                           prefill_chunk=prefill_chunk)
@@ -252,6 +325,24 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         body = anthropic.error_body(e.status, e.message) if request.url.path.startswith("/v1/messages") else e.body()
         return JSONResponse(body, status_code=e.status, headers=e.headers)
 
+    # Starlette's own errors (no such route: 404, a wrong method: 405), FastAPI's and a bug's: the same shapes
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        what = {404: f"no route {request.url.path}", 405: f"{request.url.path} does not take {request.method}"}
+        return await api_error(request, ApiError(e.status_code, what.get(e.status_code, str(e.detail)),
+                                                 code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code),
+                                                 headers=dict(e.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        return await api_error(request, ApiError(400, f"invalid request: {e.errors()[:1]}", code="invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        msg = " ".join(str(e).split()) or type(e).__name__
+        log(f"internal error on {request.url.path}: {type(e).__name__}: {msg}")
+        return await api_error(request, ApiError(500, f"internal error: {type(e).__name__}: {msg}"))
+
     async def authorized(request: Request):
         """The key as OpenAI's clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY)."""
         if api_key is None:
@@ -265,22 +356,35 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     guarded = [Depends(authorized)]
 
-    async def read_json(request: Request) -> dict:
+    async def read_body(request: Request) -> bytes:
+        """The body's bytes: at most max_body_bytes (413), all of them within request_timeout (408)."""
         declared = request.headers.get("content-length", "0")
-        if not declared.isdigit() or int(declared) > max_body_bytes:
+        if not (declared.isascii() and declared.isdigit()) or int(declared) > max_body_bytes:
             raise ApiError(413, f"request body over the limit of {max_body_bytes} bytes", code="body_too_large")
         data = bytearray()
-        async for chunk in request.stream():
-            data += chunk
-            if len(data) > max_body_bytes:
-                raise ApiError(413, f"request body over the limit of {max_body_bytes} bytes", code="body_too_large")
+
+        async def read():
+            nonlocal data
+            async for chunk in request.stream():
+                data += chunk
+                if len(data) > max_body_bytes:
+                    raise ApiError(413, f"request body over the limit of {max_body_bytes} bytes",
+                                   code="body_too_large")
+
         try:
-            body = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"request body is not valid JSON: {e}", code="invalid_json") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "request body must be a JSON object", code="invalid_json")
-        return body
+            await asyncio.wait_for(read(), request_timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(408, f"request body not received within {request_timeout:g} s (the request time limit)",
+                           code="timeout") from None
+        return bytes(data)
+
+    async def read_request(request: Request, model: type):
+        """The body parsed into `model` (schemas.py), the parsing on a worker thread: a large body's JSON is work."""
+        data = await read_body(request)
+        return await asyncio.to_thread(lambda: parse(model, load_body(data)))
+
+    def deadline(arrived: float) -> float:
+        return arrived + request_timeout if request_timeout is not None else math.inf
 
     def submit(job: Job) -> None:
         try:
@@ -301,20 +405,30 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                     submitted.cancel()
                 raise
 
-    async def complete(request: Request, kind: str):
-        req = parse(ChatRequest if kind == "chat" else CompletionRequest, await read_json(request))
+    def prepare(kind: str, data: bytes) -> tuple:
+        """A chat or completion body -> (request, its jobs, tool choice, echo): the JSON, the schema, the template,
+        the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
+        req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
         choice = tool_mode(req, engine.tokenizer)
         job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
         job.grammar = forced_call_grammar(req, choice, job)
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
+        # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
+        echo = "" if kind == "chat" or not req.echo else (
+            req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
+        return req, jobs, choice, echo
+
+    async def complete(request: Request, kind: str):
+        arrived = time.perf_counter()
+        req, jobs, choice, echo = await asyncio.to_thread(prepare, kind, await read_body(request))
+        job = jobs[0]
+        for j in jobs:
+            j.deadline = deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
         submit_all(jobs, events)
         reply = Reply(kind, name, engine.tokenizer)
         if choice is not None:  # the answers are parsed for tool calls when they end
             reply.calls = "first" if not req.parallel_tool_calls else "all"
-        # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
-        echo = "" if kind == "chat" or not req.echo else (
-            req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
         reply.text_offset = dict.fromkeys(range(req.n), len(echo))
         if req.stream:
             return StreamingResponse(stream_reply(jobs, events, reply, req.stream_options.include_usage, echo),
@@ -380,8 +494,11 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @app.post("/v1/messages", dependencies=guarded)
     async def messages(request: Request):
         """Anthropic's Messages API (anthropic.py): the same job as a chat completion, in its shapes."""
-        req = parse(anthropic.MessagesRequest, await read_json(request))
-        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
+        arrived = time.perf_counter()
+        req = await read_request(request, anthropic.MessagesRequest)
+        job = await asyncio.to_thread(lambda: make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx,
+                                                       engine.config.n_vocab, sampling_defaults))
+        job.deadline = deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
         submit_all([job], events)
         reply = anthropic.MessageReply(name)
@@ -417,8 +534,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     @app.post("/v1/messages/count_tokens", dependencies=guarded)
     async def count_tokens(request: Request):
-        req = parse(anthropic.CountTokensRequest, await read_json(request))
-        return {"input_tokens": len(prompt_ids(req, engine.tokenizer))}
+        req = await read_request(request, anthropic.CountTokensRequest)
+        return {"input_tokens": len(await asyncio.to_thread(prompt_ids, req, engine.tokenizer))}
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -428,23 +545,26 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     # llama.cpp's server utilities: what the tokenizer and the chat template make of an input, without a model run
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request):
-        req = parse(TokenizeRequest, await read_json(request))
-        ids = engine.tokenizer.encode(req.content, add_bos=None if req.add_special else False)  # None: as the file says
-        if not req.with_pieces:
-            return {"tokens": ids}
-        return {"tokens": [{"id": t, "piece": engine.tokenizer.decode([t])} for t in ids]}
+        req = await read_request(request, TokenizeRequest)
+
+        def tokens():
+            ids = engine.tokenizer.encode(req.content, add_bos=None if req.add_special else False)  # None: the file's
+            return ids if not req.with_pieces else [{"id": t, "piece": engine.tokenizer.decode([t])} for t in ids]
+
+        return {"tokens": await asyncio.to_thread(tokens)}
 
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(request: Request):
-        req = parse(DetokenizeRequest, await read_json(request))
+        req = await read_request(request, DetokenizeRequest)
         n = engine.config.n_vocab
         if any(not 0 <= t < n for t in req.tokens):
             raise ApiError(400, f"token ids must be in 0..{n - 1}", code="invalid_value", param="tokens")
-        return {"content": engine.tokenizer.decode(req.tokens)}
+        return {"content": await asyncio.to_thread(engine.tokenizer.decode, req.tokens)}
 
     @app.post("/apply-template", dependencies=guarded)
     async def apply_template(request: Request):
-        return {"prompt": chat_prompt(parse(ApplyTemplateRequest, await read_json(request)), engine.tokenizer)}
+        req = await read_request(request, ApplyTemplateRequest)
+        return {"prompt": await asyncio.to_thread(chat_prompt, req, engine.tokenizer)}
 
     @app.get("/health")
     async def health():
@@ -468,10 +588,27 @@ def is_loopback(host: str) -> bool:
     return host in ("localhost", "::1") or host.startswith("127.")
 
 
+def listening_socket(host: str, port: int, client_stall_s: float = CLIENT_STALL_S) -> socket.socket:
+    """A bound TCP socket for uvicorn. The connections it accepts inherit its TCP_USER_TIMEOUT (Linux): the kernel
+    drops one whose sent data stays unacknowledged for client_stall_s, such as a client that stopped reading a
+    stream (its receive window stays zero). uvicorn has no send timeout, and a close() still waits for the unsent
+    data, so without this such a connection, and the response waiting on it, would stay forever."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if hasattr(socket, "TCP_USER_TIMEOUT"):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, int(client_stall_s * 1000))
+        sock.bind((host, port))
+    except OSError as e:  # a port in use, an address not on this machine, a name that does not resolve
+        raise PymoeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+    return sock
+
+
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
           log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
-          chat_template: Optional[str] = None,
+          chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
           sampling_defaults: Optional[dict] = None, **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
     import uvicorn
@@ -489,20 +626,19 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
         engine.use_chat_template(chat_template)
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
                      max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k, prefill_chunk=prefill_chunk,
-                     sampling_defaults=sampling_defaults)
+                     request_timeout=request_timeout, sampling_defaults=sampling_defaults)
+    sock = listening_socket(host, port)
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics)")
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
 
 
 class BackgroundServer:
     """An app served by uvicorn in a thread on a loopback port the OS chooses (tests, tools); use as a context."""
 
-    def __init__(self, app, host: str = "127.0.0.1"):
+    def __init__(self, app, host: str = "127.0.0.1", client_stall_s: float = CLIENT_STALL_S):
         import uvicorn
 
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, 0))
+        self.sock = listening_socket(host, 0, client_stall_s)
         self.url = f"http://{host}:{self.sock.getsockname()[1]}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)

@@ -61,7 +61,8 @@ class ServerCollector:
         with S.lock:
             outcomes, totals, last = dict(S.outcomes), dict(S.totals), dict(S.last)
         req = CounterMetricFamily("pymoe_requests", "Requests by outcome (ok, cancelled, rejected = 429, "
-                                  "bad_request = 400, unauthorized, too_large, error).", labels=["outcome"])
+                                  "bad_request = 400, unauthorized, not_found, bad_method, too_large, timeout = 408 "
+                                  "or past the request time limit, error).", labels=["outcome"])
         for outcome, n in sorted(outcomes.items()):
             req.add_metric([outcome], n)
         yield req

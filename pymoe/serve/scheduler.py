@@ -5,6 +5,7 @@
     for kind, value in job.events(): ...  # ("piece", text)* then ("done", "stop" | "length") or ("error", message);
                                           # with top_logprobs, ("logprobs", (id, logp, [(id, logp)])) before a piece
     job.cancel()                          # from any thread: the slot is freed at the next step
+    job.deadline = time.perf_counter() + 600  # still running then: it ends as if at max_tokens
 
 What this is, in the order a job meets it:
     submit: a bounded queue of jobs waiting for a slot; full -> QueueFull with a retry estimate (admission control)
@@ -16,7 +17,12 @@ What this is, in the order a job meets it:
             event for the job; then one chunk (--prefill-chunk tokens) of the oldest pending prompt, whose first
             token is sampled after its last chunk (chunked prefill: a long prompt never stalls the others for more
             than a chunk)
-    cancel: a job cancelled by its consumer (an HTTP client that went away) is dropped at the next step
+    cancel: a job cancelled by its consumer (an HTTP client that went away) is dropped at the next step; a job past
+            its deadline (app.py: request_timeout after the request came in) ends at the next step with
+            ("done", "length"), keeping the text it has (llama.cpp's t_max_predict_ms ends the same way)
+    fail:   whatever a job's own work raises (its sampler, its prompt's prefill, the first token) ends that job
+            with ("error", message) and no other; an exception in a batched decode step ends the jobs of that
+            batch; every job taken off the queue is answered, and the thread goes on serving
 Why one engine thread and a queue: the model is one shared resource (its expert cache, its kernels); requests are
 serialized into batched steps rather than run side by side. The reference article measured what happens without
 a queue limit (9.3): at c = 32 every request waited and latency grew without bound. Here the queue is bounded
@@ -83,8 +89,10 @@ class Job:
     sink: Optional[Callable[[tuple], None]] = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_submit: float = 0.0
+    deadline: float = math.inf  # perf_counter() time past which the job ends as if at max_tokens ("length")
     queue_s: float = 0.0
     done: bool = False
+    ended: bool = False  # its final event (done / error) has been emitted
     # engine-side state
     sampler: Optional[Sampler] = None
     text: Optional[TextStream] = None
@@ -97,7 +105,7 @@ class Job:
     def sibling(self, i: int) -> "Job":
         """Choice i of a request with n > 1: the same prompt and settings, draws of its own (seed + i when the
         request gave a seed; greedy choices are all the same, as on OpenAI)."""
-        seed = None if self.sampling.seed is None else self.sampling.seed + i
+        seed = None if self.sampling.seed in (None, -1) else (self.sampling.seed + i) % 2**64  # -1: random
         return Job(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, sampling=replace(self.sampling, seed=seed),
                    stop=self.stop, ignore_eos=self.ignore_eos, grammar=self.grammar, top_logprobs=self.top_logprobs)
 
@@ -123,7 +131,12 @@ class Job:
 
     # --- the engine's side ------------------------------------------------------------------------------------
     def emit(self, kind: str, value=None) -> None:
-        (self.sink or self._inbox.put)((kind, value))
+        """Pass an event on; a sink that raises (its consumer is gone) cancels the job, and the engine goes on."""
+        self.ended = self.ended or kind in FINAL
+        try:
+            (self.sink or self._inbox.put)((kind, value))
+        except Exception:
+            self.cancel()
 
 
 @dataclass
@@ -233,7 +246,7 @@ class Scheduler:
     def run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._drop_cancelled()
+                self._drop_ended()
                 self._admit()
                 decoding = [s for s in self.slots if s.job is not None and not s.pending]
                 if decoding:
@@ -241,16 +254,11 @@ class Scheduler:
                 prefilling = [s for s in self.slots if s.job is not None and s.pending]
                 if prefilling:  # one chunk of one prompt per step: the oldest job's first
                     slot = min(prefilling, key=lambda s: s.job.t_submit)
-                    try:
-                        self._prefill_chunk(slot)
-                    except PymoeError as e:  # this prompt's problem (a bad input), not the other jobs'
-                        self._finish(slot, "error", str(e))
-            except Exception as e:  # a bug or a model error: fail the jobs in flight, keep serving
-                msg = " ".join(str(e).split()) or type(e).__name__
-                self.log(f"engine error: {type(e).__name__}: {msg}")
+                    self._for_job(slot, self._prefill_chunk, slot)
+            except Exception as e:  # a bug or a model error in a batched step: fail the jobs in flight, keep serving
                 for s in self.slots:
                     if s.job is not None:
-                        self._finish(s, "error", f"{type(e).__name__}: {msg}")
+                        self._fail(s, s.job, e)
         for s in self.slots:  # shutting down: nobody will decode these
             if s.job is not None:
                 self._finish(s, "error", "server shutting down")
@@ -258,10 +266,34 @@ class Scheduler:
             while True:
                 self.queue.get_nowait().emit("error", "server shutting down")
 
-    def _drop_cancelled(self) -> None:
+    def _for_job(self, slot: Slot, work: Callable, *args) -> None:
+        """work(*args) for the slot's job; whatever it raises ends that job, and only it, with an error."""
+        job = slot.job
+        try:
+            work(*args)
+        except Exception as e:
+            self._fail(slot, job, e)
+
+    def _fail(self, slot: Slot, job: Job, e: Exception) -> None:
+        """End the job with ("error", message): a PymoeError's own line (a bad input), else the exception's type and
+        text (a bug or a model error, logged). A job that failed on its way out of the slot is still answered."""
+        msg = " ".join(str(e).split()) or type(e).__name__
+        if not isinstance(e, PymoeError):
+            msg = f"{type(e).__name__}: {msg}"
+            self.log(f"engine error in slot {slot.index}: {msg}")
+        if slot.job is job:
+            self._finish(slot, "error", msg)
+        elif not job.ended:
+            job.emit("error", msg)
+
+    def _drop_ended(self) -> None:
+        """Free the slots of cancelled jobs; end those past their deadline as if at max_tokens."""
+        now = time.perf_counter()
         for s in self.slots:
             if s.job is not None and s.job.cancelled:
                 self._finish(s, "cancelled")
+            elif s.job is not None and now > s.job.deadline:
+                self._finish(s, "timeout")
 
     def _admit(self) -> None:
         """Move queued jobs into free slots (blocking briefly when there is nothing else to do)."""
@@ -278,11 +310,8 @@ class Scheduler:
                 self.count("cancelled")
                 continue
             slot = self._pick_slot(job.prompt_ids)
-            try:
-                self._start(slot, job)
-            except PymoeError as e:
-                slot.job = job
-                self._finish(slot, "error", str(e))
+            slot.job = job  # before _start: a job that fails there is still answered
+            self._for_job(slot, self._start, slot, job)
 
     def _pick_slot(self, prompt: list) -> Slot:
         """The free slot sharing the longest prefix with the prompt; among equals, the least recently used."""
@@ -349,7 +378,7 @@ class Scheduler:
             s.tokens.append(s.job.next_token)
             s.job.stats.decode_s += dt
             s.job.stats.n_decoded += 1
-            self._advance(s, row)
+            self._for_job(s, self._advance, s, row)
 
     def _spec_step(self, s: Slot) -> None:
         """engine/speculative.Speculator.step on the slot: 1 .. k + 1 tokens from one verification forward."""
@@ -411,18 +440,18 @@ class Scheduler:
             slot.kv.clear()
         job.done = True
         st.stop_reason = reason
-        if reason in ("stop", "length"):
+        if reason in ("stop", "length", "timeout"):
             tail = job.text.end() if not job.text.stopped else ""
             if tail:
                 job.emit("piece", tail)
             if job.text.stopped:
                 st.stop_reason = "stop"
-            job.emit("done", st.stop_reason)
+            job.emit("done", "length" if st.stop_reason == "timeout" else st.stop_reason)
         elif reason == "error":
             job.emit("error", error)
         else:  # cancelled: its consumer has gone, or is told so
             job.emit("done", "cancelled")
-        self.count({"stop": "ok", "length": "ok"}.get(reason, reason))
+        self.count({"stop": "ok", "length": "ok"}.get(reason, reason))  # timeout: counted apart
         engine_s = st.prompt_s + st.decode_s
         self.avg_request_s = 0.8 * self.avg_request_s + 0.2 * engine_s
         self.recent.append(dict(slot=slot.index, n_prompt=st.n_prompt, n_reused=st.n_reused,

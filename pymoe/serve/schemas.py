@@ -32,7 +32,8 @@ ROLES = get_args(Role)
 class ApiError(Exception):
     """An HTTP error answered in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
 
-    TYPES = {400: "invalid_request_error", 401: "authentication_error", 413: "invalid_request_error",
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
+             405: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
              429: "rate_limit_error", 503: "server_error", 500: "server_error"}
 
     def __init__(self, status: int, message: str, code: Optional[str] = None, param: Optional[str] = None,
@@ -66,9 +67,10 @@ def unsupported(*neutral, why: str = ""):
 
 
 class Strict(BaseModel):
-    """No coercion ("1" is not 1, true is not 1), no unknown fields, and null means the field's default."""
+    """No coercion ("1" is not 1, true is not 1), no unknown fields, no infinite numbers (1e999), and null means
+    the field's default."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -86,7 +88,7 @@ class StreamOptions(Strict):
 class JsonSchemaFormat(Strict):
     """response_format.json_schema: {name, schema, strict, description} (OpenAI's structured outputs)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False, populate_by_name=False)
     name: str = Field(description="a string")
     schema_: dict = Field({}, alias="schema", description="a JSON schema object")
     strict: Optional[bool] = Field(None, description="a boolean (the output always follows the schema here)")
@@ -106,28 +108,36 @@ class ResponseFormat(Strict):
         return self
 
 
+MAX_TOKENS = 2**31 - 1  # llama.cpp's n_predict is an int32; the context bounds what is generated anyway
+MAX_STOP_CHARS = 1024  # one stop string: the text stream holds back that much text, and looks for it every token
+MAX_SEED = 2**64 - 1  # numpy's generators take any non-negative integer; llama.cpp's seeds are 32 bits
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "presence_penalty",
                    "frequency_penalty")  # SamplingParams' names
+
+
+StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
 
 
 class Common(Strict):
     """What both endpoints accept: length, sampling (OpenAI's and llama.cpp's), stop strings, streaming."""
 
     model: Optional[str] = Field(None, description="a string (any name: the server serves one model)")
-    max_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1")
-    max_completion_tokens: Optional[int] = Field(None, ge=1, description="an integer >= 1")
+    max_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS, description=f"an integer >= 1 (at most {MAX_TOKENS})")
+    max_completion_tokens: Optional[int] = Field(None, ge=1, le=MAX_TOKENS,
+                                                 description=f"an integer >= 1 (at most {MAX_TOKENS})")
     temperature: float = Field(1.0, ge=0, le=2, description="a number in [0, 2]")
     top_p: float = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
-    seed: Optional[int] = Field(None, description="an integer")
-    stop: Union[str, Annotated[list[str], Field(max_length=4)], None] = Field(
-        None, description="a string or a list of at most 4 strings")
+    seed: Optional[int] = Field(None, ge=-1, le=MAX_SEED,
+                                description=f"an integer in [0, {MAX_SEED}], or -1 (random, as llama.cpp's)")
+    stop: Union[StopString, Annotated[list[StopString], Field(max_length=4)], None] = Field(
+        None, description=f"a string or a list of at most 4 strings of at most {MAX_STOP_CHARS} characters")
     stream: bool = Field(False, description="a boolean")
     stream_options: StreamOptions = Field(StreamOptions(), description="an object {include_usage}")
     user: Optional[str] = Field(None, description="a string (an id for the caller's logs; the engine ignores it)")
     # llama.cpp's extensions
     top_k: int = Field(40, ge=0, description="an integer >= 0")
     min_p: float = Field(0.05, ge=0, le=1, description="a number in [0, 1]")
-    repeat_penalty: float = Field(1.0, gt=0, description="a number > 0")
+    repeat_penalty: float = Field(1.0, ge=0.01, le=100, description="a number in [0.01, 100]")  # 1e-320: inf logits
     ignore_eos: bool = Field(False, description="a boolean")
     response_format: ResponseFormat = Field(ResponseFormat(type="text"),
                                             description="an object {type: text | json_object | json_schema}")
@@ -145,12 +155,14 @@ class Common(Strict):
         defaults = defaults or {}
         value = {name: getattr(self, name) if name in self.model_fields_set or name not in defaults else defaults[name]
                  for name in SAMPLING_FIELDS}
+        if value["seed"] == -1:  # llama.cpp's "random": no seed (n > 1 choices then draw independently too)
+            value["seed"] = None
         return SamplingParams(**value, logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias.items()))
 
     def check_logit_bias(self, n_vocab: int) -> None:
         """The keys of logit_bias are token ids of this model (a 400 naming logit_bias otherwise)."""
-        for key in self.logit_bias:
-            if not key.isdigit() or int(key) >= n_vocab:
+        for key in self.logit_bias:  # ASCII digits: "²".isdigit() is true, and int() refuses it
+            if not (key.isascii() and key.isdigit() and len(key) <= 10) or int(key) >= n_vocab:
                 raise ApiError(400, f"logit_bias keys must be token ids 0..{n_vocab - 1} as strings, got {key!r}",
                                code="invalid_value", param="logit_bias")
 
@@ -312,7 +324,7 @@ def grammar_or_400(kind: str, source, param: str) -> Grammar:
 def _json_or_text(text: str):
     try:
         return json.loads(text)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested some 1,000 deep
         return text
 
 
