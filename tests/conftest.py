@@ -36,6 +36,25 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+def run_pymoe_here(*args):
+    """`pymoe ARGS` in this process -> an object with returncode, stdout, stderr, like run_pymoe's: pymoe.cli.main
+    itself (its one-line errors and exit statuses) with the streams captured by click's CliRunner, but no interpreter
+    start and no kernel loading per call (~3 s each), for tests that run the command many times."""
+    from types import SimpleNamespace
+
+    from click.testing import CliRunner
+
+    from pymoe.cli import main
+
+    with CliRunner().isolation() as (out, err, _):
+        try:
+            main(list(args))
+            code = 0
+        except SystemExit as e:
+            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        return SimpleNamespace(returncode=code, stdout=out.getvalue().decode(), stderr=err.getvalue().decode())
+
+
 def run_pymoe(*args, timeout=120):
     """Run `python -m pymoe ARGS` in a subprocess -> CompletedProcess (text)."""
     env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))

@@ -3,7 +3,7 @@ import numpy as np
 import pytest
 
 import pymoe
-from conftest import run_pymoe
+from conftest import run_pymoe, run_pymoe_here
 from pymoe.backends.cuda import cuda_available
 from pymoe.experts.cache import SlotCache
 from pymoe.errors import PymoeError
@@ -88,7 +88,7 @@ def test_bad_cache_options(tiny_model):
 
 
 def test_run_reports_spill_cpu_and_promotions(tiny_model):
-    r = run_pymoe("run", tiny_model("qwen3moe", "q2_k"), "-p", "def f(x):", "-n", "16", "--cache-slots", "4",
+    r = run_pymoe_here("run", tiny_model("qwen3moe", "q2_k"), "-p", "def f(x):", "-n", "16", "--cache-slots", "4",
                   "--pcie-frac", "0.5")
     assert r.returncode == 0, r.stderr
     lines = [l for l in r.stderr.splitlines() if l.startswith("pymoe run:")]
@@ -212,7 +212,7 @@ def test_engine_uses_the_pcie_frac_the_probe_reports_without_a_gpu(tiny_model):
     assert c["spill"] == 0 and c["cpu"] > 0
     r = run_pymoe("probe", path, "--backend", "cpu", "--repeats", "1")
     assert r.returncode == 0 and "-> pcie_frac 0 " in r.stdout, r.stdout
-    r = run_pymoe("run", path, "--backend", "cpu", "-p", "hi", "-n", "2", "--cache-slots", "4")
+    r = run_pymoe_here("run", path, "--backend", "cpu", "-p", "hi", "-n", "2", "--cache-slots", "4")
     assert r.returncode == 0 and "pcie_frac 0\n" in r.stderr, r.stderr
 
 

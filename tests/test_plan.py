@@ -16,7 +16,7 @@ from pymoe.experts.plan import (GiB, MiB, CostModel, ModelFacts, auto_line, cali
                         parse_size_list, plan_table, profile_hit_model, slots_for, trace_hit_model,
                         uniform_hit_model, vram_for_slots, vram_for_target)
 
-from conftest import run_pymoe
+from conftest import run_pymoe_here
 
 # shared/ lies beside the checkout (CI copies it there too): the real routing counts of Qwen3-Next-80B
 HEAT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "data",
@@ -217,7 +217,7 @@ def test_facts_from_tiny_model(tiny_model):
 
 
 def test_cli_plan_table(tiny_model):
-    r = run_pymoe("plan", tiny_model("qwen3moe", "q2_k"), "--vram", "0.52,0.53,1GiB", "--reserve", "1MiB",
+    r = run_pymoe_here("plan", tiny_model("qwen3moe", "q2_k"), "--vram", "0.52,0.53,1GiB", "--reserve", "1MiB",
                   "--target", "250", "--target", "1e6")
     assert r.returncode == 0, r.stderr
     out = r.stdout
@@ -230,7 +230,7 @@ def test_cli_plan_table(tiny_model):
 
 
 def test_cli_plan_free(tiny_model):
-    r = run_pymoe("plan", tiny_model("qwen3moe", "q2_k"), "--free", "26.01GiB", "--extra-reserve", "184MiB")
+    r = run_pymoe_here("plan", tiny_model("qwen3moe", "q2_k"), "--free", "26.01GiB", "--extra-reserve", "184MiB")
     assert r.returncode == 0, r.stderr
     assert "expert cache auto: 26.01 GiB free, 700 MiB reserved (+184 MiB for the draft head) -> 16 slots" in r.stdout
 
@@ -243,7 +243,7 @@ def test_cli_plan_free(tiny_model):
     (("--pcie", "0"), "--pcie"),
 ])
 def test_cli_plan_bad_values(tiny_model, args, needle):
-    r = run_pymoe("plan", tiny_model("qwen3moe", "q2_k"), *args)
+    r = run_pymoe_here("plan", tiny_model("qwen3moe", "q2_k"), *args)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("pymoe: error:") and needle in lines[0]
@@ -251,10 +251,10 @@ def test_cli_plan_bad_values(tiny_model, args, needle):
 
 def test_plan_plot(tiny_model, tmp_path):
     """`pymoe plan --plot`: the VRAM -> hit rate -> tok/s curves as an image, the --vram sizes marked."""
-    from conftest import run_pymoe
+    from conftest import run_pymoe_here
 
     out = tmp_path / "plan.png"
-    r = run_pymoe("plan", tiny_model("qwen3moe", "q2_k"), "--vram", "2MiB,4MiB", "--overhead", "1MiB",
+    r = run_pymoe_here("plan", tiny_model("qwen3moe", "q2_k"), "--vram", "2MiB,4MiB", "--overhead", "1MiB",
                   "--reserve", "0", "--plot", str(out))
     assert r.returncode == 0, r.stderr
     assert f"plot: {out}" in r.stdout and out.read_bytes()[:4] == b"\x89PNG" and out.stat().st_size > 10_000

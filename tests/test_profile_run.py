@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 import pymoe
-from conftest import ROOT, run_pymoe
+from conftest import ROOT, run_pymoe_here
 from pymoe.experts.profile import Profile
 from pymoe.experts.trace import Trace
 
@@ -15,7 +15,7 @@ def test_trace_profile_run_round_trip(tiny_model, tmp_path):
     model = tiny_model("qwen3moe", "q2_k")
     trace_path, profile_path = str(tmp_path / "routing.npz"), str(tmp_path / "expert-profile.bin")
     for i, prompt in enumerate(PROMPTS):  # three runs appended into one trace
-        r = run_pymoe("run", model, "-p", prompt, "-n", "12", "--trace", trace_path)
+        r = run_pymoe_here("run", model, "-p", prompt, "-n", "12", "--trace", trace_path)
         assert r.returncode == 0, r.stderr
         assert f"trace {trace_path}:" in r.stderr and ("appended" if i else "written") in r.stderr
     trace = Trace.load(trace_path)
@@ -29,7 +29,7 @@ def test_trace_profile_run_round_trip(tiny_model, tmp_path):
     assert r.returncode == 0, r.stderr
     assert f"profile {profile_path}: {cfg.n_layers * cfg.n_expert} ranked pairs, built for 4 slots" in r.stdout
 
-    r = run_pymoe("run", model, "-p", PROMPTS[0], "-n", "12", "--cache-slots", "4", "--profile", profile_path)
+    r = run_pymoe_here("run", model, "-p", PROMPTS[0], "-n", "12", "--cache-slots", "4", "--profile", profile_path)
     assert r.returncode == 0, r.stderr
     assert "pre-filled 4 of 4 slots from the profile" in r.stderr and "slot " in r.stderr and "verified" in r.stderr
 

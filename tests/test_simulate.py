@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from conftest import run_pymoe
+from conftest import run_pymoe_here
 from pymoe.errors import PymoeError
 from pymoe.experts.profile import Profile
 from pymoe.experts.simulate import (SimResult, format_table, knee, simulate, slots_for_coverage, split_slots, sweep)
@@ -102,7 +102,7 @@ def test_plot(tmp_path):
 def test_cli_simulate(tmp_path):
     path = tmp_path / "syn.npz"
     synthetic_trace(200, 4, 16, 2, seed=0, prompt_len=8).save(path)
-    r = run_pymoe("simulate", str(path), "--coverage", "10,25,50,75", "--phase", "decode")
+    r = run_pymoe_here("simulate", str(path), "--coverage", "10,25,50,75", "--phase", "decode")
     assert r.returncode == 0, r.stderr
     out = r.stdout
     assert "4 layers x 16 experts, top-2; 200 tokens (8 prefill, 192 decode)" in out
@@ -110,7 +110,7 @@ def test_cli_simulate(tmp_path):
     for name in ("static", "lru", "lfu", "pinned-lru", "belady"):
         assert name in out
     assert "     32    50.0%" in out  # 50% of 64 experts
-    r = run_pymoe("simulate", str(path), "--slots", "8,16", "--policy", "lru,belady", "--pool", "global")
+    r = run_pymoe_here("simulate", str(path), "--slots", "8,16", "--policy", "lru,belady", "--pool", "global")
     assert r.returncode == 0 and "pool per-layer" not in r.stdout
     assert [line.split() for line in r.stdout.splitlines() if "coverage" in line][-1] == [
         "slots", "coverage", "lru", "belady"]
@@ -130,7 +130,7 @@ def test_cli_simulate_errors(tmp_path, content, args, expected):
         synthetic_trace(20, 2, 8, 2).save(path)
     else:
         path.write_bytes(content)
-    r = run_pymoe("simulate", str(path), *args)
+    r = run_pymoe_here("simulate", str(path), *args)
     assert r.returncode == 2, (r.stdout, r.stderr)
     err = r.stderr.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err and expected in err, err

@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import ROOT, run_pymoe
+from conftest import ROOT, run_pymoe, run_pymoe_here
 from pymoe.errors import PymoeError
 from pymoe.experts.profile import HEADER, Profile, load_heat_json
 from pymoe.experts.simulate import slots_for_coverage, sweep
@@ -216,7 +216,7 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
     model = tiny_model("qwen3moe", "f32")
     trace1, profile_path = tmp_path / "t1.npz", tmp_path / "expert-profile.bin"
     for prompt in ("hello world", "the cat sat"):  # two runs appended into one trace
-        r = run_pymoe("run", model, "-p", prompt, "-n", "6", "--trace", str(trace1))
+        r = run_pymoe_here("run", model, "-p", prompt, "-n", "6", "--trace", str(trace1))
         assert r.returncode == 0, r.stderr
     tr = Trace.load(trace1)
     assert tr.meta["n_requests"] == 2 and tr.meta["arch"] == "qwen3moe" and tr.tokens("decode") == 10
@@ -228,7 +228,7 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
     for policy, admit, max_inserts in (("lru", "all", 0), ("lfu", "all", 0), ("lfru", "all", 0),
                                        ("lfru", "second-miss", 0), ("lru", "all", 1), ("lfru", "second-miss", 1)):
         trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}.npz"
-        r = run_pymoe("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
+        r = run_pymoe_here("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
                       "--cache-slots", "3", "--policy", policy, "--trace", str(trace2), "--admit", admit,
                       "--max-inserts", str(max_inserts))
         assert r.returncode == 0, r.stderr
