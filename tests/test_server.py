@@ -707,12 +707,20 @@ ADD = {"type": "function", "function": {"name": "add", "parameters": {
 
 
 @pytest.fixture(scope="module")
-def tools_client(model_path):
+def tools_server(model_path):
     """The tiny model with Qwen3's chat template (Hermes-style <tool_call> JSON), as a Qwen3 GGUF carries it."""
     engine = pymoe.load(model_path, n_ctx=1024)  # the tools' descriptions take ~600 tokens of this tiny vocabulary
     engine.use_chat_template(QWEN3_TEMPLATE)
-    with BackgroundServer(create_app(engine, kv="f32", api_key=KEY)) as srv:
-        yield openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+    # the server's default seed (pymoe serve --seed) seeds the Anthropic requests, which have no seed field: a
+    # sampled forced call of the random model is then the same in every run (seed 1: each call closes in < 150 tokens)
+    with BackgroundServer(create_app(engine, kv="f32", api_key=KEY, sampling_defaults={"seed": 1})) as srv:
+        srv.engine = engine
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def tools_client(tools_server):
+    return openai.OpenAI(base_url=tools_server.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
 
 
 def check_call(call, tools):
@@ -769,6 +777,56 @@ def test_tool_history_renders_through_the_template_and_auto_answers(tools_client
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         tools_client.chat.completions.create(model="tiny", messages=history, tools=[WEATHER], max_tokens=5,
                                              tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+ANTHROPIC_TOOLS = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"],
+                    **({"description": t["function"]["description"]} if "description" in t["function"] else {})}
+                   for t in (WEATHER, ADD)]
+
+
+def test_anthropic_tool_use_with_the_official_client(tools_server):
+    """Anthropic's tools on the same machinery as OpenAI's: tool_choice any / a named tool decodes under the call
+    grammar, so the tiny model's answer is a tool_use block of a listed tool whose input follows its schema
+    (stop_reason tool_use), streamed the same (the input as input_json_delta, which the client reassembles); a
+    history of tool_use and tool_result blocks renders exactly as the OpenAI history of tool_calls and tool
+    messages does (count_tokens against the template with OpenAI's tools)."""
+    anthropic = pytest.importorskip("anthropic", reason="anthropic is in the test extra")
+    claude = anthropic.Anthropic(base_url=tools_server.url, api_key=KEY, max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "weather in Paris?"}]
+    for choice, names in (({"type": "any"}, {"get_weather", "add"}), ({"type": "tool", "name": "add"}, {"add"})):
+        m = claude.messages.create(model="tiny", max_tokens=150, messages=msgs, tools=ANTHROPIC_TOOLS,
+                                   tool_choice=choice, extra_body={"temperature": 1})
+        uses = [b for b in m.content if b.type == "tool_use"]
+        assert m.stop_reason == "tool_use" and len(uses) == 1 and uses[0].name in names, m
+        assert uses[0].id.startswith("toolu_")
+        spec = {t["name"]: t["input_schema"] for t in ANTHROPIC_TOOLS}[uses[0].name]
+        assert set(uses[0].input) == set(spec["required"]), uses[0].input
+    with claude.messages.stream(model="tiny", max_tokens=150, messages=msgs, tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "tool", "name": "add"}, extra_body={"temperature": 1}) as stream:
+        final = stream.get_final_message()
+    uses = [b for b in final.content if b.type == "tool_use"]
+    assert final.stop_reason == "tool_use" and [u.name for u in uses] == ["add"]
+    assert set(uses[0].input) == {"a", "b"} and all(isinstance(v, int) for v in uses[0].input.values())
+    history = [{"role": "user", "content": "weather in Paris?"},
+               {"role": "assistant", "content": [{"type": "text", "text": "Let me check."}, {
+                   "type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Paris"}}]},
+               {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1",
+                                             "content": "sunny, 21 C"}, {"type": "text", "text": "and Rome?"}]}]
+    as_openai = [{"role": "user", "content": "weather in Paris?"},
+                 {"role": "assistant", "content": "Let me check.", "tool_calls": [{"id": "toolu_1", "type": "function",
+                  "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+                 {"role": "tool", "tool_call_id": "toolu_1", "content": "sunny, 21 C"},
+                 {"role": "user", "content": "and Rome?"}]
+    tok = tools_server.engine.tokenizer
+    want = tok.encode(tok.apply_chat_template(as_openai, tools=[WEATHER, ADD]))
+    assert claude.messages.count_tokens(model="tiny", messages=history, tools=ANTHROPIC_TOOLS).input_tokens == len(want)
+    m = claude.messages.create(model="tiny", max_tokens=5, messages=history, tools=ANTHROPIC_TOOLS,
+                               extra_body={"temperature": 0})
+    assert m.stop_reason in ("end_turn", "max_tokens", "tool_use")
+    assert m.usage.input_tokens + m.usage.cache_read_input_tokens == len(want)
+    with pytest.raises(anthropic.BadRequestError, match="tool_choice"):
+        claude.messages.create(model="tiny", max_tokens=5, messages=msgs, tools=ANTHROPIC_TOOLS,
+                               tool_choice={"type": "tool", "name": "nope"})
 
 
 def test_hermes_call_parsing():

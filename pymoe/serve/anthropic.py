@@ -4,13 +4,19 @@
     request   MessagesRequest: model, max_tokens (required, as Anthropic's), messages [{role: user | assistant,
               content: a string or text blocks}], system, stop_sequences, stream, output_config.format (a JSON
               schema the answer follows), cache_control (accepted: prefix reuse is automatic), metadata.user_id;
-              temperature, top_p, top_k (the 2.x client sends them through extra_body); every other field is a
-              400 naming it (tools, thinking, output_config.effort... are not implemented)
-    prompt    system + messages -> the model's own chat template, as the OpenAI chat endpoint does
-    answer    one message {id, type: "message", role, content: [{type: text, text}], stop_reason: end_turn |
-              max_tokens | stop_sequence, stop_sequence, usage: {input_tokens, output_tokens}}, or the SSE events
-              message_start, content_block_start, ping, content_block_delta*, content_block_stop, message_delta,
-              message_stop
+              temperature, top_p, top_k (the 2.x client sends them through extra_body); tools [{name,
+              description, input_schema}] and tool_choice {type: auto | any | tool | none, name,
+              disable_parallel_tool_use}; tool_use blocks in assistant turns, tool_result blocks in user turns;
+              every other field is a 400 naming it (thinking, output_config.effort... are not implemented)
+    prompt    system + messages -> the model's own chat template, as the OpenAI chat endpoint does; tools go to
+              the template as OpenAI function tools, tool_use blocks as an assistant's tool_calls, tool_result
+              blocks as role "tool" messages (serve/tools.py: the formats pymoe parses back)
+    answer    one message {id, type: "message", role, content: [{type: text, text}, {type: tool_use, id, name,
+              input}...], stop_reason: end_turn | max_tokens | stop_sequence | tool_use, stop_sequence, usage:
+              {input_tokens, output_tokens}}, or the SSE events message_start, content_block_start, ping,
+              content_block_delta*, content_block_stop, message_delta, message_stop (with tools in play the
+              answer is held to its end, then sent block by block: a tool_use block's input as one
+              input_json_delta, so a call never leaks as text)
     errors    Anthropic's shape {"type": "error", "error": {"type", "message"}} with the same status codes
 What this is not: the route and the job's way through the engine (app.py, shared with the OpenAI endpoints), or
 authentication (app.py: `x-api-key` or `Authorization: Bearer`).
@@ -24,7 +30,8 @@ from pydantic import Field, field_validator
 
 from pymoe.engine.grammar import Grammar
 from pymoe.engine.sampler import SamplingParams
-from pymoe.serve.schemas import MAX_STOP_CHARS, MAX_TOKENS, StopString, Strict, grammar_or_400, unsupported
+from pymoe.serve.schemas import (MAX_STOP_CHARS, MAX_TOKENS, ApiError, FunctionDef, StopString, Strict, Tool,
+                                 grammar_or_400, unsupported)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large",
@@ -44,13 +51,91 @@ class TextBlock(Strict):
     citations: unsupported([]) = None
 
 
+class ToolUseBlock(Strict):
+    """An assistant's earlier tool call, as the API returned it."""
+
+    type: Literal["tool_use"] = Field(description="'tool_use'")
+    id: str = Field(description="a string")
+    name: str = Field(description="a string")
+    input: dict = Field(description="an object (the call's arguments)")
+    cache_control: Optional[dict] = Field(None, description="an object (prefix reuse is automatic here)")
+
+
+class ToolResultBlock(Strict):
+    """The caller's answer to a tool call, in a user turn."""
+
+    type: Literal["tool_result"] = Field(description="'tool_result'")
+    tool_use_id: str = Field(description="a string (the tool_use block's id)")
+    content: Union[str, list[TextBlock]] = Field("", description="a string or a list of text blocks")
+    is_error: bool = Field(False, description="a boolean (the text is shown to the model either way)")
+    cache_control: Optional[dict] = Field(None, description="an object (prefix reuse is automatic here)")
+
+
+Block = Union[TextBlock, ToolUseBlock, ToolResultBlock]  # told apart by `type` (each model allows its one value)
+
+
 def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content)
+    return content if isinstance(content, str) else "".join(b.text for b in content if b.type == "text")
 
 
 class AnthropicMessage(Strict):
     role: Literal["user", "assistant"] = Field(description="'user' or 'assistant'")
-    content: Union[str, list[TextBlock]] = Field(description="a string or a list of text blocks")
+    content: Union[str, list[Block]] = Field(description="a string or a list of text, tool_use and tool_result "
+                                                         "blocks")
+
+    def template_messages(self) -> list:
+        """This turn as the chat template reads OpenAI's messages: tool_result blocks become role "tool" messages
+        (before the turn's text), tool_use blocks an assistant's tool_calls (arguments as objects)."""
+        if isinstance(self.content, str):
+            return [{"role": self.role, "content": self.content}]
+        out = [{"role": "tool", "tool_call_id": b.tool_use_id, "content": _text(b.content)}
+               for b in self.content if b.type == "tool_result"]
+        text = _text(self.content)
+        calls = [{"id": b.id, "type": "function", "function": {"name": b.name, "arguments": b.input}}
+                 for b in self.content if b.type == "tool_use"]
+        if text or calls or not out:
+            out.append({"role": self.role, "content": text, **({"tool_calls": calls} if calls else {})})
+        return out
+
+
+class AnthropicTool(Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,128}$", description="a tool name (letters, digits, _ -)")
+    description: Optional[str] = Field(None, description="a string")
+    input_schema: dict = Field(description="a JSON schema object")
+    type: Optional[Literal["custom"]] = Field(None, description="'custom' (server tools are not implemented)")
+    cache_control: Optional[dict] = Field(None, description="an object (prefix reuse is automatic here)")
+
+
+class ToolChoice(Strict):
+    type: Literal["auto", "any", "tool", "none"] = Field(description="'auto', 'any', 'tool' or 'none'")
+    name: Optional[str] = Field(None, description="a tool's name (with type 'tool')")
+    disable_parallel_tool_use: bool = Field(False, description="a boolean (true: at most one call)")
+
+
+class ToolsMixin:
+    """tools / tool_choice in the terms app.py uses for OpenAI's (schemas.ChatRequest): OpenAI function tools, and
+    a choice of None (no tools in play), "auto", "required" or a tool's name."""
+
+    def function_tools(self) -> list:
+        return [Tool(type="function", function=FunctionDef(name=t.name, description=t.description,
+                                                            parameters=t.input_schema)) for t in self.tools or []]
+
+    def tool_choice_value(self):
+        choice = self.tool_choice or ToolChoice(type="auto" if self.tools else "none")
+        if choice.type == "none":
+            return None
+        if not self.tools:
+            raise ApiError(400, "'tool_choice' needs 'tools'", code="invalid_value", param="tool_choice")
+        if choice.type == "tool":
+            if choice.name not in {t.name for t in self.tools}:
+                raise ApiError(400, f"'tool_choice' names {choice.name!r}, which is not in 'tools'",
+                               code="invalid_value", param="tool_choice")
+            return choice.name
+        return {"auto": "auto", "any": "required"}[choice.type]
+
+    @property
+    def parallel_tool_calls(self) -> bool:
+        return not (self.tool_choice and self.tool_choice.disable_parallel_tool_use)
 
 
 class Metadata(Strict):
@@ -67,7 +152,7 @@ class OutputConfig(Strict):
     effort: unsupported(why="no reasoning-effort levels") = None
 
 
-class MessagesRequest(Strict):
+class MessagesRequest(ToolsMixin, Strict):
     PROMPT_PARAM: ClassVar[str] = "messages"  # what a prompt error names (app.make_job)
 
     model: str = Field(description="a string (any name: the server serves one model)")
@@ -84,8 +169,9 @@ class MessagesRequest(Strict):
     top_p: float = Field(1.0, gt=0, le=1, description="a number in (0, 1]")
     top_k: int = Field(0, ge=0, description="an integer >= 0 (0: all)")
     metadata: Metadata = Field(Metadata(), description="an object {user_id}")
-    tools: unsupported([]) = None
-    tool_choice: unsupported() = None
+    tools: Optional[list[AnthropicTool]] = Field(None, max_length=128, description="a list of {name, description, "
+                                                                                    "input_schema}")
+    tool_choice: Optional[ToolChoice] = Field(None, description="an object {type, name, disable_parallel_tool_use}")
     thinking: unsupported() = None
     service_tier: unsupported("auto", "standard_only") = None
     container: unsupported() = None
@@ -106,7 +192,7 @@ class MessagesRequest(Strict):
 
     def template_messages(self) -> list:
         system = [{"role": "system", "content": _text(self.system)}] if self.system else []
-        return system + [{"role": m.role, "content": _text(m.content)} for m in self.messages]
+        return system + [msg for m in self.messages for msg in m.template_messages()]
 
     def sampling(self, defaults: Optional[dict] = None) -> SamplingParams:
         """temperature, top_p, top_k as asked (Anthropic's defaults: 1, 1, all); min-p off, as Anthropic has none;
@@ -137,14 +223,14 @@ class MessagesRequest(Strict):
         return None
 
 
-class CountTokensRequest(Strict):
+class CountTokensRequest(ToolsMixin, Strict):
     """POST /v1/messages/count_tokens: the prompt's length in tokens, without a model run."""
 
     model: str = Field(description="a string")
     messages: list[AnthropicMessage] = Field(min_length=1, description="a non-empty list of {role, content}")
     system: Union[str, list[TextBlock], None] = Field(None, description="a string or a list of text blocks")
-    tools: unsupported([]) = None
-    tool_choice: unsupported() = None
+    tools: Optional[list[AnthropicTool]] = MessagesRequest.model_fields["tools"]
+    tool_choice: Optional[ToolChoice] = MessagesRequest.model_fields["tool_choice"]
     thinking: unsupported() = None
 
     template_messages = MessagesRequest.template_messages
@@ -156,9 +242,15 @@ class MessageReply:
     def __init__(self, model: str):
         self.model, self.id = model, "msg_" + uuid.uuid4().hex[:24]
 
-    def message(self, text: str, stop_reason: Optional[str], stop_sequence: Optional[str], usage: dict) -> dict:
-        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model,
-                "content": [{"type": "text", "text": text}] if text or stop_reason else [],
+    def message(self, text: str, stop_reason: Optional[str], stop_sequence: Optional[str], usage: dict,
+                calls: Optional[list] = None) -> dict:
+        """calls: the answer's tool calls (OpenAI's shape, serve/tools.parse_calls), or None without tools in play:
+        then the content is the one text block."""
+        if calls is None:
+            content = [{"type": "text", "text": text}] if text or stop_reason else []
+        else:
+            content = ([{"type": "text", "text": text}] if text else []) + [tool_use(c) for c in calls]
+        return {"id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop_reason, "stop_sequence": stop_sequence, "usage": usage}
 
     @staticmethod
@@ -172,19 +264,42 @@ class MessageReply:
     def event(kind: str, **data) -> str:
         return f"event: {kind}\ndata: {json.dumps({'type': kind, **data}, ensure_ascii=False)}\n\n"
 
-    def start_events(self, input_tokens: int) -> list:
+    def start_events(self, input_tokens: int, text_block: bool = True) -> list:
+        """message_start, and (without tools in play) the text block the deltas go into."""
+        block = [self.event("content_block_start", index=0, content_block={"type": "text", "text": ""})]
         return [self.event("message_start", message=self.message("", None, None, usage(input_tokens, 0))),
-                self.event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
-                self.event("ping")]
+                *(block if text_block else []), self.event("ping")]
+
+    def block_events(self, text: Optional[str], calls: list) -> list:
+        """A held answer (tools in play), block by block: its text, then each call with its input as one
+        input_json_delta."""
+        out = []
+        if text:
+            out += [self.event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
+                    self.delta_event(text), self.event("content_block_stop", index=0)]
+        for c in calls:
+            i, block = len(out) // 3, tool_use(c)
+            out += [self.event("content_block_start", index=i, content_block={**block, "input": {}}),
+                    self.event("content_block_delta", index=i, delta={"type": "input_json_delta", "partial_json":
+                                                                      json.dumps(block["input"], ensure_ascii=False)}),
+                    self.event("content_block_stop", index=i)]
+        return out
 
     def delta_event(self, text: str) -> str:
         return self.event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
 
-    def end_events(self, stop_reason: str, stop_sequence: Optional[str], output_tokens: int) -> list:
-        return [self.event("content_block_stop", index=0),
+    def end_events(self, stop_reason: str, stop_sequence: Optional[str], output_tokens: int,
+                   close_text: bool = True) -> list:
+        return [*([self.event("content_block_stop", index=0)] if close_text else []),
                 self.event("message_delta", delta={"stop_reason": stop_reason, "stop_sequence": stop_sequence},
                            usage={"output_tokens": output_tokens}),
                 self.event("message_stop")]
+
+
+def tool_use(call: dict) -> dict:
+    """An OpenAI tool call (serve/tools.parse_calls) -> Anthropic's tool_use block (its arguments as an object)."""
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": json.loads(call["function"]["arguments"])}
 
 
 def usage(input_tokens: int, output_tokens: int, cached: int = 0) -> dict:

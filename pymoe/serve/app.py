@@ -111,7 +111,7 @@ def chat_prompt(req, tokenizer) -> str:
     `messages` on a failure)."""
     extra = {}
     if getattr(req, "tools", None) and req.tool_choice_value() is not None:
-        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]  # as transformers passes them
+        extra["tools"] = [t.model_dump(exclude_none=True) for t in req.function_tools()]  # as transformers does
     try:
         return tokenizer.apply_chat_template(req.template_messages(), **extra)
     except PymoeError as e:
@@ -129,7 +129,7 @@ def prompt_ids(req, tokenizer) -> list:
 def tool_mode(req, tokenizer) -> Optional[str]:
     """A chat request's tool choice: None (no tools in play), "auto", "required" or a function's name; checks that
     the model's template has a tool format pymoe parses (serve/tools.py), else a 400 naming `tools`."""
-    choice = req.tool_choice_value() if isinstance(req, ChatRequest) else None
+    choice = req.tool_choice_value() if hasattr(req, "tool_choice_value") else None  # chat: OpenAI's, Anthropic's
     if choice is not None and tools.tool_format(tokenizer.chat_template) is None:
         raise ApiError(400, "'tools' is not supported for this model: its chat template has no tool-call format "
                             "pymoe can parse (pymoe parses Hermes' <tool_call> JSON: Qwen2.5/Qwen3/Qwen3-Next)",
@@ -145,8 +145,8 @@ def forced_call_grammar(req, choice: Optional[str], job: Job):
         raise ApiError(400, "'tool_choice' forces a tool call: it does not combine with response_format or "
                             "grammar", code="invalid_value", param="tool_choice")
     try:
-        return tools.call_grammar([{"name": t.function.name, "parameters": t.function.parameters} for t in req.tools
-                                   if choice == "required" or t.function.name == choice])
+        return tools.call_grammar([{"name": t.function.name, "parameters": t.function.parameters}
+                                   for t in req.function_tools() if choice == "required" or t.function.name == choice])
     except PymoeError as e:  # a tool's `parameters` that is no JSON schema the grammar compiler takes
         raise ApiError(400, f"'tools': {e}", code="invalid_value", param="tools") from None
 
@@ -496,14 +496,22 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         """Anthropic's Messages API (anthropic.py): the same job as a chat completion, in its shapes."""
         arrived = time.perf_counter()
         req = await read_request(request, anthropic.MessagesRequest)
-        job = await asyncio.to_thread(lambda: make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx,
-                                                       engine.config.n_vocab, sampling_defaults))
+
+        def prepare():
+            choice = tool_mode(req, engine.tokenizer)
+            job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab,
+                           sampling_defaults)
+            job.grammar = forced_call_grammar(req, choice, job)
+            return job, choice
+
+        job, choice = await asyncio.to_thread(prepare)
         job.deadline = deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
         submit_all([job], events)
         reply = anthropic.MessageReply(name)
+        calls = None if choice is None else ("all" if req.parallel_tool_calls else "first")
         if req.stream:
-            return StreamingResponse(stream_message(job, events, reply), media_type="text/event-stream",
+            return StreamingResponse(stream_message(job, events, reply, calls), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         pieces, reason = [], None
         async for _, ev, value in job_events([job], events, request):
@@ -516,20 +524,42 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         if reason is None:  # the client went away; nobody reads this
             return JSONResponse({}, status_code=499)
         stop_reason, stop_sequence = reply.stop_reason(reason, job.text.matched)
+        text, found = held_calls("".join(pieces), calls)
+        if found:
+            stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
         st = job.stats
-        return JSONResponse(reply.message("".join(pieces), stop_reason, stop_sequence,
-                                          anthropic.usage(st.n_prompt, st.n_generated, st.n_reused)))
+        return JSONResponse(reply.message(text or "", stop_reason, stop_sequence,
+                                          anthropic.usage(st.n_prompt, st.n_generated, st.n_reused),
+                                          calls=None if calls is None else found))
 
-    async def stream_message(job: Job, events: asyncio.Queue, reply):
-        for event in reply.start_events(len(job.prompt_ids)):
+    def held_calls(text: str, calls: Optional[str]) -> tuple:
+        """With tools in play ("all" / "first" calls kept), a whole answer -> (its text, its calls); else (text, [])."""
+        if calls is None:
+            return text, []
+        text, found = tools.parse_calls(text)
+        return text, found[:1] if calls == "first" else found
+
+    async def stream_message(job: Job, events: asyncio.Queue, reply, calls: Optional[str]):
+        for event in reply.start_events(len(job.prompt_ids), text_block=calls is None):
             yield event
+        held = []  # with tools in play: the answer, sent block by block when it ends
         async for _, ev, value in job_events([job], events):
-            if ev == "piece":
+            if ev == "piece" and calls is not None:
+                held.append(value)
+            elif ev == "piece":
                 yield reply.delta_event(value)
             elif ev == "error":
                 yield reply.event("error", error={"type": "api_error", "message": value})
             elif ev == "done":
-                for event in reply.end_events(*reply.stop_reason(value, job.text.matched), job.stats.n_generated):
+                stop_reason, stop_sequence = reply.stop_reason(value, job.text.matched)
+                if calls is not None:
+                    text, found = held_calls("".join(held), calls)
+                    for event in reply.block_events(text, found):
+                        yield event
+                    if found and stop_reason == "end_turn":
+                        stop_reason = "tool_use"
+                for event in reply.end_events(stop_reason, stop_sequence, job.stats.n_generated,
+                                              close_text=calls is None):
                     yield event
 
     @app.post("/v1/messages/count_tokens", dependencies=guarded)

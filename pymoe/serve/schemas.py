@@ -296,6 +296,10 @@ class ChatRequest(Common):
             out.append(msg)
         return out
 
+    def function_tools(self) -> list:
+        """The tools, as the template and the call grammar take them (Anthropic's request maps its own to these)."""
+        return self.tools or []
+
     def tool_choice_value(self):
         """None (no tools in play), "auto", "required", or the name of the function the answer must call."""
         choice = self.tool_choice if self.tool_choice is not None else ("auto" if self.tools else "none")

@@ -1,5 +1,6 @@
-"""Tool calling on the chat endpoint: the model's own template shows it the tools, its answer is parsed back into
-OpenAI's `tool_calls`, and a forced choice is decoded under a grammar so that the call always parses.
+"""Tool calling on the chat endpoints: the model's own template shows it the tools, its answer is parsed back into
+OpenAI's `tool_calls` (Anthropic's `tool_use` blocks are made from these: anthropic.tool_use), and a forced choice is
+decoded under a grammar so that the call always parses.
 
     fmt = tool_format(tokenizer.chat_template)      # "hermes", or None: the template has no tool format pymoe knows
     prompt = template(messages, tools=[...])       # the template writes the tools into the prompt (jinja `tools`)
