@@ -14,7 +14,7 @@ from conftest import ROOT, run_pymoe
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import fuzz_gguf  # noqa: E402
 
-N_CI = 400  # mutants per CI run (~1 minute on 2 cores); the seed is fixed, so a failure replays exactly
+N_CI = 500  # mutants per CI run (~1 minute on 2 cores); the seed is fixed, so a failure replays exactly
 
 
 @pytest.fixture(scope="module")
