@@ -109,9 +109,8 @@ class Layout:
         self.data_start = min((int(t.data_offset) for t in r.tensors), default=self.size)
         self.sites = collections.defaultdict(list)
         for name, f in r.fields.items():
-            if name.startswith("GGUF."):
-                if name != "GGUF.version" or True:
-                    self.sites["count"].append((at(f.parts[0]), f.parts[0].dtype.itemsize, name))
+            if name.startswith("GGUF."):  # the version and the tensor and key counts
+                self.sites["count"].append((at(f.parts[0]), f.parts[0].dtype.itemsize, name))
                 continue
             key_len, key, vtype = f.parts[0], f.parts[1], f.parts[2]
             self.sites["key_len"].append((at(key_len), 8, name))
