@@ -334,7 +334,7 @@ MUTANTS: list[Mutant] = [
         "a non-streaming client's hang-up goes unnoticed while tokens keep coming"),
     Mutant(
         "n_choices_share_one_seed", "pymoe/serve/scheduler.py",
-        "        seed = None if self.sampling.seed is None else self.sampling.seed + i",
+        "        seed = None if self.sampling.seed in (None, -1) else (self.sampling.seed + i) % 2**64  # -1: random",
         "        seed = self.sampling.seed",
         ("tests/test_server.py::test_n_choices",),
         "n > 1: every choice drawn with the request's seed (n copies of one answer)"),
@@ -350,6 +350,24 @@ MUTANTS: list[Mutant] = [
         "        n = len(slot.pending)  # MUTANT",
         ("tests/test_server.py::test_chunked_prefill_interleaves_with_decoding_and_keeps_the_tokens[5]",),
         "chunked prefill: a prompt read whole in one step (the other slots stall for all of it)"),
+    Mutant(
+        "token_type_outside_the_enum", "pymoe/engine/tokenizer.py",
+        "        return UNDEFINED  # llama.cpp gives unknown type numbers",
+        "        return TokenType.UNDEFINED  # MUTANT: llama.cpp gives unknown type numbers",
+        ("tests/test_fuzz_gguf.py::test_every_mutant_is_valid_or_one_line",),
+        "a token type outside gguf-py's enum raises AttributeError (the fuzzer's first finding)"),
+    Mutant(
+        "seed_minus_one_passed_to_numpy", "pymoe/engine/sampler.py",
+        "        self.rng = np.random.default_rng(None if params.seed == -1 else params.seed)",
+        "        self.rng = np.random.default_rng(params.seed)",
+        ("tests/test_server_hostile.py::test_seed_minus_one_is_random_and_out_of_range_seeds_are_a_400",),
+        "seed -1 (llama.cpp's random) reaches numpy, which raises in the engine thread"),
+    Mutant(
+        "anthropic_tool_use_stop_reason_dropped", "pymoe/serve/app.py",
+        "                    if found and stop_reason == \"end_turn\":\n                        stop_reason = \"tool_use\"",
+        "                    if False:  # MUTANT\n                        stop_reason = \"tool_use\"",
+        ("tests/test_server.py::test_anthropic_tool_use_with_the_official_client",),
+        "Anthropic: a streamed answer with a tool call ends with end_turn, not tool_use"),
 ]
 
 
