@@ -47,6 +47,16 @@ def test_seeded_sampling_is_reproducible():
     assert len(set(a)) == 1  # same seed, same first draw
 
 
+def test_seed_minus_one_is_random():
+    # llama.cpp's "random" (`pymoe run --seed -1`; the server maps it to no seed before it gets here): a fresh
+    # generator, not numpy's default_rng(-1), which raises
+    z = np.zeros(50, dtype=np.float32)
+    draws = [Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seed=-1))(z) for _ in range(40)]
+    assert all(0 <= t < 50 for t in draws) and len(set(draws)) > 1
+    with pytest.raises(PymoeError, match="seed"):
+        Sampler(SamplingParams(seed=-2))
+
+
 @pytest.mark.parametrize("seed", [7, 8, 9])
 def test_sampling_follows_the_probabilities(seed):
     """4000 draws at temperature 1 against p = softmax(LOGITS) by a chi-square test (4 degrees of freedom) at a

@@ -360,7 +360,7 @@ MUTANTS: list[Mutant] = [
         "seed_minus_one_passed_to_numpy", "pymoe/engine/sampler.py",
         "        self.rng = np.random.default_rng(None if params.seed == -1 else params.seed)",
         "        self.rng = np.random.default_rng(params.seed)",
-        ("tests/test_server_hostile.py::test_seed_minus_one_is_random_and_out_of_range_seeds_are_a_400",),
+        ("tests/test_sampler.py::test_seed_minus_one_is_random",),
         "seed -1 (llama.cpp's random) reaches numpy, which raises in the engine thread"),
     Mutant(
         "anthropic_tool_use_stop_reason_dropped", "pymoe/serve/app.py",
