@@ -31,15 +31,14 @@ scores are distinct, do not produce differently.)
 from __future__ import annotations
 
 import codecs
-import math
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Mapping, Optional, Union
 
-import numpy as np
 from gguf import TokenType
 
 from pymoe.errors import PymoeError
+from pymoe.gguf.config import checked
 
 # --- pre-tokenizers (llama.cpp src/llama-vocab.cpp, llm_tokenizer_bpe) ----------------------------------------------
 # llama.cpp applies a pre-tokenizer's regexes one after the other; each splits every piece of the previous one into
@@ -157,13 +156,13 @@ class Tokenizer:
             get = source
         where = f"{source.path}: " if hasattr(source, "path") else ""
         get = _typed_getter(get, where)
-        self.model = get("tokenizer.ggml.model", None, str)
-        tokens = get("tokenizer.ggml.tokens", None, list, str)
+        self.model = get("tokenizer.ggml.model", None, "text")
+        tokens = get("tokenizer.ggml.tokens", None, "list", "text")
         if self.model is None or tokens is None:
             raise PymoeError(f"{where}no tokenizer in the file (missing tokenizer.ggml.model or tokenizer.ggml.tokens)")
         # llama.cpp renames empty tokens so that every id has a distinct, non-empty text.
         self.tokens: list[str] = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(tokens)]
-        types = get("tokenizer.ggml.token_type", None, list, int) or [TokenType.NORMAL] * len(tokens)
+        types = get("tokenizer.ggml.token_type", None, "list", "int") or [TokenType.NORMAL] * len(tokens)
         if len(types) != len(tokens):
             raise PymoeError(f"{where}tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
         self.types: list[TokenType] = [_token_type(t) for t in types]
@@ -171,27 +170,27 @@ class Tokenizer:
         self.id_of = {t: i for i, t in enumerate(self.tokens)}  # duplicates: the last id wins, as in llama.cpp
 
         def special_id(key):
-            i = get(f"tokenizer.ggml.{key}_token_id", None, int)
+            i = get(f"tokenizer.ggml.{key}_token_id", None, "int")
             return int(i) if i is not None and 0 <= int(i) < self.n_vocab else None  # out of range: disabled
 
         if self.model == "gpt2":
-            pre_name = get("tokenizer.ggml.pre", None, str) or "default"
+            pre_name = get("tokenizer.ggml.pre", None, "text") or "default"
             pre = PRE_TOKENIZERS.get(pre_name)
             if pre is None:
                 raise PymoeError(f"{where}unsupported pre-tokenizer tokenizer.ggml.pre={pre_name!r} "
                                  f"(pymoe knows: {', '.join(sorted(PRE_TOKENIZERS))})")
             self.pre_name = pre_name
-            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", False, bool))
+            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", False, "flag"))
             default_add_bos = pre.add_bos
-            merges = get("tokenizer.ggml.merges", None, list, str)
+            merges = get("tokenizer.ggml.merges", None, "list", "text")
             if merges is None:
                 raise PymoeError(f"{where}byte-level BPE vocab without tokenizer.ggml.merges")
             self._bpe = _byte_level_bpe(self.id_of, merges, pre, where)
         elif self.model == "llama":
             self.pre_name = "default"  # llama.cpp ignores tokenizer.ggml.pre for SentencePiece vocabs
-            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True, bool))
+            self.add_space_prefix = bool(get("tokenizer.ggml.add_space_prefix", True, "flag"))
             default_add_bos = True
-            scores = get("tokenizer.ggml.scores", None, list, float) or [0.0] * self.n_vocab
+            scores = get("tokenizer.ggml.scores", None, "list", "real") or [0.0] * self.n_vocab
             if len(scores) != self.n_vocab:
                 raise PymoeError(f"{where}tokenizer.ggml.scores has {len(scores)} entries for {self.n_vocab} tokens")
             self._bpe = _sentencepiece_bpe(self.tokens, self.types, [float(s) for s in scores], self.id_of)
@@ -203,8 +202,8 @@ class Tokenizer:
         self.eos_id = special_id("eos")
         self.eot_id = special_id("eot")
         self.eom_id = special_id("eom")
-        self.add_bos = bool(get("tokenizer.ggml.add_bos_token", default_add_bos, bool))
-        self.add_eos = bool(get("tokenizer.ggml.add_eos_token", False, bool))  # true only for some encoder-style vocabs
+        self.add_bos = bool(get("tokenizer.ggml.add_bos_token", default_add_bos, "flag"))
+        self.add_eos = bool(get("tokenizer.ggml.add_eos_token", False, "flag"))  # true only for some encoder-style vocabs
         if self.eot_id is None:  # llama.cpp finds the end-of-turn token by its text when the key is absent
             self.eot_id = next((i for i, t in enumerate(self.tokens) if t in EOT_TEXTS), None)
         for i, t in enumerate(self.tokens):  # texts that look like control tokens are control tokens
@@ -219,7 +218,7 @@ class Tokenizer:
         self._specials = sorted((i for i, ty in enumerate(self.types) if ty in SPECIAL_TYPES),
                                 key=lambda i: (-len(self.tokens[i].encode()), i))
         self._piece_cache: dict[int, bytes] = {}
-        self.chat_template: Optional[str] = get("tokenizer.chat_template", None, str)
+        self.chat_template: Optional[str] = get("tokenizer.chat_template", None, "text")
 
     @classmethod
     def from_file(cls, path) -> "Tokenizer":
@@ -404,26 +403,12 @@ def _token_type(value) -> TokenType:
         return UNDEFINED  # llama.cpp gives unknown type numbers the UNDEFINED attribute too: a plain, non-special id
 
 
-_KINDS = {str: (str,), int: (int, np.integer), float: (int, float, np.integer, np.floating),
-          bool: (bool, np.bool_, int, np.integer), list: (list,)}
-
-
 def _typed_getter(get: Metadata, where: str):
     """get(key, default, kind[, item kind]) -> the value, or one line naming the key when it has another type (a
-    fuzzed file's token list may be an array of numbers, its bos id a string: bench/fuzz_gguf.py)."""
+    fuzzed file's token list may be an array of numbers, its bos id a string): gguf/config.checked's rules."""
     def typed(key, default, kind, item=None):
         value = get(key, default)
-        if value is default:
-            return value
-        bad = not isinstance(value, _KINDS[kind]) or (kind in (int, float) and isinstance(value, (bool, np.bool_)))
-        if not bad and item is not None:
-            bad = not all(isinstance(v, _KINDS[item]) for v in value)
-            if not bad and item is float:
-                bad = not all(math.isfinite(v) for v in value)
-        if bad:
-            what = f"a list of {item.__name__} values" if item else f"a {kind.__name__}"
-            raise PymoeError(f"{where}{key} is not {what}")
-        return value
+        return value if value is default else checked(key, value, kind, item, where)
     return typed
 
 

@@ -38,6 +38,32 @@ def _short(value) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
+# What a metadata value must be, by kind: the test, and its words for the error line. One table for every reader of
+# metadata (ModelConfig.from_gguf, engine/tokenizer.py): a fuzzed or broken file must never reach int() / float()
+# with a string, an inf or a 2**64 (bench/fuzz_gguf.py).
+KINDS = {
+    "count": (lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in 0..2^31-1"),  # products of two fit in int64
+    "int": (_is_int, "an integer"),
+    "real": (lambda v: _is_number(v) and math.isfinite(v), "a finite number"),
+    "flag": (lambda v: isinstance(v, (bool, np.bool_)) or _is_int(v), "a boolean"),
+    "text": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def checked(key: str, value, kind: str, item: Optional[str] = None, where: str = ""):
+    """`value` when it is of `kind` (a KINDS name, or "list" of `item` values), else a one-line PymoeError naming
+    the key: `m.gguf: qwen3moe.context_length = inf is not an integer in 0..2^31-1`."""
+    if kind == "list":
+        test, words = KINDS[item]
+        ok, what = isinstance(value, list) and all(test(v) for v in value), f"a list, each item {words}"
+    else:
+        test, what = KINDS[kind]
+        ok = test(value)
+    if not ok:
+        raise PymoeError(f"{where}{key} = {_short(value)} is not {what}")
+    return value
+
+
 @dataclass(frozen=True)
 class ArchTraits:
     """What one architecture does differently. Mirrors the arch's branch in llama.cpp's llama-model.cpp."""
@@ -266,35 +292,29 @@ class ModelConfig:
         def key(name, default=REQUIRED):
             return get(f"{arch}.{name}", default)
 
-        # Typed reads: a value of the wrong type, or out of range, is one line naming the key (a fuzzed or broken
-        # file must never reach int() / float() with a string, an inf or a 2**64; bench/fuzz_gguf.py).
-        def typed(name, default, ok, what):
+        def typed(name, default, kind, item=None):  # a value of the wrong type or range: one line naming the key
             value = key(name, default)
             if value is default and default is not REQUIRED:
                 return value  # pymoe's own default (or None): trusted
-            if not ok(value):
-                raise PymoeError(f"{where}{arch}.{name} = {_short(value)} is not {what}")
-            return value
+            return checked(f"{arch}.{name}", value, kind, item, where)
 
-        def count(name, default=REQUIRED):  # sizes and counts: 0 <= n < 2**31, so products of two fit in int64
-            return int(typed(name, default, lambda v: _is_int(v) and 0 <= v < 2**31, "an integer in 0..2^31-1"))
+        def count(name, default=REQUIRED):
+            return int(typed(name, default, "count"))
 
         def real(name, default=REQUIRED):
-            return float(typed(name, default, lambda v: _is_number(v) and math.isfinite(v), "a finite number"))
+            return float(typed(name, default, "real"))
 
         def flag(name, default=REQUIRED):
-            return bool(typed(name, default, lambda v: isinstance(v, (bool, np.bool_)) or _is_int(v), "a boolean"))
+            return bool(typed(name, default, "flag"))
 
         def text(name, default=REQUIRED):
-            return typed(name, default, lambda v: isinstance(v, str), "a string")
+            return typed(name, default, "text")
 
-        def counts(name, default=REQUIRED):
-            return typed(name, default, lambda v: isinstance(v, list) and len(v) <= MAX_LAYERS
-                         and all(_is_int(n) and 0 <= n < 2**31 for n in v), "a list of integers in 0..2^31-1")
+        def counts(name, default=REQUIRED):  # (a list's length is bounded by the file: loader._Reader)
+            return typed(name, default, "list", "count")
 
         def flags(name, default=REQUIRED):
-            return typed(name, default, lambda v: isinstance(v, list) and len(v) <= MAX_LAYERS
-                         and all(isinstance(b, (bool, np.bool_)) or _is_int(b) for b in v), "a list of booleans")
+            return typed(name, default, "list", "flag")
 
         n_embd, n_head = count("embedding_length"), count("attention.head_count")
         if n_head == 0:

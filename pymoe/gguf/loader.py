@@ -364,7 +364,8 @@ class _Reader(GGUFReader):
       - `_get_field_parts`: an array's length times its smallest element must fit in the bytes left, and its
         element type must be one GGUF defines, before the loop over its elements;
       - `_build_fields` / `_build_tensor_info`: the key / tensor counts must fit in the bytes left;
-      - `_build_tensors`: per tensor, before any view is made: a known type id, at most 4 dims, an element count that
+      - `_get_tensor_info_field`: at most 4 dims, before the reader reads that many;
+      - `_build_tensors`: per tensor, before any view is made: a known type id, no zero dim, an element count that
         is a whole number of blocks, data inside the file, aligned, and no two tensors overlapping (offsets are
         Python ints: no int64 overflow).
     The last complete metadata key is kept (`_after`) so an error says where in the header it happened.
@@ -406,17 +407,16 @@ class _Reader(GGUFReader):
     def _build_tensor_info(self, offs, count):
         if int(count) * 24 > len(self.data) - offs:  # name length 8 + n_dims 4 + type 4 + offset 8
             raise CorruptHeader(f"{self._where(offs)}: {int(count)} tensors cannot fit in the file")
-        fields = []
-        for _ in range(int(count)):  # (the reader's own loop, with a dims check before each dims read)
-            n_dims = int(self._get(offs + 8 + int(self._get(offs, np.uint64)[0]), np.uint32)[0])
-            if n_dims > GGML_MAX_DIMS:
-                raise CorruptHeader(f"{self._where(offs)}: a tensor with {n_dims} dimensions (GGUF allows "
-                                    f"{GGML_MAX_DIMS})")
-            field = self._get_tensor_info_field(offs)
-            offs += sum(int(part.nbytes) for part in field.parts)
-            fields.append(field)
-            self._after = f"the info of tensor {field.name}"
-        return offs, fields
+        return super()._build_tensor_info(offs, count)
+
+    def _get_tensor_info_field(self, orig_offs):
+        n_dims = int(self._get(orig_offs + 8 + int(self._get(orig_offs, np.uint64)[0]), np.uint32)[0])
+        if n_dims > GGML_MAX_DIMS:  # before the reader reads that many dims
+            raise CorruptHeader(f"{self._where(orig_offs)}: a tensor with {n_dims} dimensions (GGUF allows "
+                                f"{GGML_MAX_DIMS})")
+        field = super()._get_tensor_info_field(orig_offs)
+        self._after = f"the info of tensor {field.name}"
+        return field
 
     def _build_tensors(self, start_offs, fields):
         known = {int(t) for t in GGML_QUANT_SIZES}
