@@ -26,6 +26,8 @@ A decode miss is served one of two ways, and may also be promoted:
 One lookup call is one decision per expert: an expert chosen by several rows of the call (tokens of a prefill
 chunk, sequences of a batched decode step) is served by one path, decided at its first (token, expert) pair, and
 every row that chose it is counted under that path (`rows`: per-row counters, for batched decode).
+Both also keep `heat` int64 [n_layers, n_experts]: decode lookups per expert since start, what the monitor page's
+heat map shows (/v1/status?experts=1, serve/metrics.py) next to the residency table.
 Prefill lookups never promote: a prompt chunk touches nearly every expert, so letting it through the policy would
 flush the decode working set. Prefill misses are "staged" (streamed once per chunk), hits refresh the policy.
 On the CPU backend nothing crosses PCIe: "spill" and "cpu" are the split a GPU would make (`gpu` False), and every
@@ -86,6 +88,13 @@ def _count(counts: tuple, name: str, n: int = 1) -> None:
         c[name] = c.get(name, 0) + n
 
 
+def _warm(heat: np.ndarray, layer: int, expert_ids: np.ndarray, phase: str) -> None:
+    """Count a decode lookup call's (token, expert) pairs into heat[layer]: heat int64 [L, E], expert_ids [T, K].
+    Prefill is left out: a prompt chunk touches nearly every expert, which says little about the hot ones."""
+    if phase == "decode":
+        heat[layer] += np.bincount(expert_ids.reshape(-1), minlength=heat.shape[1])  # [E]
+
+
 class PassThroughCache:
     """No slot pool: serves every expert from the model's memory map. Nothing is a hit or a miss, as there is no
     cache: lookups are counted as "host" (read in place) or, on a GPU, "spill" / "staged" (read over PCIe)."""
@@ -101,6 +110,7 @@ class PassThroughCache:
         self.gpu = miss_path is not None  # the experts are computed on a GPU: what it reads crosses PCIe
         self._where = miss_path or "host"
         self.stats = CacheStats()
+        self.heat = np.zeros((model.config.n_layers, model.config.n_expert), dtype=np.int64)  # [L, E] decode lookups
 
     def lookup(self, layer: int, expert_ids: np.ndarray, phase: str, rows: Optional[list] = None) -> None:
         """Account for the router's choices of one layer: expert_ids int [T, K], one lookup per (token, expert).
@@ -110,6 +120,7 @@ class PassThroughCache:
         K = int(expert_ids.size) // expert_ids.shape[0]  # lookups per row
         _count((c,), "lookups", int(expert_ids.size))
         _count((c,), self._where, int(expert_ids.size))
+        _warm(self.heat, layer, expert_ids, phase)
         for row in rows or ():  # one counter dict per row of expert_ids
             _count((row,), "lookups", K)
             _count((row,), self._where, K)
@@ -158,6 +169,7 @@ class SlotCache:
                                self.admission)
         self.steps = 0  # lookup calls so far: one per layer per forward, the unit of the insert cap
         self.residency = np.full((self.n_layers, self.n_experts), -1, dtype=np.int32)  # [L, E] -> slot or -1
+        self.heat = np.zeros((self.n_layers, self.n_experts), dtype=np.int64)  # [L, E] decode lookups (_warm)
         # Byte layout of a slot: gate | up | down, each as stored in the GGUF, with the types of the layer of the
         # expert it holds (they may change from layer to layer); slots are sized for the largest layer's expert.
         self.layouts = model.expert_layouts()  # [L] loader.ExpertLayout
@@ -211,6 +223,7 @@ class SlotCache:
         add each row's counts to as well (batched decode: one row per sequence)."""
         self.finish(layer)  # a caller that skipped finish(): the last call's promotions land before anything else
         c = self.stats.counts[phase]
+        _warm(self.heat, layer, expert_ids, phase)
         self._served = {}
         self.steps += 1
         for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):

@@ -11,9 +11,10 @@ The path of one request through the serve/ files:
     app.py        the events -> one JSON answer, or SSE chunks `data: {...}` ... `data: [DONE]`; a client that
                   goes away cancels its jobs
 Also: Anthropic's /v1/messages (anthropic.py: its request and answer shapes, the same jobs), /v1/models,
-/health (no key), /v1/status and /metrics (metrics.py), llama.cpp's /tokenize, /detokenize, /apply-template. Security defaults: binds 127.0.0.1;
---api-key protects every endpoint but /health (Authorization: Bearer KEY, else 401); bodies are capped
-(--max-body-mib, else 413).
+/health (no key), /v1/status and /metrics (metrics.py), llama.cpp's /tokenize, /detokenize, /apply-template, and
+the live monitor page at / (monitor.html: static HTML + JS polling /v1/status; no data in it, so no key).
+Security defaults: binds 127.0.0.1; --api-key protects every endpoint but /health and the page (Authorization:
+Bearer KEY, else 401); bodies are capped (--max-body-mib, else 413).
 Hostile input (docs/server.md, "Limits"): every answer, errors included (404, 405, a bug's 500), is in OpenAI's shape
 (Anthropic's under /v1/messages); a body must be JSON nested at most MAX_DEPTH deep with no lone UTF-16 surrogates
 (else 400); parsing, templating and tokenizing run on worker threads, never on the event loop that answers /health;
@@ -26,6 +27,7 @@ counters (metrics.py), or a multi-process / multi-GPU deployment.
 import asyncio
 import contextlib
 import hmac
+import importlib.resources
 import json
 import math
 import os
@@ -295,7 +297,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     reading its body gives up (408); None: no limit."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
     from prometheus_client import generate_latest
     from prometheus_client.exposition import CONTENT_TYPE_LATEST
     from starlette.exceptions import HTTPException
@@ -602,8 +604,16 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         return JSONResponse({"status": "ok" if ok else "engine stopped"}, status_code=200 if ok else 503)
 
     @app.get("/v1/status", dependencies=guarded)
-    async def status():
-        return status_of(scheduler)
+    async def status(experts: bool = False):
+        """?experts=1 adds the per-expert map: residency and heat per MoE layer (the monitor page's heat map)."""
+        return status_of(scheduler, experts=experts)
+
+    monitor_page = (importlib.resources.files("pymoe.serve") / "monitor.html").read_text(encoding="utf-8")
+
+    @app.get("/")
+    async def monitor():
+        """The live monitor page (monitor.html: static HTML + JS that polls /v1/status; it holds no data, so no key)."""
+        return HTMLResponse(monitor_page)
 
     @app.get("/metrics", dependencies=guarded)
     async def metrics():
@@ -658,7 +668,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
                      max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k, prefill_chunk=prefill_chunk,
                      request_timeout=request_timeout, sampling_defaults=sampling_defaults)
     sock = listening_socket(host, port)
-    log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics)")
+    log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics, the monitor page at /)")
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
 
 

@@ -1,13 +1,17 @@
 """What `/v1/status` (JSON) and `/metrics` (Prometheus text) show: the scheduler's and the expert cache's counters.
 
 Both read the counters at request / scrape time, under the scheduler's lock: nothing is counted twice, and nothing
-here counts anything. What this is not: the counting (scheduler.py counts requests and tokens, experts/cache.py
-counts lookups) or the routes (app.py).
+here counts anything. /v1/status is also what the monitor page (monitor.html, at /) polls: slot states, the recent
+requests' log lines and, asked for with ?experts=1, the per-layer expert map (residency and heat) it draws.
+What this is not: the counting (scheduler.py counts requests and tokens, experts/cache.py counts lookups), the
+routes (app.py) or the page's drawing (monitor.html).
 """
 from __future__ import annotations
 
 import math
 import os
+
+import numpy as np
 
 from pymoe.engine.kv import kv_nbytes
 from pymoe.experts.cache import COUNTERS
@@ -18,18 +22,21 @@ def model_id(engine) -> str:
     return os.path.basename(engine.file.path)
 
 
-def status_of(scheduler) -> dict:
-    """/v1/status: model, backend, KV, slots and their cached tokens, expert cache, request outcomes, recent jobs."""
+def status_of(scheduler, experts: bool = False) -> dict:
+    """/v1/status: model, backend, KV, slots (state, cached tokens), queue depth, expert cache, request outcomes,
+    recent jobs (each with its log line). experts: add the per-expert map (`expert_map`; /v1/status?experts=1,
+    what the monitor page polls: L x E numbers, too many to send unasked for a 48 x 512 model)."""
     eng, cfg, cache = scheduler.engine, scheduler.engine.config, scheduler.engine.cache
     n_experts = len(cfg.moe_layers) * cfg.n_expert
     counts = {p: dict(c) for p, c in cache.stats.counts.items()}
     S = scheduler
     with S.lock:
-        return dict(
+        status = dict(
             model=model_id(eng), arch=cfg.arch, backend=eng.backend.name, n_ctx=S.n_ctx,
             kv=S.kv_kind, kv_bytes_per_slot=kv_nbytes(S.slots[0].kv), parallel=len(S.slots),
-            max_queue=S.max_queue, queue_depth=S.queue.qsize(), max_batch=S.max_batch,
-            slots=[dict(index=s.index, busy=s.job is not None, cached_tokens=len(s.tokens)) for s in S.slots],
+            max_queue=S.max_queue, prefill_chunk=S.prefill_chunk, queue_depth=S.queue.qsize(),
+            max_batch=S.max_batch,
+            slots=[slot_of(s) for s in S.slots],
             cache=dict(describe=cache.describe(), slots=cache.n_slots, experts=n_experts,
                        policy=cache.policy_name, pool=cache.n_slots > 0,
                        coverage=cache.n_slots / n_experts,  # of the slot pool: 0 with none
@@ -37,6 +44,27 @@ def status_of(scheduler) -> dict:
             requests=dict(S.outcomes), tokens=dict(S.totals), last=dict(S.last),
             recent=list(S.recent),
         )
+    if experts:
+        status["expert_map"] = expert_map(cache, cfg)
+    return status
+
+
+def slot_of(slot) -> dict:
+    """One slot now: idle (no job), prefill (its prompt is being read, chunk by chunk) or decode."""
+    job = slot.job
+    state = "idle" if job is None else "prefill" if slot.pending else "decode"
+    return dict(index=slot.index, busy=job is not None, state=state, cached_tokens=len(slot.tokens),
+                generated=job.stats.n_generated if job is not None else 0)
+
+
+def expert_map(cache, cfg) -> dict:
+    """Per MoE layer, per expert: resident (1: in a slot now) and heat (decode lookups since start). The engine
+    thread keeps writing both while this reads them: a map one lookup call old is good enough to look at."""
+    layers = list(cfg.moe_layers)
+    residency = getattr(cache, "residency", None)  # [L, E] slot or -1; a PassThroughCache has no pool
+    resident = residency[layers] >= 0 if residency is not None else np.zeros((len(layers), cfg.n_expert), bool)
+    return dict(layers=layers, n_expert=cfg.n_expert, resident=resident.astype(int).tolist(),  # [L_moe][E] 0/1
+                heat=cache.heat[layers].tolist())  # [L_moe][E] decode lookups
 
 
 def registry_for(scheduler):

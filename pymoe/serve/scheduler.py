@@ -454,13 +454,15 @@ class Scheduler:
         self.count({"stop": "ok", "length": "ok"}.get(reason, reason))  # timeout: counted apart
         engine_s = st.prompt_s + st.decode_s
         self.avg_request_s = 0.8 * self.avg_request_s + 0.2 * engine_s
-        self.recent.append(dict(slot=slot.index, n_prompt=st.n_prompt, n_reused=st.n_reused,
-                                n_generated=st.n_generated, stop_reason=st.stop_reason,
-                                queue_ms=round(job.queue_s * 1e3, 1), prompt_line=st.prompt_line(),
-                                cache_line=st.cache_line()))
+        entry = dict(slot=slot.index, n_prompt=st.n_prompt, n_reused=st.n_reused, n_generated=st.n_generated,
+                     stop_reason=st.stop_reason, queue_ms=round(job.queue_s * 1e3, 1), prompt_line=st.prompt_line(),
+                     cache_line=st.cache_line(), time=round(time.time(), 3))  # time: when it ended (Unix seconds)
         spec = ""
         if slot.spec is not None and slot.spec.stats.steps:
-            self.recent[-1]["spec_line"] = slot.spec.stats.line(self.spec, slot.spec.k)
-            spec = f"; {self.recent[-1]['spec_line']}"
-        # one line per request, the article's two lines joined: prompt and speed, then the expert cache
-        self.log(f"slot {slot.index} {st.stop_reason}: {st.prompt_line()}; {st.cache_line()}{spec}")
+            entry["spec_line"] = slot.spec.stats.line(self.spec, slot.spec.k)
+            spec = f"; {entry['spec_line']}"
+        # one line per request, the article's two lines joined: prompt and speed, then the expert cache; the same
+        # line is kept in `recent` (/v1/status, the monitor page's request log)
+        entry["line"] = f"slot {slot.index} {st.stop_reason}: {st.prompt_line()}; {st.cache_line()}{spec}"
+        self.recent.append(entry)
+        self.log(entry["line"])
