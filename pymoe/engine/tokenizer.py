@@ -213,6 +213,7 @@ class Tokenizer:
         self.eog_ids = frozenset(
             [i for i, t in enumerate(self.tokens) if t in EOG_TEXTS or t in FIM_EOG_TEXTS]
             + [i for i in (self.eos_id, self.eot_id, self.eom_id) if i is not None])
+        self._harmony_tokens()
 
         # Special tokens, longest (in UTF-8 bytes) first: the order llama.cpp cuts them out of the text.
         self._specials = sorted((i for i, ty in enumerate(self.types) if ty in SPECIAL_TYPES),
@@ -224,6 +225,19 @@ class Tokenizer:
     def from_file(cls, path) -> "Tokenizer":
         from pymoe.gguf.loader import load_gguf
         return cls(load_gguf(path))
+
+    def _harmony_tokens(self) -> None:
+        """gpt-oss's harmony vocabulary, as llama.cpp's llama_vocab::impl::load patches it: the message markers
+        <|channel|>, <|message|>, <|start|>, <|constrain|> become USER_DEFINED (always in the decoded text, so a
+        server can read an answer's channels back: serve/tools.py), and where both <|return|> and <|call|> end a
+        generation, <|end|> (which closes an analysis message in the middle of an answer) no longer does."""
+        for i, t in enumerate(self.tokens):
+            if t in ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>"):
+                self.types[i] = TokenType.USER_DEFINED
+        eog = {self.tokens[i]: i for i in self.eog_ids}
+        if "<|return|>" in eog and "<|call|>" in eog and "<|end|>" in eog:
+            self.types[eog["<|end|>"]] = TokenType.USER_DEFINED
+            self.eog_ids = self.eog_ids - {eog["<|end|>"]}
 
     # --- encode -------------------------------------------------------------------------------------------------
     def encode(self, text: str, add_bos: Optional[bool] = None, special: bool = True) -> list[int]:

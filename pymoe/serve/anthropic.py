@@ -15,7 +15,8 @@
               input}...], stop_reason: end_turn | max_tokens | stop_sequence | tool_use, stop_sequence, usage:
               {input_tokens, output_tokens}}, or the SSE events message_start, content_block_start, ping,
               content_block_delta*, content_block_stop, message_delta, message_stop (with tools in play the
-              answer is held to its end, then sent block by block: a tool_use block's input as one
+              answer is read as it streams, serve/tools.CallStream: text goes out as soon as it cannot be the
+              start of a call, each call as a tool_use block once its closing marker is in, its input as one
               input_json_delta, so a call never leaks as text)
     errors    Anthropic's shape {"type": "error", "error": {"type", "message"}} with the same status codes
 What this is not: the route and the job's way through the engine (app.py, shared with the OpenAI endpoints), or
@@ -241,6 +242,7 @@ class MessageReply:
 
     def __init__(self, model: str):
         self.model, self.id = model, "msg_" + uuid.uuid4().hex[:24]
+        self.n_blocks, self.text_open = 1, True  # streaming: blocks started so far; is the last a text block, open
 
     def message(self, text: str, stop_reason: Optional[str], stop_sequence: Optional[str], usage: dict,
                 calls: Optional[list] = None) -> dict:
@@ -267,26 +269,39 @@ class MessageReply:
     def start_events(self, input_tokens: int, text_block: bool = True) -> list:
         """message_start, and (without tools in play) the text block the deltas go into."""
         block = [self.event("content_block_start", index=0, content_block={"type": "text", "text": ""})]
+        self.n_blocks, self.text_open = (1, True) if text_block else (0, False)
         return [self.event("message_start", message=self.message("", None, None, usage(input_tokens, 0))),
                 *(block if text_block else []), self.event("ping")]
 
     def block_events(self, text: Optional[str], calls: list) -> list:
-        """A held answer (tools in play), block by block: its text, then each call with its input as one
-        input_json_delta."""
+        """An answer read as it streams (tools in play): its new text into the open text block (started when
+        there is none), then each new call as a tool_use block of its own, its input as one input_json_delta."""
         out = []
         if text:
-            out += [self.event("content_block_start", index=0, content_block={"type": "text", "text": ""}),
-                    self.delta_event(text), self.event("content_block_stop", index=0)]
+            if not self.text_open:
+                out.append(self.event("content_block_start", index=self.n_blocks,
+                                      content_block={"type": "text", "text": ""}))
+                self.n_blocks, self.text_open = self.n_blocks + 1, True
+            out.append(self.delta_event(text))
         for c in calls:
-            i, block = len(out) // 3, tool_use(c)
+            out += self.close_events()
+            i, block = self.n_blocks, tool_use(c)
             out += [self.event("content_block_start", index=i, content_block={**block, "input": {}}),
                     self.event("content_block_delta", index=i, delta={"type": "input_json_delta", "partial_json":
                                                                       json.dumps(block["input"], ensure_ascii=False)}),
                     self.event("content_block_stop", index=i)]
+            self.n_blocks += 1
         return out
 
+    def close_events(self) -> list:
+        """content_block_stop of the text block still open, if one is."""
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [self.event("content_block_stop", index=self.n_blocks - 1)]
+
     def delta_event(self, text: str) -> str:
-        return self.event("content_block_delta", index=0, delta={"type": "text_delta", "text": text})
+        return self.event("content_block_delta", index=self.n_blocks - 1, delta={"type": "text_delta", "text": text})
 
     def end_events(self, stop_reason: str, stop_sequence: Optional[str], output_tokens: int,
                    close_text: bool = True) -> list:

@@ -114,6 +114,9 @@ def chat_prompt(req, tokenizer) -> str:
     extra = {}
     if getattr(req, "tools", None) and req.tool_choice_value() is not None:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.function_tools()]  # as transformers does
+        if tools.tool_format(tokenizer.chat_template) == "harmony":  # gpt-oss's template adds "// " + description
+            for t in extra["tools"]:
+                t["function"].setdefault("description", "")
     try:
         return tokenizer.apply_chat_template(req.template_messages(), **extra)
     except PymoeError as e:
@@ -134,21 +137,30 @@ def tool_mode(req, tokenizer) -> Optional[str]:
     choice = req.tool_choice_value() if hasattr(req, "tool_choice_value") else None  # chat: OpenAI's, Anthropic's
     if choice is not None and tools.tool_format(tokenizer.chat_template) is None:
         raise ApiError(400, "'tools' is not supported for this model: its chat template has no tool-call format "
-                            "pymoe can parse (pymoe parses Hermes' <tool_call> JSON: Qwen2.5/Qwen3/Qwen3-Next)",
+                            "pymoe can parse (pymoe parses Hermes' <tool_call> JSON (Qwen2.5/Qwen3), Qwen3.5's XML, "
+                            "GLM-4.5's, DeepSeek-V3.1's and gpt-oss' harmony)",
                        code="unsupported_parameter", param="tools")
     return choice
 
 
-def forced_call_grammar(req, choice: Optional[str], job: Job):
-    """tool_choice "required" or a named function -> the grammar of such a call (the answer always parses)."""
+def tool_specs(req) -> list:
+    """The tools in play as serve/tools.py takes them: [{name, parameters}]."""
+    return [{"name": t.function.name, "parameters": t.function.parameters} for t in req.function_tools()]
+
+
+def forced_call_grammar(req, choice: Optional[str], job: Job, tokenizer=None):
+    """tool_choice "required" or a named function -> the grammar of such a call in the template's format (the answer
+    always parses; the format's markers as the vocabulary's special tokens where it has them). tokenizer None:
+    Hermes' format, its markers as text."""
     if choice in (None, "auto"):
         return job.grammar
     if job.grammar is not None:
         raise ApiError(400, "'tool_choice' forces a tool call: it does not combine with response_format or "
                             "grammar", code="invalid_value", param="tool_choice")
     try:
-        return tools.call_grammar([{"name": t.function.name, "parameters": t.function.parameters}
-                                   for t in req.function_tools() if choice == "required" or t.function.name == choice])
+        fmt = "hermes" if tokenizer is None else tools.tool_format(tokenizer.chat_template)
+        return tools.call_grammar([s for s in tool_specs(req) if choice == "required" or s["name"] == choice],
+                                  fmt, tokenizer)
     except PymoeError as e:  # a tool's `parameters` that is no JSON schema the grammar compiler takes
         raise ApiError(400, f"'tools': {e}", code="invalid_value", param="tools") from None
 
@@ -238,25 +250,39 @@ class Reply:
         self.created = int(time.time())
         self.text_offset = {}  # completions' logprobs: choice index -> where its next token's text starts
         self.calls = None  # chat with tools in play: "all" or "first" (parallel_tool_calls false) calls are kept
+        self.fmt, self.specs = "hermes", []  # then: the template's tool format (serve/tools.py), the tools in play
 
     def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False,
                logprobs: Optional[list] = None, index: int = 0) -> dict:
         """logprobs: the scheduler's ("logprobs", ...) values of the tokens in `text` (None: not asked for). With
-        tools in play, `text` is a whole answer: its tool calls become `tool_calls` (finish_reason tool_calls)."""
+        tools in play and not streamed, `text` is a whole answer: its tool calls become `tool_calls` (finish_reason
+        tool_calls); streamed, `text` is content already read out of the answer (tools.CallStream, call_deltas)."""
         lp = None if logprobs is None else self.logprobs(logprobs, index)
         if self.kind == "completion":
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         msg = {"role": "assistant"} if role or not stream else {}
         calls = []
-        if self.calls is not None and text is not None:
-            text, calls = tools.parse_calls(text)
+        if self.calls is not None and text is not None and not stream:
+            text, calls = tools.parse_calls(text, self.fmt, self.specs)
             calls = calls[:1] if self.calls == "first" else calls
-        if text is not None or (calls and not stream):
+        if text is not None or calls:
             msg["content"] = text
         if calls:
-            msg["tool_calls"] = [{"index": i, **c} for i, c in enumerate(calls)] if stream else calls
+            msg["tool_calls"] = calls
             reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "delta" if stream else "message": msg, "logprobs": lp, "finish_reason": reason}
+
+    def call_deltas(self, calls: list, first: int, index: int = 0) -> list:
+        """Streamed tool calls, numbered from `first`, in OpenAI's chunk shape: per call, a delta with its index, id,
+        type and name (arguments ""), then one with its arguments, which clients append to that index's."""
+        out = []
+        for k, c in enumerate(calls, first):
+            head = {"index": k, "id": c["id"], "type": "function",
+                    "function": {"name": c["function"]["name"], "arguments": ""}}
+            for delta in (head, {"index": k, "function": {"arguments": c["function"]["arguments"]}}):
+                out.append(self.envelope([{"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
+                                           "finish_reason": None}], stream=True))
+        return out
 
     def logprobs(self, entries: list, index: int = 0) -> dict:
         """[(id, logp, [(id, logp)])] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or
@@ -413,7 +439,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
         choice = tool_mode(req, engine.tokenizer)
         job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
-        job.grammar = forced_call_grammar(req, choice, job)
+        job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
         # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
         echo = "" if kind == "chat" or not req.echo else (
@@ -429,8 +455,10 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         events: asyncio.Queue = asyncio.Queue()
         submit_all(jobs, events)
         reply = Reply(kind, name, engine.tokenizer)
-        if choice is not None:  # the answers are parsed for tool calls when they end
+        fmt = tools.tool_format(engine.tokenizer.chat_template) if kind == "chat" else None
+        if choice is not None or fmt == "harmony":  # answers are read for tool calls (harmony: for its channels too)
             reply.calls = "first" if not req.parallel_tool_calls else "all"
+            reply.fmt, reply.specs = fmt, tool_specs(req) if choice is not None else []
         reply.text_offset = dict.fromkeys(range(req.n), len(echo))
         if req.stream:
             return StreamingResponse(stream_reply(jobs, events, reply, req.stream_options.include_usage, echo),
@@ -461,23 +489,35 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                 yield sse(reply.envelope([reply.choice(echo, None, stream=True, index=index)], stream=True))
         # per choice: the log-probabilities of the tokens whose text is not sent yet
         logprobs = [[] if job.top_logprobs is not None else None for job in jobs]
-        held = [[] for _ in jobs]  # with tools in play: the text, sent whole at the end, its calls parsed
+        # with tools in play: each answer read as it streams (tools.CallStream): its content goes out as soon as it
+        # cannot be the start of a call, each call as soon as its closing marker is in
+        reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls)
+                   for _ in jobs]
+        n_calls = [0] * len(jobs)
+
+        def deltas(index: int, text: str, calls: list) -> list:
+            out = []
+            if text:
+                out.append(sse(reply.envelope([reply.choice(text, None, stream=True, logprobs=logprobs[index],
+                                                             index=index)], stream=True)))
+                logprobs[index] = [] if logprobs[index] is not None else None
+            out += [sse(chunk) for chunk in reply.call_deltas(calls, n_calls[index], index)]
+            n_calls[index] += len(calls)
+            return out
+
         async for index, ev, value in job_events(jobs, events):
             if ev == "logprobs":
                 logprobs[index].append(value)
-            elif ev == "piece" and reply.calls is not None:
-                held[index].append(value)
             elif ev == "piece":
-                yield sse(reply.envelope([reply.choice(value, None, stream=True, logprobs=logprobs[index],
-                                                       index=index)], stream=True))
-                logprobs[index] = [] if logprobs[index] is not None else None
+                for chunk in deltas(index, *((value, []) if reading[index] is None else reading[index].feed(value))):
+                    yield chunk
             elif ev == "error":
                 yield sse(ApiError(500, value).body())
             else:
-                if reply.calls is not None:
-                    yield sse(reply.envelope([reply.choice("".join(held[index]), value, stream=True,
-                                                           logprobs=logprobs[index], index=index)], stream=True))
-                    continue
+                if reading[index] is not None:
+                    for chunk in deltas(index, *reading[index].close()):
+                        yield chunk
+                    value = "tool_calls" if n_calls[index] and value == "stop" else value
                 yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs[index] or None,
                                                        index=index)], stream=True, timings=timings_of(jobs[index])))
         if include_usage:
@@ -503,7 +543,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             choice = tool_mode(req, engine.tokenizer)
             job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab,
                            sampling_defaults)
-            job.grammar = forced_call_grammar(req, choice, job)
+            job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
             return job, choice
 
         job, choice = await asyncio.to_thread(prepare)
@@ -511,9 +551,12 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         events: asyncio.Queue = asyncio.Queue()
         submit_all([job], events)
         reply = anthropic.MessageReply(name)
-        calls = None if choice is None else ("all" if req.parallel_tool_calls else "first")
+        fmt = tools.tool_format(engine.tokenizer.chat_template)
+        calls = None if choice is None and fmt != "harmony" else ("all" if req.parallel_tool_calls else "first")
+        # with tools in play (or gpt-oss' channels), the answer is read for calls: tools.CallStream
+        reading = None if calls is None else tools.CallStream(fmt, tool_specs(req) if choice else [], calls)
         if req.stream:
-            return StreamingResponse(stream_message(job, events, reply, calls), media_type="text/event-stream",
+            return StreamingResponse(stream_message(job, events, reply, reading), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         pieces, reason = [], None
         async for _, ev, value in job_events([job], events, request):
@@ -526,7 +569,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         if reason is None:  # the client went away; nobody reads this
             return JSONResponse({}, status_code=499)
         stop_reason, stop_sequence = reply.stop_reason(reason, job.text.matched)
-        text, found = held_calls("".join(pieces), calls)
+        text, found = ("".join(pieces), []) if reading is None else reading.feed("".join(pieces), final=True)
         if found:
             stop_reason = "tool_use" if stop_reason == "end_turn" else stop_reason
         st = job.stats
@@ -534,34 +577,33 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                                           anthropic.usage(st.n_prompt, st.n_generated, st.n_reused),
                                           calls=None if calls is None else found))
 
-    def held_calls(text: str, calls: Optional[str]) -> tuple:
-        """With tools in play ("all" / "first" calls kept), a whole answer -> (its text, its calls); else (text, [])."""
-        if calls is None:
-            return text, []
-        text, found = tools.parse_calls(text)
-        return text, found[:1] if calls == "first" else found
-
-    async def stream_message(job: Job, events: asyncio.Queue, reply, calls: Optional[str]):
-        for event in reply.start_events(len(job.prompt_ids), text_block=calls is None):
+    async def stream_message(job: Job, events: asyncio.Queue, reply, reading: Optional[tools.CallStream]):
+        """SSE events; with tools in play (`reading`), text blocks and tool_use blocks open as the answer is read:
+        text as soon as it cannot be the start of a call, each call once its closing marker is in."""
+        for event in reply.start_events(len(job.prompt_ids), text_block=reading is None):
             yield event
-        held = []  # with tools in play: the answer, sent block by block when it ends
+        n_calls = 0
         async for _, ev, value in job_events([job], events):
-            if ev == "piece" and calls is not None:
-                held.append(value)
+            if ev == "piece" and reading is not None:
+                text, found = reading.feed(value)
+                n_calls += len(found)
+                for event in reply.block_events(text, found):
+                    yield event
             elif ev == "piece":
                 yield reply.delta_event(value)
             elif ev == "error":
                 yield reply.event("error", error={"type": "api_error", "message": value})
             elif ev == "done":
                 stop_reason, stop_sequence = reply.stop_reason(value, job.text.matched)
-                if calls is not None:
-                    text, found = held_calls("".join(held), calls)
-                    for event in reply.block_events(text, found):
+                if reading is not None:
+                    text, found = reading.close()
+                    n_calls += len(found)
+                    for event in reply.block_events(text, found) + reply.close_events():
                         yield event
-                    if found and stop_reason == "end_turn":
+                    if n_calls and stop_reason == "end_turn":
                         stop_reason = "tool_use"
                 for event in reply.end_events(stop_reason, stop_sequence, job.stats.n_generated,
-                                              close_text=calls is None):
+                                              close_text=reading is None):
                     yield event
 
     @app.post("/v1/messages/count_tokens", dependencies=guarded)

@@ -2,20 +2,60 @@
 OpenAI's `tool_calls` (Anthropic's `tool_use` blocks are made from these: anthropic.tool_use), and a forced choice is
 decoded under a grammar so that the call always parses.
 
-    fmt = tool_format(tokenizer.chat_template)      # "hermes", or None: the template has no tool format pymoe knows
+    name = tool_format(tokenizer.chat_template)   # "hermes", "qwen-xml", "glm", "deepseek-v3.1", "harmony" or None
+    fmt = FORMATS[name]
     prompt = template(messages, tools=[...])       # the template writes the tools into the prompt (jinja `tools`)
-    grammar = call_grammar(tools, "required")      # tool_choice required / a named function: the answer is a call
-    content, calls = parse_calls(text)             # the answer -> its text and [{id, type, function: {name, arguments}}]
+    grammar = fmt.grammar(specs, tokenizer)        # tool_choice required / a named function: the answer is a call
+    content, calls = fmt.parse(text, specs)        # the answer -> its text, [{id, type, function: {name, arguments}}]
+    stream = CallStream(fmt, specs)                # the same, piece by piece: stream.feed(piece) -> (text, new calls)
 
-The one format implemented is Hermes' (Qwen2.5, Qwen3, Qwen3-MoE, Qwen3-Next and others' templates):
-    <tool_call>
-    {"name": "get_weather", "arguments": {"city": "Paris"}}
-    </tool_call>
-one block per call, text before it allowed. Not implemented, a 400 naming `tools` when a request brings tools to
-such a model: Qwen3.5's XML parameters (`<function=...><parameter=...>`), gpt-oss' harmony channel, GLM's
-`<arg_key>`/`<arg_value>` and DeepSeek's `<｜tool▁call▁begin｜>` formats.
-What this is not: the request schema (schemas.py), or the streaming of the answer (app.py: with tools, a chat answer
-is held until it ends, then sent as one delta with its content and its tool calls, so a call never leaks as text).
+`specs` are the tools in play as [{name, parameters}] (parameters: the JSON schema). One class per format; each knows
+how to find itself in a template's text (as llama.cpp's chat-format detection reads the template), how to read an
+answer, and how to write the grammar of one call:
+
+  hermes         Qwen2.5, Qwen3, Qwen3-MoE, Qwen3-Next. Detected: `<tool_call>` and `"arguments"` in the template.
+                     <tool_call>
+                     {"name": "get_weather", "arguments": {"city": "Paris"}}
+                     </tool_call>
+  qwen-xml       Qwen3.5, Qwen3-Coder. Detected: `<function=` and `<parameter=`.
+                     <tool_call>
+                     <function=get_weather>
+                     <parameter=city>
+                     Paris
+                     </parameter>
+                     </function>
+                     </tool_call>
+  glm            GLM-4.5, GLM-4.6. Detected: `<arg_key>`.
+                     <tool_call>get_weather
+                     <arg_key>city</arg_key>
+                     <arg_value>Paris</arg_value>
+                     </tool_call>
+  deepseek-v3.1  DeepSeek-V3.1. Detected: `<｜tool▁calls▁begin｜>` without V3/R1's ```json fences.
+                     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜>
+                     <｜tool▁calls▁end｜>                                   (one line; the end of the turn follows)
+  harmony        gpt-oss. Detected: `<|channel|>` and `to=`. An answer is a run of messages, each with a channel:
+                     <|channel|>analysis<|message|>thinking...<|end|>
+                     <|start|>assistant<|channel|>final<|message|>the answer   (content: the final channel's text)
+                     <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}
+                 (a call; the template writes history as `<|start|>assistant to=functions.NAME<|channel|>commentary
+                 json<|message|>{...}<|call|>`: both orders are read). The analysis channel (reasoning) is dropped.
+
+Argument values in qwen-xml and glm are bare text. As llama.cpp does, a parameter whose schema type is number,
+integer, boolean, null, object or array is read as JSON when it parses (Qwen3.5's template writes Python's
+`True`/`False` for booleans: read too), and kept as a string otherwise; a string parameter, or one not declared,
+stays a string. A block that does not parse (bad JSON, no name) stays in the text.
+
+Forced calls: each format writes the grammar of exactly one call of one of the tools (llguidance Lark). JSON parts
+(hermes' whole object, deepseek's and harmony's arguments, a non-string qwen-xml/glm value) are the schema's own
+`%json`; a string value of qwen-xml/glm is text without `<` (its enum or maxLength kept). The format's marker
+strings are written as the vocabulary's own special tokens where it has them (`<[id]>`: a real gpt-oss model's
+`<|channel|>` is one token, as it was trained), as text otherwise (the tiny test models).
+
+Streaming (CallStream): the answer is re-read as it grows with `final=False`: text that is certainly content (not
+a suffix that could still become a call's opening marker) goes out at once, each call as soon as its closing marker
+is in; what is left is read whole at the end. Re-reading the whole answer per piece is quadratic, but answers are
+short and a regex pass over a few kB is microseconds.
+What this is not: the request schema (schemas.py), or the SSE and JSON shapes (app.py, anthropic.py).
 """
 from __future__ import annotations
 
@@ -26,51 +66,344 @@ from typing import Optional
 
 from pymoe.engine.grammar import JSON_OPTIONS, Grammar
 
-HERMES_CALL = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+JSON_TYPES = {"number", "integer", "boolean", "null", "object", "array"}  # bare-text values read as JSON
 
 
-def tool_format(template: Optional[str]) -> Optional[str]:
-    """The tool-call format a chat template writes: "hermes", or None (no tools in it, or a format not implemented).
-    Read from the template's own text, as llama.cpp's chat-format detection does."""
-    if not template or "tools" not in template:
-        return None
-    if "<tool_call>" in template and '"arguments"' in template and "<function=" not in template \
-            and "<arg_key>" not in template:
-        return "hermes"
-    return None
+# --- shared pieces -------------------------------------------------------------------------------------------------
+
+def new_call(name: str, arguments) -> dict:
+    """One call in OpenAI's shape; arguments (an object) as JSON text."""
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
 
 
-def call_schema(tools: list) -> dict:
-    """JSON schema of one call of any of `tools` ([{name, parameters}]): {"name": <that name>, "arguments": <its
-    parameters>}, one alternative per tool."""
-    options = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                "properties": {"name": {"const": t["name"]}, "arguments": t.get("parameters") or {"type": "object"}}}
-               for t in tools]
-    return options[0] if len(options) == 1 else {"anyOf": options}
+def held_prefix(text: str, markers: tuple) -> int:
+    """Where the longest suffix of `text` that is a proper prefix of one of `markers` starts (len(text): none).
+    That suffix is held back while streaming: the next piece may complete the marker."""
+    for start in range(max(0, len(text) - max(len(m) for m in markers) + 1), len(text)):
+        if any(m.startswith(text[start:]) for m in markers):
+            return start
+    return len(text)
 
 
-def call_grammar(tools: list) -> Grammar:
-    """A forced call of one of `tools` in Hermes' format, as a Lark grammar with the call's JSON schema inside
-    (llguidance's `%json`): what tool_choice "required" or a named function decodes under."""
-    schema = json.dumps({**call_schema(tools), "x-guidance": JSON_OPTIONS})
-    return Grammar.from_request("lark", 'start: "<tool_call>\\n" call "\\n</tool_call>"\ncall: %json ' + schema)
+def finish(kept: list, calls: list, final: bool) -> tuple:
+    """The content pieces -> (content, calls); content stripped as a whole answer's is (None when empty), or
+    while streaming only left-stripped with its trailing blanks held (they may turn out to end the content)."""
+    content = "".join(kept).lstrip()
+    content = content.strip() if final else content.rstrip()
+    return (content or None) if final else content, calls
 
 
-def parse_calls(text: str) -> tuple[Optional[str], list]:
-    """A Hermes-format answer -> (its text outside the calls, or None when empty; [OpenAI tool call]). A block
-    whose JSON does not parse, or has no name, stays in the text."""
-    calls, kept, last = [], [], 0
-    for m in HERMES_CALL.finditer(text):
+def schema_types(schema) -> set:
+    """The JSON types a parameter's schema allows: `type` (a name or a list), or its anyOf/oneOf members'."""
+    if not isinstance(schema, dict):
+        return set()
+    t = schema.get("type")
+    types = set(t) if isinstance(t, list) else {t} if isinstance(t, str) else set()
+    for sub in schema.get("anyOf", []) + schema.get("oneOf", []):
+        types |= schema_types(sub)
+    return types
+
+
+def typed_value(text: str, schema) -> object:
+    """A bare-text argument -> its value by the parameter's schema (see the module docstring)."""
+    types = schema_types(schema)
+    if "string" in types or not types & JSON_TYPES:
+        return text
+    if "boolean" in types and text.strip() in ("True", "False"):  # jinja's `| string` of a Python bool
+        return text.strip() == "True"
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def parameters_of(specs: Optional[list], name: str) -> dict:
+    """The `properties` of the tool called `name` ({} when unknown)."""
+    for s in specs or []:
+        if s["name"] == name:
+            return (s.get("parameters") or {}).get("properties") or {}
+    return {}
+
+
+def bare_arguments(pairs: list, properties: dict) -> dict:
+    """qwen-xml / glm: [(key, bare text)] -> the arguments, each value by its parameter's schema."""
+    return {k.strip(): typed_value(v, properties.get(k.strip())) for k, v in pairs}
+
+
+def lark_text(text: str, tokenizer=None) -> str:
+    """A literal of a grammar: its special tokens (when the vocabulary has them) as `<[id]>`, the rest as strings."""
+    pieces = tokenizer.split_special(text) if tokenizer is not None else [text]
+    return " ".join(f"<[{p}]>" if isinstance(p, int) else json.dumps(p, ensure_ascii=False) for p in pieces)
+
+
+def lark_json(schema: dict) -> str:
+    return "%json " + json.dumps({**(schema or {"type": "object"}), "x-guidance": JSON_OPTIONS})
+
+
+def lark_bare_value(schema: dict, close: str, tokenizer=None) -> str:
+    """A qwen-xml / glm argument value and the text that closes it: a boolean as JSON's or Python's word, a
+    non-string type as its schema's JSON, a string as text without `<` (its enum or maxLength kept). Free text and
+    its closing marker are one regex: llguidance's lexer is greedy, so `[^<]*` on its own would swallow the `\n`
+    that begins qwen-xml's `\n</parameter>`."""
+    types = schema_types(schema)
+    if types == {"boolean"}:  # JSON's or Python's spelling (Qwen3.5's template writes `True`)
+        value = '("true" | "false" | "True" | "False")'
+    elif "string" not in types and types:
+        value = lark_json(schema)
+    elif isinstance(schema.get("enum"), list) and all(isinstance(v, str) and "<" not in v for v in schema["enum"]):
+        value = "(" + " | ".join(json.dumps(v, ensure_ascii=False) for v in schema["enum"]) + ")"
+    else:
+        n = schema.get("maxLength")
+        literal = "".join("\\n" if c == "\n" else re.escape(c).replace("/", "\\/") for c in close)
+        return "/[^<]" + (f"{{0,{int(n)}}}" if isinstance(n, int) else "*") + literal + "/"
+    return f"{value} {lark_text(close, tokenizer)}"
+
+
+def one_of(rules: list) -> str:
+    """`start` as one of the calls' rules (one rule per tool)."""
+    body = "\n".join(f"call_{i}: {r}" for i, r in enumerate(rules))
+    return "start: " + " | ".join(f"call_{i}" for i in range(len(rules))) + "\n" + body
+
+
+class Format:
+    """One tool-call format. Subclasses set `name` and `opener`, and write `detect`, `read_block` (or `parse`) and
+    `call_rule`."""
+    name = ""
+    opener = ""  # the text that starts a call: what a stream holds back a prefix of
+    block = re.compile("")  # one complete call, matched at an opener
+
+    @staticmethod
+    def detect(template: str) -> bool:
+        raise NotImplementedError
+
+    def read_block(self, m: re.Match, specs: Optional[list]) -> Optional[dict]:
+        """A matched block -> its call, or None (it does not parse: it stays text)."""
+        raise NotImplementedError
+
+    def parse(self, text: str, specs: Optional[list] = None, final: bool = True) -> tuple:
+        """An answer -> (content, [OpenAI call]). final=False (streaming): only the content certainly outside a
+        call (a block still open and a possible opener at the end are held back) and the calls complete so far."""
+        kept, calls, pos = [], [], 0
+        while (i := text.find(self.opener, pos)) >= 0:
+            m = self.block.match(text, i)
+            if m is None:  # no closing marker yet: the rest is a call in progress, or (at the end) plain text
+                if final:
+                    break
+                kept.append(text[pos:i])
+                return finish(kept, calls, final)
+            call = self.read_block(m, specs)
+            kept.append(text[pos:i] if call else text[pos:m.end()])
+            calls += [call] if call else []
+            pos = m.end()
+        tail = text[pos:]
+        kept.append(tail if final else tail[:held_prefix(tail, (self.opener,))])
+        return finish(kept, calls, final)
+
+    def call_rule(self, spec: dict, tokenizer) -> str:
+        """The Lark rule body of one call of `spec` ({name, parameters})."""
+        raise NotImplementedError
+
+    def grammar(self, specs: list, tokenizer=None) -> Grammar:
+        """The grammar of one call of one of `specs`: what tool_choice required / a named function decodes under."""
+        return Grammar.from_request("lark", one_of([self.call_rule(s, tokenizer) for s in specs]))
+
+
+def bare_params_rule(spec: dict, tokenizer, before: str, between: str, after: str) -> str:
+    """qwen-xml / glm: each parameter as `before` KEY `between` VALUE `after`, in the schema's order, the ones not
+    required optional."""
+    params = spec.get("parameters") or {}
+    required = set(params.get("required") or [])
+    out = []
+    for key, schema in (params.get("properties") or {}).items():
+        item = f"{lark_text(before + key + between, tokenizer)} {lark_bare_value(schema or {}, after, tokenizer)}"
+        out.append(f"({item})" + ("" if key in required else "?"))
+    return " ".join(out)
+
+
+# --- the formats ---------------------------------------------------------------------------------------------------
+
+class Hermes(Format):
+    name, opener = "hermes", "<tool_call>"
+    block = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
+
+    @staticmethod
+    def detect(template):
+        return "<tool_call>" in template and '"arguments"' in template
+
+    def read_block(self, m, specs):
         try:
             obj = json.loads(m.group(1))
         except ValueError:
-            continue
+            return None
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            continue
-        kept.append(text[last:m.start()])
-        last = m.end()
-        calls.append({"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
-                      "function": {"name": obj["name"], "arguments": json.dumps(obj.get("arguments", {}),
-                                                                                ensure_ascii=False)}})
-    content = ("".join(kept) + text[last:]).strip()
-    return content or None, calls
+            return None
+        return new_call(obj["name"], obj.get("arguments", {}))
+
+    def call_rule(self, spec, tokenizer):
+        schema = {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"const": spec["name"]},
+                                 "arguments": spec.get("parameters") or {"type": "object"}}}
+        return f"{lark_text('<tool_call>', tokenizer)} \"\\n\" {lark_json(schema)} \"\\n\" " \
+               f"{lark_text('</tool_call>', tokenizer)}"
+
+
+class QwenXml(Format):
+    name, opener = "qwen-xml", "<tool_call>"
+    block = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
+    param = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
+
+    @staticmethod
+    def detect(template):
+        return "<function=" in template and "<parameter=" in template
+
+    def read_block(self, m, specs):
+        name = m.group(1).strip()
+        return new_call(name, bare_arguments(self.param.findall(m.group(2)), parameters_of(specs, name)))
+
+    def call_rule(self, spec, tokenizer):
+        return " ".join([lark_text(f"<tool_call>\n<function={spec['name']}>\n", tokenizer),
+                         bare_params_rule(spec, tokenizer, "<parameter=", ">\n", "\n</parameter>\n"),
+                         lark_text("</function>\n</tool_call>", tokenizer)])
+
+
+class Glm(Format):
+    name, opener = "glm", "<tool_call>"
+    block = re.compile(r"<tool_call>([^<\n]*)(.*?)</tool_call>", re.DOTALL)
+    arg = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
+
+    @staticmethod
+    def detect(template):
+        return "<arg_key>" in template
+
+    def read_block(self, m, specs):
+        name = m.group(1).strip()
+        if not name:
+            return None
+        return new_call(name, bare_arguments(self.arg.findall(m.group(2)), parameters_of(specs, name)))
+
+    def call_rule(self, spec, tokenizer):
+        return " ".join(['"\\n"?', lark_text(f"<tool_call>{spec['name']}\n", tokenizer),  # the template's \n
+                         bare_params_rule(spec, tokenizer, "<arg_key>", "</arg_key>\n<arg_value>", "</arg_value>\n"),
+                         lark_text("</tool_call>", tokenizer)])
+
+
+class DeepSeekV31(Format):
+    name, opener = "deepseek-v3.1", "<｜tool▁calls▁begin｜>"
+    calls_end = "<｜tool▁calls▁end｜>"
+    block = re.compile(r"(?!)")  # never: parse() reads the calls itself
+    one = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*(.*?)\s*<｜tool▁call▁end｜>", re.DOTALL)
+
+    @staticmethod
+    def detect(template):
+        return "<｜tool▁calls▁begin｜>" in template and "```json" not in template
+
+    def parse(self, text, specs=None, final=True):
+        """The calls sit in one <｜tool▁calls▁begin｜>...<｜tool▁calls▁end｜> section, each complete at its
+        <｜tool▁call▁end｜> (the section's own end may be cut by the end of the generation); the text before it is the
+        content. A section in which no call parses stays text."""
+        i = text.find(self.opener)
+        calls = [] if i < 0 else [c for c in map(self.read_one, self.one.finditer(text, i)) if c]
+        if i < 0 or (final and not calls):
+            return super().parse(text, specs, final)
+        return super().parse(text[:i], specs, final)[0], calls
+
+    def read_one(self, m) -> Optional[dict]:
+        try:
+            args = json.loads(m.group(2))
+        except ValueError:
+            return None
+        return new_call(m.group(1), args) if isinstance(args, dict) else None
+
+    def call_rule(self, spec, tokenizer):
+        return " ".join([lark_text(f"<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>{spec['name']}<｜tool▁sep｜>", tokenizer),
+                         lark_json(spec.get("parameters")),
+                         lark_text("<｜tool▁call▁end｜><｜tool▁calls▁end｜>", tokenizer)])
+
+
+class Harmony(Format):
+    """gpt-oss: messages `[<|start|>assistant]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>json]<|message|>BODY`
+    ended by <|end|>, <|call|> or <|return|> (the last two end the generation, so an answer's text lacks them)."""
+    name, opener = "harmony", "<|channel|>"
+    ends = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+    recipient = re.compile(r"to=functions\.([^\s<]+)")
+    channel = re.compile(r"<\|channel\|>\s*(\w+)")
+
+    @staticmethod
+    def detect(template):
+        return "<|channel|>" in template and "to=" in template
+
+    def parse(self, text, specs=None, final=True):
+        """Content: the final channel's text (and a commentary message to no one: a preamble); calls: the messages
+        to functions.NAME; analysis: dropped. Text with no harmony header at all is content as it stands."""
+        kept, calls = [], []
+        segments = text.split("<|start|>")
+        for k, seg in enumerate(segments):
+            last = k == len(segments) - 1  # a message still being written (while streaming)
+            header, sep, body = seg.partition("<|message|>")
+            if not sep:  # no body yet: a header in progress, or (first) text outside harmony: a model ignoring it
+                plain = "<|channel|>" not in header and not header.lstrip().startswith("to=")
+                if k == 0 and plain and (final or not "to=".startswith(header.lstrip())):  # ` to=` starts a header
+                    kept.append(header if final or not last else
+                                header[:held_prefix(header, (self.opener, "<|start|>"))])
+                continue
+            end = min([i for i in (body.find(e) for e in self.ends) if i >= 0], default=-1)
+            closed = end >= 0 or final or not last
+            body = body[:end] if end >= 0 else body
+            channel, to = self.channel.search(header), self.recipient.search(header)
+            if to:
+                if closed:
+                    try:
+                        calls.append(new_call(to.group(1), json.loads(body)))
+                    except ValueError:
+                        kept.append(body)
+            elif channel is None or channel.group(1) != "analysis":
+                kept.append(body if closed else body[:held_prefix(body, self.ends)])
+        return finish(kept, calls, final)
+
+    def call_rule(self, spec, tokenizer):
+        return " ".join([lark_text(f"<|channel|>commentary to=functions.{spec['name']} <|constrain|>json<|message|>",
+                                   tokenizer), lark_json(spec.get("parameters"))])
+
+
+FORMATS = {f.name: f for f in (Harmony(), DeepSeekV31(), Glm(), QwenXml(), Hermes())}  # detection order
+
+
+def tool_format(template: Optional[str]) -> Optional[str]:
+    """The tool-call format a chat template writes (a FORMATS key), or None (no tools in it, or a format not
+    implemented). Read from the template's own text, as llama.cpp's chat-format detection does."""
+    if not template or "tool" not in template:  # DeepSeek-V3.1's writes tool_calls and results, but no tool list
+        return None
+    return next((name for name, f in FORMATS.items() if f.detect(template)), None)
+
+
+def parse_calls(text: str, fmt: str = "hermes", specs: Optional[list] = None) -> tuple[Optional[str], list]:
+    """A whole answer in format `fmt` -> (its text outside the calls, or None when empty; [OpenAI tool call])."""
+    return FORMATS[fmt].parse(text, specs)
+
+
+def call_grammar(specs: list, fmt: str = "hermes", tokenizer=None) -> Grammar:
+    """A forced call of one of `specs` ([{name, parameters}]) in format `fmt` (see Format.grammar)."""
+    return FORMATS[fmt].grammar(specs, tokenizer)
+
+
+class CallStream:
+    """An answer read as it streams: feed(piece) -> (new content text, [new complete calls]); close() -> the rest.
+    keep: "all" calls, or "first" (parallel_tool_calls false)."""
+
+    def __init__(self, fmt: str, specs: Optional[list] = None, keep: str = "all"):
+        self.fmt, self.specs, self.keep = FORMATS[fmt], specs, keep
+        self.text, self.sent, self.n_calls = "", "", 0
+
+    def feed(self, piece: str, final: bool = False) -> tuple[str, list]:
+        self.text += piece
+        content, calls = self.fmt.parse(self.text, self.specs, final)
+        content = content or ""
+        new = content[len(self.sent):] if content.startswith(self.sent) else ""  # always a prefix (see parse)
+        self.sent += new
+        calls = calls[:1] if self.keep == "first" else calls
+        fresh, self.n_calls = calls[self.n_calls:], max(self.n_calls, len(calls))
+        return new, fresh
+
+    def close(self) -> tuple[str, list]:
+        return self.feed("", final=True)
