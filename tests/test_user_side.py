@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from conftest import run_pymoe
+from conftest import run_pymoe_here as run_pymoe  # the real CLI in-process: ~3 s less per call than a subprocess
 
 pexpect = pytest.importorskip("pexpect", reason="pexpect is in the test extra")
 BIN = os.path.dirname(sys.executable)
