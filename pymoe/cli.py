@@ -518,7 +518,7 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
 
 
 @cli.command("bench")
-@click.argument("model")
+@click.argument("model", required=False)
 @click.option("--url", default=None, help="Benchmark this running server (default: start `pymoe serve MODEL`).")
 @click.option("--api-key", default=None, envvar="PYMOE_API_KEY", help="API key of the server at --url.")
 @click.option("--gen", default=128, show_default=True, help="Tokens generated per request (fixed: EOS ignored).")
@@ -528,10 +528,23 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
 @click.option("--overload", default=32, show_default=True, help="Concurrent clients of the overload step (0: skip).")
 @click.option("--timeout", default=600.0, show_default=True, help="Seconds one request may take.")
 @click.option("--out", default="bench.json", show_default=True, help="Where to write the JSON report.")
+@click.option("--stall-prompt", default=0, show_default=True,
+              help="Also measure the stall: streams decode, then one prompt of this many tokens arrives; their worst "
+                   "and p99 inter-token gap while it is read, against a stretch without it (0: skip).")
+@click.option("--stall-streams", default=4, show_default=True, help="Streaming clients of the stall measurement.")
+@click.option("--stall-only", is_flag=True, help="Run only the stall measurement (with --stall-prompt).")
 @serve_options
-def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout, out, ctx, **server_options):
-    """Run the load protocol (short / ~4K / ~16K prompts, concurrency sweep, overload) against MODEL's server."""
+def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout, out, stall_prompt, stall_streams,
+              stall_only, ctx, **server_options):
+    """Run the load protocol (short / ~4K / ~16K prompts, concurrency sweep, overload; optionally the long-prompt
+    stall) against MODEL's server (with no MODEL: the demo model)."""
+    from . import demo
     from .serve.benchmark import bench
+
+    if model is None:
+        model = demo.demo_model()
+    if stall_only and not stall_prompt:
+        raise PymoeError("--stall-only needs --stall-prompt N")
 
     try:
         levels = tuple(int(c) for c in concurrency.split(",") if c.strip())
@@ -540,7 +553,8 @@ def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout
     serve_args = [f"--{k.replace('_', '-')}={v}" for k, v in server_options.items() if v is not None]
     serve_args += [f"--ctx={ctx}"] if ctx else []
     bench(model, url=url, serve_args=serve_args, n_ctx=ctx, out=out, log=click.echo, gen=gen, requests=requests,
-          concurrency=levels, overload=overload, api_key=api_key, timeout=timeout)
+          concurrency=levels, overload=overload, api_key=api_key, timeout=timeout, stall_prompt=stall_prompt,
+          stall_streams=stall_streams, stall_only=stall_only)
 
 
 def main(argv=None):

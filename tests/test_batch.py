@@ -41,6 +41,32 @@ def test_decode_batch_equals_single_decodes(tiny_model, arch, mix):
     assert [kv.n for kv in batched] == [len(p) + 6 for p in prompts]
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_batch_reads_each_projection_once_for_all_rows(tiny_model, arch):
+    """The attention blocks project all N rows in one matmul (engine/attention.py): a batched step of 3 sequences
+    makes as many linear calls (each one read of a weight) as a step of 1, on every family (GQA, gated attention
+    and Gated DeltaNet on the hybrids, MLA), and its logits are those of 3 single decodes, bit for bit."""
+    m = pymoe.load(tiny_model(arch, "f32"))
+    b = m.model.backend
+    calls = []
+    for name in ("linear", "linear_many"):
+        real = getattr(b, name)
+        setattr(b, name, lambda w, x, real=real, name=name: calls.append(name) or real(w, x))
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, m.config.n_vocab, n) for n in (4, 9, 1)]
+    batched, tokens = prefilled(m.model, prompts)
+    single, _ = prefilled(m.model, prompts)
+    per_step = []
+    for kvs, toks in ((batched, tokens), (batched[:1], tokens[:1])):  # 3 rows, then 1 (its values: unchecked)
+        calls.clear()
+        got = decode_batch(m.model, toks, kvs)  # [N, V]
+        per_step.append(len(calls))
+        if len(kvs) == 3:
+            want = np.stack([m.model.decode_one_token(t, kv) for t, kv in zip(tokens, single)])
+            np.testing.assert_array_equal(got, want)
+    assert per_step[0] == per_step[1] and per_step[0] >= m.config.n_layers  # not N times per layer
+
+
 def test_row_counts_split_the_cache_counters_without_changing_the_policy(tiny_model):
     """With a slot cache too small for the working set: per-row counters add up to the cache's, and the cache ends
     in the same state as without the split."""

@@ -282,6 +282,23 @@ def test_bench_runs_the_protocol_against_a_server_it_starts(model_path, tmp_path
     assert "TTFT50" in r.stdout and "single 16k" in r.stdout
 
 
+def test_bench_stall_reports_the_streams_gaps_with_and_without_a_long_prompt(model_path, tmp_path):
+    """`pymoe bench --stall-prompt`: 2 streams decode, a 100-token prompt arrives (3 slots, chunks of 16): the
+    report holds the streams' gaps while it is read and over the stretch before it."""
+    out = tmp_path / "stall.json"
+    r = run_pymoe("bench", model_path, "--stall-prompt", "100", "--stall-streams", "2", "--stall-only", "-np", "3",
+                  "--prefill-chunk", "16", "--ctx", "256", "--kv", "f32", "--out", str(out), timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = json.loads(out.read_text())
+    stall = report["stall"]
+    assert report["rows"] == [] and report["server"]["prefill_chunk"] == 16 and report["server"]["parallel"] == 3
+    assert stall["long_ok"] and stall["streams_alive"] and stall["prompt_tokens"] == 100 and stall["c"] == 2
+    for part in ("baseline", "during"):
+        assert stall[part]["gaps"] > 0 and 0 < stall[part]["median_ms"] <= stall[part]["p99_ms"] <= stall[part][
+            "worst_ms"]
+    assert "stall (--prefill-chunk 16): 2 streams" in r.stdout and "p99" in r.stdout
+
+
 # --- the request schemas: implemented, or a 400 naming the field ----------------------------------------------------
 
 def post(srv, kind, fields):
@@ -400,6 +417,53 @@ def test_the_scheduler_queue_is_bounded_and_a_cancelled_job_frees_its_slot(model
         assert len(running.generated) < 200 and sched.outcomes["cancelled"] == 2
         after = sched.submit(greedy([1, 2, 3], 3, ignore_eos=True))  # the slot serves the next job
         assert list(after.events(timeout=30))[-1] == ("done", "length") and len(after.generated) == 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])  # softmax KV; hybrid: Gated DeltaNet states + gated KV
+@pytest.mark.parametrize("parallel,chunk", [(3, 5), (3, 0), (1, 5)])
+def test_n_choices_share_one_prefill_and_equal_separate_requests(tiny_model, arch, parallel, chunk):
+    """A request with n = 3 (Job.sibling): the prompt is prefilled once, its KV copied into the siblings' slots
+    (waiting in their slots for it, or, with one slot, copied from the kept copy), and the three choices equal three
+    separate requests with seeds 7, 8, 9."""
+    engine = pymoe.load(tiny_model(arch, "f32"), n_ctx=CTX)
+    prompt = engine.tokenizer.encode(LONG_PROMPT)
+    sampled = lambda seed: Job(prompt_ids=prompt, max_tokens=8, ignore_eos=True,  # noqa: E731
+                               sampling=SamplingParams(temperature=1.0, seed=seed))
+    with Scheduler(engine, parallel=parallel, kv="f16", prefill_chunk=chunk) as sched:
+        first = sampled(7)
+        jobs = [first] + [first.sibling(i) for i in (1, 2)]
+        for job in jobs:
+            sched.submit(job)
+        for job in jobs:
+            assert list(job.events(timeout=60))[-1] == ("done", "length")
+        assert sched.totals["prefilled_tokens"] == len(prompt)  # once, not three times
+        assert sorted(job.stats.n_reused for job in jobs) == [0, len(prompt), len(prompt)]
+    with Scheduler(engine, parallel=1, kv="f16", prefill_chunk=chunk) as sched:
+        separate = [sched.submit(sampled(seed)) for seed in (7, 8, 9)]
+        for job in separate:
+            list(job.events(timeout=60))
+    assert [j.generated for j in jobs] == [j.generated for j in separate]
+    assert len({tuple(j.generated) for j in jobs}) > 1  # the seeds differ, so do the draws
+
+
+def test_n_choices_survive_the_prefilling_sibling_going_away(model_path, reference):
+    """The sibling reading the shared prompt is cancelled mid-prefill: a waiting sibling reads it instead, and the
+    others still get their tokens."""
+    prompt = reference.tokenizer.encode(LONG_PROMPT)
+    want = list(reference.generate(prompt, max_tokens=6))
+    with Scheduler(pymoe.load(model_path, n_ctx=CTX), parallel=3, kv="f32", prefill_chunk=2) as sched:
+        first = greedy(prompt, 6)
+        jobs = [first] + [first.sibling(i) for i in (1, 2)]
+        for job in jobs:
+            sched.submit(job)
+        deadline = time.monotonic() + 30
+        while sched.totals["prefilled_tokens"] < 4 and time.monotonic() < deadline:  # a chunk or two read
+            time.sleep(0.001)
+        first.cancel()
+        for job in jobs[1:]:
+            assert list(job.events(timeout=60))[-1] == ("done", "length")
+            assert job.generated == want
+        assert list(first.events(timeout=30))[-1] == ("done", "cancelled")
 
 
 def test_tokenize_detokenize_apply_template(server, reference):

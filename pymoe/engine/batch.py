@@ -1,15 +1,21 @@
 """Batched decode: one new token for each of N sequences in one forward step, each sequence with its own KV cache.
 
 What this is: `decode_batch(model, tokens [N], kvs)`, the server's decode step with --parallel N. Per layer:
-    a_j = attention_block(rmsnorm(x_j), kv_j)    for each sequence j on its own: its own positions and KV cache
-    y   = moe_block(rmsnorm(x + a))              ONE call over all N tokens
-The MoE call is the point: moe_block groups tokens per expert, so an expert chosen by several sequences is read
-once for all of them, and the N * K expert lookups of a layer reach the expert cache together, in sequence order.
-Logits are those of N separate `Model.decode_one_token` calls (up to float rounding of the grouped matmuls; the
-greedy tokens are the same: tests/test_batch.py).
+    a = attention_block(rmsnorm(x), kvs)       the projections (Q/K/V/output, the gated-attention gate, the Gated
+                                               DeltaNet and MLA projections) ONE matmul over the N rows; per
+                                               sequence only what is its own: writing its KV (or advancing its
+                                               recurrent state) and attending over its own cache
+    y = moe_block(rmsnorm(x + a))              ONE call over all N tokens
+The attention blocks (engine/attention.py, deltanet.py, mla.py) are written once as project all rows -> per-sequence
+core -> output projection of all rows; a single sequence's forward is the N = 1 case of the same code, so a batched
+step reads each attention weight once for N tokens instead of N times. RoPE runs over all rows too, each row at its
+own sequence's position. The MoE call groups tokens per expert, so an expert chosen by several sequences is read once
+for all of them, and the N * K expert lookups of a layer reach the expert cache together, in sequence order.
+Logits are those of N separate `Model.decode_one_token` calls, bit for bit on the CPU backend (its kernels compute
+each row in the same order whatever the row count: tests/test_batch.py, every family).
 What this is not: prefill (a new prompt is prefilled on its own, `Model.prefill`), scheduling (serve/scheduler.py), a
-fused attention (attention stays per sequence: the sequences have different lengths and caches), or a routing
-trace recorder (`Model.trace` is per request; batched steps are not traced).
+fused attention kernel (the scores stay per sequence: the sequences have different lengths and caches), or a
+routing trace recorder (`Model.trace` is per request; batched steps are not traced).
 
 Shapes: N sequences in the batch, D n_embd, V n_vocab, K experts per token, L layers.
 """
@@ -66,11 +72,13 @@ def decode_batch(model, tokens: Sequence[int], kvs: Sequence[KVCache],
         raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
     cache = RowCounts(model.cache, tokens.size) if row_counts is not None else model.cache
 
+    kvs = list(kvs)
     x = model.embed(tokens)  # [N, D]
+    rope = model.rope_tables(model.positions(kvs, tokens.size))  # [N, rope_dim / 2] each row at its sequence's n
     rmsnorm = model.backend.rmsnorm
     for i, layer in enumerate(model.layers):
         a = rmsnorm(x, layer.attn_norm, cfg.rms_eps)  # [N, D]
-        x = x + np.concatenate([model.attention_block(layer, a[j:j + 1], kv, i) for j, kv in enumerate(kvs)])
+        x = x + model.attention_block(layer, a, kvs, i, rope)  # projections over N rows, attention per sequence
         h = rmsnorm(x, layer.ffn_norm, cfg.rms_eps)  # [N, D]
         y, _, _ = FFN[layer.plan.ffn](layer, h, cache, model.backend, "decode")  # experts grouped over N tokens
         x = x + y

@@ -1,6 +1,6 @@
 """Gated DeltaNet: the linear-attention layers of Qwen3-Next (three of every four layers of the article's model).
 
-What this is: `gdn_block(backend, layer, x, kv, layer_i, rope)`, the layer plan's "gdn" attention kind, and its two
+What this is: `gdn_block(backend, layer, x, kvs, layer_i, rope)`, the layer plan's "gdn" attention kind, and its two
 forms of the gated delta rule: `delta_rule_recurrent` (token by token: what decode runs) and `delta_rule_chunked`
 (blocks of C tokens with matrix products inside a block: the prefill form), tested against each other in
 tests/test_deltanet.py and, through the whole model, against llama.cpp (llama.cpp's qwen3next.cpp and
@@ -33,6 +33,7 @@ from __future__ import annotations
 import numpy as np
 
 from pymoe.backends.reference import rmsnorm, sigmoid, silu
+from .kv import join_rows, segments
 
 CHUNK = 64  # tokens per block of the chunked form (llama.cpp's chunking uses 64 too)
 
@@ -108,35 +109,48 @@ def delta_rule_chunked(q, k, v, g, beta, M, chunk: int = CHUNK):
     return o.astype(np.float32)
 
 
-def gdn_block(b, layer, x: np.ndarray, kv, layer_i: int, rope=None, chunked=None) -> np.ndarray:
-    """x [T, D] (attn-normed, host) -> [T, D]; advances the layer's conv and recurrent state in kv (rope unused).
-    chunked: the form of the rule; by default the chunked one for calls of at least CHUNK tokens (long prefills,
-    where it is much faster), the recurrent one below that, so that a short prompt gives each token the same bits
-    as decoding it would (the CPU backend's contract, tests/test_model.py)."""
-    chunked = x.shape[0] >= CHUNK if chunked is None else chunked
+def gdn_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope=None, chunked=None) -> np.ndarray:
+    """x [T, D] (attn-normed, host) -> [T, D]; advances each sequence's conv and recurrent state (rope unused).
+    kvs: one cache (x: its next T tokens) or N (x: one row each; engine/kv.py `segments`). The projections in and
+    out run once over all T rows; the conv, the rule and the gated norm run per sequence, on its own state.
+    chunked: the form of the rule; by default the chunked one for a sequence of at least CHUNK new tokens (long
+    prefills, where it is much faster), the recurrent one below that, so that a short prompt gives each token the
+    same bits as decoding it would (the CPU backend's contract, tests/test_model.py)."""
     cfg, w = layer.cfg, layer.gdn
     T = x.shape[0]
+    nv, dv = cfg.ssm_v_heads, cfg.ssm_inner // cfg.ssm_v_heads
+    mix = [w["beta"], w["alpha"]] if cfg.traits.gdn_tiled else [w["ba"]]
+    qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
+    qkv, z, ba = np.asarray(qkv, np.float32), np.asarray(z, np.float32), [np.asarray(m, np.float32) for m in ba]
+    o = join_rows(b, [gdn_core(layer, qkv[rows], z[rows], [m[rows] for m in ba], kv, layer_i, chunked)
+                      for kv, rows in segments(kvs, T)])  # [T, nv dv]
+    return b.linear(w["out"], np.ascontiguousarray(o, np.float32))  # [T, D]
+
+
+def gdn_core(layer, qkv, z, ba: list, kv, layer_i: int, chunked=None) -> np.ndarray:
+    """One sequence's part of the layer: its T rows of the projections -> o [T, nv dv] (before ssm_out), advancing
+    its conv and recurrent state in kv."""
+    chunked = qkv.shape[0] >= CHUNK if chunked is None else chunked
+    cfg, w = layer.cfg, layer.gdn
+    T = qkv.shape[0]
     nk, nv, dk = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
     dv, r, key_dim = cfg.ssm_inner // nv, nv // nk, nk * cfg.ssm_state
     st = kv.recurrent(layer_i, conv=(cfg.ssm_conv - 1, 2 * key_dim + cfg.ssm_inner), ssm=(nv, dv, dk))
-    tiled = cfg.traits.gdn_tiled
-    mix = [w["beta"], w["alpha"]] if tiled else [w["ba"]]
-    qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
-    qkv, st["conv"] = causal_conv(np.asarray(qkv, np.float32), st["conv"], w["conv"])
+    qkv, st["conv"] = causal_conv(qkv, st["conv"], w["conv"])
     qkv = silu(qkv)
     q = l2norm(qkv[:, :key_dim].reshape(T, nk, dk), cfg.rms_eps)  # [T, nk, dk]
     k = l2norm(qkv[:, key_dim:2 * key_dim].reshape(T, nk, dk), cfg.rms_eps)  # [T, nk, dk]
     v = np.ascontiguousarray(qkv[:, 2 * key_dim:].reshape(T, nv, dv))  # [T, nv, dv]
-    if tiled:  # qwen35moe: v head h reads q/k head h % nk; beta and alpha come as [T, nv] each
+    if cfg.traits.gdn_tiled:  # qwen35moe: v head h reads q/k head h % nk; beta and alpha come as [T, nv] each
         q, k = np.tile(q, (1, r, 1)), np.tile(k, (1, r, 1))  # [T, nv, dk]
-        b_raw, a_raw = (np.asarray(m, np.float32) for m in ba)  # [T, nv] each
+        b_raw, a_raw = ba  # [T, nv] each
     else:  # qwen3next: v head h reads q/k head h // r; per q/k head r betas, then r alphas
         q, k = np.repeat(q, r, axis=1), np.repeat(k, r, axis=1)  # [T, nv, dk]
-        ba4 = np.asarray(ba[0], np.float32).reshape(T, nk, 2, r)
+        ba4 = ba[0].reshape(T, nk, 2, r)
         b_raw, a_raw = ba4[:, :, 0].reshape(T, nv), ba4[:, :, 1].reshape(T, nv)  # [T, nv] each
     beta = sigmoid(b_raw).astype(np.float32)  # [T, nv]
     g = softplus(a_raw + w["dt"]) * w["a"]  # [T, nv] log-decay, <= 0
     rule = delta_rule_chunked if chunked else delta_rule_recurrent
     o = rule(q * np.float32(1.0 / np.sqrt(dk)), k, v, g, beta, st["ssm"])  # [T, nv, dv]
-    o = rmsnorm(o, w["norm"], cfg.rms_eps) * silu(np.asarray(z, np.float32).reshape(T, nv, dv))  # [T, nv, dv]
-    return b.linear(w["out"], np.ascontiguousarray(o.reshape(T, nv * dv), np.float32))  # [T, D]
+    o = rmsnorm(o, w["norm"], cfg.rms_eps) * silu(z.reshape(T, nv, dv))  # [T, nv, dv]
+    return o.reshape(T, nv * dv)

@@ -84,6 +84,21 @@ class KVCache:
             states[layer] = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
         return states[layer]
 
+    def copy_from(self, other: "KVCache", n: int) -> None:
+        """Become a copy of `other`'s first n positions: K/V rows of every layer (MLA: its latent rows), and the
+        recurrent states (Gated DeltaNet: conv and ssm), which hold the whole past, so with them n must be other.n.
+        The caches must be of one kind and shape. The n > 1 choices of one request share one prefill so
+        (serve/scheduler.py): the prompt is prefilled into one slot and copied into the others."""
+        if type(other) is not type(self) or other.rows != self.rows or n > min(self.n_ctx, other.n):
+            raise PymoeError("copy_from: the caches differ in kind or layers, or hold fewer positions than asked")
+        if other.__dict__.get("_recurrent") and n != other.n:
+            raise PymoeError("copy_from: a recurrent state holds the whole past and cannot be cut to a prefix")
+        copy_positions(self.k, other.k, n)
+        if self.v is not None:
+            copy_positions(self.v, other.v, n)
+        self.restore_recurrent(other.save_recurrent())
+        self.n = n
+
     def save_recurrent(self) -> dict:
         """A copy of every recurrent layer's state, to go back to with `restore_recurrent` (speculative decoding
         rolls back rejected drafts this way: engine/speculative.py)."""
@@ -94,6 +109,33 @@ class KVCache:
         states = self.__dict__.setdefault("_recurrent", {})
         states.clear()
         states.update({layer: {name: a.copy() for name, a in st.items()} for layer, st in saved.items()})
+
+
+# --- the rows of a block's input that belong to each sequence (engine/attention.py) ----------------------------
+
+def segments(kvs: list, T: int) -> list:
+    """Which rows of a block's input belong to which sequence -> [(kv, rows slice)]: one cache owns all T rows (its
+    next T tokens, from kv.n on); N caches own one row each (row j: the next token of sequence j, a batched step)."""
+    if len(kvs) == 1:
+        return [(kvs[0], slice(0, T))]
+    if T != len(kvs):
+        raise PymoeError(f"attention over {len(kvs)} sequences needs one row each, got {T} rows")
+    return [(kv, slice(j, j + 1)) for j, kv in enumerate(kvs)]
+
+
+def join_rows(b, parts: list):
+    """The per-sequence results, back in row order: [T_j, n] each -> [T, n] (one part: itself, where it lives;
+    several: on the host, where the output projection then runs)."""
+    return parts[0] if len(parts) == 1 else np.concatenate([b.to_host(p) for p in parts])
+
+
+def copy_positions(dst, src, n: int) -> None:
+    """dst[:, :n] = src[:, :n] for K or V planes [L, n_ctx, ...] of one kind, stored values as they are (an int8
+    plane's codes and scales, not a requantization of its dequantized values)."""
+    if isinstance(src, QuantizedPlane):
+        dst.q[:, :n], dst.d[:, :n] = src.q[:, :n], src.d[:, :n]
+    else:
+        dst[:, :n] = src[:, :n]
 
 
 class QuantizedPlane:

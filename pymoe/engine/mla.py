@@ -1,6 +1,6 @@
 """Multi-head latent attention (MLA): DeepSeek-V2/V3's attention over a compressed KV cache.
 
-What this is: `mla_block(backend, layer, x, kv, layer_i, rope)`, the layer plan's "mla" attention kind, as
+What this is: `mla_block(backend, layer, x, kvs, layer_i, rope)`, the layer plan's "mla" attention kind, as
 llama.cpp's deepseek2.cpp computes it with the absorption trick (read in the llama.cpp that llama-cpp-python 0.3.36
 vendors; the converter splits kv_b_proj into attn_k_b and attn_v_b for it). Tested through the whole model against
 llama.cpp (tests/test_model_vs_llamacpp.py, arch deepseek2).
@@ -26,6 +26,7 @@ from __future__ import annotations
 import numpy as np
 
 from pymoe import quant
+from .kv import join_rows, segments
 
 
 def mla_weights(b, lt, cfg) -> dict:
@@ -51,10 +52,12 @@ def mla_scale(cfg) -> float:
     return float(np.float32(mscale * mscale / np.sqrt(cfg.head_dim_mla)))
 
 
-def mla_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndarray:
-    """x [T, D] (attn-normed, host) -> [T, D]; writes the compressed K and V of the T tokens at kv.n .."""
+def mla_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope: tuple) -> np.ndarray:
+    """x [T, D] (attn-normed, host) -> [T, D]; writes the compressed K and V of each sequence's new tokens at its
+    kv.n .. kvs: one cache (x: its next T tokens) or N (x: one row each; engine/kv.py `segments`). Projections, norms
+    and RoPE run once over all T rows; the absorbed products, the cache write and attention per sequence."""
     cfg, w, eps = layer.cfg, layer.mla, layer.cfg.rms_eps
-    T, p0, H = x.shape[0], kv.n, cfg.n_head
+    T, H = x.shape[0], cfg.n_head
     C, R = cfg.kv_lora_rank, cfg.rope_dim
     N = cfg.head_dim_mla - R
     if cfg.q_lora_rank:
@@ -67,11 +70,22 @@ def mla_block(b, layer, x: np.ndarray, kv, layer_i: int, rope: tuple) -> np.ndar
     ckv = np.asarray(b.linear(w["kv_a"], x), np.float32)  # [T, C + R]
     c = b.rmsnorm(np.ascontiguousarray(ckv[:, :C]), w["kv_a_norm"], eps)  # [T, C]
     k_pe = b.rope(np.ascontiguousarray(ckv[:, None, C:]), cos, sin, cfg.rope_neox)  # [T, 1, R]
-    q_abs = np.einsum("thn,hcn->thc", q[..., :N], w["k_b"]).astype(np.float32)  # [T, H, C]
+    out = join_rows(b, [mla_core(b, layer, q[rows, :, :N], q_pe[rows], c[rows], k_pe[rows], kv, layer_i)
+                        for kv, rows in segments(kvs, T)])  # [T, H * V]
+    return b.linear(w["out"], out)  # [T, D]
+
+
+def mla_core(b, layer, q_nope, q_pe, c, k_pe, kv, layer_i: int) -> np.ndarray:
+    """One sequence's T rows: q_nope [T, H, N], q_pe [T, H, R] (roped), c [T, C], k_pe [T, 1, R] (roped) ->
+    [T, H * V]: the absorbed query, the cache write at kv.n, attention over the sequence's cache, the value
+    up-projection."""
+    cfg, w = layer.cfg, layer.mla
+    T, p0, H = c.shape[0], kv.n, cfg.n_head
+    C, R = cfg.kv_lora_rank, cfg.rope_dim
+    q_abs = np.einsum("thn,hcn->thc", q_nope, w["k_b"]).astype(np.float32)  # [T, H, C]
     Q = np.concatenate([q_abs, q_pe], axis=-1)  # [T, H, C + R]
     b.kv_write(kv, layer_i, p0, np.concatenate([c[:, None, :], k_pe], axis=-1), None)  # V = K[..., :C] on read
     # attention() scales by 1 / sqrt(C + R); MLA's scale is mla_scale: the queries carry the ratio
     Q = Q * np.float32(mla_scale(cfg) * np.sqrt(C + R))
     a = np.asarray(b.attention(Q, *b.kv_read(kv, layer_i, p0 + T), p0), np.float32).reshape(T, H, C)  # [T, H, C]
-    out = np.einsum("thc,hvc->thv", a, w["v_b"]).astype(np.float32).reshape(T, H * cfg.head_dim_v_mla)
-    return b.linear(w["out"], out)  # [T, D]
+    return np.einsum("thc,hvc->thv", a, w["v_b"]).astype(np.float32).reshape(T, H * cfg.head_dim_v_mla)

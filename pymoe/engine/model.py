@@ -148,12 +148,20 @@ class Model:
             return np.asarray(t.data, dtype=np.float32)[tokens]
         return quant.dequantize(t.rows()[tokens], t.qtype)
 
-    def attention_block(self, layer: Layer, x: np.ndarray, kv: KVCache, layer_i: int, rope=None) -> np.ndarray:
-        """The layer's attention block on x [T, D] (attn-normed) -> [T, D]. rope: (cos, sin) of positions
-        kv.n .. kv.n + T - 1, computed once per forward call (None: computed here)."""
+    def attention_block(self, layer: Layer, x: np.ndarray, kv, layer_i: int, rope=None) -> np.ndarray:
+        """The layer's attention block on x [T, D] (attn-normed) -> [T, D]. kv: one sequence's cache (x: its next T
+        tokens), or a list of N caches (x: N rows, row j the next token of sequence j: engine/batch.py); the block
+        projects all rows at once and attends per sequence (engine/attention.py). rope: (cos, sin) of each row's
+        position (kv.n .. kv.n + T - 1; with N caches each one's kv.n), computed once per forward call (None: here)."""
+        kvs = list(kv) if isinstance(kv, (list, tuple)) else [kv]
         if rope is None:
-            rope = self.rope_tables(np.arange(kv.n, kv.n + x.shape[0]))
-        return ATTENTION[layer.plan.attention](self.attention_backend(layer.plan), layer, x, kv, layer_i, rope)
+            rope = self.rope_tables(self.positions(kvs, x.shape[0]))
+        return ATTENTION[layer.plan.attention](self.attention_backend(layer.plan), layer, x, kvs, layer_i, rope)
+
+    @staticmethod
+    def positions(kvs: list, T: int) -> np.ndarray:
+        """The positions of a block's T rows: kv.n .. kv.n + T - 1 for one cache, [kv_j.n] for N (one row each)."""
+        return np.arange(kvs[0].n, kvs[0].n + T) if len(kvs) == 1 else np.array([kv.n for kv in kvs])
 
     # --- the forward pass -------------------------------------------------------------------------------------
     def forward(self, tokens, kv: KVCache, phase: str) -> np.ndarray:

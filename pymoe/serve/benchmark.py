@@ -9,6 +9,11 @@ no more than BOS and a leading digit of another's KV (the article's "cold prefix
                             another: aggregate throughput (all generated tokens / wall time), TTFT p50/p95
   3. overload:               c = 32 at once: with a bounded queue the excess gets 429 instead of waiting (article
                             9.3: without admission control every request queued and latency grew without bound)
+  4. stall (--stall-prompt): --stall-streams clients stream long generations; after a steady stretch (the baseline)
+                            one request with a --stall-prompt-token prompt arrives: the streams' worst and p99
+                            inter-token gap while it is prefilled, against the same over the baseline stretch (the
+                            cost of a long prompt to everyone else: what --prefill-chunk bounds). Needs a server
+                            with --parallel >= streams + 1, or the long prompt just waits in the queue.
 Per row: prefill and decode tok/s (medians of the server's `timings`, else client-side estimates), TTFT p50/p95
 (client-side: request sent -> first streamed text), aggregate tok/s, the decode expert hit rate and spill share over
 the row (from /v1/status, pymoe servers only), failures and 429s. A table on stdout, all of it as JSON in --out.
@@ -132,8 +137,9 @@ def scenario_lengths(n_ctx: int, gen: int, short: int = 26) -> dict:
 
 # --- one request -------------------------------------------------------------------------------------------------
 
-async def send(client, url: str, headers: dict, prompt: list, gen: int) -> Outcome:
-    """One streamed completion of exactly `gen` tokens; -> what the client saw."""
+async def send(client, url: str, headers: dict, prompt: list, gen: int, on_text=None) -> Outcome:
+    """One streamed completion of exactly `gen` tokens; -> what the client saw. on_text(t): called with the
+    perf_counter time of every streamed chunk that carries text."""
     import httpx
 
     body = {"model": "bench", "prompt": prompt, "max_tokens": gen, "temperature": 0, "ignore_eos": True,
@@ -153,8 +159,11 @@ async def send(client, url: str, headers: dict, prompt: list, gen: int) -> Outco
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     out.error = str(chunk["error"].get("message", chunk["error"]))
-                if chunk.get("choices") and chunk["choices"][0].get("text") and out.ttft_s is None:
-                    out.ttft_s = time.perf_counter() - t0
+                if chunk.get("choices") and chunk["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    out.ttft_s = now - t0 if out.ttft_s is None else out.ttft_s
+                    if on_text is not None:
+                        on_text(now)
                 if chunk.get("usage"):
                     out.n_generated = chunk["usage"]["completion_tokens"]
                 timings = chunk.get("timings") or timings
@@ -256,6 +265,73 @@ def run_protocol(url: str, tokenizer, n_ctx: int, gen: int = 128, requests: int 
     return rows
 
 
+# --- the stall protocol ------------------------------------------------------------------------------------------
+
+def gap_stats(gaps: list) -> dict:
+    """Inter-token gaps (seconds) -> worst, p99 and median in milliseconds (None without gaps)."""
+    ms = [1e3 * g for g in gaps]
+    return dict(worst_ms=max(ms) if ms else None, p99_ms=pct(ms, 99), median_ms=pct(ms, 50), gaps=len(ms))
+
+
+async def run_stall(url: str, headers: dict, prompts: "Prompts", streams: int, prompt_tokens: int, n_ctx: int,
+                    baseline_s: float, timeout: float) -> dict:
+    """`streams` streamed generations; after `baseline_s` of steady decoding (or half of a stream's tokens) one
+    `prompt_tokens` prompt arrives.
+    -> the streams' gaps over the baseline stretch and while the long prompt is read (from its arrival to its first
+    token), its time to first token, and whether every stream was still decoding when it ended."""
+    import httpx
+
+    times = [[] for _ in range(streams)]  # per stream: arrival times of its text chunks (client clock)
+    gen = n_ctx - 64  # the streams outlast the measurement; they are cancelled after it
+    limits = httpx.Limits(max_connections=streams + 4, max_keepalive_connections=streams + 4)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        tasks = [asyncio.create_task(send(client, url, headers, prompts.make(26), gen, times[i].append))
+                 for i in range(streams)]
+        deadline = time.perf_counter() + timeout
+        while not all(len(t) >= 2 for t in times):  # every stream decoding
+            if time.perf_counter() > deadline or any(task.done() for task in tasks):
+                for task in tasks:
+                    task.cancel()
+                outcomes = [await task if task.done() and not task.cancelled() else None for task in tasks]
+                errors = [o.error or f"HTTP {o.status}" for o in outcomes if o is not None and not o.ok]
+                raise PymoeError(f"stall: the {streams} streams did not start decoding"
+                                 + (f" ({errors[0]})" if errors else ""))
+            await asyncio.sleep(0.005)
+        t_base = time.perf_counter()
+        while time.perf_counter() - t_base < baseline_s and max(map(len, times)) < gen // 2:  # (a small model is fast)
+            await asyncio.sleep(0.005)
+        t_submit = time.perf_counter()
+        long = await send(client, url, headers, prompts.make(prompt_tokens), 1)
+        t_first = t_submit + long.ttft_s if long.ttft_s is not None else time.perf_counter()
+        await asyncio.sleep(0.2)
+        alive = not any(task.done() for task in tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    base, during = [], []
+    for t in map(np.asarray, times):
+        gaps, start, end = np.diff(t), t[:-1], t[1:]  # gap i: from chunk i to chunk i + 1
+        base += list(gaps[(start >= t_base) & (end <= t_submit)])
+        during += list(gaps[(end > t_submit) & (start < t_first)])  # overlapping the long prompt's prefill
+    return dict(phase="stall", c=streams, prompt_tokens=prompt_tokens, long_ok=long.ok, long_error=long.error,
+                long_ttft_s=long.ttft_s, streams_alive=alive, baseline_s=t_submit - t_base,
+                baseline=gap_stats(base), during=gap_stats(during))
+
+
+def stall_line(r: dict, prefill_chunk=None) -> str:
+    """The stall row in words."""
+    f = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
+    b, d = r["baseline"], r["during"]
+    ttft = None if r["long_ttft_s"] is None else 1e3 * r["long_ttft_s"]
+    chunk = "" if prefill_chunk is None else f" (--prefill-chunk {prefill_chunk})"
+    return (f"stall{chunk}: {r['c']} streams, one {r['prompt_tokens']}-token prompt arrives: streams' gaps while it "
+            f"is read worst {f(d['worst_ms'])} ms, p99 {f(d['p99_ms'])} ms, median {f(d['median_ms'])} ms "
+            f"({d['gaps']} gaps); baseline (no long prompt, {r['baseline_s']:.1f} s) worst {f(b['worst_ms'])} ms, "
+            f"p99 {f(b['p99_ms'])} ms, median {f(b['median_ms'])} ms; its TTFT {f(ttft)} ms"
+            + ("" if r["long_ok"] else f"; the long request failed: {r['long_error']}")
+            + ("" if r["streams_alive"] else "; a stream ended before the measurement did"))
+
+
 COLUMNS = [  # (row key, header, format, width)
     ("phase", "phase", "{}", 12), ("c", "c", "{}", 3), ("prompt_tokens", "prompt", "{}", 6),
     ("gen_tokens", "gen", "{}", 4), ("ok", "ok", "{}", 4), ("rejected_429", "429", "{}", 4),
@@ -278,8 +354,10 @@ def table(rows: list) -> str:
 
 
 def bench(model: str, url: Optional[str] = None, serve_args: tuple = (), n_ctx: Optional[int] = None,
-          out: Optional[str] = "bench.json", log=print, **protocol) -> dict:
-    """`pymoe bench`: start a server (unless `url`), run the protocol, print the table, write the JSON -> report."""
+          out: Optional[str] = "bench.json", log=print, stall_prompt: int = 0, stall_streams: int = 4,
+          stall_only: bool = False, stall_baseline_s: float = 2.0, **protocol) -> dict:
+    """`pymoe bench`: start a server (unless `url`), run the protocol, print the table, write the JSON -> report.
+    stall_prompt > 0: the stall measurement too (step 4; stall_only: it alone)."""
     import httpx
 
     from pymoe.engine.tokenizer import Tokenizer
@@ -300,11 +378,25 @@ def bench(model: str, url: Optional[str] = None, serve_args: tuple = (), n_ctx: 
         if not n_ctx:
             raise PymoeError(f"{server.url} does not say its context size (/v1/status): give --ctx")
         log(f"bench: {server.url}, context {n_ctx} tokens, {protocol.get('gen', 128)} generated tokens per request")
-        rows = run_protocol(server.url, tokenizer, n_ctx, **protocol)
+        rows = [] if stall_only else run_protocol(server.url, tokenizer, n_ctx, **protocol)
+        stall = None
+        if stall_prompt:
+            if stall_prompt + 2 > n_ctx:
+                raise PymoeError(f"--stall-prompt {stall_prompt} does not fit the context of {n_ctx} tokens: give "
+                                 "a smaller one or a larger --ctx")
+            if status.get("parallel") is not None and status["parallel"] < stall_streams + 1:
+                log(f"bench: the server has {status['parallel']} slots, fewer than {stall_streams} streams + the long "
+                    "prompt: it waits in the queue (serve with -np {stall_streams + 1})")
+            stall = asyncio.run(run_stall(server.url, headers, Prompts(tokenizer), stall_streams, stall_prompt, n_ctx,
+                                          stall_baseline_s, protocol.get("timeout", 600.0)))
     report = dict(model=os.path.basename(model), url=url or "(started)", n_ctx=n_ctx,
-                  server={k: status.get(k) for k in ("arch", "backend", "kv", "parallel", "max_queue", "cache")},
-                  protocol={k: v for k, v in protocol.items() if k != "api_key"}, rows=rows)
-    log(table(rows))
+                  server={k: status.get(k) for k in ("arch", "backend", "kv", "parallel", "max_queue", "prefill_chunk",
+                                                     "cache")},
+                  protocol={k: v for k, v in protocol.items() if k != "api_key"}, rows=rows, stall=stall)
+    if rows:
+        log(table(rows))
+    if stall is not None:
+        log(stall_line(stall, status.get("prefill_chunk")))
     if out:
         with open(out, "w") as f:
             json.dump(report, f, indent=1)

@@ -12,11 +12,18 @@ What this is, in the order a job meets it:
     admit:  a free slot for each queued job; the slot whose cached tokens share the longest prefix with the prompt
             is chosen, and that prefix's KV is reused ("prompt 26 tokens = 20 reused + 6 read"); the rest is
             pending
-    step:   one batched decode of the slots that are decoding (batch.decode_batch: per-slot attention, one MoE
-            call so expert lookups are grouped per expert) -> sample -> TextStream (UTF-8, stop strings) -> an
-            event for the job; then one chunk (--prefill-chunk tokens) of the oldest pending prompt, whose first
-            token is sampled after its last chunk (chunked prefill: a long prompt never stalls the others for more
-            than a chunk)
+    share:  the n choices of one request (n > 1: `Job.sibling`, seeds seed + i) share one prefill (`Share`): the
+            first sibling placed reads the prompt, siblings placed meanwhile wait in their slots, and after its last
+            chunk each gets a copy of that slot's KV (KVCache.copy_from: K/V, MLA latent, Gated DeltaNet states) and
+            samples its first token from the same logits with its own sampler; siblings still queued then (fewer
+            free slots than n) copy a kept copy when they get a slot. A sibling that goes away mid-prefill hands the
+            prompt to a waiting one
+    step:   one batched decode of the slots that are decoding (batch.decode_batch: the projections of all slots as
+            one matmul, attention per slot over its own cache, one MoE call so expert lookups are grouped per
+            expert) -> sample -> TextStream (UTF-8, stop strings) -> an event for the job; then one chunk
+            (--prefill-chunk tokens) of the oldest pending prompt, whose first token is sampled after its last chunk
+            (chunked prefill: a long prompt never stalls the others for more than a chunk; docs/server.md has the
+            numbers)
     cancel: a job cancelled by its consumer (an HTTP client that went away) is dropped at the next step; a job past
             its deadline (app.py: request_timeout after the request came in) ends at the next step with
             ("done", "length"), keeping the text it has (llama.cpp's t_max_predict_ms ends the same way)
@@ -72,6 +79,22 @@ class EngineStopped(PymoeError):
     """The engine thread is not running (not started yet, stopped, or the server is shutting down)."""
 
 
+class Share:
+    """The prompt the n choices of one request share (n > 1: `Job.sibling`), prefilled once for all of them.
+
+    The first sibling to reach a slot prefills it (`prefiller`); siblings placed meanwhile wait in their slots
+    (`followers`) and, when the last chunk is read, each gets a copy of that slot's KV (engine/kv.py
+    KVCache.copy_from: K/V, MLA's latent, a Gated DeltaNet's states) and samples its first token from the same
+    logits with its own sampler. Siblings still queued then (fewer free slots than n, or not yet taken off the
+    queue) find a copy kept in `kept` (KV, logits) until the last of them is placed. Engine thread only."""
+
+    def __init__(self, n: int):
+        self.waiting = n  # siblings not placed in a slot yet
+        self.prefiller: Optional["Slot"] = None
+        self.followers: list = []
+        self.kept: Optional[tuple] = None  # (KV cache, logits [V]) of the prefilled prompt, while siblings wait
+
+
 @dataclass
 class Job:
     """One request on its way through the engine: what to generate, and where its events go.
@@ -85,7 +108,9 @@ class Job:
     stop: tuple = ()
     ignore_eos: bool = False
     grammar: Optional[Grammar] = None  # the output stays inside it (engine/grammar.py): response_format, grammar
+    preserved: frozenset = frozenset()  # control token ids shown in the text: a tool format's markers (tools.py)
     top_logprobs: Optional[int] = None  # None: no ("logprobs", ...) events; n: each token's and the n best's
+    share: Optional[Share] = None  # the n > 1 choices of one request: their prompt is prefilled once (`sibling`)
     sink: Optional[Callable[[tuple], None]] = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_submit: float = 0.0
@@ -104,10 +129,15 @@ class Job:
     # --- the consumer's side (any thread) -----------------------------------------------------------------------
     def sibling(self, i: int) -> "Job":
         """Choice i of a request with n > 1: the same prompt and settings, draws of its own (seed + i when the
-        request gave a seed; greedy choices are all the same, as on OpenAI)."""
+        request gave a seed; greedy choices are all the same, as on OpenAI). The siblings share one `Share`: the
+        engine prefills their prompt once and copies its KV into each sibling's slot."""
         seed = None if self.sampling.seed in (None, -1) else (self.sampling.seed + i) % 2**64  # -1: random
+        if self.share is None:
+            self.share = Share(1)
+        self.share.waiting += 1
         return Job(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, sampling=replace(self.sampling, seed=seed),
-                   stop=self.stop, ignore_eos=self.ignore_eos, grammar=self.grammar, top_logprobs=self.top_logprobs)
+                   stop=self.stop, ignore_eos=self.ignore_eos, grammar=self.grammar, top_logprobs=self.top_logprobs,
+                   share=self.share, preserved=self.preserved)
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -150,6 +180,7 @@ class Slot:
     last_used: float = 0.0
     spec: object = None  # engine/speculative.Speculator of this slot (`--spec`), its counters reset per job
     pending: list = field(default_factory=list)  # prompt ids not prefilled yet (chunked prefill); [] once decoding
+    share: Optional[Share] = None  # set while the slot waits for a sibling's prefill of the same prompt
 
 
 def common_prefix(a: list, b: list) -> int:
@@ -248,10 +279,10 @@ class Scheduler:
             try:
                 self._drop_ended()
                 self._admit()
-                decoding = [s for s in self.slots if s.job is not None and not s.pending]
+                decoding = [s for s in self.slots if s.job is not None and not s.pending and s.share is None]
                 if decoding:
                     self._decode_step(decoding)
-                prefilling = [s for s in self.slots if s.job is not None and s.pending]
+                prefilling = [s for s in self.slots if s.job is not None and s.pending]  # (waiting ones: no pending)
                 if prefilling:  # one chunk of one prompt per step: the oldest job's first
                     slot = min(prefilling, key=lambda s: s.job.t_submit)
                     self._for_job(slot, self._prefill_chunk, slot)
@@ -305,6 +336,7 @@ class Scheduler:
                 return
             idle = False
             if job.cancelled:  # cancelled while it waited: it never reaches a slot
+                self._placed(job.share)
                 job.done = True
                 job.emit("done", "cancelled")
                 self.count("cancelled")
@@ -320,29 +352,83 @@ class Scheduler:
 
     def _start(self, slot: Slot, job: Job) -> None:
         """Give the job the slot: reuse the cached prefix; the rest of the prompt is pending, prefilled a chunk per
-        step by `_prefill_chunk`, which samples the first token after the last chunk."""
-        prompt, st = job.prompt_ids, job.stats
-        reused = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)  # at least one token to get logits from
-        if self.model.cfg.has_recurrent_state and reused < slot.kv.n:  # a recurrent state cannot be cut back
-            reused = 0
-        if reused == 0:
-            slot.kv.clear()
+        step by `_prefill_chunk`, which samples the first token after the last chunk. A sibling of a job whose
+        prompt is being prefilled (or was: `Share.kept`) waits for it, or copies it, instead (`Share`)."""
+        prompt, st, share = job.prompt_ids, job.stats, job.share
         job.queue_s = time.perf_counter() - job.t_submit
         if slot.spec is not None:
             slot.spec.stats = SpecStats()
         constraint = job.grammar.constraint(self.tokenizer) if job.grammar is not None else None
         job.sampler = Sampler(job.sampling, constraint=constraint, top_logprobs=job.top_logprobs)
-        job.text, job.history = TextStream(self.tokenizer, job.stop), list(prompt)
-        slot.job, slot.kv.n, slot.tokens = job, reused, slot.tokens[:reused]
-        st.n_prompt, st.n_reused, st.stop_reason = len(prompt), reused, "length"
+        job.text, job.history = TextStream(self.tokenizer, job.stop, job.preserved), list(prompt)
+        slot.job = job
+        st.n_prompt, st.n_reused, st.stop_reason = len(prompt), 0, "length"
         st.decode = dict.fromkeys(COUNTERS, 0)
         st.note_cache(self.engine.cache)
-        slot.pending = list(prompt[reused:])
         with self.lock:
             self.totals["prompt_tokens"] += len(prompt)
-            self.totals["reused_tokens"] += reused
+        if share is not None:
+            self._placed(share, keep=True)
+            if share.kept is not None:  # prefilled before this sibling got a slot: copy it, no prefill at all
+                return self._copy_prompt(slot, *share.kept)
+            if share.prefiller is not None:  # being prefilled: wait for it (neither decoding nor prefilling)
+                slot.pending, slot.share = [], share
+                share.followers.append(slot)
+                return
+            share.prefiller = slot
+        self._place_prompt(slot)
         if not self.prefill_chunk:
             self._prefill_chunk(slot)
+
+    def _place_prompt(self, slot: Slot) -> None:
+        """The prompt's tokens not in the slot's cache become its pending tokens (prefix reuse)."""
+        prompt, st = slot.job.prompt_ids, slot.job.stats
+        reused = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)  # at least one token to get logits from
+        if self.model.cfg.has_recurrent_state and reused < slot.kv.n:  # a recurrent state cannot be cut back
+            reused = 0
+        if reused == 0:
+            slot.kv.clear()
+        slot.kv.n, slot.tokens = reused, slot.tokens[:reused]
+        st.n_reused = reused
+        slot.pending = list(prompt[reused:])
+        with self.lock:
+            self.totals["reused_tokens"] += reused
+
+    def _placed(self, share: Optional[Share], keep: bool = False) -> None:
+        """One sibling fewer waiting to be placed (taken off the queue: placed in a slot, or dropped); the kept
+        copy of the prompt's KV goes once none is left to use it."""
+        if share is not None:
+            share.waiting -= 1
+            if share.waiting <= 0 and not keep:
+                share.kept = None
+
+    def _copy_prompt(self, slot: Slot, kv, logits: np.ndarray) -> None:
+        """The prompt's KV, prefilled in a sibling's slot (or kept from it), into this slot; then the first token,
+        sampled from the prompt's last logits with this job's own sampler."""
+        job = slot.job
+        slot.kv.copy_from(kv, kv.n)
+        slot.tokens, slot.pending, slot.share = list(job.prompt_ids), [], None
+        job.stats.n_reused = kv.n
+        with self.lock:
+            self.totals["reused_tokens"] += kv.n
+        if job.share is not None and job.share.waiting <= 0:
+            job.share.kept = None
+        self._for_job(slot, self._advance, slot, logits.copy())
+
+    def _prompt_read(self, slot: Slot, logits: np.ndarray) -> None:
+        """A prompt's last chunk is read: the siblings waiting for it copy it (and one copy is kept for those not
+        placed yet), then its own first token."""
+        share = slot.job.share
+        if share is not None and share.prefiller is slot:
+            share.prefiller = None
+            followers, share.followers = share.followers, []
+            if share.waiting > 0:
+                kept = new_kv(self.engine.config, self.n_ctx, self.kv_kind)
+                kept.copy_from(slot.kv, slot.kv.n)
+                share.kept = (kept, logits.copy())
+            for f in followers:
+                self._for_job(f, self._copy_prompt, f, slot.kv, logits)
+        self._advance(slot, logits)
 
     def _prefill_chunk(self, slot: Slot) -> None:
         """Prefill the next `prefill_chunk` pending prompt tokens (all of them with 0); after the last chunk,
@@ -357,10 +443,11 @@ class Scheduler:
         slot.tokens.extend(chunk)
         with self.lock:
             self.totals["prefill_seconds"] += dt
+            self.totals["prefilled_tokens"] += n
             if not slot.pending:
                 self.last["prefill_tok_s"] = st.prefill_tok_s
         if not slot.pending:
-            self._advance(slot, logits)
+            self._prompt_read(slot, logits)
 
     def _decode_step(self, active: list) -> None:
         """One batched forward: the last token of every busy slot -> their next logits. With --spec and one busy
@@ -434,6 +521,15 @@ class Scheduler:
     def _finish(self, slot: Slot, reason: str, error: str = "") -> None:
         """Free the slot (its KV cache and tokens stay, for prefix reuse) and tell the job how it ended."""
         job, st = slot.job, slot.job.stats
+        share = job.share
+        if slot.share is not None:  # waiting for a sibling's prefill: no longer
+            slot.share.followers.remove(slot)
+            slot.share = None
+        elif share is not None and share.prefiller is slot:  # its prompt not read yet: a waiting sibling takes over
+            share.prefiller = share.followers.pop(0) if share.followers else None
+            if share.prefiller is not None:
+                share.prefiller.share = None
+                self._place_prompt(share.prefiller)
         slot.job, slot.last_used, slot.pending = None, time.perf_counter(), []
         if len(slot.tokens) != slot.kv.n:  # an error mid-step: the cache no longer matches, don't reuse it
             slot.tokens = []

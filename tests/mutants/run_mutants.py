@@ -143,8 +143,8 @@ MUTANTS: list[Mutant] = [
         "the 16-bit activation path rounds x (and h) to 12 bits (reference and Numba twin alike)"),
     Mutant(
         "batch_rows_mixed", "pymoe/engine/batch.py",
-        "model.attention_block(layer, a[j:j + 1], kv, i)",
-        "model.attention_block(layer, a[::-1][j:j + 1], kv, i)",
+        "model.attention_block(layer, a, kvs, i, rope)",
+        "model.attention_block(layer, a[::-1], kvs, i, rope)",
         ("tests/test_batch.py::test_decode_batch_equals_single_decodes[*]",),
         "batched decode: sequence j attends with another row's hidden state (rows reversed)"),
     Mutant(
