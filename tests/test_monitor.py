@@ -62,6 +62,8 @@ def test_the_page_is_served_without_the_key(server):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html")
     assert "<title>pymoe monitor</title>" in r.text and "/v1/status?experts=1" in r.text
     assert "http://" not in r.text and "https://" not in r.text  # nothing from a CDN: works offline
+    head = httpx.head(server.url + "/", timeout=10)  # as link checkers and uptime probes ask
+    assert head.status_code == 200 and head.content == b""
     assert httpx.get(server.url + "/v1/status", timeout=10).status_code == 401  # the data stays behind the key
 
 

@@ -90,8 +90,9 @@ def _count(counts: tuple, name: str, n: int = 1) -> None:
 
 def _warm(heat: np.ndarray, layer: int, expert_ids: np.ndarray, phase: str) -> None:
     """Count a decode lookup call's (token, expert) pairs into heat[layer]: heat int64 [L, E], expert_ids [T, K].
-    Prefill is left out: a prompt chunk touches nearly every expert, which says little about the hot ones."""
-    if phase == "decode":
+    Prefill is left out: a prompt chunk touches nearly every expert, which says little about the hot ones. So are the
+    MTP blocks' experts (`--spec mtp`: layer indices n_layers.., after the trunk): the map is the trunk's."""
+    if phase == "decode" and layer < heat.shape[0]:
         heat[layer] += np.bincount(expert_ids.reshape(-1), minlength=heat.shape[1])  # [E]
 
 

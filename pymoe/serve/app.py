@@ -652,7 +652,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     monitor_page = (importlib.resources.files("pymoe.serve") / "monitor.html").read_text(encoding="utf-8")
 
-    @app.get("/")
+    @app.api_route("/", methods=["GET", "HEAD"])  # HEAD too: link checkers and uptime probes ask that way
     async def monitor():
         """The live monitor page (monitor.html: static HTML + JS that polls /v1/status; it holds no data, so no key)."""
         return HTMLResponse(monitor_page)
