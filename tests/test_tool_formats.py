@@ -254,3 +254,61 @@ def test_harmony_vocabulary_is_patched_as_llama_cpp_does():
     Tokenizer._harmony_tokens(tok)
     assert tok.eog_ids == {3, 4} and tok.types[:3] == [TokenType.USER_DEFINED] * 3
     assert tok.types[3:] == [TokenType.CONTROL, TokenType.CONTROL, TokenType.NORMAL]
+
+
+def test_markers_that_are_control_tokens_are_shown_so_the_call_is_read(tiny_model, monkeypatch):
+    """A converter may type a format's markers as control tokens (DeepSeek's and GLM's can be), and a control token's
+    text is left out of a generated answer, so the call could not be read back. As llama.cpp's server keeps a chat
+    format's preserved_tokens, the scheduler shows them (tools.preserved_tokens -> TextStream). The tiny vocabulary
+    has no such tokens, so two of its merge tokens are made `<tool_call>` and `</tool_call>`, CONTROL, in memory:
+    a forced call, whose grammar writes those markers as the special tokens, then parses; with nothing preserved
+    (the step this test is about, removed) it comes back as text with no call."""
+    openai = pytest.importorskip("openai")
+    from pymoe.engine.tokenizer import TokenType
+    from pymoe.serve.app import BackgroundServer, create_app
+
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"), n_ctx=1024)
+    engine.use_chat_template(os.path.join(HERE, TEMPLATES["hermes"][0]))
+    tok = engine.tokenizer
+    ids = [tok.n_vocab - 1, tok.n_vocab - 2]  # the last merges of the tiny BPE: rare pieces
+    for i, text in zip(ids, ("<tool_call>", "</tool_call>")):
+        tok.tokens[i], tok.types[i] = text, TokenType.CONTROL
+    tok._specials = sorted(tok._specials + ids, key=lambda i: (-len(tok.tokens[i].encode()), i))
+    assert tools.preserved_tokens("hermes", tok) == frozenset(ids)
+    assert tools.lark_text("<tool_call>", tok) == f"<[{ids[0]}]>"  # the grammar writes the control token
+
+    def forced_call():
+        with BackgroundServer(create_app(engine, kv="f32", api_key=KEY)) as srv:
+            client = openai.OpenAI(base_url=srv.url + "/v1", api_key=KEY, max_retries=0, timeout=60)
+            return client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": "weather?"}], tools=[OPENAI_TOOLS[0]],
+                tool_choice="required", max_tokens=150, temperature=1, seed=1).choices[0]
+
+    got = forced_call()
+    assert got.finish_reason == "tool_calls" and got.message.tool_calls[0].function.name == "get_weather", got
+    monkeypatch.setattr(tools, "preserved_tokens", lambda fmt, tokenizer: frozenset())
+    lost = forced_call()
+    assert lost.finish_reason != "tool_calls" and not lost.message.tool_calls and "<tool_call>" not in \
+        (lost.message.content or "")
+
+
+def test_a_forced_call_closes_when_the_schema_leaves_other_keys_open(tiny):
+    """A tool whose parameters do not say additionalProperties: JSON Schema lets the object take more keys, and a
+    weak model (the demo, greedy, in bench/api_side_by_side.py) added keys until max_tokens: no call. The forced
+    grammar closes such objects, as llama.cpp's converter reads the absent key; nested objects too, and a property
+    named like a keyword is not taken for a schema."""
+    open_schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                                    "where": {"type": "object", "properties": {"north": {"type": "boolean"}}},
+                                                    "properties": {"type": "string", "maxLength": 8}},
+                   "required": ["city"]}
+    got = tools.closed(open_schema)
+    assert got["additionalProperties"] is False and got["properties"]["where"]["additionalProperties"] is False
+    assert "additionalProperties" not in got["properties"] and got["properties"]["properties"] == {"type": "string", "maxLength": 8}
+    assert tools.closed({"type": "object", "properties": {}, "additionalProperties": True})["additionalProperties"]
+    spec = {"name": "get_weather", "parameters": open_schema}
+    for fmt in ("hermes", "deepseek-v3.1", "harmony"):  # the formats whose arguments are one JSON object
+        out = "".join(tiny.stream("weather?", max_tokens=300, chat=True, temperature=0,
+                                  grammar=tools.call_grammar([spec], fmt, tiny.tokenizer)))
+        content, calls = tools.parse_calls(out, fmt, [spec])
+        assert len(calls) == 1 and set(json.loads(calls[0]["function"]["arguments"])) <= {"city", "where",
+                                                                                           "properties"}, out

@@ -149,10 +149,10 @@ class TextStream:
     what was held back once the generation is over.
     """
 
-    def __init__(self, tokenizer, stop: Sequence[str] = ()):
+    def __init__(self, tokenizer, stop: Sequence[str] = (), preserved: frozenset = frozenset()):
         self.stop = [s for s in stop if s]
         self.hold = max((len(s) for s in self.stop), default=1) - 1  # chars kept back while a stop may be forming
-        self.utf8 = tokenizer.decode_stream()
+        self.utf8 = tokenizer.decode_stream(preserved=preserved)  # preserved: control tokens shown as text
         self.text, self.shown = "", 0  # everything decoded so far; how much of it was returned
         self.stopped = False
         self.matched: str | None = None  # the stop string that ended the text (the earliest one found)

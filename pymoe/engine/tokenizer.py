@@ -341,9 +341,10 @@ class Tokenizer:
             out += piece
         return out.decode("utf-8", errors="replace")
 
-    def decode_stream(self, special: bool = False) -> "DecodeStream":
-        """An incremental detokenizer for printing tokens as they are generated (see `DecodeStream`)."""
-        return DecodeStream(self, special)
+    def decode_stream(self, special: bool = False, preserved: frozenset = frozenset()) -> "DecodeStream":
+        """An incremental detokenizer for printing tokens as they are generated (see `DecodeStream`); `preserved`:
+        control token ids whose text is shown even without `special`."""
+        return DecodeStream(self, special, preserved)
 
     def is_eog(self, tid: int) -> bool:
         """End of generation: eos, eot, eom, and the end-of-turn tokens llama.cpp recognises by text."""
@@ -383,13 +384,16 @@ class DecodeStream:
     No SentencePiece prefix-space stripping here: generated text continues a prompt, so its spaces are real.
     """
 
-    def __init__(self, tokenizer: Tokenizer, special: bool = False):
+    def __init__(self, tokenizer: Tokenizer, special: bool = False, preserved: frozenset = frozenset()):
         self.tokenizer = tokenizer
         self.special = special
+        self.preserved = preserved  # control tokens shown all the same (llama.cpp's preserved_tokens: a tool-call
+        #                             format's markers, which the server must see to read the calls back)
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
     def put(self, tid: int) -> str:
-        return self._utf8.decode(self.tokenizer.token_bytes(int(tid), self.special))
+        tid = int(tid)
+        return self._utf8.decode(self.tokenizer.token_bytes(tid, self.special or tid in self.preserved))
 
     def flush(self) -> str:
         return self._utf8.decode(b"", final=True)

@@ -131,6 +131,13 @@ def prompt_ids(req, tokenizer) -> list:
     return tokenizer.encode(req.prompt) if isinstance(req.prompt, str) else list(req.prompt)
 
 
+def preserved_markers(choice: Optional[str], tokenizer) -> frozenset:
+    """With tools in play (or gpt-oss' channels), the template's call markers that are control tokens: shown in the
+    answer's text so that its calls can be read back (tools.preserved_tokens)."""
+    fmt = tools.tool_format(tokenizer.chat_template)
+    return tools.preserved_tokens(fmt, tokenizer) if choice is not None or fmt == "harmony" else frozenset()
+
+
 def tool_mode(req, tokenizer) -> Optional[str]:
     """A chat request's tool choice: None (no tools in play), "auto", "required" or a function's name; checks that
     the model's template has a tool format pymoe parses (serve/tools.py), else a 400 naming `tools`."""
@@ -440,6 +447,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         choice = tool_mode(req, engine.tokenizer)
         job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
         job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
+        job.preserved = preserved_markers(choice, engine.tokenizer) if kind == "chat" else frozenset()
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
         # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
         echo = "" if kind == "chat" or not req.echo else (
@@ -544,6 +552,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab,
                            sampling_defaults)
             job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
+            job.preserved = preserved_markers(choice, engine.tokenizer)
             return job, choice
 
         job, choice = await asyncio.to_thread(prepare)

@@ -49,7 +49,10 @@ Forced calls: each format writes the grammar of exactly one call of one of the t
 (hermes' whole object, deepseek's and harmony's arguments, a non-string qwen-xml/glm value) are the schema's own
 `%json`; a string value of qwen-xml/glm is text without `<` (its enum or maxLength kept). The format's marker
 strings are written as the vocabulary's own special tokens where it has them (`<[id]>`: a real gpt-oss model's
-`<|channel|>` is one token, as it was trained), as text otherwise (the tiny test models).
+`<|channel|>` is one token, as it was trained), as text otherwise (the tiny test models). Where a format's marker is
+a control token (a converter may type DeepSeek's or GLM's markers so), its text would be left out of the answer, as
+every control token's is; `preserved_tokens` lists those ids and the scheduler shows them (llama.cpp's server keeps a
+chat format's `preserved_tokens` the same way).
 
 Streaming (CallStream): the answer is re-read as it grows with `final=False`: text that is certainly content (not
 a suffix that could still become a call's opening marker) goes out at once, each call as soon as its closing marker
@@ -63,6 +66,8 @@ import json
 import re
 import uuid
 from typing import Optional
+
+from gguf import TokenType
 
 from pymoe.engine.grammar import JSON_OPTIONS, Grammar
 
@@ -171,6 +176,8 @@ class Format:
     `call_rule`."""
     name = ""
     opener = ""  # the text that starts a call: what a stream holds back a prefix of
+    markers: tuple = ()  # the marker strings of a call: where the vocabulary has them as control tokens, they are
+    #                      shown in the answer's text all the same (preserved_tokens), or no call could be read back
     block = re.compile("")  # one complete call, matched at an opener
 
     @staticmethod
@@ -206,7 +213,24 @@ class Format:
 
     def grammar(self, specs: list, tokenizer=None) -> Grammar:
         """The grammar of one call of one of `specs`: what tool_choice required / a named function decodes under."""
+        specs = [{**s, "parameters": closed(s.get("parameters"))} for s in specs]
         return Grammar.from_request("lark", one_of([self.call_rule(s, tokenizer) for s in specs]))
+
+
+def closed(schema):
+    """A tool's parameter schema with each object that lists its properties closed to other keys where it does not
+    say otherwise, as llama.cpp's schema-to-grammar converter reads an absent additionalProperties. JSON Schema's
+    own default lets the object go on: a weak model can add keys until max_tokens, and a call that never closes is
+    no call (found by bench/api_side_by_side.py)."""
+    if isinstance(schema, list):
+        return [closed(v) for v in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: ({name: closed(sub) for name, sub in v.items()} if k in ("properties", "$defs", "definitions") and
+               isinstance(v, dict) else closed(v)) for k, v in schema.items()}  # a property's name is no schema
+    if "properties" in out and out.get("type", "object") == "object" and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def bare_params_rule(spec: dict, tokenizer, before: str, between: str, after: str) -> str:
@@ -225,6 +249,7 @@ def bare_params_rule(spec: dict, tokenizer, before: str, between: str, after: st
 
 class Hermes(Format):
     name, opener = "hermes", "<tool_call>"
+    markers = ("<tool_call>", "</tool_call>")
     block = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
     @staticmethod
@@ -250,6 +275,7 @@ class Hermes(Format):
 
 class QwenXml(Format):
     name, opener = "qwen-xml", "<tool_call>"
+    markers = ("<tool_call>", "</tool_call>")
     block = re.compile(r"<tool_call>\s*<function=([^>\n]+)>(.*?)</function>\s*</tool_call>", re.DOTALL)
     param = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.DOTALL)
 
@@ -269,6 +295,7 @@ class QwenXml(Format):
 
 class Glm(Format):
     name, opener = "glm", "<tool_call>"
+    markers = ("<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>")
     block = re.compile(r"<tool_call>([^<\n]*)(.*?)</tool_call>", re.DOTALL)
     arg = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
@@ -291,6 +318,8 @@ class Glm(Format):
 class DeepSeekV31(Format):
     name, opener = "deepseek-v3.1", "<｜tool▁calls▁begin｜>"
     calls_end = "<｜tool▁calls▁end｜>"
+    markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
+               "<｜tool▁calls▁end｜>")
     block = re.compile(r"(?!)")  # never: parse() reads the calls itself
     one = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*(.*?)\s*<｜tool▁call▁end｜>", re.DOTALL)
 
@@ -326,6 +355,7 @@ class Harmony(Format):
     ended by <|end|>, <|call|> or <|return|> (the last two end the generation, so an answer's text lacks them)."""
     name, opener = "harmony", "<|channel|>"
     ends = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
+    markers = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>", "<|end|>")
     recipient = re.compile(r"to=functions\.([^\s<]+)")
     channel = re.compile(r"<\|channel\|>\s*(\w+)")
 
@@ -375,6 +405,16 @@ def tool_format(template: Optional[str]) -> Optional[str]:
     if not template or "tool" not in template:  # DeepSeek-V3.1's writes tool_calls and results, but no tool list
         return None
     return next((name for name, f in FORMATS.items() if f.detect(template)), None)
+
+
+def preserved_tokens(fmt: Optional[str], tokenizer) -> frozenset:
+    """The ids of the format's markers that are control tokens in this vocabulary: the scheduler shows their text in
+    the answer (TextStream's `preserved`), as llama.cpp's server does with a chat format's preserved_tokens, since
+    a control token's text is otherwise left out of what a model writes, and the calls could not be read back."""
+    if fmt is None:
+        return frozenset()
+    ids = (p for m in FORMATS[fmt].markers for p in tokenizer.split_special(m) if isinstance(p, int))
+    return frozenset(i for i in ids if tokenizer.types[i] != TokenType.USER_DEFINED)  # those are shown anyway
 
 
 def parse_calls(text: str, fmt: str = "hermes", specs: Optional[list] = None) -> tuple[Optional[str], list]:
