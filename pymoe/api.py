@@ -22,7 +22,7 @@ from .engine.generate import RequestStats, generate_tokens, stream_text
 from .gguf.loader import EXPERT_PROJ, load_gguf
 from .engine.kv import check_kv_fits
 from .engine.model import Model
-from .experts.policies import DEFAULT_POLICY, check_engine_policy, make_admission
+from .experts.policies import DEFAULT_POLICY, check_engine_policy, make_admission, make_warm_rule
 from .experts.probe import NO_GPU_PCIE_FRAC
 from .engine.sampler import Sampler, SamplingParams
 
@@ -32,14 +32,16 @@ class Engine:
                  progress: bool = False, cache_slots: Optional[int] = None, cache_gib: Optional[float] = None,
                  policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: Optional[float] = None,
                  cache: str = "auto", chunk: int = 512, reserve_mib: float = 700, log=lambda line: None,
-                 backend_options: Optional[dict] = None, admit: str = "all", max_inserts: int = 0):
+                 backend_options: Optional[dict] = None, admit: str = "all", max_inserts: int = 0,
+                 warm_set: int = 0, warm_inserts: int = 0):
         """`cache_slots` / `cache_gib` size an expert slot pool; else `cache` = "auto" sizes it from the device's free
         memory (CUDA; on the CPU backend auto means no pool: every expert is read in place) or "none".
         `profile` (a path or a profile.Profile) pre-fills it; `pcie_frac` (None: measured by the PCIe probe on CUDA,
         0 on the CPU, as the probe says with no GPU) splits the misses; `chunk` is the most prompt tokens per
         forward call; `log` receives the start-up lines (sizing, pre-fill). `backend_options`: extra arguments of
         the backend (tests). `admit` ("all" or "second-miss") and `max_inserts` (per layer per step, 0: no cap):
-        the slot pool's admission control (experts/policies.Admission)."""
+        the slot pool's admission control (experts/policies.Admission). `warm_set` N, `warm_inserts` M: at the end of
+        each prompt, copy the experts of its last N tokens into the pool, at most M (0: no cap; policies.WarmSet)."""
         from .engine.tokenizer import Tokenizer
 
         if chunk < 1:
@@ -48,6 +50,7 @@ class Engine:
             raise PymoeError(f"--cache must be auto or none, got {cache!r}")
         check_engine_policy(policy)  # a bad option is an error with or without a pool to apply it to
         self.admission = make_admission(admit, max_inserts)
+        self.warm = make_warm_rule(warm_set, warm_inserts)
         self.file = load_gguf(path)
         self.config = self.file.config
         self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
@@ -126,7 +129,8 @@ class Engine:
             log(f"expert cache: {cache_gib:g} GiB / {self.file.slot_bytes} bytes per slot -> {slots} slots")
             cache_slots = max(1, min(slots, n_total))
         cache = SlotCache(self.file, int(cache_slots), policy=policy, profile=self.profile, pcie_frac=pcie_frac,
-                          new_pool=getattr(self.backend, "new_pool", None), gpu=cuda, admission=self.admission)
+                          new_pool=getattr(self.backend, "new_pool", None), gpu=cuda, admission=self.admission,
+                          warm=self.warm)
         self.backend.cache_pool = cache.pool
         log(cache.describe())
         if self.profile is not None:

@@ -70,6 +70,11 @@ def engine_options(f):
                      help="Slot pool admission: every decode miss may take a slot, or only a key's second miss."),
         click.option("--max-inserts", default=0, show_default=True,
                      help="Slot insertions per layer per decode step (0: no cap)."),
+        click.option("--warm-set", default=0, show_default=True,
+                     help="Warm decode set: once a prompt is read, copy the experts of its last N tokens into the "
+                          "slot pool (0: off; prefill otherwise inserts nothing)."),
+        click.option("--warm-inserts", default=0, show_default=True,
+                     help="At most this many warm-set copies per prompt (0: as many as the pool holds)."),
         click.option("--pcie-frac", default=None, type=float,
                      help="Share of decode cache misses read over PCIe (spill); the rest are computed on the CPU "
                           "[default: measured by the PCIe probe on cuda; 0 on cpu, as the probe says with no GPU]."),
@@ -293,6 +298,10 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
     stats = engine.last_stats
     log(stats.prompt_line())
     log(stats.cache_line())
+    if getattr(engine.cache, "warm", None) is not None:
+        w = engine.cache.warmed
+        log(f"warm decode set ({engine.cache.warm_rule}): {w['copied']} experts copied into slots at the prompt's end, "
+            f"{w['evicted']} evicted")
     if speculator is not None:
         log(speculator.stats.line(spec, spec_k))
     if engine.model.lookahead is not None:
@@ -449,14 +458,19 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 @click.option("--admit", default="all", show_default=True, type=click.Choice(["all", "second-miss"]),
               help="Admission control: every miss may take a slot, or only a key's second miss.")
 @click.option("--max-inserts", default=0, show_default=True, help="Insertions per layer per step (0: no cap).")
-def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path, admit, max_inserts):
+@click.option("--warm-set", default=0, show_default=True,
+              help="Warm decode set: at each prompt's end, place the experts of its last N tokens (0: off).")
+@click.option("--warm-inserts", default=0, show_default=True, help="At most this many warm-set copies (0: no cap).")
+def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path, admit, max_inserts,
+                 warm_set, warm_inserts):
     """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
 
     Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/trace-files.md."""
     from .experts.simulate import report
 
     click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,
-                      phase=phase, plot_path=plot_path, progress=True, admit=admit, max_inserts=max_inserts), nl=False)
+                      phase=phase, plot_path=plot_path, progress=True, admit=admit, max_inserts=max_inserts,
+                      warm_set=warm_set, warm_inserts=warm_inserts), nl=False)
 
 
 def serve_options(f):

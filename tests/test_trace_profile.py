@@ -3,6 +3,7 @@ static coverage numbers come out, and trace -> build-profile -> `pymoe run --pro
 plumbing test: the simulator's replay of the trace gives the engine's hit count, which checks the trace and the
 wiring; both run the same `policies.SlotTable`, so it is no oracle of the policies -- tests/test_policies.py holds
 those to hand-made sequences and Belady to an exhaustive optimum)."""
+import functools
 import json
 import os
 import re
@@ -225,16 +226,28 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
     profile = Profile.load(profile_path)
     from pymoe.experts.policies import make_admission
 
-    for policy, admit, max_inserts in (("lru", "all", 0), ("lfu", "all", 0), ("lfru", "all", 0),
-                                       ("lfru", "second-miss", 0), ("lru", "all", 1), ("lfru", "second-miss", 1)):
-        trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}.npz"
+    from pymoe.experts.policies import make_warm_rule
+
+    warm_mattered = []
+    for policy, admit, max_inserts, warm in (("lru", "all", 0, (0, 0)), ("lfu", "all", 0, (0, 0)),
+                                             ("lfru", "all", 0, (0, 0)), ("lfru", "second-miss", 0, (0, 0)),
+                                             ("lru", "all", 1, (0, 0)), ("lfru", "second-miss", 1, (0, 0)),
+                                             ("lru", "all", 1, (2, 0)), ("lfru", "second-miss", 1, (3, 2)),
+                                             ("lfu", "all", 0, (1, 0))):
+        trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}-{warm[0]}.npz"
         r = run_pymoe_here("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
                       "--cache-slots", "3", "--policy", policy, "--trace", str(trace2), "--admit", admit,
-                      "--max-inserts", str(max_inserts))
+                      "--max-inserts", str(max_inserts), "--warm-set", str(warm[0]), "--warm-inserts", str(warm[1]))
         assert r.returncode == 0, r.stderr
         assert f"profile {profile_path}: {profile.n_pairs} ranked pairs, built for 3 slots" in r.stderr
         hits, lookups = decode_hits(r.stderr)
         assert 0 < hits < lookups  # 3 slots are too few for the tiny model's routing: a real test of the policy
-        (sim,) = sweep(Trace.load(trace2), [policy], [3], ["global"], profile=profile, phase="decode",
-                       admission=make_admission(admit, max_inserts))
-        assert (sim.hits, sim.lookups) == (hits, lookups), (policy, admit, max_inserts)
+        replay = functools.partial(sweep, Trace.load(trace2), [policy], [3], ["global"], profile=profile,
+                                   phase="decode", admission=make_admission(admit, max_inserts))
+        (sim,) = replay(warm=make_warm_rule(*warm))
+        assert (sim.hits, sim.lookups) == (hits, lookups), (policy, admit, max_inserts, warm)
+        if warm[0]:
+            copied = int(re.search(r"warm decode set \(.*\): (\d+) experts copied", r.stderr).group(1))
+            assert copied > 0, r.stderr
+            warm_mattered.append(replay()[0].hits != hits)  # the replay without the warm set counts otherwise
+    assert any(warm_mattered)  # the warm set changed the count at least once: the comparison above can fail

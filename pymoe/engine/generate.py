@@ -114,6 +114,7 @@ def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec) 
     cache_stats = model.cache.stats
     t0 = time.perf_counter()
     logits = model.prefill(np.asarray(prompt_ids), kv)[-1]  # [V] of the last prompt position
+    model.cache.end_prefill()  # the warm decode set, if one is asked for (experts/cache.py)
     stats.prompt_s = time.perf_counter() - t0
     history = list(prompt_ids)
     before = cache_stats.snapshot("decode")

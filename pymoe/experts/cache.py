@@ -30,6 +30,8 @@ Both also keep `heat` int64 [n_layers, n_experts]: decode lookups per expert sin
 heat map shows (/v1/status?experts=1, serve/metrics.py) next to the residency table.
 Prefill lookups never promote: a prompt chunk touches nearly every expert, so letting it through the policy would
 flush the decode working set. Prefill misses are "staged" (streamed once per chunk), hits refresh the policy.
+With a warm rule (`--warm-set N`), `end_prefill()`, called once a request's prompt is read, places the experts of
+the prompt's last N tokens (policies.WarmSet, the rule the simulator replays), so decode starts warm.
 On the CPU backend nothing crosses PCIe: "spill" and "cpu" are the split a GPU would make (`gpu` False), and every
 expert is computed the same way.
 What this is not: a policy (policies.py), or the code that moves bytes to a GPU (backends/cuda.py does the copies;
@@ -133,6 +135,9 @@ class PassThroughCache:
     def finish(self, layer: int) -> None:
         pass  # nothing is ever copied
 
+    def end_prefill(self) -> None:
+        pass  # no slots to warm
+
     def describe(self) -> str:
         cfg = self.model.config
         if self.gpu:
@@ -146,10 +151,12 @@ class SlotCache:
     """N expert slots in a pool, a residency table, a policy; spill / cpu / promote on a miss."""
 
     def __init__(self, model: GGUFModel, n_slots: int, policy: str = DEFAULT_POLICY, profile=None,
-                 pcie_frac: float = 1.0, new_pool=None, gpu: bool = False, admission=None, **policy_args):
+                 pcie_frac: float = 1.0, new_pool=None, gpu: bool = False, admission=None, warm=None,
+                 **policy_args):
         """new_pool(n_slots, slot_bytes, layouts): the backend's pool (default: HostPool, in RAM); gpu: the pool is
-        on a GPU, so spill misses cross PCIe (else the spill / cpu split is only the one a GPU would make)."""
-        from .policies import Admission, SlotTable, make_policy
+        on a GPU, so spill misses cross PCIe (else the spill / cpu split is only the one a GPU would make);
+        admission: policies.Admission; warm: policies.WarmRule, the warm decode set placed by end_prefill()."""
+        from .policies import Admission, SlotTable, WarmRule, WarmSet, make_policy
 
         cfg = model.config
         self.model = model
@@ -168,6 +175,9 @@ class SlotCache:
         self.admission = admission or Admission()
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
                                self.admission)
+        self.warm_rule = warm or WarmRule()
+        self.warm = WarmSet(self.warm_rule, self.n_experts) if self.warm_rule else None
+        self.warmed = {"copied": 0, "evicted": 0}  # what end_prefill() did since start
         self.steps = 0  # lookup calls so far: one per layer per forward, the unit of the insert cap
         self.residency = np.full((self.n_layers, self.n_experts), -1, dtype=np.int32)  # [L, E] -> slot or -1
         self.heat = np.zeros((self.n_layers, self.n_experts), dtype=np.int64)  # [L, E] decode lookups (_warm)
@@ -233,6 +243,8 @@ class SlotCache:
                 key = self.key(layer, e)
                 self.clock += 1
                 hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode", step=self.steps)
+                if self.warm is not None and phase == "prefill":
+                    self.warm.see(key, (self.steps, t), self.clock)  # (lookup call, row) names the prompt token
                 served = self._served.get((layer, e))
                 if served is None:  # the first pair of this call to choose e decides how e is served
                     served = (("slot", slot) if hit else ("staged", -1) if phase == "prefill"
@@ -247,6 +259,21 @@ class SlotCache:
                     _count(counts, "promoted")
                     self.residency[layer, e] = slot
                     self._pending[slot] = (layer, e)  # a slot promoted into twice in one call keeps the last
+
+    def end_prefill(self) -> None:
+        """A request's prompt has been read (generate.py, the server's scheduler): place the warm decode set
+        (policies.WarmSet: the experts of the last prompt tokens, within the copy budget), copying their bytes in
+        now, so the first decode tokens hit. Without a warm rule, nothing."""
+        if self.warm is None:
+            return
+        self.finish(-1)  # nothing is pending after prefill; if it were, it lands before slots change hands
+        self._served = {}
+        for key, slot, evicted in self.warm.apply(lambda key: self.table):
+            if evicted is not None:
+                self.residency[divmod(evicted, self.n_experts)] = -1
+                self.warmed["evicted"] += 1
+            self._copy_in(slot, *divmod(key, self.n_experts))  # on a GPU: queued on the copy stream
+            self.warmed["copied"] += 1
 
     def _miss_path(self) -> str:
         """'spill' for a pcie_frac share of misses, 'cpu' for the rest (deterministic error diffusion)."""
@@ -292,4 +319,4 @@ class SlotCache:
         n_total = self.n_layers * self.n_experts
         return (f"expert cache: {self.n_slots} slots of {self.slot_bytes} bytes ({100 * self.n_slots / n_total:.1f}% "
                 f"of {n_total} experts), policy {self.policy_name}, admission: {self.admission}, "
-                f"pcie_frac {self.pcie_frac:g}")
+                f"warm decode set: {self.warm_rule}, pcie_frac {self.pcie_frac:g}")

@@ -9,6 +9,8 @@ the simulator (pymoe/experts/simulate.py), so a simulated hit rate is the engine
     miss  -> the policy is asked `admit(key, t)`; if it refuses, the miss is served without a slot (slot None);
              otherwise the key takes a free slot, or the slot of `victim(t)` (which is evicted: `on_evict`),
              and the policy hears `on_insert`.
+`WarmSet(WarmRule(n, m), n_experts)` is the warm decode set: at the end of a prompt, the experts of its last n
+tokens are placed in slots (`SlotTable.place`), at most m of them, so decode starts warm.
 What this is not: memory. Slots are numbers; copying expert bytes into slot `s` is the cache's job (cache.py).
 
 The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, future)`):
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
@@ -480,6 +482,19 @@ class SlotTable:
         if not insert or self.capacity == 0 or not self._admitted(key, step) or not self.policy.admit(key, t):
             return False, None, None
         self._inserts += 1
+        return (False, *self._insert(key, t))
+
+    def place(self, key: int, t: int) -> Optional[tuple[int, Optional[int]]]:
+        """Insert a key outside a lookup (the warm decode set, `WarmSet`) -> (slot, evicted key or None), or None if
+        it is resident already or the policy refuses it (`admit`, asked as for a miss at position t: static keeps its
+        set, Belady its optimum). Admission control is not applied (the warm set has its own budget), and nothing
+        is counted as a lookup."""
+        if key in self.slot_of or self.capacity == 0 or not self.policy.admit(key, t):
+            return None
+        return self._insert(key, t)
+
+    def _insert(self, key: int, t: int) -> tuple[int, Optional[int]]:
+        """Give `key` a free slot, or the policy's victim's -> (slot, evicted key or None)."""
         evicted = None
         if self.free:
             slot = self.free.pop()
@@ -490,4 +505,97 @@ class SlotTable:
             self.evictions += 1
         self.slot_of[key] = slot
         self.policy.on_insert(key, t)
-        return False, slot, evicted
+        return slot, evicted
+
+
+@dataclass(frozen=True)
+class WarmRule:
+    """The warm decode set (`--warm-set N --warm-inserts M`): when a request's prompt has been read, copy into the
+    pool the experts its last `tokens` prompt tokens used, at most `max_inserts` of them (0: as many as the pool
+    holds). Prefill lookups never insert (a prompt chunk would flush the decode working set), so without this the
+    first decode tokens miss on experts the prompt's last tokens just used."""
+
+    tokens: int = 0
+    max_inserts: int = 0
+
+    def __bool__(self) -> bool:
+        return self.tokens > 0
+
+    def __str__(self) -> str:
+        if not self.tokens:
+            return "off"
+        cap = f", at most {self.max_inserts} copies" if self.max_inserts else ""
+        return f"the last {self.tokens} prompt tokens' experts{cap}"
+
+
+def make_warm_rule(tokens: int = 0, max_inserts: int = 0) -> WarmRule:
+    """`--warm-set` and `--warm-inserts` -> a WarmRule, or a one-line PymoeError."""
+    from pymoe.errors import PymoeError
+
+    if tokens < 0 or max_inserts < 0:
+        raise PymoeError(f"--warm-set and --warm-inserts must be >= 0 (0: off / no cap), got {tokens}, {max_inserts}")
+    return WarmRule(int(tokens), int(max_inserts))
+
+
+class WarmSet:
+    """The warm decode set's rule, the one copy the engine's slot cache and the simulator both run.
+
+    see(key, token, t): one prefill lookup (key = layer * n_experts + expert), `token` anything that names its prompt
+    token (equal for the pairs of one token), t its position in the access sequence. Per layer, the pairs of the
+    last `rule.tokens` tokens are kept. apply(table_of) at the end of a prompt, with table_of(key) -> the SlotTable
+    that key belongs to (one for a global pool, its layer's for a per-layer pool):
+        rank    the kept pairs, most recent token first, then layer 0, 1, ..., then the router's order;
+                a key keeps its best rank (its latest use; t = that use's position)
+        choose  in rank order, the keys not resident, at most `rule.max_inserts` (0: no cap) and at most its
+                table's capacity per table (more would evict keys this very warm-up placed)
+        place   the chosen, lowest rank first (SlotTable.place: the policy's admit and victim), so the best ranked
+                lands last: the most recently used for LRU
+    then the kept pairs are dropped (the next prompt starts afresh). -> [(key, slot, evicted key or None)]."""
+
+    def __init__(self, rule: WarmRule, n_experts: int):
+        self.rule, self.n_experts = rule, int(n_experts)
+        self.recent: dict[int, deque] = {}  # layer -> deque of (token, [keys], [t]) of its last rule.tokens tokens
+
+    def see(self, key: int, token, t: int) -> None:
+        layer = key // self.n_experts
+        rows = self.recent.get(layer)
+        if rows is None:
+            rows = self.recent[layer] = deque(maxlen=self.rule.tokens)
+        if not rows or rows[-1][0] != token:
+            rows.append((token, [], []))
+        rows[-1][1].append(key)
+        rows[-1][2].append(t)
+
+    def ranked(self) -> list[tuple[int, int]]:
+        """[(key, t)] of the kept pairs in rank order (see the class), each key once."""
+        out, seen = [], set()
+        layers = sorted(self.recent)
+        for back in range(1, self.rule.tokens + 1):  # 1: the last prompt token
+            for layer in layers:
+                rows = self.recent[layer]
+                if back <= len(rows):
+                    _, keys, ts = rows[-back]
+                    for key, t in zip(keys, ts):
+                        if key not in seen:
+                            seen.add(key)
+                            out.append((key, t))
+        return out
+
+    def apply(self, table_of) -> list[tuple[int, int, Optional[int]]]:
+        chosen, per_table = [], {}
+        for key, t in self.ranked():
+            if self.rule.max_inserts and len(chosen) >= self.rule.max_inserts:
+                break
+            table = table_of(key)
+            n = per_table.get(id(table), 0)
+            if table.resident(key) is not None or n >= table.capacity:
+                continue
+            per_table[id(table)] = n + 1
+            chosen.append((key, t, table))
+        self.recent = {}
+        placed = []
+        for key, t, table in reversed(chosen):
+            got = table.place(key, t)
+            if got is not None:
+                placed.append((key, *got))
+        return placed

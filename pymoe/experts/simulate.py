@@ -28,6 +28,9 @@ Definitions
     prefill     as in the engine (cache.py), a prefill lookup that misses is "staged": served without a slot and
                 without asking the policy, so a long prompt cannot flush the decode working set; prefill hits
                 refresh the policy. sweep() applies this rule to the trace's prefill rows.
+    warm set    with a WarmRule (`--warm-set N`), at each prompt's end (prompt_ends: a request's last prefill row)
+                the experts of its last N prompt tokens are placed (policies.WarmSet), as the engine's
+                SlotCache.end_prefill() does.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import numpy as np
 
 from pymoe.errors import PymoeError
 from .policies import (DEFAULT_POLICY, POLICIES, Admission, NextUse, SlotTable,  # noqa: F401 (DEFAULT_POLICY: plan.py)
-                       make_policy)
+                       WarmRule, WarmSet, make_policy)
 from .profile import Profile
 
 POOLS = ("per-layer", "global")
@@ -94,7 +97,8 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
 def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots: int, pool: str = "per-layer",
              profile: Optional[Profile] = None, tokens: Optional[int] = None, counted: Optional[np.ndarray] = None,
              future: Optional[NextUse] = None, prefill: bool = True, staged: Optional[np.ndarray] = None,
-             admission: Admission = Admission(), steps: Optional[np.ndarray] = None) -> SimResult:
+             admission: Admission = Admission(), steps: Optional[np.ndarray] = None, warm: WarmRule = WarmRule(),
+             rows: Optional[np.ndarray] = None, warm_after: Optional[np.ndarray] = None) -> SimResult:
     """Replay the access sequence keys int64 [n] (time order) through `policy` with `slots` slots.
 
     tokens: how many tokens the counted lookups belong to (for misses per token). counted: bool [n], the lookups
@@ -103,6 +107,9 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     the cache (SlotTable.access(insert=False): the engine's rule for prefill lookups); None: every miss may.
     admission: the tables' admission control; steps: int [n], the layer-step of each lookup (its insert cap), as
     the engine's lookup calls number them (None: one step).
+    warm: the warm decode set (policies.WarmSet, as the engine's SlotCache.end_prefill): the staged lookups feed it,
+    rows int [n] names each lookup's token (trace row), and after each lookup with warm_after[t] (bool [n]: the
+    end of a prompt) the set is placed.
     """
     keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [n]
     if keys.size and (keys.min() < 0 or keys.max() >= n_layers * n_experts):
@@ -115,9 +122,20 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     inserts = itertools.repeat(True) if staged is None else (~np.asarray(staged, dtype=bool)).tolist()
     hit = np.zeros(keys.size, dtype=bool)  # [n]
     step_of = itertools.repeat(None) if steps is None else np.asarray(steps).tolist()
+    warm_set = None
+    if warm and staged is not None and warm_after is not None:
+        if rows is None:
+            raise ValueError("simulate: a warm set needs the token row of each lookup (rows)")
+        warm_set, row_of = WarmSet(warm, n_experts), np.asarray(rows).tolist()
+        ends = set(np.flatnonzero(warm_after).tolist())  # positions after which a prompt has been read
     for t, (key, insert, step) in enumerate(zip(keys.tolist(), inserts, step_of)):
         if access[key // group](key, t, insert, step)[0]:
             hit[t] = True
+        if warm_set is not None:
+            if not insert:  # a prefill lookup
+                warm_set.see(key, row_of[t], t)
+            if t in ends:  # a prompt has been read: the engine's SlotCache.end_prefill()
+                warm_set.apply(lambda k: tables[k // group])
     if counted is not None:
         hit = hit[np.asarray(counted, dtype=bool)]
     lookups, hits = int(hit.size), int(hit.sum())
@@ -128,10 +146,11 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
 
 def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequence[str] = POOLS,
           profile: Optional[Profile] = None, phase: Optional[str] = None, progress: bool = False,
-          admission: Admission = Admission()) -> list[SimResult]:
+          admission: Admission = Admission(), warm: WarmRule = WarmRule()) -> list[SimResult]:
     """simulate() for every pool x policy x slot count on one trace; counts the lookups of `phase` (None: all).
     Without a profile, one is built from the trace (in-sample). admission: as the engine's `--admit` /
-    `--max-inserts` (a layer-step is one layer of one forward, as in the engine)."""
+    `--max-inserts` (a layer-step is one layer of one forward, as in the engine). warm: as the engine's
+    `--warm-set` / `--warm-inserts`, placed at each prompt's end (prompt_ends())."""
     for name in policies:
         if name not in POLICIES:
             raise PymoeError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
@@ -153,9 +172,27 @@ def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequ
     runs = [(pool, name, n) for pool in pools for name in policies for n in slots_list]
     bar = tqdm(runs, desc="simulating", unit="run", disable=None if progress else True, leave=False)  # None: TTY only
     steps = trace.forward[row].astype(np.int64) * L + keys // E  # [N * L * K]: (forward, layer) of each lookup
+    warm_after = prompt_ends(trace, row) if warm else None  # [N * L * K]
     return [simulate(keys, L, E, name, n, pool, profile, tokens=int(rows.sum()), counted=counted, future=future,
-                     staged=staged if staged.any() else None, admission=admission, steps=steps)
+                     staged=staged if staged.any() else None, admission=admission, steps=steps, warm=warm, rows=row,
+                     warm_after=warm_after)
             for pool, name, n in bar]
+
+
+def prompt_ends(trace, row: np.ndarray) -> np.ndarray:
+    """bool [n]: for the lookups of a trace in engine order (row int [n]: the trace row of each), True at the last
+    lookup of each forward that ends a prompt: it holds a request's last prefill row of a run of prefill rows (the
+    next row is another request's, or not prefill, or there is none). That is where the engine calls
+    SlotCache.end_prefill(): once the whole prompt is read, all layers."""
+    pre = trace.rows("prefill")  # [N]
+    nxt_pre = np.append(pre[1:], False)  # [N]: is the next row prefill
+    same_req = np.append(trace.request[1:] == trace.request[:-1], False)  # [N]: is the next row the same request
+    end_row = pre & ~(nxt_pre & same_req)  # [N]: the last row of a prompt
+    fwd = trace.forward[row]  # [n]
+    last_of_fwd = np.append(fwd[1:] != fwd[:-1], True)  # [n]: the last lookup of its forward
+    end_fwd = np.zeros(int(trace.forward.max()) + 1 if trace.n_tokens else 0, dtype=bool)
+    end_fwd[trace.forward[end_row]] = True
+    return last_of_fwd & end_fwd[fwd]
 
 
 def grouped(results: Sequence[SimResult]) -> dict[tuple[str, str], list[SimResult]]:
@@ -254,13 +291,15 @@ def parse_numbers(text: str, what: str, kind=float) -> list:
 
 def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] = None,
            coverage: Optional[str] = None, pool: str = "both", profile_path=None, phase: str = "all",
-           plot_path=None, progress: bool = False, admit: str = "all", max_inserts: int = 0) -> str:
+           plot_path=None, progress: bool = False, admit: str = "all", max_inserts: int = 0, warm_set: int = 0,
+           warm_inserts: int = 0) -> str:
     """What `pymoe simulate` prints: trace summary, where the profile came from, one table per pool."""
     from .trace import Trace
 
-    from .policies import make_admission
+    from .policies import make_admission, make_warm_rule
 
     admission = make_admission(admit, max_inserts)
+    warm = make_warm_rule(warm_set, warm_inserts)
     trace = Trace.load(trace_path)
     L, E = trace.n_layers, trace.n_experts
     if slots is not None and coverage is not None:
@@ -285,11 +324,11 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
         profile = None
         origin = "profile: in-sample, built from this trace (static is an upper bound; all policies start pre-filled)"
     results = sweep(trace, names, slots_list, pools, profile=profile, phase=phase, progress=progress,
-                    admission=admission)
+                    admission=admission, warm=warm)
     n_tok = int(trace.rows(phase).sum())
     head = [f"trace {trace_path}: {trace.summary()}",
             f"counted: {phase or 'all'} lookups ({n_tok} tokens x {L} layers x {trace.k}); {origin}; "
-            f"admission: {admission}", ""]
+            f"admission: {admission}; warm decode set: {warm}", ""]
     if plot_path is not None:
         plot(results, plot_path, title=f"{trace.meta.get('model', '')} expert cache hit rate")
         head.insert(2, f"plot: {plot_path}")

@@ -9,6 +9,8 @@ What this is:
                              several decode positions), .request int32 [N], .forward int32 [N], .meta;
                              .keys() the global-key access sequence the cache simulator replays
     synthetic_trace(...)     a trace with skewed popularity and temporal locality, for tests and demos
+    fitted_trace(heat, ...)  a trace whose per-layer popularity is measured routing counts (routing-heat JSON),
+                             with a stated temporal locality; top_share(counts) its per-layer skew
 What this is not: a profile (profile.py ranks the pairs of a trace) or a simulator (simulate.py replays one).
 
 One row per token (N rows). A file is a compressed .npz (NumPy zip; `np.load` reads it) holding the five arrays
@@ -286,3 +288,74 @@ def synthetic_trace(n_tokens: int, n_layers: int, n_experts: int, k: int, seed: 
             "prompt_lengths": [prompt_len], "n_requests": 1, "n_forwards": int(forward.max()) + 1 if n_tokens else 0,
             "zipf": zipf, "locality": locality, "seed": seed}
     return Trace(experts, weights, phase, np.zeros(n_tokens, np.int32), forward, meta)
+
+
+def fitted_trace(heat, n_requests: int, prompt_len: int, decode_len: int, locality: float, window: int,
+                 seed: int = 0, layers=None, k: Optional[int] = None, model: str = "fitted") -> Trace:
+    """A synthetic trace fitted to measured per-layer routing counts (../shared/data/routing-heat/), with a stated
+    temporal locality. heat int [L, E] (decode tokens in which each expert was in its layer's top-k); layers: the
+    rows of heat to use (None: all); k: experts per token (default: the measured mean, heat.sum(1) / tokens, which
+    the caller knows better: pass it).
+    Per layer, independently, each token's k distinct experts are picked one at a time:
+      - with probability `locality`, copy the expert of a uniformly chosen lookup among the previous `window`
+        tokens' k * window lookups of this layer (of this request) -- a copy of a past lookup has the lookups'
+        marginal distribution, so locality adds recency without changing each expert's long-run share;
+      - else draw from the layer's popularity: (heat + 1/2) / sum (the 1/2: an expert never seen in the measured
+        decode tokens stays possible, rarely);
+    a pick already chosen for this token is redrawn (from the popularity after 8 failed copies). Each request
+    starts with an empty window: `prompt_len` prefill tokens in one forward, then `decode_len` decode forwards.
+    Drawing k distinct experts flattens the hottest ones a little (one token cannot take an expert twice):
+    bench/cache_policies.py prints the generated per-layer skew next to the measured one."""
+    heat = np.asarray(heat, dtype=np.float64)  # [L_all, E]
+    layers = list(range(heat.shape[0])) if layers is None else list(layers)
+    heat = heat[layers]  # [L, E]
+    L, E = heat.shape
+    if k is None:
+        raise ValueError("fitted_trace: give k (the model's experts per token)")
+    if not 0.0 <= locality <= 1.0 or window < 1:
+        raise ValueError(f"fitted_trace: locality must be in [0, 1] and window >= 1, got {locality}, {window}")
+    rng = np.random.default_rng(seed)
+    pop = (heat + 0.5) / (heat + 0.5).sum(axis=1, keepdims=True)  # [L, E]
+    per_req = prompt_len + decode_len
+    n = n_requests * per_req
+    experts = np.zeros((n, L, k), dtype=np.uint16)  # [N, L, K]
+    for layer in range(L):
+        draws = iter(rng.choice(E, size=4 * n * k + 64, p=pop[layer]).tolist())
+        coin = iter((rng.random(n * k * 2 + 64) < locality).tolist())
+        for r in range(n_requests):
+            base = r * per_req
+            for t in range(base, base + per_req):
+                chosen: list[int] = []
+                past = experts[max(base, t - window):t, layer].reshape(-1)  # [<= window * K] this request's recent
+                for _ in range(k):
+                    e = -1
+                    if past.size and next(coin):
+                        for _try in range(8):
+                            e = int(past[rng.integers(past.size)])
+                            if e not in chosen:
+                                break
+                            e = -1
+                    while e < 0 or e in chosen:
+                        e = next(draws, None)
+                        e = int(rng.choice(E, p=pop[layer])) if e is None else e
+                    chosen.append(e)
+                experts[t, layer] = chosen
+    weights = np.full((n, L, k), 1.0 / k, dtype=np.float16)  # [N, L, K]: not modelled
+    in_req = np.tile(np.arange(per_req), n_requests)  # [N] position within its request
+    phase = (in_req >= prompt_len).astype(np.uint8)  # [N]
+    request = np.repeat(np.arange(n_requests), per_req).astype(np.int32)  # [N]
+    fwd_in_req = np.maximum(in_req - prompt_len + 1, 0) if prompt_len else in_req  # the prompt is one forward
+    forward = request * (decode_len + (1 if prompt_len else 0)) + fwd_in_req  # [N]
+    meta = {"model": model, "arch": "synthetic", "n_layers": L, "n_experts": E, "k": k,
+            "prompt_lengths": [prompt_len] * n_requests, "n_requests": n_requests,
+            "n_forwards": int(forward.max()) + 1 if n else 0, "locality": locality, "window": window,
+            "seed": seed, "layers": layers}
+    return Trace(experts, weights, phase, request, forward.astype(np.int32), meta)
+
+
+def top_share(counts, frac: float = 0.1) -> np.ndarray:
+    """float [L]: per layer, the share of its lookups taken by its hottest ceil(frac * E) experts (counts int
+    [L, E]): the per-layer skew the fitted trace is checked against."""
+    c = np.sort(np.asarray(counts, dtype=np.float64), axis=1)[:, ::-1]  # [L, E] hottest first
+    top = int(np.ceil(frac * c.shape[1]))
+    return c[:, :top].sum(axis=1) / c.sum(axis=1)

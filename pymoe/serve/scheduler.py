@@ -447,6 +447,7 @@ class Scheduler:
             if not slot.pending:
                 self.last["prefill_tok_s"] = st.prefill_tok_s
         if not slot.pending:
+            self.model.cache.end_prefill()  # the warm decode set, if one is asked for (experts/cache.py)
             self._prompt_read(slot, logits)
 
     def _decode_step(self, active: list) -> None:
