@@ -9,7 +9,8 @@ What this is: `gqa_block(backend, layer, x, kvs, layer_i, rope)`, the softmax at
               (a sliding window on the layers the plan says, and per-head sinks: gpt-oss)
 Every block has the same three parts, for the rows of one sequence (prefill, decode) or of N (a batched decode step):
     project  all rows at once: the projections (the weight reads that dominate a decode step), norms, RoPE
-    core     per sequence (engine/kv.py `segments`): write its new K/V (or advance its recurrent state), attend over its own cache
+    core     per sequence (engine/kv.py `segments`): write its new K/V (or advance its recurrent state), attend
+             over its own cache
     output   all rows at once: the output gate and projection
 The single-sequence forward is the N = 1 case of the same code: one cache, its T new tokens as the rows.
 `ATTENTION` maps a layer plan's attention kind (gguf/config.LayerPlan) to its block. A new kind (gated attention,

@@ -364,10 +364,29 @@ MUTANTS: list[Mutant] = [
         "seed -1 (llama.cpp's random) reaches numpy, which raises in the engine thread"),
     Mutant(
         "anthropic_tool_use_stop_reason_dropped", "pymoe/serve/app.py",
-        "                    if found and stop_reason == \"end_turn\":\n                        stop_reason = \"tool_use\"",
+        "                    if n_calls and stop_reason == \"end_turn\":\n                        stop_reason = \"tool_use\"",
         "                    if False:  # MUTANT\n                        stop_reason = \"tool_use\"",
         ("tests/test_server.py::test_anthropic_tool_use_with_the_official_client",),
         "Anthropic: a streamed answer with a tool call ends with end_turn, not tool_use"),
+    Mutant(
+        "control_markers_not_preserved", "pymoe/serve/app.py",
+        "    return tools.preserved_tokens(fmt, tokenizer) if choice is not None or fmt == \"harmony\" else frozenset()",
+        "    return frozenset()  # MUTANT",
+        ("tests/test_tool_formats.py::test_markers_that_are_control_tokens_are_shown_so_the_call_is_read",),
+        "a tool format's markers that are control tokens vanish from the answer: the call is never read back"),
+    Mutant(
+        "forced_call_schema_left_open", "pymoe/serve/tools.py",
+        "        specs = [{**s, \"parameters\": closed(s.get(\"parameters\"))} for s in specs]\n",
+        "",
+        ("tests/test_tool_formats.py::test_forced_grammar_accepts_the_template_text_and_generates_calls[*]",
+         "tests/test_tool_formats.py::test_a_forced_call_closes_when_the_schema_leaves_other_keys_open"),
+        "a forced call's arguments stay open to more keys: a weak model never closes the call"),
+    Mutant(
+        "shared_prefill_drops_recurrent_state", "pymoe/engine/kv.py",
+        "        self.restore_recurrent(other.save_recurrent())\n",
+        "",
+        ("tests/test_server.py::test_n_choices_share_one_prefill_and_equal_separate_requests[*]",),
+        "n > 1 on a hybrid: the siblings' copied prompt lacks the Gated DeltaNet state (wrong continuations)"),
 ]
 
 
