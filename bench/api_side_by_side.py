@@ -55,7 +55,7 @@ FLAG_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "req
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo"]}},
-                   "required": ["city"], "additionalProperties": False}}}  # no other keys: see tool_named
+                   "required": ["city"]}}}  # additionalProperties unsaid, as tools often come: see tool_named
 PENALTY_TOKENS = 30  # llama-cpp-python penalises generated tokens only (its sampler is fed no prompt): 10 are too few
 BIASED_TEXT = "Z"  # a one-token string: logit_bias +100 on its id must make greedy output nothing else
 END_TOKENS = ("<|endoftext|>", "<|im_end|>")  # biased away (-100) in the long requests of the disconnect check
@@ -254,8 +254,9 @@ def grammar(t):
 
 
 def tool_named(t):
-    """The tool's parameters say additionalProperties false: without it JSON Schema allows any other key, and
-    pymoe's call grammar lets the demo model write extra keys until max_tokens, where llama.cpp's closes the call."""
+    """The tool's parameters do not say additionalProperties. JSON Schema then allows any other key; llama.cpp's
+    schema converter closes the object after the declared keys, and so does pymoe's forced-call grammar
+    (serve/tools.closed; before it, the demo model wrote extra keys until max_tokens and no call came back)."""
     r = t.chat(tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
                max_tokens=48, temperature=0)
     calls = r.choices[0].message.tool_calls or []
