@@ -514,7 +514,9 @@ def serve_options(f):
 def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, request_timeout, ctx, kv, parallel,
               max_queue, spec, spec_k, prefill_chunk, **engine_options):
     """Serve MODEL (a GGUF file) over OpenAI- and Anthropic-compatible HTTP APIs: /v1/chat/completions,
-    /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health."""
+    /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health, and the monitor page at /.
+    With no MODEL, serves the embedded demo model (trained on Python's standard library)."""
+    from . import demo
     from .serve.app import serve
 
     def log(line):
@@ -522,7 +524,8 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
 
     model = _pick_model(model, model_opt)
     if model is None:
-        raise PymoeError("give the model to serve: pymoe serve MODEL.gguf (or -m MODEL.gguf)")
+        model = demo.demo_model()
+        log(f"no model given: serving the demo model {model} (a small MoE trained on Python code)")
     defaults = {field: engine_options.pop(f"default_{field}") for _, field, _ in SERVER_SAMPLING}
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
           max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,

@@ -135,3 +135,32 @@ def test_run_with_a_grammar_or_a_json_schema(tmp_path):
         r = run_pymoe("run", "-p", "x", *bad)
         assert r.returncode == 2 and len(r.stderr.strip().splitlines()[-1]) < 200 and "Traceback" not in r.stderr
         assert r.stderr.strip().splitlines()[-1].startswith("pymoe: error: --"), r.stderr
+
+
+def test_serve_with_no_model_serves_the_demo():
+    """`pymoe serve` alone serves the embedded demo model, as `pymoe run` and `pymoe chat` run it."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "pymoe", "serve", "--port", str(port)], stderr=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
+                break
+            except httpx.TransportError:
+                assert proc.poll() is None and time.monotonic() < deadline, "pymoe serve did not start"
+                time.sleep(0.2)
+        from pymoe import demo
+        assert [m["id"] for m in models["data"]] == [os.path.basename(demo.demo_model())], models
+    finally:
+        proc.terminate()
+        err = proc.communicate(timeout=30)[1]
+    assert "no model given: serving the demo model" in err, err
