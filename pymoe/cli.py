@@ -224,7 +224,8 @@ def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
 @click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step.")
 @click.option("--lookahead", default=0, show_default=True,
               help="Router lookahead: predict N experts per token of each next MoE layer one layer early, report "
-                   "precision/recall, madvise them WILLNEED (0: off).")
+                   "precision/recall, madvise them WILLNEED, and with a slot pool copy up to N of them into slots "
+                   "before the layer runs (decode; --max-inserts caps it too) (0: off).")
 @click.option("--grammar", default=None, help="Constrain the output to this GBNF grammar (llama.cpp's).")
 @click.option("--grammar-file", default=None, help="... read from this file.")
 @click.option("-j", "--json-schema", default=None, help="Constrain the output to JSON following this JSON schema.")

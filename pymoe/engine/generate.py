@@ -76,6 +76,9 @@ class RequestStats:
         elif spill + cpu:
             line += (f"; {spill + cpu} misses computed in place from host memory (split for a GPU: {spill} spill, "
                      f"{cpu} cpu), {promoted} promoted")
+        if c.get("prefetched", 0):  # the router lookahead's copies (experts/prefetch.py)
+            line += (f"; {c['prefetched']} prefetched by the router lookahead, {c.get('prefetch_hits', 0)} of the hits "
+                     "on them")
         return line
 
 

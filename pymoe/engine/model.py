@@ -186,7 +186,7 @@ class Model:
             if self.lookahead is not None:  # experts/prefetch.Lookahead: score layer i's guess, guess the next
                 if ids is not None:
                     self.lookahead.chosen(i, ids)
-                self.lookahead.after_layer(i, x)
+                self.lookahead.after_layer(i, x, phase)
             if self.count_experts and ids is not None:
                 self.last_experts += np.unique(ids).size
             if self.trace is not None and ids is not None:  # a decode forward of several positions: speculation's

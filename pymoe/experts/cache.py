@@ -32,6 +32,11 @@ Prefill lookups never promote: a prompt chunk touches nearly every expert, so le
 flush the decode working set. Prefill misses are "staged" (streamed once per chunk), hits refresh the policy.
 With a warm rule (`--warm-set N`), `end_prefill()`, called once a request's prompt is read, places the experts of
 the prompt's last N tokens (policies.WarmSet, the rule the simulator replays), so decode starts warm.
+The router lookahead (experts/prefetch.py, `--lookahead N`) calls `prefetch(layer, experts)` in decode, one layer
+early: the predicted experts that are not resident are placed through the policy (SlotTable.prefetch: the admission
+rules and the per-step insert cap of the layer they are for, the policy's admit and victim) and their bytes copied in
+at once (on a GPU: on the copy stream, overlapped with the attention of the layer that will read them), so that
+layer's lookup hits them ("prefetch_hits").
 On the CPU backend nothing crosses PCIe: "spill" and "cpu" are the split a GPU would make (`gpu` False), and every
 expert is computed the same way.
 What this is not: a policy (policies.py), or the code that moves bytes to a GPU (backends/cuda.py does the copies;
@@ -52,8 +57,10 @@ from .policies import DEFAULT_POLICY, check_engine_policy
 
 PHASES = ("prefill", "decode")
 # What each lookup was served by (ExpertBytes.where -> counter: slot -> hits; spill, cpu, staged, host), and what it
-# did to the pool (promoted, evicted).
-COUNTERS = ("lookups", "hits", "spill", "cpu", "staged", "host", "promoted", "evicted")
+# did to the pool (promoted, evicted). The router lookahead's copies (`prefetch`) are counted apart: prefetched =
+# experts it placed in slots ahead of their layer (a pool event: no batch row owns it), prefetch_hits = the hits of
+# that layer's next lookup on those slots, the misses the lookahead turned into hits (part of `hits`).
+COUNTERS = ("lookups", "hits", "spill", "cpu", "staged", "host", "promoted", "evicted", "prefetched", "prefetch_hits")
 
 
 @dataclass
@@ -138,6 +145,9 @@ class PassThroughCache:
     def end_prefill(self) -> None:
         pass  # no slots to warm
 
+    def prefetch(self, layer: int, experts, limit: int = 0) -> int:
+        return 0  # no slots to prefetch into (the CPU backend's lookahead advises the memory map instead)
+
     def describe(self) -> str:
         cfg = self.model.config
         if self.gpu:
@@ -189,6 +199,7 @@ class SlotCache:
         self.gpu = bool(gpu)
         self._served: dict = {}  # (layer, expert) -> (where, slot): how the last lookup call serves each expert
         self._pending: dict = {}  # slot -> (layer, expert): promotions whose bytes finish() has not copied yet
+        self._prefetched: dict = {}  # layer -> {expert}: placed by prefetch() for that layer's next lookup
         self.stats = CacheStats()
         self.clock = 0  # one tick per lookup: the policy's notion of time
         self._pcie_credit = 0.0  # error diffusion of the spill/cpu split
@@ -237,6 +248,7 @@ class SlotCache:
         _warm(self.heat, layer, expert_ids, phase)
         self._served = {}
         self.steps += 1
+        prefetched = self._prefetched.pop(layer, ())  # experts the lookahead placed for this lookup
         for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
             counts = (c,) if rows is None else (c, rows[t])
             for e in row.tolist():
@@ -252,6 +264,8 @@ class SlotCache:
                     self._served[layer, e] = served
                 _count(counts, "lookups")
                 _count(counts, "hits" if served[0] == "slot" else served[0])
+                if served[0] == "slot" and e in prefetched:
+                    _count(counts, "prefetch_hits")
                 if evicted is not None:
                     _count(counts, "evicted")
                     self.residency[divmod(evicted, self.n_experts)] = -1
@@ -274,6 +288,37 @@ class SlotCache:
                 self.warmed["evicted"] += 1
             self._copy_in(slot, *divmod(key, self.n_experts))  # on a GPU: queued on the copy stream
             self.warmed["copied"] += 1
+
+    def prefetch(self, layer: int, experts, limit: int = 0) -> int:
+        """The router lookahead predicts that the next lookup of `layer` (a decode step's) chooses `experts` (ints,
+        most wanted first): place those that are not resident, as that lookup's misses would be promoted but one
+        layer early, and copy their bytes in now (on a GPU: queued on the copy stream, after the kernels still
+        reading a victim's slot; the compute stream waits for the copy before it reads the slot). Admission and the
+        insert cap are the lookup's own (SlotTable.prefetch). -> how many were placed (counted "prefetched";
+        evictions are counted "evicted", as a promotion's are); limit: at most this many placed (0: no limit).
+        Results never change: only where the bytes are read from."""
+        self.finish(-1)  # promotions still pending land first (moe.py has called finish already)
+        self._served = {}  # the last lookup's experts are computed: nothing is served from its decisions any more
+        c = self.stats.counts["decode"]
+        placed, n = self._prefetched.setdefault(layer, set()), 0
+        for e in experts:
+            if limit and n >= limit:
+                break
+            self.clock += 1
+            got = self.table.prefetch(self.key(layer, int(e)), self.clock, step=self.steps + 1)  # the next lookup's
+            if got is None:
+                continue
+            slot, evicted = got
+            if evicted is not None:
+                _count((c,), "evicted")
+                lay, old = divmod(evicted, self.n_experts)
+                self.residency[lay, old] = -1
+                self._prefetched.get(lay, set()).discard(old)
+            self._copy_in(slot, layer, int(e))
+            placed.add(int(e))
+            n += 1
+            _count((c,), "prefetched")
+        return n
 
     def _miss_path(self) -> str:
         """'spill' for a pcie_frac share of misses, 'cpu' for the rest (deterministic error diffusion)."""

@@ -493,6 +493,26 @@ class SlotTable:
             return None
         return self._insert(key, t)
 
+    def prefetch(self, key: int, t: int, step=None) -> Optional[tuple[int, Optional[int]]]:
+        """Insert a key predicted to be looked up at layer-step `step` (the router lookahead, experts/prefetch.py) as
+        that step's miss would be, only earlier -> (slot, evicted key or None), or None: resident already, or refused.
+        Admission as for a miss: the insertion counts against `step`'s cap (max_inserts), shared with the step's own
+        miss promotions; under second_miss only a key the rule would admit at its next miss (one in the recent-miss
+        FIFO) is taken, and a refused prediction is *not* remembered (a prediction is not a miss). Then the policy's
+        admit and victim. Not counted as a lookup: the lookup comes when the layer routes."""
+        a = self.admission
+        if key in self.slot_of or self.capacity == 0:
+            return None
+        if step != self._step:
+            self._step, self._inserts = step, 0
+        if (a.max_inserts and self._inserts >= a.max_inserts) or (a.second_miss and key not in self.missed):
+            return None
+        if not self.policy.admit(key, t):
+            return None
+        self.missed.pop(key, None)
+        self._inserts += 1
+        return self._insert(key, t)
+
     def _insert(self, key: int, t: int) -> tuple[int, Optional[int]]:
         """Give `key` a free slot, or the policy's victim's -> (slot, evicted key or None)."""
         evicted = None

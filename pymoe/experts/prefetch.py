@@ -8,12 +8,24 @@ and the lookahead skips the attention term:
 because the residual stream changes little from one layer to the next (the reference article's prefetch applies
 the next layer's router early in the same way). When layer l + 1 routes, its real choice [T, K] is compared:
     precision = |predicted & chosen| / K'     recall = |predicted & chosen| / K      per token, summed per layer
-and the predicted experts are prefetched: on the CPU, `madvise(MADV_WILLNEED)` on their byte ranges of the memory
-map, so that the kernel starts reading pages that are not in memory (a model larger than RAM) before the layer
-needs them. Routing and results are untouched: the lookahead only reads.
+and the predicted experts are prefetched, two ways:
+  - into the slot pool (a decode step, with `--cache-slots`: cache.SlotCache.prefetch): the predicted experts that
+    are not resident, most-predicted first (count over the T tokens, then rank), at most `budget` per layer per
+    forward (default K'), are placed through the cache's own rules -- admission (second-miss; the `--max-inserts`
+    cap of the layer they are for, which its own miss promotions then share), the policy's admit and victim -- and
+    their bytes copied in at once. On CUDA the copy is queued on the copy stream (backends/cuda.DevicePool.write:
+    after the kernels still reading the victim's slot; the compute stream waits for it before reading the slot),
+    so it overlaps with layer l + 1's attention, and layer l + 1's lookup hits them: counted "prefetch_hits" (of
+    "prefetched" copies). On the CPU backend the pool is the GPU's emulation in RAM (the same accounting; the
+    copy is a NumPy copy that buys nothing there). Prefill never prefetches, as its lookups never promote.
+  - on the CPU backend, `madvise(MADV_WILLNEED)` on their byte ranges of the memory map, so that the kernel starts
+    reading pages that are not in memory (a model larger than RAM) before the layer needs them.
+Routing and results are untouched: the lookahead changes only where expert bytes are read from.
 Approximations: the attention term is skipped; group-limited routing (DeepSeek-V3) is not applied to the
-prediction. What this is not: a GPU prefetch (starting the predicted experts' promotion on the copy stream is the
-next step), or a cache policy.
+prediction; the prediction is made after layer l's experts (layer l's output is its input), not right after layer
+l's router. What this is not: a cache policy (a wrong prediction costs a copy and may evict a useful expert: the
+budget bounds both), or a simulator replay (`pymoe simulate` does not replay the lookahead's copies: a trace would
+have to record the predictions).
 """
 from __future__ import annotations
 
@@ -27,10 +39,13 @@ PAGE = mmap.PAGESIZE
 
 
 class Lookahead:
-    def __init__(self, model, k: int = 0, advise: bool = True):
-        """model: engine/model.Model; k: experts predicted per token (0: the model's K); advise: madvise on CPU."""
+    def __init__(self, model, k: int = 0, advise: bool = True, promote: bool = True, budget: int = 0):
+        """model: engine/model.Model; k: experts predicted per token (0: the model's K); advise: madvise on CPU;
+        promote: place predicted experts in the slot pool (when the cache has one), at most `budget` per layer per
+        forward (0: k)."""
         cfg = model.cfg
         self.model, self.k = model, int(k or cfg.n_expert_used)
+        self.promote, self.budget = promote, int(budget or self.k)
         self.moe = [i for i, layer in enumerate(model.layers) if layer.ffn_gate_inp is not None]
         self.next_moe = {a: b for a, b in zip(self.moe, self.moe[1:])}  # layer -> the next MoE layer
         self.routers = {i: np.asarray(model.file.layer_tensor(i, "ffn_gate_inp.weight").floats(), np.float32)
@@ -57,8 +72,9 @@ class Lookahead:
             return None
         return mm, int(data.__array_interface__["data"][0]) - int(getattr(data, "offset", 0) or 0)
 
-    def after_layer(self, layer: int, x: np.ndarray) -> None:
-        """x [T, D]: the residual stream after `layer`; predict the next MoE layer's experts and prefetch them."""
+    def after_layer(self, layer: int, x: np.ndarray, phase: str = "decode") -> None:
+        """x [T, D]: the residual stream after `layer`; predict the next MoE layer's experts and prefetch them
+        (into slots only in decode)."""
         nxt = self.next_moe.get(layer)
         if nxt is None:
             return
@@ -71,9 +87,18 @@ class Lookahead:
                 scores = scores + self.select_bias[nxt]
         pred = np.argsort(-scores, axis=1, kind="stable")[:, :self.k]  # [T, K']
         self.predicted[nxt] = pred
+        if self.promote and phase == "decode":
+            self.model.cache.prefetch(nxt, self.ranked(pred), limit=self.budget)
         if self._map is not None:
             for e in np.unique(pred).tolist():
                 self._advise(nxt, e)
+
+    @staticmethod
+    def ranked(pred: np.ndarray) -> list[int]:
+        """pred [T, K'] -> its distinct experts, most predicted first: by how many tokens predicted each, then by
+        the best rank any token gave it (then by id)."""
+        ids, first, n = np.unique(pred.T.reshape(-1), return_index=True, return_counts=True)  # rank-major order
+        return ids[np.lexsort((first, -n))].tolist()
 
     def chosen(self, layer: int, ids: np.ndarray) -> None:
         """The router's real choice at `layer`, ids [T, K]: scored against the prediction made one layer early."""
@@ -109,5 +134,14 @@ class Lookahead:
         return (f"router lookahead: top-{self.k} of the next layer's router one layer early: precision "
                 f"{100 * hits / pred:.1f}%, recall {100 * hits / chosen:.1f}% over {len(rows)} layers (worst: layer "
                 f"{worst[0]}, recall {100 * worst[2]:.1f}%; chance {100 * self.model.cfg.n_expert_used / self.model.cfg.n_expert:.1f}%)"
+                + self.prefetch_line()
                 + (f"; {self.advised_bytes / 2**20:.1f} MiB of expert bytes advised WILLNEED in all" if self._map
                    else ""))
+
+    def prefetch_line(self) -> str:
+        """What the slot prefetch did, from the cache's decode counters ('' with no slot pool or promote off)."""
+        c = self.model.cache.stats.counts["decode"]
+        if not self.promote or not self.model.cache.n_slots:
+            return ""
+        return (f"; {c['prefetched']} experts prefetched into slots (at most {self.budget} per layer-step), "
+                f"{c['prefetch_hits']} of {c['hits']} decode hits on them")
