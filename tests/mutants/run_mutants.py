@@ -387,6 +387,13 @@ MUTANTS: list[Mutant] = [
         "",
         ("tests/test_server.py::test_n_choices_share_one_prefill_and_equal_separate_requests[*]",),
         "n > 1 on a hybrid: the siblings' copied prompt lacks the Gated DeltaNet state (wrong continuations)"),
+    Mutant(
+        "prefetch_victim_stays_resident", "pymoe/experts/cache.py",
+        "                self.residency[lay, old] = -1\n                self._prefetched.get(lay, set()).discard(old)",
+        "                self._prefetched.get(lay, set()).discard(old)  # MUTANT: residency left",
+        ("tests/test_cuda_backend.py::test_lookahead_prefetch_turns_misses_into_hits[*]",
+         "tests/test_prefetch.py::*"),
+        "a lookahead prefetch evicts an expert but its residency still points at the slot (read with another's bytes)"),
 ]
 
 
