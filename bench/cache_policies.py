@@ -15,9 +15,8 @@ What this is: the measurement behind docs/expert-cache.md's tables ("Which defau
              ~67% / ~81% (64 / 128 slots of 512 per layer), the two numbers FIT_LOCALITY was chosen to approach.
 Every replay is `simulate.sweep` (the engine's own SlotTable, admission and WarmSet), counting decode lookups, as
 `pymoe simulate TRACE --phase decode --pool P --admit A --max-inserts M --warm-set N --profile PROFILE` does.
-Not replayed: the router-lookahead prefetch. A trace records what the router chose, not what the lookahead
-predicted, and the engine's prefetch on the CPU is madvise(WILLNEED) on the memory map, not a slot insertion; its
-precision / recall are measured in the engine (`pymoe run --lookahead N`, docs/expert-cache.md).
+Not replayed here: the router-lookahead prefetch (this trace is recorded without the lookahead); its replay on a
+shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
     PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256]

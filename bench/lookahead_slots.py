@@ -7,7 +7,8 @@ K'` (K' predicted per token, at most K' copies per layer-step), the copies it st
 that hit them at the layer they were for (prefetch hits), and the slot copies in all (promoted + prefetched: the
 host-to-device traffic a GPU would make). The tokens are the same in every setting (checked).
 What this is not: a timing (on a GPU the copies overlap with the next layer's attention; the simulator in CI does
-not time), or a replay (`pymoe simulate` does not replay the lookahead: a trace does not record the predictions).
+not time), or a replay (the simulator's replay of a trace recorded with the lookahead, `pymoe simulate --prefetch`,
+is bench/prefetch_replay.py).
 
     PYTHONPATH=. nice python bench/lookahead_slots.py --tokens 64
 """

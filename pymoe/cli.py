@@ -462,8 +462,11 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 @click.option("--warm-set", default=0, show_default=True,
               help="Warm decode set: at each prompt's end, place the experts of its last N tokens (0: off).")
 @click.option("--warm-inserts", default=0, show_default=True, help="At most this many warm-set copies (0: no cap).")
+@click.option("--prefetch", is_flag=True,
+              help="Replay the router lookahead's prefetch the trace recorded (`pymoe run --lookahead N --trace`); "
+                   "belady is left out.")
 def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path, admit, max_inserts,
-                 warm_set, warm_inserts):
+                 warm_set, warm_inserts, prefetch):
     """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
 
     Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/trace-files.md."""
@@ -471,7 +474,7 @@ def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, pl
 
     click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,
                       phase=phase, plot_path=plot_path, progress=True, admit=admit, max_inserts=max_inserts,
-                      warm_set=warm_set, warm_inserts=warm_inserts), nl=False)
+                      warm_set=warm_set, warm_inserts=warm_inserts, prefetch=prefetch), nl=False)
 
 
 def serve_options(f):

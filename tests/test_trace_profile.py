@@ -251,3 +251,96 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
             assert copied > 0, r.stderr
             warm_mattered.append(replay()[0].hits != hits)  # the replay without the warm set counts otherwise
     assert any(warm_mattered)  # the warm set changed the count at least once: the comparison above can fail
+
+
+def prefetch_counts(stderr):
+    """(prefetched, prefetch hits) from `pymoe run --lookahead N`'s decode cache line, (0, 0) when none."""
+    m = re.search(r"(\d+) prefetched by the router lookahead, (\d+) of the hits on them", stderr)
+    return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
+
+
+def test_lookahead_prefetch_replay_plumbing(tiny_model, tmp_path):
+    """pymoe run --lookahead N --cache-slots S --trace -> the trace holds the lookahead's ranked predictions and
+    budget per decode layer-step -> sweep(prefetch=True) replays them through the same policies.prefetch_ranked and
+    SlotTable.prefetch: decode hits, lookups, prefetched and prefetch hits equal the engine's exactly. Replaying the
+    same trace without the predictions must count otherwise (so the equality is not the replay ignoring them).
+    The engine starts with an empty pool (no --profile): the replay gets an empty profile (nothing pre-filled).
+    Measured 2026-12-01 (tiny qwen3moe, 2 layers x 8 experts, top-2, 11 decode tokens = 44 lookups): lru/3 slots/
+    N=2: 22 hits, 22 prefetched, 22 prefetch hits, 0 hits without; lfu/second-miss/max 1/4 slots/N=2: 36 hits, 2
+    prefetched, 2 prefetch hits, 34 without; lru/max 1/5 slots/N=3: 40 hits, 3 prefetched, 2 prefetch hits, 38
+    without."""
+    from pymoe.experts.policies import make_admission
+
+    model = tiny_model("qwen3moe", "f32")
+    differs = []
+    for policy, admit, max_inserts, n, slots in (("lru", "all", 0, 2, 3), ("lfu", "second-miss", 1, 2, 4),
+                                                 ("lru", "all", 1, 3, 5)):
+        path = tmp_path / f"t-{policy}-{admit}-{max_inserts}.npz"
+        r = run_pymoe_here("run", model, "-p", "a new prompt", "-n", "12", "--cache-slots", str(slots), "--policy",
+                           policy, "--admit", admit, "--max-inserts", str(max_inserts), "--lookahead", str(n),
+                           "--trace", str(path))
+        assert r.returncode == 0, r.stderr
+        hits, lookups = decode_hits(r.stderr)
+        prefetched, prefetch_hits = prefetch_counts(r.stderr)
+        assert prefetched > 0 and 0 < hits < lookups, r.stderr  # the prefetch ran, and the pool is too small
+        trace = Trace.load(path)
+        steps = int((trace.predicted_limit >= 0).sum())
+        assert steps == trace.tokens("decode") and set(trace.predicted_limit[trace.predicted_limit >= 0]) == {n}
+        empty = Profile(trace.n_layers, trace.n_experts, np.zeros((0, 2)), [])
+        replay = functools.partial(sweep, trace, [policy], [slots], ["global"], profile=empty, phase="decode",
+                                   admission=make_admission(admit, max_inserts))
+        (sim,) = replay(prefetch=True)
+        assert (sim.hits, sim.lookups, sim.prefetched, sim.prefetch_hits) == (hits, lookups, prefetched,
+                                                                              prefetch_hits), policy
+        (plain,) = replay()
+        assert plain.prefetched == plain.prefetch_hits == 0
+        differs.append(plain.hits != hits)
+    # the API, with a budget below the predictions (Lookahead(budget=1) of k=3): the recorded limit binds
+    import pymoe
+    from pymoe.experts.prefetch import Lookahead
+
+    e = pymoe.load(model, cache_slots=4, policy="lru", pcie_frac=1.0)
+    e.model.lookahead = Lookahead(e.model, k=3, budget=1, advise=False)
+    trace_of = e.record_trace()
+    list(e.generate([5, 17, 42, 7], max_tokens=12, stop_at_eos=False))
+    d, trace = e.cache.stats.counts["decode"], trace_of.trace()
+    assert set(trace.predicted_limit[trace.predicted_limit >= 0]) == {1} and (trace.predicted[..., 2] >= 0).any()
+    empty = Profile(trace.n_layers, trace.n_experts, np.zeros((0, 2)), [])
+    (sim,) = sweep(trace, ["lru"], [4], ["global"], profile=empty, phase="decode", prefetch=True)
+    assert 0 < d["prefetched"] <= trace.tokens("decode")  # at most one per decode layer-step (1 predicted layer)
+    assert (sim.hits, sim.lookups, sim.prefetched, sim.prefetch_hits) == (d["hits"], d["lookups"], d["prefetched"],
+                                                                          d["prefetch_hits"])
+    differs.append(sweep(trace, ["lru"], [4], ["global"], profile=empty, phase="decode")[0].hits != d["hits"])
+    assert all(differs)  # each time the predictions changed the count: the comparison above can fail
+    r = run_pymoe_here("simulate", str(path), "--prefetch", "--slots", "5", "--pool", "global", "--phase", "decode",
+                       "--policy", "lru,belady", "--max-inserts", "1", "--profile", str(path))
+    assert r.returncode == 0, r.stderr
+    assert "lookahead prefetch: replayed (belady left out" in r.stdout and "prefetch hits of" in r.stdout, r.stdout
+
+
+def test_trace_predictions_round_trip_and_append(tmp_path):
+    """The lookahead's predictions (TraceRecorder.predict) are saved and loaded; appending a trace without any to
+    one with them (or the reverse) pads with "none asked" (-1); an old file without the arrays loads with None."""
+    rec = TraceRecorder(META)
+    record_request(rec, [1, 2], 1)  # forward 0 prefill, forward 1 decode: no predictions asked
+    rec.start_request(1)
+    rec.record(0, [[0, 1]], [[0.5, 0.5]], "prefill")
+    rec.predict(1, [4, 2, 3], 2)  # asked during the forward, before layer 1 is recorded
+    rec.record(1, [[2, 4]], [[0.5, 0.5]], "prefill")
+    rec.end_forward()
+    path = tmp_path / "p.npz"
+    rec.save(path)
+    tr = Trace.load(path)
+    assert tr.predicted.shape == (3, 2, 3) and tr.predicted_limit.tolist() == [[-1, -1], [-1, -1], [-1, 2]]
+    assert tr.prefetches(2, 1) == ([4, 2, 3], 2) and tr.prefetches(1, 1) is None
+    plain = TraceRecorder(META)
+    record_request(plain, [3], 2)
+    plain.save(tmp_path / "old.npz")
+    with np.load(tmp_path / "old.npz") as z:
+        assert "predicted" not in z.files  # no lookahead: the file is as before
+    assert Trace.load(tmp_path / "old.npz").predicted is None
+    plain.save(path, append=True)
+    tr = Trace.load(path)
+    assert tr.predicted.shape == (6, 2, 3) and (tr.predicted_limit[3:] == -1).all() and tr.prefetches(2, 1)[1] == 2
+    rec.save(tmp_path / "old.npz", append=True)
+    assert Trace.load(tmp_path / "old.npz").prefetches(5, 1) == ([4, 2, 3], 2)

@@ -53,7 +53,7 @@ import numpy as np
 from pymoe.errors import PymoeError
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, GGUFModel
 from pymoe.backends.pool import HostPool
-from .policies import DEFAULT_POLICY, check_engine_policy
+from .policies import DEFAULT_POLICY, check_engine_policy, prefetch_ranked
 
 PHASES = ("prefill", "decode")
 # What each lookup was served by (ExpertBytes.where -> counter: slot -> hits; spill, cpu, staged, host), and what it
@@ -301,14 +301,10 @@ class SlotCache:
         self._served = {}  # the last lookup's experts are computed: nothing is served from its decisions any more
         c = self.stats.counts["decode"]
         placed, n = self._prefetched.setdefault(layer, set()), 0
-        for e in experts:
-            if limit and n >= limit:
-                break
-            self.clock += 1
-            got = self.table.prefetch(self.key(layer, int(e)), self.clock, step=self.steps + 1)  # the next lookup's
-            if got is None:
-                continue
-            slot, evicted = got
+        keys = [self.key(layer, int(e)) for e in experts]
+        step = self.steps + 1  # the insert cap of the next lookup: this layer's
+        for key, slot, evicted in prefetch_ranked(lambda key: self.table, keys, step, self._tick, limit):
+            e = key - layer * self.n_experts
             if evicted is not None:
                 _count((c,), "evicted")
                 lay, old = divmod(evicted, self.n_experts)
@@ -319,6 +315,11 @@ class SlotCache:
             n += 1
             _count((c,), "prefetched")
         return n
+
+    def _tick(self) -> int:
+        """One tick of the policy clock (a lookup pair, or a prefetch candidate) -> the new time."""
+        self.clock += 1
+        return self.clock
 
     def _miss_path(self) -> str:
         """'spill' for a pcie_frac share of misses, 'cpu' for the rest (deterministic error diffusion)."""

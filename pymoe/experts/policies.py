@@ -528,6 +528,22 @@ class SlotTable:
         return slot, evicted
 
 
+def prefetch_ranked(table_of, keys, step, tick, limit: int = 0):
+    """The router lookahead's prefetch, the one copy the engine's slot cache (SlotCache.prefetch) and the simulator
+    both run: for keys predicted for the lookup at layer-step `step`, most wanted first, in that order, until
+    `limit` are placed (0: no limit), each key ticks the clock (t = tick()) and goes to SlotTable.prefetch of its
+    table (table_of(key)). Yields (key, slot, evicted key or None) for each placed key, as it is placed."""
+    n = 0
+    for key in keys:
+        if limit and n >= limit:
+            break
+        got = table_of(key).prefetch(int(key), tick(), step=step)
+        if got is None:
+            continue
+        n += 1
+        yield (int(key), *got)
+
+
 @dataclass(frozen=True)
 class WarmRule:
     """The warm decode set (`--warm-set N --warm-inserts M`): when a request's prompt has been read, copy into the

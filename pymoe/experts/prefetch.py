@@ -23,9 +23,10 @@ and the predicted experts are prefetched, two ways:
 Routing and results are untouched: the lookahead changes only where expert bytes are read from.
 Approximations: the attention term is skipped; group-limited routing (DeepSeek-V3) is not applied to the
 prediction; the prediction is made after layer l's experts (layer l's output is its input), not right after layer
-l's router. What this is not: a cache policy (a wrong prediction costs a copy and may evict a useful expert: the
-budget bounds both), or a simulator replay (`pymoe simulate` does not replay the lookahead's copies: a trace would
-have to record the predictions).
+l's router. With a routing trace on (`--trace`), each prefetch request (the ranked experts and the budget) is
+recorded too (trace.TraceRecorder.predict), and `pymoe simulate TRACE --prefetch` replays it through the same rule
+(policies.prefetch_ranked). What this is not: a cache policy (a wrong prediction costs a copy and may evict a useful
+expert: the budget bounds both).
 """
 from __future__ import annotations
 
@@ -88,7 +89,10 @@ class Lookahead:
         pred = np.argsort(-scores, axis=1, kind="stable")[:, :self.k]  # [T, K']
         self.predicted[nxt] = pred
         if self.promote and phase == "decode":
-            self.model.cache.prefetch(nxt, self.ranked(pred), limit=self.budget)
+            ranked = self.ranked(pred)
+            self.model.cache.prefetch(nxt, ranked, limit=self.budget)
+            if self.model.trace is not None:  # `--trace`: the request, so that `pymoe simulate` can replay it
+                self.model.trace.predict(nxt, ranked, self.budget)
         if self._map is not None:
             for e in np.unique(pred).tolist():
                 self._advise(nxt, e)

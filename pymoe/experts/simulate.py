@@ -31,6 +31,13 @@ Definitions
     warm set    with a WarmRule (`--warm-set N`), at each prompt's end (prompt_ends: a request's last prefill row)
                 the experts of its last N prompt tokens are placed (policies.WarmSet), as the engine's
                 SlotCache.end_prefill() does.
+    prefetch    with `--prefetch` (sweep(prefetch=True)), a trace recorded with the router lookahead
+                (`pymoe run --lookahead N --trace`) has its prefetch requests replayed: before the first lookup of
+                each layer-step the lookahead asked about, policies.prefetch_ranked places the predicted keys with
+                that step's admission and insert cap, as the engine's SlotCache.prefetch does (prefetch_plan()).
+                Counted: prefetched (keys placed) and prefetch_hits (hits of that step's lookups on them). Opt-in,
+                so a replay of the same trace without it is the cache without the lookahead. Not with belady (its
+                admit needs a position in the lookup sequence; a prefetch has none).
 """
 from __future__ import annotations
 
@@ -42,7 +49,7 @@ import numpy as np
 
 from pymoe.errors import PymoeError
 from .policies import (DEFAULT_POLICY, POLICIES, Admission, NextUse, SlotTable,  # noqa: F401 (DEFAULT_POLICY: plan.py)
-                       WarmRule, WarmSet, make_policy)
+                       WarmRule, WarmSet, make_policy, prefetch_ranked)
 from .profile import Profile
 
 POOLS = ("per-layer", "global")
@@ -59,6 +66,8 @@ class SimResult:
     hits: int
     hit_rate: float
     misses_per_token: float
+    prefetched: int = 0  # keys the replayed lookahead placed ahead of counted lookups (sweep(prefetch=True))
+    prefetch_hits: int = 0  # counted hits on keys placed for their own layer-step (part of hits)
 
 
 def split_slots(slots: int, n_layers: int) -> list[int]:
@@ -98,7 +107,8 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
              profile: Optional[Profile] = None, tokens: Optional[int] = None, counted: Optional[np.ndarray] = None,
              future: Optional[NextUse] = None, prefill: bool = True, staged: Optional[np.ndarray] = None,
              admission: Admission = Admission(), steps: Optional[np.ndarray] = None, warm: WarmRule = WarmRule(),
-             rows: Optional[np.ndarray] = None, warm_after: Optional[np.ndarray] = None) -> SimResult:
+             rows: Optional[np.ndarray] = None, warm_after: Optional[np.ndarray] = None,
+             prefetch: Optional[dict] = None) -> SimResult:
     """Replay the access sequence keys int64 [n] (time order) through `policy` with `slots` slots.
 
     tokens: how many tokens the counted lookups belong to (for misses per token). counted: bool [n], the lookups
@@ -110,12 +120,17 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     warm: the warm decode set (policies.WarmSet, as the engine's SlotCache.end_prefill): the staged lookups feed it,
     rows int [n] names each lookup's token (trace row), and after each lookup with warm_after[t] (bool [n]: the
     end of a prompt) the set is placed.
+    prefetch: {t: (keys, limit)}: before lookup t (the first of its layer-step), the router lookahead's prefetch of
+    `keys` (most wanted first, at most `limit` placed, 0: no limit) into the step steps[t] (prefetch_plan()).
     """
     keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [n]
     if keys.size and (keys.min() < 0 or keys.max() >= n_layers * n_experts):
         raise PymoeError(f"key out of range for {n_layers} layers x {n_experts} experts")
     if policy == "belady" and future is None:
         future = NextUse(keys)
+    if prefetch and policy == "belady":
+        raise PymoeError("belady cannot replay the lookahead's prefetch (its admit needs a lookup position); "
+                         "leave it out of --policy")
     tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill, admission)
     group = n_experts if pool == "per-layer" else n_layers * n_experts  # key // group = the key's table
     access = [table.access for table in tables]
@@ -128,29 +143,53 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
             raise ValueError("simulate: a warm set needs the token row of each lookup (rows)")
         warm_set, row_of = WarmSet(warm, n_experts), np.asarray(rows).tolist()
         ends = set(np.flatnonzero(warm_after).tolist())  # positions after which a prompt has been read
+    prefetch = prefetch or {}
+    if prefetch and steps is None:
+        raise ValueError("simulate: a prefetch replay needs the layer-step of each lookup (steps)")
+
+    def table_of(k: int) -> SlotTable:
+        return tables[k // group]
+
+    placed = np.zeros(keys.size, dtype=np.int64)  # [n]: keys the lookahead placed just before lookup t
+    pf_hit = np.zeros(keys.size, dtype=bool)  # [n]: a hit on a key placed for this lookup's layer-step
+    for_step: set = set()  # keys placed for the current layer-step (the engine's SlotCache._prefetched[layer])
+    prev_step = None
     for t, (key, insert, step) in enumerate(zip(keys.tolist(), inserts, step_of)):
+        if step != prev_step:  # a new layer-step: what was placed for the last one is no longer counted
+            for_step, prev_step = set(), step
+        if t in prefetch:  # the engine's SlotCache.prefetch for this step, one layer early; the policies the
+            want, limit = prefetch[t]  # engine runs ignore the clock's value, so every candidate is asked at t
+            for k, _slot, evicted in prefetch_ranked(table_of, want, step, lambda: t, limit):
+                for_step.discard(evicted)  # a later candidate evicted an earlier one (SlotCache.prefetch too)
+                for_step.add(k)
+                placed[t] += 1
         if access[key // group](key, t, insert, step)[0]:
             hit[t] = True
+            pf_hit[t] = key in for_step
         if warm_set is not None:
             if not insert:  # a prefill lookup
                 warm_set.see(key, row_of[t], t)
             if t in ends:  # a prompt has been read: the engine's SlotCache.end_prefill()
                 warm_set.apply(lambda k: tables[k // group])
     if counted is not None:
-        hit = hit[np.asarray(counted, dtype=bool)]
+        mask = np.asarray(counted, dtype=bool)  # [n]
+        hit, placed, pf_hit = hit[mask], placed[mask], pf_hit[mask]
     lookups, hits = int(hit.size), int(hit.sum())
     return SimResult(policy=policy, slots=int(slots), coverage=slots / (n_layers * n_experts), pool=pool,
                      lookups=lookups, hits=hits, hit_rate=hits / lookups if lookups else 0.0,
-                     misses_per_token=(lookups - hits) / tokens if tokens else float("nan"))
+                     misses_per_token=(lookups - hits) / tokens if tokens else float("nan"),
+                     prefetched=int(placed.sum()), prefetch_hits=int(pf_hit.sum()))
 
 
 def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequence[str] = POOLS,
           profile: Optional[Profile] = None, phase: Optional[str] = None, progress: bool = False,
-          admission: Admission = Admission(), warm: WarmRule = WarmRule()) -> list[SimResult]:
+          admission: Admission = Admission(), warm: WarmRule = WarmRule(),
+          prefetch: bool = False) -> list[SimResult]:
     """simulate() for every pool x policy x slot count on one trace; counts the lookups of `phase` (None: all).
     Without a profile, one is built from the trace (in-sample). admission: as the engine's `--admit` /
     `--max-inserts` (a layer-step is one layer of one forward, as in the engine). warm: as the engine's
-    `--warm-set` / `--warm-inserts`, placed at each prompt's end (prompt_ends())."""
+    `--warm-set` / `--warm-inserts`, placed at each prompt's end (prompt_ends()). prefetch: replay the router
+    lookahead's prefetch requests the trace recorded (prefetch_plan())."""
     for name in policies:
         if name not in POLICIES:
             raise PymoeError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
@@ -173,10 +212,29 @@ def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequ
     bar = tqdm(runs, desc="simulating", unit="run", disable=None if progress else True, leave=False)  # None: TTY only
     steps = trace.forward[row].astype(np.int64) * L + keys // E  # [N * L * K]: (forward, layer) of each lookup
     warm_after = prompt_ends(trace, row) if warm else None  # [N * L * K]
+    plan = prefetch_plan(trace, steps) if prefetch else None
     return [simulate(keys, L, E, name, n, pool, profile, tokens=int(rows.sum()), counted=counted, future=future,
                      staged=staged if staged.any() else None, admission=admission, steps=steps, warm=warm, rows=row,
-                     warm_after=warm_after)
+                     warm_after=warm_after, prefetch=plan)
             for pool, name, n in bar]
+
+
+def prefetch_plan(trace, steps: np.ndarray) -> dict:
+    """{t: (keys most wanted first, limit)}: the router lookahead's prefetch requests the trace recorded
+    (Trace.predicted), each at the position t of the first lookup of the layer-step it was made for, in the engine
+    order sweep() replays (steps int [n]: forward * L + layer of each lookup, non-decreasing)."""
+    if trace.predicted is None:
+        raise PymoeError("the trace has no lookahead predictions to replay (record it with "
+                         "`pymoe run --lookahead N --trace FILE` and a decode phase)")
+    L, E = trace.n_layers, trace.n_experts
+    first = dict(zip(*(a.tolist() for a in np.unique(steps, return_index=True))))  # step -> its first lookup
+    plan = {}
+    for f, layer in zip(*np.nonzero(trace.predicted_limit >= 0)):
+        want, limit = trace.prefetches(int(f), int(layer))
+        t = first.get(int(f) * L + int(layer))
+        if t is not None:  # a layer-step with no lookup (not a MoE layer) has nothing to prefetch for
+            plan[t] = ([int(layer) * E + e for e in want], limit)
+    return plan
 
 
 def prompt_ends(trace, row: np.ndarray) -> np.ndarray:
@@ -292,7 +350,7 @@ def parse_numbers(text: str, what: str, kind=float) -> list:
 def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] = None,
            coverage: Optional[str] = None, pool: str = "both", profile_path=None, phase: str = "all",
            plot_path=None, progress: bool = False, admit: str = "all", max_inserts: int = 0, warm_set: int = 0,
-           warm_inserts: int = 0) -> str:
+           warm_inserts: int = 0, prefetch: bool = False) -> str:
     """What `pymoe simulate` prints: trace summary, where the profile came from, one table per pool."""
     from .trace import Trace
 
@@ -313,6 +371,10 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
         slots_list = [slots_for_coverage(c, L, E) for c in pcts]
     slots_list = sorted(set(slots_list))
     names = [p.strip() for p in policies.split(",") if p.strip()]
+    left_out = ""
+    if prefetch and "belady" in names:  # it cannot replay a prefetch (simulate()): the others still can
+        names.remove("belady")
+        left_out = " (belady left out: it cannot replay a prefetch)"
     pools = list(POOLS) if pool == "both" else [pool]
     phase = None if phase == "all" else phase
     if profile_path is not None:
@@ -324,12 +386,18 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
         profile = None
         origin = "profile: in-sample, built from this trace (static is an upper bound; all policies start pre-filled)"
     results = sweep(trace, names, slots_list, pools, profile=profile, phase=phase, progress=progress,
-                    admission=admission, warm=warm)
+                    admission=admission, warm=warm, prefetch=prefetch)
     n_tok = int(trace.rows(phase).sum())
     head = [f"trace {trace_path}: {trace.summary()}",
             f"counted: {phase or 'all'} lookups ({n_tok} tokens x {L} layers x {trace.k}); {origin}; "
-            f"admission: {admission}; warm decode set: {warm}", ""]
+            f"admission: {admission}; warm decode set: {warm}; lookahead prefetch: "
+            f"{'replayed' + left_out if prefetch else 'off'}", ""]
     if plot_path is not None:
         plot(results, plot_path, title=f"{trace.meta.get('model', '')} expert cache hit rate")
         head.insert(2, f"plot: {plot_path}")
-    return "\n".join(head) + "\n" + format_table(results)
+    text = "\n".join(head) + "\n" + format_table(results)
+    if prefetch:
+        text += "\nprefetch: keys placed by the replayed lookahead, prefetch hits among the counted hits\n" + "\n".join(
+            f"  {r.pool:>9} {r.policy:>10} {r.slots:>6} slots: {r.prefetched} prefetched, {r.prefetch_hits} prefetch "
+            f"hits of {r.hits} hits" for r in results) + "\n"
+    return text

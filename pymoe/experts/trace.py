@@ -7,6 +7,8 @@ What this is:
     Trace.load(path)         the analysis side: .experts uint16 [N, L, K], .weights float16 [N, L, K],
                              .phase uint8 [N] (0 prefill, 1 decode, 2 verify: a speculative-decoding forward of
                              several decode positions), .request int32 [N], .forward int32 [N], .meta;
+                             .predicted int32 [F, L, P] / .predicted_limit int32 [F, L] (or None): the router
+                             lookahead's prefetch requests, when one ran (below);
                              .keys() the global-key access sequence the cache simulator replays
     synthetic_trace(...)     a trace with skewed popularity and temporal locality, for tests and demos
     fitted_trace(heat, ...)  a trace whose per-layer popularity is measured routing counts (routing-heat JSON),
@@ -16,6 +18,14 @@ What this is not: a profile (profile.py ranks the pairs of a trace) or a simulat
 One row per token (N rows). A file is a compressed .npz (NumPy zip; `np.load` reads it) holding the five arrays
 above and `meta`, a JSON string: {"format": "pymoe-trace", "version": 1, "model", "arch", "n_layers", "n_experts", "k",
 "prompt_lengths": [one per request], "n_requests", "n_forwards"}, plus anything else the recorder was given.
+
+With the router lookahead on (`pymoe run --lookahead N --trace`; experts/prefetch.py), the file also holds what it
+asked the slot cache to prefetch (SlotCache.prefetch), per forward f (F = n_forwards) and MoE layer l:
+    predicted        int32 [F, L, P]  the experts predicted for layer l's lookup in forward f (made after the layer
+                                      before), most wanted first, padded with -1 (P: the longest list)
+    predicted_limit  int32 [F, L]     the `limit` of that prefetch call (at most this many placed; 0: no limit), or
+                                      -1 where no prefetch was asked (prefill forwards, the first MoE layer)
+Both arrays are optional: a trace without them (an older file, or no lookahead) loads with None, and still version 1.
 """
 from __future__ import annotations
 
@@ -32,18 +42,35 @@ VERSION = 1
 PHASES = {"prefill": 0, "decode": 1, "verify": 2}  # verify rows are decode rows too (`rows("decode")`)
 SHAPE_KEYS = ("n_layers", "n_experts", "k")  # meta fields that must agree to append
 ARRAYS = ("experts", "weights", "phase", "request", "forward")
+PREDICTION_ARRAYS = ("predicted", "predicted_limit")  # optional: only when a lookahead ran
 
 
 class Trace:
     """A loaded (or built) routing trace. Rows are tokens in the order the engine ran them."""
 
-    def __init__(self, experts, weights, phase, request, forward, meta: dict):
+    def __init__(self, experts, weights, phase, request, forward, meta: dict, predicted=None, predicted_limit=None):
         self.experts = np.asarray(experts, dtype=np.uint16)  # [N, L, K]
         self.weights = np.asarray(weights, dtype=np.float16)  # [N, L, K]
         self.phase = np.asarray(phase, dtype=np.uint8)  # [N]
         self.request = np.asarray(request, dtype=np.int32)  # [N]
         self.forward = np.asarray(forward, dtype=np.int32)  # [N]
         self.meta = dict(meta)
+        self.predicted = self.predicted_limit = None  # the lookahead's prefetch requests, when recorded
+        if predicted is not None:
+            self.predicted = np.asarray(predicted, dtype=np.int32)  # [F, L, P], -1 padded
+            self.predicted_limit = np.asarray(predicted_limit, dtype=np.int32)  # [F, L], -1: none asked
+
+    @property
+    def n_forwards(self) -> int:
+        return int(self.forward.max()) + 1 if self.n_tokens else 0
+
+    def prefetches(self, forward: int, layer: int) -> Optional[tuple[list[int], int]]:
+        """(experts most wanted first, limit) the lookahead asked to prefetch before `layer`'s lookup in `forward`,
+        or None where it asked nothing (or the trace has no predictions)."""
+        if self.predicted is None or self.predicted_limit[forward, layer] < 0:
+            return None
+        ids = self.predicted[forward, layer]
+        return ids[ids >= 0].tolist(), int(self.predicted_limit[forward, layer])
 
     @property
     def n_tokens(self) -> int:
@@ -113,6 +140,14 @@ class Trace:
             raise file_error(where, f"expert id {int(self.experts.max())} out of range 0..{self.n_experts - 1}")
         if n and int(self.phase.max()) > 2:
             raise file_error(where, "phase must be 0 (prefill), 1 (decode) or 2 (verify)")
+        if self.predicted is not None:
+            F, L = self.n_forwards, self.n_layers
+            p, lim = self.predicted, self.predicted_limit
+            if p.ndim != 3 or p.shape[:2] != (F, L) or lim.shape != (F, L):
+                raise file_error(where, f"predicted/predicted_limit have shapes {p.shape}/{lim.shape}, expected "
+                                        f"[{F}, {L}, P]/[{F}, {L}] (forwards x layers)")
+            if p.size and (int(p.min()) < -1 or int(p.max()) >= self.n_experts):
+                raise file_error(where, f"predicted expert ids out of range -1..{self.n_experts - 1}")
 
     def save(self, path, append: bool = False) -> None:
         """Write the trace; append=True adds these rows after an existing trace of the same model and shape."""
@@ -135,6 +170,8 @@ class Trace:
                     raise file_error(path, f"not a pymoe trace (missing {', '.join(missing)})")
                 meta = json.loads(str(z["meta"]))
                 arrays = {a: z[a] for a in ARRAYS}
+                if "predicted" in z.files or "predicted_limit" in z.files:  # optional (older files lack them)
+                    arrays.update({a: z[a] for a in PREDICTION_ARRAYS})
         except PymoeError:
             raise
         except Exception as e:  # noqa: BLE001 - whatever np.load / json make of a broken file, it is one line
@@ -156,17 +193,21 @@ class Trace:
         if n_ver:
             n_fwd = np.unique(self.forward[self.rows("verify")]).size
             ver = f", {n_ver} of them in {n_fwd} speculative verification forwards"
+        pred = ""
+        if self.predicted is not None:
+            pred = f"; lookahead predictions for {int((self.predicted_limit >= 0).sum())} layer-steps"
         return (f"{m.get('model', '?')} ({m.get('arch', '?')}): {self.n_layers} layers x {self.n_experts} experts, "
                 f"top-{self.k}; {self.n_tokens} tokens ({self.n_tokens - n_dec} prefill, {n_dec} decode{ver}) in "
-                f"{m.get('n_requests', 0)} request(s)")
+                f"{m.get('n_requests', 0)} request(s){pred}")
 
 
 def write_npz(path, trace: Trace) -> None:
     """Write to a temporary name, then rename: an interrupted save never leaves half a trace."""
     meta = dict(trace.meta, format=FORMAT, version=VERSION)
     tmp = f"{path}.tmp"
+    names = ARRAYS + (PREDICTION_ARRAYS if trace.predicted is not None else ())
     with open(tmp, "wb") as f:  # a file object: np.savez would append ".npz" to a name without it
-        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **{a: getattr(trace, a) for a in ARRAYS})
+        np.savez_compressed(f, meta=np.array(json.dumps(meta)), **{a: getattr(trace, a) for a in names})
     os.replace(tmp, path)
 
 
@@ -182,9 +223,18 @@ def concatenate(first: Trace, second: Trace, where="trace") -> Trace:
     meta["prompt_lengths"] = list(first.meta.get("prompt_lengths", [])) + list(second.meta.get("prompt_lengths", []))
     meta["n_requests"] = n_req + int(second.meta.get("n_requests", 0))
     meta["n_forwards"] = n_fwd + int(second.meta.get("n_forwards", 0))
+    predicted = None
+    if first.predicted is not None or second.predicted is not None:  # one without: no prefetch asked (-1)
+        parts = [(t.predicted, t.predicted_limit) if t.predicted is not None else
+                 (np.full((t.n_forwards, t.n_layers, 0), -1), np.full((t.n_forwards, t.n_layers), -1))
+                 for t in (first, second)]
+        P = max(p.shape[2] for p, _ in parts)
+        predicted = (np.concatenate([np.pad(p, ((0, 0), (0, 0), (0, P - p.shape[2])), constant_values=-1)
+                                     for p, _ in parts]), np.concatenate([lim for _, lim in parts]))
     return Trace(np.concatenate([first.experts, second.experts]), np.concatenate([first.weights, second.weights]),
                  np.concatenate([first.phase, second.phase]), np.concatenate([first.request, second.request + n_req]),
-                 np.concatenate([first.forward, second.forward + n_fwd]), meta)
+                 np.concatenate([first.forward, second.forward + n_fwd]), meta,
+                 *(predicted or (None, None)))
 
 
 class TraceRecorder:
@@ -204,6 +254,8 @@ class TraceRecorder:
         self.request_of_forward: list[int] = []
         self._pending: list[tuple] = []  # this forward's (ids [T, K], weights [T, K]) per layer so far
         self._phase: Optional[str] = None
+        self.predictions: list[dict] = []  # per committed forward: {layer: (experts most wanted first, limit)}
+        self._predicted: dict = {}  # this forward's so far
 
     @property
     def n_tokens(self) -> int:
@@ -227,9 +279,15 @@ class TraceRecorder:
         self._phase = phase
         self._pending.append((ids.astype(np.uint16), weights.astype(np.float16)))
 
+    def predict(self, layer: int, experts, limit: int) -> None:
+        """The router lookahead asked the slot cache to prefetch `experts` (ints, most wanted first; at most `limit`
+        placed, 0: no limit) for `layer`'s lookup in this forward (experts/prefetch.py, SlotCache.prefetch)."""
+        self._predicted[int(layer)] = ([int(e) for e in experts], int(limit))
+
     def end_forward(self) -> None:
         """Commit the forward's T tokens as T rows (all L layers must have been recorded)."""
         if not self._pending:
+            self._predicted = {}  # a forward that was not traced (nothing routed): its predictions go too
             return
         if len(self._pending) != self.n_layers:
             raise ValueError(f"trace: forward ended after {len(self._pending)} of {self.n_layers} layers")
@@ -239,7 +297,8 @@ class TraceRecorder:
         weights = np.stack([w for _, w in self._pending], axis=1)  # [T, L, K]
         self.rows.append((experts, weights, PHASES[self._phase]))
         self.request_of_forward.append(len(self.prompt_lengths) - 1)
-        self._pending, self._phase = [], None
+        self.predictions.append(self._predicted)
+        self._pending, self._phase, self._predicted = [], None, {}
 
     def trace(self) -> Trace:
         """What has been committed so far, as a Trace."""
@@ -252,7 +311,22 @@ class TraceRecorder:
             return Trace(z, z, [], [], [], meta)
         return Trace(np.concatenate([e for e, _, _ in self.rows]), np.concatenate([w for _, w, _ in self.rows]),
                      np.repeat([p for _, _, p in self.rows], sizes), np.repeat(self.request_of_forward, sizes),
-                     np.repeat(np.arange(len(self.rows)), sizes), meta)
+                     np.repeat(np.arange(len(self.rows)), sizes), meta, *self._prediction_arrays())
+
+    def _prediction_arrays(self) -> tuple:
+        """(predicted int32 [F, L, P], predicted_limit int32 [F, L]) of the committed forwards, or (None, None) when
+        no prefetch was ever asked."""
+        if not any(self.predictions):
+            return None, None
+        F, L = len(self.predictions), self.n_layers
+        P = max(len(ids) for fwd in self.predictions for ids, _ in fwd.values())
+        predicted = np.full((F, L, P), -1, dtype=np.int32)  # [F, L, P]
+        limit = np.full((F, L), -1, dtype=np.int32)  # [F, L]
+        for f, fwd in enumerate(self.predictions):
+            for layer, (ids, lim) in fwd.items():
+                predicted[f, layer, :len(ids)] = ids
+                limit[f, layer] = lim
+        return predicted, limit
 
     def save(self, path, append: bool = False) -> None:
         self.trace().save(path, append=append)
