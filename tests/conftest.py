@@ -36,6 +36,27 @@ def tiny_model(tmp_path_factory):
     return make
 
 
+@pytest.fixture(autouse=True)
+def _simulator_on_one_core(request):
+    """Tests marked `cuda` run Numba's CUDA simulator, which runs a kernel as one Python thread per CUDA thread that
+    hand over at barriers: on 2 cores those threads fight for the GIL across cores (a convoy), and the real-kernel
+    run took 241 s where, with every thread on one core, it takes 80 s (tests/test_cuda_real_kernels_sim.py, a quiet
+    2-core machine). So during such a test the calling thread is pinned to one core, and the simulator's threads,
+    created by it, inherit that; the pin is lifted after the test (Numba's CPU thread pool, created earlier, keeps its
+    own affinity). Not on a GPU (NUMBA_ENABLE_CUDASIM=0) and not where the OS has no affinity call."""
+    pin = (request.node.get_closest_marker("cuda") is not None and os.environ.get("NUMBA_ENABLE_CUDASIM") != "0"
+           and hasattr(os, "sched_setaffinity"))
+    if not pin:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {min(before)})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
 def run_pymoe_here(*args):
     """`pymoe ARGS` in this process -> an object with returncode, stdout, stderr, like run_pymoe's: pymoe.cli.main
     itself (its one-line errors and exit statuses) with the streams captured by click's CliRunner, but no interpreter
