@@ -51,10 +51,15 @@ FIT_SHAPE = dict(n_requests=4, prompt_len=32, decode_len=128, seed=0)
 PR_LRU = {12.5: 67.0, 25.0: 81.0}  # llama.cpp's expert-cache PR: per-layer LRU of 64 / 128 slots on 512 experts
 
 
-def record(path: str, n_requests: int, n_tokens: int) -> Trace:
+def record(path: str, n_requests: int, n_tokens: int, lookahead: int = 0) -> Trace:
+    """The demo model's trace over n_requests sampled requests (seeds 0..n-1); lookahead k: the router lookahead
+    runs too (no pool: it only predicts), so the trace also holds its predictions (bench/prefetch_replay.py)."""
     import pymoe
+    from pymoe.experts.prefetch import Lookahead
 
     engine = pymoe.load(demo.demo_model(), backend="cpu")
+    if lookahead:
+        engine.model.lookahead = Lookahead(engine.model, k=lookahead, advise=False)
     rec = engine.record_trace()
     for seed in range(n_requests):
         list(engine.generate(demo.DEMO_PROMPT, max_tokens=n_tokens, stop_at_eos=False, temperature=0.7,

@@ -18,29 +18,15 @@ from __future__ import annotations
 import argparse
 import time
 
+from cache_policies import record  # the demo trace recorder, here with the lookahead on (this folder is on sys.path)
 from pymoe import demo
 from pymoe.experts.policies import Admission
 from pymoe.experts.profile import Profile
 from pymoe.experts.simulate import slots_for_coverage, sweep
-from pymoe.experts.trace import Trace
 
 COVERAGES = (10, 25, 50)
 POLICIES = ("static", "lru", "lfu", "lfru", "pinned-lru")
 ADMISSIONS = {"none": Admission(), "max 2": Admission(max_inserts=2)}
-
-
-def record(path: str, n_requests: int, n_tokens: int, k: int = 4) -> Trace:
-    import pymoe
-    from pymoe.experts.prefetch import Lookahead
-
-    engine = pymoe.load(demo.demo_model(), backend="cpu")
-    engine.model.lookahead = Lookahead(engine.model, k=k, advise=False)  # no pool: it only predicts (and records)
-    rec = engine.record_trace()
-    for seed in range(n_requests):
-        list(engine.generate(demo.DEMO_PROMPT, max_tokens=n_tokens, stop_at_eos=False, temperature=0.7,
-                             repeat_penalty=1.1, seed=seed))
-    rec.save(path)
-    return Trace.load(path)
 
 
 def main() -> None:
@@ -50,7 +36,7 @@ def main() -> None:
     ap.add_argument("--trace", default="/tmp/demo-lookahead-trace.npz")
     args = ap.parse_args()
     t0 = time.perf_counter()
-    trace = record(args.trace, args.requests, args.tokens)
+    trace = record(args.trace, args.requests, args.tokens, lookahead=4)
     t_rec = time.perf_counter() - t0
     profile = Profile.load(demo.demo_profile())
     L, E = trace.n_layers, trace.n_experts
