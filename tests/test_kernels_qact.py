@@ -150,3 +150,53 @@ def test_cpu_and_reference_backends_agree_on_q2_k_models(tiny_model, arch):
     scale = np.abs(ref).max()
     assert np.abs(ours - ref).max() <= 2e-4 * scale, np.abs(ours - ref).max() / scale
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
+
+
+NEW_TYPES = sorted(qact.ROW_DOTS_NEW, key=lambda q: q.name)
+
+
+@pytest.mark.parametrize("qtype", NEW_TYPES, ids=[q.name for q in NEW_TYPES])
+def test_portable_row_dots_equal_the_x86_ones(qtype):
+    """The path of CPUs without AVX2 / AVX-512 (the codebook by 16 compares and selects, pairs summed without the
+    pmaddwd intrinsic), compiled here on purpose: the same integers, the same float operations in the same order,
+    so bit for bit the row dots this machine runs, one row and many rows."""
+    from numba import njit
+
+    one, rows = qact._row_dots_for(portable=True)[qtype]
+
+    @njit
+    def portable(w, xq, xd, xbs, acc, out, single):
+        rows(w, xq, xd, xbs, acc, out)
+        for t in range(xq.shape[0]):
+            single[t] = one(w, xq[t], xd[t], xbs[t])
+
+    rng = np.random.default_rng(5)
+    w = random_rows(qtype, 4, 512, rng)  # [4, row_bytes]
+    X = rng.standard_normal((3, 512)).astype(np.float32)
+    for bits in (16, 8):
+        xq, xd, xbs = qact.quantize_rows(X, bits)
+        acc = np.empty((3, 16), np.float32)
+        for r in range(4):
+            out, single, here = np.empty(3, np.float32), np.empty(3, np.float32), np.empty(3, np.float32)
+            portable(w[r], xq, xd, xbs, acc, out, single)
+            qact.ACT_DOTS_ROWS[qtype](w[r], xq, xd, xbs, acc, here)
+            assert np.array_equal(out, here) and np.array_equal(single, here)
+            assert np.array_equal(here, [qact.ACT_DOTS[qtype](w[r], xq[t], xd[t], xbs[t]) for t in range(3)])
+
+
+def test_mxfp4_int_dot_at_the_extreme_scales():
+    """E8M0 bytes 0 and 1 are float32 subnormal scales (2^-128, 2^-127: ggml's bit patterns 0x00200000 << e), 2 the
+    first normal one, 240 a large one (2^112: a row of 256 products stays finite); each block's scale through the integer dot =
+    the dequantized weights times the rounded activations."""
+    rng = np.random.default_rng(6)
+    w = random_rows(QType.MXFP4, 4, 256, rng)  # [4, 8 blocks of 17 bytes]
+    blocks = w.reshape(4, 8, 17)
+    for e in (0, 1, 2, 3, 127, 128, 200, 240):
+        blocks[:, :, 0] = e
+        X = rng.standard_normal((1, 256)).astype(np.float32)
+        xq, xd, xbs = qact.quantize_rows(X, 16)
+        ref = Q.dequantize(w, QType.MXFP4).astype(np.float64) @ qact.dequantize_act(xq, xd)[0].astype(np.float64)
+        got = np.array([qact.vec_dot_mxfp4(w[r], xq[0], xd[0], xbs[0]) for r in range(4)], dtype=np.float64)
+        # float32 products and sums of 8 group terms: a few units of the last place of the terms' magnitudes
+        scale = np.abs(Q.dequantize(w, QType.MXFP4)).astype(np.float64) @ np.abs(qact.dequantize_act(xq, xd)[0])
+        assert (np.abs(got - ref) <= 16 * U * scale + 64 * 2.0 ** -149).all(), e  # + subnormal steps

@@ -226,7 +226,7 @@ from .qact import QK_K, quantize_act  # noqa: E402
 
 VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
 ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc float32 [n, 16], out float32 [n])
-GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per block of the gate, up and down types
+GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per 256 weights of the gate, up and down types
 MM_ROWS_PER_TASK, MM_TOKENS = 32, 64  # the tile of the integer mat-mat kernel: rows per task, tokens per step
 ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (qact._make_row_dot)
 MOE_ROWS_PER_TASK = 64  # rows per prange iteration in the MoE kernel: its scratch is allocated per iteration
@@ -345,8 +345,12 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
                 ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u)
             for i in range(b - a):
                 h[a + i, r] = g[i] / (np.float32(1.0) + np.exp(-g[i])) * u[i]  # silu(g) * u
-    for p in prange(h.shape[0]):
-        quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
+    if h.shape[0] <= 16:  # decode (K rows): a parallel region costs about what quantizing a few rows does
+        for p in range(h.shape[0]):
+            quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
+    else:
+        for p in prange(h.shape[0]):
+            quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
     for task in prange((D + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK):
         acc = np.empty((n_max, ROWS_LANES), dtype=np.float32)
         out = np.empty(n_max, dtype=np.float32)
@@ -406,7 +410,7 @@ def act_kernel(template, *qtypes):
     key = (template.__name__,) + tuple(QType(q) for q in qtypes)
     if key not in _ACT_KERNELS:
         rows = [rows_dot(q) for q in qtypes]
-        sizes = [get_format(q).type_size for q in qtypes]
+        sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
         if len(rows) == 1:
             constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows[0])
         else:

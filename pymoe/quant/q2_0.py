@@ -6,7 +6,8 @@ llama.cpp's `quantize_row_q2_0_ref`. The definition is llama.cpp's ggml-quants.c
 `quantize_row_q2_0_ref`) and ggml-common.h (`block_q2_0`), read in the llama.cpp that llama-cpp-python 0.3.36
 vendors; tests/test_q2_0.py holds the reference bit-exact to that library's `dequantize_row_q2_0` and the quantizer
 byte-identical to its `quantize_row_q2_0_ref`. gguf-py 0.19 does not know the type: `ggml_types.py` registers it.
-What this is not: an integer dot product (Q2_0 takes the float kernels on the CPU, quant/qact.py has no Q2_0 dot).
+What this is not: the integer dot product (quant/qact.py, section 3b: the CPU's default path for Q2_0 rows of
+whole 256-weight runs; the float kernels remain its reference).
 
 Layout (one block = 64 weights):
 
