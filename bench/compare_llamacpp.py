@@ -6,7 +6,9 @@ What this is: for one model file, in one run, the median over --runs of
 for pymoe (CPU backend) and for llama.cpp, their ratios, and pymoe's achieved GB/s of weights read per decoded
 token (dense weights + K experts per layer, from the file's real byte counts) next to the machine's measured
 memory read bandwidth. Prompts are fixed pseudo-random token ids, so both engines see exactly the same tokens.
-llama.cpp runs with its defaults (F16 KV cache, n_batch 512) and the same thread count. Each engine lives in its
+llama.cpp runs with its defaults (F16 KV cache, n_batch 512, its repacked CPU weight layouts) and the same thread
+count; `--llama-plain` (or a CPU that reports AMX: in this project's VMs ggml's AMX kernels die of SIGILL) loads it
+without the extra buffer types, as the tests do. Each engine lives in its
 own worker process and the two are measured in turn (never at the same time): in one process, llama.cpp's
 spinning OpenMP threads and Numba's would compete for the cores. The load average is printed before and after.
 What this is not: a correctness check (tests/test_model_vs_llamacpp.py).
@@ -70,7 +72,15 @@ def median_rates(fn, prompt, n_gen, runs) -> tuple[float, float]:
     return statistics.median(pre), statistics.median(dec) if dec else 0.0
 
 
-def _worker(kind: str, model: str, threads: int, n_ctx: int, exact: bool, conn) -> None:
+def cpu_reports_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_tile" in f.read()
+    except OSError:
+        return False
+
+
+def _worker(kind: str, model: str, threads: int, n_ctx: int, act_bits: int, plain: bool, conn) -> None:
     """One engine in its own process: load it, then answer (prompt, n_gen, runs) requests with median rates.
 
     Each engine runs in a process of its own so that the two thread pools never meet: llama.cpp's threads spin
@@ -78,7 +88,7 @@ def _worker(kind: str, model: str, threads: int, n_ctx: int, exact: bool, conn) 
     """
     if kind == "pymoe":
         engine = pymoe.load(model, threads=threads, n_ctx=n_ctx, backend="cpu",
-                            backend_options=dict(act_bits=0) if exact else None)
+                            backend_options=dict(act_bits=act_bits))
         fn = lambda p, g: time_pymoe(engine, p, g)  # noqa: E731
         info = dict(arch=engine.config.arch, n_layers=engine.config.n_layers, n_expert=engine.config.n_expert,
                     k=engine.config.n_expert_used, per_token=bytes_per_decoded_token(engine),
@@ -90,7 +100,8 @@ def _worker(kind: str, model: str, threads: int, n_ctx: int, exact: bool, conn) 
         sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
         from oracle import _plain_cpu_kernels
 
-        _plain_cpu_kernels(llama_cpp)  # as the tests run it: without the AMX buffers that SIGILL in this VM
+        if plain:
+            _plain_cpu_kernels(llama_cpp)  # as the tests run it: without the AMX and repacked buffers
         llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                               n_batch=512, verbose=False, logits_all=False)
         fn = lambda p, g: time_llama(llm, p, g)  # noqa: E731
@@ -114,56 +125,80 @@ def main():
     ap.add_argument("--gen-tokens", type=int, default=64, help="decoded tokens after a 128-token prompt (default 64)")
     ap.add_argument("--runs", type=int, default=3, help="runs per measurement; the median is reported (default 3)")
     ap.add_argument("--exact", action="store_true", help="pymoe's CPU float kernels (act_bits 0) instead of the integer path")
+    ap.add_argument("--act-bits", default=None,
+                    help="pymoe's activation widths on the integer path, comma-separated (e.g. 16,8: one pymoe "
+                         "column each, one llama.cpp column); default: the backend's (16 unless PYMOE_ACT_BITS "
+                         "says otherwise)")
+    ap.add_argument("--llama-plain", action="store_true",
+                    help="llama.cpp without its extra CPU buffer types (repacked layouts, AMX); the default on a CPU "
+                         "that reports AMX")
     args = ap.parse_args()
+    plain = args.llama_plain or cpu_reports_amx()
+    widths = [0] if args.exact else [int(b) for b in args.act_bits.split(",")] if args.act_bits else [None]
+    if any(b not in (0, 8, 16, None) for b in widths):
+        raise SystemExit(f"compare_llamacpp: --act-bits takes 8 and/or 16, got {args.act_bits}")
 
     load_before = os.getloadavg()
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     n_ctx = max(lengths + [128]) + args.gen_tokens + 8
     ctx = mp.get_context("spawn")
-    engines = {}
-    for kind in ("pymoe", "llama"):  # started one after the other, measured one after the other
+    engines = {}  # name -> (process, pipe, info); pymoe's names are ("pymoe", width)
+    for kind, bits in [("pymoe", b) for b in widths] + [("llama", None)]:  # started and measured one after another
         parent, child = ctx.Pipe()
-        proc = ctx.Process(target=_worker, args=(kind, args.model, args.threads, n_ctx, args.exact, child))
+        proc = ctx.Process(target=_worker, args=(kind, args.model, args.threads, n_ctx, bits, plain, child))
         proc.start()
         child.close()  # so that a worker that dies is an EOFError here, not a wait for ever
         try:
-            engines[kind] = (proc, parent, parent.recv())
+            info = parent.recv()
         except EOFError:
             raise SystemExit(f"compare_llamacpp: the {kind} worker died while loading {args.model} "
                              f"(exit code {proc.join() or proc.exitcode})")
-    info = engines["pymoe"][2]
+        engines[(kind, info.get("act_bits"))] = (proc, parent, info)
+    ours = [name for name in engines if name[0] == "pymoe"]
+    info = engines[ours[0]][2]
     n_vocab = pymoe.load_gguf(args.model).config.n_vocab
     rng = np.random.default_rng(0)
     prompts = {n: rng.integers(0, n_vocab, n) for n in sorted(set(lengths + [128]))}
 
-    def measure(kind, prompt, n_gen):
+    def measure(name, prompt, n_gen):
         time.sleep(0.5)  # let the other engine's spinning threads go to sleep
-        engines[kind][1].send((prompt, n_gen, args.runs))
-        return engines[kind][1].recv()
+        engines[name][1].send((prompt, n_gen, args.runs))
+        return engines[name][1].recv()
 
-    rows = []
+    rows = []  # (measure, [pymoe rate per width], llama.cpp rate)
     for n in lengths:
-        ours, ref = measure("pymoe", prompts[n], 0)[0], measure("llama", prompts[n], 0)[0]
-        rows.append((f"prefill {n} tok/s", ours, ref))
-    ours, ref = measure("pymoe", prompts[128], args.gen_tokens)[1], measure("llama", prompts[128], args.gen_tokens)[1]
-    rows.append((f"decode {args.gen_tokens} tok/s", ours, ref))
+        rows.append((f"prefill {n} tok/s", [measure(name, prompts[n], 0)[0] for name in ours],
+                     measure(("llama", None), prompts[n], 0)[0]))
+    rows.append((f"decode {args.gen_tokens} tok/s", [measure(name, prompts[128], args.gen_tokens)[1] for name in ours],
+                 measure(("llama", None), prompts[128], args.gen_tokens)[1]))
     for proc, conn, _ in engines.values():
         conn.send(None)
         proc.join()
 
     per_token = info["per_token"]
     bw = memory_bandwidth(args.threads, 3)
-    path = "float kernels" if args.exact else f"integer ({info['act_bits']}-bit activations)"
+    label = lambda bits: "float" if bits == 0 else f"{bits}-bit"  # noqa: E731
     print(f"model {args.model}: {info['arch']}, {info['n_layers']} layers, {info['n_expert']} "
-          f"experts top-{info['k']}; {args.threads} threads; median of {args.runs} runs; pymoe path: {path}; "
-          f"each engine in its own process, measured in turn")
+          f"experts top-{info['k']}; {args.threads} threads; median of {args.runs} runs; pymoe path: "
+          f"{', '.join('float kernels' if b == 0 else f'integer ({b}-bit activations)' for _, b in ours)}; "
+          f"each engine in its own process, measured in turn; llama.cpp "
+          f"{'without its extra buffer types (plain kernels)' if plain else 'with its defaults (repacked layouts)'}")
+    from llvmlite import binding
+
+    feats = binding.get_host_cpu_features()
+    have = [f for f in ("avx2", "avx512f", "avx512bw", "avx512vnni", "avxvnni") if feats.get(f)]
+    print(f"cpu: {binding.get_host_cpu_name()} ({', '.join(have) or 'no AVX2'}), {os.cpu_count()} cores")
     print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
         *load_before, *os.getloadavg()))
-    print(f"{'measure':<20} {'pymoe':>10} {'llama.cpp':>10} {'ratio':>7}")
-    for name, a, b in rows:
-        print(f"{name:<20} {a:>10.1f} {b:>10.1f} {a / b:>7.2f}")
-    print(f"pymoe decode reads {per_token / 2**20:.1f} MiB of weights per token -> {per_token * ours / 1e9:.2f} GB/s "
-          f"(memory read bandwidth, {args.threads} threads: {bw:.1f} GB/s)")
+    head = "".join(f"{'pymoe ' + label(b):>13}" for _, b in ours) + f"{'llama.cpp':>11}"
+    head += "".join(f"{'ratio ' + label(b):>13}" for _, b in ours)
+    print(f"{'measure':<20}{head}")
+    for name, mine, ref in rows:
+        print(f"{name:<20}" + "".join(f"{a:>13.1f}" for a in mine) + f"{ref:>11.1f}"
+              + "".join(f"{a / ref:>13.2f}" for a in mine))
+    for (_, b), rate in zip(ours, rows[-1][1]):
+        print(f"pymoe {label(b)} decode reads {per_token / 2**20:.1f} MiB of weights per token -> "
+              f"{per_token * rate / 1e9:.2f} GB/s (memory read bandwidth, {args.threads} threads: {bw:.1f} GB/s)")
 
 
 if __name__ == "__main__":

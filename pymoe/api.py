@@ -33,7 +33,7 @@ class Engine:
                  policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: Optional[float] = None,
                  cache: str = "auto", chunk: int = 512, reserve_mib: float = 700, log=lambda line: None,
                  backend_options: Optional[dict] = None, admit: str = "all", max_inserts: int = 0,
-                 warm_set: int = 0, warm_inserts: int = 0):
+                 warm_set: int = 0, warm_inserts: int = 0, act_bits=None):
         """`cache_slots` / `cache_gib` size an expert slot pool; else `cache` = "auto" sizes it from the device's free
         memory (CUDA; on the CPU backend auto means no pool: every expert is read in place) or "none".
         `profile` (a path or a profile.Profile) pre-fills it; `pcie_frac` (None: measured by the PCIe probe on CUDA,
@@ -41,7 +41,8 @@ class Engine:
         forward call; `log` receives the start-up lines (sizing, pre-fill). `backend_options`: extra arguments of
         the backend (tests). `admit` ("all" or "second-miss") and `max_inserts` (per layer per step, 0: no cap):
         the slot pool's admission control (experts/policies.Admission). `warm_set` N, `warm_inserts` M: at the end of
-        each prompt, copy the experts of its last N tokens into the pool, at most M (0: no cap; policies.WarmSet)."""
+        each prompt, copy the experts of its last N tokens into the pool, at most M (0: no cap; policies.WarmSet).
+        `act_bits` (8, 16 or 0; None: the backend's default): the CPU backend's activation width (quant/qact.py)."""
         from .engine.tokenizer import Tokenizer
 
         if chunk < 1:
@@ -53,6 +54,8 @@ class Engine:
         self.warm = make_warm_rule(warm_set, warm_inserts)
         self.file = load_gguf(path)
         self.config = self.file.config
+        if act_bits is not None:
+            backend_options = {**(backend_options or {}), "act_bits": int(act_bits)}
         self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
                                    **(backend_options or {}))
         log(f"backend {self.backend.name}")

@@ -60,6 +60,23 @@ def test_llama_cpp_flag_names(tiny_model, tmp_path):
     assert r.returncode == 2 and "missing.gguf" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_act_bits_option(tiny_model):
+    """--act-bits picks the CPU backend's activation width; greedy text at 8 bits is the 16-bit text on this model
+    only if the rounding does not flip a choice, so the check is the width the engine reports and a one-line error
+    where the backend has no integer path."""
+    import pymoe
+
+    model = tiny_model("qwen3moe", "q2_k")
+    r = run_pymoe("run", model, "-p", "hello", "-n", "4", "--temp", "0", "--backend", "cpu", "--act-bits", "8")
+    assert r.returncode == 0, r.stderr
+    assert pymoe.load(model, backend="cpu", act_bits=8).backend.act_bits == 8  # the default, 16, runs everywhere
+    r = run_pymoe("run", model, "-p", "hi", "--backend", "reference", "--act-bits", "8")
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith("(use --backend cpu)"), r.stderr
+    r = run_pymoe("run", model, "-p", "hi", "--act-bits", "4")
+    assert r.returncode == 2 and "--act-bits" in r.stderr
+
+
 def test_prompt_from_a_file_and_from_stdin(tiny_model, tmp_path):
     model = tiny_model("qwen3moe", "f32")
     want = run_pymoe("run", model, "-p", "the cat sat", "-n", "6", "--temp", "0")

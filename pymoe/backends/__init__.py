@@ -19,6 +19,9 @@ def get_backend(name: str = "auto", threads=None, reserve=None, **options):
         name = "cuda" if cuda_available() else "cpu"
     if name == "cpu":
         return CPUBackend(threads=threads, **options)  # act_bits
+    if "act_bits" in options:
+        raise PymoeError(f"--act-bits sets the CPU backend's integer path; the {name} backend has none "
+                         "(use --backend cpu)")
     if name == "reference":
         return ReferenceBackend(threads=threads)
     if name == "cuda":
