@@ -1,7 +1,7 @@
 """The integer path (pymoe.quant.qact + the integer kernels in pymoe.quant.kernels) against the float reference.
 
 What this is: the activation quantizer against its NumPy reference (bit for bit), at 16 and 8 bits; the LLVM-IR
-primitive dot_bits against its plain twin; every K type's vec_dot via matvec/matmul and the fused MoE kernel
+row dots against their portable twins; every integer type's vec_dot via matvec/matmul and the fused MoE kernel
 against float math.
 Tolerances, derived from where the integer path rounds:
   - against the dequantized activations `dequantize(w) @ (d * q)`: the integer sums are exact, so only float32
@@ -54,23 +54,6 @@ def test_quantize_act_matches_reference(bits):
     assert np.array_equal(bsums, qs.reshape(4, -1, 16).astype(np.int32).sum(-1))
     err = np.abs(qact.dequantize_act(qs, d) - X).reshape(4, 3, 256)
     assert (err <= d[:, :, None] / 2 * (1 + 1e-6)).all()
-
-
-def test_dot_bits_matches_plain_twin():
-    from numba import njit
-
-    @njit
-    def both(q, x, i, shift, mask, qh_i, hshift, hmask, j):  # a second field of q[qh_i + l], placed at bit 4
-        return (qact.dot_bits32h(q, i, shift, mask, q, qh_i, hshift, hmask, 4, x, j),
-                qact.dot_bits_h_ref(q, i, shift, mask, q, qh_i, hshift, hmask, 4, x, j, 32))
-
-    rng = np.random.default_rng(1)
-    q = rng.integers(0, 256, 100).astype(np.uint8)
-    for x in (rng.integers(-128, 128, 100).astype(np.int8), rng.integers(-32768, 32768, 100).astype(np.int16)):
-        for i, j, shift, mask in ((0, 0, 0, 255), (3, 17, 2, 3), (50, 60, 4, 15), (7, 1, 7, 1), (11, 33, 6, 3)):
-            for qh_i, hshift, hmask in ((60, 2, 3), (0, 0, 0)):  # with a high field, and with none
-                got, ref = both(q, x, i, shift, mask, qh_i, hshift, hmask, j)
-                assert got == ref
 
 
 @pytest.mark.parametrize("bits", [16, 8])

@@ -12,19 +12,16 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
      int16: 8-bit x moves the logits of the tiny test models by up to ~0.2 (random weights, no outliers tamed),
      past the 0.05 the llama.cpp oracle test allows, while 16-bit x is within ~1e-3 of float math. The kernels
      take either: the width is the dtype of qs (`CPUBackend(act_bits=8)` selects int8).
-  2. Integer primitives, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation
-     to 64 bits, and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the
-     intrinsics state the narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpdpbusd`):
-       `dot_bits32h(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j)` = sum_l v_l * x[j+l] over 32 lanes,
-       v_l a low bit field of q[i+l] with a high one of qh[ih+l], one sub-block at a time: Q5_K uses it;
-       `row_dot_q2_k/q3_k/q4_k/q6_k(w, xq, xd, xbs)`: a whole weight row from a static block layout table, in
-       vector registers, float32 [16] lane accumulators and one reduction per row; `row_dot_rows_*` the same for
-       every row of a 2-D x, each block unpacked once (prefill), bit for bit.
-     Each has a plain twin it is tested against (`dot_bits_h_ref`; the row forms against the float reference
-     through the vec_dots).
+  2. Row dots, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation to 64 bits,
+     and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the IR states the
+     narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpmaddubsw` / `vpdpbusd`):
+       `row_dot_<type>(w, xq, xd, xbs)`: a whole weight row from a static block layout table, in vector
+       registers, float32 [16] lane accumulators and one reduction per row; `row_dot_rows_*` the same for every row
+       of a 2-D x, each block unpacked once (prefill), bit for bit.
+     They are tested against the float reference through the vec_dots, and against their portable twins.
   3. `vec_dot_<type>(w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and (section 3b) IQ4_XS, IQ4_NL, MXFP4,
      Q8_0, Q4_0, Q2_0: one raw weight row (whole runs of 256 weights) times quantized activations -> float32;
-     `vec_dot_rows_<type>` (all but Q5_K) for many rows at once (bit-identical results).
+     `vec_dot_rows_<type>` for many rows at once (bit-identical results).
      `ACT_DOTS` / `ACT_DOTS_ROWS` map a QType to them; other formats use the float path.
   With 8-bit activations the row dots take llama.cpp's AVX2 route: each group's 32 int8 weights (their magnitudes,
   the signs moved onto x by vpsignb for formats with negative integers) times 32 int8 x by vpmaddubsw, then the
@@ -52,10 +49,8 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import QType
-from .floats import read_f16 as _read_f16_call
-from .kquants import Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K, get_scale_min
+from .kquants import Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K
 
-read_f16 = njit(cache=True, inline="always")(_read_f16_call.py_func)  # the same code, inlined: no call per block
 
 SUB = 16  # values per bsum: the smallest sub-block of any K-quant
 ACT_DTYPES = {8: np.int8, 16: np.int16}  # activation width (bits) -> dtype of qs
@@ -141,69 +136,18 @@ def quantize_rows(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 2. The integer primitive: sum_l v_l * x[j + l], l < 32, over two fields of bits of the weight bytes
-#        v_l = ((q[i + l] >> shift) & mask) | ((qh[ih + l] >> hshift) & hmask) << hpos
-#    for Q5_K, which keeps a quant's fifth bit apart: one pass, one reduction per sub-block (the other K types use
-#    the whole-row form below). q, qh: uint8 arrays (weight bytes); x: int8 or int16 array (activations), j: its
-#    offset. No bounds check: vec_dot_q5_k only passes offsets inside whole blocks.
-# ----------------------------------------------------------------------------------------------------------------
-def _dot_bits_codegen(lanes: int):
-    """LLVM IR for dot_bits*h (args q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j)."""
-
-    def codegen(context, builder, signature, args):
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        v8, v32 = ir.VectorType(i8, lanes), ir.VectorType(i32, lanes)
-
-        def load(k, offset, vty):  # `lanes` elements of array argument k from offset on, any alignment
-            data = context.make_array(signature.args[k])(context, builder, args[k]).data
-            return builder.load(builder.bitcast(builder.gep(data, [offset]), vty.as_pointer()), align=1)
-
-        def splat(scalar):  # an int64 scalar -> <lanes x i8>, every lane the same
-            v = builder.insert_element(ir.Constant(v8, ir.Undefined), builder.trunc(scalar, i8), ir.Constant(i32, 0))
-            return builder.shuffle_vector(v, ir.Constant(v8, ir.Undefined), ir.Constant(v32, [0] * lanes))
-
-        def field(k):  # (bytes of array arg k from offset arg k+1) >> arg k+2 & arg k+3
-            return builder.and_(builder.lshr(load(k, args[k + 1], v8), splat(args[k + 2])), splat(args[k + 3]))
-
-        bits = builder.or_(field(0), builder.shl(field(4), splat(args[8])))  # low field | high field << hpos
-        w16 = builder.zext(bits, ir.VectorType(ir.IntType(16), lanes))  # the weights' integers, 16-bit lanes
-        xk = len(args) - 2
-        xv = load(xk, args[xk + 1], ir.VectorType(ir.IntType(signature.args[xk].dtype.bitwidth), lanes))
-        # 16 x 16 -> 32-bit products, summed: LLVM emits vpmaddwd (pairs of products added) + a reduction
-        prod = builder.mul(builder.sext(w16, v32), xv if xv.type == v32 else builder.sext(xv, v32))
-        reduce = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i32, [v32]),
-                                                f"llvm.vector.reduce.add.v{lanes}i32")
-        return builder.sext(builder.call(reduce, [prod]), i64)
-
-    return codegen
-
-
-def _is_bytes(a) -> bool:
-    return isinstance(a, types.Array) and a.dtype == types.uint8
-
-
-def _is_act(a) -> bool:  # activations int8/int16
-    return isinstance(a, types.Array) and a.dtype in (types.int8, types.int16)
-
-
-@intrinsic
-def dot_bits32h(typingctx, q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j):
-    if _is_bytes(q) and _is_bytes(qh) and _is_act(x):
-        return types.int64(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j), _dot_bits_codegen(32)
-
-
-# The whole-row form (Q2_K, Q3_K): one call per weight row, all its blocks, everything in vector registers.
+# 2. The whole-row form: one call per weight row, all its blocks, everything in vector registers.
 #     row_dot(w, xq, xd, xbs) = sum_b (d_b dx_b) sum_k sc[k // 16] v_k xq[256 b + k]  (- dmin_b dx_b sum_s m_s bsum_s)
 # The layout is static, given when the intrinsic is made: 8 groups of 32 weights per 256-block (group g = weights
 # 32g..32g+31), each a bit field (byte offset, shift, mask) and optionally a second, high field (offset, shift,
-# mask, position), exactly as dot_bits*h read them; the 16 sub-block scales as bit fields of the block's bytes
+# mask, position); the 16 sub-block scales as bit fields of the block's bytes
 # picked per lane (byte index, shift, mask, position; minus a bias); a value bias subtracted from every weight's
 # integer (Q3_K: 4, Q6_K: 32); optionally the 16 mins (Q2_K: the high nibbles of the scale bytes; Q4_K: 6-bit
 # fields) and the block's two fp16 factors d, dmin. Per block:
 #   - unpack: each group's 32 integers times their sub-block's scale, in 16-bit lanes (|scale * v| <= 45 for Q2_K,
-#     128 for Q3_K, 945 for Q4_K, 4096 for Q6_K), once per block, whatever the number of activation rows (the
-#     one-row form, whose blocks are used once, instead multiplies each group's 16 pair sums by their scales:
-#     fewer operations per block, the same integers lane by lane, hence the same bits);
+#     128 for Q3_K, 945 for Q4_K, 1953 for Q5_K, 4096 for Q6_K), once per block, whatever the number of activation
+#     rows (the one-row form, whose blocks are used once, may instead multiply each group's 16 pair sums by their
+#     scales, `prescale_one`: the same integers lane by lane, hence the same bits);
 #   - per activation row: 8 multiply-adds of pairs (vpmaddwd, or vpdpwssd with VNNI) into one int32 [16] vector:
 #     |lane| <= 16 products * 4096 * 32767 < 2^31, so the integer sums are exact; the mins against the row's bsums
 #     (int32 [16], |m * bsum| <= 63 * 16 * 32767); both converted to float32 [16] and multiply-added (llvm.fma: one
@@ -213,6 +157,10 @@ def dot_bits32h(typingctx, q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j)
 # plain IEEE (no fast-math flags), in an order that does not depend on the number of rows: row t of row_dot_rows
 # has exactly the bits of row_dot on row t alone. The fp16 factors are converted by LLVM's fpext (vcvtph2ps): exact.
 _LANE = list(range(32))
+
+
+def _is_act(a) -> bool:  # activations int8/int16
+    return isinstance(a, types.Array) and a.dtype in (types.int8, types.int16)
 
 
 def _host_has_avx512bw() -> bool:
@@ -613,6 +561,15 @@ row_dot_q4_k, row_dot_rows_q4_k = _make_row_dot(
     min_fields=[([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 else 15 for j in _J], 0),
                 ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
     scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2)
+# Q5_K (176 bytes): Q4_K's d, dmin and scales[12] at 0-15, qh[32] at 16, qs[128] at 48: group g (sub-block g) = nibble
+# g % 2 of qs[32 (g // 2) + l] | bit g of qh[l] << 4. |scale * q| <= 63 * 31.
+row_dot_q5_k, row_dot_rows_q5_k = _make_row_dot(
+    groups=[(48 + 32 * (g // 2), 4 * (g % 2), 15, (16, g, 1, 4)) for g in range(8)],
+    scale_fields=[([4 + j if j < 4 else 8 + j for j in _J], [0] * 16, [63 if j < 4 else 15 for j in _J], 0),
+                  ([4 + j - 4 if j >= 4 else 4 for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
+    min_fields=[([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 else 15 for j in _J], 0),
+                ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
+    scale_bias=0, value_bias=0, size=Q5_K_SIZE, d_off=0, dmin_off=2)
 # Q6_K (210 bytes): ql[128] at 0, qh[64] at 128, scales int8[16] at 192, d at 208. Group 4h + j (weights 128h + 32j
 # + l): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits = qh[32h + l] bits 2j; q = that - 32.
 # |scale * q| <= 128 * 32 = 4096, so a lane's 16 products stay below 16 * 4096 * 32767 < 2^31.
@@ -691,16 +648,6 @@ row_dot_q8_0, row_dot_rows_q8_0 = ROW_DOTS_NEW[QType.Q8_0]
 row_dot_q2_0, row_dot_rows_q2_0 = ROW_DOTS_NEW[QType.Q2_0]
 
 
-@njit(cache=True)
-def dot_bits_h_ref(q, i, shift, mask, qh, ih, hshift, hmask, hpos, x, j, lanes):
-    """The plain twin of dot_bits32h (lanes = 32): the value is (low field) | (high field) << hpos."""
-    acc = 0
-    for l in range(lanes):
-        v = ((np.int64(q[i + l]) >> shift) & mask) | (((np.int64(qh[ih + l]) >> hshift) & hmask) << hpos)
-        acc += v * np.int64(x[j + l])
-    return acc
-
-
 # ----------------------------------------------------------------------------------------------------------------
 # 3. One weight row (nb blocks, raw bytes) times quantized activations, per K type. w uint8 [nb * type_size],
 #    xq int16/int8 [nb * 256], xd float32 [nb], xbs int32 [nb * 16] -> float32.
@@ -727,22 +674,8 @@ def vec_dot_q4_k(w, xq, xd, xbs):
 
 @njit(cache=True)
 def vec_dot_q5_k(w, xq, xd, xbs):
-    # d dmin scales[12] at byte 4 (6-bit scale/min per 32-weight sub-block), qh[32] at 16, qs[128] at 48:
-    # weight 64c + 32 half + l = nibble `half` of qs[32c + l] | bit 2c + half of qh[l] << 4 (sub-block 2c + half).
-    acc = np.float32(0.0)
-    for b in range(w.shape[0] // Q5_K_SIZE):
-        s, o = b * Q5_K_SIZE, b * QK_K
-        isum = 0
-        msum = 0
-        for c in range(4):
-            for half in range(2):
-                sub = 2 * c + half
-                sc, m = get_scale_min(w, s + 4, sub)
-                isum += sc * dot_bits32h(w, s + 48 + 32 * c, 4 * half, 15, w, s + 16, sub, 1, 4, xq, o + 32 * sub)
-                msum += m * (xbs[16 * b + 2 * sub] + xbs[16 * b + 2 * sub + 1])
-        dx = xd[b]
-        acc += (read_f16(w, s) * dx) * np.float32(isum) - (read_f16(w, s + 2) * dx) * np.float32(msum)
-    return acc
+    # Q4_K's scales and mins, a fifth bit per weight from qh: row_dot_q5_k's layout.
+    return row_dot_q5_k(w, xq, xd, xbs)
 
 
 @njit(cache=True)
@@ -769,6 +702,12 @@ def vec_dot_rows_q3_k(w, xq, xd, xbs, acc, out):
 def vec_dot_rows_q4_k(w, xq, xd, xbs, acc, out):
     """The same for Q4_K."""
     row_dot_rows_q4_k(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_rows_q5_k(w, xq, xd, xbs, acc, out):
+    """The same for Q5_K."""
+    row_dot_rows_q5_k(w, xq, xd, xbs, acc, out)
 
 
 @njit(cache=True)
@@ -854,9 +793,9 @@ ACT_DOTS = {
 
 
 ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k, QType.Q4_K: vec_dot_rows_q4_k,
-                 QType.Q6_K: vec_dot_rows_q6_k, QType.IQ4_XS: vec_dot_rows_iq4_xs, QType.IQ4_NL: vec_dot_rows_iq4_nl,
+                 QType.Q5_K: vec_dot_rows_q5_k, QType.Q6_K: vec_dot_rows_q6_k, QType.IQ4_XS: vec_dot_rows_iq4_xs, QType.IQ4_NL: vec_dot_rows_iq4_nl,
                  QType.Q4_0: vec_dot_rows_q4_0, QType.MXFP4: vec_dot_rows_mxfp4, QType.Q8_0: vec_dot_rows_q8_0,
-                 QType.Q2_0: vec_dot_rows_q2_0}  # Q5_K: a loop of vec_dot
+                 QType.Q2_0: vec_dot_rows_q2_0}
 
 
 def has_int_dot(qtype, cols: int) -> bool:

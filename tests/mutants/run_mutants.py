@@ -123,8 +123,8 @@ MUTANTS: list[Mutant] = [
         "Numba decode_q2_k swaps scale and min nibbles of the first sub-block of each 4-group"),
     Mutant(
         "q2k_int_dot_min_from_scale_nibble", "pymoe/quant/qact.py",
-        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)])",
-        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [0] * 16, 15, 0)])",
+        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)], prescale_one=True)",
+        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [0] * 16, 15, 0)], prescale_one=True)",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[Q2_K-*]",
          "tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]"),
         "the integer-path Q2_K row dot (LLVM IR layout table) takes the mins from the scale nibbles"),
@@ -135,6 +135,25 @@ MUTANTS: list[Mutant] = [
         "        z = cand / p.temperature\n",
         ("tests/test_sampler.py::*",),
         "the sampler never draws the least likely candidate left after top-k/top-p/min-p"),
+    Mutant(
+        "iq4_codebook_levels_shifted", "pymoe/quant/qact.py",
+        "KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)",
+        "KVALUES_IQ4NL = (-104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113, 127)",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_XS-*]",
+         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_NL-*]"),
+        "the integer dots of IQ4_XS/IQ4_NL look nibble k up as level k + 1 (the codebook shifted by one)"),
+    Mutant(
+        "int8_path_sign_not_moved", "pymoe/quant/qact.py",
+        "                xv = x86(builder, \"llvm.x86.avx2.psign.b\", xv.type, [xv, v])",
+        "                pass  # MUTANT: the weights' signs are dropped",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[*-8]",),
+        "8-bit activations: |w| times x without w's sign moved onto x (vpsignb dropped)"),
+    Mutant(
+        "e8m0_subnormal_scales_as_normal", "pymoe/quant/qact.py",
+        'bits = builder.select(builder.icmp_unsigned("<", e, ir.Constant(i32, 2)), small, normal)',
+        "bits = normal",
+        ("tests/test_kernels_qact.py::test_mxfp4_int_dot_at_the_extreme_scales",),
+        "MXFP4's integer dot reads E8M0 bytes 0 and 1 with the normal formula (bits (e - 1) << 23: -inf, 0)"),
     Mutant(
         "act_rounding_12_bits", "pymoe/quant/qact.py",
         "_QMAX = {np.dtype(np.int8): 127, np.dtype(np.int16): 32767}",
