@@ -345,12 +345,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
                 ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u)
             for i in range(b - a):
                 h[a + i, r] = g[i] / (np.float32(1.0) + np.exp(-g[i])) * u[i]  # silu(g) * u
-    if h.shape[0] <= 16:  # decode (K rows): a parallel region costs about what quantizing a few rows does
-        for p in range(h.shape[0]):
-            quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
-    else:
-        for p in prange(h.shape[0]):
-            quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
+    for p in prange(h.shape[0]):
+        quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
     for task in prange((D + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK):
         acc = np.empty((n_max, ROWS_LANES), dtype=np.float32)
         out = np.empty(n_max, dtype=np.float32)

@@ -49,6 +49,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import QType
+from . import iquants, mxfp4
 from .kquants import Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K
 
 
@@ -176,16 +177,16 @@ _PMADDWD_512 = _host_has_avx512bw()
 
 
 def _host_has_avx2() -> bool:
-    """Whether Numba compiles for this machine's CPU and it has AVX2: then a 16-entry codebook is looked up 32 lanes
-    at a time by vpshufb (`llvm.x86.avx2.pshuf.b`); other CPUs get a chain of 16 compares and selects (the same
-    values, slower)."""
+    """Whether Numba compiles for this machine's CPU and it has AVX2: then the row dots call its instructions by
+    their x86 intrinsics (vpmaddwd, vpmaddubsw, vpsignb, and vpshufb for a 16-entry codebook); other CPUs get
+    portable patterns with the same integers (`portable=True` builds those here, for the tests)."""
     import numba
     from llvmlite import binding
 
     return numba.config.CPU_NAME in (None, "host") and bool(binding.get_host_cpu_features().get("avx2"))
 
 
-_PSHUFB_AVX2 = _host_has_avx2()
+_AVX2 = _host_has_avx2()
 
 
 class Gather:
@@ -218,9 +219,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
     v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
     pmaddwd_512 = _PMADDWD_512 and not portable
-    pmaddwd_256 = _PSHUFB_AVX2 and not portable
-    SIGNED = codebook is not None or signed_values or value_bias != 0  # a weight's integer can be negative
-    pshufb_avx2 = _PSHUFB_AVX2 and not portable
+    avx2 = _AVX2 and not portable
+    negative = codebook is not None or signed_values or value_bias != 0  # a weight's integer can be negative
 
     def vec(ty, n, values):
         return ir.Constant(ir.VectorType(ty, n), list(values))
@@ -260,7 +260,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         return builder.shuffle_vector(table, ir.Constant(table.type, ir.Undefined), vec(i32, 32, picks))
 
     def lookup(builder, v):  # int8 [32] of indices 0..15 -> int8 [32] of codebook levels
-        if pshufb_avx2:  # vpshufb looks up within each 16-byte half: the table twice
+        if avx2:  # vpshufb looks up within each 16-byte half: the table twice
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(i8, 32),
                                                 [ir.VectorType(i8, 32)] * 2), "llvm.x86.avx2.pshuf.b")
             return builder.call(fn, [vec(i8, 32, list(codebook) * 2), v])
@@ -331,7 +331,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                     scales, scales, vec(i32, 16, [2 * g] * 8 + [2 * g + 1] * 8))
                 out.append((v, sc))
                 continue
-            w16 = (builder.sext if SIGNED else builder.zext)(v, ir.VectorType(i16, 32))
+            w16 = (builder.sext if negative else builder.zext)(v, ir.VectorType(i16, 32))
             if scales is None:  # group_scales: the integers as they are
                 out.append((w16, None))
             elif prescale:
@@ -343,15 +343,18 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         mins = None if min_fields is None else builder.zext(lanes16(min_fields), v16i)  # [16] (one per 16 weights)
         return out, mins
 
-    def x86(builder, name, ret, args):  # a call of an x86 intrinsic
+    def x86(builder, name, ret, args):  # a call of an LLVM intrinsic (x86's, or llvm.fma)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
         return builder.call(fn, args)
+
+    def fma(builder, a, b, c):  # float32 [16]: a * b + c, one rounding
+        return x86(builder, "llvm.fma.v16f32", v16f, [a, b, c])
 
     def maddubs(builder, w, x):
         """int8 [32] w (as unsigned) times int8 [32] x, pairs added -> int16 [16] (vpmaddubsw; no pair sum here
         reaches its saturation: |w| <= 128, |x| <= 127, 2 * 128 * 127 < 2^15)."""
         v16s = ir.VectorType(i16, 16)
-        if pmaddwd_256:
+        if avx2:
             return x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v16s, [w, x])
         prod = builder.mul(builder.zext(w, ir.VectorType(i16, 32)), builder.sext(x, ir.VectorType(i16, 32)))
         return builder.add(builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[0::2])),
@@ -359,7 +362,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
 
     def madd16(builder, a, b):  # int16 [16] x int16 [16], pairs added -> int32 [8] (vpmaddwd)
         v8i = ir.VectorType(i32, 8)
-        if pmaddwd_256:
+        if avx2:
             return x86(builder, "llvm.x86.avx2.pmadd.wd", v8i, [a, b])
         prod = builder.mul(builder.sext(a, ir.VectorType(i32, 16)), builder.sext(b, ir.VectorType(i32, 16)))
         return builder.add(builder.shuffle_vector(prod, prod, vec(i32, 8, _LANE[0:16:2])),
@@ -369,9 +372,9 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         """The 8-bit path of one group: int8 [32] values v (signed formats: any sign), their scales sc (int16 [16]
         per pair lane, or None), int8 [32] x -> int32 [8], lane i = sum of weights 4i..4i+3 times x (times scale).
         As llama.cpp does it on AVX2: |v| against x with v's sign moved onto x (vpsignb), then vpmaddubsw."""
-        if SIGNED:
+        if negative:
             zero = vec(i8, 32, [0] * 32)
-            if pmaddwd_256:
+            if avx2:
                 xv = x86(builder, "llvm.x86.avx2.psign.b", xv.type, [xv, v])
             else:
                 xv = builder.select(builder.icmp_signed("<", v, zero), builder.neg(xv),
@@ -384,7 +387,6 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         """row_step for int8 activations: two groups' int32 [8] sums side by side make the int32 [16] of one
         pair of groups (lanes 0-7 group 2k, 8-15 group 2k + 1), then as in row_step."""
         unpacked, mins = block
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
         isum = None
         for k in range(4):
             sums = [group_sums8(builder, v, sc, load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i8, 32))
@@ -393,16 +395,21 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             if isinstance(d, list):  # a float scale per group: lanes 0-7 get group 2k's, 8-15 group 2k + 1's
                 lo, hi = (splat(builder, builder.fmul(d[g], dx)) for g in (2 * k, 2 * k + 1))
                 scale = builder.shuffle_vector(lo, hi, vec(i32, 16, list(range(8)) + list(range(16, 24))))
-                acc = builder.call(fma, [builder.sitofp(term, v16f), scale, acc])
+                acc = fma(builder, builder.sitofp(term, v16f), scale, acc)
                 continue
             isum = term if isum is None else builder.add(isum, term)
         if isinstance(d, list):
             return acc
-        acc = builder.call(fma, [builder.sitofp(isum, v16f), splat(builder, builder.fmul(d, dx)), acc])
-        if mins is not None:
+        return block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
+
+    def block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc):
+        """acc + d * dx * isum (int32 [16]) - dmin * dx * mins * the row's bsums of block b: the float epilogue of a
+        block with one scale (both widths)."""
+        acc = fma(builder, builder.sitofp(isum, v16f), splat(builder, builder.fmul(d, dx)), acc)
+        if mins is not None:  # - dmin * dx * m_s * bsum_s
             bs = load(builder, bsrow, builder.mul(b_, ir.Constant(i64, 16)), i32, 16)
             msum = builder.sitofp(builder.mul(mins, bs), v16f)
-            acc = builder.call(fma, [msum, splat(builder, builder.fneg(builder.fmul(dmin, dx))), acc])
+            acc = fma(builder, msum, splat(builder, builder.fneg(builder.fmul(dmin, dx))), acc)
         return acc
 
     def row_step(builder, block, d, dmin, xrow, xbits, o_, dx, bsrow, b_, acc):
@@ -411,45 +418,25 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         if xbits == 8:
             return row_step8(builder, block, d, dmin, xrow, o_, dx, bsrow, b_, acc)
         unpacked, mins = block
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v16f, [v16f] * 3), "llvm.fma.v16f32")
         isum = None
         for g, (w16, sc) in enumerate(unpacked):
-            xv = load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), ir.IntType(xbits), 32)
+            x16 = load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i16, 32)
             if pmaddwd_512:  # the instruction itself: LLVM's pattern match goes through i32 lanes and back
-                x16 = xv if xbits == 16 else builder.sext(xv, ir.VectorType(i16, 32))
-                pmaddwd = cgutils.get_or_insert_function(
-                    builder.module, ir.FunctionType(v16i, [ir.VectorType(i16, 32)] * 2), "llvm.x86.avx512.pmaddw.d.512")
-                term = builder.call(pmaddwd, [w16, x16])
-            elif pmaddwd_256:  # AVX2: the 256-bit instruction on each half (pairs 0-7, then 8-15: the same lanes)
-                x16 = xv if xbits == 16 else builder.sext(xv, ir.VectorType(i16, 32))
-                v8i, v16s = ir.VectorType(i32, 8), ir.VectorType(i16, 16)
-                pmaddwd = cgutils.get_or_insert_function(builder.module, ir.FunctionType(v8i, [v16s] * 2),
-                                                         "llvm.x86.avx2.pmadd.wd")
-                halves = [builder.call(pmaddwd, [builder.shuffle_vector(w16, w16, vec(i32, 16, range(h, h + 16))),
-                                                 builder.shuffle_vector(x16, x16, vec(i32, 16, range(h, h + 16)))])
-                          for h in (0, 16)]
-                term = builder.shuffle_vector(halves[0], halves[1], vec(i32, 16, range(16)))
-            else:
-                prod = builder.mul(builder.sext(w16, ir.VectorType(i32, 32)),
-                                   builder.sext(xv, ir.VectorType(i32, 32)))
-                even = builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[0::2]))
-                odd = builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[1::2]))
-                term = builder.add(even, odd)  # pairs of products added: LLVM emits vpmaddwd
+                term = x86(builder, "llvm.x86.avx512.pmaddw.d.512", v16i, [w16, x16])
+            else:  # two halves of 16 lanes (pairs 0-7, then 8-15: the same lanes as the 512-bit instruction's)
+                half = lambda v, h: builder.shuffle_vector(v, v, vec(i32, 16, range(h, h + 16)))  # noqa: E731
+                lo, hi = (madd16(builder, half(w16, h), half(x16, h)) for h in (0, 16))
+                term = builder.shuffle_vector(lo, hi, vec(i32, 16, range(16)))
             if sc is not None:  # not prescaled: the pair sums times their scales (the same integers, exactly)
                 term = builder.mul(term, sc)
             if isinstance(d, list):  # a float scale per group: a lane holds 2 products, |lane| <= 2 * 128 * 32767
                 # < 2^24, so its float32 is exact; one multiply-add per group (d_g * dx rounded once, then the fma)
-                acc = builder.call(fma, [builder.sitofp(term, v16f), splat(builder, builder.fmul(d[g], dx)), acc])
+                acc = fma(builder, builder.sitofp(term, v16f), splat(builder, builder.fmul(d[g], dx)), acc)
                 continue
             isum = term if isum is None else builder.add(isum, term)
         if isinstance(d, list):
             return acc
-        acc = builder.call(fma, [builder.sitofp(isum, v16f), splat(builder, builder.fmul(d, dx)), acc])
-        if mins is not None:  # - dmin * dx * m_s * bsum_s
-            bs = load(builder, bsrow, builder.mul(b_, ir.Constant(i64, 16)), i32, 16)
-            msum = builder.sitofp(builder.mul(mins, bs), v16f)
-            acc = builder.call(fma, [msum, splat(builder, builder.fneg(builder.fmul(dmin, dx))), acc])
-        return acc
+        return block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
 
     def reduce(builder, v):  # float32 [16] -> float32, lanes i + n/2 added to lanes i, n = 16, 8, 4, 2
         n = 16
@@ -554,22 +541,18 @@ row_dot_q3_k, row_dot_rows_q3_k = _make_row_dot(
 # min = q[j + 4] >> 4 | (q[j] >> 6) << 4, q = the scale bytes), qs[128] at 16: group g (sub-block g) = nibble g % 2 of
 # qs[32 (g // 2) + l]. Lane k of the scales and mins (16 weights) is sub-block k // 2; |scale * q| <= 63 * 15.
 _J = [k // 2 for k in range(16)]
+_K4_SCALES = [([4 + j if j < 4 else 8 + j for j in _J], [0] * 16, [63 if j < 4 else 15 for j in _J], 0),
+              ([4 + j - 4 if j >= 4 else 4 for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)]
+_K4_MINS = [([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 else 15 for j in _J], 0),
+            ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)]
 row_dot_q4_k, row_dot_rows_q4_k = _make_row_dot(
-    groups=[(16 + 32 * (g // 2), 4 * (g % 2), 15, None) for g in range(8)],
-    scale_fields=[([4 + j if j < 4 else 8 + j for j in _J], [0] * 16, [63 if j < 4 else 15 for j in _J], 0),
-                  ([4 + j - 4 if j >= 4 else 4 for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
-    min_fields=[([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 else 15 for j in _J], 0),
-                ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
-    scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2)
+    groups=[(16 + 32 * (g // 2), 4 * (g % 2), 15, None) for g in range(8)], scale_fields=_K4_SCALES,
+    min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2)
 # Q5_K (176 bytes): Q4_K's d, dmin and scales[12] at 0-15, qh[32] at 16, qs[128] at 48: group g (sub-block g) = nibble
 # g % 2 of qs[32 (g // 2) + l] | bit g of qh[l] << 4. |scale * q| <= 63 * 31.
 row_dot_q5_k, row_dot_rows_q5_k = _make_row_dot(
-    groups=[(48 + 32 * (g // 2), 4 * (g % 2), 15, (16, g, 1, 4)) for g in range(8)],
-    scale_fields=[([4 + j if j < 4 else 8 + j for j in _J], [0] * 16, [63 if j < 4 else 15 for j in _J], 0),
-                  ([4 + j - 4 if j >= 4 else 4 for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
-    min_fields=[([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 else 15 for j in _J], 0),
-                ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)],
-    scale_bias=0, value_bias=0, size=Q5_K_SIZE, d_off=0, dmin_off=2)
+    groups=[(48 + 32 * (g // 2), 4 * (g % 2), 15, (16, g, 1, 4)) for g in range(8)], scale_fields=_K4_SCALES,
+    min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q5_K_SIZE, d_off=0, dmin_off=2)
 # Q6_K (210 bytes): ql[128] at 0, qh[64] at 128, scales int8[16] at 192, d at 208. Group 4h + j (weights 128h + 32j
 # + l): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits = qh[32h + l] bits 2j; q = that - 32.
 # |scale * q| <= 128 * 32 = 4096, so a lane's 16 products stay below 16 * 4096 * 32767 < 2^31.
@@ -585,8 +568,8 @@ row_dot_q6_k, row_dot_rows_q6_k = _make_row_dot(
 #     Byte layouts: legacy.py, iquants.py, mxfp4.py, q2_0.py. Bounds: a codebook level or an int8 weight is at most
 #     128 in magnitude; IQ4_XS's scale * level at most 32 * 127 = 4064 < 4096, Q6_K's bound above.
 # ----------------------------------------------------------------------------------------------------------------
-KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)  # iquants.KVALUES_IQ4NL
-KVALUES_FP4 = (0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)  # mxfp4.KVALUES_FP4 (2 x E2M1)
+KVALUES_IQ4NL = tuple(int(v) for v in iquants.KVALUES_IQ4NL)  # [16] the codebooks, as the decoders define them
+KVALUES_FP4 = tuple(int(v) for v in mxfp4.KVALUES_FP4)
 
 
 def _nibbles(first_byte: int) -> Gather:
@@ -594,12 +577,9 @@ def _nibbles(first_byte: int) -> Gather:
     return Gather([first_byte + (l & 15) for l in range(32)], [4 * (l >> 4) for l in range(32)], 15)
 
 
-PRESCALE_IQ4_XS = True  # measured faster in the one-row form (Zen 3: 7.8 vs 6.8 G MAC/s)
-
-
 def _row_dots_for(portable: bool = False) -> dict:
     """{QType: (row_dot, row_dot_rows)} of the newer formats (portable: without x86 intrinsics, for the tests)."""
-    blocks32 = lambda size, off: [size * g + off for g in range(8)]  # noqa: E731 (per group: byte of its block)
+    blocks32 = lambda size: [size * g for g in range(8)]  # noqa: E731 (per group: the first byte of its block)
     return {
         # IQ4_XS (136 bytes): d at 0, scales_h (uint16) at 2, scales_l[4] at 4, qs[128] at 8, 16 bytes a group.
         # Group j's 6-bit scale: low 4 bits = nibble j % 2 of byte 4 + j // 2, high 2 bits = byte 2 + j // 4 >> 2 (j % 4).
@@ -608,26 +588,26 @@ def _row_dots_for(portable: bool = False) -> dict:
             scale_fields=[([4 + j // 2 for j in _J], [4 * (j % 2) for j in _J], 15, 0),
                           ([2 + j // 4 for j in _J], [2 * (j % 4) for j in _J], 3, 4)],
             scale_bias=32, value_bias=0, size=136, d_off=0, dmin_off=-1, min_fields=None, portable=portable,
-            prescale_one=PRESCALE_IQ4_XS),
+            prescale_one=True),  # measured faster in the one-row form (Zen 3: 7.8 vs 6.8 G MACs/s)
         # IQ4_NL (18 bytes a block of 32): d at 0, qs[16] at 2, levels from the IQ4 codebook.
         QType.IQ4_NL: _make_row_dot(
-            groups=[_nibbles(b + 2) for b in blocks32(18, 0)], codebook=KVALUES_IQ4NL,
-            group_scales=[(b, "f16") for b in blocks32(18, 0)], scale_fields=None, scale_bias=0, value_bias=0,
+            groups=[_nibbles(b + 2) for b in blocks32(18)], codebook=KVALUES_IQ4NL,
+            group_scales=[(b, "f16") for b in blocks32(18)], scale_fields=None, scale_bias=0, value_bias=0,
             size=8 * 18, d_off=-1, dmin_off=-1, min_fields=None, portable=portable),
         # Q4_0 (18 bytes a block of 32): d at 0, qs[16] at 2, q - 8.
         QType.Q4_0: _make_row_dot(
-            groups=[_nibbles(b + 2) for b in blocks32(18, 0)],
-            group_scales=[(b, "f16") for b in blocks32(18, 0)], scale_fields=None, scale_bias=0, value_bias=8,
+            groups=[_nibbles(b + 2) for b in blocks32(18)],
+            group_scales=[(b, "f16") for b in blocks32(18)], scale_fields=None, scale_bias=0, value_bias=8,
             size=8 * 18, d_off=-1, dmin_off=-1, min_fields=None, portable=portable),
         # MXFP4 (17 bytes a block of 32): e (E8M0) at 0, qs[16] at 1, levels 2 x E2M1, scale 2^(e - 128).
         QType.MXFP4: _make_row_dot(
-            groups=[_nibbles(b + 1) for b in blocks32(17, 0)], codebook=KVALUES_FP4,
-            group_scales=[(b, "e8m0_half") for b in blocks32(17, 0)], scale_fields=None, scale_bias=0,
+            groups=[_nibbles(b + 1) for b in blocks32(17)], codebook=KVALUES_FP4,
+            group_scales=[(b, "e8m0_half") for b in blocks32(17)], scale_fields=None, scale_bias=0,
             value_bias=0, size=8 * 17, d_off=-1, dmin_off=-1, min_fields=None, portable=portable),
         # Q8_0 (34 bytes a block of 32): d at 0, qs int8[32] at 2.
         QType.Q8_0: _make_row_dot(
-            groups=[b + 2 for b in blocks32(34, 0)], signed_values=True,
-            group_scales=[(b, "f16") for b in blocks32(34, 0)], scale_fields=None, scale_bias=0, value_bias=0,
+            groups=[b + 2 for b in blocks32(34)], signed_values=True,
+            group_scales=[(b, "f16") for b in blocks32(34)], scale_fields=None, scale_bias=0, value_bias=0,
             size=8 * 34, d_off=-1, dmin_off=-1, min_fields=None, portable=portable),
         # Q2_0 (18 bytes a block of 64): d at 0, qs[16] at 2; weight 32h + l of block b (group 2b + h) is bits
         # 2 (l % 4) of qs[8h + l // 4], code - 1.
@@ -793,9 +773,9 @@ ACT_DOTS = {
 
 
 ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k, QType.Q4_K: vec_dot_rows_q4_k,
-                 QType.Q5_K: vec_dot_rows_q5_k, QType.Q6_K: vec_dot_rows_q6_k, QType.IQ4_XS: vec_dot_rows_iq4_xs, QType.IQ4_NL: vec_dot_rows_iq4_nl,
-                 QType.Q4_0: vec_dot_rows_q4_0, QType.MXFP4: vec_dot_rows_mxfp4, QType.Q8_0: vec_dot_rows_q8_0,
-                 QType.Q2_0: vec_dot_rows_q2_0}
+                 QType.Q5_K: vec_dot_rows_q5_k, QType.Q6_K: vec_dot_rows_q6_k, QType.IQ4_XS: vec_dot_rows_iq4_xs,
+                 QType.IQ4_NL: vec_dot_rows_iq4_nl, QType.Q4_0: vec_dot_rows_q4_0, QType.MXFP4: vec_dot_rows_mxfp4,
+                 QType.Q8_0: vec_dot_rows_q8_0, QType.Q2_0: vec_dot_rows_q2_0}
 
 
 def has_int_dot(qtype, cols: int) -> bool:

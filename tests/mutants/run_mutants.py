@@ -136,12 +136,13 @@ MUTANTS: list[Mutant] = [
         ("tests/test_sampler.py::*",),
         "the sampler never draws the least likely candidate left after top-k/top-p/min-p"),
     Mutant(
-        "iq4_codebook_levels_shifted", "pymoe/quant/qact.py",
-        "KVALUES_IQ4NL = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)",
-        "KVALUES_IQ4NL = (-104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113, 127)",
+        "codebook_table_rotated", "pymoe/quant/qact.py",
+        "return builder.call(fn, [vec(i8, 32, list(codebook) * 2), v])",
+        "return builder.call(fn, [vec(i8, 32, list(codebook[1:] + codebook[:1]) * 2), v])",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_XS-*]",
-         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_NL-*]"),
-        "the integer dots of IQ4_XS/IQ4_NL look nibble k up as level k + 1 (the codebook shifted by one)"),
+         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_NL-*]",
+         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[MXFP4-*]"),
+        "the codebook formats' integer dots (vpshufb) look nibble k up as level k + 1"),
     Mutant(
         "int8_path_sign_not_moved", "pymoe/quant/qact.py",
         "                xv = x86(builder, \"llvm.x86.avx2.psign.b\", xv.type, [xv, v])",
