@@ -37,23 +37,10 @@ from pymoe.quant.kernels import dot, exp_f32
 from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot
 
 
-@njit(cache=True)
-def transpose_keys(k, kt):
-    """kt[g, d, s] = k[s, g, d] for k float32 [S, G, Dh] (the KV cache's layout) into kt [G, Dh, >= S]: attention's
-    keys with each dimension contiguous. The caller pads kt's last axis past S to a non-power-of-two stride (a
-    stride of 512 floats put every write of a key in the same cache set: 3x slower); NumPy's strided copy takes
-    ~3x this loop's time (40 us per layer and token at 150 cached keys)."""
-    S, G, Dh = k.shape
-    for s in range(S):
-        for g in range(G):
-            for d in range(Dh):
-                kt[g, d, s] = k[s, g, d]
-
-
 @njit(parallel=True, cache=True)
-def attention_rows(q, kt, v, p0, window, sinks, out):
-    """Causal GQA attention, each (query, head) on its own: q [T, H, Dh], kt [G, Dh, >= S] (the keys, transposed:
-    transpose_keys), v [S, G, Dv] (S = p0 + T) -> out float32 [T, H * Dv] (written). The math of model.attention,
+def attention_rows(q, k, kt, v, p0, window, sinks, out):
+    """Causal GQA attention, each (query, head) on its own: q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] (S = p0 + T),
+    kt [G, Dh, >= S] scratch -> out float32 [T, H * Dv] (written). The math of model.attention,
     in an order that depends only on the query's position, not on T: query t gives the same bits in a prefill of
     T tokens as alone in decode_one_token. The integer path needs that: it rounds activations, which would turn
     float-order noise (~1e-7) into rounding flips (~1e-4 in the logits of the tiny test models).
@@ -63,6 +50,13 @@ def attention_rows(q, kt, v, p0, window, sinks, out):
     T, H, Dh = q.shape
     S, G, Dv = v.shape
     sqrt_dh = np.float32(np.sqrt(Dh))
+    # The keys transposed first, kt[g, d, s] = k[s, g, d], each dimension contiguous (the scores loop below), one
+    # KV head per task. The caller pads kt's last axis past S to a non-power-of-two stride (a stride of 512 floats
+    # put every write of a key in the same cache set: 3x slower); NumPy's strided copy takes ~3x this loop's time.
+    for g in prange(G):
+        for s in range(S):
+            for d in range(Dh):
+                kt[g, d, s] = k[s, g, d]
     for task in prange(T * H):
         i, h = task // H, task % H
         # Queries in the order 0, T-1, 1, T-2, ...: query t reads p0 + t + 1 keys, and Numba gives each thread one
@@ -362,9 +356,8 @@ class CPUBackend(HostArrays):
         f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731  (a KV cache may store f16)
         S, G, Dh = k.shape
         kt = np.empty((G, Dh, (S + 15) // 16 * 16 + 16), dtype=np.float32)  # [G, Dh, S + pad]: for SIMD over keys
-        transpose_keys(f32(k), kt)
         no_sinks = np.zeros(0, np.float32)
-        attention_rows(f32(q), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)
+        attention_rows(f32(q), f32(k), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)
         return out
 
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -434,8 +427,9 @@ class CPUBackend(HostArrays):
         used = used.tolist()  # [S] the expert ids, ascending
         if len(used) != len(experts):
             raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
-        ex = [(experts[e].gate, experts[e].up, experts[e].down) for e in used]
-        return kernels.moe_act_grouped(ex, qtypes, x, start, tok, weight, self.act_bits)
+        ex = [experts[e] for e in used]
+        return kernels.moe_act_grouped([(e.gate, e.up, e.down) for e in ex], qtypes, x, start, tok, weight,
+                                       self.act_bits, [e.addresses for e in ex])
 
     # --- memory: host RAM ---------------------------------------------------------------------------------------------
     def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> HostPool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Optional
 
 import numpy as np
@@ -74,6 +75,14 @@ class ExpertBytes:
     @property
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
+
+    @cached_property
+    def addresses(self) -> Optional[tuple]:
+        """(gate, up, down) data addresses when all three are C-contiguous, else None: what the CPU backend's fused
+        MoE kernel takes (quant/kernels.py). Computed once per object: the model's own experts are made once
+        (`GGUFModel.expert`), and `ndarray.ctypes.data` costs ~1 us, three per expert, K experts a layer and token."""
+        mats = (self.gate, self.up, self.down)
+        return tuple(m.ctypes.data for m in mats) if all(m.flags.c_contiguous for m in mats) else None
 
 
 @dataclass(frozen=True)
@@ -189,6 +198,7 @@ class GGUFModel:
         where = f"{self.path}: "
         self.tensors: dict[str, Tensor] = {}
         self._expert_views: dict[int, dict] = {}  # layer -> proj -> uint8 [E, rows, row_bytes] (see expert())
+        self._experts: dict[tuple, ExpertBytes] = {}  # (layer, e) -> its ExpertBytes, made on first use
         for t in self.reader.tensors:
             self.tensors[t.name] = Tensor(t.name, t.tensor_type, tuple(int(n) for n in reversed(t.shape)), t.data)
         embd = self.tensors.get("token_embd.weight")
@@ -279,8 +289,15 @@ class GGUFModel:
         return self.tensors[f"blk.{layer}.{name}"]
 
     def expert(self, layer: int, e: int) -> ExpertBytes:
-        """The raw bytes of expert `e` of `layer`: three contiguous row blocks, views into the mmap (no copy)."""
-        return ExpertBytes(layer, e, **{proj: raw[e] for proj, raw in self._expert_tensors(layer).items()})
+        """The raw bytes of expert `e` of `layer`: three contiguous row blocks, views into the mmap (no copy). Made
+        once per (layer, expert) and kept (frozen, so shared safely): decode asks for K of them per layer and token,
+        and making one costs ~5 us of interpreter. At most n_layers * n_expert small objects (a few hundred bytes
+        each: ~10 MB for 48 layers of 512 experts)."""
+        ex = self._experts.get((layer, e))
+        if ex is None:
+            ex = self._experts[(layer, e)] = ExpertBytes(
+                layer, e, **{proj: raw[e] for proj, raw in self._expert_tensors(layer).items()})
+        return ex
 
     def _expert_tensors(self, layer: int) -> dict:
         """proj -> uint8 [E, rows, row_bytes] of one layer, as plain ndarray views of the mmap, made once: slicing

@@ -55,6 +55,9 @@ def register(fmt: QuantFormat) -> QuantFormat:
 
 def get_format(qtype) -> QuantFormat:
     """The format of a GGML type, or KeyError naming it if pymoe does not support it."""
+    fmt = FORMATS.get(qtype)  # an int finds its QType key (IntEnum: equal hash and value); no enum call per matrix
+    if fmt is not None:
+        return fmt
     qtype = QType(qtype)
     if qtype not in FORMATS:
         raise KeyError(f"unsupported tensor type {qtype.name}")

@@ -333,18 +333,21 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
         gate = carray(bytes_at(addr[k, 0]), (F, gate_bytes))  # [F, row_bytes(D)]
         up = carray(bytes_at(addr[k, 1]), (F, up_bytes))  # [F, row_bytes(D)]
         acc = np.empty((b - a, ROWS_LANES), dtype=np.float32)  # scratch of ROWS
-        g = np.empty(b - a, dtype=np.float32)  # [n] gate row r times the expert's tokens
-        u = np.empty(b - a, dtype=np.float32)  # [n] up row r
+        g = np.empty((b - a, MOE_ROWS_PER_TASK), dtype=np.float32)  # [n, rows] gate rows times the expert's tokens
+        u = np.empty((b - a, MOE_ROWS_PER_TASK), dtype=np.float32)  # [n, rows] up rows
         r0 = (task % blocks_f) * MOE_ROWS_PER_TASK
-        for r in range(r0, min(F, r0 + MOE_ROWS_PER_TASK)):
+        r1 = min(F, r0 + MOE_ROWS_PER_TASK)
+        for r in range(r0, r1):
             if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
-                g[0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
-                u[0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
+                g[0, r - r0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
+                u[0, r - r0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
             else:
-                ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g)
-                ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u)
-            for i in range(b - a):
-                h[a + i, r] = g[i] / (np.float32(1.0) + np.exp(-g[i])) * u[i]  # silu(g) * u
+                ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g[:, r - r0])
+                ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u[:, r - r0])
+        for i in range(b - a):  # silu(g) * u, a vector loop over the rows (exp_f32: no libm call per value)
+            gi, ui, hi = g[i], u[i], h[a + i, r0:r1]
+            for j in range(r1 - r0):
+                hi[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]
     for p in prange(h.shape[0]):
         quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
     for task in prange((D + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK):
@@ -452,24 +455,33 @@ def moe_act(experts: list, qtypes, x: np.ndarray, pairs: list, bits: int = 16) -
 
 
 def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok: np.ndarray, weight: np.ndarray,
-                    bits: int = 16) -> np.ndarray:
+                    bits: int = 16, addresses=None) -> np.ndarray:
     """moe_act with the (token, weight) pairs already grouped by expert: expert i owns pairs start[i]:start[i+1]
     (start int64 [S + 1]) of tok int64 [P] and weight float32 [P] (the form the kernel takes; the CPU backend
-    builds it with one sort, not a pass per expert)."""
+    builds it with one sort, not a pass per expert). addresses: per expert, its (gate, up, down) data addresses
+    when the caller has them (`ExpertBytes.addresses`: C-contiguous matrices), else None; the shapes are checked
+    either way."""
     T, D = x.shape
     F = experts[0][0].shape[0]
     gb, ub, db = (get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))  # bytes of a gate, up, down row
-    addr = np.empty((len(experts), 3), dtype=np.int64)  # [S, 3]
     keep = []  # copies made C-contiguous, alive until the kernel returns (the callers hold the others)
-    for i, (gate, up, down) in enumerate(experts):
-        addr[i] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
-        if addr[i, 0] < 0:
-            gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
+    if addresses is not None and None not in addresses:  # the caller's (decode: the model's own experts, every time)
+        for gate, up, down in experts:
             if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
                 raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, "
                                  f"F={F}")
-            keep.append((gate, up, down))
-            addr[i] = [m.ctypes.data for m in (gate, up, down)]
+        addr = np.array(addresses, dtype=np.int64)  # [S, 3]
+    else:
+        addr = np.empty((len(experts), 3), dtype=np.int64)  # [S, 3]
+        for i, (gate, up, down) in enumerate(experts):
+            addr[i] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
+            if addr[i, 0] < 0:
+                gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
+                if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
+                    raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit "
+                                     f"D={D}, F={F}")
+                keep.append((gate, up, down))
+                addr[i] = [m.ctypes.data for m in (gate, up, down)]
     P = tok.shape[0]
     xq, xd, xbs = qact.quantize_rows(x, bits)  # [T, D], [T, D/256], [T, D/16]
     if P != T or not np.array_equal(tok, np.arange(T)):
