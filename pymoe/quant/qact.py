@@ -269,15 +269,31 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             out = builder.select(builder.icmp_unsigned("==", v, vec(i8, 32, [k] * 32)), vec(i8, 32, [codebook[k]] * 32), out)
         return out
 
-    def group_scale(builder, wdata, s_, off, kind):  # a group's float scale
+    def group_scales_at(builder, wdata, s_):
+        """The 8 groups' float scales of the 256 weights at byte s, as one float32 [8] vector: each field loaded
+        on its own (they are 18, 34 or 17 bytes apart), then converted together (fp16: one vcvtph2ps; E8M0, halved
+        as ggml_e8m0_to_fp32_half: bits (e - 1) << 23 for e >= 2, the subnormals 0x00200000 << e below)."""
+        v8i, kind = ir.VectorType(i32, 8), group_scales[0][1]
+        assert all(k == kind for _, k in group_scales)
         if kind == "f16":
-            return fp16(builder, wdata, s_, off)
-        # E8M0, halved (ggml_e8m0_to_fp32_half): bits (e - 1) << 23 for e >= 2; the subnormals 0x00200000 << e below
-        e = builder.zext(builder.load(builder.gep(wdata, [builder.add(s_, ir.Constant(i64, off))])), i32)
-        normal = builder.shl(builder.sub(e, ir.Constant(i32, 1)), ir.Constant(i32, 23))
-        small = builder.shl(ir.Constant(i32, 0x00200000), e)
-        bits = builder.select(builder.icmp_unsigned("<", e, ir.Constant(i32, 2)), small, normal)
-        return builder.bitcast(bits, f32)
+            h = ir.Constant(ir.VectorType(i16, 8), ir.Undefined)
+            for g, (off, _) in enumerate(group_scales):
+                field = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i16), align=1)
+                h = builder.insert_element(h, field, ir.Constant(i32, g))
+            return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(f32, 8))
+        e = ir.Constant(v8i, ir.Undefined)
+        for g, (off, _) in enumerate(group_scales):
+            byte = builder.load(builder.gep(wdata, [builder.add(s_, ir.Constant(i64, off))]))
+            e = builder.insert_element(e, builder.zext(byte, i32), ir.Constant(i32, g))
+        normal = builder.shl(builder.sub(e, vec(i32, 8, [1] * 8)), vec(i32, 8, [23] * 8))
+        small = builder.shl(vec(i32, 8, [0x00200000] * 8), builder.and_(e, vec(i32, 8, [1] * 8)))  # e < 2: e & 1 = e
+        bits = builder.select(builder.icmp_unsigned("<", e, vec(i32, 8, [2] * 8)), small, normal)
+        return builder.bitcast(bits, ir.VectorType(f32, 8))
+
+    def times_dx(builder, d, dx):  # the groups' scales float32 [8] times the row's block scale: d_g * dx, each rounded once
+        dx8 = builder.insert_element(ir.Constant(ir.VectorType(f32, 8), ir.Undefined), dx, ir.Constant(i32, 0))
+        dx8 = builder.shuffle_vector(dx8, dx8, vec(i32, 8, [0] * 8))
+        return builder.fmul(d, dx8)
 
     def unpack(builder, wdata, s_, prescale):
         """The block at byte s: its 8 groups as (int16 [32] vector of scale * q, None) if prescale, else as (q,
@@ -388,17 +404,17 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         pair of groups (lanes 0-7 group 2k, 8-15 group 2k + 1), then as in row_step."""
         unpacked, mins = block
         isum = None
+        ddx = times_dx(builder, d, dx) if group_scales is not None else None  # float32 [8]: d_g * dx
         for k in range(4):
             sums = [group_sums8(builder, v, sc, load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i8, 32))
                     for g, (v, sc) in ((g, unpacked[g]) for g in (2 * k, 2 * k + 1))]
             term = builder.shuffle_vector(sums[0], sums[1], vec(i32, 16, range(16)))
-            if isinstance(d, list):  # a float scale per group: lanes 0-7 get group 2k's, 8-15 group 2k + 1's
-                lo, hi = (splat(builder, builder.fmul(d[g], dx)) for g in (2 * k, 2 * k + 1))
-                scale = builder.shuffle_vector(lo, hi, vec(i32, 16, list(range(8)) + list(range(16, 24))))
+            if ddx is not None:  # a float scale per group: lanes 0-7 get group 2k's, 8-15 group 2k + 1's
+                scale = builder.shuffle_vector(ddx, ddx, vec(i32, 16, [2 * k] * 8 + [2 * k + 1] * 8))
                 acc = fma(builder, builder.sitofp(term, v16f), scale, acc)
                 continue
             isum = term if isum is None else builder.add(isum, term)
-        if isinstance(d, list):
+        if ddx is not None:
             return acc
         return block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
 
@@ -414,11 +430,12 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
 
     def row_step(builder, block, d, dmin, xrow, xbits, o_, dx, bsrow, b_, acc):
         """acc float32 [16] + this block's terms for one activation row (xrow: its first element). d: the block's
-        scale, or with group_scales a list of the 8 groups' (each group's sums then multiply-added on their own)."""
+        scale, or with group_scales the 8 groups' as float32 [8] (each group's sums then multiply-added on their own)."""
         if xbits == 8:
             return row_step8(builder, block, d, dmin, xrow, o_, dx, bsrow, b_, acc)
         unpacked, mins = block
         isum = None
+        ddx = times_dx(builder, d, dx) if group_scales is not None else None  # float32 [8]: d_g * dx
         for g, (w16, sc) in enumerate(unpacked):
             x16 = load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i16, 32)
             if pmaddwd_512:  # the instruction itself: LLVM's pattern match goes through i32 lanes and back
@@ -429,12 +446,13 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 term = builder.shuffle_vector(lo, hi, vec(i32, 16, range(16)))
             if sc is not None:  # not prescaled: the pair sums times their scales (the same integers, exactly)
                 term = builder.mul(term, sc)
-            if isinstance(d, list):  # a float scale per group: a lane holds 2 products, |lane| <= 2 * 128 * 32767
+            if ddx is not None:  # a float scale per group: a lane holds 2 products, |lane| <= 2 * 128 * 32767
                 # < 2^24, so its float32 is exact; one multiply-add per group (d_g * dx rounded once, then the fma)
-                acc = fma(builder, builder.sitofp(term, v16f), splat(builder, builder.fmul(d[g], dx)), acc)
+                scale = builder.shuffle_vector(ddx, ddx, vec(i32, 16, [g] * 16))
+                acc = fma(builder, builder.sitofp(term, v16f), scale, acc)
                 continue
             isum = term if isum is None else builder.add(isum, term)
-        if isinstance(d, list):
+        if ddx is not None:
             return acc
         return block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
 
@@ -452,7 +470,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             prescale = "bytes"
         s_ = builder.mul(b_, ir.Constant(i64, size))
         if group_scales is not None:
-            d = [group_scale(builder, wdata, s_, off, kind) for off, kind in group_scales]
+            d = group_scales_at(builder, wdata, s_)  # float32 [8], one scale per group
         else:
             d = fp16(builder, wdata, s_, d_off)
         dmin = fp16(builder, wdata, s_, dmin_off) if dmin_off >= 0 else None
@@ -780,4 +798,4 @@ ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k, Q
 
 def has_int_dot(qtype, cols: int) -> bool:
     """Whether a [*, cols] weight of this type can take the integer path (a K type, rows of whole 256-blocks)."""
-    return QType(qtype) in ACT_DOTS and cols % QK_K == 0
+    return qtype in ACT_DOTS and cols % QK_K == 0  # an int finds its QType key (IntEnum), no enum call

@@ -88,8 +88,8 @@ MUTANTS: list[Mutant] = [
         "expert FFN computes down(silu(up x) * gate x) (the float, one-expert-at-a-time path)"),
     Mutant(
         "fused_moe_gate_up_swapped", "pymoe/quant/kernels.py",
-        "h[a + i, r] = g[i] / (np.float32(1.0) + np.exp(-g[i])) * u[i]",
-        "h[a + i, r] = u[i] / (np.float32(1.0) + np.exp(-u[i])) * g[i]",
+        "hi[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]",
+        "hi[j] = ui[j] / (np.float32(1.0) + exp_f32(-ui[j])) * gi[j]",
         ("tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]",
          # the whole-model check of the CPU backend's integer path; the llama.cpp test runs K-quant files on the
          # reference backend
@@ -151,7 +151,7 @@ MUTANTS: list[Mutant] = [
         "8-bit activations: |w| times x without w's sign moved onto x (vpsignb dropped)"),
     Mutant(
         "e8m0_subnormal_scales_as_normal", "pymoe/quant/qact.py",
-        'bits = builder.select(builder.icmp_unsigned("<", e, ir.Constant(i32, 2)), small, normal)',
+        'bits = builder.select(builder.icmp_unsigned("<", e, vec(i32, 8, [2] * 8)), small, normal)',
         "bits = normal",
         ("tests/test_kernels_qact.py::test_mxfp4_int_dot_at_the_extreme_scales",),
         "MXFP4's integer dot reads E8M0 bytes 0 and 1 with the normal formula (bits (e - 1) << 23: -inf, 0)"),
@@ -231,8 +231,8 @@ MUTANTS: list[Mutant] = [
         "GLM: the leading dense layer is planned as an MoE layer (a loader error or wrong logits)"),
     Mutant(
         "gpt_oss_sinks_dropped_on_cpu", "pymoe/backends/cpu.py",
-        "attention_rows(f32(q), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)",
-        "attention_rows(f32(q), kt, f32(v), p0, int(window), no_sinks, out)  # MUTANT",
+        "attention_rows(f32(q), f32(k), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)",
+        "attention_rows(f32(q), f32(k), kt, f32(v), p0, int(window), no_sinks, out)  # MUTANT",
         (LLAMACPP_LOGITS + "[*gpt-oss*]",),
         "gpt-oss: the CPU backend's attention ignores the per-head sinks"),
     Mutant(
