@@ -1,0 +1,81 @@
+"""Benchmark: where one decoded token's time goes, per backend call, on one model file (pymoe alone).
+
+What this is: the table of docs/performance.md "Round five / Where the time goes". It loads the model, prefills a
+128-token prompt, decodes a few tokens to warm up, then times --tokens greedy tokens with a wrapper around every
+backend primitive (linear, linear_many, attention, rmsnorm, rope, route, moe_experts, kv_write, kv_read, ...), the
+expert cache's lookup / expert / finish, the fused MoE kernel call, and each attention and FFN block. Prints ms per
+token and calls per token, largest first. The wrappers themselves add ~1 us a call, and nested rows overlap (the
+FFN block contains moe_experts, which contains the kernel call), so the rows do not add up to the total.
+What this is not: a speed measurement to quote (bench/bench_forward.py, bench/compare_llamacpp.py), nor a profile of
+the kernels' insides.
+
+    PYTHONPATH=. PYMOE_ACT_BITS=8 python bench/decode_breakdown.py /work/bigm/mid-Q4_K_M.gguf --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import time
+
+import numpy as np
+
+import pymoe
+import pymoe.engine.model as model_mod
+from pymoe.quant import kernels
+
+BACKEND_CALLS = ("linear", "linear_many", "attention", "rmsnorm", "rope", "route", "moe_experts", "kv_write",
+                 "kv_read", "to_device", "to_host", "view")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="GGUF file")
+    ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
+    ap.add_argument("--tokens", type=int, default=40, help="decoded tokens timed (default 40)")
+    args = ap.parse_args()
+
+    engine = pymoe.load(args.model, threads=args.threads, n_ctx=128 + args.tokens + 16)
+    model = engine.model
+    seconds, calls = collections.Counter(), collections.Counter()
+
+    def timed(fn, label):
+        @functools.wraps(fn)
+        def wrapper(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                seconds[label] += time.perf_counter() - t0
+                calls[label] += 1
+        return wrapper
+
+    for name in BACKEND_CALLS:
+        if hasattr(model.backend, name):
+            setattr(model.backend, name, timed(getattr(model.backend, name), f"backend.{name}"))
+    for name in ("lookup", "expert", "finish"):
+        setattr(model.cache, name, timed(getattr(model.cache, name), f"cache.{name}"))
+    kernels.moe_act_grouped = timed(kernels.moe_act_grouped, "kernels.moe_act_grouped (the fused MoE call)")
+    for table, kind in ((model_mod.FFN, "ffn"), (model_mod.ATTENTION, "attention")):
+        for key in list(table):
+            table[key] = timed(table[key], f"{kind} block: {key}")
+
+    prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, 128)
+    kv = model.new_kv(128 + args.tokens + 16)
+    logits = model.prefill(prompt, kv)[-1]
+    for _ in range(5):
+        logits = model.decode_one_token(int(np.argmax(logits)), kv)
+    seconds.clear()
+    calls.clear()
+    t0 = time.perf_counter()
+    for _ in range(args.tokens):
+        logits = model.decode_one_token(int(np.argmax(logits)), kv)
+    total = (time.perf_counter() - t0) / args.tokens
+    print(f"{args.model}: {args.threads} threads, act_bits {model.backend.__dict__.get('act_bits', '-')}, "
+          f"{args.tokens} tokens: {total * 1e3:.2f} ms per token (wrapped)")
+    for label, s in seconds.most_common():
+        print(f"  {label:48s} {s / args.tokens * 1e3:8.3f} ms/token  {calls[label] / args.tokens:6.1f} calls/token")
+
+
+if __name__ == "__main__":
+    main()
