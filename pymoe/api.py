@@ -191,7 +191,7 @@ class Engine:
         return Sampler(SamplingParams(**sampling), constraint=grammar.constraint(self.tokenizer) if grammar else None)
 
     def speculator(self, spec: str, k: int = 4, **draft_options):
-        """`spec` "ngram" or "draft:FILE" -> an engine/speculative.Speculator for generate/stream (one per request:
+        """`spec` "ngram", "mtp", "mtp:FILE" or "draft:FILE" -> an engine/speculative.Speculator for generate/stream (one per request:
         it holds that request's counters). draft_options: `load` options of the draft model (threads, backend)."""
         from .engine.speculative import make_speculator
 

@@ -222,7 +222,8 @@ def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
 @click.option("--trace", "trace_path", default=None,
               help="Record the routing of every token to this trace file (appended to if it exists).")
 @click.option("--spec", default=None,
-              help="Speculative decoding: ngram (prompt lookup), mtp (the file's own MTP/nextn block) or "
+              help="Speculative decoding: ngram (prompt lookup), mtp (the file's own MTP/nextn block, else the "
+                   "companion MODEL.mtp.gguf beside it), mtp:FILE (the block from a companion GGUF) or "
                    "draft:FILE (a smaller GGUF with the same vocabulary, run on the CPU); same output when greedy, "
                    "same distribution when sampling.")
 @click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step.")
@@ -493,7 +494,8 @@ def serve_options(f):
         click.option("--max-queue", default=16, show_default=True,
                      help="Requests that may wait for a slot; beyond that the server answers 429."),
         click.option("--spec", default=None,
-                     help="Speculative decoding when one slot is busy: ngram or draft:FILE (docs/speculative.md)."),
+                     help="Speculative decoding, every busy slot verified in one forward: ngram, mtp, mtp:FILE or "
+                          "draft:FILE (docs/speculative.md)."),
         click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step."),
         click.option("--prefill-chunk", default=512, show_default=True,
                      help="Prompt tokens prefilled per engine step, between the other slots' decode steps "

@@ -42,6 +42,27 @@ def test_decode_batch_equals_single_decodes(tiny_model, arch, mix):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+def test_forward_batch_of_several_tokens_per_sequence_equals_separate_forwards(tiny_model, arch):
+    """forward_batch (the server's speculative verification of several slots): 3, 1 and 5 tokens for three
+    sequences in one forward -> each sequence's rows are the logits of its own Model.forward of those tokens, bit
+    for bit, on every family (per-sequence attention over ragged rows, RoPE at each row's own position, the
+    hybrids' recurrent state advanced per sequence), and each cache advanced by its own count."""
+    from pymoe.engine.batch import forward_batch
+
+    m = pymoe.load(tiny_model(arch, "q2_k"))
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(0, m.config.n_vocab, n) for n in (6, 2, 9)]
+    batched, _ = prefilled(m.model, prompts)
+    single, _ = prefilled(m.model, prompts)
+    for step in range(2):
+        lists = [rng.integers(0, m.config.n_vocab, n).tolist() for n in ((3, 1, 5), (1, 4, 2))[step]]
+        got = forward_batch(m.model, lists, batched)  # [sum T_j, V]
+        want = np.concatenate([m.model.forward(t, kv, "decode") for t, kv in zip(lists, single)])
+        np.testing.assert_array_equal(got, want)
+    assert [kv.n for kv in batched] == [kv.n for kv in single] == [6 + 4, 2 + 5, 9 + 7]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 def test_decode_batch_reads_each_projection_once_for_all_rows(tiny_model, arch):
     """The attention blocks project all N rows in one matmul (engine/attention.py): a batched step of 3 sequences
     makes as many linear calls (each one read of a weight) as a step of 1, on every family (GQA, gated attention

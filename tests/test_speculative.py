@@ -99,7 +99,7 @@ def test_mtp_drafts_keep_greedy_output(mtp_file, arch):
     spec = e.speculator("mtp", 3)
     assert greedy(e, 16, spec) == want
     assert spec.stats.steps > 0 and spec.stats.drafted >= 2 * spec.stats.steps
-    assert e.model.on_hidden is None  # the drafter unhooked itself at the end of the request
+    assert not e.model.hidden_taps  # the drafter unhooked itself at the end of the request
 
 
 @pytest.mark.parametrize("arch", ["qwen3next", "deepseek2"])
@@ -120,6 +120,58 @@ def test_mtp_block_reads_its_pairs_the_same_in_one_call_or_many(mtp_file, arch):
     np.testing.assert_array_equal(np.concatenate([lg for lg, _ in one]), together)
     np.testing.assert_array_equal(np.concatenate([hh for _, hh in one]), h_out)
     assert kv.n == 10
+
+
+def split_mtp(src: str, dst_dir, drop: str = "", add: bool = False, change=None) -> str:
+    """A file with an MTP block -> its trunk (tools/make-draft-model's cut, all layers) and beside it an MTP
+    companion of that trunk (tinymodel.write_mtp_companion); returns the trunk's path. drop / add / change: a broken
+    companion (a tensor left out, an extra tensor, a metadata key changed)."""
+    from gguf import GGUFReader
+
+    from pymoe.demo.tinymodel import write_first_layers, write_mtp_companion
+
+    cfg = pymoe.load(src).config
+    trunk = str(dst_dir / "trunk.gguf")
+    write_first_layers(src, trunk, cfg.n_layers)
+    r = GGUFReader(src)
+    L = f"blk.{cfg.n_layers}."
+    tensors = [(t.name, np.array(t.data), t.tensor_type) for t in r.tensors
+               if t.name.startswith(L) and t.name != drop]
+    if add:
+        tensors.append((L + "nextn.bogus.weight", np.ones(cfg.n_embd, np.float32), r.tensors[-1].tensor_type.F32))
+    write_mtp_companion(trunk, str(dst_dir / "trunk.mtp.gguf"), tensors, change=change)
+    return trunk
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_an_mtp_companion_drafts_as_the_block_inside_the_file(mtp_file, arch, tmp_path):
+    """The MTP block moved into a companion GGUF (how the demo model's trained head ships: llama.cpp refuses
+    extra tensors in a qwen3moe file): `--spec mtp` on the trunk finds it beside the file and drafts exactly as the
+    block inside the original file does (same drafts kept, same tokens), and `mtp:FILE` names it."""
+    path = mtp_file(arch)
+    trunk = split_mtp(path, tmp_path)
+    runs = []
+    for file, spec in ((path, "mtp"), (trunk, "mtp"), (trunk, f"mtp:{tmp_path / 'trunk.mtp.gguf'}")):
+        e = pymoe.load(file, n_ctx=128)
+        sp = e.speculator(spec, 3)
+        sp.backoff, sp.pause = False, 0  # draft on every step (the back-off depends on timing)
+        runs.append((greedy(e, 16, sp), sp.stats.drafted, sp.stats.accepted))
+    assert runs[0] == runs[1] == runs[2] and runs[0][1] > 0
+    assert runs[0][0] == greedy(pymoe.load(path, n_ctx=128), 16)
+
+
+@pytest.mark.parametrize("broken, msg", [
+    (dict(drop="blk.2.nextn.hnorm.weight"), "missing tensor blk.2.nextn.hnorm.weight"),
+    (dict(add=True), "tensor blk.2.nextn.bogus.weight is not part of an MTP block after layer 1"),
+    (dict(change={"qwen3moe.rope.freq_base": 5000.0}), "metadata qwen3moe.rope.freq_base differs from"),
+    (dict(change={"qwen3moe.block_count": 7}), "qwen3moe.block_count is 7, but an MTP companion of"),
+    (dict(change={"tokenizer.ggml.tokens": None}), "metadata tokenizer.ggml.tokens differs from")])
+def test_a_companion_that_does_not_fit_the_model_is_refused_in_one_line(mtp_file, tmp_path, broken, msg):
+    trunk = split_mtp(mtp_file("qwen3moe"), tmp_path, **broken)
+    r = run_pymoe("run", trunk, "-p", "hello", "-n", "4", "--spec", "mtp")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("pymoe: error:") and "trunk.mtp.gguf" in last and msg in last, last
 
 
 def test_rejection_rule_keeps_the_target_distribution():
@@ -161,8 +213,10 @@ def test_ngram_drafter():
     assert d.propose([4, 4, 4, 4], 2) == [4]  # the latest match's continuation, cut by the history's end
 
 
-@pytest.mark.parametrize("spec, msg", [("bogus", "--spec must be ngram, draft:FILE or mtp"),
+@pytest.mark.parametrize("spec, msg", [("bogus", "--spec must be ngram, draft:FILE, mtp or mtp:FILE"),
                                        ("mtp", "--spec mtp needs an MTP (nextn) block"),
+                                       ("mtp:", "--spec mtp:FILE needs the MTP companion's GGUF file"),
+                                       ("mtp:/nonexistent.gguf", "nonexistent.gguf: no such file"),
                                        ("draft:/nonexistent.gguf", "nonexistent.gguf")])
 def test_spec_errors_are_one_line(tiny_model, spec, msg):
     r = run_pymoe("run", tiny_model("qwen3moe", "f32"), "-p", "hello", "-n", "4", "--spec", spec)
@@ -221,12 +275,34 @@ def test_server_speculates_when_one_slot_is_busy(tiny_model):
     assert any("speculation ngram k=4:" in line for line in logs), logs
 
 
-def test_server_refuses_mtp_speculation_in_one_line(tiny_model):
-    from pymoe.errors import PymoeError
-    from pymoe.serve.scheduler import Scheduler
+@pytest.mark.parametrize("arch, spec", [("qwen3moe", "ngram"), ("qwen3next", "ngram"), ("qwen3next", "mtp"),
+                                        ("deepseek2", "mtp"), ("qwen3moe", "draft")])
+def test_several_busy_slots_speculate_in_one_batched_forward(tiny_model, mtp_file, arch, spec):
+    """pymoe serve --parallel 3 --spec: three jobs at once, each slot drafting (prompt lookup; the MTP block, a
+    drafter per slot over one shared block; a draft model, one per slot) and all verified in one forward
+    (engine/batch.py forward_batch). Every job's greedy tokens are those of plain decoding one job at a time; the
+    steps were batched three wide; drafts were verified; on the hybrid, rejected drafts were rolled back per slot."""
+    from pymoe.serve.scheduler import Job, Scheduler
 
-    with pytest.raises(PymoeError, match="--spec mtp is not supported by pymoe serve"):
-        Scheduler(pymoe.load(tiny_model("qwen3moe", "f32"), n_ctx=64), spec="mtp")
+    path = mtp_file(arch) if spec == "mtp" else tiny_model(arch, "f32")
+    spec = f"draft:{path}" if spec == "draft" else spec  # the target as its own draft: every draft kept
+    prompts = [PROMPT, PROMPT[7:], PROMPT[::-1]]
+    ref = pymoe.load(path, n_ctx=128)
+    want = [list(ref.generate(p, max_tokens=20, stop_at_eos=False)) for p in prompts]
+    with Scheduler(pymoe.load(path, n_ctx=128), parallel=3, kv="f32", spec=spec, spec_k=3) as sched:
+        jobs = [sched.submit(Job(prompt_ids=p, max_tokens=20, ignore_eos=True,
+                                 sampling=SamplingParams(temperature=0))) for p in prompts]
+        for job in jobs:
+            list(job.events(timeout=120))
+    assert [job.generated for job in jobs] == want
+    assert sched.max_batch == 3 and dict(sched.outcomes) == {"ok": 3}
+    stats = [slot.spec.stats for slot in sched.slots]
+    assert sum(st.steps for st in stats) > 0 and all(st.drafted >= st.accepted for st in stats)
+    if spec.startswith("draft:"):
+        assert all(st.accepted == st.drafted for st in stats)
+    if arch == "qwen3next" and spec == "mtp":  # random heads: rejections, each one a state restore
+        assert sum(st.rollbacks for st in stats) > 0
+    assert not sched.model.hidden_taps  # every slot's drafter unhooked at its job's end
 
 
 def test_a_draft_cut_from_the_model_loads_in_llama_cpp_and_drafts(tmp_path):

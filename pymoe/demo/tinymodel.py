@@ -33,7 +33,7 @@ from gguf import ExpertGatingFuncType, GGUFWriter, LlamaFileType, RopeScalingTyp
 from pymoe import quant
 from pymoe.quant.ggml_types import LLAMA_FTYPE_MOSTLY_Q2_0
 from pymoe.gguf.config import ARCHS, ModelConfig
-from pymoe.gguf.loader import expected_tensors
+from pymoe.gguf.loader import expected_mtp_tensors, expected_tensors
 
 Q = quant.QType
 
@@ -301,20 +301,6 @@ def random_tensor(name: str, shape: tuple, cfg: ModelConfig, rng: np.random.Gene
     return (rng.standard_normal(shape) / np.sqrt(shape[-1])).astype(np.float32)  # [..., rows, cols]
 
 
-def mtp_tensors(cfg: ModelConfig) -> dict:
-    """The NextN (MTP) block the converters append after the trunk (qwen3next: conversion/qwen.py _QwenMtpMixin;
-    llama.cpp's load_block_mtp): a full-attention trunk block as layer n_layers, plus nextn.eh_proj [D, 2D] (the
-    embedding and the last hidden state, concatenated, back to D), nextn.enorm, nextn.hnorm, nextn.shared_head_norm."""
-    from dataclasses import replace as dc_replace
-    L, D = cfg.n_layers, cfg.n_embd
-    bigger = dc_replace(cfg, n_layers=L + 1, recurrent=tuple(cfg.recurrent) + (False,) if cfg.recurrent else ())
-    b = f"blk.{L}."
-    shapes = {name: shape for name, shape in expected_tensors(bigger).items() if name.startswith(b)}
-    shapes.update({b + "nextn.eh_proj.weight": (D, 2 * D), b + "nextn.enorm.weight": (D,),
-                   b + "nextn.hnorm.weight": (D,), b + "nextn.shared_head_norm.weight": (D,)})
-    return shapes
-
-
 def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: str = "f32", seed: int = 0,
                 progress: bool = False, jobs: int = 1, mtp: bool = False, variant: str = "") -> ModelConfig:
     """Write a random-weight MoE GGUF; returns its config. Deterministic for a given (arch, preset, mix, seed),
@@ -333,7 +319,7 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
     popularity = (1.0 / (1.0 + ranks)) - 1.0 / cfg.n_expert  # [L, E]
 
     shapes = expected_tensors(cfg)
-    extra = mtp_tensors(cfg) if mtp else {}
+    extra = expected_mtp_tensors(cfg) if mtp else {}
     if mtp:  # the MTP block's router draws from the popularity table like a layer of its own
         popularity = np.concatenate([popularity, popularity[-1:]])
     weights = ((name, random_tensor(name, shape, cfg, rng, common, popularity))
@@ -526,8 +512,8 @@ def write_first_layers(src: str, dst: str, n_layers: int) -> None:
     arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
     total = int(r.fields[f"{arch}.block_count"].parts[-1][0])
     nextn = int(r.fields[f"{arch}.nextn_predict_layers"].parts[-1][0]) if f"{arch}.nextn_predict_layers" in r.fields else 0
-    if not 0 < n_layers < total - nextn:
-        raise ValueError(f"{src}: keep 1 .. {total - nextn - 1} of its {total - nextn} layers, not {n_layers}")
+    if not 0 < n_layers <= total - nextn:
+        raise ValueError(f"{src}: keep 1 .. {total - nextn} of its {total - nextn} layers, not {n_layers}")
     dense_lead = f"{arch}.leading_dense_block_count"
     change = {f"{arch}.block_count": n_layers, f"{arch}.nextn_predict_layers": None,
               f"{arch}.attention.recurrent_layers": None}  # per-layer arrays: recomputed from the interval
@@ -539,6 +525,35 @@ def write_first_layers(src: str, dst: str, n_layers: int) -> None:
         if t.name.startswith("blk.") and int(t.name.split(".")[1]) >= n_layers:
             continue
         w.add_tensor(t.name, np.array(t.data), raw_dtype=t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file(progress=False)
+    w.close()
+
+
+def write_mtp_companion(model: str, dst: str, tensors, change: Optional[dict] = None) -> None:
+    """An MTP companion of the GGUF `model` (what GGUFModel.attach_mtp reads, `pymoe run --spec mtp:FILE`): the
+    model's metadata with block_count + 1 and nextn_predict_layers 1, and only the MTP block's tensors.
+    tensors: (name, data, qtype) in stored form (float32 values for F32, the quantized bytes otherwise), named
+    blk.{n_layers}.* as expected_mtp_tensors lists them. change: more metadata changes (copy_metadata's)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    r = GGUFReader(model)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    key = f"{arch}.nextn_predict_layers"
+    if key in r.fields and int(r.fields[key].parts[-1][0]):
+        raise ValueError(f"{model}: has an MTP block of its own")
+    n_layers = int(r.fields[f"{arch}.block_count"].parts[-1][0])
+    name = bytes(r.fields["general.name"].parts[-1]).decode() if "general.name" in r.fields else arch
+    w = GGUFWriter(dst, arch)
+    copy_metadata(r, w, change={f"{arch}.block_count": n_layers + 1, "general.name": f"{name} MTP head",
+                                **(change or {})})
+    w.add_key_value(key, 1, GGUFValueType.UINT32)
+    for tname, data, qtype in tensors:
+        if qtype == Q.F32:
+            w.add_tensor(tname, np.asarray(data, np.float32))
+        else:
+            w.add_tensor(tname, np.asarray(data), raw_dtype=qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)

@@ -1,6 +1,7 @@
 """Batched decode: one new token for each of N sequences in one forward step, each sequence with its own KV cache.
 
-What this is: `decode_batch(model, tokens [N], kvs)`, the server's decode step with --parallel N. Per layer:
+What this is: `decode_batch(model, tokens [N], kvs)`, the server's decode step with --parallel N, and `forward_batch`,
+the same over several tokens per sequence (the server's speculative verification of several slots). Per layer:
     a = attention_block(rmsnorm(x), kvs)       the projections (Q/K/V/output, the gated-attention gate, the Gated
                                                DeltaNet and MLA projections) ONE matmul over the N rows; per
                                                sequence only what is its own: writing its KV (or advancing its
@@ -27,7 +28,7 @@ import numpy as np
 
 from pymoe.experts.cache import COUNTERS
 from pymoe.errors import PymoeError
-from .kv import KVCache
+from .kv import KVCache, Seqs, segments
 from .moe import FFN
 
 
@@ -60,33 +61,60 @@ def decode_batch(model, tokens: Sequence[int], kvs: Sequence[KVCache],
     row_counts: a list of N dicts to add each sequence's expert-cache decode counters to (None: don't split them).
     """
     tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)  # [N]
-    cfg = model.cfg
     if tokens.size == 0 or tokens.size != len(kvs):
         raise PymoeError(f"decode_batch needs one token per KV cache, got {tokens.size} tokens for {len(kvs)} caches")
+    return forward_batch(model, [[t] for t in tokens.tolist()], kvs, row_counts)
+
+
+def forward_batch(model, token_lists: Sequence[Sequence[int]], kvs: Sequence[KVCache],
+                  row_counts: Optional[list] = None, experts: Optional[list] = None) -> np.ndarray:
+    """token_lists[j] (T_j >= 1 tokens) appended at kvs[j].n -> logits float32 [sum T_j, V], sequence j's rows
+    after sequence j - 1's; advances every kvs[j].n by T_j. One token each is `decode_batch`; several are the
+    server's speculative verification of several slots in one forward (serve/scheduler.py). A sequence's logits are
+    the bits of its own `Model.forward` (the CPU backend's row contract; per-sequence attention, engine/kv.py Seqs).
+
+    row_counts: a list of N dicts to add each sequence's expert-cache decode counters to (None: don't split them).
+    experts: a list of N ints to add the distinct (layer, expert) pairs each sequence's rows routed to (None: not
+    counted): speculation's telemetry (engine/speculative.py SpecStats).
+    """
+    counts = [len(t) for t in token_lists]
+    tokens = np.asarray([t for ts in token_lists for t in ts], dtype=np.int64)  # [T], T = sum T_j
+    cfg = model.cfg
+    if len(counts) != len(kvs) or min(counts, default=0) < 1:
+        raise PymoeError(f"forward_batch needs >= 1 token for each of the {len(kvs)} KV caches, got {counts}")
     if len({id(kv) for kv in kvs}) != len(kvs):
         raise PymoeError("decode_batch: each sequence needs its own KV cache")
-    for kv in kvs:
-        if kv.n + 1 > kv.n_ctx:
-            raise PymoeError(f"context full: {kv.n} + 1 tokens exceed the context of {kv.n_ctx}")
+    for kv, c in zip(kvs, counts):
+        if kv.n + c > kv.n_ctx:
+            raise PymoeError(f"context full: {kv.n} + {c} tokens exceed the context of {kv.n_ctx}")
     if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
         raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
     cache = RowCounts(model.cache, tokens.size) if row_counts is not None else model.cache
 
-    kvs = list(kvs)
-    x = model.embed(tokens)  # [N, D]
-    rope = model.rope_tables(model.positions(kvs, tokens.size))  # [N, rope_dim / 2] each row at its sequence's n
+    seqs = Seqs(kvs, counts)
+    rows = [r for _, r in segments(seqs, tokens.size)]  # sequence j's rows of every [T, .] array below
+    x = model.embed(tokens)  # [T, D]
+    rope = model.rope_tables(model.positions(seqs, tokens.size))  # [T, rope_dim / 2] each row at its position
     rmsnorm = model.backend.rmsnorm
     for i, layer in enumerate(model.layers):
-        a = rmsnorm(x, layer.attn_norm, cfg.rms_eps)  # [N, D]
-        x = x + model.attention_block(layer, a, kvs, i, rope)  # projections over N rows, attention per sequence
-        h = rmsnorm(x, layer.ffn_norm, cfg.rms_eps)  # [N, D]
-        y, _, _ = FFN[layer.plan.ffn](layer, h, cache, model.backend, "decode")  # experts grouped over N tokens
+        a = rmsnorm(x, layer.attn_norm, cfg.rms_eps)  # [T, D]
+        x = x + model.attention_block(layer, a, seqs, i, rope)  # projections over T rows, attention per sequence
+        h = rmsnorm(x, layer.ffn_norm, cfg.rms_eps)  # [T, D]
+        y, ids, _ = FFN[layer.plan.ffn](layer, h, cache, model.backend, "decode")  # experts grouped over T tokens
         x = x + y
-    for kv in kvs:
-        kv.n += 1
+        if experts is not None and ids is not None:
+            for j, r in enumerate(rows):
+                experts[j] += np.unique(ids[r]).size
+    for kv, c in zip(kvs, counts):
+        kv.n += c
     if row_counts is not None:
-        for total, row in zip(row_counts, cache.rows):
-            for name, n in row.items():
-                total[name] = total.get(name, 0) + n
+        for total, r in zip(row_counts, rows):
+            for row in cache.rows[r]:
+                for name, n in row.items():
+                    total[name] = total.get(name, 0) + n
     x = rmsnorm(x, model.output_norm, cfg.rms_eps)
-    return model.backend.linear(model.output, x)  # [N, V]
+    for kv, r in zip(kvs, rows):
+        tap = model.hidden_taps.get(id(kv))
+        if tap is not None:  # the sequence's MTP drafter (engine/mtp.py) keeps its hidden states
+            tap(kv.n - (r.stop - r.start), x[r])
+    return model.backend.linear(model.output, x)  # [T, V]

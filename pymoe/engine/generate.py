@@ -105,12 +105,12 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
     stats.n_prompt = len(prompt_ids)
 
     if spec is not None:
-        spec.begin(model)
+        spec.begin(model, kv)
     try:
         yield from _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec)
     finally:
         if spec is not None:
-            spec.end(model)
+            spec.end(model, kv)
 
 
 def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec) -> Iterator[int]:

@@ -113,14 +113,29 @@ class KVCache:
 
 # --- the rows of a block's input that belong to each sequence (engine/attention.py) ----------------------------
 
+class Seqs(list):
+    """N KV caches and the rows each owns in a block's input, in order: sequence j's next `counts[j]` tokens (a
+    batched forward of several tokens per sequence: engine/batch.py forward_batch, the server's speculative
+    verification of several slots at once). A plain list of N caches owns one row each."""
+
+    def __init__(self, kvs, counts):
+        super().__init__(kvs)
+        self.counts = [int(c) for c in counts]
+        if len(self.counts) != len(self) or min(self.counts, default=1) < 1:
+            raise PymoeError(f"{len(self)} sequences need a row count >= 1 each, got {self.counts}")
+
+
 def segments(kvs: list, T: int) -> list:
     """Which rows of a block's input belong to which sequence -> [(kv, rows slice)]: one cache owns all T rows (its
-    next T tokens, from kv.n on); N caches own one row each (row j: the next token of sequence j, a batched step)."""
+    next T tokens, from kv.n on); N caches own one row each (row j: the next token of sequence j, a batched step),
+    or counts[j] rows each (`Seqs`)."""
     if len(kvs) == 1:
         return [(kvs[0], slice(0, T))]
-    if T != len(kvs):
-        raise PymoeError(f"attention over {len(kvs)} sequences needs one row each, got {T} rows")
-    return [(kv, slice(j, j + 1)) for j, kv in enumerate(kvs)]
+    counts = kvs.counts if isinstance(kvs, Seqs) else [1] * len(kvs)
+    if T != sum(counts):
+        raise PymoeError(f"attention over {len(kvs)} sequences of {counts} rows, got {T} rows")
+    ends = np.cumsum(counts)
+    return [(kv, slice(int(e) - c, int(e))) for kv, c, e in zip(kvs, counts, ends)]
 
 
 def join_rows(b, parts: list):

@@ -24,7 +24,7 @@ from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION, HOST_ATTENTION
 from .deltanet import gdn_weights
 from .mla import mla_weights
-from .kv import KVCache
+from .kv import KVCache, segments
 from .moe import FFN
 
 
@@ -71,7 +71,8 @@ class Model:
         self.chunk = 512  # most prompt tokens per forward call (prefill)
         self.last_experts = 0  # distinct (layer, expert) pairs the last forward routed to, while `count_experts`
         self.count_experts = False  # set by speculation (engine/speculative.py), whose telemetry reports them
-        self.on_hidden = None  # f(first position, hidden [T, D]) after the output norm, when set (engine/mtp.py)
+        self.hidden_taps: dict = {}  # id(kv) -> f(first position, hidden [T, D] after the output norm): the MTP
+        # drafters (engine/mtp.py) of the sequences that have one, called by every forward of that KV cache
         self.lookahead = None  # experts/prefetch.Lookahead, when set (`pymoe run --lookahead`)
         cfg, b, t = self.cfg, backend, gguf_model.tensor
         self.token_embd = t("token_embd.weight")  # rows read on demand, dequantized one token at a time
@@ -153,15 +154,18 @@ class Model:
         tokens), or a list of N caches (x: N rows, row j the next token of sequence j: engine/batch.py); the block
         projects all rows at once and attends per sequence (engine/attention.py). rope: (cos, sin) of each row's
         position (kv.n .. kv.n + T - 1; with N caches each one's kv.n), computed once per forward call (None: here)."""
-        kvs = list(kv) if isinstance(kv, (list, tuple)) else [kv]
+        kvs = kv if isinstance(kv, list) else list(kv) if isinstance(kv, tuple) else [kv]  # (a Seqs stays one)
         if rope is None:
             rope = self.rope_tables(self.positions(kvs, x.shape[0]))
         return ATTENTION[layer.plan.attention](self.attention_backend(layer.plan), layer, x, kvs, layer_i, rope)
 
     @staticmethod
     def positions(kvs: list, T: int) -> np.ndarray:
-        """The positions of a block's T rows: kv.n .. kv.n + T - 1 for one cache, [kv_j.n] for N (one row each)."""
-        return np.arange(kvs[0].n, kvs[0].n + T) if len(kvs) == 1 else np.array([kv.n for kv in kvs])
+        """The positions of a block's T rows: kv.n .. kv.n + T - 1 for one cache, [kv_j.n] for N (one row each),
+        kv_j.n .. kv_j.n + counts[j] - 1 for each of N (engine/kv.py `Seqs`)."""
+        if len(kvs) == 1:
+            return np.arange(kvs[0].n, kvs[0].n + T)
+        return np.concatenate([np.arange(kv.n, kv.n + rows.stop - rows.start) for kv, rows in segments(kvs, T)])
 
     # --- the forward pass -------------------------------------------------------------------------------------
     def forward(self, tokens, kv: KVCache, phase: str) -> np.ndarray:
@@ -195,8 +199,9 @@ class Model:
             self.trace.end_forward()
         kv.n += tokens.size
         x = norm(x, self.output_norm, cfg.rms_eps)
-        if self.on_hidden is not None:  # the MTP drafter reads the normed last hidden states (engine/mtp.py)
-            self.on_hidden(kv.n - tokens.size, x)
+        tap = self.hidden_taps.get(id(kv))
+        if tap is not None:  # an MTP drafter reads this sequence's normed last hidden states (engine/mtp.py)
+            tap(kv.n - tokens.size, x)
         return self.backend.linear(self.output, x)  # [T, V]
 
     def prefill(self, tokens, kv: KVCache) -> np.ndarray:

@@ -13,12 +13,14 @@ token t_{i+1} that followed it:
     logits = h' @ output.T                          (nextn.shared_head_head when the file has one)
 logits predict t_{i+2}; h' stands in for the trunk's h_{i+1} in the next step, so the block drafts k tokens
 one after another from one trunk state.
-`MtpDrafter` keeps the trunk's hidden states (`Model.on_hidden`), feeds the block every committed (h_i, t_{i+1})
-pair once (its KV cache then holds entry i at index i), and drafts past them; the drafted entries are dropped
-(kv.n set back) at the next call.
+`MtpDrafter` keeps the trunk's hidden states of its sequence (`Model.hidden_taps`, keyed by the KV cache), feeds
+the block every committed (h_i, t_{i+1}) pair once (its KV cache then holds entry i at index i - start), and drafts
+past them; the drafted entries are dropped (kv.n set back) at the next call. A server slot has its own drafter over
+one shared `MTPHead`.
 What this is not: a test of the head against llama.cpp (its MTP context needs the llama_batch_ext API, which
-llama-cpp-python 0.3.36 does not bind), or a trained head: the tiny files' MTP blocks are random, so they draft at
-chance; the demo model has none. The block's experts are read in place (`PassThroughCache`), outside the slot pool.
+llama-cpp-python 0.3.36 does not bind), or a trainer (pymoe/demo/train_mtp.py trains the demo model's head, a
+companion file: GGUFModel.attach_mtp; the tiny files' MTP blocks are random and draft at chance). The block's
+experts are read in place (`PassThroughCache`), outside the slot pool.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ class MTPHead:
         plan = model.file.mtp_plan()
         if plan is None:
             raise PymoeError(f"{model.file.path}: --spec mtp needs an MTP (nextn) block after the trunk, and this "
-                             "file has none")
+                             "file has none (nor a companion .mtp.gguf beside it: --spec mtp:FILE names one)")
         self.model, self.plan, L = model, plan, plan.index
         b, t = model.backend, model.file.get
         self.layer = model.layer_for(plan)  # the trunk's layer code reads blk.{L}.* like any layer
@@ -68,21 +70,37 @@ class MTPHead:
 
 
 class MtpDrafter:
-    """`--spec mtp`: drafts with the file's MTP block from the trunk's last hidden state."""
+    """`--spec mtp`: drafts with the file's MTP block from the trunk's last hidden states, for one sequence (one KV
+    cache) at a time. `head`: an MTPHead to share (the server's slots share one; each has its drafter and block
+    KV cache)."""
 
     name = "mtp"
 
-    def __init__(self, model, n_ctx: int):
-        self.head = MTPHead(model)
+    def __init__(self, model, n_ctx: int, head: MTPHead | None = None):
+        self.head = head or MTPHead(model)
         self.kv = self.head.new_kv(n_ctx)
         self.hidden: dict = {}  # trunk position -> its hidden state [D], until fed to the block
-        self.done = 0  # pairs (h_i, t_{i+1}) in the block's KV cache: i < done
+        self.start = 0  # the first pair in the block's KV cache (pair i at index i - start)
+        self.done = 0  # pairs (h_i, t_{i+1}) in the block's KV cache: start <= i < done
 
-    def attach(self, model) -> None:
-        model.on_hidden = self._keep
+    def fork(self) -> "MtpDrafter":
+        """Another sequence's drafter over the same block (a server slot's)."""
+        return MtpDrafter(self.head.model, self.kv.n_ctx, self.head)
 
-    def detach(self, model) -> None:
-        model.on_hidden = None
+    def attach(self, model, kv, reused: int = 0) -> None:
+        """Follow the sequence of `kv`, whose first `reused` positions are already computed (a server slot's kept
+        prefix): pairs inside that prefix stay in the block's cache, the rest is dropped."""
+        keep = max(0, reused - 1)  # pair i needs t_{i+1}: the pairs of a prefix of r tokens are 0 .. r - 2
+        if keep <= self.start:
+            self.start = self.done = 0  # nothing of the block's cache is kept
+        else:
+            self.done = min(self.done, keep)
+        self.kv.n = self.done - self.start
+        self.hidden = {p: h for p, h in self.hidden.items() if p < reused}
+        model.hidden_taps[id(kv)] = self._keep
+
+    def detach(self, model, kv) -> None:
+        model.hidden_taps.pop(id(kv), None)
 
     def _keep(self, p0: int, h) -> None:
         h = np.asarray(h, np.float32)  # [T, D]
@@ -91,7 +109,14 @@ class MtpDrafter:
 
     def propose(self, history: list, k: int) -> list:
         n = len(history) - 1  # trunk positions in the KV cache; history[n] is sampled, not yet run
-        self.kv.n = self.done  # drop the entries drafted at the last call
+        if n - 1 not in self.hidden and n > self.done:
+            return []  # no hidden state of the last position (a prompt copied from another slot's cache)
+        first = n
+        while first > self.done and first - 1 in self.hidden:
+            first -= 1
+        if first > self.done:  # a gap (positions this drafter never saw): the block starts over after it
+            self.start = self.done = first  # (RoPE is relative: the block's positions may start anywhere)
+        self.kv.n = self.done - self.start  # drop the entries drafted at the last call
         if n <= self.done or self.kv.n + (n - self.done) + k > self.kv.n_ctx:
             return []
         logits, h = self.head.forward(history[self.done + 1:n + 1],

@@ -21,7 +21,8 @@ Drafters (one interface, `propose(history, k) -> list of at most k ids`):
     ngram        prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens
                  (n = 4 .. 1, longest first) in prompt + output; no model, strong when the output repeats its input
     draft:FILE   a second, smaller GGUF with the same vocabulary, decoding greedily on its own KV cache
-    mtp          the file's own MTP (nextn) block, drafting from the trunk's last hidden state (engine/mtp.py)
+    mtp          the file's own MTP (nextn) block, drafting from the trunk's last hidden state (engine/mtp.py);
+    mtp:FILE     the same from a companion GGUF holding only the block (GGUFModel.attach_mtp; the demo's trained head)
 Drafts are deterministic (a one-hot proposal), which is what makes the acceptance rule above exact.
 
 Why experts per step rise: a verification forward routes k + 1 tokens through every MoE layer at once, so it
@@ -29,11 +30,12 @@ touches the union of their experts (up to (k + 1) x K per layer instead of K), e
 slot pool that means more distinct experts per step but fewer steps; `SpecStats` counts both (`verify_experts`,
 `single_experts`, from `Model.last_experts`), next to the acceptance rate. A verification also costs more than a
 one-token step, so speculation times itself and backs off when it does not pay (BACKOFF_* below).
-What this is not: speculation across several busy server slots (serve/scheduler.py speculates only when one slot is
-busy; batched steps otherwise).
+Several busy server slots speculate together: serve/scheduler.py runs `drafts` per slot, one batched forward of
+every slot's tokens (engine/batch.py forward_batch), and `judge` per slot.
 """
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 
@@ -76,9 +78,13 @@ class ModelDrafter:
         if engine.config.n_vocab != target_vocab:
             raise PymoeError(f"{engine.path}: draft model has {engine.config.n_vocab} tokens, the model "
                              f"{target_vocab}: a draft model needs the same vocabulary")
-        self.model = engine.model
+        self.engine, self.model, self.target_vocab = engine, engine.model, target_vocab
         self.kv = self.model.new_kv(n_ctx)
         self.seen: list = []  # tokens whose K/V (or state) the draft cache holds, in order
+
+    def fork(self) -> "ModelDrafter":
+        """Another sequence's drafter over the same draft model, with its own KV cache (a server slot's)."""
+        return ModelDrafter(self.engine, self.target_vocab, self.kv.n_ctx)
 
     def propose(self, history: list, k: int) -> list:
         common = 0
@@ -164,39 +170,57 @@ class Speculator:
             return v[0] * one[1] < one[0] * v[1]  # v tokens / v seconds < one tokens / one seconds
         return float(np.mean(self.kept)) < BACKOFF_MIN_KEPT
 
-    def begin(self, model) -> None:
-        """Before the prompt's prefill: the model counts experts per forward, and a drafter that reads the model's
-        hidden states (mtp) hooks in."""
+    def begin(self, model, kv, reused: int = 0) -> None:
+        """Before the prompt's prefill into `kv` (its first `reused` positions already there): the model counts
+        experts per forward, and a drafter that reads the sequence's hidden states (mtp) hooks in."""
         model.count_experts = True
         if hasattr(self.drafter, "attach"):
-            self.drafter.attach(model)
+            self.drafter.attach(model, kv, reused)
 
-    def end(self, model) -> None:
+    def end(self, model, kv) -> None:
         model.count_experts = False
         if hasattr(self.drafter, "detach"):
-            self.drafter.detach(model)
+            self.drafter.detach(model, kv)
 
     def step(self, model, kv, history: list, sampler, budget: int) -> list:
         """The token history[-1] is sampled but not in kv; -> the next 1 .. k + 1 tokens (at most `budget`)."""
         t0 = time.perf_counter()
         token = history[-1]
+        drafts = self.drafts(kv, history, budget)
+        if not drafts:  # a plain decode step
+            logits = model.decode_one_token(token, kv)
+            self.stats.single_steps += 1
+            self.stats.single_experts += model.last_experts
+            return self.timed("single", [sampler(logits, history)], t0)
+        p0 = kv.n
+        saved = kv.save_recurrent() if model.cfg.has_recurrent_state else None
+        logits = model.forward([token] + drafts, kv, "decode")  # [k + 1, V]
+        out = self.judge(logits, drafts, history, sampler, model.last_experts)
+        accepted = len(out) - 1
+        kv.n = p0 + 1 + accepted  # the token and the drafts kept; the rest of the positions are overwritten later
+        if saved is not None and accepted < len(drafts):  # state holds the rejected drafts too: redo the kept part
+            kv.restore_recurrent(saved)
+            kv.n = p0
+            model.forward([token] + drafts[:accepted], kv, "decode")
+            self.stats.rollbacks += 1
+        return self.timed("verify", out, t0)
+
+    # --- the parts of a step (serve/scheduler.py runs them for several slots around one batched forward) --------
+    def drafts(self, kv, history: list, budget: int) -> list:
+        """This step's drafts (none: a plain step), at most budget - 1 and what the context has room for."""
         k = min(self.k, budget - 1, kv.n_ctx - kv.n - 1)
         if self.pause:
             self.pause -= 1
             k = 0
-        drafts = self.drafter.propose(history, k) if k > 0 else []
+        return self.drafter.propose(history, k) if k > 0 else []
+
+    def judge(self, logits, drafts: list, history: list, sampler, experts: int = 0) -> list:
+        """logits [len(drafts) + 1, V] of the verification forward of [history[-1]] + drafts -> the tokens the step
+        yields: the drafts kept, then the target's own token (the correction, or the bonus after all k)."""
         s = self.stats
-        if not drafts:  # a plain decode step
-            logits = model.decode_one_token(token, kv)
-            s.single_steps += 1
-            s.single_experts += model.last_experts
-            return self._timed("single", [sampler(logits, history)], t0)
-        p0 = kv.n
-        saved = kv.save_recurrent() if model.cfg.has_recurrent_state else None
-        logits = model.forward([token] + drafts, kv, "decode")  # [k + 1, V]
         s.steps += 1
         s.drafted += len(drafts)
-        s.verify_experts += model.last_experts
+        s.verify_experts += experts
         out = []
         for i, d in enumerate(drafts):
             x, kept = sampler.verify(logits[i], history + out, d)
@@ -205,20 +229,17 @@ class Speculator:
                 break
         else:
             out.append(sampler(logits[len(drafts)], history + out))
-        accepted = len(out) - 1
-        s.accepted += accepted
-        self.kept.append(accepted)
-        kv.n = p0 + 1 + accepted  # the token and the drafts kept; the rest of the positions are overwritten later
-        if saved is not None and accepted < len(drafts):  # state holds the rejected drafts too: redo the kept part
-            kv.restore_recurrent(saved)
-            kv.n = p0
-            model.forward([token] + drafts[:accepted], kv, "decode")
-            s.rollbacks += 1
-        self._timed("verify", out, t0)
-        if self.backoff and len(self.kept) >= BACKOFF_WINDOW and self._slower_than_plain():
-            self.pause, self.kept = BACKOFF_PAUSE, []
-            s.pauses += 1
+        s.accepted += len(out) - 1
+        self.kept.append(len(out) - 1)
         return out
+
+    def timed(self, kind: str, tokens: list, t0: float) -> list:
+        """The end of a step ("single" or "verify") that began at t0: its running means, and the back-off check."""
+        self._timed(kind, tokens, t0)
+        if kind == "verify" and self.backoff and len(self.kept) >= BACKOFF_WINDOW and self._slower_than_plain():
+            self.pause, self.kept = BACKOFF_PAUSE, []
+            self.stats.pauses += 1
+        return tokens
 
 
 def parse_spec(spec: str) -> tuple[str, str]:
@@ -233,17 +254,35 @@ def parse_spec(spec: str) -> tuple[str, str]:
         return "draft", path
     if spec == "mtp":
         return "mtp", ""
-    raise PymoeError(f"--spec must be ngram, draft:FILE or mtp, got '{spec}'")
+    if spec.startswith("mtp:"):
+        path = spec[len("mtp:"):]
+        if not path:
+            raise PymoeError("--spec mtp:FILE needs the MTP companion's GGUF file")
+        return "mtp", path
+    raise PymoeError(f"--spec must be ngram, draft:FILE, mtp or mtp:FILE, got '{spec}'")
+
+
+def mtp_companion(model_path: str) -> str:
+    """Where `--spec mtp` looks for an MTP companion of a file without an MTP block: beside it, .gguf -> .mtp.gguf
+    (the demo model's trained head ships so: pymoe/demo/data/demo-moe.mtp.gguf)."""
+    stem = model_path[:-len(".gguf")] if model_path.endswith(".gguf") else model_path
+    return stem + ".mtp.gguf"
 
 
 def make_speculator(spec: str, k: int, target, n_ctx: int, load_draft=None) -> Speculator:
-    """`--spec` -> a Speculator: "ngram", "mtp" (the file's MTP block, engine/mtp.py) or "draft:FILE" (loaded
-    with `load_draft(path)`)."""
+    """`--spec` -> a Speculator: "ngram", "mtp" (the file's MTP block, engine/mtp.py; for a file without one, its
+    companion `mtp_companion(path)` when that exists), "mtp:FILE" (the block from the companion FILE,
+    GGUFModel.attach_mtp) or "draft:FILE" (loaded with `load_draft(path)`)."""
     kind, path = parse_spec(spec)
     if kind == "ngram":
         return Speculator(NgramDrafter(), k)
     if kind == "mtp":
         from .mtp import MtpDrafter
 
+        file = target.file
+        if not path and file.mtp_plan() is None and os.path.exists(mtp_companion(file.path)):
+            path = mtp_companion(file.path)
+        if path and getattr(file, "mtp_path", None) != path:
+            file.attach_mtp(path)
         return Speculator(MtpDrafter(target, n_ctx), k)
     return Speculator(ModelDrafter(load_draft(path), target.cfg.n_vocab, n_ctx), k)

@@ -189,6 +189,26 @@ def expected_tensors(cfg: ModelConfig) -> dict[str, tuple]:
     return shapes
 
 
+def expected_mtp_tensors(cfg: ModelConfig) -> dict[str, tuple]:
+    """The NextN (MTP) block the converters append after the trunk (qwen3next: conversion/qwen.py _QwenMtpMixin;
+    llama.cpp's load_block_mtp), name -> NumPy-order shape: a full-attention trunk block as layer n_layers, plus
+    nextn.eh_proj [D, 2D] (the embedding and the last hidden state, concatenated, back to D), nextn.enorm,
+    nextn.hnorm, nextn.shared_head_norm. (Optional, not listed: nextn.embed_tokens and nextn.shared_head_head, the
+    block's own embedding and head; engine/mtp.py uses the trunk's when they are absent.)"""
+    L, D = cfg.n_layers, cfg.n_embd
+    bigger = replace(cfg, n_layers=L + 1, recurrent=tuple(cfg.recurrent) + (False,) if cfg.recurrent else ())
+    b = f"blk.{L}."
+    shapes = {name: shape for name, shape in expected_tensors(bigger).items() if name.startswith(b)}
+    shapes.update({b + "nextn.eh_proj.weight": (D, 2 * D), b + "nextn.enorm.weight": (D,),
+                   b + "nextn.hnorm.weight": (D,), b + "nextn.shared_head_norm.weight": (D,)})
+    return shapes
+
+
+# MTP companion files (`GGUFModel.attach_mtp`): metadata keys that may differ from the model's (the companion says
+# "one more block, and it is an MTP block"; its name and file type are its own)
+_COMPANION_OWN_KEYS = ("general.name", "general.file_type", "general.quantization_version", "general.type")
+
+
 class GGUFModel:
     """An opened, validated GGUF MoE model: `.config`, `.tensors` (name -> Tensor), `.metadata(key)`, `.expert()`."""
 
@@ -202,6 +222,10 @@ class GGUFModel:
         for t in self.reader.tensors:
             self.tensors[t.name] = Tensor(t.name, t.tensor_type, tuple(int(n) for n in reversed(t.shape)), t.data)
         embd = self.tensors.get("token_embd.weight")
+        if embd is None and any(".nextn." in n for n in self.tensors) and all(n.startswith("blk.") for n in
+                                                                              self.tensors):
+            raise PymoeError(f"{where}an MTP companion file (only an MTP block's tensors), not a model: pass the "
+                             f"model, and this file as --spec mtp:{self.path}")
         if embd is None:
             raise PymoeError(f"{where}missing tensor token_embd.weight")
         self.config = ModelConfig.from_gguf(self.metadata_getter(where), n_vocab=embd.shape[0],
@@ -216,19 +240,10 @@ class GGUFModel:
     # --- metadata -------------------------------------------------------------------------------------------
     def metadata(self, key: str, default=None):
         """A metadata value as a Python scalar, str or list; `default` when absent."""
-        field = self.reader.fields.get(key)
-        if field is None:
-            return default
-        # Strings are decoded here, not by gguf-py's contents() (which raises on bytes that are not UTF-8): a
-        # broken byte becomes U+FFFD, as llama.cpp's tokenizer and template code would carry it along.
-        text = lambda part: bytes(part).decode("utf-8", errors="replace")  # noqa: E731
-        if field.types and field.types[0] == GGUFValueType.ARRAY:
-            if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
-                return [text(field.parts[i]) for i in field.data]
-            return field.contents()
-        if field.types and field.types[0] == GGUFValueType.STRING:
-            return text(field.parts[-1])
-        return field.contents()
+        # Strings are decoded by _field_value, not by gguf-py's contents() (which raises on bytes that are not
+        # UTF-8): a broken byte becomes U+FFFD, as llama.cpp's tokenizer and template code would carry it along.
+        value = _field_value(self.reader, key)
+        return default if value is None else value
 
     def metadata_getter(self, where: str):
         def get(key, default=REQUIRED):
@@ -280,6 +295,65 @@ class GGUFModel:
             return None
         attention = "mla" if cfg.traits.mla else "gated" if cfg.traits.hybrid else "gqa"
         return LayerPlan(L, attention, "moe+shared" if cfg.has_shared_expert else "moe", self.expert_layout(L))
+
+    def attach_mtp(self, path: str | os.PathLike) -> None:
+        """Take the MTP (nextn) block from a companion GGUF: `pymoe run --spec mtp:FILE`, or FILE = the model's path
+        with .gguf -> .mtp.gguf when the model has no block of its own (engine/speculative.make_speculator).
+
+        Why a second file: llama.cpp refuses a file with more tensors than its architecture loads ("wrong number of
+        tensors"), and it loads MTP blocks only for qwen3next / qwen35moe / glm4moe / deepseek2; a head trained for
+        another arch (the demo model's: pymoe/demo/train_mtp.py) would make the model file unloadable there. The
+        companion is the model's metadata with block_count + 1 and nextn_predict_layers 1 (tokenizer included), and
+        only the block's tensors, blk.{n_layers}.*. Refused in one line: another architecture, a hyperparameter or a
+        vocabulary that differs, a missing, extra or misshapen tensor."""
+        path = str(path)
+        where = f"{path}: "
+        cfg = self.config
+        if cfg.n_nextn:
+            raise PymoeError(f"{self.path}: has an MTP block of its own; --spec mtp uses it (no companion file)")
+        r = _open_reader(path)
+        field = lambda key: _field_value(r, key)  # noqa: E731
+        arch = field("general.architecture")
+        if arch != cfg.arch:
+            raise PymoeError(f"{where}an MTP companion for arch {arch!r}, but {self.path} is {cfg.arch!r}")
+        want = {f"{arch}.block_count": cfg.n_layers + 1, f"{arch}.nextn_predict_layers": 1}
+        for key, value in want.items():
+            if field(key) != value:
+                raise PymoeError(f"{where}{key} is {field(key)}, but an MTP companion of {self.path} must have "
+                                 f"{value}")
+        for key in sorted(set(self.reader.fields) | set(r.fields)):
+            if key.startswith("GGUF.") or key in want or key in _COMPANION_OWN_KEYS:
+                continue
+            if field(key) != self.metadata(key):
+                raise PymoeError(f"{where}metadata {key} differs from {self.path}'s: the head was made for another "
+                                 "model")
+        shapes = expected_mtp_tensors(cfg)
+        L = cfg.n_layers
+        optional = {f"blk.{L}.nextn.embed_tokens.weight": (cfg.n_vocab, cfg.n_embd),
+                    f"blk.{L}.nextn.shared_head_head.weight": (cfg.n_vocab, cfg.n_embd)}
+        file_size = os.path.getsize(path)
+        tensors = {}
+        for t in r.tensors:
+            shape = tuple(int(n) for n in reversed(t.shape))
+            want_shape = shapes.get(t.name, optional.get(t.name))
+            if want_shape is None:
+                raise PymoeError(f"{where}tensor {t.name} is not part of an MTP block after layer {L - 1}")
+            if not _fits(shape, want_shape):
+                raise PymoeError(f"{where}tensor {t.name} has shape {list(shape)} but the model implies "
+                                 f"{list(want_shape)} (NumPy order)")
+            if t.tensor_type not in quant.FORMATS:
+                raise PymoeError(f"{where}tensor {t.name} has type {t.tensor_type.name}, which pymoe does not "
+                                 "support")
+            if t.data_offset + t.n_bytes > file_size:
+                raise PymoeError(f"{where}truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
+                                 f"but the file has {file_size} bytes")
+            tensors[t.name] = _squeezed(Tensor(t.name, t.tensor_type, shape, t.data), want_shape)
+        for name in shapes:
+            if name not in tensors:
+                raise PymoeError(f"{where}missing tensor {name}")
+        self.tensors.update(tensors)
+        self.config = replace(cfg, n_nextn=1)
+        self.mtp_path, self._mtp_reader = path, r  # the reader owns the memory map the tensors view
 
     def get(self, name: str) -> Optional[Tensor]:
         return self.tensors.get(name)
@@ -467,6 +541,22 @@ class _Reader(GGUFReader):
 # Smallest encoded size of one value of each GGUF value type (a string: its 8-byte length; an array: type + length).
 _MIN_VALUE_BYTES = {int(t): np.dtype(d).itemsize for t, d in GGUFReader.gguf_scalar_to_np.items()}
 _MIN_VALUE_BYTES.update({int(GGUFValueType.STRING): 8, int(GGUFValueType.ARRAY): 12})
+
+
+def _field_value(r: GGUFReader, key: str):
+    """A metadata value of reader `r` as a Python scalar, str or list (strings decoded as GGUFModel.metadata
+    decodes them), None when absent."""
+    field = r.fields.get(key)
+    if field is None:
+        return None
+    text = lambda part: bytes(part).decode("utf-8", errors="replace")  # noqa: E731
+    if field.types and field.types[0] == GGUFValueType.ARRAY:
+        if len(field.types) > 1 and field.types[1] == GGUFValueType.STRING:
+            return [text(field.parts[i]) for i in field.data]
+        return field.contents()
+    if field.types and field.types[0] == GGUFValueType.STRING:
+        return text(field.parts[-1])
+    return field.contents()
 
 
 def _open_reader(path: str) -> GGUFReader:

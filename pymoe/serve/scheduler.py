@@ -23,7 +23,9 @@ What this is, in the order a job meets it:
             expert) -> sample -> TextStream (UTF-8, stop strings) -> an event for the job; then one chunk
             (--prefill-chunk tokens) of the oldest pending prompt, whose first token is sampled after its last chunk
             (chunked prefill: a long prompt never stalls the others for more than a chunk; docs/server.md has the
-            numbers)
+            numbers). With --spec the step is a speculative one for every busy slot at once: each slot drafts, one
+            batch.forward_batch verifies all slots' tokens, each slot keeps what its sampler accepts
+            (`_spec_step`)
     cancel: a job cancelled by its consumer (an HTTP client that went away) is dropped at the next step; a job past
             its deadline (app.py: request_timeout after the request came in) ends at the next step with
             ("done", "length"), keeping the text it has (llama.cpp's t_max_predict_ms ends the same way)
@@ -51,7 +53,7 @@ from typing import Callable, Iterator, Optional
 
 import numpy as np
 
-from pymoe.engine.batch import decode_batch
+from pymoe.engine.batch import decode_batch, forward_batch
 from pymoe.engine.generate import RequestStats, TextStream
 from pymoe.engine.grammar import Grammar
 from pymoe.engine.kv import new_kv
@@ -209,14 +211,12 @@ class Scheduler:
         self.n_ctx, self.kv_kind, self.log = engine.n_ctx, kv, log
         self.slots = [Slot(i, new_kv(engine.config, engine.n_ctx, kv)) for i in range(parallel)]
         self.spec = spec
-        if spec:  # one speculator per slot (a draft model keeps that slot's tokens); used when the slot is alone
-            if parse_spec(spec)[0] == "mtp":
-                raise PymoeError("--spec mtp is not supported by pymoe serve yet (the MTP drafter follows one "
-                                 "sequence's hidden states; batched steps do not keep them): use it with pymoe run, "
-                                 "or serve with --spec ngram or --spec draft:FILE")
-            drafter = engine.speculator(spec, spec_k, backend="cpu").drafter  # one: a draft model loads once
-            for slot in self.slots:  # a Speculator per slot: its own counters and back-off timing
-                slot.spec = Speculator(drafter, spec_k)
+        if spec:  # a Speculator per slot (its counters, its back-off timing) and a drafter per slot: a draft
+            # model's or an MTP block's own KV cache (`fork`: the weights are loaded once); prompt lookup is shared
+            drafter = engine.speculator(spec, spec_k, backend="cpu").drafter
+            for slot in self.slots:
+                slot.spec = Speculator(drafter.fork() if hasattr(drafter, "fork") else drafter, spec_k)
+            self.model.count_experts = True  # distinct experts per step, for the request line
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)  # jobs waiting for a slot
         self.max_queue = max_queue
         self.lock = threading.Lock()
@@ -390,9 +390,16 @@ class Scheduler:
             slot.kv.clear()
         slot.kv.n, slot.tokens = reused, slot.tokens[:reused]
         st.n_reused = reused
+        self._follow(slot, reused)
         slot.pending = list(prompt[reused:])
         with self.lock:
             self.totals["reused_tokens"] += reused
+
+    def _follow(self, slot: Slot, reused: int) -> None:
+        """A drafter that reads the slot's hidden states (mtp) follows its KV cache from here; `reused` positions
+        of it were computed for an earlier job (engine/mtp.py MtpDrafter.attach)."""
+        if slot.spec is not None and hasattr(slot.spec.drafter, "attach"):
+            slot.spec.drafter.attach(self.model, slot.kv, reused)
 
     def _placed(self, share: Optional[Share], keep: bool = False) -> None:
         """One sibling fewer waiting to be placed (taken off the queue: placed in a slot, or dropped); the kept
@@ -408,6 +415,7 @@ class Scheduler:
         job = slot.job
         slot.kv.copy_from(kv, kv.n)
         slot.tokens, slot.pending, slot.share = list(job.prompt_ids), [], None
+        self._follow(slot, 0)  # the prompt's hidden states are the sibling's: an MTP drafter starts after them
         job.stats.n_reused = kv.n
         with self.lock:
             self.totals["reused_tokens"] += kv.n
@@ -451,12 +459,11 @@ class Scheduler:
             self._prompt_read(slot, logits)
 
     def _decode_step(self, active: list) -> None:
-        """One batched forward: the last token of every busy slot -> their next logits. With --spec and one busy
-        slot, a speculative step instead: batching already shares the expert reads between slots, speculation
-        shares them between the positions of one sequence. Not with a grammar: a draft would move the grammar's
-        position before it is verified."""
-        if len(active) == 1 and active[0].spec is not None and active[0].job.grammar is None:
-            return self._spec_step(active[0])
+        """One batched forward: the last token of every busy slot -> their next logits. With --spec, a speculative
+        step instead (`_spec_step`). Batching shares the expert reads between slots, speculation between the
+        positions of one sequence; the two combine in one forward."""
+        if any(s.spec is not None and s.job.grammar is None for s in active):
+            return self._spec_step(active)
         counts = [s.job.stats.decode for s in active]
         t0 = time.perf_counter()
         logits = decode_batch(self.model, [s.job.next_token for s in active], [s.kv for s in active], counts)
@@ -468,25 +475,74 @@ class Scheduler:
             s.job.stats.n_decoded += 1
             self._for_job(s, self._advance, s, row)
 
-    def _spec_step(self, s: Slot) -> None:
-        """engine/speculative.Speculator.step on the slot: 1 .. k + 1 tokens from one verification forward."""
-        job, st = s.job, s.job.stats
-        before = self.engine.cache.stats.snapshot("decode")
+    def _spec_step(self, active: list) -> None:
+        """engine/speculative.Speculator.step for several slots around one forward: each speculating slot drafts
+        (Speculator.drafts; none: its plain token), one `forward_batch` verifies every slot's [pending token] +
+        drafts, each slot judges its own rows with its own sampler (Speculator.judge) and cuts its KV cache back to
+        what it kept; the hybrids' slots that rejected a draft get their recurrent state restored and re-advanced in
+        one more batched forward. Not with a grammar: a draft would move the grammar's position before it is
+        verified (such a slot takes a plain token in the same forward). Each slot yields 1 .. k + 1 tokens."""
+        hybrid = self.model.cfg.has_recurrent_state
         t0 = time.perf_counter()
-        pending = job.next_token
-        tokens = s.spec.step(self.model, s.kv, job.history, job.sampler, job.max_tokens - st.n_generated)
+        drafts = []
+        for s in active:  # the drafter's failure ends that job only; the slot then takes a plain token
+            d = []
+            if s.spec is not None and s.job.grammar is None:
+                budget = s.job.max_tokens - s.job.stats.n_generated
+                self._for_job(s, lambda: d.extend(s.spec.drafts(s.kv, s.job.history, budget)))
+            drafts.append(d)
+        alive = [(s, d) for s, d in zip(active, drafts) if s.job is not None]
+        if not alive:
+            return
+        lists = [[s.job.next_token] + d for s, d in alive]
+        p0 = [s.kv.n for s, _ in alive]
+        saved = [s.kv.save_recurrent() if hybrid and d else None for s, d in alive]
+        counts = [s.job.stats.decode for s, _ in alive]
+        experts = [0] * len(alive)
+        logits = forward_batch(self.model, lists, [s.kv for s, _ in alive], counts, experts)  # [sum T_j, V]
+        outs, redo, r = [], [], 0
+        for j, (s, d) in enumerate(alive):
+            rows, r = logits[r:r + len(lists[j])], r + len(lists[j])
+            out: list = []
+            self._for_job(s, self._judge, s, d, rows, experts[j], out)
+            outs.append(out)
+            if not out:
+                continue
+            s.kv.n = p0[j] + len(out)  # the pending token and the drafts kept (out[-1] is the next pending one)
+            if saved[j] is not None and len(out) - 1 < len(d):  # the state holds rejected drafts: redo the kept
+                s.kv.restore_recurrent(saved[j])
+                s.kv.n = p0[j]
+                redo.append((s, lists[j][:len(out)], counts[j]))
+                s.spec.stats.rollbacks += 1
+        if redo:
+            forward_batch(self.model, [t for _, t, _ in redo], [s.kv for s, _, _ in redo], [c for _, _, c in redo])
         dt = time.perf_counter() - t0
-        after = self.engine.cache.stats.snapshot("decode")
-        for name in st.decode:
-            st.decode[name] += after[name] - before[name]
-        s.tokens.extend([pending] + tokens[:-1])  # in the KV cache now: the pending token and the kept drafts
-        self._account_step(dt, len(tokens), 1)
-        st.decode_s += dt
-        for token in tokens:
-            st.n_decoded += 1
-            self._take(s, token)
-            if s.job is not job:  # finished (stop, length): the tokens after it are dropped
-                return
+        self._account_step(dt, sum(len(o) for o in outs), len(alive))
+        for (s, d), lst, out in zip(alive, lists, outs):
+            if not out:
+                continue
+            job = s.job
+            s.tokens.extend(lst[:len(out)])  # in the KV cache now: the pending token and the kept drafts
+            job.stats.decode_s += dt
+            if s.spec is not None and job.grammar is None:
+                s.spec.timed("verify" if d else "single", out, t0)
+            for token in out:
+                job.stats.n_decoded += 1
+                self._for_job(s, self._take, s, token)
+                if s.job is not job:  # finished (stop, length, error): the tokens after it are dropped
+                    break
+
+    def _judge(self, s: Slot, drafts: list, rows: np.ndarray, experts: int, out: list) -> None:
+        """A slot's rows of a speculative step -> its tokens in `out`: the drafts kept and the model's own next
+        token (Speculator.judge), or, without drafts, the token sampled from its one row."""
+        job = s.job
+        if drafts:
+            out.extend(s.spec.judge(rows, drafts, job.history, job.sampler, experts))
+            return
+        if s.spec is not None and job.grammar is None:
+            s.spec.stats.single_steps += 1
+            s.spec.stats.single_experts += experts
+        out.append(job.sampler(rows[0], job.history))
 
     def _account_step(self, dt: float, n_tokens: int, batch: int) -> None:
         """A decode step's share of the server's counters: seconds, tokens per second, batch size."""
@@ -532,6 +588,8 @@ class Scheduler:
                 share.prefiller.share = None
                 self._place_prompt(share.prefiller)
         slot.job, slot.last_used, slot.pending = None, time.perf_counter(), []
+        if slot.spec is not None and hasattr(slot.spec.drafter, "detach"):
+            slot.spec.drafter.detach(self.model, slot.kv)
         if len(slot.tokens) != slot.kv.n:  # an error mid-step: the cache no longer matches, don't reuse it
             slot.tokens = []
             slot.kv.clear()

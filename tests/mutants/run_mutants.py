@@ -163,8 +163,8 @@ MUTANTS: list[Mutant] = [
         "the 16-bit activation path rounds x (and h) to 12 bits (reference and Numba twin alike)"),
     Mutant(
         "batch_rows_mixed", "pymoe/engine/batch.py",
-        "model.attention_block(layer, a, kvs, i, rope)",
-        "model.attention_block(layer, a[::-1], kvs, i, rope)",
+        "model.attention_block(layer, a, seqs, i, rope)",
+        "model.attention_block(layer, a[::-1], seqs, i, rope)",
         ("tests/test_batch.py::test_decode_batch_equals_single_decodes[*]",),
         "batched decode: sequence j attends with another row's hidden state (rows reversed)"),
     Mutant(
@@ -316,6 +316,18 @@ MUTANTS: list[Mutant] = [
         "        if False:  # MUTANT",
         ("tests/test_speculative.py::test_greedy_speculation_equals_plain_decoding[qwen3next]",),
         "speculative decoding: the Gated DeltaNet state keeps the rejected drafts"),
+    Mutant(
+        "server_spec_recurrent_state_not_restored", "pymoe/serve/scheduler.py",
+        "            if saved[j] is not None and len(out) - 1 < len(d):",
+        "            if False:  # MUTANT",
+        ("tests/test_speculative.py::test_several_busy_slots_speculate_in_one_batched_forward[qwen3next-*]",),
+        "server speculation over several slots: a hybrid slot's state keeps its rejected drafts"),
+    Mutant(
+        "ragged_batch_rows_all_at_the_first_position", "pymoe/engine/model.py",
+        "np.arange(kv.n, kv.n + rows.stop - rows.start) for kv, rows in segments(kvs, T)",
+        "np.full(rows.stop - rows.start, kv.n) for kv, rows in segments(kvs, T)",
+        ("tests/test_batch.py::test_forward_batch_of_several_tokens_per_sequence_equals_separate_forwards[*]",),
+        "forward_batch: every row of a sequence gets RoPE at the sequence's first new position"),
     Mutant(
         "spec_rejection_draws_from_the_full_distribution", "pymoe/engine/sampler.py",
         "        rest = np.where(ids == draft, 0.0, probs)",
