@@ -103,6 +103,64 @@ def test_mtp_drafts_keep_greedy_output(mtp_file, arch):
 
 
 @pytest.mark.parametrize("arch", ["qwen3next", "deepseek2"])
+def test_mtp_drafter_drafts_from_the_newest_pair(mtp_file, arch):
+    """MtpDrafter.propose's first draft is the block's guess from the newest pair (h_(n-1), t_n), t_n the pending
+    token, after all earlier pairs: the same argmax as the block run over all pairs at once (an independent forward
+    of the trunk for the hidden states, a fresh block cache). Checked after the prompt (n pairs fed at once) and
+    after a step that kept a draft (two new pairs)."""
+    from pymoe.engine.mtp import MTPHead, MtpDrafter
+
+    e = pymoe.load(mtp_file(arch), n_ctx=64)
+    m, ids = e.model, list(PROMPT[:20])
+
+    def reference(history):  # the block's guess after the last pair, everything from scratch
+        kv, hs = m.new_kv(64), []
+        m.hidden_taps[id(kv)] = lambda p0, h: hs.append(np.asarray(h))
+        m.forward(history[:-1], kv, "prefill")
+        del m.hidden_taps[id(kv)]
+        head = MTPHead(m)
+        logits, _ = head.forward(history[1:], hs[0], head.new_kv(64))
+        return int(logits[-1].argmax())
+
+    d = MtpDrafter(m, 64)
+    kv = m.new_kv(64)
+    d.attach(m, kv)
+    m.forward(ids[:-1], kv, "prefill")  # the prompt; ids[-1] is the pending token
+    first = d.propose(ids, 2)
+    assert first[0] == reference(ids)
+    m.forward([ids[-1], first[0]], kv, "decode")  # a step that kept the first draft: two new positions
+    history = ids + [first[0], 7]
+    assert d.propose(history, 1) == [reference(history)]
+    d.detach(m, kv)
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "deepseek2"])
+def test_mtp_drafts_for_several_sequences_at_once_are_each_ones_own(mtp_file, arch):
+    """MtpDrafter.propose_many (the server's slots: one block forward for all sequences per drafted position, their
+    pending pairs as a ragged batch) drafts for each sequence what its own `propose` drafts alone."""
+    from pymoe.engine.mtp import MtpDrafter
+
+    e = pymoe.load(mtp_file(arch), n_ctx=64)
+    histories = [PROMPT[:9], PROMPT[3:20], PROMPT[::-1][:14]]
+
+    def drafts(together):
+        first = MtpDrafter(e.model, 64)
+        ds = [first, first.fork(), first.fork()]
+        for d, h in zip(ds, histories):
+            kv = e.model.new_kv(64)
+            d.attach(e.model, kv)
+            e.model.forward(h[:-1], kv, "prefill")  # the hidden states of the sequence's positions
+            d.detach(e.model, kv)
+        ks = [3, 1, 2]
+        if together:
+            return MtpDrafter.propose_many(ds, histories, ks)
+        return [d.propose(h, k) for d, h, k in zip(ds, histories, ks)]
+
+    alone = drafts(False)
+    assert [len(d) for d in alone] == [3, 1, 2] and drafts(True) == alone
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "deepseek2"])
 def test_mtp_block_reads_its_pairs_the_same_in_one_call_or_many(mtp_file, arch):
     """The MTP block's KV cache and positions: the logits of the pairs (h_i, t_(i+1)) computed in one call equal
     those computed one pair at a time (the block's own decode == prefill, bit for bit as for the trunk)."""

@@ -28,7 +28,7 @@ import numpy as np
 
 from pymoe.errors import PymoeError
 from pymoe.experts.cache import PassThroughCache
-from .kv import KVCache
+from .kv import KVCache, Seqs, segments
 from .moe import FFN
 
 
@@ -53,18 +53,21 @@ class MTPHead:
     def new_kv(self, n_ctx: int) -> KVCache:
         return KVCache(self.model.cfg, n_ctx, layers=(self.plan.index,))
 
-    def forward(self, tokens, h: np.ndarray, kv: KVCache) -> tuple[np.ndarray, np.ndarray]:
-        """tokens [T] (t_{i+1} ..), h [T, D] (h_i ..), the pairs of kv.n .. kv.n + T - 1 -> (logits [T, V], h' [T, D])."""
+    def forward(self, tokens, h: np.ndarray, kv) -> tuple[np.ndarray, np.ndarray]:
+        """tokens [T] (t_{i+1} ..), h [T, D] (h_i ..), the pairs of kv.n .. kv.n + T - 1 -> (logits [T, V], h' [T, D]).
+        kv: the block's KV cache, or several sequences' (engine/kv.py Seqs: each owning its rows, in order)."""
         m, cfg, layer = self.model, self.model.cfg, self.layer
         norm, eps, T = m.backend.rmsnorm, cfg.rms_eps, len(tokens)
+        kvs = kv if isinstance(kv, list) else [kv]
         e = norm(m.embed(np.asarray(tokens, np.int64), self.embed_table), self.enorm, eps)  # [T, D]
         x = m.backend.linear(self.eh_proj, np.concatenate([np.asarray(e), np.asarray(norm(h, self.hnorm, eps))],
                                                           axis=1))  # [T, D]
-        rope = m.rope_tables(np.arange(kv.n + 1, kv.n + 1 + T))  # pair i sits at the position of t_{i+1}
-        x = x + m.attention_block(layer, norm(x, layer.attn_norm, eps), kv, self.plan.index, rope)
+        rope = m.rope_tables(m.positions(kvs, T) + 1)  # pair i sits at the position of t_{i+1}
+        x = x + m.attention_block(layer, norm(x, layer.attn_norm, eps), kvs, self.plan.index, rope)
         y, _, _ = FFN[layer.plan.ffn](layer, norm(x, layer.ffn_norm, eps), self.cache, m.backend, "decode")
         x = x + y
-        kv.n += T
+        for one, rows in segments(kvs, T):
+            one.n += rows.stop - rows.start
         hn = norm(x, self.head_norm, eps)  # [T, D]
         return np.asarray(m.backend.linear(self.head, hn)), np.asarray(hn)
 
@@ -107,26 +110,55 @@ class MtpDrafter:
         for j in range(h.shape[0]):
             self.hidden[p0 + j] = h[j]  # a later forward over the same positions (after a rollback) overwrites
 
-    def propose(self, history: list, k: int) -> list:
+    def _pairs(self, history: list, k: int):
+        """The committed pairs this call feeds the block, (t_{i+1} [m], h_i [m, D]) for i = done .. n - 1, with the
+        block's cache set back to them (the entries drafted last time dropped); None: no drafts this time."""
         n = len(history) - 1  # trunk positions in the KV cache; history[n] is sampled, not yet run
         if n - 1 not in self.hidden and n > self.done:
-            return []  # no hidden state of the last position (a prompt copied from another slot's cache)
+            return None  # no hidden state of the last position (a prompt copied from another slot's cache)
         first = n
         while first > self.done and first - 1 in self.hidden:
             first -= 1
         if first > self.done:  # a gap (positions this drafter never saw): the block starts over after it
             self.start = self.done = first  # (RoPE is relative: the block's positions may start anywhere)
-        self.kv.n = self.done - self.start  # drop the entries drafted at the last call
+        self.kv.n = self.done - self.start
         if n <= self.done or self.kv.n + (n - self.done) + k > self.kv.n_ctx:
-            return []
-        logits, h = self.head.forward(history[self.done + 1:n + 1],
-                                      np.stack([self.hidden[i] for i in range(self.done, n)]), self.kv)
-        for i in range(self.done, n):
-            del self.hidden[i]
+            return None
+        pairs = history[self.done + 1:n + 1], np.stack([self.hidden.pop(i) for i in range(self.done, n)])
         self.done = n
-        drafts = [int(np.argmax(logits[-1]))]
-        h = h[-1:]  # [1, D]
-        while len(drafts) < k:
-            logits, h = self.head.forward([drafts[-1]], h, self.kv)
-            drafts.append(int(np.argmax(logits[-1])))
-        return drafts
+        return pairs
+
+    def propose(self, history: list, k: int) -> list:
+        return MtpDrafter.propose_many([self], [history], [k])[0]
+
+    @staticmethod
+    def propose_many(drafters: list, histories: list, ks: list) -> list:
+        """Drafts for several sequences whose drafters share one block (a server's slots; one sequence is
+        `propose`): every sequence's new pairs in one block forward (a ragged batch), then each drafted position of
+        all sequences in one forward of a row each. The block's rows are the same bits batched or alone (the CPU
+        backend's row contract), so a sequence's drafts do not depend on the others."""
+        out = [[] for _ in drafters]
+        live = []  # (index, drafter, tokens, hidden) of the sequences that draft this time
+        for j, (d, history, k) in enumerate(zip(drafters, histories, ks)):
+            pairs = d._pairs(history, k) if k > 0 else None
+            if pairs is not None:
+                live.append((j, d, *pairs))
+        if not live:
+            return out
+        head = live[0][1].head
+        counts = [len(t) for _, _, t, _ in live]
+        logits, h = head.forward([t for _, _, ts, _ in live for t in ts], np.concatenate([hh for *_, hh in live]),
+                                 Seqs([d.kv for _, d, _, _ in live], counts))
+        last = np.cumsum(counts) - 1  # each sequence's last pair: its first draft
+        logits, h = logits[last], h[last]  # [N, V], [N, D]
+        for i, (j, *_) in enumerate(live):
+            out[j].append(int(np.argmax(logits[i])))
+        while True:
+            more = [i for i, (j, *_) in enumerate(live) if len(out[j]) < ks[j]]
+            if not more:
+                return out
+            logits, h_more = head.forward([out[live[i][0]][-1] for i in more], h[more],
+                                          Seqs([live[i][1].kv for i in more], [1] * len(more)))
+            h[more] = h_more  # [len(more), D]: the block's state stands in for the trunk's
+            for r, i in enumerate(more):
+                out[live[i][0]].append(int(np.argmax(logits[r])))

@@ -208,11 +208,16 @@ class Speculator:
     # --- the parts of a step (serve/scheduler.py runs them for several slots around one batched forward) --------
     def drafts(self, kv, history: list, budget: int) -> list:
         """This step's drafts (none: a plain step), at most budget - 1 and what the context has room for."""
+        k = self.draft_count(kv, budget)
+        return self.drafter.propose(history, k) if k > 0 else []
+
+    def draft_count(self, kv, budget: int) -> int:
+        """How many tokens this step drafts: k, or fewer near the budget or the context's end; 0 while paused."""
         k = min(self.k, budget - 1, kv.n_ctx - kv.n - 1)
         if self.pause:
             self.pause -= 1
             k = 0
-        return self.drafter.propose(history, k) if k > 0 else []
+        return max(k, 0)
 
     def judge(self, logits, drafts: list, history: list, sampler, experts: int = 0) -> list:
         """logits [len(drafts) + 1, V] of the verification forward of [history[-1]] + drafts -> the tokens the step
@@ -240,6 +245,15 @@ class Speculator:
             self.pause, self.kept = BACKOFF_PAUSE, []
             self.stats.pauses += 1
         return tokens
+
+
+def propose_all(drafters: list, histories: list, ks: list) -> list:
+    """Drafts for several sequences (server slots): together when their drafters can (a `propose_many` of their
+    class, MtpDrafter's: one block forward for all sequences per drafted position), else one drafter after another."""
+    many = getattr(type(drafters[0]), "propose_many", None) if drafters else None
+    if many is not None and all(type(d) is type(drafters[0]) for d in drafters):
+        return many(drafters, histories, ks)
+    return [d.propose(h, k) if k > 0 else [] for d, h, k in zip(drafters, histories, ks)]
 
 
 def parse_spec(spec: str) -> tuple[str, str]:

@@ -58,7 +58,7 @@ from pymoe.engine.generate import RequestStats, TextStream
 from pymoe.engine.grammar import Grammar
 from pymoe.engine.kv import new_kv
 from pymoe.engine.sampler import Sampler, SamplingParams
-from pymoe.engine.speculative import SpecStats, Speculator, parse_spec
+from pymoe.engine.speculative import SpecStats, Speculator, propose_all
 from pymoe.errors import PymoeError
 from pymoe.experts.cache import COUNTERS
 
@@ -477,21 +477,24 @@ class Scheduler:
 
     def _spec_step(self, active: list) -> None:
         """engine/speculative.Speculator.step for several slots around one forward: each speculating slot drafts
-        (Speculator.drafts; none: its plain token), one `forward_batch` verifies every slot's [pending token] +
+        (Speculator.draft_count, then all slots' drafters together: engine/speculative.propose_all; none: its plain
+        token), one `forward_batch` verifies every slot's [pending token] +
         drafts, each slot judges its own rows with its own sampler (Speculator.judge) and cuts its KV cache back to
         what it kept; the hybrids' slots that rejected a draft get their recurrent state restored and re-advanced in
         one more batched forward. Not with a grammar: a draft would move the grammar's position before it is
         verified (such a slot takes a plain token in the same forward). Each slot yields 1 .. k + 1 tokens."""
         hybrid = self.model.cfg.has_recurrent_state
         t0 = time.perf_counter()
-        drafts = []
-        for s in active:  # the drafter's failure ends that job only; the slot then takes a plain token
-            d = []
-            if s.spec is not None and s.job.grammar is None:
-                budget = s.job.max_tokens - s.job.stats.n_generated
-                self._for_job(s, lambda: d.extend(s.spec.drafts(s.kv, s.job.history, budget)))
-            drafts.append(d)
-        alive = [(s, d) for s, d in zip(active, drafts) if s.job is not None]
+        drafting = [s for s in active if s.spec is not None and s.job.grammar is None]
+        ks = [s.spec.draft_count(s.kv, s.job.max_tokens - s.job.stats.n_generated) for s in drafting]
+        try:  # all slots' drafts (MTP: one block forward for all slots per drafted position)
+            proposed = propose_all([s.spec.drafter for s in drafting], [s.job.history for s in drafting], ks)
+        except Exception as e:  # a drafter's failure ends the jobs it drafted for, as a failed batched step does
+            for s in drafting:
+                self._fail(s, s.job, e)
+            proposed = [[] for _ in drafting]
+        by_slot = {s.index: d for s, d in zip(drafting, proposed)}
+        alive = [(s, by_slot.get(s.index, [])) for s in active if s.job is not None]
         if not alive:
             return
         lists = [[s.job.next_token] + d for s, d in alive]

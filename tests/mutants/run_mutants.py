@@ -317,6 +317,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_speculative.py::test_greedy_speculation_equals_plain_decoding[qwen3next]",),
         "speculative decoding: the Gated DeltaNet state keeps the rejected drafts"),
     Mutant(
+        "mtp_first_draft_from_the_first_pair", "pymoe/engine/mtp.py",
+        "        last = np.cumsum(counts) - 1  # each sequence's last pair: its first draft",
+        "        last = np.cumsum(counts) - np.asarray(counts)  # MUTANT: the first pair's output",
+        ("tests/test_speculative.py::test_mtp_drafter_drafts_from_the_newest_pair[*]",),
+        "MTP drafting: the first draft is read from the oldest new pair's output, not the newest's"),
+    Mutant(
         "server_spec_recurrent_state_not_restored", "pymoe/serve/scheduler.py",
         "            if saved[j] is not None and len(out) - 1 < len(d):",
         "            if False:  # MUTANT",
