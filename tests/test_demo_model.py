@@ -176,6 +176,6 @@ def test_training_code_imports_without_torch():
     import subprocess
     import sys
 
-    code = "import sys, pymoe.demo.train, pymoe.engine.perplexity; assert 'torch' not in sys.modules"
+    code = "import sys, pymoe.demo.train, pymoe.demo.train_mtp, pymoe.engine.perplexity; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True,
                    env=dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(pymoe.__file__))))

@@ -232,6 +232,98 @@ def test_a_companion_that_does_not_fit_the_model_is_refused_in_one_line(mtp_file
     assert last.startswith("pymoe: error:") and "trunk.mtp.gguf" in last and msg in last, last
 
 
+def heldout_ids(tokenizer, n: int) -> list:
+    """The first n tokens of the demo corpus's first held-out file (pymoe/demo/train.py's split: never trained on)."""
+    import os
+    import sysconfig
+
+    from pymoe.demo.train import is_heldout, stdlib_files
+
+    root = sysconfig.get_paths()["stdlib"]
+    files = [f for f in stdlib_files(root) if is_heldout(f)]
+    text = ""
+    for f in files:  # enough text for n tokens (at ~3.7 bytes a token)
+        with open(os.path.join(root, f), encoding="utf-8", errors="replace") as fh:
+            text += fh.read()
+        if len(text) > 8 * n:
+            break
+    return tokenizer.encode(text, add_bos=False)[:n]
+
+
+def first_draft_agreement(engine, head, ids: list) -> tuple[float, int]:
+    """Teacher-forced over `ids`: how often the head's greedy guess from (h_i, t_(i+1)) equals the model's own greedy
+    choice after t_(i+1) (what greedy verification keeps as a first draft) -> (share, positions)."""
+    from pymoe.engine.kv import KVCache
+
+    m = engine.model
+    kv = KVCache(m.cfg, len(ids))
+    hidden = []
+    m.hidden_taps[id(kv)] = lambda p0, h: hidden.append(np.asarray(h))
+    trunk = np.asarray(m.forward(ids, kv, "prefill")).argmax(-1)  # [T]: the model's choice after position i
+    del m.hidden_taps[id(kv)]
+    guesses = head.forward(ids[1:], hidden[0][:-1], head.new_kv(len(ids)))[0].argmax(-1)  # [T - 1]: pair i -> t_(i+2)
+    same = guesses[:-1] == trunk[1:-1]  # pair i against the model's choice at position i + 1
+    return float(same.mean()), int(same.size)
+
+
+def test_the_demo_models_trained_mtp_head_agrees_with_the_model_on_held_out_code(tmp_path):
+    """The shipped MTP head (pymoe/demo/data/demo-moe.mtp.gguf, trained by pymoe/demo/train_mtp.py on the frozen
+    trunk) on 257 tokens of held-out code, run by pymoe: its first draft agrees with the model's next greedy choice
+    far more often than the untrained head's (the block training started from: the trunk's last layer, a random
+    eh_proj). Bound: the difference must exceed 4 standard errors of a difference of two shares over n positions,
+    each share's at most sqrt(0.25 / n) (p = 0.5, the worst case): 4 sqrt(0.5 / 256) = 0.18. A broken head path
+    (concatenation order, a norm, the pair's position) falls to the untrained level. Then `--spec mtp` on the demo
+    (k = 1) finds the head beside the model, keeps the plain greedy output, and its acceptance beats the untrained
+    head's by the same bound over the drafts made (MtpDrafter's drafting path: which pair's output is the draft)."""
+    from gguf import GGUFReader
+
+    from pymoe import demo
+    from pymoe.demo.tinymodel import write_mtp_companion
+    from pymoe.engine.mtp import MTPHead
+
+    e = pymoe.load(demo.DEMO_MODEL, n_ctx=512)
+    ids = heldout_ids(e.tokenizer, 257)
+    e.model.file.attach_mtp(demo.DEMO_MTP)
+    trained, n = first_draft_agreement(e, MTPHead(e.model), ids)
+
+    cfg, r = e.config, GGUFReader(demo.DEMO_MODEL)
+    last, L = f"blk.{cfg.n_layers - 1}.", f"blk.{cfg.n_layers}."
+    tensors = [(t.name.replace(last, L), np.array(t.data), t.tensor_type) for t in r.tensors
+               if t.name.startswith(last)]
+    F32 = r.tensors[0].tensor_type.F32
+    rng = np.random.default_rng(0)
+    tensors += [(L + "nextn.eh_proj.weight", (rng.standard_normal((cfg.n_embd, 2 * cfg.n_embd)) /
+                                               np.sqrt(2 * cfg.n_embd)).astype(np.float32), F32)]
+    tensors += [(L + f"nextn.{x}.weight", np.ones(cfg.n_embd, np.float32), F32)
+                for x in ("enorm", "hnorm", "shared_head_norm")]
+    untrained_path = str(tmp_path / "untrained.mtp.gguf")
+    write_mtp_companion(demo.DEMO_MODEL, untrained_path, tensors)
+    u = pymoe.load(demo.DEMO_MODEL, n_ctx=512)
+    u.model.file.attach_mtp(untrained_path)
+    untrained, _ = first_draft_agreement(u, MTPHead(u.model), ids)
+    assert n == 255 and trained - untrained > 4 * np.sqrt(0.5 / n), (trained, untrained)
+
+    plain = list(pymoe.load(demo.DEMO_MODEL, n_ctx=512).generate(ids[:64], max_tokens=64, stop_at_eos=False))
+    runs = []
+    for spec_name in ("mtp", f"mtp:{untrained_path}"):  # the head found beside the demo, then the untrained one
+        e = pymoe.load(demo.DEMO_MODEL, n_ctx=512)
+        spec = e.speculator(spec_name, 1)
+        spec.backoff, spec.pause = False, 0
+        assert list(e.generate(ids[:64], max_tokens=64, stop_at_eos=False, spec=spec)) == plain
+        runs.append(spec.stats)
+    n = min(st.drafted for st in runs)  # the acceptance of --spec mtp on the model's own continuation, same bound
+    assert runs[0].acceptance - runs[1].acceptance > 4 * np.sqrt(0.5 / n), [(st.accepted, st.drafted) for st in runs]
+
+
+def test_a_companion_passed_as_the_model_says_what_it_is():
+    from pymoe import demo
+
+    r = run_pymoe("run", demo.DEMO_MTP, "-p", "x", "-n", "2")
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].endswith(f"an MTP companion file (only an MTP block's tensors), not a "
+                                                      f"model: pass the model, and this file as --spec mtp:{demo.DEMO_MTP}")
+
+
 def test_rejection_rule_keeps_the_target_distribution():
     """Sampler.verify with a fixed draft: the tokens it returns are distributed as the sampler's own draws
     (Sampler.distribution), for a draft the target likes, one it does not, and one outside the candidates.

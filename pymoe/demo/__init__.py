@@ -13,6 +13,7 @@ from pymoe.errors import PymoeError
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 DEMO_MODEL = os.path.join(DATA_DIR, "demo-moe.gguf")
 DEMO_PROFILE = os.path.join(DATA_DIR, "demo-moe.profile.bin")
+DEMO_MTP = os.path.join(DATA_DIR, "demo-moe.mtp.gguf")  # its trained MTP head (`--spec mtp`; tools/train-demo-mtp)
 DEMO_PROMPT = "import os\n\n\ndef read_lines(path):\n    "
 
 

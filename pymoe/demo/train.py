@@ -143,8 +143,9 @@ class DemoConfig:
             qkv_bias=t.qkv_bias, norm_topk=t.norm_topk, tied_output=False)
 
 
-def build_model(cfg: ModelConfig, seed: int):
-    """A torch.nn.Module whose parameters are named like the GGUF tensors ("blk.0.attn_q.weight" -> blk_0_attn_q)."""
+def build_model(cfg: ModelConfig, seed: int, extra: Optional[dict] = None):
+    """A torch.nn.Module whose parameters are named like the GGUF tensors ("blk.0.attn_q.weight" -> blk_0_attn_q).
+    extra: more tensors, name -> shape (the MTP block of pymoe/demo/train_mtp.py: expected_mtp_tensors)."""
     import torch
     import torch.nn.functional as F
     from torch import nn
@@ -162,7 +163,7 @@ def build_model(cfg: ModelConfig, seed: int):
             super().__init__()
             g = torch.Generator().manual_seed(seed)
             self.params = nn.ParameterDict()
-            for name, shape in expected_tensors(cfg).items():
+            for name, shape in {**expected_tensors(cfg), **(extra or {})}.items():
                 if name.endswith("norm.weight"):
                     w = torch.ones(shape)
                 else:
@@ -213,38 +214,62 @@ def build_model(cfg: ModelConfig, seed: int):
                 start += n
             return y, aux, ids
 
-        def forward(self, tokens, return_ids=False):
-            """tokens [B, T] -> (logits [B, T, V], mean aux loss[, per-layer expert ids])."""
-            B, T = tokens.shape
+        def rope_tables(self, positions):
+            """positions [T] -> (cos, sin) [T, Dh/2]."""
+            theta = positions.to(torch.float64)[:, None] * self.inv_freq[None, :]
+            return theta.cos().float(), theta.sin().float()
+
+        def block(self, i, x, cos, sin):
+            """Layer i (attention, then the MoE): x [B, T, D] -> (x [B, T, D], aux loss, expert ids [B*T, K])."""
+            B, T, _ = x.shape
             H, G, Dh, eps = cfg.n_head, cfg.n_head_kv, cfg.head_dim, cfg.rms_eps
-            theta = torch.arange(T, dtype=torch.float64)[:, None] * self.inv_freq[None, :]
-            cos, sin = theta.cos().float(), theta.sin().float()  # [T, Dh/2]
+            b = f"blk.{i}."
+            h = rmsnorm(x, self.p(b + "attn_norm.weight"), eps)
+            q = (h @ self.p(b + "attn_q.weight").T).view(B, T, H, Dh)
+            k = (h @ self.p(b + "attn_k.weight").T).view(B, T, G, Dh)
+            v = (h @ self.p(b + "attn_v.weight").T).view(B, T, G, Dh)
+            q = rmsnorm(q, self.p(b + "attn_q_norm.weight"), eps).transpose(1, 2)  # [B, H, T, Dh]
+            k = rmsnorm(k, self.p(b + "attn_k_norm.weight"), eps).transpose(1, 2)  # [B, G, T, Dh]
+            q, k = rope(q, cos, sin), rope(k, cos, sin)
+            # GQA: query head h reads KV head h // (H / G)  (repeat_interleave, as pymoe and llama.cpp)
+            k = k.repeat_interleave(H // G, dim=1)
+            v = v.transpose(1, 2).repeat_interleave(H // G, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
+            x = x + a.transpose(1, 2).reshape(B, T, H * Dh) @ self.p(b + "attn_output.weight").T
+            h = rmsnorm(x, self.p(b + "ffn_norm.weight"), eps)
+            y, aux, ids = self.moe(i, h.reshape(B * T, -1))
+            return x + y.view(B, T, -1), aux, ids
+
+        def trunk(self, tokens):
+            """tokens [B, T] -> (hidden [B, T, D] after the output norm, mean aux loss, per-layer expert ids)."""
+            cos, sin = self.rope_tables(torch.arange(tokens.shape[1]))
             x = self.p("token_embd.weight")[tokens]  # [B, T, D]
             aux_total, all_ids = 0.0, []
             for i in range(cfg.n_layers):
-                b = f"blk.{i}."
-                h = rmsnorm(x, self.p(b + "attn_norm.weight"), eps)
-                q = (h @ self.p(b + "attn_q.weight").T).view(B, T, H, Dh)
-                k = (h @ self.p(b + "attn_k.weight").T).view(B, T, G, Dh)
-                v = (h @ self.p(b + "attn_v.weight").T).view(B, T, G, Dh)
-                q = rmsnorm(q, self.p(b + "attn_q_norm.weight"), eps).transpose(1, 2)  # [B, H, T, Dh]
-                k = rmsnorm(k, self.p(b + "attn_k_norm.weight"), eps).transpose(1, 2)  # [B, G, T, Dh]
-                q, k = rope(q, cos, sin), rope(k, cos, sin)
-                # GQA: query head h reads KV head h // (H / G)  (repeat_interleave, as pymoe and llama.cpp)
-                k = k.repeat_interleave(H // G, dim=1)
-                v = v.transpose(1, 2).repeat_interleave(H // G, dim=1)
-                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, Dh]
-                x = x + a.transpose(1, 2).reshape(B, T, H * Dh) @ self.p(b + "attn_output.weight").T
-                h = rmsnorm(x, self.p(b + "ffn_norm.weight"), eps)
-                y, aux, ids = self.moe(i, h.reshape(B * T, -1))
-                x = x + y.view(B, T, -1)
+                x, aux, ids = self.block(i, x, cos, sin)
                 aux_total = aux_total + aux
                 all_ids.append(ids)
-            x = rmsnorm(x, self.p("output_norm.weight"), eps)
+            return rmsnorm(x, self.p("output_norm.weight"), cfg.rms_eps), aux_total / cfg.n_layers, all_ids
+
+        def forward(self, tokens, return_ids=False):
+            """tokens [B, T] -> (logits [B, T, V], mean aux loss[, per-layer expert ids])."""
+            x, aux, all_ids = self.trunk(tokens)
             logits = x @ self.p("output.weight").T
-            if return_ids:
-                return logits, aux_total / cfg.n_layers, all_ids
-            return logits, aux_total / cfg.n_layers
+            return (logits, aux, all_ids) if return_ids else (logits, aux)
+
+        def mtp(self, h, nxt):
+            """The MTP block (engine/mtp.py's MTPHead.forward, batched): h [B, T, D] the trunk's hidden states of
+            positions 0 .. T-1, nxt [B, T] the tokens that followed them -> (logits [B, T, V] for the token after
+            nxt, aux loss). Pair i sits at position i + 1, as in engine/mtp.py."""
+            L, eps = cfg.n_layers, cfg.rms_eps
+            b = f"blk.{L}."
+            e = rmsnorm(self.p("token_embd.weight")[nxt], self.p(b + "nextn.enorm.weight"), eps)
+            x = torch.cat([e, rmsnorm(h, self.p(b + "nextn.hnorm.weight"), eps)], dim=-1)  # [B, T, 2D]
+            x = x @ self.p(b + "nextn.eh_proj.weight").T  # [B, T, D]
+            cos, sin = self.rope_tables(torch.arange(1, h.shape[1] + 1))
+            x, aux, _ = self.block(L, x, cos, sin)
+            x = rmsnorm(x, self.p(b + "nextn.shared_head_norm.weight"), eps)
+            return x @ self.p("output.weight").T, aux
 
     return DemoMoE()
 

@@ -317,6 +317,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_speculative.py::test_greedy_speculation_equals_plain_decoding[qwen3next]",),
         "speculative decoding: the Gated DeltaNet state keeps the rejected drafts"),
     Mutant(
+        "mtp_inputs_concatenated_in_the_wrong_order", "pymoe/engine/mtp.py",
+        "np.concatenate([np.asarray(e), np.asarray(norm(h, self.hnorm, eps))]",
+        "np.concatenate([np.asarray(norm(h, self.hnorm, eps)), np.asarray(e)]",
+        ("tests/test_speculative.py::test_the_demo_models_trained_mtp_head_agrees_with_the_model_on_held_out_code",),
+        "MTP block: [hidden | embedding] into eh_proj instead of [embedding | hidden] (the trained head drafts junk)"),
+    Mutant(
         "mtp_first_draft_from_the_first_pair", "pymoe/engine/mtp.py",
         "        last = np.cumsum(counts) - 1  # each sequence's last pair: its first draft",
         "        last = np.cumsum(counts) - np.asarray(counts)  # MUTANT: the first pair's output",
