@@ -134,6 +134,30 @@ def test_mtp_drafter_drafts_from_the_newest_pair(mtp_file, arch):
     d.detach(m, kv)
 
 
+def test_mtp_drafter_keeps_the_pairs_of_a_reused_prefix(mtp_file):
+    """A server slot's next job keeps a prefix of the last one's KV cache: its drafter keeps the block's entries of
+    the pairs inside it (pair i needs t_(i+1): r kept positions keep pairs 0 .. r - 2), and a pair whose hidden state
+    was fed and let go is skipped, the rest fed, instead of starting the block over."""
+    from pymoe.engine.mtp import MtpDrafter
+
+    e = pymoe.load(mtp_file("qwen3next"), n_ctx=64)
+    m, ids = e.model, list(PROMPT[:30])
+    d = MtpDrafter(m, 64)
+    kv = m.new_kv(64)
+    d.attach(m, kv)
+    m.forward(ids[:-1], kv, "prefill")
+    assert len(d.propose(ids, 2)) == 2 and d.entries == list(range(29))
+    d.detach(m, kv)
+    kv.clear()  # (a hybrid's slot recomputes from scratch; the block's entries are what this test is about)
+    m.forward(ids[:12], kv, "prefill")
+    d.attach(m, kv, reused=12)
+    assert d.entries == list(range(11)) and d.kv.n == 11
+    new = ids[:12] + [5, 6, 7]
+    m.forward(new[12:-1], kv, "decode")
+    assert len(d.propose(new, 2)) == 2 and d.entries == list(range(11)) + [12, 13]
+    d.detach(m, kv)
+
+
 @pytest.mark.parametrize("arch", ["qwen3next", "deepseek2"])
 def test_mtp_drafts_for_several_sequences_at_once_are_each_ones_own(mtp_file, arch):
     """MtpDrafter.propose_many (the server's slots: one block forward for all sequences per drafted position, their

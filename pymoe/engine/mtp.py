@@ -14,7 +14,7 @@ token t_{i+1} that followed it:
 logits predict t_{i+2}; h' stands in for the trunk's h_{i+1} in the next step, so the block drafts k tokens
 one after another from one trunk state.
 `MtpDrafter` keeps the trunk's hidden states of its sequence (`Model.hidden_taps`, keyed by the KV cache), feeds
-the block every committed (h_i, t_{i+1}) pair once (its KV cache then holds entry i at index i - start), and drafts
+the block every committed (h_i, t_{i+1}) pair once (its KV cache then holds them in order: `entries`), and drafts
 past them; the drafted entries are dropped (kv.n set back) at the next call. A server slot has its own drafter over
 one shared `MTPHead`.
 What this is not: a test of the head against llama.cpp (its MTP context needs the llama_batch_ext API, which
@@ -23,6 +23,8 @@ companion file: GGUFModel.attach_mtp; the tiny files' MTP blocks are random and 
 experts are read in place (`PassThroughCache`), outside the slot pool.
 """
 from __future__ import annotations
+
+import bisect
 
 import numpy as np
 
@@ -83,8 +85,8 @@ class MtpDrafter:
         self.head = head or MTPHead(model)
         self.kv = self.head.new_kv(n_ctx)
         self.hidden: dict = {}  # trunk position -> its hidden state [D], until fed to the block
-        self.start = 0  # the first pair in the block's KV cache (pair i at index i - start)
-        self.done = 0  # pairs (h_i, t_{i+1}) in the block's KV cache: start <= i < done
+        self.done = 0  # the pairs (h_i, t_{i+1}) before this one are fed (or skipped: see _pairs)
+        self.entries: list = []  # the pair i of each committed entry of the block's KV cache, in order
 
     def fork(self) -> "MtpDrafter":
         """Another sequence's drafter over the same block (a server slot's)."""
@@ -94,11 +96,9 @@ class MtpDrafter:
         """Follow the sequence of `kv`, whose first `reused` positions are already computed (a server slot's kept
         prefix): pairs inside that prefix stay in the block's cache, the rest is dropped."""
         keep = max(0, reused - 1)  # pair i needs t_{i+1}: the pairs of a prefix of r tokens are 0 .. r - 2
-        if keep <= self.start:
-            self.start = self.done = 0  # nothing of the block's cache is kept
-        else:
-            self.done = min(self.done, keep)
-        self.kv.n = self.done - self.start
+        self.entries = self.entries[:bisect.bisect_left(self.entries, keep)]
+        self.done = min(self.done, keep)
+        self.kv.n = len(self.entries)
         self.hidden = {p: h for p, h in self.hidden.items() if p < reused}
         model.hidden_taps[id(kv)] = self._keep
 
@@ -114,17 +114,17 @@ class MtpDrafter:
         """The committed pairs this call feeds the block, (t_{i+1} [m], h_i [m, D]) for i = done .. n - 1, with the
         block's cache set back to them (the entries drafted last time dropped); None: no drafts this time."""
         n = len(history) - 1  # trunk positions in the KV cache; history[n] is sampled, not yet run
+        self.kv.n = len(self.entries)
         if n - 1 not in self.hidden and n > self.done:
             return None  # no hidden state of the last position (a prompt copied from another slot's cache)
-        first = n
-        while first > self.done and first - 1 in self.hidden:
-            first -= 1
-        if first > self.done:  # a gap (positions this drafter never saw): the block starts over after it
-            self.start = self.done = first  # (RoPE is relative: the block's positions may start anywhere)
-        self.kv.n = self.done - self.start
-        if n <= self.done or self.kv.n + (n - self.done) + k > self.kv.n_ctx:
+        # Positions whose hidden states this drafter does not have (a prompt copied from a sibling's cache; in a kept
+        # prefix, the last pairs' states, fed to the block in an earlier job and let go) are skipped: the block
+        # keeps the entries it has (RoPE sees distances short by the pairs skipped).
+        feed = [i for i in range(self.done, n) if i in self.hidden]
+        if not feed or self.kv.n + len(feed) + k > self.kv.n_ctx:
             return None
-        pairs = history[self.done + 1:n + 1], np.stack([self.hidden.pop(i) for i in range(self.done, n)])
+        pairs = [history[i + 1] for i in feed], np.stack([self.hidden.pop(i) for i in feed])
+        self.entries.extend(feed)
         self.done = n
         return pairs
 
