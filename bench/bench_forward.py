@@ -29,12 +29,14 @@ def main():
     ap.add_argument("--runs", type=int, default=5, help="runs per measurement (default 5)")
     ap.add_argument("--gen-tokens", type=int, default=32, help="decoded tokens per decode run (default 32)")
     ap.add_argument("--only", choices=["decode", "prefill128", "prefill512"], help="one measurement only")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens before the decode run (default 128; "
+                    "attention's share of a token grows with it)")
     args = ap.parse_args()
 
-    engine = pymoe.load(args.model, threads=args.threads, n_ctx=512 + args.gen_tokens + 136)
+    engine = pymoe.load(args.model, threads=args.threads, n_ctx=max(512, args.context) + args.gen_tokens + 136)
     model = engine.model
     rng = np.random.default_rng(0)
-    prompts = {n: rng.integers(0, engine.config.n_vocab, n) for n in (128, 512)}
+    prompts = {n: rng.integers(0, engine.config.n_vocab, n) for n in {128, 512, args.context}}
     kv = model.new_kv(64)
     model.prefill(prompts[128][:8], kv)  # warm-up: compilation, page faults
     for _ in range(3):
@@ -47,8 +49,8 @@ def main():
         return n / (time.perf_counter() - t0)
 
     def decode():
-        kv = model.new_kv(128 + args.gen_tokens + 8)
-        logits = model.prefill(prompts[128], kv)[-1]
+        kv = model.new_kv(args.context + args.gen_tokens + 8)
+        logits = model.prefill(prompts[args.context], kv)[-1]
         t0 = time.perf_counter()
         for _ in range(args.gen_tokens):
             logits = model.decode_one_token(int(np.argmax(logits)), kv)
