@@ -465,11 +465,14 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
     F = experts[0][0].shape[0]
     gb, ub, db = (get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))  # bytes of a gate, up, down row
     keep = []  # copies made C-contiguous, alive until the kernel returns (the callers hold the others)
+
+    def check(gate, up, down):
+        if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
+            raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, F={F}")
+
     if addresses is not None and None not in addresses:  # the caller's (decode: the model's own experts, every time)
         for gate, up, down in experts:
-            if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
-                raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, "
-                                 f"F={F}")
+            check(gate, up, down)
         addr = np.array(addresses, dtype=np.int64)  # [S, 3]
     else:
         addr = np.empty((len(experts), 3), dtype=np.int64)  # [S, 3]
@@ -477,9 +480,7 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
             addr[i] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
             if addr[i, 0] < 0:
                 gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
-                if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
-                    raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit "
-                                     f"D={D}, F={F}")
+                check(gate, up, down)
                 keep.append((gate, up, down))
                 addr[i] = [m.ctypes.data for m in (gate, up, down)]
     P = tok.shape[0]

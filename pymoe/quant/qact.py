@@ -232,9 +232,10 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     def at(builder, base, byte_offset, ty):  # a pointer to ty at i8* base + byte_offset
         return builder.bitcast(builder.gep(base, [byte_offset]), ty.as_pointer())
 
-    def splat(builder, scalar):  # float -> <16 x float>
-        v = builder.insert_element(ir.Constant(v16f, ir.Undefined), scalar, ir.Constant(i32, 0))
-        return builder.shuffle_vector(v, ir.Constant(v16f, ir.Undefined), ir.Constant(v16i, [0] * 16))
+    def splat(builder, scalar, n=16):  # float -> <n x float>, every lane the scalar
+        t = ir.VectorType(f32, n)
+        v = builder.insert_element(ir.Constant(t, ir.Undefined), scalar, ir.Constant(i32, 0))
+        return builder.shuffle_vector(v, ir.Constant(t, ir.Undefined), vec(i32, n, [0] * n))
 
     def fp16(builder, wdata, s_, off):  # the fp16 field at byte s + off, as float32 (exact)
         h = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i16), align=1)
@@ -291,9 +292,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         return builder.bitcast(bits, ir.VectorType(f32, 8))
 
     def times_dx(builder, d, dx):  # the groups' scales float32 [8] times the row's block scale: d_g * dx, each rounded once
-        dx8 = builder.insert_element(ir.Constant(ir.VectorType(f32, 8), ir.Undefined), dx, ir.Constant(i32, 0))
-        dx8 = builder.shuffle_vector(dx8, dx8, vec(i32, 8, [0] * 8))
-        return builder.fmul(d, dx8)
+        return builder.fmul(d, splat(builder, dx, 8))
 
     def unpack(builder, wdata, s_, prescale):
         """The block at byte s: its 8 groups as (int16 [32] vector of scale * q, None) if prescale, else as (q,
