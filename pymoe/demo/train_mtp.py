@@ -26,7 +26,6 @@ GGUFModel.attach_mtp. Determinism: batches and init depend only on `--seed` (tor
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -100,7 +99,8 @@ def load_frozen(model_path: str, seed: int):
 
 
 def mtp_loss(model, xb, aux_coef: float):
-    """xb [B, T + 1] -> (loss, agreement with the trunk, accuracy on the text), pairs i = 0 .. T - 2."""
+    """xb [B, T + 1] -> (loss, its distillation part, agreement with the trunk, accuracy on the text), pairs
+    i = 0 .. T - 2."""
     import torch
     import torch.nn.functional as F
 
@@ -108,13 +108,12 @@ def mtp_loss(model, xb, aux_coef: float):
         h, _, _ = model.trunk(xb[:, :-1])  # [B, T, D]
         target = F.softmax(h[:, 1:] @ model.p("output.weight").T, dim=-1)  # [B, T-1, V]: the trunk's next choice
     logits, aux = model.mtp(h[:, :-1], xb[:, 1:-1])  # pair i = (h_i, t_{i+1}) -> t_{i+2}
-    V = logits.shape[-1]
     ce = -(target * F.log_softmax(logits, dim=-1)).sum(-1).mean()
     with torch.no_grad():
         pick = logits.argmax(-1)
         agree = (pick == target.argmax(-1)).float().mean().item()
         right = (pick == xb[:, 2:]).float().mean().item()
-    return ce + aux_coef * aux, ce.detach(), agree, right, V
+    return ce + aux_coef * aux, ce.detach(), agree, right
 
 
 def evaluate(model, chunks: np.ndarray, batch: int = 8) -> dict:
@@ -125,7 +124,7 @@ def evaluate(model, chunks: np.ndarray, batch: int = 8) -> dict:
     with torch.no_grad():
         for s in range(0, len(chunks), batch):
             xb = torch.from_numpy(chunks[s:s + batch].astype(np.int64))
-            _, c, a, r, _ = mtp_loss(model, xb, 0.0)
+            _, c, a, r = mtp_loss(model, xb, 0.0)
             w = xb.shape[0]
             n, agree, right, ce = n + w, agree + a * w, right + r * w, ce + c.item() * w
     model.train()
@@ -176,7 +175,7 @@ def train(a: MtpArgs) -> dict:
         xb = torch.from_numpy(np.stack([train_ids[s:s + T + 1] for s in starts]).astype(np.int64))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, a)
-        loss, ce, agree, right, _ = mtp_loss(model, xb, a.aux_coef)
+        loss, ce, agree, right = mtp_loss(model, xb, a.aux_coef)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)

@@ -189,8 +189,7 @@ class Speculator:
         drafts = self.drafts(kv, history, budget)
         if not drafts:  # a plain decode step
             logits = model.decode_one_token(token, kv)
-            self.stats.single_steps += 1
-            self.stats.single_experts += model.last_experts
+            self.plain(model.last_experts)
             return self.timed("single", [sampler(logits, history)], t0)
         p0 = kv.n
         saved = kv.save_recurrent() if model.cfg.has_recurrent_state else None
@@ -218,6 +217,11 @@ class Speculator:
             self.pause -= 1
             k = 0
         return max(k, 0)
+
+    def plain(self, experts: int = 0) -> None:
+        """A step without drafts (paused, or nothing proposed): counted with the distinct experts it read."""
+        self.stats.single_steps += 1
+        self.stats.single_experts += experts
 
     def judge(self, logits, drafts: list, history: list, sampler, experts: int = 0) -> list:
         """logits [len(drafts) + 1, V] of the verification forward of [history[-1]] + drafts -> the tokens the step

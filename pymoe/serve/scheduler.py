@@ -543,8 +543,7 @@ class Scheduler:
             out.extend(s.spec.judge(rows, drafts, job.history, job.sampler, experts))
             return
         if s.spec is not None and job.grammar is None:
-            s.spec.stats.single_steps += 1
-            s.spec.stats.single_experts += experts
+            s.spec.plain(experts)
         out.append(job.sampler(rows[0], job.history))
 
     def _account_step(self, dt: float, n_tokens: int, batch: int) -> None:
