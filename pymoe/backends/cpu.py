@@ -13,6 +13,10 @@ Two paths for quantized weights, chosen once by `act_bits`:
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).
+Repacked weights (act_bits 8): Q4_K and MXFP4 matrices are also kept 8 rows interleaved (quant/repack.py), which
+every product then reads 8 rows per call (one token, or each token of a prefill chunk in turn) with the same bits:
+the dense weights repacked at load (`dense`), a routed expert the first time it runs (`expert_tiles`; a copy in RAM
+beside the memory map, whose pages these products no longer read). `CPUBackend(repack=False)` or PYMOE_REPACK=0 turns it off.
 It implements every primitive of backends/protocol.py; rmsnorm and rope give the NumPy reference's bits exactly,
 route the same experts (weights within exp's rounding), attention and F32 products the reference's math in an
 order that does not depend on T (so a token gives the same bits decoded alone or in a prefill). The reference is backends/reference.py (`--backend reference`),
@@ -22,6 +26,7 @@ What this is not: a cache. Experts reach this backend as raw bytes chosen by the
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Optional
 
 import numba
@@ -32,7 +37,7 @@ from pymoe import quant
 from pymoe.gguf.loader import Tensor
 from .pool import HostPool
 from .reference import DenseWeight, HostArrays, experts_one_by_one, host_dense
-from pymoe.quant import kernels, qact
+from pymoe.quant import kernels, qact, repack
 from pymoe.quant.kernels import dot, exp_f32
 from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot
 
@@ -279,17 +284,25 @@ def rope_rows(x, cos, sin, neox):
                 x[t, h, ib] = b * c + a * s
 
 
+NO_TILES = (0, 0, 0)  # an expert without repacked matrices
+
+
 class CPUBackend(HostArrays):
     name = "cpu"
 
-    def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None):
-        """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only."""
+    def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None):
+        """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only.
+        repack: keep 8-row repacked copies of Q4_K / MXFP4 weights for the products at 8 bits (default: yes,
+        unless PYMOE_REPACK=0)."""
         if threads:
             numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
         self.threads = numba.get_num_threads()
         self.act_bits = int(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", 16))
         if self.act_bits not in (0, *ACT_DTYPES):
             raise ValueError(f"act_bits must be 0 (float), 8 or 16, got {self.act_bits}")
+        self.repack = self.act_bits == 8 and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
+                                              else bool(repack))
+        self._tiles = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, their addresses)
 
     def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
         """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels)."""
@@ -325,6 +338,11 @@ class CPUBackend(HostArrays):
         f32_matmul(w, x, np.empty((2, 2), np.float32))
         group_by_expert(np.zeros((1, 1), np.int64), np.ones((1, 1), np.float32))
         self.route(x, 1, True)
+        for qtype in todo if self.repack else ():  # the repacking (decode's first use of an expert) and its dot
+            if qtype in repack.TILE_BYTES:
+                w = np.zeros((repack.ROWS, repack.RAW_BYTES[qtype]), dtype=np.uint8)  # 8 rows of 256 columns
+                w.flags.writeable = False  # like the read-only mmap views
+                repack.tile_matmul(repack.repack(w, qtype), qtype, *qact.quantize_rows(np.zeros((1, QK_K), np.float32), 8))
 
     def warm_up_experts(self, expert_types: dict) -> None:
         """Compile (or load) the fused expert kernel of one gate/up/down type triple."""
@@ -339,13 +357,34 @@ class CPUBackend(HostArrays):
         kernels.moe_act([ex], qtypes, x, [(np.zeros(1, np.int64), np.ones(1, np.float32))], self.act_bits)
 
     def dense(self, t: Tensor) -> DenseWeight:
-        return host_dense(t)  # a view into the memory map
+        w = host_dense(t)  # a view into the memory map
+        if self.repack and repack.fits(w.qtype, *w.shape):
+            w = replace(w, tiles=repack.repack(w.raw, w.qtype))  # [R / 8, row_tiles]: one-token products (decode)
+        return w
+
+    def expert_tiles(self, ex, qtypes: tuple) -> tuple:
+        """The data addresses of one expert's repacked (gate, up, down) (quant/repack.py; 0 for a matrix of a type
+        without that layout), the copies made on first use: what `moe_act_grouped` takes. (0, 0, 0): none.
+        Only the model's own experts, read in place (ex.where == "host"): a cache slot's bytes change with the
+        expert it holds. The addresses are kept with the copies (`ndarray.ctypes.data` costs ~3 us a call)."""
+        if ex.where != "host":
+            return NO_TILES
+        hit = self._tiles.get(id(ex))
+        if hit is not None and hit[0] is ex:
+            return hit[2]
+        mats = [repack.repack(m, q) if repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q))) else None
+                for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]  # [rows / 8, row_tiles] or None
+        addresses = tuple(0 if m is None else m.ctypes.data for m in mats)
+        self._tiles[id(ex)] = (ex, mats, addresses)  # ex kept alive: its id stays its own
+        return addresses
 
     def vector(self, t: Tensor) -> np.ndarray:
         return t.floats().reshape(-1)
 
     def linear(self, w: DenseWeight, x: np.ndarray) -> np.ndarray:
         """x float32 [T, C] -> [T, R]."""
+        if w.tiles is not None:  # repacked: x quantized to 8 bits, the bits of matmul_act on the raw rows
+            return repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_rows(np.ascontiguousarray(x, np.float32), 8))
         return self.linear_raw(w.raw, w.qtype, x)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
@@ -393,6 +432,9 @@ class CPUBackend(HostArrays):
             if w.qtype != quant.QType.F32 and self.integer_path(w.qtype, x.shape[1]):
                 if xact is None:
                     xact = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), self.act_bits)
+                if w.tiles is not None:
+                    out.append(repack.tile_matmul(w.tiles, w.qtype, *xact))
+                    continue
                 out.append(kernels.matmul_act(w.raw, w.qtype, x, self.act_bits, xact=xact))
             else:
                 out.append(self.linear(w, x))
@@ -431,8 +473,11 @@ class CPUBackend(HostArrays):
         if len(used) != len(experts):
             raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
         ex = [experts[e] for e in used]
+        tiles = None
+        if self.repack:
+            tiles = [self.expert_tiles(e, qtypes) for e in ex]
         return kernels.moe_act_grouped([(e.gate, e.up, e.down) for e in ex], qtypes, x, start, tok, weight,
-                                       self.act_bits, [e.addresses for e in ex])
+                                       self.act_bits, [e.addresses for e in ex], tiles)
 
     # --- memory: host RAM ---------------------------------------------------------------------------------------------
     def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> HostPool:

@@ -21,6 +21,8 @@ D n_embd, E experts (K used per token), F one expert's hidden size, R x C a weig
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -233,11 +235,13 @@ def experts_one_by_one(backend, experts: dict, types: dict, x: np.ndarray, ids: 
 @dataclass(frozen=True)
 class DenseWeight:
     """A 2-D weight ready to multiply on the host: float32 [R, C] (F32 tensors) or raw rows uint8 [R, row_bytes]
-    + qtype (everything else), both views into the memory map."""
+    + qtype (everything else), both views into the memory map; tiles: the CPU backend's repacked copy for one-token
+    products at 8 bits (quant/repack.py), where it makes one."""
 
     qtype: quant.QType
     raw: np.ndarray
     shape: tuple  # (R, C)
+    tiles: Optional[np.ndarray] = None  # uint8 [R / 8, row_tiles]
 
 
 def host_dense(t: Tensor) -> DenseWeight:

@@ -223,10 +223,14 @@ from numba.extending import intrinsic  # noqa: E402
 
 from . import qact  # noqa: E402  (qact imports the registry filled above)
 from .qact import QK_K, quantize_act  # noqa: E402
+from . import repack  # noqa: E402
+from .repack import ROWS as TILE_ROWS  # noqa: E402
 
 VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
 ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc float32 [n, 16], out float32 [n])
 GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per 256 weights of the gate, up and down types
+TILE_GATE = TILE_UP = TILE_DOWN = None  # their repacked layouts' tile dots (quant/repack.py; any one for a type
+GATE_TILE = UP_TILE = DOWN_TILE = 0  # without a layout: never called), and bytes per 8 rows and 256 columns
 MM_ROWS_PER_TASK, MM_TOKENS = 32, 64  # the tile of the integer mat-mat kernel: rows per task, tokens per step
 ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (qact._make_row_dot)
 MOE_ROWS_PER_TASK = 64  # rows per prange iteration in the MoE kernel: its scratch is allocated per iteration
@@ -307,12 +311,14 @@ def bytes_at(typingctx, address):
     return sig, codegen
 
 
-def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qmax, y):
+def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qmax, y):
     """y[tok[p]] += weight[p] * down_e(silu(gate_e x_p) * up_e x_p) for every (expert, token) pair p.
 
     addr int64 [S, 3]: the addresses of S experts' gate, up (uint8 [F, row_bytes(D)]) and down (uint8
-    [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive). Pairs are grouped by expert: expert k
-    owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p is token tok[p] with routing weight weight[p].
+    [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive). tiles int64 [S, 3]: the same matrices
+    repacked 8 rows at a time (quant/repack.py, uint8 [rows / 8, row_tiles]), or 0 where there is no such copy; an
+    expert's repacked matrices are read 8 rows per call, token by token, with the same bits. Pairs are grouped by expert:
+    expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p is token tok[p] with routing weight weight[p].
     x as quantized rows, one per pair (so an expert's tokens are consecutive rows): xq [P, D], xd, xbs. Scratch: h float32 [P, F], hq/hd/hbs its quantized rows (qmax: the
     largest value of hq's dtype). y float32 [T, D]
     (accumulated into). Three parallel phases: gate+up+SwiGLU over (expert, block of F rows); quantize h per pair;
@@ -337,13 +343,21 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
         u = np.empty((b - a, MOE_ROWS_PER_TASK), dtype=np.float32)  # [n, rows] up rows
         r0 = (task % blocks_f) * MOE_ROWS_PER_TASK
         r1 = min(F, r0 + MOE_ROWS_PER_TASK)
-        for r in range(r0, r1):
-            if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
-                g[0, r - r0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
-                u[0, r - r0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
-            else:
-                ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g[:, r - r0])
-                ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u[:, r - r0])
+        if tiles[k, 0] != 0 and tiles[k, 1] != 0:  # both repacked: 8 rows a call, token by token
+            gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
+            ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
+            for r in range(r0, r1, TILE_ROWS):
+                for i in range(b - a):
+                    TILE_GATE(gt[r // TILE_ROWS], xq[a + i], xd[a + i], xbs[a + i], g[i, r - r0:r - r0 + TILE_ROWS])
+                    TILE_UP(ut[r // TILE_ROWS], xq[a + i], xd[a + i], xbs[a + i], u[i, r - r0:r - r0 + TILE_ROWS])
+        else:
+            for r in range(r0, r1):
+                if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
+                    g[0, r - r0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
+                    u[0, r - r0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
+                else:
+                    ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g[:, r - r0])
+                    ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u[:, r - r0])
         for i in range(b - a):  # silu(g) * u, a vector loop over the rows (exp_f32: no libm call per value)
             gi, ui, hi = g[i], u[i], h[a + i, r0:r1]
             for j in range(r1 - r0):
@@ -353,10 +367,20 @@ def _moe_kernel(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qma
     for task in prange((D + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK):
         acc = np.empty((n_max, ROWS_LANES), dtype=np.float32)
         out = np.empty(n_max, dtype=np.float32)
+        out8 = np.empty(TILE_ROWS, dtype=np.float32)  # one row-group's results
         for k in range(n_exp):
             a, b = start[k], start[k + 1]
             down = carray(bytes_at(addr[k, 2]), (D, down_bytes))  # [D, row_bytes(F)]
-            for r in range(task * MOE_ROWS_PER_TASK, min(D, (task + 1) * MOE_ROWS_PER_TASK)):
+            r0, r1 = task * MOE_ROWS_PER_TASK, min(D, (task + 1) * MOE_ROWS_PER_TASK)
+            if tiles[k, 2] != 0:  # repacked: 8 rows a call, token by token
+                dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
+                for r in range(r0, r1, TILE_ROWS):
+                    for i in range(b - a):
+                        TILE_DOWN(dt[r // TILE_ROWS], hq[a + i], hd[a + i], hbs[a + i], out8)
+                        for j in range(TILE_ROWS):
+                            y[tok[a + i], r + j] += weight[a + i] * out8[j]
+                continue
+            for r in range(r0, r1):
                 if b - a == 1:
                     out[0] = VEC_DOT_DOWN(down[r], hq[a], hd[a], hbs[a])
                 else:
@@ -386,7 +410,7 @@ _ACT_KERNELS: dict = {}
 
 def _act_fingerprint() -> str:
     here = os.path.dirname(__file__)
-    return _source_fingerprint([os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py")])
+    return _source_fingerprint([os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")])
 
 
 def rows_dot(qtype):
@@ -414,9 +438,13 @@ def act_kernel(template, *qtypes):
             constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows[0])
         else:
             dots = [qact.ACT_DOTS[QType(q)] for q in qtypes]
+            tile_dots = [repack.TILE_DOTS.get(QType(q), repack.tile_dot_q4_k) for q in qtypes]
+            tile_bytes = [repack.TILE_BYTES.get(QType(q), 0) for q in qtypes]
             constants = dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
                              ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1],
-                             DOWN_SIZE=sizes[2])
+                             DOWN_SIZE=sizes[2], TILE_GATE=tile_dots[0], TILE_UP=tile_dots[1],
+                             TILE_DOWN=tile_dots[2], GATE_TILE=tile_bytes[0], UP_TILE=tile_bytes[1],
+                             DOWN_TILE=tile_bytes[2])
         suffix = "_".join(QType(q).name for q in qtypes) + "_" + _act_fingerprint()
         _ACT_KERNELS[key] = _compile(template, suffix, constants)
     return _ACT_KERNELS[key]
@@ -455,12 +483,14 @@ def moe_act(experts: list, qtypes, x: np.ndarray, pairs: list, bits: int = 16) -
 
 
 def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok: np.ndarray, weight: np.ndarray,
-                    bits: int = 16, addresses=None) -> np.ndarray:
+                    bits: int = 16, addresses=None, tiles=None) -> np.ndarray:
     """moe_act with the (token, weight) pairs already grouped by expert: expert i owns pairs start[i]:start[i+1]
     (start int64 [S + 1]) of tok int64 [P] and weight float32 [P] (the form the kernel takes; the CPU backend
     builds it with one sort, not a pass per expert). addresses: per expert, its (gate, up, down) data addresses
     when the caller has them (`ExpertBytes.addresses`: C-contiguous matrices), else None; the shapes are checked
-    either way."""
+    either way. tiles: per expert, the data addresses of its (gate, up, down) repacked copies (quant/repack.py,
+    C-contiguous uint8 [rows / 8, row_tiles]; 0 for a matrix without one), read instead of the raw rows at 8 bits;
+    None: none at all. Like `addresses`, the caller's to keep alive and right."""
     T, D = x.shape
     F = experts[0][0].shape[0]
     gb, ub, db = (get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))  # bytes of a gate, up, down row
@@ -483,6 +513,10 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
                 check(gate, up, down)
                 keep.append((gate, up, down))
                 addr[i] = [m.ctypes.data for m in (gate, up, down)]
+    if tiles is not None and bits == 8:  # [S, 3]; 0: no repacked copy
+        taddr = np.array(tiles, dtype=np.int64)
+    else:
+        taddr = np.zeros((len(experts), 3), dtype=np.int64)
     P = tok.shape[0]
     xq, xd, xbs = qact.quantize_rows(x, bits)  # [T, D], [T, D/256], [T, D/16]
     if P != T or not np.array_equal(tok, np.arange(T)):
@@ -492,6 +526,6 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
     hd = np.empty((P, F // QK_K), dtype=np.float32)
     hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
     y = np.zeros((T, D), dtype=np.float32)  # [T, D]
-    act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs,
+    act_kernel(_moe_kernel, *qtypes)(addr, taddr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs,
                                      qact.qmax_of(xq.dtype), y)
     return y

@@ -201,7 +201,7 @@ class Gather:
 
 def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: int, d_off: int, dmin_off: int,
                   min_fields, signed_scales: bool = False, codebook=None, group_scales=None, signed_values=False,
-                  portable: bool = False, prescale_one: bool = False):
+                  portable: bool = False, prescale_one: bool = False, exact_blocks: bool = False):
     """-> (row_dot(w, xq, xd, xbs) -> float32 for one activation row (1-D xq [C], xd [C/256], xbs [C/16]),
     row_dot_rows(w, xq, xd, xbs, acc, out) writing out[t] = row_dot(w, xq[t], xd[t], xbs[t]) for every row t of
     2-D, C-contiguous xq, xd, xbs; acc: float32 [T, 16] scratch). w: one weight row, uint8 [nb * size].
@@ -212,6 +212,10 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         32- and 64-weight block formats, 256 weights = 8, 4 blocks), in place of d and the integer scales;
       signed_values: a group's bytes are the int8 weights themselves (Q8_0).
     portable: never the x86 intrinsics (the path of other CPUs, compiled here by the tests to check it).
+    exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
+    exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
+    depend on how its integers sit in lanes: the numerics of the 8-row repacked layouts (quant/repack.py), for the
+    formats that have one (Q4_K, MXFP4).
     prescale_one: the one-row form multiplies the weights by their scales before the pair sums, as the rows form
     does (the same integers: both weights of a pair share a scale); else the pair sums after. Which is faster
     depends on the format (measured on Zen 3, 1 thread, 512 x 1024: Q2_K 9.6 vs 8.1 G MAC/s prescaled, Q4_K 6.3
@@ -407,6 +411,13 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         for k in range(4):
             sums = [group_sums8(builder, v, sc, load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i8, 32))
                     for g, (v, sc) in ((g, unpacked[g]) for g in (2 * k, 2 * k + 1))]
+            if exact_blocks and ddx is not None:  # each group's sum exactly, then one multiply-add into lane 0
+                a0 = builder.extract_element(acc, ir.Constant(i32, 0))
+                for g, s in zip((2 * k, 2 * k + 1), sums):
+                    a0 = x86(builder, "llvm.fma.f32", f32, [builder.sitofp(isum_all(builder, s), f32),
+                                                             builder.extract_element(ddx, ir.Constant(i32, g)), a0])
+                acc = builder.insert_element(acc, a0, ir.Constant(i32, 0))
+                continue
             term = builder.shuffle_vector(sums[0], sums[1], vec(i32, 16, range(16)))
             if ddx is not None:  # a float scale per group: lanes 0-7 get group 2k's, 8-15 group 2k + 1's
                 scale = builder.shuffle_vector(ddx, ddx, vec(i32, 16, [2 * k] * 8 + [2 * k + 1] * 8))
@@ -415,7 +426,31 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             isum = term if isum is None else builder.add(isum, term)
         if ddx is not None:
             return acc
+        if exact_blocks:
+            return block_terms8(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
         return block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
+
+    def isum_all(builder, v):  # int32 [n] -> the sum of its lanes, int32 (exact: the bounds above)
+        n = v.type.count
+        while n > 1:
+            n //= 2
+            v = builder.add(builder.shuffle_vector(v, v, vec(i32, n, range(n))),
+                            builder.shuffle_vector(v, v, vec(i32, n, range(n, 2 * n))))
+        return builder.extract_element(v, ir.Constant(i32, 0))
+
+    def block_terms8(builder, isum, mins, d, dmin, dx, bsrow, b_, acc):
+        """block_terms for 8-bit activations: each block's two integer sums (the scaled products; the mins times
+        the bsums) added up exactly first, then one multiply-add each into lane 0 of acc (the other lanes stay 0,
+        so the row's final reduction adds zeros). A row's result is then the same from any arrangement of its
+        integers in lanes, which is what lets the 8-row repacked layout (quant/repack.py) give these bits."""
+        fma1 = lambda a, b, c: x86(builder, "llvm.fma.f32", f32, [a, b, c])  # noqa: E731
+        a0 = fma1(builder.sitofp(isum_all(builder, isum), f32), builder.fmul(d, dx),
+                  builder.extract_element(acc, ir.Constant(i32, 0)))
+        if mins is not None:  # - dmin * dx * sum_s m_s * bsum_s
+            bs = load(builder, bsrow, builder.mul(b_, ir.Constant(i64, 16)), i32, 16)
+            msum = builder.sitofp(isum_all(builder, builder.mul(mins, bs)), f32)
+            a0 = fma1(msum, builder.fneg(builder.fmul(dmin, dx)), a0)
+        return builder.insert_element(acc, a0, ir.Constant(i32, 0))
 
     def block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc):
         """acc + d * dx * isum (int32 [16]) - dmin * dx * mins * the row's bsums of block b: the float epilogue of a
@@ -564,7 +599,7 @@ _K4_MINS = [([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 
             ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)]
 row_dot_q4_k, row_dot_rows_q4_k = _make_row_dot(
     groups=[(16 + 32 * (g // 2), 4 * (g % 2), 15, None) for g in range(8)], scale_fields=_K4_SCALES,
-    min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2)
+    min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2, exact_blocks=True)
 # Q5_K (176 bytes): Q4_K's d, dmin and scales[12] at 0-15, qh[32] at 16, qs[128] at 48: group g (sub-block g) = nibble
 # g % 2 of qs[32 (g // 2) + l] | bit g of qh[l] << 4. |scale * q| <= 63 * 31.
 row_dot_q5_k, row_dot_rows_q5_k = _make_row_dot(
@@ -620,7 +655,8 @@ def _row_dots_for(portable: bool = False) -> dict:
         QType.MXFP4: _make_row_dot(
             groups=[_nibbles(b + 1) for b in blocks32(17)], codebook=KVALUES_FP4,
             group_scales=[(b, "e8m0_half") for b in blocks32(17)], scale_fields=None, scale_bias=0,
-            value_bias=0, size=8 * 17, d_off=-1, dmin_off=-1, min_fields=None, portable=portable),
+            value_bias=0, size=8 * 17, d_off=-1, dmin_off=-1, min_fields=None, portable=portable,
+            exact_blocks=True),
         # Q8_0 (34 bytes a block of 32): d at 0, qs int8[32] at 2.
         QType.Q8_0: _make_row_dot(
             groups=[b + 2 for b in blocks32(34)], signed_values=True,

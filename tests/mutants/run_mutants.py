@@ -438,6 +438,38 @@ MUTANTS: list[Mutant] = [
         ("tests/test_cuda_backend.py::test_lookahead_prefetch_turns_misses_into_hits[*]",
          "tests/test_prefetch.py::*"),
         "a lookahead prefetch evicts an expert but its residency still points at the slot (read with another's bytes)"),
+    Mutant(
+        "tile_scale_of_the_next_row", "pymoe/quant/repack.py",
+        "_vec(_i32, 16, [r // 2 for r in range(16)])",
+        "_vec(_i32, 16, [(r // 2 + 1) % 8 for r in range(16)])",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*]",
+         "tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[*]"),
+        "the repacked Q4_K dot multiplies each row's sub-block sums by the next row's scales"),
+    Mutant(
+        "tile_mxfp4_scale_of_the_next_group", "pymoe/quant/repack.py",
+        "ev = b.zext(e.load(wbase, e.at(t, 8 * g), ir.VectorType(_i8, 8)), _V8I)",
+        "ev = b.zext(e.load(wbase, e.at(t, 8 * (g ^ 1)), ir.VectorType(_i8, 8)), _V8I)",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*MXFP4]",),
+        "the repacked MXFP4 dot scales each group by its neighbour group's E8M0 scale"),
+    Mutant(
+        "repack_chunks_reversed", "pymoe/quant/repack.py",
+        "t[160 + 32 * (8 * p + c) + 4 * r + k] = blk[16 + 32 * p + 4 * c + k]",
+        "t[160 + 32 * (8 * p + 7 - c) + 4 * r + k] = blk[16 + 32 * p + 4 * c + k]",
+        ("tests/test_repack.py::test_repack_is_the_reference_layout_and_comes_back[*]",
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[*]"),
+        "the compiled repacking writes each sub-block's 4-weight chunks in reverse order (x meets the wrong weights)"),
+    Mutant(
+        "exact_block_mins_added", "pymoe/quant/qact.py",
+        "a0 = fma1(msum, builder.fneg(builder.fmul(dmin, dx)), a0)",
+        "a0 = fma1(msum, builder.fmul(dmin, dx), a0)",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[Q4_K-8]",),
+        "8-bit Q4_K (exact per-block sums): the mins term added instead of subtracted"),
+    Mutant(
+        "exact_group_scale_swapped", "pymoe/quant/qact.py",
+        "builder.extract_element(ddx, ir.Constant(i32, g)), a0])",
+        "builder.extract_element(ddx, ir.Constant(i32, g ^ 1)), a0])",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[MXFP4-8]",),
+        "8-bit MXFP4 (exact per-group sums): each group's sum scaled by its neighbour's scale"),
 ]
 
 

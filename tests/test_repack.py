@@ -1,0 +1,215 @@
+"""The 8-row repacked layouts of Q4_K and MXFP4 (pymoe/quant/repack.py) and the CPU backend's use of them.
+
+What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
+the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
+change a result: its numerics are qact's `exact_blocks`), and against float math within the integer path's bound
+(tests/test_kernels_qact.py); its portable twin (CPUs without AVX2) against it; the fused MoE kernel and the dense
+products with and without repacked copies, bit for bit, with a check that the copies are what was read; a Q4_K_M file
+made by llama.cpp's quantizer decoded with and without repacking, bit for bit, and one MXFP4_MOE file likewise.
+What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Round seven").
+"""
+import numpy as np
+import pytest
+from numba import njit
+
+import pymoe
+from oracle import require_llama_cpp
+from pymoe.backends.cpu import CPUBackend
+from pymoe.quant import QType, dequantize, kernels, qact, repack
+from quant_helpers import random_rows
+
+U = 2.0 ** -24
+
+
+TILED = [QType.Q4_K, QType.MXFP4]
+IDS = [q.name for q in TILED]
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=IDS)
+def test_repack_is_the_reference_layout_and_comes_back(qtype):
+    rng = np.random.default_rng(0)
+    raw = random_rows(qtype, 24, 768, rng)  # [24, 3 * RAW]: every byte random (all scale bits, all nibbles)
+    tiles = repack.repack(raw, qtype)
+    assert tiles.shape == (3, 3 * repack.TILE_BYTES[qtype])
+    assert np.array_equal(tiles, repack.repack_ref(raw, qtype))
+    assert np.array_equal(repack.unpack(tiles, qtype), raw)
+    with pytest.raises(ValueError, match="8-row tiles"):
+        repack.repack(raw[:12], qtype)
+    assert repack.fits(qtype, 16, 512) and not repack.fits(qtype, 12, 512) and not repack.fits(qtype, 16, 100)
+
+
+def test_q4_k_tiles_hold_the_decoders_scales():
+    """Q4_K's 6-bit scales and mins are unpacked into the tile (the one part that is not a byte copy): each is
+    the value kquants.get_scale_min decodes for its row and sub-block."""
+    from pymoe.quant.kquants import get_scale_min
+
+    raw = random_rows(QType.Q4_K, 8, 256, np.random.default_rng(1))
+    t = repack.repack(raw, QType.Q4_K)[0]
+    for r in range(8):
+        for j in range(8):
+            assert (t[32 + 8 * j + r], t[96 + 8 * j + r]) == get_scale_min(raw[r], 4, j)
+    assert not repack.fits(QType.Q6_K, 16, 512)
+
+
+def _x8(X):
+    return qact.quantize_rows(np.ascontiguousarray(X, dtype=np.float32), 8)
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=IDS)
+@pytest.mark.parametrize("R, C", [(8, 256), (64, 1024), (40, 512)])
+def test_tile_dot_has_the_bits_of_the_row_dots(qtype, R, C):
+    """Each of a tile's 8 results is bit for bit the one-row dot of its row and the multi-row dot's (prefill), and
+    within float32 rounding of dequantize(w) @ dequantize(x): the integer sums are exact, then a few float
+    operations per block or group (4 C u sum|w x|, tests/test_kernels_qact.py)."""
+    rng = np.random.default_rng(R + C)
+    raw = random_rows(qtype, R, C, rng)
+    X = rng.standard_normal((3, C)).astype(np.float32)
+    xq, xd, xbs = _x8(X)
+    tiles = repack.repack(raw, qtype)
+    w_deq = dequantize(raw, qtype).reshape(R, C).astype(np.float64)
+    x_deq = qact.dequantize_act(xq, xd).astype(np.float64)  # [3, C]
+    rows = np.empty((3, R), np.float32)
+    acc = np.empty((3, 16), np.float32)
+    for r in range(R):
+        qact.ACT_DOTS_ROWS[qtype](raw[r], xq, xd, xbs, acc, rows[:, r])
+    many = repack.tile_matmul(tiles, qtype, xq, xd, xbs)  # [3, R]: the prefill form
+    for t in range(3):
+        y = repack.tile_matmul(tiles, qtype, xq[t:t + 1], xd[t:t + 1], xbs[t:t + 1])[0]
+        assert np.array_equal(y, many[t])
+        one = np.array([qact.ACT_DOTS[qtype](raw[r], xq[t], xd[t], xbs[t]) for r in range(R)], np.float32)
+        assert np.array_equal(y, one) and np.array_equal(y, rows[t])
+        bound = 4 * C * U * (np.abs(w_deq) @ np.abs(x_deq[t]))
+        assert (np.abs(y - w_deq @ x_deq[t]) <= bound).all()
+
+
+def _extreme_rows(qtype) -> np.ndarray:
+    """8 rows of 256 weights at the largest integer magnitude of the format: Q4_K q = 15 with scales and mins 63;
+    MXFP4 level 12 in rows 0-3 (nibbles 7), -12 in rows 4-7 (nibbles 15)."""
+    if qtype == QType.Q4_K:
+        raw = np.full((8, 144), 0xFF, np.uint8)
+        raw[:, 0:4] = np.frombuffer(np.array([0.5, 0.25], np.float16).tobytes(), np.uint8)  # d, dmin
+        return raw
+    raw = np.full((8, 8, 17), 0x77, np.uint8)
+    raw[4:] = 0xFF
+    raw[:, :, 0] = 127  # scale 2^-1
+    return raw.reshape(8, 136)
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=IDS)
+def test_tile_dot_at_the_int16_bound(qtype):
+    """Every weight at the format's largest magnitude and every activation +-127: a group's int16 lanes reach their
+    bound (Q4_K 8 * 2 * 15 * 127 = 30480, MXFP4 8 * 2 * 12 * 127 = 24384, both below 2^15: no saturation); the
+    tile still has the row dot's bits, and float math's value."""
+    raw = _extreme_rows(qtype)
+    for sign in (1, -1):
+        X = np.full((1, 256), sign * 126.75, np.float32)  # d = 1 (the power of two above 126.75 / 127): q = +-127
+        xq, xd, xbs = _x8(X)
+        assert np.abs(xq).min() == 127
+        y = repack.tile_matmul(repack.repack(raw, qtype), qtype, xq, xd, xbs)[0]
+        one = [qact.ACT_DOTS[qtype](raw[r], xq[0], xd[0], xbs[0]) for r in range(8)]
+        want = dequantize(raw, qtype).reshape(8, 256).astype(np.float64) @ qact.dequantize_act(xq, xd)[0]
+        assert np.array_equal(y, one) and np.allclose(y, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=IDS)
+def test_portable_tile_dot_equals_the_avx2_one(qtype):
+    """What CPUs without AVX2 compile (vpmaddubsw, vpmaddwd, vpsignb, vpshufb as plain IR): the same integers and
+    float operations, so the same bits."""
+    portable = repack._make_tile_dot(qtype, portable=True)
+
+    @njit
+    def run(tiles, xq, xd, xbs, y):
+        for g in range(tiles.shape[0]):
+            portable(tiles[g], xq, xd, xbs, y[g * 8:(g + 1) * 8])
+
+    rng = np.random.default_rng(3)
+    raw = random_rows(qtype, 16, 512, rng)
+    xq, xd, xbs = _x8(rng.standard_normal((1, 512)))
+    tiles = repack.repack(raw, qtype)
+    a = np.empty(16, np.float32)
+    run(tiles, xq[0], xd[0], xbs[0], a)
+    assert np.array_equal(a, repack.tile_matmul(tiles, qtype, xq, xd, xbs)[0])
+
+
+def _addresses(mats):
+    return tuple(0 if m is None else m.ctypes.data for m in mats)
+
+
+@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q4_K), (QType.Q4_K, QType.Q4_K, QType.Q6_K),
+                                   (QType.MXFP4, QType.MXFP4, QType.MXFP4)], ids=["Q4_K", "Q4_K-Q6_K", "MXFP4"])
+def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
+    """Decode (one token, 4 experts) and a prefill chunk (5 tokens: some experts with one token, some with more):
+    the kernel's result with repacked copies (of every matrix of a tiled type) is the result without, bit for bit;
+    with the copies zeroed it changes (so they are what the kernel reads)."""
+    rng = np.random.default_rng(7)
+    D, F, S = 512, 256, 4
+    experts = [tuple(random_rows(q, *shape, rng) for q, shape in zip(types, ((F, D), (F, D), (D, F))))
+               for _ in range(S)]
+    mats = [tuple(repack.repack(m, q) if q in repack.TILE_BYTES else None for q, m in zip(types, ex)) for ex in experts]
+    zeroed = [tuple(None if m is None else np.zeros_like(m) for m in ms) for ms in mats]
+    for T, start, tok in ((1, [0, 1, 2, 3, 4], [0, 0, 0, 0]), (5, [0, 1, 4, 5, 7], [2, 0, 1, 3, 4, 1, 3])):
+        x = rng.standard_normal((T, D)).astype(np.float32)
+        start, tok = np.array(start, np.int64), np.array(tok, np.int64)
+        weight = rng.uniform(0.1, 1, tok.size).astype(np.float32)
+
+        def run(tiles, bits=8):
+            return kernels.moe_act_grouped(experts, types, x, start, tok, weight, bits, None,
+                                           None if tiles is None else [_addresses(m) for m in tiles])
+
+        plain = run(None)
+        assert np.array_equal(run(mats), plain)
+        assert not np.array_equal(run(zeroed), plain)
+        # at 16 bits the copies are not read (their dots are 8-bit only): the same result with zeroed ones
+        assert np.array_equal(run(zeroed, 16), run(None, 16))
+
+
+@pytest.fixture(scope="module")
+def llama_quantized(tiny_model, tmp_path_factory):
+    """llama_quantized(ftype) -> the tiny qwen3moe quantized to that file type by llama.cpp's quantizer (Q4_K_M:
+    Q4_K attention and experts, Q6_K ffn_down in layer 1, as tests/test_llamacpp_quant_mixes.py pins; MXFP4_MOE:
+    MXFP4 experts, Q8_0 attention)."""
+    llama_cpp = require_llama_cpp()
+    root = tmp_path_factory.mktemp("repack")
+
+    def get(ftype):
+        dst = str(root / f"tiny-qwen3moe-{ftype}.gguf")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+        params.nthread = 2
+        assert llama_cpp.llama_model_quantize(tiny_model("qwen3moe", "f32").encode(), dst.encode(), params) == 0
+        return dst
+
+    return get
+
+
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE"])
+def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, ftype):
+    """The whole model at 8 bits: prefill, then greedy decode with the repacked copies (dense and experts) against
+    the same without, logits bit for bit; the copies were made and used."""
+    path = llama_quantized(ftype)
+    prompt = [5, 17, 42, 7, 99, 3, 250, 11]
+    runs = {}
+    for rp in (True, False):
+        eng = pymoe.load(path, backend_options={"act_bits": 8, "repack": rp})
+        m = eng.model
+        kv = m.new_kv(64)
+        logits = [m.prefill(prompt, kv)[-1]]
+        for _ in range(10):
+            logits.append(m.decode_one_token(int(np.argmax(logits[-1])), kv))
+        runs[rp] = np.array(logits)
+        made = [v[2] for v in m.backend._tiles.values()]
+        if rp:
+            if ftype == "Q4_K_M":
+                assert m.layers[0].attn_q.tiles is not None  # Q4_K, 8-row multiple: repacked at load
+            assert made and all(a[0] and a[1] for a in made)  # gate and up of every expert decode used
+            assert any(a[2] for a in made) and all(a[2] for a in made) == (ftype == "MXFP4_MOE")  # Q4_K_M: a Q6_K down
+        else:
+            assert m.layers[0].attn_q.tiles is None and not made
+    assert np.array_equal(runs[True], runs[False])
+
+
+def test_repacking_is_off_at_16_bits_and_by_request(monkeypatch):
+    assert CPUBackend(act_bits=8).repack and not CPUBackend(act_bits=16).repack
+    assert not CPUBackend(act_bits=8, repack=False).repack
+    monkeypatch.setenv("PYMOE_REPACK", "0")
+    assert not CPUBackend(act_bits=8).repack
