@@ -1,4 +1,4 @@
-"""The 8-row repacked layouts of Q4_K and MXFP4 (pymoe/quant/repack.py) and the CPU backend's use of them.
+"""The 8-row repacked layouts of Q2_K, Q4_K and MXFP4 (pymoe/quant/repack.py) and the CPU backend's use of them.
 
 What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
 the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
@@ -21,7 +21,7 @@ from quant_helpers import random_rows
 U = 2.0 ** -24
 
 
-TILED = [QType.Q4_K, QType.MXFP4]
+TILED = [QType.Q2_K, QType.Q4_K, QType.MXFP4]
 IDS = [q.name for q in TILED]
 
 
@@ -83,11 +83,13 @@ def test_tile_dot_has_the_bits_of_the_row_dots(qtype, R, C):
 
 
 def _extreme_rows(qtype) -> np.ndarray:
-    """8 rows of 256 weights at the largest integer magnitude of the format: Q4_K q = 15 with scales and mins 63;
+    """8 rows of 256 weights at the largest integer magnitude of the format: Q2_K q = 3 with scales and mins 15,
+    Q4_K q = 15 with scales and mins 63;
     MXFP4 level 12 in rows 0-3 (nibbles 7), -12 in rows 4-7 (nibbles 15)."""
-    if qtype == QType.Q4_K:
-        raw = np.full((8, 144), 0xFF, np.uint8)
-        raw[:, 0:4] = np.frombuffer(np.array([0.5, 0.25], np.float16).tobytes(), np.uint8)  # d, dmin
+    dd = np.frombuffer(np.array([0.5, 0.25], np.float16).tobytes(), np.uint8)  # d, dmin
+    if qtype in (QType.Q2_K, QType.Q4_K):
+        raw = np.full((8, 84 if qtype == QType.Q2_K else 144), 0xFF, np.uint8)
+        raw[:, slice(80, 84) if qtype == QType.Q2_K else slice(0, 4)] = dd
         return raw
     raw = np.full((8, 8, 17), 0x77, np.uint8)
     raw[4:] = 0xFF
@@ -98,7 +100,7 @@ def _extreme_rows(qtype) -> np.ndarray:
 @pytest.mark.parametrize("qtype", TILED, ids=IDS)
 def test_tile_dot_at_the_int16_bound(qtype):
     """Every weight at the format's largest magnitude and every activation +-127: a group's int16 lanes reach their
-    bound (Q4_K 8 * 2 * 15 * 127 = 30480, MXFP4 8 * 2 * 12 * 127 = 24384, both below 2^15: no saturation); the
+    bound (Q2_K 3048, Q4_K 8 * 2 * 15 * 127 = 30480, MXFP4 8 * 2 * 12 * 127 = 24384, all below 2^15); the
     tile still has the row dot's bits, and float math's value."""
     raw = _extreme_rows(qtype)
     for sign in (1, -1):
@@ -136,7 +138,8 @@ def _addresses(mats):
 
 
 @pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q4_K), (QType.Q4_K, QType.Q4_K, QType.Q6_K),
-                                   (QType.MXFP4, QType.MXFP4, QType.MXFP4)], ids=["Q4_K", "Q4_K-Q6_K", "MXFP4"])
+                                   (QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q2_K, QType.Q2_K, QType.Q3_K)],
+                         ids=["Q4_K", "Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K"])
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     """Decode (one token, 4 experts) and a prefill chunk (5 tokens: some experts with one token, some with more):
     the kernel's result with repacked copies (of every matrix of a tiled type) is the result without, bit for bit;
@@ -167,7 +170,7 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
 def llama_quantized(tiny_model, tmp_path_factory):
     """llama_quantized(ftype) -> the tiny qwen3moe quantized to that file type by llama.cpp's quantizer (Q4_K_M:
     Q4_K attention and experts, Q6_K ffn_down in layer 1, as tests/test_llamacpp_quant_mixes.py pins; MXFP4_MOE:
-    MXFP4 experts, Q8_0 attention)."""
+    MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down)."""
     llama_cpp = require_llama_cpp()
     root = tmp_path_factory.mktemp("repack")
 
@@ -182,7 +185,7 @@ def llama_quantized(tiny_model, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K"])
 def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, ftype):
     """The whole model at 8 bits: prefill, then greedy decode with the repacked copies (dense and experts) against
     the same without, logits bit for bit; the copies were made and used."""
@@ -201,8 +204,10 @@ def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, f
         if rp:
             if ftype == "Q4_K_M":
                 assert m.layers[0].attn_q.tiles is not None  # Q4_K, 8-row multiple: repacked at load
-            assert made and all(a[0] and a[1] for a in made)  # gate and up of every expert decode used
-            assert any(a[2] for a in made) and all(a[2] for a in made) == (ftype == "MXFP4_MOE")  # Q4_K_M: a Q6_K down
+            assert made and all(a[0] and a[1] for a in made)  # gate and up of every expert the model ran
+            downs = [bool(a[2]) for a in made]  # the downs repacked: Q4_K_M's Q4_K ones (layer 0; Q6_K in layer 1),
+            want = {"MXFP4_MOE": all(downs), "Q2_K": not any(downs)}  # all MXFP4 ones, none of Q2_K's Q3_K
+            assert want.get(ftype, any(downs) and not all(downs))
         else:
             assert m.layers[0].attn_q.tiles is None and not made
     assert np.array_equal(runs[True], runs[False])

@@ -215,7 +215,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
     depend on how its integers sit in lanes: the numerics of the 8-row repacked layouts (quant/repack.py), for the
-    formats that have one (Q4_K, MXFP4).
+    formats that have one (Q2_K, Q4_K, MXFP4).
     prescale_one: the one-row form multiplies the weights by their scales before the pair sums, as the rows form
     does (the same integers: both weights of a pair share a scale); else the pair sums after. Which is faster
     depends on the format (measured on Zen 3, 1 thread, 512 x 1024: Q2_K 9.6 vs 8.1 G MAC/s prescaled, Q4_K 6.3
@@ -579,7 +579,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
 row_dot_q2_k, row_dot_rows_q2_k = _make_row_dot(
     groups=[(16 + 32 * h, 2 * j, 3, None) for h in range(2) for j in range(4)],
     scale_fields=[(list(range(16)), [0] * 16, 15, 0)], scale_bias=0, value_bias=0,
-    size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)], prescale_one=True)
+    size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)], prescale_one=True,
+    exact_blocks=True)
 # Q3_K (110 bytes): hmask[32] at 0, qs[64] at 32, scales[12] at 96, d at 108. Group 4h + j = qs[32h + l] bits 2j
 # | hmask[l] bit 4h + j << 2, minus 4. Scale k (6 bits, bias 32): low 4 bits = byte 96 + (k & 7) >> 4 (k >> 3),
 # high 2 bits = byte 104 + (k & 3) >> 2 (k >> 2).

@@ -1,4 +1,4 @@
-"""Weights repacked 8 rows at a time (Q4_K, MXFP4), and the 8-bit dots that read them: 8 rows' sums in one register.
+"""Weights repacked 8 rows at a time (Q2_K, Q4_K, MXFP4), and the 8-bit dots that read them: 8 rows' sums in one register.
 
 What this is: the CPU layout llama.cpp calls a "repack" (its block_q4_Kx8 and friends), written from the idea, not
 the code. A one-row dot (qact.row_dot_*) spends much of a block on things every row repeats: unpacking the scales,
@@ -13,6 +13,13 @@ Measured on Zen 3, 1 thread, one 512 x 1024 Q4_K matrix at 8 bits: 11.5 us again
 A matrix of R rows (a multiple of 8) and C columns (a multiple of 256) is stored uint8 [R / 8, C / 256 * TILE]:
 row-group g's 256-column block b at [g, b * TILE]. Per format (TILE_BYTES):
 
+  Q2_K (672 bytes, as raw: 8 x 84)
+    byte    0: d     fp16 [8]                 row r's super-scale at 2 r
+    byte   16: dmin  fp16 [8]
+    byte   32: scale uint8 [16 sub-blocks][8] the byte of sub-block k (16 weights) of row r at 32 + 8 k + r:
+                                              scale in the low nibble, min in the high one, as stored
+    byte  160: qs    [2 halves h][8 chunks c][8 rows r][4 bytes]: row r's Q2_K bytes qs[32 h + 4 c .. + 3], each
+                     holding 4 weights in bit-planes j = 0..3: weights 128 h + 32 j + 4 c .. + 3
   Q4_K (1184 bytes; 8 x 144 = 1152 raw: the 6-bit scales and mins unpacked to a byte each)
     byte    0: d     fp16 [8]                 row r's super-scale at 2 r
     byte   16: dmin  fp16 [8]
@@ -31,17 +38,17 @@ the inverse (the tests' round trip). `TILE_DOTS[qtype]`: the dot of one row-grou
 compiled callers: the fused MoE kernel); `tile_matmul(tiles, qtype, xq, xd, xbs)`: a whole matrix times T tokens.
 
 Numerics (8-bit activations only: qact's x, int8 qs, d per 256, bsums per 16), per row:
-  Q4_K, per 256-block b:
+  Q2_K and Q4_K, per 256-block b:
     isum = sum_j sc_j * sum_{k in sub-block j} q_k x_k      exact int32 (|isum| <= 8 * 63 * 32 * 15 * 127 < 2^25)
-    msum = sum_j m_j * (bsum_2j + bsum_2j+1)                exact int32
+    msum = sum_j m_j * (the bsums of sub-block j)           exact int32
     acc  = fma(float(isum), d * dx, acc); acc = fma(float(msum), -(dmin * dx), acc)      blocks in order
   MXFP4, per group g of 32 (8 a block):
     isum = sum_{k in g} v_k x_k                              exact int32 (v the codebook level, |v| <= 12)
     acc  = fma(float(isum), s_g * dx, acc)                   groups in order, s_g = 2^(e_g - 128)
 which is what the one-row dots compute for these formats at 8 bits (qact's `exact_blocks`: the same integers, the
 same float operations in the same order), so a row gives the same bits from either layout. In a tile, one group's
-products per row sit in two int16 lanes of several vpmaddubsw results added together, below 2^15: Q4_K 8 * 2 * 15
-* 127 = 30480, MXFP4 8 * 2 * 12 * 127 = 24384.
+products per row sit in two int16 lanes of several vpmaddubsw results added together, below 2^15: Q2_K 4 * 2 * 3 *
+127 = 3048, Q4_K 8 * 2 * 15 * 127 = 30480, MXFP4 8 * 2 * 12 * 127 = 24384.
 Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by.
 What this is not: a 16-bit-activation path (its sums need qact's 16-lane split, so the default activations read the
 raw rows).
@@ -55,17 +62,18 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import QType
-from .kquants import Q4_K_SIZE, QK_K, _scale_min_k4_jit, scale_min_k4
+from .kquants import Q2_K_SIZE, Q4_K_SIZE, QK_K, _scale_min_k4_jit, scale_min_k4
 from .qact import KVALUES_FP4, _AVX2
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
-TILE_BYTES = {QType.Q4_K: 32 + 64 + 64 + 1024, QType.MXFP4: 64 + 1024}  # bytes per 8 rows and 256 columns
-RAW_BYTES = {QType.Q4_K: Q4_K_SIZE, QType.MXFP4: 8 * MXFP4_SIZE}  # bytes of one row's 256 columns, as stored
+TILE_BYTES = {QType.Q2_K: 32 + 128 + 512, QType.Q4_K: 32 + 64 + 64 + 1024,
+              QType.MXFP4: 64 + 1024}  # bytes per 8 rows and 256 columns
+RAW_BYTES = {QType.Q2_K: Q2_K_SIZE, QType.Q4_K: Q4_K_SIZE, QType.MXFP4: 8 * MXFP4_SIZE}  # one row's 256 columns
 
 
 def fits(qtype, rows: int, cols: int) -> bool:
-    """Whether a matrix of this type and shape has a repacked layout: Q4_K or MXFP4, whole tiles of 8 rows."""
+    """Whether a matrix of this type and shape has a repacked layout: Q2_K, Q4_K or MXFP4, whole tiles of 8 rows."""
     return qtype in TILE_BYTES and rows % ROWS == 0 and cols % QK_K == 0 and rows > 0
 
 
@@ -88,7 +96,13 @@ def repack_ref(raw: np.ndarray, qtype) -> np.ndarray:
     blk, nb = _blocks(raw, qtype)  # [G, nb, 8 rows, RAW]
     G = blk.shape[0]
     out = np.empty((G, nb, TILE_BYTES[qtype]), dtype=np.uint8)
-    if qtype == QType.Q4_K:
+    if qtype == QType.Q2_K:
+        out[..., 0:16] = blk[..., 80:82].reshape(G, nb, 16)  # d of rows 0..7
+        out[..., 16:32] = blk[..., 82:84].reshape(G, nb, 16)  # dmin
+        out[..., 32:160] = blk[..., 0:16].transpose(0, 1, 3, 2).reshape(G, nb, 128)  # scale bytes [sub][row]
+        qs = blk[..., 16:80].reshape(G, nb, ROWS, 2, 8, 4)  # [.., row, half h, chunk c, 4 bytes]
+        out[..., 160:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 512)  # [h][c][row][4]
+    elif qtype == QType.Q4_K:
         out[..., 0:16] = blk[..., 0:2].reshape(G, nb, 16)  # d of rows 0..7
         out[..., 16:32] = blk[..., 2:4].reshape(G, nb, 16)  # dmin
         sc = blk[..., 4:16]  # [G, nb, 8, 12] the packed 6-bit table
@@ -112,7 +126,13 @@ def unpack(tiles: np.ndarray, qtype) -> np.ndarray:
     qtype = QType(qtype)
     G, nb = tiles.shape[0], tiles.shape[1] // TILE_BYTES[qtype]
     t = tiles.reshape(G, nb, TILE_BYTES[qtype])
-    if qtype == QType.Q4_K:
+    if qtype == QType.Q2_K:
+        blk = np.empty((G, nb, ROWS, Q2_K_SIZE), dtype=np.uint8)
+        blk[..., 80:82] = t[..., 0:16].reshape(G, nb, ROWS, 2)
+        blk[..., 82:84] = t[..., 16:32].reshape(G, nb, ROWS, 2)
+        blk[..., 0:16] = t[..., 32:160].reshape(G, nb, 16, ROWS).transpose(0, 1, 3, 2)
+        blk[..., 16:80] = t[..., 160:].reshape(G, nb, 2, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, ROWS, 64)
+    elif qtype == QType.Q4_K:
         blk = np.empty((G, nb, ROWS, Q4_K_SIZE), dtype=np.uint8)
         blk[..., 0:2] = t[..., 0:16].reshape(G, nb, ROWS, 2)
         blk[..., 2:4] = t[..., 16:32].reshape(G, nb, ROWS, 2)
@@ -157,6 +177,26 @@ def _repack_q4_k_into(raw, out):
 
 
 @njit(cache=True)
+def _repack_q2_k_into(raw, out):
+    """raw uint8 [R, nb * 84] -> out uint8 [R / 8, nb * 672]."""
+    nb = raw.shape[1] // Q2_K_SIZE
+    size = out.shape[1] // nb
+    for g in range(raw.shape[0] // ROWS):
+        for b in range(nb):
+            t = out[g, b * size:(b + 1) * size]
+            for r in range(ROWS):
+                blk = raw[g * ROWS + r, b * Q2_K_SIZE:(b + 1) * Q2_K_SIZE]
+                t[2 * r], t[2 * r + 1] = blk[80], blk[81]  # d
+                t[16 + 2 * r], t[17 + 2 * r] = blk[82], blk[83]  # dmin
+                for k in range(16):
+                    t[32 + 8 * k + r] = blk[k]  # scale | min << 4 of sub-block k
+                for h in range(2):
+                    for c in range(8):
+                        for i in range(4):
+                            t[160 + 32 * (8 * h + c) + 4 * r + i] = blk[16 + 32 * h + 4 * c + i]
+
+
+@njit(cache=True)
 def _repack_mxfp4_into(raw, out):
     """raw uint8 [R, nb * 136] -> out uint8 [R / 8, nb * 1088]."""
     nb = raw.shape[1] // (8 * MXFP4_SIZE)
@@ -174,12 +214,15 @@ def _repack_mxfp4_into(raw, out):
                             t[64 + 32 * (4 * g + c) + 4 * r + k] = row[s + 1 + 4 * c + k]
 
 
+_REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q4_K: _repack_q4_k_into, QType.MXFP4: _repack_mxfp4_into}
+
+
 def repack(raw: np.ndarray, qtype) -> np.ndarray:
     """Raw rows uint8 [R, nb * RAW] -> tiles uint8 [R / 8, nb * TILE_BYTES]: repack_ref's bytes, compiled."""
     qtype = QType(qtype)
     _, nb = _blocks(raw, qtype)  # checks the shape
     out = np.empty((raw.shape[0] // ROWS, nb * TILE_BYTES[qtype]), dtype=np.uint8)
-    (_repack_q4_k_into if qtype == QType.Q4_K else _repack_mxfp4_into)(raw, out)
+    _REPACK_INTO[qtype](raw, out)
     return out
 
 
@@ -260,6 +303,47 @@ class _Emit:
         return self.x86("llvm.fma.v8f32", _V8F, [a, c, d])
 
 
+def _affine_epilogue(e: _Emit, wbase, t, dx, isum, msum, acc):
+    """acc + d * dx * isum - dmin * dx * msum, lane by lane (d, dmin: the 8 rows' fp16 factors at bytes t, t + 16)."""
+    b = e.b
+    half8 = ir.VectorType(ir.HalfType(), 8)
+    d8 = b.fpext(e.load(wbase, t, half8), _V8F)
+    dmin8 = b.fpext(e.load(wbase, e.at(t, 16), half8), _V8F)
+    dxv = e.splat(dx, _f32, 8)
+    acc = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, dxv), acc)
+    return e.fma(b.sitofp(msum, _V8F), b.fneg(b.fmul(dmin8, dxv)), acc)
+
+
+def _dup_pairs(e: _Emit, v8):  # int8 [8] (a value per row) -> int16 [16], lanes 2r and 2r + 1 row r's
+    return e.b.zext(e.b.shuffle_vector(v8, v8, _vec(_i32, 16, [r // 2 for r in range(16)])), _V16S)
+
+
+def _block_q2_k(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
+    """acc float32 [8] + the 8 rows' terms of one Q2_K tile block. A 32-byte load holds, per row, 4 bytes = 4
+    weights in each of 4 bit-planes j (weights 128 h + 32 j + 4 c ..); sub-block k (16 weights) = chunks 4 e .. 4 e
+    + 3 of plane j, k = 8 h + 2 j + e. Scale = low nibble of the sub-block's byte, min = high nibble."""
+    b = e.b
+    three = _vec(_i8, 32, [3] * 32)
+    isum = ir.Constant(_V8I, [0] * 8)
+    for h in range(2):
+        for j in range(4):
+            for half in range(2):
+                s = None
+                for c in range(4 * half, 4 * half + 4):
+                    q = e.load(wbase, e.at(t, 160 + 32 * (8 * h + c)), _V32B)
+                    v = b.and_(b.lshr(q, _vec(_i8, 32, [2 * j] * 32)), three) if j else b.and_(q, three)
+                    m = e.maddubs(v, e.x4(xbase, xo, 128 * h + 32 * j + 4 * c))
+                    s = m if s is None else b.add(s, m)
+                k = 8 * h + 2 * j + half
+                sc8 = b.and_(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [15] * 8))
+                isum = b.add(isum, e.madd16(s, _dup_pairs(e, sc8)))  # row r: sc_rk * its 16 products
+    msum = ir.Constant(_V8I, [0] * 8)
+    for k in range(16):
+        m8 = b.zext(b.lshr(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [4] * 8)), _V8I)
+        msum = b.add(msum, b.mul(m8, e.splat(e.load(bsbase, e.at(bso, k), _i32), _i32, 8)))
+    return _affine_epilogue(e, wbase, t, dx, isum, msum, acc)
+
+
 def _block_q4_k(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
     """acc float32 [8] + the 8 rows' terms of one Q4_K tile block (at byte t; its activations at xo)."""
     b = e.b
@@ -274,20 +358,13 @@ def _block_q4_k(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
             s_hi = m_hi if s_hi is None else b.add(s_hi, m_hi)
         for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
             sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's 8 scales
-            sc16 = b.zext(b.shuffle_vector(sc8, sc8, _vec(_i32, 16, [r // 2 for r in range(16)])),
-                          _V16S)  # int16 lanes 2r, 2r + 1: row r's
-            isum = b.add(isum, e.madd16(s, sc16))  # row r: sc_rj * its 32 products
+            isum = b.add(isum, e.madd16(s, _dup_pairs(e, sc8)))  # row r: sc_rj * its 32 products
     msum = ir.Constant(_V8I, [0] * 8)
     for j in range(8):
         bs = b.add(e.load(bsbase, e.at(bso, 2 * j), _i32), e.load(bsbase, e.at(bso, 2 * j + 1), _i32))
         m8 = b.zext(e.load(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), _V8I)  # sub-block j's mins
         msum = b.add(msum, b.mul(m8, e.splat(bs, _i32, 8)))
-    half8 = ir.VectorType(ir.HalfType(), 8)
-    d8 = b.fpext(e.load(wbase, t, half8), _V8F)
-    dmin8 = b.fpext(e.load(wbase, e.at(t, 16), half8), _V8F)
-    dxv = e.splat(dx, _f32, 8)
-    acc = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, dxv), acc)
-    return e.fma(b.sitofp(msum, _V8F), b.fneg(b.fmul(dmin8, dxv)), acc)
+    return _affine_epilogue(e, wbase, t, dx, isum, msum, acc)
 
 
 def _block_mxfp4(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
@@ -312,7 +389,7 @@ def _block_mxfp4(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
     return acc
 
 
-_BLOCKS = {QType.Q4_K: _block_q4_k, QType.MXFP4: _block_mxfp4}
+_BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q4_K: _block_q4_k, QType.MXFP4: _block_mxfp4}
 
 
 def _make_codegen(qtype, avx2: bool):
@@ -362,9 +439,10 @@ def _make_tile_dot(qtype, portable: bool = False):
     return tile_dot
 
 
+tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
 tile_dot_mxfp4 = _make_tile_dot(QType.MXFP4)
-TILE_DOTS = {QType.Q4_K: tile_dot_q4_k, QType.MXFP4: tile_dot_mxfp4}
+TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q4_K: tile_dot_q4_k, QType.MXFP4: tile_dot_mxfp4}
 
 
 TILE_DOT = None  # bound per format by _compile_matmul
