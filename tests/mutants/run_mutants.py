@@ -123,8 +123,8 @@ MUTANTS: list[Mutant] = [
         "Numba decode_q2_k swaps scale and min nibbles of the first sub-block of each 4-group"),
     Mutant(
         "q2k_int_dot_min_from_scale_nibble", "pymoe/quant/qact.py",
-        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)], prescale_one=True)",
-        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [0] * 16, 15, 0)], prescale_one=True)",
+        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)], prescale_one=True,",
+        "size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [0] * 16, 15, 0)], prescale_one=True,",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[Q2_K-*]",
          "tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]"),
         "the integer-path Q2_K row dot (LLVM IR layout table) takes the mins from the scale nibbles"),
