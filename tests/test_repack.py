@@ -58,22 +58,23 @@ def _x8(X):
 @pytest.mark.parametrize("qtype", TILED, ids=IDS)
 @pytest.mark.parametrize("R, C", [(8, 256), (64, 1024), (40, 512)])
 def test_tile_dot_has_the_bits_of_the_row_dots(qtype, R, C):
-    """Each of a tile's 8 results is bit for bit the one-row dot of its row and the multi-row dot's (prefill), and
-    within float32 rounding of dequantize(w) @ dequantize(x): the integer sums are exact, then a few float
+    """Each of a tile's 8 results, for one token alone or among MANY, is bit for bit the one-row dot of its row and
+    the multi-row dot's (prefill), and within float32 rounding of dequantize(w) @ dequantize(x): the integer sums are exact, then a few float
     operations per block or group (4 C u sum|w x|, tests/test_kernels_qact.py)."""
     rng = np.random.default_rng(R + C)
     raw = random_rows(qtype, R, C, rng)
-    X = rng.standard_normal((3, C)).astype(np.float32)
+    T = repack.MANY + 3  # the prefill form: one many-token call, then 3 tokens one by one
+    X = rng.standard_normal((T, C)).astype(np.float32)
     xq, xd, xbs = _x8(X)
     tiles = repack.repack(raw, qtype)
     w_deq = dequantize(raw, qtype).reshape(R, C).astype(np.float64)
-    x_deq = qact.dequantize_act(xq, xd).astype(np.float64)  # [3, C]
-    rows = np.empty((3, R), np.float32)
-    acc = np.empty((3, 16), np.float32)
+    x_deq = qact.dequantize_act(xq, xd).astype(np.float64)  # [T, C]
+    rows = np.empty((T, R), np.float32)
+    acc = np.empty((T, 16), np.float32)
     for r in range(R):
         qact.ACT_DOTS_ROWS[qtype](raw[r], xq, xd, xbs, acc, rows[:, r])
-    many = repack.tile_matmul(tiles, qtype, xq, xd, xbs)  # [3, R]: the prefill form
-    for t in range(3):
+    many = repack.tile_matmul(tiles, qtype, xq, xd, xbs)  # [T, R]
+    for t in range(T):
         y = repack.tile_matmul(tiles, qtype, xq[t:t + 1], xd[t:t + 1], xbs[t:t + 1])[0]
         assert np.array_equal(y, many[t])
         one = np.array([qact.ACT_DOTS[qtype](raw[r], xq[t], xd[t], xbs[t]) for r in range(R)], np.float32)
@@ -120,17 +121,19 @@ def test_portable_tile_dot_equals_the_avx2_one(qtype):
     portable = repack._make_tile_dot(qtype, portable=True)
 
     @njit
-    def run(tiles, xq, xd, xbs, y):
+    def run(tiles, xq, xd, xbs, y, y4):
         for g in range(tiles.shape[0]):
-            portable(tiles[g], xq, xd, xbs, y[g * 8:(g + 1) * 8])
+            portable(tiles[g], xq[0], xd[0], xbs[0], y[g * 8:(g + 1) * 8])
+            portable(tiles[g], xq, xd, xbs, y4[g])  # the many-token form: [MANY, 8]
 
     rng = np.random.default_rng(3)
     raw = random_rows(qtype, 16, 512, rng)
-    xq, xd, xbs = _x8(rng.standard_normal((1, 512)))
+    xq, xd, xbs = _x8(rng.standard_normal((repack.MANY, 512)))
     tiles = repack.repack(raw, qtype)
-    a = np.empty(16, np.float32)
-    run(tiles, xq[0], xd[0], xbs[0], a)
-    assert np.array_equal(a, repack.tile_matmul(tiles, qtype, xq, xd, xbs)[0])
+    a, a4 = np.empty(16, np.float32), np.empty((2, repack.MANY, 8), np.float32)
+    run(tiles, xq, xd, xbs, a, a4)
+    here = repack.tile_matmul(tiles, qtype, xq, xd, xbs)  # [MANY, 16]
+    assert np.array_equal(a, here[0]) and np.array_equal(a4.transpose(1, 0, 2).reshape(repack.MANY, 16), here)
 
 
 def _addresses(mats):
@@ -141,7 +144,8 @@ def _addresses(mats):
                                    (QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q2_K, QType.Q2_K, QType.Q3_K)],
                          ids=["Q4_K", "Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K"])
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
-    """Decode (one token, 4 experts) and a prefill chunk (5 tokens: some experts with one token, some with more):
+    """Decode (one token, 4 experts) and a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
+    many-token call and one single):
     the kernel's result with repacked copies (of every matrix of a tiled type) is the result without, bit for bit;
     with the copies zeroed it changes (so they are what the kernel reads)."""
     rng = np.random.default_rng(7)
@@ -150,7 +154,7 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
                for _ in range(S)]
     mats = [tuple(repack.repack(m, q) if q in repack.TILE_BYTES else None for q, m in zip(types, ex)) for ex in experts]
     zeroed = [tuple(None if m is None else np.zeros_like(m) for m in ms) for ms in mats]
-    for T, start, tok in ((1, [0, 1, 2, 3, 4], [0, 0, 0, 0]), (5, [0, 1, 4, 5, 7], [2, 0, 1, 3, 4, 1, 3])):
+    for T, start, tok in ((1, [0, 1, 2, 3, 4], [0, 0, 0, 0]), (6, [0, 1, 6, 7, 9], [2, 0, 1, 2, 3, 5, 4, 1, 3])):
         x = rng.standard_normal((T, D)).astype(np.float32)
         start, tok = np.array(start, np.int64), np.array(tok, np.int64)
         weight = rng.uniform(0.1, 1, tok.size).astype(np.float32)

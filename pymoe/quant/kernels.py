@@ -224,7 +224,7 @@ from numba.extending import intrinsic  # noqa: E402
 from . import qact  # noqa: E402  (qact imports the registry filled above)
 from .qact import QK_K, quantize_act  # noqa: E402
 from . import repack  # noqa: E402
-from .repack import ROWS as TILE_ROWS  # noqa: E402
+from .repack import MANY as TILE_MANY, ROWS as TILE_ROWS  # noqa: E402
 
 VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
 ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc float32 [n, 16], out float32 [n])
@@ -317,7 +317,8 @@ def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, h
     addr int64 [S, 3]: the addresses of S experts' gate, up (uint8 [F, row_bytes(D)]) and down (uint8
     [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive). tiles int64 [S, 3]: the same matrices
     repacked 8 rows at a time (quant/repack.py, uint8 [rows / 8, row_tiles]), or 0 where there is no such copy; an
-    expert's repacked matrices are read 8 rows per call, token by token, with the same bits. Pairs are grouped by expert:
+    expert's repacked matrices are read 8 rows per call, for TILE_MANY tokens at a time (then one by one), with the
+    same bits. Pairs are grouped by expert:
     expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p is token tok[p] with routing weight weight[p].
     x as quantized rows, one per pair (so an expert's tokens are consecutive rows): xq [P, D], xd, xbs. Scratch: h float32 [P, F], hq/hd/hbs its quantized rows (qmax: the
     largest value of hq's dtype). y float32 [T, D]
@@ -346,10 +347,20 @@ def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, h
         if tiles[k, 0] != 0 and tiles[k, 1] != 0:  # both repacked: 8 rows a call, token by token
             gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
             ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
+            o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
             for r in range(r0, r1, TILE_ROWS):
-                for i in range(b - a):
-                    TILE_GATE(gt[r // TILE_ROWS], xq[a + i], xd[a + i], xbs[a + i], g[i, r - r0:r - r0 + TILE_ROWS])
-                    TILE_UP(ut[r // TILE_ROWS], xq[a + i], xd[a + i], xbs[a + i], u[i, r - r0:r - r0 + TILE_ROWS])
+                c0, c1 = r - r0, r - r0 + TILE_ROWS  # the row-group's columns of g and u
+                i = 0
+                while i + TILE_MANY <= b - a:  # TILE_MANY tokens a call (prefill), the weights unpacked once
+                    p0, p1 = a + i, a + i + TILE_MANY
+                    TILE_GATE(gt[r // TILE_ROWS], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                    g[i:i + TILE_MANY, c0:c1] = o
+                    TILE_UP(ut[r // TILE_ROWS], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                    u[i:i + TILE_MANY, c0:c1] = o
+                    i += TILE_MANY
+                for j in range(i, b - a):
+                    TILE_GATE(gt[r // TILE_ROWS], xq[a + j], xd[a + j], xbs[a + j], g[j, c0:c1])
+                    TILE_UP(ut[r // TILE_ROWS], xq[a + j], xd[a + j], xbs[a + j], u[j, c0:c1])
         else:
             for r in range(r0, r1):
                 if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
@@ -367,7 +378,8 @@ def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, h
     for task in prange((D + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK):
         acc = np.empty((n_max, ROWS_LANES), dtype=np.float32)
         out = np.empty(n_max, dtype=np.float32)
-        out8 = np.empty(TILE_ROWS, dtype=np.float32)  # one row-group's results
+        out8 = np.empty(TILE_ROWS, dtype=np.float32)  # one row-group's results, for one token
+        out_many = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # for TILE_MANY
         for k in range(n_exp):
             a, b = start[k], start[k + 1]
             down = carray(bytes_at(addr[k, 2]), (D, down_bytes))  # [D, row_bytes(F)]
@@ -375,10 +387,18 @@ def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, h
             if tiles[k, 2] != 0:  # repacked: 8 rows a call, token by token
                 dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
                 for r in range(r0, r1, TILE_ROWS):
-                    for i in range(b - a):
-                        TILE_DOWN(dt[r // TILE_ROWS], hq[a + i], hd[a + i], hbs[a + i], out8)
+                    i = 0
+                    while i + TILE_MANY <= b - a:
+                        p0, p1 = a + i, a + i + TILE_MANY
+                        TILE_DOWN(dt[r // TILE_ROWS], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
+                        for m in range(TILE_MANY):
+                            for j in range(TILE_ROWS):
+                                y[tok[p0 + m], r + j] += weight[p0 + m] * out_many[m, j]
+                        i += TILE_MANY
+                    for m in range(i, b - a):
+                        TILE_DOWN(dt[r // TILE_ROWS], hq[a + m], hd[a + m], hbs[a + m], out8)
                         for j in range(TILE_ROWS):
-                            y[tok[a + i], r + j] += weight[a + i] * out8[j]
+                            y[tok[a + m], r + j] += weight[a + m] * out8[j]
                 continue
             for r in range(r0, r1):
                 if b - a == 1:

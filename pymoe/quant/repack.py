@@ -1,4 +1,4 @@
-"""Weights repacked 8 rows at a time (Q2_K, Q4_K, MXFP4), and the 8-bit dots that read them: 8 rows' sums in one register.
+"""Weights repacked 8 rows at a time (Q2_K, Q4_K, MXFP4), and the 8-bit dots that read them: 8 rows in a register.
 
 What this is: the CPU layout llama.cpp calls a "repack" (its block_q4_Kx8 and friends), written from the idea, not
 the code. A one-row dot (qact.row_dot_*) spends much of a block on things every row repeats: unpacking the scales,
@@ -131,7 +131,8 @@ def unpack(tiles: np.ndarray, qtype) -> np.ndarray:
         blk[..., 80:82] = t[..., 0:16].reshape(G, nb, ROWS, 2)
         blk[..., 82:84] = t[..., 16:32].reshape(G, nb, ROWS, 2)
         blk[..., 0:16] = t[..., 32:160].reshape(G, nb, 16, ROWS).transpose(0, 1, 3, 2)
-        blk[..., 16:80] = t[..., 160:].reshape(G, nb, 2, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, ROWS, 64)
+        blk[..., 16:80] = t[..., 160:].reshape(G, nb, 2, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
+            G, nb, ROWS, 64)
     elif qtype == QType.Q4_K:
         blk = np.empty((G, nb, ROWS, Q4_K_SIZE), dtype=np.uint8)
         blk[..., 0:2] = t[..., 0:16].reshape(G, nb, ROWS, 2)
@@ -281,14 +282,18 @@ class _Emit:
         return b.add(b.shuffle_vector(p, p, _vec(_i32, 8, range(0, 16, 2))),
                      b.shuffle_vector(p, p, _vec(_i32, 8, range(1, 16, 2))))
 
-    def signed_dot(self, v, x):  # int8 [32] v (any sign, |v| <= 127) x int8 [32] x -> int16 [16] (llama.cpp's way:
-        b = self.b  # |v| against x with v's sign moved onto it, vpsignb then vpmaddubsw)
+    def magnitude(self, v):  # int8 [32] -> |v| (as unsigned bytes: -128 -> 128)
+        b, zero = self.b, _vec(_i8, 32, [0] * 32)
+        return b.select(b.icmp_signed("<", v, zero), b.neg(v), v)
+
+    def signed_dot(self, v, mag, x):  # int8 [32] v (any sign), mag = |v|, int8 [32] x -> int16 [16] pair sums of
+        b = self.b  # v x, llama.cpp's way: |v| against x with v's sign moved onto it (vpsignb, then vpmaddubsw)
         zero = _vec(_i8, 32, [0] * 32)
         if self.avx2:
             x = self.x86("llvm.x86.avx2.psign.b", _V32B, [x, v])
         else:
             x = b.select(b.icmp_signed("<", v, zero), b.neg(x), b.select(b.icmp_signed("==", v, zero), zero, x))
-        return self.maddubs(b.select(b.icmp_signed("<", v, zero), b.neg(v), v), x)
+        return self.maddubs(mag, x)
 
     def lookup(self, v, codebook):  # int8 [32] of indices 0..15 -> their codebook levels
         if self.avx2:  # vpshufb looks up within each 16-byte half: the table twice
@@ -303,113 +308,150 @@ class _Emit:
         return self.x86("llvm.fma.v8f32", _V8F, [a, c, d])
 
 
-def _affine_epilogue(e: _Emit, wbase, t, dx, isum, msum, acc):
-    """acc + d * dx * isum - dmin * dx * msum, lane by lane (d, dmin: the 8 rows' fp16 factors at bytes t, t + 16)."""
+class _Tok:
+    """One token's activations as a tile block sees them: xq's row (int8*), the block's first activation xo, its scale
+    dx (float), the row's bsums (int32*) and the block's first bsum bso."""
+
+    def __init__(self, xbase, xo, dx, bsbase, bso):
+        self.xbase, self.xo, self.dx, self.bsbase, self.bso = xbase, xo, dx, bsbase, bso
+
+
+def _affine_epilogue(e: _Emit, wbase, t, toks, isums, msums, accs):
+    """Per token: acc + d * dx * isum - dmin * dx * msum, lane by lane (d, dmin: the 8 rows' fp16 factors at bytes t,
+    t + 16, loaded once for all the tokens)."""
     b = e.b
     half8 = ir.VectorType(ir.HalfType(), 8)
     d8 = b.fpext(e.load(wbase, t, half8), _V8F)
     dmin8 = b.fpext(e.load(wbase, e.at(t, 16), half8), _V8F)
-    dxv = e.splat(dx, _f32, 8)
-    acc = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, dxv), acc)
-    return e.fma(b.sitofp(msum, _V8F), b.fneg(b.fmul(dmin8, dxv)), acc)
+    out = []
+    for x, isum, msum, acc in zip(toks, isums, msums, accs):
+        dxv = e.splat(x.dx, _f32, 8)
+        acc = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, dxv), acc)
+        out.append(e.fma(b.sitofp(msum, _V8F), b.fneg(b.fmul(dmin8, dxv)), acc))
+    return out
 
 
 def _dup_pairs(e: _Emit, v8):  # int8 [8] (a value per row) -> int16 [16], lanes 2r and 2r + 1 row r's
     return e.b.zext(e.b.shuffle_vector(v8, v8, _vec(_i32, 16, [r // 2 for r in range(16)])), _V16S)
 
 
-def _block_q2_k(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
-    """acc float32 [8] + the 8 rows' terms of one Q2_K tile block. A 32-byte load holds, per row, 4 bytes = 4
-    weights in each of 4 bit-planes j (weights 128 h + 32 j + 4 c ..); sub-block k (16 weights) = chunks 4 e .. 4 e
-    + 3 of plane j, k = 8 h + 2 j + e. Scale = low nibble of the sub-block's byte, min = high nibble."""
+def _sum(e: _Emit, a, m):  # a running sum, None at first
+    return m if a is None else e.b.add(a, m)
+
+
+# Each block function adds one tile block's terms for the tokens `toks` (1 or 4) to their accumulators: the weights
+# are loaded and unpacked once, then each token's integer products and float terms are exactly those of a
+# one-token call (the same operations in the same order), so a token's bits do not depend on its neighbours.
+def _block_q2_k(e: _Emit, wbase, t, toks, accs):
+    """Q2_K. A 32-byte load holds, per row, 4 bytes = 4 weights in each of 4 bit-planes j (weights 128 h + 32 j +
+    4 c ..); sub-block k (16 weights) = chunks 4 e .. 4 e + 3 of plane j, k = 8 h + 2 j + e. Scale = low nibble
+    of the sub-block's byte, min = high nibble."""
     b = e.b
     three = _vec(_i8, 32, [3] * 32)
-    isum = ir.Constant(_V8I, [0] * 8)
+    isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for h in range(2):
         for j in range(4):
             for half in range(2):
-                s = None
+                s = [None] * len(toks)
                 for c in range(4 * half, 4 * half + 4):
                     q = e.load(wbase, e.at(t, 160 + 32 * (8 * h + c)), _V32B)
                     v = b.and_(b.lshr(q, _vec(_i8, 32, [2 * j] * 32)), three) if j else b.and_(q, three)
-                    m = e.maddubs(v, e.x4(xbase, xo, 128 * h + 32 * j + 4 * c))
-                    s = m if s is None else b.add(s, m)
+                    k = 128 * h + 32 * j + 4 * c  # the chunk's first weight
+                    s = [_sum(e, a, e.maddubs(v, e.x4(x.xbase, x.xo, k))) for a, x in zip(s, toks)]
                 k = 8 * h + 2 * j + half
                 sc8 = b.and_(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [15] * 8))
-                isum = b.add(isum, e.madd16(s, _dup_pairs(e, sc8)))  # row r: sc_rk * its 16 products
-    msum = ir.Constant(_V8I, [0] * 8)
+                sc16 = _dup_pairs(e, sc8)
+                isums = [b.add(i, e.madd16(a, sc16)) for i, a in zip(isums, s)]  # row r: sc_rk * its 16 products
+    msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for k in range(16):
         m8 = b.zext(b.lshr(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [4] * 8)), _V8I)
-        msum = b.add(msum, b.mul(m8, e.splat(e.load(bsbase, e.at(bso, k), _i32), _i32, 8)))
-    return _affine_epilogue(e, wbase, t, dx, isum, msum, acc)
+        msums = [b.add(m, b.mul(m8, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, 8)))
+                 for m, x in zip(msums, toks)]
+    return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
 
 
-def _block_q4_k(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
-    """acc float32 [8] + the 8 rows' terms of one Q4_K tile block (at byte t; its activations at xo)."""
+def _block_q4_k(e: _Emit, wbase, t, toks, accs):
+    """Q4_K. A 32-byte load holds 4 weights of each row in two sub-blocks (2 p: low nibbles, 2 p + 1: high)."""
     b = e.b
-    isum = ir.Constant(_V8I, [0] * 8)
+    isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for p in range(4):
-        s_lo = s_hi = None
+        s_lo = s_hi = [None] * len(toks)
         for c in range(8):
             lo, hi = e.nibbles(e.load(wbase, e.at(t, 160 + 32 * (8 * p + c)), _V32B))  # 4 weights of each row
-            m_lo = e.maddubs(lo, e.x4(xbase, xo, 64 * p + 4 * c))  # sub-block 2 p
-            m_hi = e.maddubs(hi, e.x4(xbase, xo, 64 * p + 32 + 4 * c))  # sub-block 2 p + 1
-            s_lo = m_lo if s_lo is None else b.add(s_lo, m_lo)
-            s_hi = m_hi if s_hi is None else b.add(s_hi, m_hi)
+            s_lo = [_sum(e, a, e.maddubs(lo, e.x4(x.xbase, x.xo, 64 * p + 4 * c))) for a, x in zip(s_lo, toks)]
+            s_hi = [_sum(e, a, e.maddubs(hi, e.x4(x.xbase, x.xo, 64 * p + 32 + 4 * c))) for a, x in zip(s_hi, toks)]
         for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
-            sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's 8 scales
-            isum = b.add(isum, e.madd16(s, _dup_pairs(e, sc8)))  # row r: sc_rj * its 32 products
-    msum = ir.Constant(_V8I, [0] * 8)
+            sc16 = _dup_pairs(e, e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8)))  # sub-block j's scales
+            isums = [b.add(i, e.madd16(a, sc16)) for i, a in zip(isums, s)]  # row r: sc_rj * its 32 products
+    msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for j in range(8):
-        bs = b.add(e.load(bsbase, e.at(bso, 2 * j), _i32), e.load(bsbase, e.at(bso, 2 * j + 1), _i32))
         m8 = b.zext(e.load(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), _V8I)  # sub-block j's mins
-        msum = b.add(msum, b.mul(m8, e.splat(bs, _i32, 8)))
-    return _affine_epilogue(e, wbase, t, dx, isum, msum, acc)
+        for i, x in enumerate(toks):
+            bs = b.add(e.load(x.bsbase, e.at(x.bso, 2 * j), _i32), e.load(x.bsbase, e.at(x.bso, 2 * j + 1), _i32))
+            msums[i] = b.add(msums[i], b.mul(m8, e.splat(bs, _i32, 8)))
+    return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
 
 
-def _block_mxfp4(e: _Emit, wbase, t, xbase, xo, dx, bsbase, bso, acc):
-    """acc float32 [8] + the 8 rows' terms of one MXFP4 tile block, group by group."""
+def _block_mxfp4(e: _Emit, wbase, t, toks, accs):
+    """MXFP4, group by group: the codebook levels looked up once, each token's x signed by them."""
     b = e.b
-    dxv = e.splat(dx, _f32, 8)
     ones = _vec(_i16, 16, [1] * 16)
+    accs = list(accs)
     for g in range(8):
-        s = None
+        s = [None] * len(toks)
         for c in range(4):
             lo, hi = e.nibbles(e.load(wbase, e.at(t, 64 + 32 * (4 * g + c)), _V32B))
-            m = b.add(e.signed_dot(e.lookup(lo, KVALUES_FP4), e.x4(xbase, xo, 32 * g + 4 * c)),
-                      e.signed_dot(e.lookup(hi, KVALUES_FP4), e.x4(xbase, xo, 32 * g + 16 + 4 * c)))
-            s = m if s is None else b.add(s, m)
-        isum = e.madd16(s, ones)  # [8]: row r's 32 products
+            for v, k in ((e.lookup(lo, KVALUES_FP4), 32 * g + 4 * c), (e.lookup(hi, KVALUES_FP4), 32 * g + 16 + 4 * c)):
+                mag = e.magnitude(v)
+                s = [_sum(e, a, e.signed_dot(v, mag, e.x4(x.xbase, x.xo, k))) for a, x in zip(s, toks)]
         # the 8 rows' scales 2^(e - 128), as ggml_e8m0_to_fp32_half (qact.group_scales_at, lane = row here)
         ev = b.zext(e.load(wbase, e.at(t, 8 * g), ir.VectorType(_i8, 8)), _V8I)
         normal = b.shl(b.sub(ev, _vec(_i32, 8, [1] * 8)), _vec(_i32, 8, [23] * 8))
         small = b.shl(_vec(_i32, 8, [0x00200000] * 8), b.and_(ev, _vec(_i32, 8, [1] * 8)))
         scale = b.bitcast(b.select(b.icmp_unsigned("<", ev, _vec(_i32, 8, [2] * 8)), small, normal), _V8F)
-        acc = e.fma(b.sitofp(isum, _V8F), b.fmul(scale, dxv), acc)
-    return acc
+        for i, x in enumerate(toks):
+            isum = e.madd16(s[i], ones)  # [8]: row r's 32 products
+            accs[i] = e.fma(b.sitofp(isum, _V8F), b.fmul(scale, e.splat(x.dx, _f32, 8)), accs[i])
+    return accs
 
 
 _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q4_K: _block_q4_k, QType.MXFP4: _block_mxfp4}
 
 
-def _make_codegen(qtype, avx2: bool):
+def _make_codegen(qtype, avx2: bool, n_tok: int):
     size, block = TILE_BYTES[qtype], _BLOCKS[qtype]
 
     def codegen(context, builder, signature, args):
-        """out[0:8] = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times x (xq int8 [nb * 256], xd float32
-        [nb], xbs int32 [nb * 16])."""
+        """out = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times n_tok tokens: 1-D xq int8 [nb * 256],
+        xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]."""
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
         e = _Emit(builder, avx2)
-        nb = cgutils.unpack_tuple(builder, xda.shape, 1)[0]
-        acc_p = cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8))
+        nd = signature.args[1].ndim
+        nb = cgutils.unpack_tuple(builder, xda.shape, nd)[nd - 1]
+
+        def rows(a, ty):  # the n_tok row pointers of a C-contiguous array (nd 1: the array itself)
+            if nd == 1:
+                return [a.data]
+            stride = cgutils.unpack_tuple(builder, a.strides, 2)[0]
+            base = builder.bitcast(a.data, ir.IntType(8).as_pointer())
+            return [builder.bitcast(builder.gep(base, [builder.mul(stride, ir.Constant(_i64, i))]), ty.as_pointer())
+                    for i in range(n_tok)]
+
+        xrows, xdrows, bsrows = rows(xa, _i8), rows(xda, _f32), rows(bsa, _i32)
+        acc_ps = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(n_tok)]
         with cgutils.for_range(builder, nb) as loop:
             bi = loop.index
             t = builder.mul(bi, ir.Constant(_i64, size))  # the block's first byte
             xo = builder.mul(bi, ir.Constant(_i64, QK_K))  # its first activation
-            dx = builder.load(builder.gep(xda.data, [bi]))
-            builder.store(block(e, ta.data, t, xa.data, xo, dx, bsa.data, builder.mul(bi, ir.Constant(_i64, 16)),
-                                builder.load(acc_p)), acc_p)
-        builder.store(builder.load(acc_p), builder.bitcast(outa.data, _V8F.as_pointer()), align=4)
+            bso = builder.mul(bi, ir.Constant(_i64, 16))
+            toks = [_Tok(xr, xo, builder.load(builder.gep(xdr, [bi])), bsr, bso)
+                    for xr, xdr, bsr in zip(xrows, xdrows, bsrows)]
+            accs = block(e, ta.data, t, toks, [builder.load(p) for p in acc_ps])
+            for p, acc in zip(acc_ps, accs):
+                builder.store(acc, p)
+        out = builder.bitcast(outa.data, _V8F.as_pointer())
+        for i, p in enumerate(acc_ps):  # out is C-contiguous: token i's 8 results at 8 i
+            builder.store(builder.load(p), builder.gep(out, [ir.Constant(_i64, i)]), align=4)
         return context.get_dummy_value()
 
     return codegen
@@ -419,11 +461,17 @@ def _c(a, dtype, nd=1):
     return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == nd and a.layout == "C"
 
 
+MANY = 4  # tokens per call of a tile's many-token dot
+
+
 def _make_tile_dot(qtype, portable: bool = False):
-    """-> tile_dot(tiles uint8 [nb * TILE_BYTES], xq int8 [nb * 256], xd float32 [nb], xbs int32 [nb * 16],
-    out float32 [8]): out = the row-group's 8 rows times x. It also types for int16 xq, so that a kernel compiled
-    for both activation widths may hold the call; at 16 bits its body is a trap (callers pass no tiles then)."""
-    codegen = _make_codegen(QType(qtype), _AVX2 and not portable)
+    """-> tile_dot(tiles uint8 [nb * TILE_BYTES], xq, xd, xbs, out): the row-group's 8 rows times one token (xq int8
+    [nb * 256], xd float32 [nb], xbs int32 [nb * 16], out float32 [8]) or times MANY tokens at once (the same arrays
+    2-D, one C-contiguous row per token, out [MANY, 8]: the weights unpacked once for them; each token's bits those
+    of its one-token call). It also types for int16 xq, so that a kernel compiled for both activation widths may
+    hold the call; at 16 bits its body is a trap (callers pass no tiles then)."""
+    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1),
+                2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY)}
 
     def trap(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
@@ -432,9 +480,10 @@ def _make_tile_dot(qtype, portable: bool = False):
 
     @intrinsic
     def tile_dot(typingctx, tiles, xq, xd, xbs, out):
-        if (_c(tiles, types.uint8) and _c(xq, xq.dtype) and xq.dtype in (types.int8, types.int16)
-                and _c(xd, types.float32) and _c(xbs, types.int32) and _c(out, types.float32)):
-            return types.none(tiles, xq, xd, xbs, out), codegen if xq.dtype == types.int8 else trap
+        nd = getattr(xq, "ndim", 0)
+        if (_c(tiles, types.uint8) and nd in (1, 2) and _c(xq, xq.dtype, nd) and xq.dtype in (types.int8, types.int16)
+                and _c(xd, types.float32, nd) and _c(xbs, types.int32, nd) and _c(out, types.float32, nd)):
+            return types.none(tiles, xq, xd, xbs, out), codegens[nd] if xq.dtype == types.int8 else trap
 
     return tile_dot
 
@@ -451,14 +500,22 @@ TOKENS = 64  # tokens per step of the many-token product: their activations (64 
 
 def _tile_matmul_template(tiles, xq, xd, xbs, y):
     # y float32 [T, R] = X W^T, W as tiles [R / 8, row_tiles], X as 8-bit rows xq [T, C], xd, xbs. A task owns 4
-    # row-groups (32 rows, a few KiB of tiles: in L1) and walks the tokens TOKENS at a time; each (row-group, token)
-    # is one TILE_DOT, the same call as one token's, hence the same bits.
+    # row-groups (32 rows, a few KiB of tiles: in L1) and walks the tokens TOKENS at a time, MANY per TILE_DOT call
+    # (the rest one by one); each token's results are its one-token call's bits.
     n, T = tiles.shape[0], xq.shape[0]
     for task in prange((n + 3) // 4):
+        out = np.empty((MANY, ROWS), dtype=np.float32)
         for t0 in range(0, T, TOKENS):
+            t1 = min(T, t0 + TOKENS)
             for g in range(4 * task, min(n, 4 * task + 4)):
-                for t in range(t0, min(T, t0 + TOKENS)):
-                    TILE_DOT(tiles[g], xq[t], xd[t], xbs[t], y[t, g * ROWS:(g + 1) * ROWS])
+                t = t0
+                while t + MANY <= t1:
+                    TILE_DOT(tiles[g], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out)
+                    for i in range(MANY):
+                        y[t + i, g * ROWS:(g + 1) * ROWS] = out[i]
+                    t += MANY
+                for u in range(t, t1):
+                    TILE_DOT(tiles[g], xq[u], xd[u], xbs[u], y[u, g * ROWS:(g + 1) * ROWS])
 
 
 def _compile_matmul(qtype):
