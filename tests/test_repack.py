@@ -1,4 +1,4 @@
-"""The 8-row repacked layouts of Q2_K, Q4_K and MXFP4 (pymoe/quant/repack.py) and the CPU backend's use of them.
+"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q6_K and MXFP4 (pymoe/quant/repack.py) and the CPU backend's use of them.
 
 What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
 the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
@@ -13,6 +13,7 @@ import pytest
 from numba import njit
 
 import pymoe
+import pymoe.quant as Q
 from oracle import require_llama_cpp
 from pymoe.backends.cpu import CPUBackend
 from pymoe.quant import QType, dequantize, kernels, qact, repack
@@ -21,7 +22,7 @@ from quant_helpers import random_rows
 U = 2.0 ** -24
 
 
-TILED = [QType.Q2_K, QType.Q4_K, QType.MXFP4]
+TILED = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.MXFP4]
 IDS = [q.name for q in TILED]
 
 
@@ -48,7 +49,7 @@ def test_q4_k_tiles_hold_the_decoders_scales():
     for r in range(8):
         for j in range(8):
             assert (t[32 + 8 * j + r], t[96 + 8 * j + r]) == get_scale_min(raw[r], 4, j)
-    assert not repack.fits(QType.Q6_K, 16, 512)
+    assert not repack.fits(QType.Q5_K, 16, 512)  # no layout
 
 
 def _x8(X):
@@ -84,24 +85,29 @@ def test_tile_dot_has_the_bits_of_the_row_dots(qtype, R, C):
 
 
 def _extreme_rows(qtype) -> np.ndarray:
-    """8 rows of 256 weights at the largest integer magnitude of the format: Q2_K q = 3 with scales and mins 15,
-    Q4_K q = 15 with scales and mins 63;
-    MXFP4 level 12 in rows 0-3 (nibbles 7), -12 in rows 4-7 (nibbles 15)."""
-    dd = np.frombuffer(np.array([0.5, 0.25], np.float16).tobytes(), np.uint8)  # d, dmin
-    if qtype in (QType.Q2_K, QType.Q4_K):
-        raw = np.full((8, 84 if qtype == QType.Q2_K else 144), 0xFF, np.uint8)
-        raw[:, slice(80, 84) if qtype == QType.Q2_K else slice(0, 4)] = dd
-        return raw
-    raw = np.full((8, 8, 17), 0x77, np.uint8)
-    raw[4:] = 0xFF
-    raw[:, :, 0] = 127  # scale 2^-1
-    return raw.reshape(8, 136)
+    """8 rows of 256 weights at the largest integer magnitude of the format: every quant bit set (Q2_K q = 3, Q3_K
+    q' = 7, Q4_K q = 15, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3 (nibbles 7),
+    -12 in rows 4-7 (nibbles 15)."""
+    if qtype == QType.MXFP4:
+        raw = np.full((8, 8, 17), 0x77, np.uint8)
+        raw[4:] = 0xFF
+        raw[:, :, 0] = 127  # scale 2^-1
+        return raw.reshape(8, 136)
+    raw = np.full((8, Q.get_format(qtype).type_size), 0xFF, np.uint8)
+    half = np.frombuffer(np.array([0.5], np.float16).tobytes(), np.uint8)
+    at = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q6_K: (208,)}[qtype]
+    for off in at:  # d (and dmin) 0.5
+        raw[:, off:off + 2] = half
+    if qtype == QType.Q6_K:
+        raw[:, 192:208] = 127  # int8 scales at their largest
+    return raw
 
 
 @pytest.mark.parametrize("qtype", TILED, ids=IDS)
 def test_tile_dot_at_the_int16_bound(qtype):
     """Every weight at the format's largest magnitude and every activation +-127: a group's int16 lanes reach their
-    bound (Q2_K 3048, Q4_K 8 * 2 * 15 * 127 = 30480, MXFP4 8 * 2 * 12 * 127 = 24384, all below 2^15); the
+    bound (Q2_K 3048, Q3_K 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q6_K 2 * 2 * 63 * 127 = 32004, MXFP4 8 * 2 * 12 *
+    127 = 24384, all below 2^15); the
     tile still has the row dot's bits, and float math's value."""
     raw = _extreme_rows(qtype)
     for sign in (1, -1):
@@ -141,8 +147,9 @@ def _addresses(mats):
 
 
 @pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q4_K), (QType.Q4_K, QType.Q4_K, QType.Q6_K),
-                                   (QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q2_K, QType.Q2_K, QType.Q3_K)],
-                         ids=["Q4_K", "Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K"])
+                                   (QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q2_K, QType.Q2_K, QType.Q3_K),
+                                   (QType.Q4_K, QType.Q4_K, QType.Q5_K)],
+                         ids=["Q4_K", "Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q5_K-untiled"])
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     """Decode (one token, 4 experts) and a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
     many-token call and one single):
@@ -174,7 +181,7 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
 def llama_quantized(tiny_model, tmp_path_factory):
     """llama_quantized(ftype) -> the tiny qwen3moe quantized to that file type by llama.cpp's quantizer (Q4_K_M:
     Q4_K attention and experts, Q6_K ffn_down in layer 1, as tests/test_llamacpp_quant_mixes.py pins; MXFP4_MOE:
-    MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down)."""
+    MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down): every expert matrix has a tile layout."""
     llama_cpp = require_llama_cpp()
     root = tmp_path_factory.mktemp("repack")
 
@@ -208,10 +215,7 @@ def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, f
         if rp:
             if ftype == "Q4_K_M":
                 assert m.layers[0].attn_q.tiles is not None  # Q4_K, 8-row multiple: repacked at load
-            assert made and all(a[0] and a[1] for a in made)  # gate and up of every expert the model ran
-            downs = [bool(a[2]) for a in made]  # the downs repacked: Q4_K_M's Q4_K ones (layer 0; Q6_K in layer 1),
-            want = {"MXFP4_MOE": all(downs), "Q2_K": not any(downs)}  # all MXFP4 ones, none of Q2_K's Q3_K
-            assert want.get(ftype, any(downs) and not all(downs))
+            assert made and all(a[0] and a[1] and a[2] for a in made)  # every matrix of every expert the model ran
         else:
             assert m.layers[0].attn_q.tiles is None and not made
     assert np.array_equal(runs[True], runs[False])

@@ -13,10 +13,11 @@ Two paths for quantized weights, chosen once by `act_bits`:
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).
-Repacked weights (act_bits 8): Q4_K and MXFP4 matrices are also kept 8 rows interleaved (quant/repack.py), which
-every product then reads 8 rows per call (one token, or each token of a prefill chunk in turn) with the same bits:
-the dense weights repacked at load (`dense`), a routed expert the first time it runs (`expert_tiles`; a copy in RAM
-beside the memory map, whose pages these products no longer read). `CPUBackend(repack=False)` or PYMOE_REPACK=0 turns it off.
+Repacked weights (act_bits 8): Q2_K, Q3_K, Q4_K, Q6_K and MXFP4 matrices are also kept 8 rows interleaved
+(quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
+with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
+(`expert_tiles`; a copy in RAM beside the memory map, whose pages these products no longer read).
+`CPUBackend(repack=False)` or PYMOE_REPACK=0 turns it off.
 It implements every primitive of backends/protocol.py; rmsnorm and rope give the NumPy reference's bits exactly,
 route the same experts (weights within exp's rounding), attention and F32 products the reference's math in an
 order that does not depend on T (so a token gives the same bits decoded alone or in a prefill). The reference is backends/reference.py (`--backend reference`),
@@ -292,8 +293,8 @@ class CPUBackend(HostArrays):
 
     def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None):
         """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only.
-        repack: keep 8-row repacked copies of Q4_K / MXFP4 weights for the products at 8 bits (default: yes,
-        unless PYMOE_REPACK=0)."""
+        repack: keep 8-row repacked copies of the weights that have a layout (quant/repack.py) for the products
+        at 8 bits (default: yes, unless PYMOE_REPACK=0)."""
         if threads:
             numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
         self.threads = numba.get_num_threads()

@@ -215,7 +215,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
     depend on how its integers sit in lanes: the numerics of the 8-row repacked layouts (quant/repack.py), for the
-    formats that have one (Q2_K, Q4_K, MXFP4).
+    formats that have one (Q2_K, Q3_K, Q4_K, Q6_K, MXFP4).
     prescale_one: the one-row form multiplies the weights by their scales before the pair sums, as the rows form
     does (the same integers: both weights of a pair share a scale); else the pair sums after. Which is faster
     depends on the format (measured on Zen 3, 1 thread, 512 x 1024: Q2_K 9.6 vs 8.1 G MAC/s prescaled, Q4_K 6.3
@@ -588,7 +588,8 @@ row_dot_q3_k, row_dot_rows_q3_k = _make_row_dot(
     groups=[(32 + 32 * h, 2 * j, 3, (0, 4 * h + j, 1, 2)) for h in range(2) for j in range(4)],
     scale_fields=[([96 + (k & 7) for k in range(16)], [4 * (k >> 3) for k in range(16)], 15, 0),
                   ([104 + (k & 3) for k in range(16)], [2 * (k >> 2) for k in range(16)], 3, 4)],
-    scale_bias=32, value_bias=4, size=Q3_K_SIZE, d_off=108, dmin_off=-1, min_fields=None, prescale_one=True)
+    scale_bias=32, value_bias=4, size=Q3_K_SIZE, d_off=108, dmin_off=-1, min_fields=None, prescale_one=True,
+    exact_blocks=True)
 # Q4_K (144 bytes): d at 0, dmin at 2, scales[12] at 4 (a 6-bit scale and min per 32-weight sub-block j, packed as in
 # get_scale_min: j < 4: scale = q[j] & 63, min = q[j + 4] & 63; j >= 4: scale = q[j + 4] & 15 | (q[j - 4] >> 6) << 4,
 # min = q[j + 4] >> 4 | (q[j] >> 6) << 4, q = the scale bytes), qs[128] at 16: group g (sub-block g) = nibble g % 2 of
@@ -612,7 +613,7 @@ row_dot_q5_k, row_dot_rows_q5_k = _make_row_dot(
 row_dot_q6_k, row_dot_rows_q6_k = _make_row_dot(
     groups=[(64 * h + 32 * (j % 2), 4 * (j // 2), 15, (128 + 32 * h, 2 * j, 3, 4)) for h in range(2) for j in range(4)],
     scale_fields=[([192 + k for k in range(16)], [0] * 16, 255, 0)], signed_scales=True,
-    scale_bias=0, value_bias=32, size=Q6_K_SIZE, d_off=208, dmin_off=-1, min_fields=None)
+    scale_bias=0, value_bias=32, size=Q6_K_SIZE, d_off=208, dmin_off=-1, min_fields=None, exact_blocks=True)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Weights repacked 8 rows at a time (Q2_K, Q4_K, MXFP4), and the 8-bit dots that read them: 8 rows in a register.
+"""Weights repacked 8 rows at a time (Q2_K..Q6_K but Q5_K, MXFP4), and the 8-bit dots that read them: 8 rows a lane.
 
 What this is: the CPU layout llama.cpp calls a "repack" (its block_q4_Kx8 and friends), written from the idea, not
 the code. A one-row dot (qact.row_dot_*) spends much of a block on things every row repeats: unpacking the scales,
@@ -20,6 +20,18 @@ row-group g's 256-column block b at [g, b * TILE]. Per format (TILE_BYTES):
                                               scale in the low nibble, min in the high one, as stored
     byte  160: qs    [2 halves h][8 chunks c][8 rows r][4 bytes]: row r's Q2_K bytes qs[32 h + 4 c .. + 3], each
                      holding 4 weights in bit-planes j = 0..3: weights 128 h + 32 j + 4 c .. + 3
+  Q3_K (912 bytes; 8 x 110 = 880 raw: the 6-bit scales unpacked)
+    byte    0: d     fp16 [8]
+    byte   16: scale int8 [16 sub-blocks][8]  sub-block k of row r at 16 + 8 k + r (-32..31)
+    byte  144: qs    [2 halves h][8 chunks c][8 rows r][4 bytes]: row r's qs[32 h + 4 c .. + 3] (2-bit planes j:
+                     weights 128 h + 32 j + 4 c ..)
+    byte  656: hmask [8 chunks c][8 rows r][4 bytes]: row r's hmask[4 c .. + 3] (bit 4 h + j: the third bit)
+  Q6_K (1680 bytes, as raw: 8 x 210)
+    byte    0: d     fp16 [8]
+    byte   16: scale int8 [16 sub-blocks][8]
+    byte  144: ql    [2 h][2 m][8 chunks c][8 rows r][4 bytes]: row r's ql[64 h + 32 m + 4 c .. + 3] (low nibbles:
+                     plane j = m, high nibbles: j = 2 + m)
+    byte 1168: qh    [2 h][8 chunks c][8 rows r][4 bytes]: row r's qh[32 h + 4 c .. + 3] (bits 2 j: the top 2 bits)
   Q4_K (1184 bytes; 8 x 144 = 1152 raw: the 6-bit scales and mins unpacked to a byte each)
     byte    0: d     fp16 [8]                 row r's super-scale at 2 r
     byte   16: dmin  fp16 [8]
@@ -42,13 +54,17 @@ Numerics (8-bit activations only: qact's x, int8 qs, d per 256, bsums per 16), p
     isum = sum_j sc_j * sum_{k in sub-block j} q_k x_k      exact int32 (|isum| <= 8 * 63 * 32 * 15 * 127 < 2^25)
     msum = sum_j m_j * (the bsums of sub-block j)           exact int32
     acc  = fma(float(isum), d * dx, acc); acc = fma(float(msum), -(dmin * dx), acc)      blocks in order
+  Q3_K and Q6_K, per 256-block b (q' = q + bias >= 0 against x, the bias brought back through the bsums):
+    isum = sum_k sc_k * (sum_{i in sub-block k} q'_i x_i - bias * bsum_k)     = sum_k sc_k sum (q_i) x_i, exact
+    acc  = fma(float(isum), d * dx, acc)
   MXFP4, per group g of 32 (8 a block):
     isum = sum_{k in g} v_k x_k                              exact int32 (v the codebook level, |v| <= 12)
     acc  = fma(float(isum), s_g * dx, acc)                   groups in order, s_g = 2^(e_g - 128)
 which is what the one-row dots compute for these formats at 8 bits (qact's `exact_blocks`: the same integers, the
 same float operations in the same order), so a row gives the same bits from either layout. In a tile, one group's
 products per row sit in two int16 lanes of several vpmaddubsw results added together, below 2^15: Q2_K 4 * 2 * 3 *
-127 = 3048, Q4_K 8 * 2 * 15 * 127 = 30480, MXFP4 8 * 2 * 12 * 127 = 24384.
+127 = 3048, Q3_K 4 * 2 * 7 * 127 = 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q6_K 2 * 2 * 63 * 127 = 32004 (so two chunks
+at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384.
 Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by.
 What this is not: a 16-bit-activation path (its sums need qact's 16-lane split, so the default activations read the
 raw rows).
@@ -62,18 +78,20 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import QType
-from .kquants import Q2_K_SIZE, Q4_K_SIZE, QK_K, _scale_min_k4_jit, scale_min_k4
+from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales, _scale_min_k4_jit,
+                      scale_min_k4)
 from .qact import KVALUES_FP4, _AVX2
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
-TILE_BYTES = {QType.Q2_K: 32 + 128 + 512, QType.Q4_K: 32 + 64 + 64 + 1024,
-              QType.MXFP4: 64 + 1024}  # bytes per 8 rows and 256 columns
-RAW_BYTES = {QType.Q2_K: Q2_K_SIZE, QType.Q4_K: Q4_K_SIZE, QType.MXFP4: 8 * MXFP4_SIZE}  # one row's 256 columns
+TILE_BYTES = {QType.Q2_K: 32 + 128 + 512, QType.Q3_K: 16 + 128 + 512 + 256, QType.Q4_K: 32 + 64 + 64 + 1024,
+              QType.Q6_K: 16 + 128 + 1024 + 512, QType.MXFP4: 64 + 1024}  # bytes per 8 rows and 256 columns
+RAW_BYTES = {QType.Q2_K: Q2_K_SIZE, QType.Q3_K: Q3_K_SIZE, QType.Q4_K: Q4_K_SIZE, QType.Q6_K: Q6_K_SIZE,
+             QType.MXFP4: 8 * MXFP4_SIZE}  # one row's 256 columns, as stored
 
 
 def fits(qtype, rows: int, cols: int) -> bool:
-    """Whether a matrix of this type and shape has a repacked layout: Q2_K, Q4_K or MXFP4, whole tiles of 8 rows."""
+    """Whether a matrix of this type and shape has a repacked layout (TILE_BYTES' types), whole tiles of 8 rows."""
     return qtype in TILE_BYTES and rows % ROWS == 0 and cols % QK_K == 0 and rows > 0
 
 
@@ -102,6 +120,21 @@ def repack_ref(raw: np.ndarray, qtype) -> np.ndarray:
         out[..., 32:160] = blk[..., 0:16].transpose(0, 1, 3, 2).reshape(G, nb, 128)  # scale bytes [sub][row]
         qs = blk[..., 16:80].reshape(G, nb, ROWS, 2, 8, 4)  # [.., row, half h, chunk c, 4 bytes]
         out[..., 160:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 512)  # [h][c][row][4]
+    elif qtype == QType.Q3_K:
+        out[..., 0:16] = blk[..., 108:110].reshape(G, nb, 16)  # d of rows 0..7
+        sc = _q3_k_scales(blk[..., 96:108].reshape(-1, 12)).reshape(G, nb, ROWS, 16)  # int8, -32..31
+        out[..., 16:144] = sc.transpose(0, 1, 3, 2).reshape(G, nb, 128).view(np.uint8)  # [sub][row]
+        qs = blk[..., 32:96].reshape(G, nb, ROWS, 2, 8, 4)  # [.., row, half h, chunk c, 4 bytes]
+        out[..., 144:656] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 512)  # [h][c][row][4]
+        hm = blk[..., 0:32].reshape(G, nb, ROWS, 8, 4)  # [.., row, chunk c, 4 bytes]
+        out[..., 656:] = hm.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)  # [c][row][4]
+    elif qtype == QType.Q6_K:
+        out[..., 0:16] = blk[..., 208:210].reshape(G, nb, 16)  # d of rows 0..7
+        out[..., 16:144] = blk[..., 192:208].transpose(0, 1, 3, 2).reshape(G, nb, 128)  # int8 scales [sub][row]
+        ql = blk[..., 0:128].reshape(G, nb, ROWS, 2, 2, 8, 4)  # [.., row, h, m, chunk c, 4 bytes]
+        out[..., 144:1168] = ql.transpose(0, 1, 3, 4, 5, 2, 6).reshape(G, nb, 1024)  # [h][m][c][row][4]
+        qh = blk[..., 128:192].reshape(G, nb, ROWS, 2, 8, 4)  # [.., row, h, chunk c, 4 bytes]
+        out[..., 1168:] = qh.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 512)  # [h][c][row][4]
     elif qtype == QType.Q4_K:
         out[..., 0:16] = blk[..., 0:2].reshape(G, nb, 16)  # d of rows 0..7
         out[..., 16:32] = blk[..., 2:4].reshape(G, nb, 16)  # dmin
@@ -132,6 +165,25 @@ def unpack(tiles: np.ndarray, qtype) -> np.ndarray:
         blk[..., 82:84] = t[..., 16:32].reshape(G, nb, ROWS, 2)
         blk[..., 0:16] = t[..., 32:160].reshape(G, nb, 16, ROWS).transpose(0, 1, 3, 2)
         blk[..., 16:80] = t[..., 160:].reshape(G, nb, 2, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
+            G, nb, ROWS, 64)
+    elif qtype == QType.Q3_K:
+        blk = np.empty((G, nb, ROWS, Q3_K_SIZE), dtype=np.uint8)
+        blk[..., 108:110] = t[..., 0:16].reshape(G, nb, ROWS, 2)
+        sc = (t[..., 16:144].reshape(G, nb, 16, ROWS).transpose(0, 1, 3, 2).view(np.int8).astype(np.int16)
+              + 32).astype(np.uint8)  # [G, nb, row, 16]: the 6-bit fields
+        blk[..., 96:104] = (sc[..., 0:8] & 15) | ((sc[..., 8:16] & 15) << 4)  # low 4 bits: scale k at byte k & 7
+        hi = sc >> 4  # [.., 16]: the high 2 bits, scale k at byte 104 + (k & 3), bits 2 (k >> 2)
+        blk[..., 104:108] = hi[..., 0:4] | (hi[..., 4:8] << 2) | (hi[..., 8:12] << 4) | (hi[..., 12:16] << 6)
+        blk[..., 32:96] = t[..., 144:656].reshape(G, nb, 2, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
+            G, nb, ROWS, 64)
+        blk[..., 0:32] = t[..., 656:].reshape(G, nb, 8, ROWS, 4).transpose(0, 1, 3, 2, 4).reshape(G, nb, ROWS, 32)
+    elif qtype == QType.Q6_K:
+        blk = np.empty((G, nb, ROWS, Q6_K_SIZE), dtype=np.uint8)
+        blk[..., 208:210] = t[..., 0:16].reshape(G, nb, ROWS, 2)
+        blk[..., 192:208] = t[..., 16:144].reshape(G, nb, 16, ROWS).transpose(0, 1, 3, 2)
+        blk[..., 0:128] = t[..., 144:1168].reshape(G, nb, 2, 2, 8, ROWS, 4).transpose(0, 1, 5, 2, 3, 4, 6).reshape(
+            G, nb, ROWS, 128)
+        blk[..., 128:192] = t[..., 1168:].reshape(G, nb, 2, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
             G, nb, ROWS, 64)
     elif qtype == QType.Q4_K:
         blk = np.empty((G, nb, ROWS, Q4_K_SIZE), dtype=np.uint8)
@@ -198,6 +250,49 @@ def _repack_q2_k_into(raw, out):
 
 
 @njit(cache=True)
+def _repack_q3_k_into(raw, out):
+    """raw uint8 [R, nb * 110] -> out uint8 [R / 8, nb * 912]."""
+    nb = raw.shape[1] // Q3_K_SIZE
+    size = out.shape[1] // nb
+    for g in range(raw.shape[0] // ROWS):
+        for b in range(nb):
+            t = out[g, b * size:(b + 1) * size]
+            for r in range(ROWS):
+                blk = raw[g * ROWS + r, b * Q3_K_SIZE:(b + 1) * Q3_K_SIZE]
+                t[2 * r], t[2 * r + 1] = blk[108], blk[109]  # d
+                for k in range(16):
+                    t[16 + 8 * k + r] = np.uint8(_q3_k_scale(blk, 96, k) & 255)  # int8 as its byte
+                for h in range(2):
+                    for c in range(8):
+                        for i in range(4):
+                            t[144 + 32 * (8 * h + c) + 4 * r + i] = blk[32 + 32 * h + 4 * c + i]
+                for c in range(8):
+                    for i in range(4):
+                        t[656 + 32 * c + 4 * r + i] = blk[4 * c + i]
+
+
+@njit(cache=True)
+def _repack_q6_k_into(raw, out):
+    """raw uint8 [R, nb * 210] -> out uint8 [R / 8, nb * 1680]."""
+    nb = raw.shape[1] // Q6_K_SIZE
+    size = out.shape[1] // nb
+    for g in range(raw.shape[0] // ROWS):
+        for b in range(nb):
+            t = out[g, b * size:(b + 1) * size]
+            for r in range(ROWS):
+                blk = raw[g * ROWS + r, b * Q6_K_SIZE:(b + 1) * Q6_K_SIZE]
+                t[2 * r], t[2 * r + 1] = blk[208], blk[209]  # d
+                for k in range(16):
+                    t[16 + 8 * k + r] = blk[192 + k]
+                for h in range(2):
+                    for c in range(8):
+                        for i in range(4):
+                            for m in range(2):
+                                t[144 + 32 * (16 * h + 8 * m + c) + 4 * r + i] = blk[64 * h + 32 * m + 4 * c + i]
+                            t[1168 + 32 * (8 * h + c) + 4 * r + i] = blk[128 + 32 * h + 4 * c + i]
+
+
+@njit(cache=True)
 def _repack_mxfp4_into(raw, out):
     """raw uint8 [R, nb * 136] -> out uint8 [R / 8, nb * 1088]."""
     nb = raw.shape[1] // (8 * MXFP4_SIZE)
@@ -215,7 +310,8 @@ def _repack_mxfp4_into(raw, out):
                             t[64 + 32 * (4 * g + c) + 4 * r + k] = row[s + 1 + 4 * c + k]
 
 
-_REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q4_K: _repack_q4_k_into, QType.MXFP4: _repack_mxfp4_into}
+_REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q3_K: _repack_q3_k_into, QType.Q4_K: _repack_q4_k_into,
+                QType.Q6_K: _repack_q6_k_into, QType.MXFP4: _repack_mxfp4_into}
 
 
 def repack(raw: np.ndarray, qtype) -> np.ndarray:
@@ -392,6 +488,65 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs):
     return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
 
 
+def _block_symmetric(qtype):
+    """Q3_K and Q6_K: d * sc_k * (q - bias), signed 8-bit scales per 16 weights. In a tile the integers are taken as
+    q' = q + bias >= 0 (Q3_K 0..7, Q6_K 0..63) against x by vpmaddubsw, and the bias comes back through the
+    bsums: isum = sum_k sc_k (sum q' x - bias * bsum_k), exactly the one-row dot's integer."""
+    if qtype == QType.Q3_K:
+        bias, chunks_per_madd = 4, 4  # |4 chunks of 2 products| <= 4 * 2 * 7 * 127 < 2^15
+    else:
+        bias, chunks_per_madd = 32, 2  # 2 * 2 * 63 * 127 = 32004 < 2^15
+
+    def planes(e: _Emit, wbase, t, h, c):  # the 4 bit-planes j of chunk c: int8 [32] q' of weights 128 h + 32 j + 4 c
+        b = e.b
+        sh = lambda v, n: b.lshr(v, _vec(_i8, 32, [n] * 32)) if n else v  # noqa: E731
+        mask = lambda v, m: b.and_(v, _vec(_i8, 32, [m] * 32))  # noqa: E731
+        up = lambda v, n: b.shl(v, _vec(_i8, 32, [n] * 32))  # noqa: E731
+        if qtype == QType.Q3_K:
+            q = e.load(wbase, e.at(t, 144 + 32 * (8 * h + c)), _V32B)
+            hm = e.load(wbase, e.at(t, 656 + 32 * c), _V32B)
+            return [b.or_(mask(sh(q, 2 * j), 3), up(mask(sh(hm, 4 * h + j), 1), 2)) for j in range(4)]
+        lo_a = e.load(wbase, e.at(t, 144 + 32 * (16 * h + c)), _V32B)  # ql[64 h + 4 c ..]
+        lo_b = e.load(wbase, e.at(t, 144 + 32 * (16 * h + 8 + c)), _V32B)  # ql[64 h + 32 + 4 c ..]
+        hq = e.load(wbase, e.at(t, 1168 + 32 * (8 * h + c)), _V32B)  # qh[32 h + 4 c ..]
+        lows = [mask(lo_a, 15), mask(lo_b, 15), sh(lo_a, 4), sh(lo_b, 4)]  # j = 0, 1 low nibbles; 2, 3 high
+        return [b.or_(lows[j], up(mask(sh(hq, 2 * j), 3), 4)) for j in range(4)]
+
+    def block(e: _Emit, wbase, t, toks, accs):
+        b = e.b
+        isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+        for h in range(2):
+            for half in range(2):  # chunks 4 half .. 4 half + 3: sub-blocks 8 h + 2 j + half
+                s = [[None] * len(toks) for _ in range(4)]
+                for c in range(4 * half, 4 * half + 4):
+                    vs = planes(e, wbase, t, h, c)
+                    for j in range(4):
+                        s[j] = [_sum(e, a, e.maddubs(vs[j], e.x4(x.xbase, x.xo, 128 * h + 32 * j + 4 * c)))
+                                for a, x in zip(s[j], toks)]
+                    if (c + 1) % chunks_per_madd == 0:  # into int32 with the sub-blocks' scales, before 2^15
+                        for j in range(4):
+                            k = 8 * h + 2 * j + half
+                            sc16 = b.sext(b.shuffle_vector(*(2 * [e.load(wbase, e.at(t, 16 + 8 * k),
+                                                                          ir.VectorType(_i8, 8))]),
+                                                           _vec(_i32, 16, [r // 2 for r in range(16)])), _V16S)
+                            isums = [b.add(i, e.madd16(a, sc16)) for i, a in zip(isums, s[j])]
+                            s[j] = [None] * len(toks)
+        # - bias * sum_k sc_k bsum_k, then d * dx times the whole block's integer
+        corr = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+        for k in range(16):
+            sc = b.sext(e.load(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8)), _V8I)
+            corr = [b.add(m, b.mul(sc, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, 8)))
+                    for m, x in zip(corr, toks)]
+        d8 = b.fpext(e.load(wbase, t, ir.VectorType(ir.HalfType(), 8)), _V8F)
+        out = []
+        for x, isum, m, acc in zip(toks, isums, corr, accs):
+            total = b.sub(isum, b.mul(m, _vec(_i32, 8, [bias] * 8)))
+            out.append(e.fma(b.sitofp(total, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), acc))
+        return out
+
+    return block
+
+
 def _block_mxfp4(e: _Emit, wbase, t, toks, accs):
     """MXFP4, group by group: the codebook levels looked up once, each token's x signed by them."""
     b = e.b
@@ -415,7 +570,8 @@ def _block_mxfp4(e: _Emit, wbase, t, toks, accs):
     return accs
 
 
-_BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q4_K: _block_q4_k, QType.MXFP4: _block_mxfp4}
+_BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QType.Q4_K: _block_q4_k,
+           QType.Q6_K: _block_symmetric(QType.Q6_K), QType.MXFP4: _block_mxfp4}
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int):
@@ -489,9 +645,12 @@ def _make_tile_dot(qtype, portable: bool = False):
 
 
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
+tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
+tile_dot_q6_k = _make_tile_dot(QType.Q6_K)
 tile_dot_mxfp4 = _make_tile_dot(QType.MXFP4)
-TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q4_K: tile_dot_q4_k, QType.MXFP4: tile_dot_mxfp4}
+TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: tile_dot_q4_k,
+             QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4}
 
 
 TILE_DOT = None  # bound per format by _compile_matmul
