@@ -459,6 +459,13 @@ MUTANTS: list[Mutant] = [
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q2_K]"),
         "the repacked Q2_K dot takes a sub-block's whole scale byte as its min (not the high nibble)"),
     Mutant(
+        "tile_q6_k_bias_off_by_one", "pymoe/quant/repack.py",
+        "bias, chunks_per_madd = 32, 2",
+        "bias, chunks_per_madd = 31, 2",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q6_K]",
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q4_K_M]"),
+        "the repacked Q6_K dot brings back 31 * bsum instead of 32 (every weight off by one step)"),
+    Mutant(
         "repack_chunks_reversed", "pymoe/quant/repack.py",
         "t[160 + 32 * (8 * p + c) + 4 * r + k] = blk[16 + 32 * p + 4 * c + k]",
         "t[160 + 32 * (8 * p + 7 - c) + 4 * r + k] = blk[16 + 32 * p + 4 * c + k]",
