@@ -427,8 +427,9 @@ def _affine_epilogue(e: _Emit, wbase, t, toks, isums, msums, accs):
     return out
 
 
-def _dup_pairs(e: _Emit, v8):  # int8 [8] (a value per row) -> int16 [16], lanes 2r and 2r + 1 row r's
-    return e.b.zext(e.b.shuffle_vector(v8, v8, _vec(_i32, 16, [r // 2 for r in range(16)])), _V16S)
+def _dup_pairs(e: _Emit, v8, signed: bool = False):  # int8 [8] (a value per row) -> int16 [16], lanes 2r and
+    pairs = e.b.shuffle_vector(v8, v8, _vec(_i32, 16, [r // 2 for r in range(16)]))  # 2r + 1 row r's
+    return (e.b.sext if signed else e.b.zext)(pairs, _V16S)
 
 
 def _sum(e: _Emit, a, m):  # a running sum, None at first
@@ -526,9 +527,7 @@ def _block_symmetric(qtype):
                     if (c + 1) % chunks_per_madd == 0:  # into int32 with the sub-blocks' scales, before 2^15
                         for j in range(4):
                             k = 8 * h + 2 * j + half
-                            sc16 = b.sext(b.shuffle_vector(*(2 * [e.load(wbase, e.at(t, 16 + 8 * k),
-                                                                          ir.VectorType(_i8, 8))]),
-                                                           _vec(_i32, 16, [r // 2 for r in range(16)])), _V16S)
+                            sc16 = _dup_pairs(e, e.load(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8)), True)
                             isums = [b.add(i, e.madd16(a, sc16)) for i, a in zip(isums, s[j])]
                             s[j] = [None] * len(toks)
         # - bias * sum_k sc_k bsum_k, then d * dx times the whole block's integer
