@@ -318,8 +318,8 @@ def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, h
     [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive). tiles int64 [S, 3]: the same matrices
     repacked 8 rows at a time (quant/repack.py, uint8 [rows / 8, row_tiles]), or 0 where there is no such copy; an
     expert's repacked matrices are read 8 rows per call, for TILE_MANY tokens at a time (then one by one), with the
-    same bits. Pairs are grouped by expert:
-    expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p is token tok[p] with routing weight weight[p].
+    same bits. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
+    is token tok[p] with routing weight weight[p].
     x as quantized rows, one per pair (so an expert's tokens are consecutive rows): xq [P, D], xd, xbs. Scratch: h float32 [P, F], hq/hd/hbs its quantized rows (qmax: the
     largest value of hq's dtype). y float32 [T, D]
     (accumulated into). Three parallel phases: gate+up+SwiGLU over (expert, block of F rows); quantize h per pair;
@@ -344,7 +344,7 @@ def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, h
         u = np.empty((b - a, MOE_ROWS_PER_TASK), dtype=np.float32)  # [n, rows] up rows
         r0 = (task % blocks_f) * MOE_ROWS_PER_TASK
         r1 = min(F, r0 + MOE_ROWS_PER_TASK)
-        if tiles[k, 0] != 0 and tiles[k, 1] != 0:  # both repacked: 8 rows a call, token by token
+        if tiles[k, 0] != 0 and tiles[k, 1] != 0:  # both repacked: 8 rows a call
             gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
             ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
             o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
@@ -384,7 +384,7 @@ def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, h
             a, b = start[k], start[k + 1]
             down = carray(bytes_at(addr[k, 2]), (D, down_bytes))  # [D, row_bytes(F)]
             r0, r1 = task * MOE_ROWS_PER_TASK, min(D, (task + 1) * MOE_ROWS_PER_TASK)
-            if tiles[k, 2] != 0:  # repacked: 8 rows a call, token by token
+            if tiles[k, 2] != 0:  # repacked: 8 rows a call
                 dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
                 for r in range(r0, r1, TILE_ROWS):
                     i = 0
