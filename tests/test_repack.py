@@ -146,10 +146,9 @@ def _addresses(mats):
     return tuple(0 if m is None else m.ctypes.data for m in mats)
 
 
-@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q4_K), (QType.Q4_K, QType.Q4_K, QType.Q6_K),
-                                   (QType.MXFP4, QType.MXFP4, QType.MXFP4), (QType.Q2_K, QType.Q2_K, QType.Q3_K),
-                                   (QType.Q4_K, QType.Q4_K, QType.Q5_K)],
-                         ids=["Q4_K", "Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q5_K-untiled"])
+@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.MXFP4, QType.MXFP4, QType.MXFP4),
+                                   (QType.Q2_K, QType.Q2_K, QType.Q3_K), (QType.Q4_K, QType.Q4_K, QType.Q5_K)],
+                         ids=["Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q5_K-untiled"])
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     """Decode (one token, 4 experts) and a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
     many-token call and one single):
@@ -173,8 +172,8 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
         plain = run(None)
         assert np.array_equal(run(mats), plain)
         assert not np.array_equal(run(zeroed), plain)
-        # at 16 bits the copies are not read (their dots are 8-bit only): the same result with zeroed ones
-        assert np.array_equal(run(zeroed, 16), run(None, 16))
+        if types[2] == QType.Q5_K:  # at 16 bits the copies are not read (their dots are 8-bit only): the same
+            assert np.array_equal(run(zeroed, 16), run(None, 16))  # result with zeroed ones (one triple: compile time)
 
 
 @pytest.fixture(scope="module")
