@@ -467,11 +467,11 @@ MUTANTS: list[Mutant] = [
         "the repacked Q6_K dot brings back 31 * bsum instead of 32 (every weight off by one step)"),
     Mutant(
         "repack_chunks_reversed", "pymoe/quant/repack.py",
-        "t[160 + 32 * (8 * p + c) + 4 * r + k] = blk[16 + 32 * p + 4 * c + k]",
-        "t[160 + 32 * (8 * p + 7 - c) + 4 * r + k] = blk[16 + 32 * p + 4 * c + k]",
+        "t[dst + 32 * c + 4 * r + i] = blk[src + 4 * c + i]",
+        "t[dst + 32 * (c ^ 1) + 4 * r + i] = blk[src + 4 * c + i]",
         ("tests/test_repack.py::test_repack_is_the_reference_layout_and_comes_back[*]",
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[*]"),
-        "the compiled repacking writes each sub-block's 4-weight chunks in reverse order (x meets the wrong weights)"),
+        "the compiled repacking swaps neighbouring 4-weight chunks (x meets the wrong weights)"),
     Mutant(
         "exact_block_mins_added", "pymoe/quant/qact.py",
         "a0 = fma1(msum, builder.fneg(builder.fmul(dmin, dx)), a0)",
