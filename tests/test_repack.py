@@ -3,7 +3,7 @@
 What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
 the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
 change a result: its numerics are qact's `exact_blocks`), and against float math within the integer path's bound
-(tests/test_kernels_qact.py); its portable twin (CPUs without AVX2) against it; the fused MoE kernel and the dense
+(tests/test_kernels_qact.py); its other forms (portable IR, AVX2, VNNI) against it; the fused MoE kernel and the dense
 products with and without repacked copies, bit for bit, with a check that the copies are what was read; a Q4_K_M file
 made by llama.cpp's quantizer decoded with and without repacking, bit for bit, and one MXFP4_MOE file likewise.
 What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Round seven").
@@ -120,17 +120,26 @@ def test_tile_dot_at_the_int16_bound(qtype):
         assert np.array_equal(y, one) and np.allclose(y, want, rtol=1e-6, atol=0)
 
 
+# The forms of the tile dot this machine can compile: the portable IR (CPUs without AVX2) always; AVX2's intrinsics and
+# VNNI's (vpdpbusd: AVX-512 VNNI or AVX-VNNI) where the CPU has them (LLVM cannot select them elsewhere).
+FORMS = [("portable", dict(portable=True))] + ([("avx2", dict(vnni=False))] if qact._AVX2 else []) + (
+    [("vnni", dict(vnni=True))] if repack._VNNI else [])
+
+
+@pytest.mark.parametrize("form", [f for f, _ in FORMS])
 @pytest.mark.parametrize("qtype", TILED, ids=IDS)
-def test_portable_tile_dot_equals_the_avx2_one(qtype):
-    """What CPUs without AVX2 compile (vpmaddubsw, vpmaddwd, vpsignb, vpshufb as plain IR): the same integers and
-    float operations, so the same bits."""
-    portable = repack._make_tile_dot(qtype, portable=True)
+def test_every_form_of_the_tile_dot_has_the_same_bits(qtype, form):
+    """Each form against the one this machine runs (tile_matmul): the portable IR (vpmaddubsw, vpmaddwd, vpsignb,
+    vpshufb as plain IR), AVX2 (int16 pair sums, then vpmaddwd with the scales) and VNNI (each row's 4 products
+    straight into int32 by vpdpbusd, the scales by an int32 multiply) reach the same integers by different
+    instructions, then do the same float operations: the same bits, for one token and for MANY."""
+    dot = repack._make_tile_dot(qtype, **dict(FORMS)[form])
 
     @njit
     def run(tiles, xq, xd, xbs, y, y4):
         for g in range(tiles.shape[0]):
-            portable(tiles[g], xq[0], xd[0], xbs[0], y[g * 8:(g + 1) * 8])
-            portable(tiles[g], xq, xd, xbs, y4[g])  # the many-token form: [MANY, 8]
+            dot(tiles[g], xq[0], xd[0], xbs[0], y[g * 8:(g + 1) * 8])
+            dot(tiles[g], xq, xd, xbs, y4[g])  # the many-token form: [MANY, 8]
 
     rng = np.random.default_rng(3)
     raw = random_rows(qtype, 16, 512, rng)

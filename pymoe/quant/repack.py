@@ -71,6 +71,8 @@ raw rows).
 """
 from __future__ import annotations
 
+import os
+
 import numpy as np
 from llvmlite import ir
 from numba import njit, prange, types
@@ -330,8 +332,8 @@ class _Emit:
     """The few vector operations both tile dots are made of, for one builder (avx2: by AVX2's intrinsics; else
     portable IR with the same integers, what CPUs without AVX2 run)."""
 
-    def __init__(self, builder, avx2: bool):
-        self.b, self.avx2 = builder, avx2
+    def __init__(self, builder, avx2: bool, vnni: bool = False):
+        self.b, self.avx2, self.vnni = builder, avx2, avx2 and vnni
 
     def x86(self, name, ret, argv):
         fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in argv]), name)
@@ -370,18 +372,36 @@ class _Emit:
         return b.add(b.shuffle_vector(p, p, _vec(_i32, 8, range(0, 16, 2))),
                      b.shuffle_vector(p, p, _vec(_i32, 8, range(1, 16, 2))))
 
+    # A sub-block's products, row by row. Two ways to the same integers: AVX2 sums each chunk's 4 products per row
+    # in two int16 lanes (vpmaddubsw, then int16 adds: each block bounds its chunks so these never pass 2^15) and
+    # applies the scales with vpmaddwd; VNNI (AVX-512 VNNI or AVX-VNNI) adds the 4 products straight into the row's
+    # int32 lane (vpdpbusd) and multiplies by the scale as int32. The sums are exact either way.
+    def sub_add(self, s, w, x):  # s (None at first) + the products of uint8 [32] w and int8 [32] x, per row
+        if self.vnni:
+            acc = ir.Constant(_V8I, [0] * 8) if s is None else s
+            return self.x86("llvm.x86.avx512.vpdpbusd.256", _V8I,
+                            [acc, self.b.bitcast(w, _V8I), self.b.bitcast(x, _V8I)])  # int32 [8]
+        return _sum(self, s, self.maddubs(w, x))  # int16 [16]: row r in lanes 2r, 2r + 1
+
+    def sub_scaled(self, s, sc8=None, signed: bool = False):  # -> int32 [8]: row r's sum times its scale
+        # sc8: int8 [8], one scale per row (None: 1; signed: int8, else uint8)
+        if self.vnni:
+            return s if sc8 is None else self.b.mul(s, (self.b.sext if signed else self.b.zext)(sc8, _V8I))
+        sc16 = _vec(_i16, 16, [1] * 16) if sc8 is None else _dup_pairs(self, sc8, signed)
+        return self.madd16(s, sc16)
+
     def magnitude(self, v):  # int8 [32] -> |v| (as unsigned bytes: -128 -> 128)
         b, zero = self.b, _vec(_i8, 32, [0] * 32)
         return b.select(b.icmp_signed("<", v, zero), b.neg(v), v)
 
-    def signed_dot(self, v, mag, x):  # int8 [32] v (any sign), mag = |v|, int8 [32] x -> int16 [16] pair sums of
-        b = self.b  # v x, llama.cpp's way: |v| against x with v's sign moved onto it (vpsignb, then vpmaddubsw)
+    def signed_add(self, s, v, mag, x):  # sub_add of int8 [32] v (any sign) against int8 [32] x, mag = |v|:
+        b = self.b  # llama.cpp's way, |v| against x with v's sign moved onto it (vpsignb)
         zero = _vec(_i8, 32, [0] * 32)
         if self.avx2:
             x = self.x86("llvm.x86.avx2.psign.b", _V32B, [x, v])
         else:
             x = b.select(b.icmp_signed("<", v, zero), b.neg(x), b.select(b.icmp_signed("==", v, zero), zero, x))
-        return self.maddubs(mag, x)
+        return self.sub_add(s, mag, x)
 
     def lookup(self, v, codebook):  # int8 [32] of indices 0..15 -> their codebook levels
         if self.avx2:  # vpshufb looks up within each 16-byte half: the table twice
@@ -446,11 +466,10 @@ def _block_q2_k(e: _Emit, wbase, t, toks, accs):
                     q = e.load(wbase, e.at(t, 160 + 32 * (8 * h + c)), _V32B)
                     v = b.and_(b.lshr(q, _vec(_i8, 32, [2 * j] * 32)), three) if j else b.and_(q, three)
                     k = 128 * h + 32 * j + 4 * c  # the chunk's first weight
-                    s = [_sum(e, a, e.maddubs(v, e.x4(x.xbase, x.xo, k))) for a, x in zip(s, toks)]
+                    s = [e.sub_add(a, v, e.x4(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
                 k = 8 * h + 2 * j + half
                 sc8 = b.and_(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [15] * 8))
-                sc16 = _dup_pairs(e, sc8)
-                isums = [b.add(i, e.madd16(a, sc16)) for i, a in zip(isums, s)]  # row r: sc_rk * its 16 products
+                isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]  # row r: sc_rk * its 16 products
     msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for k in range(16):
         m8 = b.zext(b.lshr(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [4] * 8)), _V8I)
@@ -467,11 +486,11 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs):
         s_lo = s_hi = [None] * len(toks)
         for c in range(8):
             lo, hi = e.nibbles(e.load(wbase, e.at(t, 160 + 32 * (8 * p + c)), _V32B))  # 4 weights of each row
-            s_lo = [_sum(e, a, e.maddubs(lo, e.x4(x.xbase, x.xo, 64 * p + 4 * c))) for a, x in zip(s_lo, toks)]
-            s_hi = [_sum(e, a, e.maddubs(hi, e.x4(x.xbase, x.xo, 64 * p + 32 + 4 * c))) for a, x in zip(s_hi, toks)]
+            s_lo = [e.sub_add(a, lo, e.x4(x.xbase, x.xo, 64 * p + 4 * c)) for a, x in zip(s_lo, toks)]
+            s_hi = [e.sub_add(a, hi, e.x4(x.xbase, x.xo, 64 * p + 32 + 4 * c)) for a, x in zip(s_hi, toks)]
         for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
-            sc16 = _dup_pairs(e, e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8)))  # sub-block j's scales
-            isums = [b.add(i, e.madd16(a, sc16)) for i, a in zip(isums, s)]  # row r: sc_rj * its 32 products
+            sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's scales
+            isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]  # row r: sc_rj * its 32 products
     msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for j in range(8):
         m8 = b.zext(e.load(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), _V8I)  # sub-block j's mins
@@ -514,13 +533,13 @@ def _block_symmetric(qtype):
                 for c in range(4 * half, 4 * half + 4):
                     vs = planes(e, wbase, t, h, c)
                     for j in range(4):
-                        s[j] = [_sum(e, a, e.maddubs(vs[j], e.x4(x.xbase, x.xo, 128 * h + 32 * j + 4 * c)))
+                        s[j] = [e.sub_add(a, vs[j], e.x4(x.xbase, x.xo, 128 * h + 32 * j + 4 * c))
                                 for a, x in zip(s[j], toks)]
                     if (c + 1) % chunks_per_madd == 0:  # into int32 with the sub-blocks' scales, before 2^15
                         for j in range(4):
                             k = 8 * h + 2 * j + half
-                            sc16 = _dup_pairs(e, e.load(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8)), True)
-                            isums = [b.add(i, e.madd16(a, sc16)) for i, a in zip(isums, s[j])]
+                            sc8 = e.load(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8))
+                            isums = [b.add(i, e.sub_scaled(a, sc8, True)) for i, a in zip(isums, s[j])]
                             s[j] = [None] * len(toks)
         # - bias * sum_k sc_k bsum_k, then d * dx times the whole block's integer
         corr = [ir.Constant(_V8I, [0] * 8)] * len(toks)
@@ -541,7 +560,6 @@ def _block_symmetric(qtype):
 def _block_mxfp4(e: _Emit, wbase, t, toks, accs):
     """MXFP4, group by group: the codebook levels looked up once, each token's x signed by them."""
     b = e.b
-    ones = _vec(_i16, 16, [1] * 16)
     accs = list(accs)
     for g in range(8):
         s = [None] * len(toks)
@@ -549,14 +567,14 @@ def _block_mxfp4(e: _Emit, wbase, t, toks, accs):
             lo, hi = e.nibbles(e.load(wbase, e.at(t, 64 + 32 * (4 * g + c)), _V32B))
             for v, k in ((e.lookup(lo, KVALUES_FP4), 32 * g + 4 * c), (e.lookup(hi, KVALUES_FP4), 32 * g + 16 + 4 * c)):
                 mag = e.magnitude(v)
-                s = [_sum(e, a, e.signed_dot(v, mag, e.x4(x.xbase, x.xo, k))) for a, x in zip(s, toks)]
+                s = [e.signed_add(a, v, mag, e.x4(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
         # the 8 rows' scales 2^(e - 128), as ggml_e8m0_to_fp32_half (qact.group_scales_at, lane = row here)
         ev = b.zext(e.load(wbase, e.at(t, 8 * g), ir.VectorType(_i8, 8)), _V8I)
         normal = b.shl(b.sub(ev, _vec(_i32, 8, [1] * 8)), _vec(_i32, 8, [23] * 8))
         small = b.shl(_vec(_i32, 8, [0x00200000] * 8), b.and_(ev, _vec(_i32, 8, [1] * 8)))
         scale = b.bitcast(b.select(b.icmp_unsigned("<", ev, _vec(_i32, 8, [2] * 8)), small, normal), _V8F)
         for i, x in enumerate(toks):
-            isum = e.madd16(s[i], ones)  # [8]: row r's 32 products
+            isum = e.sub_scaled(s[i])  # [8]: row r's 32 products
             accs[i] = e.fma(b.sitofp(isum, _V8F), b.fmul(scale, e.splat(x.dx, _f32, 8)), accs[i])
     return accs
 
@@ -565,14 +583,14 @@ _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QT
            QType.Q6_K: _block_symmetric(QType.Q6_K), QType.MXFP4: _block_mxfp4}
 
 
-def _make_codegen(qtype, avx2: bool, n_tok: int):
+def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False):
     size, block = TILE_BYTES[qtype], _BLOCKS[qtype]
 
     def codegen(context, builder, signature, args):
         """out = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times n_tok tokens: 1-D xq int8 [nb * 256],
         xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]."""
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
-        e = _Emit(builder, avx2)
+        e = _Emit(builder, avx2, vnni)
         nd = signature.args[1].ndim
         nb = cgutils.unpack_tuple(builder, xda.shape, nd)[nd - 1]
 
@@ -609,16 +627,23 @@ def _c(a, dtype, nd=1):
 
 
 MANY = 4  # tokens per call of a tile's many-token dot
+# The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
+# others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
+# 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
+# 76-94 / 120, Q3_K 79-93 / 105, Q6_K 72-85 / 90 (bench/bench_repack.py, PYMOE_VNNI=1 / 0).
+VNNI_MANY = {QType.Q4_K, QType.MXFP4}
 
 
-def _make_tile_dot(qtype, portable: bool = False):
+def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None):
     """-> tile_dot(tiles uint8 [nb * TILE_BYTES], xq, xd, xbs, out): the row-group's 8 rows times one token (xq int8
     [nb * 256], xd float32 [nb], xbs int32 [nb * 16], out float32 [8]) or times MANY tokens at once (the same arrays
     2-D, one C-contiguous row per token, out [MANY, 8]: the weights unpacked once for them; each token's bits those
     of its one-token call). It also types for int16 xq, so that a kernel compiled for both activation widths may
-    hold the call; at 16 bits its body is a trap (callers pass no tiles then)."""
-    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1),
-                2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY)}
+    hold the call; at 16 bits its body is a trap (callers pass no tiles then). portable: the IR without x86
+    intrinsics (CPUs without AVX2); vnni: with vpdpbusd or without (None: as this CPU allows, `_VNNI`)."""
+    vnni = _VNNI if vnni is None else vnni
+    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni),
+                2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY)}
 
     def trap(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
@@ -635,6 +660,18 @@ def _make_tile_dot(qtype, portable: bool = False):
     return tile_dot
 
 
+def _host_has_vnni() -> bool:
+    """Whether the tile dots may use vpdpbusd on 256-bit vectors: Numba compiles for this CPU, which has AVX-512 VNNI
+    with AVX-512VL, or AVX-VNNI; PYMOE_VNNI=0 says no (the AVX2 form, e.g. to compare the two on one machine)."""
+    import numba
+    from llvmlite import binding
+
+    f = binding.get_host_cpu_features()
+    return (numba.config.CPU_NAME in (None, "host") and os.environ.get("PYMOE_VNNI", "1") != "0"
+            and bool(f.get("avx2")) and (bool(f.get("avx512vnni") and f.get("avx512vl")) or bool(f.get("avxvnni"))))
+
+
+_VNNI = _host_has_vnni()
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
@@ -673,7 +710,8 @@ def _compile_matmul(qtype):
 
     fn = pytypes.FunctionType(_tile_matmul_template.__code__,
                               {**_tile_matmul_template.__globals__, "TILE_DOT": TILE_DOTS[qtype]},
-                              f"tile_matmul_{qtype.name}")  # the name keys Numba's on-disk cache
+                              f"tile_matmul_{qtype.name}{'_vnni' if _VNNI else ''}")  # the name keys Numba's
+    # on-disk cache (whose key also holds this CPU's name and features, but not PYMOE_VNNI)
     fn.__qualname__ = fn.__name__
     return njit(parallel=True, cache=True)(fn)
 

@@ -466,6 +466,14 @@ MUTANTS: list[Mutant] = [
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q4_K_M]"),
         "the repacked Q6_K dot brings back 31 * bsum instead of 32 (every weight off by one step)"),
     Mutant(
+        "tile_vnni_scale_sign_lost", "pymoe/quant/repack.py",
+        "return s if sc8 is None else self.b.mul(s, (self.b.sext if signed else self.b.zext)(sc8, _V8I))",
+        "return s if sc8 is None else self.b.mul(s, self.b.zext(sc8, _V8I))",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q6_K]",
+         "tests/test_repack.py::test_every_form_of_the_tile_dot_has_the_same_bits[*Q3_K]"),
+        "the VNNI tile dot reads Q3_K's and Q6_K's signed scales as unsigned (a negative scale becomes 256 + sc); "
+        "only CPUs with VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
         "repack_chunks_reversed", "pymoe/quant/repack.py",
         "t[dst + 32 * c + 4 * r + i] = blk[src + 4 * c + i]",
         "t[dst + 32 * (c ^ 1) + 4 * r + i] = blk[src + 4 * c + i]",
