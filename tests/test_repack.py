@@ -120,19 +120,22 @@ def test_tile_dot_at_the_int16_bound(qtype):
         assert np.array_equal(y, one) and np.allclose(y, want, rtol=1e-6, atol=0)
 
 
-# The forms of the tile dot this machine can compile: the portable IR (CPUs without AVX2) always; AVX2's intrinsics and
-# VNNI's (vpdpbusd: AVX-512 VNNI or AVX-VNNI) where the CPU has them (LLVM cannot select them elsewhere).
+# The forms of the tile dot this machine can compile: the portable IR (CPUs without AVX2) always; AVX2's intrinsics,
+# VNNI's (vpdpbusd on 256 bits: AVX-512 VNNI or AVX-VNNI) and the wide one (512 bits, two chunks an operation: Q4_K on
+# AVX-512 VNNI) where the CPU has them (LLVM cannot select them elsewhere).
 FORMS = [("portable", dict(portable=True))] + ([("avx2", dict(vnni=False))] if qact._AVX2 else []) + (
-    [("vnni", dict(vnni=True))] if repack._VNNI else [])
+    [("vnni", dict(vnni=True, wide=False))] if repack._VNNI else []) + (
+    [("vnni-wide", dict(vnni=True, wide=True))] if repack._WIDE else [])
 
 
 @pytest.mark.parametrize("form", [f for f, _ in FORMS])
 @pytest.mark.parametrize("qtype", TILED, ids=IDS)
 def test_every_form_of_the_tile_dot_has_the_same_bits(qtype, form):
     """Each form against the one this machine runs (tile_matmul): the portable IR (vpmaddubsw, vpmaddwd, vpsignb,
-    vpshufb as plain IR), AVX2 (int16 pair sums, then vpmaddwd with the scales) and VNNI (each row's 4 products
-    straight into int32 by vpdpbusd, the scales by an int32 multiply) reach the same integers by different
-    instructions, then do the same float operations: the same bits, for one token and for MANY."""
+    vpshufb as plain IR), AVX2 (int16 pair sums, then vpmaddwd with the scales), VNNI (each row's 4 products
+    straight into int32 by vpdpbusd, the scales by an int32 multiply) and wide VNNI (two chunks in 16 int32 lanes,
+    the halves added) reach the same integers by different instructions, then do the same float operations: the
+    same bits, for one token and for MANY."""
     dot = repack._make_tile_dot(qtype, **dict(FORMS)[form])
 
     @njit

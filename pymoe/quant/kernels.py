@@ -435,7 +435,8 @@ _ACT_KERNELS: dict = {}
 def _act_fingerprint() -> str:
     here = os.path.dirname(__file__)
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
-    return _source_fingerprint(files) + ("v" if repack._VNNI else "")  # vpdpbusd or not: PYMOE_VNNI
+    return _source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")  # PYMOE_VNNI,
+    # PYMOE_WIDE: which instructions the tile dots use
 
 
 def rows_dot(qtype):

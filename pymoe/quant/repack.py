@@ -332,8 +332,12 @@ class _Emit:
     """The few vector operations both tile dots are made of, for one builder (avx2: by AVX2's intrinsics; else
     portable IR with the same integers, what CPUs without AVX2 run)."""
 
-    def __init__(self, builder, avx2: bool, vnni: bool = False):
+    def __init__(self, builder, avx2: bool, vnni: bool = False, wide: bool = False):
         self.b, self.avx2, self.vnni = builder, avx2, avx2 and vnni
+        # wide (VNNI only, formats in WIDE): two consecutive chunks per operation, 512-bit vectors: lanes 0-7 hold
+        # the 8 rows' sums of the first chunk, lanes 8-15 those of the second, added together by `fold`
+        self.width = 2 if self.vnni and wide else 1
+        self.VB = ir.VectorType(_i8, 32 * self.width)  # the weights of `width` chunks
 
     def x86(self, name, ret, argv):
         fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in argv]), name)
@@ -352,9 +356,22 @@ class _Emit:
     def x4(self, xbase, xo, k):  # activations k .. k + 3 of the block at xo, broadcast to the 8 rows: int8 [32]
         return self.b.bitcast(self.splat(self.load(xbase, self.at(xo, k), _i32), _i32, 8), _V32B)
 
-    def nibbles(self, q):  # uint8 [32] -> (low nibbles, high nibbles)
-        low = _vec(_i8, 32, [15] * 32)
-        return self.b.and_(q, low), self.b.and_(self.b.lshr(q, _vec(_i8, 32, [4] * 32)), low)
+    def xs(self, xbase, xo, k):  # activations k .. k + 4 width - 1 as `width` chunks see them: int8 [32 width]
+        if self.width == 1:
+            return self.x4(xbase, xo, k)
+        two = self.load(xbase, self.at(xo, k), ir.VectorType(_i32, 2))  # k .. k + 3 to lanes 0-7, k + 4 .. to 8-15
+        return self.b.bitcast(self.b.shuffle_vector(two, two, _vec(_i32, 16, [0] * 8 + [1] * 8)), self.VB)
+
+    def fold(self, s):  # a wide sub-block sum int32 [16] -> int32 [8] (the two chunks' halves added); else s
+        if self.width == 1:
+            return s
+        b = self.b
+        return b.add(b.shuffle_vector(s, s, _vec(_i32, 8, range(8))), b.shuffle_vector(s, s, _vec(_i32, 8, range(8, 16))))
+
+    def nibbles(self, q):  # uint8 [32 width] -> (low nibbles, high nibbles)
+        n = 32 * self.width
+        low = _vec(_i8, n, [15] * n)
+        return self.b.and_(q, low), self.b.and_(self.b.lshr(q, _vec(_i8, n, [4] * n)), low)
 
     def maddubs(self, w, x):  # uint8 [32] x int8 [32], pairs added -> int16 [16]
         if self.avx2:
@@ -378,9 +395,10 @@ class _Emit:
     # int32 lane (vpdpbusd) and multiplies by the scale as int32. The sums are exact either way.
     def sub_add(self, s, w, x):  # s (None at first) + the products of uint8 [32] w and int8 [32] x, per row
         if self.vnni:
-            acc = ir.Constant(_V8I, [0] * 8) if s is None else s
-            return self.x86("llvm.x86.avx512.vpdpbusd.256", _V8I,
-                            [acc, self.b.bitcast(w, _V8I), self.b.bitcast(x, _V8I)])  # int32 [8]
+            vi = ir.VectorType(_i32, 8 * self.width)
+            acc = ir.Constant(vi, [0] * (8 * self.width)) if s is None else s
+            return self.x86(f"llvm.x86.avx512.vpdpbusd.{256 * self.width}", vi,
+                            [acc, self.b.bitcast(w, vi), self.b.bitcast(x, vi)])  # int32 [8 width]
         return _sum(self, s, self.maddubs(w, x))  # int16 [16]: row r in lanes 2r, 2r + 1
 
     def sub_scaled(self, s, sc8=None, signed: bool = False):  # -> int32 [8]: row r's sum times its scale
@@ -484,13 +502,13 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs):
     isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for p in range(4):
         s_lo = s_hi = [None] * len(toks)
-        for c in range(8):
-            lo, hi = e.nibbles(e.load(wbase, e.at(t, 160 + 32 * (8 * p + c)), _V32B))  # 4 weights of each row
-            s_lo = [e.sub_add(a, lo, e.x4(x.xbase, x.xo, 64 * p + 4 * c)) for a, x in zip(s_lo, toks)]
-            s_hi = [e.sub_add(a, hi, e.x4(x.xbase, x.xo, 64 * p + 32 + 4 * c)) for a, x in zip(s_hi, toks)]
+        for c in range(0, 8, e.width):  # chunk c (wide: c and c + 1): 4 weights of each row
+            lo, hi = e.nibbles(e.load(wbase, e.at(t, 160 + 32 * (8 * p + c)), e.VB))
+            s_lo = [e.sub_add(a, lo, e.xs(x.xbase, x.xo, 64 * p + 4 * c)) for a, x in zip(s_lo, toks)]
+            s_hi = [e.sub_add(a, hi, e.xs(x.xbase, x.xo, 64 * p + 32 + 4 * c)) for a, x in zip(s_hi, toks)]
         for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
             sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's scales
-            isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]  # row r: sc_rj * its 32 products
+            isums = [b.add(i, e.sub_scaled(e.fold(a), sc8)) for i, a in zip(isums, s)]  # row r: sc_rj * its 32
     msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for j in range(8):
         m8 = b.zext(e.load(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), _V8I)  # sub-block j's mins
@@ -583,14 +601,14 @@ _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QT
            QType.Q6_K: _block_symmetric(QType.Q6_K), QType.MXFP4: _block_mxfp4}
 
 
-def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False):
+def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False):
     size, block = TILE_BYTES[qtype], _BLOCKS[qtype]
 
     def codegen(context, builder, signature, args):
         """out = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times n_tok tokens: 1-D xq int8 [nb * 256],
         xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]."""
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
-        e = _Emit(builder, avx2, vnni)
+        e = _Emit(builder, avx2, vnni, wide)
         nd = signature.args[1].ndim
         nb = cgutils.unpack_tuple(builder, xda.shape, nd)[nd - 1]
 
@@ -634,7 +652,7 @@ MANY = 4  # tokens per call of a tile's many-token dot
 VNNI_MANY = {QType.Q4_K, QType.MXFP4}
 
 
-def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None):
+def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None):
     """-> tile_dot(tiles uint8 [nb * TILE_BYTES], xq, xd, xbs, out): the row-group's 8 rows times one token (xq int8
     [nb * 256], xd float32 [nb], xbs int32 [nb * 16], out float32 [8]) or times MANY tokens at once (the same arrays
     2-D, one C-contiguous row per token, out [MANY, 8]: the weights unpacked once for them; each token's bits those
@@ -642,8 +660,9 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None):
     hold the call; at 16 bits its body is a trap (callers pass no tiles then). portable: the IR without x86
     intrinsics (CPUs without AVX2); vnni: with vpdpbusd or without (None: as this CPU allows, `_VNNI`)."""
     vnni = _VNNI if vnni is None else vnni
-    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni),
-                2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY)}
+    wide = (_WIDE if wide is None else wide) and QType(qtype) in WIDE  # the blocks written for two chunks only
+    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide),
+                2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY, wide)}
 
     def trap(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
@@ -672,6 +691,13 @@ def _host_has_vnni() -> bool:
 
 
 _VNNI = _host_has_vnni()
+# 512-bit VNNI (vpdpbusd on zmm: AVX-512 VNNI), two chunks per operation, for the formats in WIDE; PYMOE_WIDE=0: off.
+# Only Q4_K gained (1 thread, 512 x 1024, Zen 5, G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130,
+# bench/bench_repack.py with PYMOE_WIDE=1 / 0); Q2_K's, Q3_K's and Q6_K's one-token dots, written wide too, were no
+# faster (their 16-weight scales: a fold and a multiply per two chunks), so they stay 256-bit.
+WIDE = {QType.Q4_K}
+_WIDE = (_VNNI and os.environ.get("PYMOE_WIDE", "1") != "0"
+         and bool(__import__("llvmlite.binding", fromlist=["x"]).get_host_cpu_features().get("avx512vnni")))
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
@@ -710,7 +736,7 @@ def _compile_matmul(qtype):
 
     fn = pytypes.FunctionType(_tile_matmul_template.__code__,
                               {**_tile_matmul_template.__globals__, "TILE_DOT": TILE_DOTS[qtype]},
-                              f"tile_matmul_{qtype.name}{'_vnni' if _VNNI else ''}")  # the name keys Numba's
+                              f"tile_matmul_{qtype.name}{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}")  # the name keys Numba's
     # on-disk cache (whose key also holds this CPU's name and features, but not PYMOE_VNNI)
     fn.__qualname__ = fn.__name__
     return njit(parallel=True, cache=True)(fn)

@@ -474,6 +474,13 @@ MUTANTS: list[Mutant] = [
         "the VNNI tile dot reads Q3_K's and Q6_K's signed scales as unsigned (a negative scale becomes 256 + sc); "
         "only CPUs with VNNI run that form: elsewhere this mutant survives"),
     Mutant(
+        "tile_wide_fold_drops_the_second_chunk", "pymoe/quant/repack.py",
+        "b.shuffle_vector(s, s, _vec(_i32, 8, range(8, 16))))",
+        "b.shuffle_vector(s, s, _vec(_i32, 8, range(8))))",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q4_K]",),
+        "the wide (512-bit) Q4_K tile dot adds its first chunk's lanes twice and drops the second's; only CPUs "
+        "with AVX-512 VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
         "repack_chunks_reversed", "pymoe/quant/repack.py",
         "t[dst + 32 * c + 4 * r + i] = blk[src + 4 * c + i]",
         "t[dst + 32 * (c ^ 1) + 4 * r + i] = blk[src + 4 * c + i]",
