@@ -10,7 +10,8 @@ llama.cpp runs with its defaults (F16 KV cache, n_batch 512, its repacked CPU we
 count; `--llama-plain` (or a CPU that reports AMX: in this project's VMs ggml's AMX kernels die of SIGILL) loads it
 without the extra buffer types, as the tests do. Each engine lives in its
 own worker process and the two are measured in turn (never at the same time): in one process, llama.cpp's
-spinning OpenMP threads and Numba's would compete for the cores. The load average is printed before and after.
+spinning OpenMP threads and Numba's would compete for the cores. They alternate run by run (pymoe, llama.cpp,
+pymoe, ...), so that a shared host's drift reaches both alike. The load average is printed before and after.
 What this is not: a correctness check (tests/test_model_vs_llamacpp.py).
 
     PYTHONPATH=. python bench/compare_llamacpp.py model.gguf --threads 2
@@ -162,15 +163,20 @@ def main():
 
     def measure(name, prompt, n_gen):
         time.sleep(0.5)  # let the other engine's spinning threads go to sleep
-        engines[name][1].send((prompt, n_gen, args.runs))
+        engines[name][1].send((prompt, n_gen, 1))
         return engines[name][1].recv()
+
+    def row(prompt, n_gen, which):  # which: 0 prefill, 1 decode -> ([pymoe median per width], llama.cpp median)
+        rates = {name: [] for name in ours + [("llama", None)]}
+        for _ in range(args.runs):  # the engines alternate run by run, so the host's drift (on a shared VM the
+            for name in rates:  # same decode run varies 1.5x from minute to minute) reaches them alike
+                rates[name].append(measure(name, prompt, n_gen)[which])
+        return [statistics.median(rates[name]) for name in ours], statistics.median(rates[("llama", None)])
 
     rows = []  # (measure, [pymoe rate per width], llama.cpp rate)
     for n in lengths:
-        rows.append((f"prefill {n} tok/s", [measure(name, prompts[n], 0)[0] for name in ours],
-                     measure(("llama", None), prompts[n], 0)[0]))
-    rows.append((f"decode {args.gen_tokens} tok/s", [measure(name, prompts[128], args.gen_tokens)[1] for name in ours],
-                 measure(("llama", None), prompts[128], args.gen_tokens)[1]))
+        rows.append((f"prefill {n} tok/s", *row(prompts[n], 0, 0)))
+    rows.append((f"decode {args.gen_tokens} tok/s", *row(prompts[128], args.gen_tokens, 1)))
     for proc, conn, _ in engines.values():
         conn.send(None)
         proc.join()
@@ -181,7 +187,7 @@ def main():
     print(f"model {args.model}: {info['arch']}, {info['n_layers']} layers, {info['n_expert']} "
           f"experts top-{info['k']}; {args.threads} threads; median of {args.runs} runs; pymoe path: "
           f"{', '.join('float kernels' if b == 0 else f'integer ({b}-bit activations)' for _, b in ours)}; "
-          f"each engine in its own process, measured in turn; llama.cpp "
+          f"each engine in its own process, the engines alternating run by run; llama.cpp "
           f"{'without its extra buffer types (plain kernels)' if plain else 'with its defaults (repacked layouts)'}")
     from llvmlite import binding
 
