@@ -219,11 +219,10 @@ def matmul(w_raw: np.ndarray, qtype, X: np.ndarray) -> np.ndarray:
 # ================================================================================================================
 from llvmlite import ir  # noqa: E402
 from numba import carray, types as nbtypes  # noqa: E402
-from numba.core import cgutils  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import qact  # noqa: E402  (qact imports the registry filled above)
-from .qact import QK_K, quantize_act  # noqa: E402
+from .qact import QK_K, prefetch_ahead, quantize_act  # noqa: E402
 from . import repack  # noqa: E402
 from .repack import MANY as TILE_MANY, ROWS as TILE_ROWS  # noqa: E402
 
@@ -315,30 +314,6 @@ def bytes_at(typingctx, address):
         return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
 
     return sig, codegen
-
-
-@intrinsic
-def prefetch_line(typingctx, address):
-    """A hint that the 64-byte line at an integer address will be read soon (x86: prefetcht0; no fault, no effect
-    on results)."""
-    sig = nbtypes.void(address)
-
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-@njit(cache=True, inline="always")
-def prefetch_ahead(base, pos, nbytes, end, dist):
-    """prefetch_line over base + [pos + dist, pos + dist + nbytes), clipped at base + end."""
-    for off in range(pos + dist, min(end, pos + dist + nbytes), 64):
-        prefetch_line(base + off)
 
 
 def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qmax, y, threads, ahead):

@@ -136,6 +136,30 @@ def quantize_rows(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray
     return qs, d, bsums
 
 
+@intrinsic
+def prefetch_line(typingctx, address):
+    """A hint that the 64-byte line at an integer address will be read soon (x86: prefetcht0; no fault, no effect
+    on results)."""
+    sig = types.void(address)
+
+    def codegen(context, builder, signature, args):
+        i32 = ir.IntType(32)
+        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@njit(cache=True, inline="always")
+def prefetch_ahead(base, pos, nbytes, end, dist):
+    """prefetch_line over base + [pos + dist, pos + dist + nbytes), clipped at base + end."""
+    for off in range(pos + dist, min(end, pos + dist + nbytes), 64):
+        prefetch_line(base + off)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. The whole-row form: one call per weight row, all its blocks, everything in vector registers.
 #     row_dot(w, xq, xd, xbs) = sum_b (d_b dx_b) sum_k sc[k // 16] v_k xq[256 b + k]  (- dmin_b dx_b sum_s m_s bsum_s)
