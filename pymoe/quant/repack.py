@@ -366,7 +366,8 @@ class _Emit:
         if self.width == 1:
             return s
         b = self.b
-        return b.add(b.shuffle_vector(s, s, _vec(_i32, 8, range(8))), b.shuffle_vector(s, s, _vec(_i32, 8, range(8, 16))))
+        return b.add(b.shuffle_vector(s, s, _vec(_i32, 8, range(8))),
+                     b.shuffle_vector(s, s, _vec(_i32, 8, range(8, 16))))
 
     def nibbles(self, q):  # uint8 [32 width] -> (low nibbles, high nibbles)
         n = 32 * self.width
@@ -679,25 +680,26 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     return tile_dot
 
 
-def _host_has_vnni() -> bool:
-    """Whether the tile dots may use vpdpbusd on 256-bit vectors: Numba compiles for this CPU, which has AVX-512 VNNI
-    with AVX-512VL, or AVX-VNNI; PYMOE_VNNI=0 says no (the AVX2 form, e.g. to compare the two on one machine)."""
+def _host_vnni() -> tuple[bool, bool]:
+    """-> (vnni, wide): whether the tile dots may use vpdpbusd on 256-bit vectors (Numba compiles for this CPU, which
+    has AVX-512 VNNI with AVX-512VL, or AVX-VNNI), and on 512-bit ones (AVX-512 VNNI with AVX-512BW). PYMOE_VNNI=0 /
+    PYMOE_WIDE=0 say no (the narrower form, e.g. to compare them on one machine)."""
     import numba
     from llvmlite import binding
 
     f = binding.get_host_cpu_features()
-    return (numba.config.CPU_NAME in (None, "host") and os.environ.get("PYMOE_VNNI", "1") != "0"
-            and bool(f.get("avx2")) and (bool(f.get("avx512vnni") and f.get("avx512vl")) or bool(f.get("avxvnni"))))
+    vnni = (numba.config.CPU_NAME in (None, "host") and os.environ.get("PYMOE_VNNI", "1") != "0" and bool(f.get("avx2"))
+            and (bool(f.get("avx512vnni") and f.get("avx512vl")) or bool(f.get("avxvnni"))))
+    wide = (vnni and os.environ.get("PYMOE_WIDE", "1") != "0" and bool(f.get("avx512vnni") and f.get("avx512bw")))
+    return vnni, wide
 
 
-_VNNI = _host_has_vnni()
-# 512-bit VNNI (vpdpbusd on zmm: AVX-512 VNNI), two chunks per operation, for the formats in WIDE; PYMOE_WIDE=0: off.
-# Only Q4_K gained (1 thread, 512 x 1024, Zen 5, G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130,
-# bench/bench_repack.py with PYMOE_WIDE=1 / 0); Q2_K's, Q3_K's and Q6_K's one-token dots, written wide too, were no
-# faster (their 16-weight scales: a fold and a multiply per two chunks), so they stay 256-bit.
+_VNNI, _WIDE = _host_vnni()
+# 512-bit VNNI, two chunks per operation, for the formats in WIDE. Only Q4_K gained (1 thread, 512 x 1024, Zen 5,
+# G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130, bench/bench_repack.py with PYMOE_WIDE=1 / 0);
+# Q2_K's, Q3_K's and Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a
+# multiply per two chunks), so they stay 256-bit.
 WIDE = {QType.Q4_K}
-_WIDE = (_VNNI and os.environ.get("PYMOE_WIDE", "1") != "0"
-         and bool(__import__("llvmlite.binding", fromlist=["x"]).get_host_cpu_features().get("avx512vnni")))
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
@@ -741,8 +743,8 @@ def _compile_matmul(qtype):
 
     fn = pytypes.FunctionType(_tile_matmul_template.__code__,
                               {**_tile_matmul_template.__globals__, "TILE_DOT": TILE_DOTS[qtype]},
-                              f"tile_matmul_{qtype.name}{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}")  # the name keys Numba's
-    # on-disk cache (whose key also holds this CPU's name and features, but not PYMOE_VNNI)
+                              f"tile_matmul_{qtype.name}{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}")
+    # the name keys Numba's on-disk cache (whose key also holds this CPU's name and features, not PYMOE_VNNI / _WIDE)
     fn.__qualname__ = fn.__name__
     return njit(parallel=True, cache=True)(fn)
 
