@@ -188,26 +188,29 @@ def _is_act(a) -> bool:  # activations int8/int16
     return isinstance(a, types.Array) and a.dtype in (types.int8, types.int16)
 
 
-def _host_has_avx512bw() -> bool:
-    """Whether Numba compiles for this machine's CPU and it has AVX-512BW: then row_dot calls vpmaddwd by its x86
-    intrinsic (the portable pattern above is what other CPUs get; the integers are the same)."""
+def host_features() -> dict:
+    """This CPU's features as LLVM names them ("avx2", "avx512bw", "avx512vnni", ...) when Numba compiles for it;
+    empty when it compiles for a named CPU (NUMBA_CPU_NAME): then every kernel takes its portable form."""
     import numba
     from llvmlite import binding
 
-    return numba.config.CPU_NAME in (None, "host") and bool(binding.get_host_cpu_features().get("avx512bw"))
+    return dict(binding.get_host_cpu_features()) if numba.config.CPU_NAME in (None, "host") else {}
+
+
+def _host_has_avx512bw() -> bool:
+    """Whether this CPU has AVX-512BW (`host_features`): then row_dot calls vpmaddwd by its x86 intrinsic (the
+    portable pattern above is what other CPUs get; the integers are the same)."""
+    return bool(host_features().get("avx512bw"))
 
 
 _PMADDWD_512 = _host_has_avx512bw()
 
 
 def _host_has_avx2() -> bool:
-    """Whether Numba compiles for this machine's CPU and it has AVX2: then the row dots call its instructions by
-    their x86 intrinsics (vpmaddwd, vpmaddubsw, vpsignb, and vpshufb for a 16-entry codebook); other CPUs get
-    portable patterns with the same integers (`portable=True` builds those here, for the tests)."""
-    import numba
-    from llvmlite import binding
-
-    return numba.config.CPU_NAME in (None, "host") and bool(binding.get_host_cpu_features().get("avx2"))
+    """Whether this CPU has AVX2 (`host_features`): then the row dots call its instructions by their x86 intrinsics
+    (vpmaddwd, vpmaddubsw, vpsignb, and vpshufb for a 16-entry codebook); other CPUs get portable patterns with the
+    same integers (`portable=True` builds those here, for the tests)."""
+    return bool(host_features().get("avx2"))
 
 
 _AVX2 = _host_has_avx2()

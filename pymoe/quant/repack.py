@@ -82,7 +82,7 @@ from numba.extending import intrinsic
 from . import QType
 from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales, _scale_min_k4_jit,
                       scale_min_k4)
-from .qact import KVALUES_FP4, _AVX2, prefetch_ahead
+from .qact import KVALUES_FP4, _AVX2, host_features, prefetch_ahead
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
@@ -681,16 +681,13 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
 
 
 def _host_vnni() -> tuple[bool, bool]:
-    """-> (vnni, wide): whether the tile dots may use vpdpbusd on 256-bit vectors (Numba compiles for this CPU, which
+    """-> (vnni, wide): whether the tile dots may use vpdpbusd on 256-bit vectors (this CPU, `qact.host_features`,
     has AVX-512 VNNI with AVX-512VL, or AVX-VNNI), and on 512-bit ones (AVX-512 VNNI with AVX-512BW). PYMOE_VNNI=0 /
     PYMOE_WIDE=0 say no (the narrower form, e.g. to compare them on one machine)."""
-    import numba
-    from llvmlite import binding
-
-    f = binding.get_host_cpu_features()
-    vnni = (numba.config.CPU_NAME in (None, "host") and os.environ.get("PYMOE_VNNI", "1") != "0" and bool(f.get("avx2"))
+    f = host_features()
+    vnni = (os.environ.get("PYMOE_VNNI", "1") != "0" and bool(f.get("avx2"))
             and (bool(f.get("avx512vnni") and f.get("avx512vl")) or bool(f.get("avxvnni"))))
-    wide = (vnni and os.environ.get("PYMOE_WIDE", "1") != "0" and bool(f.get("avx512vnni") and f.get("avx512bw")))
+    wide = vnni and os.environ.get("PYMOE_WIDE", "1") != "0" and bool(f.get("avx512vnni") and f.get("avx512bw"))
     return vnni, wide
 
 
