@@ -16,7 +16,7 @@ Two paths for quantized weights, chosen once by `act_bits`:
 Repacked weights (act_bits 8): Q2_K, Q3_K, Q4_K, Q6_K and MXFP4 matrices are also kept 8 rows interleaved
 (quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
 with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
-(`expert_tiles`; a copy in RAM beside the memory map, whose pages these products no longer read).
+(`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read).
 `CPUBackend(repack=False)` or PYMOE_REPACK=0 turns it off.
 It implements every primitive of backends/protocol.py; rmsnorm and rope give the NumPy reference's bits exactly,
 route the same experts (weights within exp's rounding), attention and F32 products the reference's math in an
@@ -303,7 +303,7 @@ class CPUBackend(HostArrays):
             raise ValueError(f"act_bits must be 0 (float), 8 or 16, got {self.act_bits}")
         self.repack = self.act_bits == 8 and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
                                               else bool(repack))
-        self._tiles = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, their addresses)
+        self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
 
     def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
         """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels)."""
@@ -363,21 +363,31 @@ class CPUBackend(HostArrays):
             w = replace(w, tiles=repack.repack(w.raw, w.qtype))  # [R / 8, row_tiles]: one-token products (decode)
         return w
 
-    def expert_tiles(self, ex, qtypes: tuple) -> tuple:
-        """The data addresses of one expert's repacked (gate, up, down) (quant/repack.py; 0 for a matrix of a type
-        without that layout), the copies made on first use: what `moe_act_grouped` takes. (0, 0, 0): none.
-        Only the model's own experts, read in place (ex.where == "host"): a cache slot's bytes change with the
-        expert it holds. The addresses are kept with the copies (`ndarray.ctypes.data` costs ~3 us a call)."""
-        if ex.where != "host":
-            return NO_TILES
-        hit = self._tiles.get(id(ex))
-        if hit is not None and hit[0] is ex:
-            return hit[2]
-        mats = [repack.repack(m, q) if repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q))) else None
-                for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]  # [rows / 8, row_tiles] or None
-        addresses = tuple(0 if m is None else m.ctypes.data for m in mats)
-        self._tiles[id(ex)] = (ex, mats, addresses)  # ex kept alive: its id stays its own
-        return addresses
+    def expert_row(self, ex, qtypes: tuple, D: int):
+        """One expert's row of the fused kernel's address table (`kernels.moe_act_table`): the data addresses of
+        its (gate, up, down) raw rows, then of their repacked copies (quant/repack.py; 0 for a matrix of a type
+        without that layout, or with repacking off), the copies made on first use. None: a matrix is not
+        C-contiguous or not of the layer's shapes (the caller then takes moe_act_grouped's checked path).
+        The model's own experts, read in place (ex.where == "host"), are checked once and their row kept with them
+        (~10 us of interpreter per layer and token otherwise); a cache slot's bytes change with the expert it
+        holds, so its row is made each time, never with tiles."""
+        host = ex.where == "host"
+        if host:
+            hit = self._rows.get(id(ex))
+            if hit is not None and hit[0] is ex:
+                return hit[2]
+        F = ex.gate.shape[0]
+        gb, ub, db = (quant.get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))
+        raw = kernels.expert_addresses(ex.gate, ex.up, ex.down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
+        if raw[0] < 0:
+            return None
+        if not host:
+            return (*raw, *NO_TILES)
+        mats = [repack.repack(m, q) if self.repack and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
+                else None for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]  # [rows / 8, row_tiles] or None
+        row = (*raw, *(0 if m is None else m.ctypes.data for m in mats))
+        self._rows[id(ex)] = (ex, mats, row)  # ex kept alive: its id stays its own
+        return row
 
     def vector(self, t: Tensor) -> np.ndarray:
         return t.floats().reshape(-1)
@@ -474,11 +484,13 @@ class CPUBackend(HostArrays):
         if len(used) != len(experts):
             raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
         ex = [experts[e] for e in used]
-        tiles = None
-        if self.repack:
-            tiles = [self.expert_tiles(e, qtypes) for e in ex]
+        D = x.shape[1]
+        rows = [self.expert_row(e, qtypes, D) for e in ex]
+        if None not in rows:  # every expert checked: the kernel straight away
+            return kernels.moe_act_table(np.array(rows, dtype=np.int64), qtypes, F, x, start, tok, weight,
+                                         self.act_bits)
         return kernels.moe_act_grouped([(e.gate, e.up, e.down) for e in ex], qtypes, x, start, tok, weight,
-                                       self.act_bits, [e.addresses for e in ex], tiles)
+                                       self.act_bits)  # copies made contiguous, shapes checked (and no tiles)
 
     # --- memory: host RAM ---------------------------------------------------------------------------------------------
     def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> HostPool:

@@ -316,21 +316,27 @@ def bytes_at(typingctx, address):
     return sig, codegen
 
 
-def _moe_kernel(addr, tiles, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs, qmax, y, threads, ahead):
+def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, qmax, y, threads, ahead):
     """y[tok[p]] += weight[p] * down_e(silu(gate_e x_p) * up_e x_p) for every (expert, token) pair p.
 
-    addr int64 [S, 3]: the addresses of S experts' gate, up (uint8 [F, row_bytes(D)]) and down (uint8
-    [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive). tiles int64 [S, 3]: the same matrices
+    addr int64 [S, 6]: per expert, the addresses of its gate, up (uint8 [F, row_bytes(D)]) and down (uint8
+    [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive), then of the same three matrices
     repacked 8 rows at a time (quant/repack.py, uint8 [rows / 8, row_tiles]), or 0 where there is no such copy; an
     expert's repacked matrices are read 8 rows per call, for TILE_MANY tokens at a time (then one by one), with the
     same bits. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
-    is token tok[p] with routing weight weight[p].
-    x as quantized rows, one per pair (so an expert's tokens are consecutive rows): xq [P, D], xd, xbs. Scratch: h float32 [P, F], hq/hd/hbs its quantized rows (qmax: the
-    largest value of hq's dtype). y float32 [T, D]
-    (accumulated into). Three parallel phases: gate+up+SwiGLU over (expert, block of F rows); quantize h per pair;
-    down over `threads` ranges of D rows (each task owns its rows of y, so the pairs of one token never race),
-    experts in order. Each task asks for the bytes `ahead` of the ones it reads (prefetch_ahead; 0: no hints).
+    is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
+    Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); h
+    float32 [P, F], hq/hd/hbs its quantized rows (qmax: the largest value of xq's and hq's dtype). y float32
+    [T, D] (accumulated into). Four parallel phases: quantize x per pair; gate+up+SwiGLU over (expert, block of F
+    rows); quantize h per pair; down over `threads` ranges of D rows (each task owns its rows of y, so the pairs of
+    one token never race), experts in order. Each task asks for the bytes `ahead` of the ones it reads
+    (prefetch_ahead; 0: no hints).
     """
+    # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
+    # to K pairs, in NumPy) cost more than this phase. A token's pairs quantize the same row: the same bits.
+    for p in prange(tok.shape[0]):
+        quantize_act(x[tok[p]], xq[p], xd[p], xbs[p], qmax)
+    tiles = addr[:, 3:]  # [S, 3] the repacked copies' addresses
     n_exp = addr.shape[0]
     gate_bytes = D // QK_K * GATE_SIZE
     up_bytes = D // QK_K * UP_SIZE
@@ -555,19 +561,32 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
                 check(gate, up, down)
                 keep.append((gate, up, down))
                 addr[i] = [m.ctypes.data for m in (gate, up, down)]
-    if tiles is not None and bits == 8:  # [S, 3]; 0: no repacked copy
-        taddr = np.array(tiles, dtype=np.int64)
-    else:
-        taddr = np.zeros((len(experts), 3), dtype=np.int64)
+    table = np.zeros((len(experts), 6), dtype=np.int64)  # [S, 6]: raw (gate, up, down), then their tiles
+    table[:, :3] = addr
+    if tiles is not None and bits == 8:  # 0: no repacked copy
+        table[:, 3:] = tiles
+    return moe_act_table(table, qtypes, F, x, start, tok, weight, bits)
+
+
+def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.ndarray, tok: np.ndarray,
+                  weight: np.ndarray, bits: int = 16) -> np.ndarray:
+    """The fused kernel's own call: moe_act_grouped with the experts given as addr int64 [S, 6], per expert the
+    addresses of its (gate, up, down) raw rows (uint8 [F, row_bytes(D)], [F, row_bytes(D)], [D, row_bytes(F)],
+    C-contiguous), then of their repacked copies (0: none; nonzero only at 8 bits). Nothing here checks them: the
+    caller made them from checked arrays (moe_act_grouped; the CPU backend's `expert_row`, once per expert) and
+    keeps those alive. A decode step's short path: no Python per expert."""
+    T, D = x.shape
     P = tok.shape[0]
-    xq, xd, xbs = qact.quantize_rows(x, bits)  # [T, D], [T, D/256], [T, D/16]
-    if P != T or not np.array_equal(tok, np.arange(T)):
-        xq, xd, xbs = xq[tok], xd[tok], xbs[tok]  # [P, ...]: one row per pair, each expert's consecutive
+    dtype = qact.ACT_DTYPES[bits]
+    xq = np.empty((P, D), dtype=dtype)  # [P, D] x quantized, one row per pair (the kernel fills them)
+    xd = np.empty((P, D // QK_K), dtype=np.float32)
+    xbs = np.empty((P, D // qact.SUB), dtype=np.int32)
     h = np.empty((P, F), dtype=np.float32)  # [P, F]
-    hq = np.empty((P, F), dtype=xq.dtype)
+    hq = np.empty((P, F), dtype=dtype)
     hd = np.empty((P, F // QK_K), dtype=np.float32)
     hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
     y = np.zeros((T, D), dtype=np.float32)  # [T, D]
-    act_kernel(_moe_kernel, *qtypes)(addr, taddr, F, D, start, tok, weight, xq, xd, xbs, h, hq, hd, hbs,
-                                     qact.qmax_of(xq.dtype), y, get_num_threads(), PREFETCH_AHEAD)
+    act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, np.ascontiguousarray(x, dtype=np.float32), xq, xd,
+                                     xbs, h, hq, hd, hbs, qact.qmax_of(xq.dtype), y, get_num_threads(),
+                                     PREFETCH_AHEAD)
     return y
