@@ -329,8 +329,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     float32 [P, F], hq/hd/hbs its quantized rows (qmax: the largest value of xq's and hq's dtype). y float32
     [T, D] (accumulated into). Four parallel phases: quantize x per pair; gate+up+SwiGLU over (expert, block of F
     rows); quantize h per pair; down over `threads` ranges of D rows (each task owns its rows of y, so the pairs of
-    one token never race), experts in order. Each task asks for the bytes `ahead` of the ones it reads
-    (prefetch_ahead; 0: no hints).
+    one token never race), experts in order. Each task asks for the weight bytes `ahead` of the ones it reads
+    (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints).
     """
     # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
     # to K pairs, in NumPy) cost more than this phase. A token's pairs quantize the same row: the same bits.
@@ -361,8 +361,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
             for r in range(r0, r1, TILE_ROWS):
                 if ahead > 0:
-                    prefetch_ahead(tiles[k, 0], r // TILE_ROWS * gt.shape[1], gt.shape[1], gt.size, ahead)
-                    prefetch_ahead(tiles[k, 1], r // TILE_ROWS * ut.shape[1], ut.shape[1], ut.size, ahead)
+                    PREFETCH_WEIGHTS(tiles[k, 0], r // TILE_ROWS * gt.shape[1], gt.shape[1], gt.size, ahead)
+                    PREFETCH_WEIGHTS(tiles[k, 1], r // TILE_ROWS * ut.shape[1], ut.shape[1], ut.size, ahead)
                 c0, c1 = r - r0, r - r0 + TILE_ROWS  # the row-group's columns of g and u
                 i = 0
                 while i + TILE_MANY <= b - a:  # TILE_MANY tokens a call (prefill), the weights unpacked once
@@ -378,8 +378,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
         else:
             for r in range(r0, r1):
                 if ahead > 0:
-                    prefetch_ahead(addr[k, 0], r * gate_bytes, gate_bytes, F * gate_bytes, ahead)
-                    prefetch_ahead(addr[k, 1], r * up_bytes, up_bytes, F * up_bytes, ahead)
+                    PREFETCH_WEIGHTS(addr[k, 0], r * gate_bytes, gate_bytes, F * gate_bytes, ahead)
+                    PREFETCH_WEIGHTS(addr[k, 1], r * up_bytes, up_bytes, F * up_bytes, ahead)
                 if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
                     g[0, r - r0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
                     u[0, r - r0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
@@ -410,7 +410,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
                 for r in range(r0, r1, TILE_ROWS):
                     if ahead > 0:
                         rg = dt.shape[1]  # bytes of a row-group
-                        prefetch_ahead(tiles[k, 2], r // TILE_ROWS * rg, rg, r1 // TILE_ROWS * rg, ahead)
+                        PREFETCH_WEIGHTS(tiles[k, 2], r // TILE_ROWS * rg, rg, r1 // TILE_ROWS * rg, ahead)
                     i = 0
                     while i + TILE_MANY <= b - a:
                         p0, p1 = a + i, a + i + TILE_MANY
@@ -426,7 +426,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
                 continue
             for r in range(r0, r1):
                 if ahead > 0:
-                    prefetch_ahead(addr[k, 2], r * down_bytes, down_bytes, r1 * down_bytes, ahead)
+                    PREFETCH_WEIGHTS(addr[k, 2], r * down_bytes, down_bytes, r1 * down_bytes, ahead)
                 if b - a == 1:
                     out[0] = VEC_DOT_DOWN(down[r], hq[a], hd[a], hbs[a])
                 else:
@@ -452,13 +452,21 @@ def expert_addresses(gate, up, down, F, D, gate_bytes, up_bytes, down_bytes):
 
 
 _ACT_KERNELS: dict = {}
+# The fused MoE kernel's prefetch hints for expert weights: non-temporal (prefetchnta) unless PYMOE_NT=0. A decode
+# step reads every chosen expert once (Q4_K_M mid: ~100 MiB a token, 3x the L3); kept hints let that stream evict
+# what the next token reads again (dense weights, the KV cache, the interpreter's own data). Q4_K_M mid, 8-bit, 2
+# threads, 6 rounds of alternated processes: 4.57 -> 4.40 ms a token, faster in every round; on the Q2_K and
+# MXFP4_MOE files the rounds split both ways (no change measured). The distance stays PREFETCH_AHEAD (4096 best
+# with either hint: bench/prefetch_ahead.py).
+_NT = os.environ.get("PYMOE_NT", "1") != "0"
 
 
 def _act_fingerprint() -> str:
     here = os.path.dirname(__file__)
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
-    return _source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")  # PYMOE_VNNI,
-    # PYMOE_WIDE: which instructions the tile dots use
+    return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
+            + ("n" if _NT else ""))  # PYMOE_VNNI, PYMOE_WIDE: which instructions the tile dots use; PYMOE_NT: the
+    # MoE kernel's hint
 
 
 def rows_dot(qtype):
@@ -492,7 +500,8 @@ def act_kernel(template, *qtypes):
                              ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1],
                              DOWN_SIZE=sizes[2], TILE_GATE=tile_dots[0], TILE_UP=tile_dots[1],
                              TILE_DOWN=tile_dots[2], GATE_TILE=tile_bytes[0], UP_TILE=tile_bytes[1],
-                             DOWN_TILE=tile_bytes[2])
+                             DOWN_TILE=tile_bytes[2],
+                             PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if _NT else qact.prefetch_ahead)
         suffix = "_".join(QType(q).name for q in qtypes) + "_" + _act_fingerprint()
         _ACT_KERNELS[key] = _compile(template, suffix, constants)
     return _ACT_KERNELS[key]

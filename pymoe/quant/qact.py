@@ -136,21 +136,29 @@ def quantize_rows(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray
     return qs, d, bsums
 
 
-@intrinsic
-def prefetch_line(typingctx, address):
-    """A hint that the 64-byte line at an integer address will be read soon (x86: prefetcht0; no fault, no effect
-    on results)."""
-    sig = types.void(address)
+def _prefetch(locality: int, name: str):
+    """An intrinsic: a hint that the 64-byte line at an integer address will be read soon, at this locality (3: keep
+    it in every cache level, x86 prefetcht0; 0: non-temporal, prefetchnta). No fault, no effect on results."""
+    def prefetch(typingctx, address):
+        sig = types.void(address)
 
-    def codegen(context, builder, signature, args):
-        i32 = ir.IntType(32)
-        ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
-        builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
-        return context.get_dummy_value()
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            ptr = builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+            fn = cgutils.get_or_insert_function(builder.module,
+                                                ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32]),
+                                                "llvm.prefetch.p0")
+            builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, locality), ir.Constant(i32, 1)])  # read, data
+            return context.get_dummy_value()
 
-    return sig, codegen
+        return sig, codegen
+
+    prefetch.__name__ = prefetch.__qualname__ = name
+    return intrinsic(prefetch)
+
+
+prefetch_line = _prefetch(3, "prefetch_line")  # bytes worth keeping: dense weights, the KV cache
+prefetch_line_nt = _prefetch(0, "prefetch_line_nt")  # bytes read once per token: routed experts (kernels._moe_kernel)
 
 
 @njit(cache=True, inline="always")
@@ -158,6 +166,13 @@ def prefetch_ahead(base, pos, nbytes, end, dist):
     """prefetch_line over base + [pos + dist, pos + dist + nbytes), clipped at base + end."""
     for off in range(pos + dist, min(end, pos + dist + nbytes), 64):
         prefetch_line(base + off)
+
+
+@njit(cache=True, inline="always")
+def prefetch_ahead_nt(base, pos, nbytes, end, dist):
+    """prefetch_ahead with the non-temporal hint (x86: prefetchnta)."""
+    for off in range(pos + dist, min(end, pos + dist + nbytes), 64):
+        prefetch_line_nt(base + off)
 
 
 # ----------------------------------------------------------------------------------------------------------------
