@@ -84,6 +84,21 @@ def test_tile_dot_has_the_bits_of_the_row_dots(qtype, R, C):
         assert (np.abs(y - w_deq @ x_deq[t]) <= bound).all()
 
 
+@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q2_K, QType.Q3_K, QType.MXFP4)],
+                         ids=lambda t: "-".join(q.name for q in t))
+def test_three_matrix_decode_call_has_the_bits_of_three_calls(types):
+    """repack.tile_matvec3 (a decode step's q, k and v in one call; row counts not multiples of a task's 32 rows)
+    gives each matrix tile_matmul's one-token bits."""
+    rng = np.random.default_rng(3)
+    C = 512
+    raws = [random_rows(q, R, C, rng) for q, R in zip(types, (72, 48, 40))]  # 9, 6, 5 row-groups: tasks of 4 and less
+    tiles = [repack.repack(r, q) for r, q in zip(raws, types)]
+    xq, xd, xbs = _x8(rng.standard_normal((1, C)).astype(np.float32))
+    got = repack.tile_matvec3(tiles, types, xq, xd, xbs)
+    for y, t, q in zip(got, tiles, types):
+        assert np.array_equal(y, repack.tile_matmul(t, q, xq, xd, xbs))
+
+
 def _extreme_rows(qtype) -> np.ndarray:
     """8 rows of 256 weights at the largest integer magnitude of the format: every quant bit set (Q2_K q = 3, Q3_K
     q' = 7, Q4_K q = 15, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3 (nibbles 7),

@@ -388,13 +388,15 @@ class CPUBackend(HostArrays):
                 return hit[2]
         F = ex.gate.shape[0]
         gb, ub, db = (quant.get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))
-        raw = kernels.expert_addresses(ex.gate, ex.up, ex.down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
+        raw = kernels.expert_addresses(ex.gate, ex.up, ex.down, F, D, gb, ub, db)  # -1: not C-contiguous / wrong shape
         if raw[0] < 0:
             return None
         if not host:
             return (*raw, *NO_TILES)
-        mats = [repack.repack(m, q) if self.repack and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
-                else None for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]  # [rows / 8, row_tiles] or None
+        fits = [self.repack and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
+                for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]
+        mats = [repack.repack(m, q) if f else None
+                for q, m, f in zip(qtypes, (ex.gate, ex.up, ex.down), fits)]  # [rows / 8, row_tiles] or None
         row = (*raw, *(0 if m is None else m.ctypes.data for m in mats))
         self._rows[id(ex)] = (ex, mats, row)  # ex kept alive: its id stays its own
         return row
@@ -447,6 +449,9 @@ class CPUBackend(HostArrays):
 
     def linear_many(self, ws: list, x: np.ndarray) -> list:
         """[linear(w, x) for w in ws], x quantized once for all the integer-path weights (q, k and v of a layer)."""
+        if x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None for w in ws):  # decode's q, k, v repacked:
+            xact = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), 8)  # one call for the three
+            return repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
         xact = None
         out = []
         for w in ws:

@@ -749,6 +749,54 @@ def _compile_matmul(qtype):
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}
 
 
+def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2, ahead):
+    # One token times three matrices that share it (a layer's q, k and v): one parallel region over all their
+    # row-groups, 4 a task, so the short k and v share the threads with q instead of each paying a call and a
+    # region of its own. Each row has the bits of tile_matmul's one-token call (the same TILE_DOT, the same order).
+    n0, n1, n2 = t0.shape[0], t1.shape[0], t2.shape[0]
+    b0, b1 = (n0 + 3) // 4, (n1 + 3) // 4  # tasks of the first two matrices
+    for task in prange(b0 + b1 + (n2 + 3) // 4):
+        if task < b0:
+            base, rg = t0.ctypes.data, t0.shape[1]
+            for g in range(4 * task, min(n0, 4 * task + 4)):
+                if ahead > 0:
+                    prefetch_ahead(base, g * rg, rg, n0 * rg, ahead)
+                TILE_DOT_0(t0[g], xq[0], xd[0], xbs[0], y0[0, g * ROWS:(g + 1) * ROWS])
+        elif task < b0 + b1:
+            base, rg = t1.ctypes.data, t1.shape[1]
+            for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):
+                if ahead > 0:
+                    prefetch_ahead(base, g * rg, rg, n1 * rg, ahead)
+                TILE_DOT_1(t1[g], xq[0], xd[0], xbs[0], y1[0, g * ROWS:(g + 1) * ROWS])
+        else:
+            base, rg = t2.ctypes.data, t2.shape[1]
+            for g in range(4 * (task - b0 - b1), min(n2, 4 * (task - b0 - b1) + 4)):
+                if ahead > 0:
+                    prefetch_ahead(base, g * rg, rg, n2 * rg, ahead)
+                TILE_DOT_2(t2[g], xq[0], xd[0], xbs[0], y2[0, g * ROWS:(g + 1) * ROWS])
+
+
+_MATVEC3 = {}
+
+
+def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> list:
+    """[tile_matmul(t, q, xq, xd, xbs) for t, q in zip(tiles, qtypes)] for three matrices and one token (xq int8
+    [1, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of call and region each)."""
+    key = tuple(QType(q) for q in qtypes)
+    if key not in _MATVEC3:
+        import types as pytypes
+
+        consts = {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)}
+        name = f"tile_matvec3_{'_'.join(q.name for q in key)}{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}"
+        fn = pytypes.FunctionType(_tile_matvec3_template.__code__, {**_tile_matvec3_template.__globals__, **consts},
+                                  name)
+        fn.__qualname__ = name
+        _MATVEC3[key] = njit(parallel=True, cache=True)(fn)
+    ys = [np.empty((1, t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1, R_i]
+    _MATVEC3[key](*tiles, xq, xd, xbs, *ys, AHEAD)
+    return ys
+
+
 def tile_matmul(tiles: np.ndarray, qtype, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> np.ndarray:
     """X W^T -> float32 [T, R], W as tiles uint8 [R / 8, nb * TILE_BYTES] of qtype, X as T rows of 8-bit activations
     (xq int8 [T, C], xd [T, C/256], xbs [T, C/16]). Row t has the bits of the one-row dot on row t alone."""

@@ -446,6 +446,12 @@ MUTANTS: list[Mutant] = [
          "tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[*]"),
         "the repacked Q4_K dot multiplies each row's sub-block sums by the next row's scales"),
     Mutant(
+        "tile_matvec3_skips_a_row_group_of_k", "pymoe/quant/repack.py",
+        "for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):",
+        "for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 3)):",
+        ("tests/test_repack.py::test_three_matrix_decode_call_has_the_bits_of_three_calls[*]",),
+        "the three-matrix decode call (q, k, v) leaves one row-group of k's in four unwritten"),
+    Mutant(
         "tile_mxfp4_scale_of_the_next_group", "pymoe/quant/repack.py",
         "ev = b.zext(e.load(wbase, e.at(t, 8 * g), ir.VectorType(_i8, 8)), _V8I)",
         "ev = b.zext(e.load(wbase, e.at(t, 8 * (g ^ 1)), ir.VectorType(_i8, 8)), _V8I)",
