@@ -296,6 +296,7 @@ def rope_rows(x, cos, sin, neox):
 
 
 NO_TILES = (0, 0, 0)  # an expert without repacked matrices
+_NO_SINKS = np.zeros(0, np.float32)  # attention_rows' sinks for a model without them
 
 
 class CPUBackend(HostArrays):
@@ -314,6 +315,7 @@ class CPUBackend(HostArrays):
         self.repack = self.act_bits == 8 and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
                                               else bool(repack))
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
+        self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
 
     def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
         """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels)."""
@@ -415,14 +417,15 @@ class CPUBackend(HostArrays):
         """reference.attention's contract (q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]; a sliding
         window and per-head sinks) by `attention_rows`, whose bits do not depend on T."""
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=np.float32)  # [T, H * Dv]
-        f32 = lambda a: np.ascontiguousarray(a, dtype=np.float32)  # noqa: E731  (a KV cache may store f16)
+        f32 = np.ascontiguousarray  # (with dtype float32: a KV cache may store f16)
         S, G, Dh = k.shape
         # [G, Dh, stride >= S]: for SIMD over keys. The stride is an odd multiple of 16 floats, never a multiple of
         # 128 bytes: at 1024 floats (S = 1000, the rows 4 KiB apart) the transposition took 870 us instead of 90
         # (every row's line in the same cache set), as 512 did before padding
         kt = np.empty((G, Dh, (S + 31) // 32 * 32 + 16), dtype=np.float32)
-        no_sinks = np.zeros(0, np.float32)
-        attention_rows(f32(q), f32(k), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)
+        q, k, v = f32(q, dtype=np.float32), f32(k, dtype=np.float32), f32(v, dtype=np.float32)
+        sinks = _NO_SINKS if sinks is None else f32(sinks, dtype=np.float32)
+        attention_rows(q, k, kt, v, p0, int(window), sinks, out)
         return out
 
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -436,7 +439,7 @@ class CPUBackend(HostArrays):
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
         """model.rmsnorm's contract (x [..., n] normalised over its last axis, times w [n]), bit for bit."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # [N, n]
-        out = np.empty_like(x2)
+        out = np.empty(x2.shape, np.float32)
         rmsnorm_rows(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
         return out.reshape(x.shape)
 
@@ -485,13 +488,16 @@ class CPUBackend(HostArrays):
         ids int [T, K], w float32 [T, K] -> y float32 [T, D] = sum_k w[t, k] * expert_{ids[t, k]}(x[t]).
         Without a fused path for these types (float path, a non-K type, odd widths) or for this expert function
         (ffn: gpt-oss's biases and clamped SwiGLU): one expert at a time."""
-        qtypes = tuple(expert_types[p] for p in ("gate", "up", "down"))
-        any_ex = next(iter(experts.values()))
-        F = any_ex.gate.shape[0]
+        qtypes = (expert_types["gate"], expert_types["up"], expert_types["down"])
+        F = next(iter(experts.values())).gate.shape[0]
+        D = x.shape[1]
         if ffn is not None:
             return experts_one_by_one(self, experts, expert_types, x, ids, w, ffn)
-        if not (self.integer_path(qtypes[0], x.shape[1]) and self.integer_path(qtypes[1], x.shape[1])
-                and self.integer_path(qtypes[2], F)):
+        fused = self._fused.get((qtypes, D, F))
+        if fused is None:  # decided once per layer shape (three calls each layer and token otherwise)
+            fused = self._fused[(qtypes, D, F)] = (self.integer_path(qtypes[0], D) and self.integer_path(qtypes[1], D)
+                                                   and self.integer_path(qtypes[2], F))
+        if not fused:
             return experts_one_by_one(self, experts, expert_types, x, ids, w)
         used, start, tok, weight = group_by_expert(np.ascontiguousarray(ids, dtype=np.int64),
                                                   np.ascontiguousarray(w, dtype=np.float32))
@@ -499,7 +505,6 @@ class CPUBackend(HostArrays):
         if len(used) != len(experts):
             raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
         ex = [experts[e] for e in used]
-        D = x.shape[1]
         rows = [self.expert_row(e, qtypes, D) for e in ex]
         if None not in rows:  # every expert checked: the kernel straight away
             return kernels.moe_act_table(np.array(rows, dtype=np.int64), qtypes, F, x, start, tok, weight,

@@ -782,18 +782,19 @@ _MATVEC3 = {}
 def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> list:
     """[tile_matmul(t, q, xq, xd, xbs) for t, q in zip(tiles, qtypes)] for three matrices and one token (xq int8
     [1, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of call and region each)."""
-    key = tuple(QType(q) for q in qtypes)
+    key = tuple(qtypes)  # QType is an IntEnum: its members and their ints hash alike (no enum call per token)
     if key not in _MATVEC3:
         import types as pytypes
 
+        key = tuple(QType(q) for q in qtypes)
         consts = {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)}
         name = f"tile_matvec3_{'_'.join(q.name for q in key)}{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}"
         fn = pytypes.FunctionType(_tile_matvec3_template.__code__, {**_tile_matvec3_template.__globals__, **consts},
                                   name)
         fn.__qualname__ = name
-        _MATVEC3[key] = njit(parallel=True, cache=True)(fn)
+        _MATVEC3[key] = _MATVEC3[tuple(qtypes)] = njit(parallel=True, cache=True)(fn)
     ys = [np.empty((1, t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1, R_i]
-    _MATVEC3[key](*tiles, xq, xd, xbs, *ys, AHEAD)
+    _MATVEC3[tuple(qtypes)](*tiles, xq, xd, xbs, *ys, AHEAD)
     return ys
 
 
@@ -801,5 +802,5 @@ def tile_matmul(tiles: np.ndarray, qtype, xq: np.ndarray, xd: np.ndarray, xbs: n
     """X W^T -> float32 [T, R], W as tiles uint8 [R / 8, nb * TILE_BYTES] of qtype, X as T rows of 8-bit activations
     (xq int8 [T, C], xd [T, C/256], xbs [T, C/16]). Row t has the bits of the one-row dot on row t alone."""
     y = np.empty((xq.shape[0], tiles.shape[0] * ROWS), dtype=np.float32)  # [T, R]
-    _MATMULS[QType(qtype)](tiles, xq, xd, xbs, y, AHEAD)
+    _MATMULS[qtype](tiles, xq, xd, xbs, y, AHEAD)  # keyed by QType, an IntEnum: an int finds it too
     return y

@@ -231,8 +231,8 @@ MUTANTS: list[Mutant] = [
         "GLM: the leading dense layer is planned as an MoE layer (a loader error or wrong logits)"),
     Mutant(
         "gpt_oss_sinks_dropped_on_cpu", "pymoe/backends/cpu.py",
-        "attention_rows(f32(q), f32(k), kt, f32(v), p0, int(window), no_sinks if sinks is None else f32(sinks), out)",
-        "attention_rows(f32(q), f32(k), kt, f32(v), p0, int(window), no_sinks, out)  # MUTANT",
+        "attention_rows(q, k, kt, v, p0, int(window), sinks, out)",
+        "attention_rows(q, k, kt, v, p0, int(window), _NO_SINKS, out)  # MUTANT",
         (LLAMACPP_LOGITS + "[*gpt-oss*]",),
         "gpt-oss: the CPU backend's attention ignores the per-head sinks"),
     Mutant(
