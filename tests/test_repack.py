@@ -193,7 +193,7 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
         weight = rng.uniform(0.1, 1, tok.size).astype(np.float32)
 
         def run(tiles, bits=8):
-            return kernels.moe_act_grouped(experts, types, x, start, tok, weight, bits, None,
+            return kernels.moe_act_grouped(experts, types, x, start, tok, weight, bits,
                                            None if tiles is None else [_addresses(m) for m in tiles])
 
         plain = run(None)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from functools import cached_property
 from typing import Optional
 
 import numpy as np
@@ -75,14 +74,6 @@ class ExpertBytes:
     @property
     def nbytes(self) -> int:
         return self.gate.nbytes + self.up.nbytes + self.down.nbytes
-
-    @cached_property
-    def addresses(self) -> Optional[tuple]:
-        """(gate, up, down) data addresses when all three are C-contiguous, else None: what the CPU backend's fused
-        MoE kernel takes (quant/kernels.py). Computed once per object: the model's own experts are made once
-        (`GGUFModel.expert`), and `ndarray.ctypes.data` costs ~1 us, three per expert, K experts a layer and token."""
-        mats = (self.gate, self.up, self.down)
-        return tuple(m.ctypes.data for m in mats) if all(m.flags.c_contiguous for m in mats) else None
 
 
 @dataclass(frozen=True)

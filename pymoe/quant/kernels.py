@@ -327,16 +327,30 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); h
     float32 [P, F], hq/hd/hbs its quantized rows (qmax: the largest value of xq's and hq's dtype). y float32
-    [T, D] (accumulated into). Four parallel phases: quantize x per pair; gate+up+SwiGLU over (expert, block of F
-    rows); quantize h per pair; down over `threads` ranges of D rows (each task owns its rows of y, so the pairs of
-    one token never race), experts in order. Each task asks for the weight bytes `ahead` of the ones it reads
+    [T, D] (accumulated into). Four parallel phases (five in prefill): quantize x per pair; gate+up+SwiGLU over
+    (expert, block of F rows); quantize h per pair; down over `threads` ranges of D rows (each task owns its rows of
+    y, so the pairs of one token never race), experts in order. Each task asks for the weight bytes `ahead` of the ones it reads
     (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints).
     """
     # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
-    # to K pairs, in NumPy) cost more than this phase. A token's pairs quantize the same row: the same bits.
-    for p in prange(tok.shape[0]):
-        quantize_act(x[tok[p]], xq[p], xd[p], xbs[p], qmax)
-    tiles = addr[:, 3:]  # [S, 3] the repacked copies' addresses
+    # to K pairs, in NumPy) cost more than this phase. Decode quantizes each pair's row (K copies of one token's
+    # row: one parallel region); a prefill chunk each token's row once, then copies it to its pairs (K times less
+    # quantizing, one more region). The same function on the same row: the same bits either way.
+    T, P = x.shape[0], tok.shape[0]
+    if T == 1 or P <= T:
+        for p in prange(P):
+            quantize_act(x[tok[p]], xq[p], xd[p], xbs[p], qmax)
+    else:
+        xt = np.empty((T, D), dtype=xq.dtype)  # [T, D] each token's row, quantized once
+        xdt = np.empty((T, xd.shape[1]), dtype=np.float32)
+        xbst = np.empty((T, xbs.shape[1]), dtype=np.int32)
+        for t in prange(T):
+            quantize_act(x[t], xt[t], xdt[t], xbst[t], qmax)
+        for p in prange(P):
+            xq[p] = xt[tok[p]]
+            xd[p] = xdt[tok[p]]
+            xbs[p] = xbst[tok[p]]
+    tiles = np.ascontiguousarray(addr[:, 3:])  # [S, 3] the repacked copies' addresses
     n_exp = addr.shape[0]
     gate_bytes = D // QK_K * GATE_SIZE
     up_bytes = D // QK_K * UP_SIZE
@@ -540,36 +554,27 @@ def moe_act(experts: list, qtypes, x: np.ndarray, pairs: list, bits: int = 16) -
 
 
 def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok: np.ndarray, weight: np.ndarray,
-                    bits: int = 16, addresses=None, tiles=None) -> np.ndarray:
+                    bits: int = 16, tiles=None) -> np.ndarray:
     """moe_act with the (token, weight) pairs already grouped by expert: expert i owns pairs start[i]:start[i+1]
     (start int64 [S + 1]) of tok int64 [P] and weight float32 [P] (the form the kernel takes; the CPU backend
-    builds it with one sort, not a pass per expert). addresses: per expert, its (gate, up, down) data addresses
-    when the caller has them (`ExpertBytes.addresses`: C-contiguous matrices), else None; the shapes are checked
-    either way. tiles: per expert, the data addresses of its (gate, up, down) repacked copies (quant/repack.py,
-    C-contiguous uint8 [rows / 8, row_tiles]; 0 for a matrix without one), read instead of the raw rows at 8 bits;
-    None: none at all. Like `addresses`, the caller's to keep alive and right."""
+    builds it with one sort, not a pass per expert). Each expert's shapes are checked, and a matrix that is not
+    C-contiguous is copied. tiles: per expert, the data addresses of its (gate, up, down) repacked copies
+    (quant/repack.py, C-contiguous uint8 [rows / 8, row_tiles]; 0 for a matrix without one), read instead of the raw
+    rows at 8 bits; None: none at all; the caller's to keep alive and right."""
     T, D = x.shape
     F = experts[0][0].shape[0]
     gb, ub, db = (get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))  # bytes of a gate, up, down row
     keep = []  # copies made C-contiguous, alive until the kernel returns (the callers hold the others)
-
-    def check(gate, up, down):
-        if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
-            raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, F={F}")
-
-    if addresses is not None and None not in addresses:  # the caller's (decode: the model's own experts, every time)
-        for gate, up, down in experts:
-            check(gate, up, down)
-        addr = np.array(addresses, dtype=np.int64)  # [S, 3]
-    else:
-        addr = np.empty((len(experts), 3), dtype=np.int64)  # [S, 3]
-        for i, (gate, up, down) in enumerate(experts):
-            addr[i] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
-            if addr[i, 0] < 0:
-                gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
-                check(gate, up, down)
-                keep.append((gate, up, down))
-                addr[i] = [m.ctypes.data for m in (gate, up, down)]
+    addr = np.empty((len(experts), 3), dtype=np.int64)  # [S, 3]
+    for i, (gate, up, down) in enumerate(experts):
+        addr[i] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
+        if addr[i, 0] < 0:
+            gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
+            if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
+                raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, "
+                                 f"F={F}")
+            keep.append((gate, up, down))
+            addr[i] = [m.ctypes.data for m in (gate, up, down)]
     table = np.zeros((len(experts), 6), dtype=np.int64)  # [S, 6]: raw (gate, up, down), then their tiles
     table[:, :3] = addr
     if tiles is not None and bits == 8:  # 0: no repacked copy
