@@ -55,7 +55,7 @@ def main():
             setattr(model.backend, name, timed(getattr(model.backend, name), f"backend.{name}"))
     for name in ("lookup", "expert", "finish"):
         setattr(model.cache, name, timed(getattr(model.cache, name), f"cache.{name}"))
-    kernels.moe_act_grouped = timed(kernels.moe_act_grouped, "kernels.moe_act_grouped (the fused MoE call)")
+    kernels.moe_act_table = timed(kernels.moe_act_table, "kernels.moe_act_table (the fused MoE call)")
     for table, kind in ((model_mod.FFN, "ffn"), (model_mod.ATTENTION, "attention")):
         for key in list(table):
             table[key] = timed(table[key], f"{kind} block: {key}")
