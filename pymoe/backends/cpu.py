@@ -417,14 +417,14 @@ class CPUBackend(HostArrays):
         """reference.attention's contract (q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] -> [T, H * Dv]; a sliding
         window and per-head sinks) by `attention_rows`, whose bits do not depend on T."""
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=np.float32)  # [T, H * Dv]
-        f32 = np.ascontiguousarray  # (with dtype float32: a KV cache may store f16)
         S, G, Dh = k.shape
         # [G, Dh, stride >= S]: for SIMD over keys. The stride is an odd multiple of 16 floats, never a multiple of
         # 128 bytes: at 1024 floats (S = 1000, the rows 4 KiB apart) the transposition took 870 us instead of 90
         # (every row's line in the same cache set), as 512 did before padding
         kt = np.empty((G, Dh, (S + 31) // 32 * 32 + 16), dtype=np.float32)
-        q, k, v = f32(q, dtype=np.float32), f32(k, dtype=np.float32), f32(v, dtype=np.float32)
-        sinks = _NO_SINKS if sinks is None else f32(sinks, dtype=np.float32)
+        f32 = np.float32  # (a KV cache may store f16)
+        q, k, v = (np.ascontiguousarray(q, f32), np.ascontiguousarray(k, f32), np.ascontiguousarray(v, f32))
+        sinks = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, f32)
         attention_rows(q, k, kt, v, p0, int(window), sinks, out)
         return out
 
@@ -453,7 +453,7 @@ class CPUBackend(HostArrays):
     def linear_many(self, ws: list, x: np.ndarray) -> list:
         """[linear(w, x) for w in ws], x quantized once for all the integer-path weights (q, k and v of a layer)."""
         if x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None for w in ws):  # decode's q, k, v repacked:
-            xact = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), 8)  # one call for the three
+            xact = qact.quantize_rows(x, 8)  # one call for the three
             return repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
         xact = None
         out = []

@@ -329,8 +329,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     float32 [P, F], hq/hd/hbs its quantized rows (qmax: the largest value of xq's and hq's dtype). y float32
     [T, D] (accumulated into). Four parallel phases (five in prefill): quantize x per pair; gate+up+SwiGLU over
     (expert, block of F rows); quantize h per pair; down over `threads` ranges of D rows (each task owns its rows of
-    y, so the pairs of one token never race), experts in order. Each task asks for the weight bytes `ahead` of the ones it reads
-    (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints).
+    y, so the pairs of one token never race), experts in order. Each task asks for the weight bytes `ahead` of the
+    ones it reads (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints).
     """
     # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
     # to K pairs, in NumPy) cost more than this phase. Decode quantizes each pair's row (K copies of one token's
@@ -350,7 +350,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             xq[p] = xt[tok[p]]
             xd[p] = xdt[tok[p]]
             xbs[p] = xbst[tok[p]]
-    tiles = np.ascontiguousarray(addr[:, 3:])  # [S, 3] the repacked copies' addresses
+    tiles = addr[:, 3:]  # [S, 3] the repacked copies' addresses
     n_exp = addr.shape[0]
     gate_bytes = D // QK_K * GATE_SIZE
     up_bytes = D // QK_K * UP_SIZE
@@ -565,18 +565,16 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
     F = experts[0][0].shape[0]
     gb, ub, db = (get_format(q).row_bytes(n) for q, n in zip(qtypes, (D, D, F)))  # bytes of a gate, up, down row
     keep = []  # copies made C-contiguous, alive until the kernel returns (the callers hold the others)
-    addr = np.empty((len(experts), 3), dtype=np.int64)  # [S, 3]
+    table = np.zeros((len(experts), 6), dtype=np.int64)  # [S, 6]: raw (gate, up, down), then their tiles
     for i, (gate, up, down) in enumerate(experts):
-        addr[i] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
-        if addr[i, 0] < 0:
+        table[i, :3] = expert_addresses(gate, up, down, F, D, gb, ub, db)  # -1: not C-contiguous, or wrong shape
+        if table[i, 0] < 0:
             gate, up, down = (np.ascontiguousarray(m) for m in (gate, up, down))
             if gate.shape != (F, gb) or up.shape != (F, ub) or down.shape != (D, db):
                 raise ValueError(f"moe_act: expert shapes {gate.shape} {up.shape} {down.shape} do not fit D={D}, "
                                  f"F={F}")
             keep.append((gate, up, down))
-            addr[i] = [m.ctypes.data for m in (gate, up, down)]
-    table = np.zeros((len(experts), 6), dtype=np.int64)  # [S, 6]: raw (gate, up, down), then their tiles
-    table[:, :3] = addr
+            table[i, :3] = [m.ctypes.data for m in (gate, up, down)]
     if tiles is not None and bits == 8:  # 0: no repacked copy
         table[:, 3:] = tiles
     return moe_act_table(table, qtypes, F, x, start, tok, weight, bits)

@@ -735,15 +735,20 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
                     TILE_DOT(tiles[g], xq[u], xd[u], xbs[u], y[u, g * ROWS:(g + 1) * ROWS])
 
 
-def _compile_matmul(qtype):
+def _compile(template, name: str, constants: dict):
+    """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
+    instruction-form suffix."""
     import types as pytypes
 
-    fn = pytypes.FunctionType(_tile_matmul_template.__code__,
-                              {**_tile_matmul_template.__globals__, "TILE_DOT": TILE_DOTS[qtype]},
-                              f"tile_matmul_{qtype.name}{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}")
+    name += f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}"
+    fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **constants}, name)
     # the name keys Numba's on-disk cache (whose key also holds this CPU's name and features, not PYMOE_VNNI / _WIDE)
-    fn.__qualname__ = fn.__name__
+    fn.__qualname__ = name
     return njit(parallel=True, cache=True)(fn)
+
+
+def _compile_matmul(qtype):
+    return _compile(_tile_matmul_template, f"tile_matmul_{qtype.name}", {"TILE_DOT": TILE_DOTS[qtype]})
 
 
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}
@@ -776,25 +781,20 @@ def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2, ahead):
                 TILE_DOT_2(t2[g], xq[0], xd[0], xbs[0], y2[0, g * ROWS:(g + 1) * ROWS])
 
 
-_MATVEC3 = {}
+_MATVEC3 = {}  # (three QTypes) -> the compiled _tile_matvec3_template
 
 
 def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> list:
     """[tile_matmul(t, q, xq, xd, xbs) for t, q in zip(tiles, qtypes)] for three matrices and one token (xq int8
     [1, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of call and region each)."""
-    key = tuple(qtypes)  # QType is an IntEnum: its members and their ints hash alike (no enum call per token)
-    if key not in _MATVEC3:
-        import types as pytypes
-
+    key = tuple(qtypes)  # QType is an IntEnum: an int key finds its member's entry (no enum call per token)
+    fn = _MATVEC3.get(key)
+    if fn is None:
         key = tuple(QType(q) for q in qtypes)
-        consts = {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)}
-        name = f"tile_matvec3_{'_'.join(q.name for q in key)}{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}"
-        fn = pytypes.FunctionType(_tile_matvec3_template.__code__, {**_tile_matvec3_template.__globals__, **consts},
-                                  name)
-        fn.__qualname__ = name
-        _MATVEC3[key] = _MATVEC3[tuple(qtypes)] = njit(parallel=True, cache=True)(fn)
+        fn = _MATVEC3[key] = _compile(_tile_matvec3_template, "tile_matvec3_" + "_".join(q.name for q in key),
+                                      {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)})
     ys = [np.empty((1, t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1, R_i]
-    _MATVEC3[tuple(qtypes)](*tiles, xq, xd, xbs, *ys, AHEAD)
+    fn(*tiles, xq, xd, xbs, *ys, AHEAD)
     return ys
 
 
