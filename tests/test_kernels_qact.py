@@ -135,17 +135,17 @@ def test_cpu_and_reference_backends_agree_on_q2_k_models(tiny_model, arch):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-NEW_TYPES = sorted(qact.ROW_DOTS_NEW, key=lambda q: q.name)
+NEW_TYPES = sorted({**qact.ROW_DOTS_NEW, **qact.ROW_DOTS_GRID}, key=lambda q: q.name)
 
 
 @pytest.mark.parametrize("qtype", NEW_TYPES, ids=[q.name for q in NEW_TYPES])
 def test_portable_row_dots_equal_the_x86_ones(qtype):
-    """The path of CPUs without AVX2 / AVX-512 (the codebook by 16 compares and selects, pairs summed without the
-    pmaddwd intrinsic), compiled here on purpose: the same integers, the same float operations in the same order,
-    so bit for bit the row dots this machine runs, one row and many rows."""
+    """The path of CPUs without AVX2 / AVX-512 (the codebook by 16 compares and selects, a grid row's signs by a
+    select, pairs summed without the pmaddwd intrinsic), compiled here on purpose: the same integers, the same float
+    operations in the same order, so bit for bit the row dots this machine runs, one row and many rows."""
     from numba import njit
 
-    one, rows = qact._row_dots_for(portable=True)[qtype]
+    one, rows = {**qact._row_dots_for(portable=True), **qact._iq_grid_dots(portable=True)}[qtype]
 
     @njit
     def portable(w, xq, xd, xbs, acc, out, single):

@@ -5,8 +5,8 @@ quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weigh
 the memory map) through `f32_matmul` (bits independent of T). Small float vectors (norms, biases, the shared-expert
 gate) are read once as float32.
 Two paths for quantized weights, chosen once by `act_bits`:
-  - integer (act_bits 16, the default, or 8 = llama.cpp's; PYMOE_ACT_BITS=8): K-quant weights (Q2_K..Q6_K, rows
-    of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values and each block is
+  - integer (act_bits 16, the default, or 8 = llama.cpp's; PYMOE_ACT_BITS=8): weights of a type in
+    `qact.ACT_DOTS` (the K-quants, IQ2/IQ3/IQ4, MXFP4, Q8_0, Q4_0, Q2_0; rows of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values and each block is
     dotted in integer arithmetic (quant/qact.py); the routed experts of a layer run in one fused kernel
     (`moe_experts`: gate + up + SwiGLU, then down with the routing weights, all chosen experts and tokens in one
     parallel call);

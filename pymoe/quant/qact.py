@@ -19,8 +19,8 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
        registers, float32 [16] lane accumulators and one reduction per row; `row_dot_rows_*` the same for every row
        of a 2-D x, each block unpacked once (prefill), bit for bit.
      They are tested against the float reference through the vec_dots, and against their portable twins.
-  3. `vec_dot_<type>(w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K and (section 3b) IQ4_XS, IQ4_NL, MXFP4,
-     Q8_0, Q4_0, Q2_0: one raw weight row (whole runs of 256 weights) times quantized activations -> float32;
+  3. `vec_dot_<type>(w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, (section 3b) IQ4_XS, IQ4_NL, MXFP4,
+     Q8_0, Q4_0, Q2_0 and (section 3c) IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: one raw weight row (whole runs of 256 weights) times quantized activations -> float32;
      `vec_dot_rows_<type>` for many rows at once (bit-identical results).
      `ACT_DOTS` / `ACT_DOTS_ROWS` map a QType to them; other formats use the float path.
   With 8-bit activations the row dots take llama.cpp's AVX2 route: each group's 32 int8 weights (their magnitudes,
@@ -241,9 +241,22 @@ class Gather:
         self.index, self.shift, self.mask = list(index), list(shift), mask
 
 
+class Grid:
+    """A group of 32 weights whose magnitudes are rows of a grid (IQ2: 8 weights a row, IQ3: 4) and whose signs come
+    8 weights at a time (IQ2/IQ3, iquants.py). `rows`: one field list per row of the group, whose OR is the row's
+    index into `grid` (int8 [n, width], the magnitudes); `signs`: one field list per 8 weights, whose OR is the index
+    of their sign pattern in `sign_table` (int8 [m, 8] of +-1). A field (offset, nbytes, shift, mask, pos) is the
+    little-endian integer of nbytes bytes at the block's byte offset, >> shift & mask, << pos. `name` names the two
+    tables in the compiled code (LLVM constants the row lookups load from, one 8- or 4-byte load a row)."""
+
+    def __init__(self, name: str, rows, signs, grid: np.ndarray, sign_table: np.ndarray):
+        assert grid.shape[1] * len(rows) == 32 and len(signs) == 4 and sign_table.shape[1] == 8
+        self.name, self.rows, self.signs, self.grid, self.sign_table = name, rows, signs, grid, sign_table
+
+
 def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: int, d_off: int, dmin_off: int,
                   min_fields, signed_scales: bool = False, codebook=None, group_scales=None, signed_values=False,
-                  portable: bool = False, prescale_one: bool = False, exact_blocks: bool = False):
+                  portable: bool = False, prescale_one: bool = False, exact_blocks: bool = False, d_mult: float = 1.0):
     """-> (row_dot(w, xq, xd, xbs) -> float32 for one activation row (1-D xq [C], xd [C/256], xbs [C/16]),
     row_dot_rows(w, xq, xd, xbs, acc, out) writing out[t] = row_dot(w, xq[t], xd[t], xbs[t]) for every row t of
     2-D, C-contiguous xq, xd, xbs; acc: float32 [T, 16] scratch). w: one weight row, uint8 [nb * size].
@@ -252,7 +265,9 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
       codebook: 16 int8 levels; a group's 4-bit fields are indices into it (IQ4_NL, IQ4_XS, MXFP4);
       group_scales: [(byte offset, "f16" | "e8m0_half")] * 8: each group of 32 has a float scale of its own (the
         32- and 64-weight block formats, 256 weights = 8, 4 blocks), in place of d and the integer scales;
-      signed_values: a group's bytes are the int8 weights themselves (Q8_0).
+      signed_values: a group's bytes are the int8 weights themselves (Q8_0);
+      Grid groups: magnitudes from a grid, signs from a table (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), and
+        d_mult: the power of two the block's d is multiplied by (exact) so that the integer scales are 2s + 1.
     portable: never the x86 intrinsics (the path of other CPUs, compiled here by the tests to check it).
     exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
@@ -266,7 +281,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
     pmaddwd_512 = _PMADDWD_512 and not portable
     avx2 = _AVX2 and not portable
-    negative = codebook is not None or signed_values or value_bias != 0  # a weight's integer can be negative
+    negative = (codebook is not None or signed_values or value_bias != 0  # a weight's integer can be negative
+                or any(isinstance(g, Grid) for g in groups))
 
     def vec(ty, n, values):
         return ir.Constant(ir.VectorType(ty, n), list(values))
@@ -305,6 +321,47 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         table = concat(builder, parts)
         picks = [shifts.index(sh) * span + k - lo for k, sh in zip(spec.index, spec.shift)]
         return builder.shuffle_vector(table, ir.Constant(table.type, ir.Undefined), vec(i32, 32, picks))
+
+    def constant_table(builder, name, rows):  # int8 [n, width] -> an LLVM constant array of n width-byte integers
+        try:
+            return builder.module.get_global(name)
+        except KeyError:
+            ty = ir.ArrayType(ir.IntType(8 * rows.shape[1]), rows.shape[0])
+            table = ir.GlobalVariable(builder.module, ty, name)
+            table.initializer = ir.Constant(ty, [int.from_bytes(r.astype(np.int8).tobytes(), "little", signed=True)
+                                                 for r in rows])
+            table.global_constant, table.linkage = True, "internal"
+            return table
+
+    def bit_fields(builder, wdata, s_, fields):  # Grid's fields of the block at byte s -> their OR, int64
+        out = None
+        for off, nbytes, shift, mask, pos in fields:
+            v = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * nbytes)), align=1)
+            v = builder.and_(builder.lshr(builder.zext(v, i64), ir.Constant(i64, shift)), ir.Constant(i64, mask))
+            v = builder.shl(v, ir.Constant(i64, pos))
+            out = v if out is None else builder.or_(out, v)
+        return out
+
+    def rows_of(builder, table, indices, width):
+        """Rows of a constant table of width-byte rows (len(indices) * width = 32) -> int8 [32], in order: a scalar
+        load per row. Measured against an index vector built by shuffles and one AVX2 gather (vpgatherdq / vpgatherdd),
+        Zen 5, 1 thread, one token, 3 runs each: IQ2_XXS 11-15 vs 6-9 G MACs/s, IQ3_XXS 9-11 vs 8: kept the loads."""
+        ty = ir.IntType(8 * width)
+        v = ir.Constant(ir.VectorType(ty, len(indices)), ir.Undefined)
+        for r, index in enumerate(indices):
+            row = builder.load(builder.gep(table, [ir.Constant(i64, 0), index]), align=width)
+            v = builder.insert_element(v, row, ir.Constant(i32, r))
+        return builder.bitcast(v, ir.VectorType(i8, 32))
+
+    def grid_group(builder, wdata, s_, spec):  # a Grid group -> int8 [32] signed weights (magnitude times sign)
+        width = spec.grid.shape[1]
+        mags = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_grid", spec.grid),
+                       [bit_fields(builder, wdata, s_, f) for f in spec.rows], width)
+        signs = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_signs", spec.sign_table),
+                        [bit_fields(builder, wdata, s_, f) for f in spec.signs], 8)
+        if avx2:
+            return x86(builder, "llvm.x86.avx2.psign.b", mags.type, [mags, signs])
+        return builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(mags), mags)
 
     def lookup(builder, v):  # int8 [32] of indices 0..15 -> int8 [32] of codebook levels
         if avx2:  # vpshufb looks up within each 16-byte half: the table twice
@@ -375,6 +432,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         for g, spec in enumerate(groups):
             if isinstance(spec, Gather):
                 v = gather(builder, wdata, s_, spec)
+            elif isinstance(spec, Grid):
+                v = grid_group(builder, wdata, s_, spec)
             elif signed_values:  # the group's 32 bytes are int8 weights
                 v = load(builder, wdata, builder.add(s_, ir.Constant(i64, spec)), i8, 32)
             else:
@@ -549,6 +608,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             d = group_scales_at(builder, wdata, s_)  # float32 [8], one scale per group
         else:
             d = fp16(builder, wdata, s_, d_off)
+            if d_mult != 1.0:  # a power of two: exact
+                d = builder.fmul(d, ir.Constant(f32, d_mult))
         dmin = fp16(builder, wdata, s_, dmin_off) if dmin_off >= 0 else None
         return unpack(builder, wdata, s_, prescale), d, dmin, builder.mul(b_, ir.Constant(i64, QK_K))
 
@@ -716,7 +777,77 @@ def _row_dots_for(portable: bool = False) -> dict:
     }
 
 
+# ----------------------------------------------------------------------------------------------------------------
+# 3c. IQ2 and IQ3: Grid groups. A row index (bit fields of the block) picks 8 (IQ2) or 4 (IQ3) magnitudes from the
+#     format's grid; each 8 weights' signs come from a +-1 table; the signs go onto the magnitudes (vpsignb), and
+#     from there the 8-bit path moves them onto x like every signed format. Bounds: magnitude <= 62, 2s + 1 <= 31.
+# ----------------------------------------------------------------------------------------------------------------
+def _sign_rows(bytes_: np.ndarray) -> np.ndarray:
+    """int [m] bytes of 8 sign bits -> int8 [m, 8]: entry j is -1 where bit j is set, else +1."""
+    return np.where((bytes_[:, None] >> np.arange(8)) & 1, -1, 1).astype(np.int8)
+
+
+SIGNS_KSIGNS = _sign_rows(iquants.KSIGNS)  # [128, 8] a 7-bit sign index (IQ2_XXS, IQ2_XS, IQ3_XXS) -> 8 signs
+SIGNS_BITS = _sign_rows(np.arange(256))  # [256, 8] a byte of 8 explicit sign bits (IQ2_S, IQ3_S) -> 8 signs
+
+
+def _field(off: int, nbytes: int = 1, shift: int = 0, mask: int = 255, pos: int = 0) -> tuple:
+    return (off, nbytes, shift, mask, pos)
+
+
+def _iq_scales(byte_of, shift_of):
+    """scale_fields for a 4-bit scale s per sub-block (lane k = weights 16k..16k+15) entering as 2s + 1 (with
+    scale_bias = -1): nibble (byte_of(k) >> shift_of(k)) & 15, placed at bit 1."""
+    return [([byte_of(k) for k in range(16)], [shift_of(k) for k in range(16)], 15, 1)]
+
+
+def _iq_grid_dots(portable: bool = False) -> dict:
+    """{QType: (row_dot, row_dot_rows)} of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: Grid groups (byte layouts and
+    the float order in iquants.py). Every scale is d * (2s + 1) * 2^-k: IQ2's d (0.5 + s) / 4 = d (2s + 1) / 8, IQ3_XXS's
+    d (0.5 + s) / 2 = d (2s + 1) / 4, IQ3_S's d (1 + 2s); so 2s + 1 is the integer sub-block scale (<= 31, times a
+    magnitude <= 62: within 16 bits) and d_mult the power of two."""
+    grid = lambda flat, width: flat.reshape(-1, width).astype(np.int8)  # noqa: E731
+    g8, g4 = range(8), range(4)
+    common = dict(scale_bias=-1, value_bias=0, d_off=0, dmin_off=-1, min_fields=None, portable=portable)
+    return {
+        # IQ2_XXS (66 bytes): group g at 2 + 8g: 4 row indices, then a uint32: 4 x 7 sign bits, the scale in bits 28-31.
+        QType.IQ2_XXS: _make_row_dot(
+            groups=[Grid("iq2xxs", [[_field(2 + 8 * g + l)] for l in g4],
+                         [[_field(6 + 8 * g, 4, 7 * l, 127)] for l in g4], grid(iquants.IQ2XXS_GRID, 8), SIGNS_KSIGNS)
+                    for g in g8],
+            scale_fields=_iq_scales(lambda k: 9 + 8 * (k // 2), lambda k: 4), size=66, d_mult=0.125, **common),
+        # IQ2_XS (74 bytes): qs uint16 [32] at 2, one per 8 weights (9-bit row index, 7 sign bits), scales[8] at 66.
+        QType.IQ2_XS: _make_row_dot(
+            groups=[Grid("iq2xs", [[_field(2 + 2 * (4 * g + l), 2, 0, 511)] for l in g4],
+                         [[_field(2 + 2 * (4 * g + l), 2, 9, 127)] for l in g4], grid(iquants.IQ2XS_GRID, 8),
+                         SIGNS_KSIGNS) for g in g8],
+            scale_fields=_iq_scales(lambda k: 66 + k // 2, lambda k: 4 * (k % 2)), size=74, d_mult=0.125, **common),
+        # IQ2_S (82 bytes): qs[32] at 2 (index bits 0-7), signs[32] at 34, qh[8] at 66 (bits 8-9), scales[8] at 74.
+        QType.IQ2_S: _make_row_dot(
+            groups=[Grid("iq2s", [[_field(2 + 4 * g + l), _field(66 + g, 1, 2 * l, 3, 8)] for l in g4],
+                         [[_field(34 + 4 * g + l)] for l in g4], grid(iquants.IQ2S_GRID, 8), SIGNS_BITS) for g in g8],
+            scale_fields=_iq_scales(lambda k: 74 + k // 2, lambda k: 4 * (k % 2)), size=82, d_mult=0.125, **common),
+        # IQ3_XXS (98 bytes): qs[64] at 2 (a row index per 4 weights), a uint32 per group at 66 (signs, scale).
+        QType.IQ3_XXS: _make_row_dot(
+            groups=[Grid("iq3xxs", [[_field(2 + 8 * g + m)] for m in g8],
+                         [[_field(66 + 4 * g, 4, 7 * l, 127)] for l in g4], grid(iquants.IQ3XXS_GRID, 4),
+                         SIGNS_KSIGNS) for g in g8],
+            scale_fields=_iq_scales(lambda k: 69 + 4 * (k // 2), lambda k: 4), size=98, d_mult=0.25, **common),
+        # IQ3_S (110 bytes): qs[64] at 2, qh[8] at 66 (bit m: index bit 8 of row m), signs[32] at 74, scales[4] at 106.
+        QType.IQ3_S: _make_row_dot(
+            groups=[Grid("iq3s", [[_field(2 + 8 * g + m), _field(66 + g, 1, m, 1, 8)] for m in g8],
+                         [[_field(74 + 4 * g + l)] for l in g4], grid(iquants.IQ3S_GRID, 4), SIGNS_BITS) for g in g8],
+            scale_fields=_iq_scales(lambda k: 106 + k // 4, lambda k: 4 * ((k // 2) % 2)), size=110, **common),
+    }
+
+
 ROW_DOTS_NEW = _row_dots_for()
+ROW_DOTS_GRID = _iq_grid_dots()
+row_dot_iq2_xxs, row_dot_rows_iq2_xxs = ROW_DOTS_GRID[QType.IQ2_XXS]
+row_dot_iq2_xs, row_dot_rows_iq2_xs = ROW_DOTS_GRID[QType.IQ2_XS]
+row_dot_iq2_s, row_dot_rows_iq2_s = ROW_DOTS_GRID[QType.IQ2_S]
+row_dot_iq3_xxs, row_dot_rows_iq3_xxs = ROW_DOTS_GRID[QType.IQ3_XXS]
+row_dot_iq3_s, row_dot_rows_iq3_s = ROW_DOTS_GRID[QType.IQ3_S]
 row_dot_iq4_xs, row_dot_rows_iq4_xs = ROW_DOTS_NEW[QType.IQ4_XS]
 row_dot_iq4_nl, row_dot_rows_iq4_nl = ROW_DOTS_NEW[QType.IQ4_NL]
 row_dot_q4_0, row_dot_rows_q4_0 = ROW_DOTS_NEW[QType.Q4_0]
@@ -854,6 +985,56 @@ def vec_dot_rows_q2_0(w, xq, xd, xbs, acc, out):
     row_dot_rows_q2_0(w, xq, xd, xbs, acc, out)
 
 
+@njit(cache=True)
+def vec_dot_iq2_xxs(w, xq, xd, xbs):
+    return row_dot_iq2_xxs(w, xq, xd, xbs)
+
+
+@njit(cache=True)
+def vec_dot_rows_iq2_xxs(w, xq, xd, xbs, acc, out):
+    row_dot_rows_iq2_xxs(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_iq2_xs(w, xq, xd, xbs):
+    return row_dot_iq2_xs(w, xq, xd, xbs)
+
+
+@njit(cache=True)
+def vec_dot_rows_iq2_xs(w, xq, xd, xbs, acc, out):
+    row_dot_rows_iq2_xs(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_iq2_s(w, xq, xd, xbs):
+    return row_dot_iq2_s(w, xq, xd, xbs)
+
+
+@njit(cache=True)
+def vec_dot_rows_iq2_s(w, xq, xd, xbs, acc, out):
+    row_dot_rows_iq2_s(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_iq3_xxs(w, xq, xd, xbs):
+    return row_dot_iq3_xxs(w, xq, xd, xbs)
+
+
+@njit(cache=True)
+def vec_dot_rows_iq3_xxs(w, xq, xd, xbs, acc, out):
+    row_dot_rows_iq3_xxs(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_iq3_s(w, xq, xd, xbs):
+    return row_dot_iq3_s(w, xq, xd, xbs)
+
+
+@njit(cache=True)
+def vec_dot_rows_iq3_s(w, xq, xd, xbs, acc, out):
+    row_dot_rows_iq3_s(w, xq, xd, xbs, acc, out)
+
+
 ACT_DOTS = {
     QType.Q2_K: vec_dot_q2_k,
     QType.Q3_K: vec_dot_q3_k,
@@ -866,13 +1047,20 @@ ACT_DOTS = {
     QType.MXFP4: vec_dot_mxfp4,
     QType.Q8_0: vec_dot_q8_0,
     QType.Q2_0: vec_dot_q2_0,
+    QType.IQ2_XXS: vec_dot_iq2_xxs,
+    QType.IQ2_XS: vec_dot_iq2_xs,
+    QType.IQ2_S: vec_dot_iq2_s,
+    QType.IQ3_XXS: vec_dot_iq3_xxs,
+    QType.IQ3_S: vec_dot_iq3_s,
 }
 
 
 ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k, QType.Q4_K: vec_dot_rows_q4_k,
                  QType.Q5_K: vec_dot_rows_q5_k, QType.Q6_K: vec_dot_rows_q6_k, QType.IQ4_XS: vec_dot_rows_iq4_xs,
                  QType.IQ4_NL: vec_dot_rows_iq4_nl, QType.Q4_0: vec_dot_rows_q4_0, QType.MXFP4: vec_dot_rows_mxfp4,
-                 QType.Q8_0: vec_dot_rows_q8_0, QType.Q2_0: vec_dot_rows_q2_0}
+                 QType.Q8_0: vec_dot_rows_q8_0, QType.Q2_0: vec_dot_rows_q2_0, QType.IQ2_XXS: vec_dot_rows_iq2_xxs,
+                 QType.IQ2_XS: vec_dot_rows_iq2_xs, QType.IQ2_S: vec_dot_rows_iq2_s, QType.IQ3_XXS: vec_dot_rows_iq3_xxs,
+                 QType.IQ3_S: vec_dot_rows_iq3_s}
 
 
 def has_int_dot(qtype, cols: int) -> bool:

@@ -150,6 +150,18 @@ MUTANTS: list[Mutant] = [
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[*-8]",),
         "8-bit activations: |w| times x without w's sign moved onto x (vpsignb dropped)"),
     Mutant(
+        "iq_grid_signs_dropped", "pymoe/quant/qact.py",
+        'return x86(builder, "llvm.x86.avx2.psign.b", mags.type, [mags, signs])',
+        "return mags  # MUTANT: the grid rows' signs are dropped",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ2_XXS-*]",
+         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]"),
+        "IQ2/IQ3 integer dots: the grid magnitudes without their sign table applied"),
+    Mutant(
+        "iq3s_index_bit_8_dropped", "pymoe/quant/qact.py",
+        "_field(66 + g, 1, m, 1, 8)", "_field(66 + g, 1, m, 0, 8)",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]",),
+        "IQ3_S's integer dot reads only the low 8 bits of a grid row's index (qh's bit 8 dropped: 256 of 512 rows)"),
+    Mutant(
         "e8m0_subnormal_scales_as_normal", "pymoe/quant/qact.py",
         'bits = builder.select(builder.icmp_unsigned("<", e, vec(i32, 8, [2] * 8)), small, normal)',
         "bits = normal",
