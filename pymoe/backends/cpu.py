@@ -6,10 +6,10 @@ the memory map) through `f32_matmul` (bits independent of T). Small float vector
 gate) are read once as float32.
 Two paths for quantized weights, chosen once by `act_bits`:
   - integer (act_bits 16, the default, or 8 = llama.cpp's; PYMOE_ACT_BITS=8): weights of a type in
-    `qact.ACT_DOTS` (the K-quants, IQ2/IQ3/IQ4, MXFP4, Q8_0, Q4_0, Q2_0; rows of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values and each block is
-    dotted in integer arithmetic (quant/qact.py); the routed experts of a layer run in one fused kernel
-    (`moe_experts`: gate + up + SwiGLU, then down with the routing weights, all chosen experts and tokens in one
-    parallel call);
+    `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0, Q2_0; rows of whole 256-blocks) take the integer
+    path, as llama.cpp does: x is quantized per 256 values and each block is dotted in integer arithmetic
+    (quant/qact.py); the routed experts of a layer run in one fused kernel (`moe_experts`: gate + up + SwiGLU,
+    then down with the routing weights, all chosen experts and tokens in one parallel call);
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).

@@ -7,8 +7,8 @@ tests/test_iquants.py holds every type bit-exact to gguf-py's `gguf.dequantize` 
 `dequantize_row_*`. The grids are in data/ggml_grids.npz, written by tools/extract-ggml-grids from ggml-common.h.
 What this is not: a quantizer (IQ quantization searches the grids with an importance matrix; the test files are
 written by llama.cpp's own quantizer, tests/test_ftypes.py). The integer dots of IQ4_NL and IQ4_XS are in quant/qact.py
-(section 3b), those of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS and IQ3_S in its section 3c (the grids as LLVM constants);
-IQ1_S and IQ1_M take the float kernels.
+(section 3b), those of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S and IQ1_M in its section 3c (the grids as LLVM
+constants).
 
 The idea shared by IQ2/IQ3: weights come in groups of 8 (IQ2) or 4 (IQ3) whose *magnitudes* are one entry of a
 fixed grid (IQ2_XXS: 256 entries of 8 bytes from {8, 25, 43}; IQ3_XXS: 256 entries of 4 bytes, ...), chosen by an

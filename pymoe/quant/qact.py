@@ -20,7 +20,7 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
        of a 2-D x, each block unpacked once (prefill), bit for bit.
      They are tested against the float reference through the vec_dots, and against their portable twins.
   3. `vec_dot_<type>(w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, (section 3b) IQ4_XS, IQ4_NL, MXFP4,
-     Q8_0, Q4_0, Q2_0 and (section 3c) IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: one raw weight row (whole runs of 256 weights) times quantized activations -> float32;
+     Q8_0, Q4_0, Q2_0 and (section 3c) IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: one raw weight row (whole runs of 256 weights) times quantized activations -> float32;
      `vec_dot_rows_<type>` for many rows at once (bit-identical results).
      `ACT_DOTS` / `ACT_DOTS_ROWS` map a QType to them; other formats use the float path.
   With 8-bit activations the row dots take llama.cpp's AVX2 route: each group's 32 int8 weights (their magnitudes,
@@ -247,16 +247,21 @@ class Grid:
     index into `grid` (int8 [n, width], the magnitudes); `signs`: one field list per 8 weights, whose OR is the index
     of their sign pattern in `sign_table` (int8 [m, 8] of +-1). A field (offset, nbytes, shift, mask, pos) is the
     little-endian integer of nbytes bytes at the block's byte offset, >> shift & mask, << pos. `name` names the two
-    tables in the compiled code (LLVM constants the row lookups load from, one 8- or 4-byte load a row)."""
+    tables in the compiled code (LLVM constants the row lookups load from, one 8- or 4-byte load a row).
+    IQ1 (grid values -1, 0, +1 and a shift of +-1/8 per 8 weights): no signs; `grid` holds 8 times the values and
+    `delta` one field list per 8 weights giving one bit: their integers are 8 * grid + 1, or - 1 where the bit is set."""
 
-    def __init__(self, name: str, rows, signs, grid: np.ndarray, sign_table: np.ndarray):
-        assert grid.shape[1] * len(rows) == 32 and len(signs) == 4 and sign_table.shape[1] == 8
+    def __init__(self, name: str, rows, signs, grid: np.ndarray, sign_table, delta=None):
+        assert grid.shape[1] * len(rows) == 32
+        assert (signs is None or (len(signs) == 4 and sign_table.shape[1] == 8)) and (delta is None or len(delta) == 4)
         self.name, self.rows, self.signs, self.grid, self.sign_table = name, rows, signs, grid, sign_table
+        self.delta = delta
 
 
 def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: int, d_off: int, dmin_off: int,
                   min_fields, signed_scales: bool = False, codebook=None, group_scales=None, signed_values=False,
-                  portable: bool = False, prescale_one: bool = False, exact_blocks: bool = False, d_mult: float = 1.0):
+                  portable: bool = False, prescale_one: bool = False, exact_blocks: bool = False, d_mult: float = 1.0,
+                  d_fields=None):
     """-> (row_dot(w, xq, xd, xbs) -> float32 for one activation row (1-D xq [C], xd [C/256], xbs [C/16]),
     row_dot_rows(w, xq, xd, xbs, acc, out) writing out[t] = row_dot(w, xq[t], xd[t], xbs[t]) for every row t of
     2-D, C-contiguous xq, xd, xbs; acc: float32 [T, 16] scratch). w: one weight row, uint8 [nb * size].
@@ -267,7 +272,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         32- and 64-weight block formats, 256 weights = 8, 4 blocks), in place of d and the integer scales;
       signed_values: a group's bytes are the int8 weights themselves (Q8_0);
       Grid groups: magnitudes from a grid, signs from a table (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S), and
-        d_mult: the power of two the block's d is multiplied by (exact) so that the integer scales are 2s + 1.
+        d_mult: the power of two the block's d is multiplied by (exact) so that the integer scales are 2s + 1;
+        d_fields: Grid-style fields whose OR is d's fp16 bits, for a d spread over the block (IQ1_M), else d_off.
     portable: never the x86 intrinsics (the path of other CPUs, compiled here by the tests to check it).
     exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
@@ -355,13 +361,23 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
 
     def grid_group(builder, wdata, s_, spec):  # a Grid group -> int8 [32] signed weights (magnitude times sign)
         width = spec.grid.shape[1]
-        mags = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_grid", spec.grid),
-                       [bit_fields(builder, wdata, s_, f) for f in spec.rows], width)
-        signs = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_signs", spec.sign_table),
-                        [bit_fields(builder, wdata, s_, f) for f in spec.signs], 8)
-        if avx2:
-            return x86(builder, "llvm.x86.avx2.psign.b", mags.type, [mags, signs])
-        return builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(mags), mags)
+        v = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_grid", spec.grid),
+                    [bit_fields(builder, wdata, s_, f) for f in spec.rows], width)
+        if spec.signs is not None:
+            signs = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_signs", spec.sign_table),
+                            [bit_fields(builder, wdata, s_, f) for f in spec.signs], 8)
+            if avx2:
+                v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, signs])
+            else:
+                v = builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(v), v)
+        if spec.delta is not None:  # + 1 - 2 * bit, per 8 weights
+            deltas = ir.Constant(ir.VectorType(i8, 4), ir.Undefined)
+            for r, f in enumerate(spec.delta):
+                bit = builder.trunc(bit_fields(builder, wdata, s_, f), i8)
+                deltas = builder.insert_element(deltas, builder.sub(ir.Constant(i8, 1), builder.shl(bit, ir.Constant(i8, 1))),
+                                                ir.Constant(i32, r))
+            v = builder.add(v, builder.shuffle_vector(deltas, deltas, vec(i32, 32, [k // 8 for k in range(32)])))
+        return v
 
     def lookup(builder, v):  # int8 [32] of indices 0..15 -> int8 [32] of codebook levels
         if avx2:  # vpshufb looks up within each 16-byte half: the table twice
@@ -607,7 +623,11 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         if group_scales is not None:
             d = group_scales_at(builder, wdata, s_)  # float32 [8], one scale per group
         else:
-            d = fp16(builder, wdata, s_, d_off)
+            if d_fields is not None:  # fp16 bits from fields of the block
+                d = builder.fpext(builder.bitcast(builder.trunc(bit_fields(builder, wdata, s_, d_fields), i16),
+                                                  ir.HalfType()), f32)
+            else:
+                d = fp16(builder, wdata, s_, d_off)
             if d_mult != 1.0:  # a power of two: exact
                 d = builder.fmul(d, ir.Constant(f32, d_mult))
         dmin = fp16(builder, wdata, s_, dmin_off) if dmin_off >= 0 else None
@@ -778,9 +798,10 @@ def _row_dots_for(portable: bool = False) -> dict:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3c. IQ2 and IQ3: Grid groups. A row index (bit fields of the block) picks 8 (IQ2) or 4 (IQ3) magnitudes from the
-#     format's grid; each 8 weights' signs come from a +-1 table; the signs go onto the magnitudes (vpsignb), and
-#     from there the 8-bit path moves them onto x like every signed format. Bounds: magnitude <= 62, 2s + 1 <= 31.
+# 3c. IQ1, IQ2 and IQ3: Grid groups. A row index (bit fields of the block) picks 8 (IQ1, IQ2) or 4 (IQ3) magnitudes
+#     from the format's grid; IQ2/IQ3: each 8 weights' signs come from a +-1 table and go onto the magnitudes
+#     (vpsignb); IQ1: the grid's -1/0/+1 times 8, plus +-1 (the +-1/8 delta). From there the 8-bit path moves the
+#     signs onto x like every signed format. Bounds: |integer| <= 62, 2s + 1 <= 31.
 # ----------------------------------------------------------------------------------------------------------------
 def _sign_rows(bytes_: np.ndarray) -> np.ndarray:
     """int [m] bytes of 8 sign bits -> int8 [m, 8]: entry j is -1 where bit j is set, else +1."""
@@ -801,8 +822,23 @@ def _iq_scales(byte_of, shift_of):
     return [([byte_of(k) for k in range(16)], [shift_of(k) for k in range(16)], 15, 1)]
 
 
+def _iq1m_scales():
+    """IQ1_M's scale_fields: sub-block k (16 weights) has the 3 bits at 3 (k % 4) of the uint16 at 48 + 2 (k // 4),
+    i.e. from bit b = 3 (k % 4) + 8 (k % 4 >= 3) of byte 48 + 2 (k // 4) + (k % 4 >= 3); the one at bit 6 straddles
+    bytes: its bits 6-7 (first field) and bit 0 of the next byte (second field, mask 0 elsewhere). Placed at bit 1
+    (2s, then scale_bias -1)."""
+    first_byte, first_shift, first_mask, second_mask = [], [], [], []
+    for k in range(16):
+        bit = 3 * (k % 4)  # within the uint16
+        first_byte.append(48 + 2 * (k // 4) + bit // 8)
+        first_shift.append(bit % 8)
+        first_mask.append(3 if bit == 6 else 7)
+        second_mask.append(1 if bit == 6 else 0)
+    return [(first_byte, first_shift, first_mask, 1), ([48 + 2 * (k // 4) + 1 for k in range(16)], [0] * 16, second_mask, 3)]
+
+
 def _iq_grid_dots(portable: bool = False) -> dict:
-    """{QType: (row_dot, row_dot_rows)} of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: Grid groups (byte layouts and
+    """{QType: (row_dot, row_dot_rows)} of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: Grid groups (byte layouts and
     the float order in iquants.py). Every scale is d * (2s + 1) * 2^-k: IQ2's d (0.5 + s) / 4 = d (2s + 1) / 8, IQ3_XXS's
     d (0.5 + s) / 2 = d (2s + 1) / 4, IQ3_S's d (1 + 2s); so 2s + 1 is the integer sub-block scale (<= 31, times a
     magnitude <= 62: within 16 bits) and d_mult the power of two."""
@@ -838,6 +874,22 @@ def _iq_grid_dots(portable: bool = False) -> dict:
             groups=[Grid("iq3s", [[_field(2 + 8 * g + m), _field(66 + g, 1, m, 1, 8)] for m in g8],
                          [[_field(74 + 4 * g + l)] for l in g4], grid(iquants.IQ3S_GRID, 4), SIGNS_BITS) for g in g8],
             scale_fields=_iq_scales(lambda k: 106 + k // 4, lambda k: 4 * ((k // 2) % 2)), size=110, **common),
+        # IQ1_S (50 bytes): qs[32] at 2 (index bits 0-7), qh uint16 [8] at 34, one per group: bits 3l..3l+2 index
+        # bits 8-10 of run l, bits 12-14 the 3-bit scale s, bit 15 the sign of delta. w = d (2s + 1) (grid + delta),
+        # delta = +-1/8: d / 8 (2s + 1) (8 grid +- 1), integers within -9..9.
+        QType.IQ1_S: _make_row_dot(
+            groups=[Grid("iq1s", [[_field(2 + 4 * g + l), _field(34 + 2 * g, 2, 3 * l, 7, 8)] for l in g4], None,
+                         8 * grid(iquants.IQ1S_GRID, 8), None, delta=[[_field(35 + 2 * g, 1, 7, 1)]] * 4) for g in g8],
+            scale_fields=[([35 + 2 * (k // 2) for k in range(16)], [4] * 16, 7, 1)], size=50, d_mult=0.125, **common),
+        # IQ1_M (56 bytes): qs[32] at 0, qh[16] at 32 (a nibble per run: index bits 8-10, then delta's sign), scales
+        # uint16 [4] at 48: sub-block k's 3-bit scale at bit 3 (k % 4) of uint16 k // 4 (k % 4 = 2 straddles a byte), d's
+        # fp16 bits in the 4 top nibbles. w = d (2s + 1) (grid + delta) as IQ1_S, the delta per run of 8.
+        QType.IQ1_M: _make_row_dot(
+            groups=[Grid("iq1s", [[_field(4 * g + l), _field(32 + 2 * g + l // 2, 1, 4 * (l % 2), 7, 8)] for l in g4],
+                         None, 8 * grid(iquants.IQ1S_GRID, 8), None,
+                         delta=[[_field(32 + 2 * g + l // 2, 1, 4 * (l % 2) + 3, 1)] for l in g4]) for g in g8],
+            scale_fields=_iq1m_scales(), size=56, d_mult=0.125, d_fields=[_field(48 + 2 * i, 2, 12, 15, 4 * i) for i in g4],
+            **{**common, "d_off": -1}),
     }
 
 
@@ -848,6 +900,8 @@ row_dot_iq2_xs, row_dot_rows_iq2_xs = ROW_DOTS_GRID[QType.IQ2_XS]
 row_dot_iq2_s, row_dot_rows_iq2_s = ROW_DOTS_GRID[QType.IQ2_S]
 row_dot_iq3_xxs, row_dot_rows_iq3_xxs = ROW_DOTS_GRID[QType.IQ3_XXS]
 row_dot_iq3_s, row_dot_rows_iq3_s = ROW_DOTS_GRID[QType.IQ3_S]
+row_dot_iq1_s, row_dot_rows_iq1_s = ROW_DOTS_GRID[QType.IQ1_S]
+row_dot_iq1_m, row_dot_rows_iq1_m = ROW_DOTS_GRID[QType.IQ1_M]
 row_dot_iq4_xs, row_dot_rows_iq4_xs = ROW_DOTS_NEW[QType.IQ4_XS]
 row_dot_iq4_nl, row_dot_rows_iq4_nl = ROW_DOTS_NEW[QType.IQ4_NL]
 row_dot_q4_0, row_dot_rows_q4_0 = ROW_DOTS_NEW[QType.Q4_0]
@@ -1035,6 +1089,26 @@ def vec_dot_rows_iq3_s(w, xq, xd, xbs, acc, out):
     row_dot_rows_iq3_s(w, xq, xd, xbs, acc, out)
 
 
+@njit(cache=True)
+def vec_dot_iq1_s(w, xq, xd, xbs):
+    return row_dot_iq1_s(w, xq, xd, xbs)
+
+
+@njit(cache=True)
+def vec_dot_rows_iq1_s(w, xq, xd, xbs, acc, out):
+    row_dot_rows_iq1_s(w, xq, xd, xbs, acc, out)
+
+
+@njit(cache=True)
+def vec_dot_iq1_m(w, xq, xd, xbs):
+    return row_dot_iq1_m(w, xq, xd, xbs)
+
+
+@njit(cache=True)
+def vec_dot_rows_iq1_m(w, xq, xd, xbs, acc, out):
+    row_dot_rows_iq1_m(w, xq, xd, xbs, acc, out)
+
+
 ACT_DOTS = {
     QType.Q2_K: vec_dot_q2_k,
     QType.Q3_K: vec_dot_q3_k,
@@ -1052,6 +1126,8 @@ ACT_DOTS = {
     QType.IQ2_S: vec_dot_iq2_s,
     QType.IQ3_XXS: vec_dot_iq3_xxs,
     QType.IQ3_S: vec_dot_iq3_s,
+    QType.IQ1_S: vec_dot_iq1_s,
+    QType.IQ1_M: vec_dot_iq1_m,
 }
 
 
@@ -1060,7 +1136,7 @@ ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k, Q
                  QType.IQ4_NL: vec_dot_rows_iq4_nl, QType.Q4_0: vec_dot_rows_q4_0, QType.MXFP4: vec_dot_rows_mxfp4,
                  QType.Q8_0: vec_dot_rows_q8_0, QType.Q2_0: vec_dot_rows_q2_0, QType.IQ2_XXS: vec_dot_rows_iq2_xxs,
                  QType.IQ2_XS: vec_dot_rows_iq2_xs, QType.IQ2_S: vec_dot_rows_iq2_s, QType.IQ3_XXS: vec_dot_rows_iq3_xxs,
-                 QType.IQ3_S: vec_dot_rows_iq3_s}
+                 QType.IQ3_S: vec_dot_rows_iq3_s, QType.IQ1_S: vec_dot_rows_iq1_s, QType.IQ1_M: vec_dot_rows_iq1_m}
 
 
 def has_int_dot(qtype, cols: int) -> bool:

@@ -151,8 +151,8 @@ MUTANTS: list[Mutant] = [
         "8-bit activations: |w| times x without w's sign moved onto x (vpsignb dropped)"),
     Mutant(
         "iq_grid_signs_dropped", "pymoe/quant/qact.py",
-        'return x86(builder, "llvm.x86.avx2.psign.b", mags.type, [mags, signs])',
-        "return mags  # MUTANT: the grid rows' signs are dropped",
+        'v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, signs])',
+        "pass  # MUTANT: the grid rows' signs are dropped",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ2_XXS-*]",
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]"),
         "IQ2/IQ3 integer dots: the grid magnitudes without their sign table applied"),
@@ -161,6 +161,17 @@ MUTANTS: list[Mutant] = [
         "_field(66 + g, 1, m, 1, 8)", "_field(66 + g, 1, m, 0, 8)",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]",),
         "IQ3_S's integer dot reads only the low 8 bits of a grid row's index (qh's bit 8 dropped: 256 of 512 rows)"),
+    Mutant(
+        "iq1_delta_sign_ignored", "pymoe/quant/qact.py",
+        "builder.sub(ir.Constant(i8, 1), builder.shl(bit, ir.Constant(i8, 1)))", "ir.Constant(i8, 1)",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ1_S-*]",
+         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ1_M-*]"),
+        "IQ1's integer dots add +1/8 to every run, whatever the sign bit of its delta"),
+    Mutant(
+        "iq1m_scale_straddling_bit_dropped", "pymoe/quant/qact.py",
+        "second_mask.append(1 if bit == 6 else 0)", "second_mask.append(0)",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ1_M-*]",),
+        "IQ1_M's integer dot reads the scale at bits 6-8 of a uint16 without its bit 8 (the one in the next byte)"),
     Mutant(
         "e8m0_subnormal_scales_as_normal", "pymoe/quant/qact.py",
         'bits = builder.select(builder.icmp_unsigned("<", e, vec(i32, 8, [2] * 8)), small, normal)',
