@@ -150,31 +150,3 @@ def test_route_hook_matches_moe_route():
             ids2, w2 = b.route(logits, 8, norm)
             assert np.array_equal(ids, ids2) and ids2[0, 0] == 5 and ids2[0, 1] == 9
             assert np.allclose(w, w2, rtol=4 * 2.0 ** -24 * 64, atol=0)
-
-
-@pytest.mark.parametrize("qtype", ROWS_TYPES, ids=[q.name for q in ROWS_TYPES])
-def test_row_dot_generic_pattern_equals_the_x86_intrinsic(qtype, monkeypatch):
-    """row_dot emits vpmaddwd by its x86 intrinsic on AVX-512BW hosts and as a portable multiply-add pattern
-    elsewhere: both give the same integers, hence the same bits (checked here with fresh, uncached compilations)."""
-    name = qtype.name.lower()
-    one, rows = getattr(qact, f"row_dot_{name}"), getattr(qact, f"row_dot_rows_{name}")
-
-    def compiled():
-        @njit(cache=False)
-        def f(w, xq, xd, xbs, acc, out, single):
-            rows(w, xq, xd, xbs, acc, out)
-            for t in range(xq.shape[0]):
-                single[t] = one(w, xq[t], xd[t], xbs[t])
-        return f
-
-    rng = np.random.default_rng(12)
-    w = random_rows(qtype, 1, 512, rng)[0]
-    xq, xd, xbs = qact.quantize_rows(rng.standard_normal((3, 512)).astype(np.float32), 16)
-    results = []
-    for flag in (False, True):
-        monkeypatch.setattr(qact, "_PMADDWD_512", flag and qact._host_has_avx512bw())
-        out, single = np.empty(3, np.float32), np.empty(3, np.float32)
-        compiled()(w, xq, xd, xbs, np.empty((3, 16), np.float32), out, single)
-        assert np.array_equal(out, single)
-        results.append(out)
-    assert np.array_equal(results[0], results[1])

@@ -135,17 +135,18 @@ def test_cpu_and_reference_backends_agree_on_q2_k_models(tiny_model, arch):
     assert (ours.argmax(-1) == ref.argmax(-1)).all()
 
 
-NEW_TYPES = sorted({**qact.ROW_DOTS_NEW, **qact.ROW_DOTS_GRID}, key=lambda q: q.name)
+ROW_DOT_TYPES = sorted(qact.ROW_DOTS, key=lambda q: q.name)
 
 
-@pytest.mark.parametrize("qtype", NEW_TYPES, ids=[q.name for q in NEW_TYPES])
+@pytest.mark.parametrize("qtype", ROW_DOT_TYPES, ids=[q.name for q in ROW_DOT_TYPES])
 def test_portable_row_dots_equal_the_x86_ones(qtype):
     """The path of CPUs without AVX2 / AVX-512 (the codebook by 16 compares and selects, a grid row's signs by a
     select, pairs summed without the pmaddwd intrinsic), compiled here on purpose: the same integers, the same float
     operations in the same order, so bit for bit the row dots this machine runs, one row and many rows."""
     from numba import njit
 
-    one, rows = {**qact._row_dots_for(portable=True), **qact._iq_grid_dots(portable=True)}[qtype]
+    one, rows = {**qact._k_row_dots(portable=True), **qact._row_dots_for(portable=True),
+                 **qact._iq_grid_dots(portable=True)}[qtype]
 
     @njit
     def portable(w, xq, xd, xbs, acc, out, single):
@@ -179,7 +180,7 @@ def test_mxfp4_int_dot_at_the_extreme_scales():
         X = rng.standard_normal((1, 256)).astype(np.float32)
         xq, xd, xbs = qact.quantize_rows(X, 16)
         ref = Q.dequantize(w, QType.MXFP4).astype(np.float64) @ qact.dequantize_act(xq, xd)[0].astype(np.float64)
-        got = np.array([qact.vec_dot_mxfp4(w[r], xq[0], xd[0], xbs[0]) for r in range(4)], dtype=np.float64)
+        got = np.array([qact.ACT_DOTS[QType.MXFP4](w[r], xq[0], xd[0], xbs[0]) for r in range(4)], dtype=np.float64)
         # float32 products and sums of 8 group terms: a few units of the last place of the terms' magnitudes
         scale = np.abs(Q.dequantize(w, QType.MXFP4)).astype(np.float64) @ np.abs(qact.dequantize_act(xq, xd)[0])
         assert (np.abs(got - ref) <= 16 * U * scale + 64 * 2.0 ** -149).all(), e  # + subnormal steps

@@ -19,10 +19,10 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
        registers, float32 [16] lane accumulators and one reduction per row; `row_dot_rows_*` the same for every row
        of a 2-D x, each block unpacked once (prefill), bit for bit.
      They are tested against the float reference through the vec_dots, and against their portable twins.
-  3. `vec_dot_<type>(w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, (section 3b) IQ4_XS, IQ4_NL, MXFP4,
-     Q8_0, Q4_0, Q2_0 and (section 3c) IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: one raw weight row (whole runs of 256 weights) times quantized activations -> float32;
-     `vec_dot_rows_<type>` for many rows at once (bit-identical results).
-     `ACT_DOTS` / `ACT_DOTS_ROWS` map a QType to them; other formats use the float path.
+  3. `ACT_DOTS[qtype](w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, (section 3b) IQ4_XS, IQ4_NL, MXFP4, Q8_0,
+     Q4_0, Q2_0 and (section 3c) IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: one raw weight row (whole
+     runs of 256 weights) times quantized activations -> float32; `ACT_DOTS_ROWS[qtype]` for many rows at once
+     (bit-identical results). Other formats use the float path.
   With 8-bit activations the row dots take llama.cpp's AVX2 route: each group's 32 int8 weights (their magnitudes,
   the signs moved onto x by vpsignb for formats with negative integers) times 32 int8 x by vpmaddubsw, then the
   sub-block scales (or ones) by vpmaddwd: half the instructions and half the activation bytes of the 16-bit route
@@ -41,6 +41,7 @@ Weight layouts: the diagrams in kquants.py. Shape legend: T rows (tokens), C val
 from __future__ import annotations
 
 import math
+import types as pytypes
 
 import numpy as np
 from llvmlite import ir
@@ -249,7 +250,7 @@ class Grid:
     little-endian integer of nbytes bytes at the block's byte offset, >> shift & mask, << pos. `name` names the two
     tables in the compiled code (LLVM constants the row lookups load from, one 8- or 4-byte load a row).
     IQ1 (grid values -1, 0, +1 and a shift of +-1/8 per 8 weights): no signs; `grid` holds 8 times the values and
-    `delta` one field list per 8 weights giving one bit: their integers are 8 * grid + 1, or - 1 where the bit is set."""
+    `delta` one field list per 8 weights giving one bit: their integers are 8 * grid + 1, or - 1 where it is set."""
 
     def __init__(self, name: str, rows, signs, grid: np.ndarray, sign_table, delta=None):
         assert grid.shape[1] * len(rows) == 32
@@ -342,7 +343,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     def bit_fields(builder, wdata, s_, fields):  # Grid's fields of the block at byte s -> their OR, int64
         out = None
         for off, nbytes, shift, mask, pos in fields:
-            v = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * nbytes)), align=1)
+            ptr = at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * nbytes))
+            v = builder.load(ptr, align=1)
             v = builder.and_(builder.lshr(builder.zext(v, i64), ir.Constant(i64, shift)), ir.Constant(i64, mask))
             v = builder.shl(v, ir.Constant(i64, pos))
             out = v if out is None else builder.or_(out, v)
@@ -374,8 +376,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             deltas = ir.Constant(ir.VectorType(i8, 4), ir.Undefined)
             for r, f in enumerate(spec.delta):
                 bit = builder.trunc(bit_fields(builder, wdata, s_, f), i8)
-                deltas = builder.insert_element(deltas, builder.sub(ir.Constant(i8, 1), builder.shl(bit, ir.Constant(i8, 1))),
-                                                ir.Constant(i32, r))
+                delta = builder.sub(ir.Constant(i8, 1), builder.shl(bit, ir.Constant(i8, 1)))
+                deltas = builder.insert_element(deltas, delta, ir.Constant(i32, r))
             v = builder.add(v, builder.shuffle_vector(deltas, deltas, vec(i32, 32, [k // 8 for k in range(32)])))
         return v
 
@@ -697,46 +699,59 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     return row_dot, row_dot_rows
 
 
-# Q2_K (84 bytes): scales[16] at byte 0 (scale = low nibble, min = high nibble), qs[64] at 16, d at 80, dmin at 82.
-# Group 4h + j = qs[32h + l] bits 2j (weight 128h + 32j + l); scale k = byte k & 15, min k = byte k >> 4.
-row_dot_q2_k, row_dot_rows_q2_k = _make_row_dot(
-    groups=[(16 + 32 * h, 2 * j, 3, None) for h in range(2) for j in range(4)],
-    scale_fields=[(list(range(16)), [0] * 16, 15, 0)], scale_bias=0, value_bias=0,
-    size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)], prescale_one=True,
-    exact_blocks=True)
-# Q3_K (110 bytes): hmask[32] at 0, qs[64] at 32, scales[12] at 96, d at 108. Group 4h + j = qs[32h + l] bits 2j
-# | hmask[l] bit 4h + j << 2, minus 4. Scale k (6 bits, bias 32): low 4 bits = byte 96 + (k & 7) >> 4 (k >> 3),
-# high 2 bits = byte 104 + (k & 3) >> 2 (k >> 2).
-row_dot_q3_k, row_dot_rows_q3_k = _make_row_dot(
-    groups=[(32 + 32 * h, 2 * j, 3, (0, 4 * h + j, 1, 2)) for h in range(2) for j in range(4)],
-    scale_fields=[([96 + (k & 7) for k in range(16)], [4 * (k >> 3) for k in range(16)], 15, 0),
-                  ([104 + (k & 3) for k in range(16)], [2 * (k >> 2) for k in range(16)], 3, 4)],
-    scale_bias=32, value_bias=4, size=Q3_K_SIZE, d_off=108, dmin_off=-1, min_fields=None, prescale_one=True,
-    exact_blocks=True)
-# Q4_K (144 bytes): d at 0, dmin at 2, scales[12] at 4 (a 6-bit scale and min per 32-weight sub-block j, packed as in
-# get_scale_min: j < 4: scale = q[j] & 63, min = q[j + 4] & 63; j >= 4: scale = q[j + 4] & 15 | (q[j - 4] >> 6) << 4,
-# min = q[j + 4] >> 4 | (q[j] >> 6) << 4, q = the scale bytes), qs[128] at 16: group g (sub-block g) = nibble g % 2 of
-# qs[32 (g // 2) + l]. Lane k of the scales and mins (16 weights) is sub-block k // 2; |scale * q| <= 63 * 15.
+# Q4_K's and Q5_K's scales[12] at byte 4: a 6-bit scale and min per 32-weight sub-block j, packed as in get_scale_min:
+# j < 4: scale = q[j] & 63, min = q[j + 4] & 63; j >= 4: scale = q[j + 4] & 15 | (q[j - 4] >> 6) << 4, min = q[j + 4]
+# >> 4 | (q[j] >> 6) << 4, q = the scale bytes. Lane k of the scales and mins (16 weights) is sub-block k // 2.
 _J = [k // 2 for k in range(16)]
 _K4_SCALES = [([4 + j if j < 4 else 8 + j for j in _J], [0] * 16, [63 if j < 4 else 15 for j in _J], 0),
               ([4 + j - 4 if j >= 4 else 4 for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)]
 _K4_MINS = [([8 + j for j in _J], [0 if j < 4 else 4 for j in _J], [63 if j < 4 else 15 for j in _J], 0),
             ([4 + j for j in _J], [6] * 16, [3 if j >= 4 else 0 for j in _J], 4)]
-row_dot_q4_k, row_dot_rows_q4_k = _make_row_dot(
-    groups=[(16 + 32 * (g // 2), 4 * (g % 2), 15, None) for g in range(8)], scale_fields=_K4_SCALES,
-    min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2, exact_blocks=True)
-# Q5_K (176 bytes): Q4_K's d, dmin and scales[12] at 0-15, qh[32] at 16, qs[128] at 48: group g (sub-block g) = nibble
-# g % 2 of qs[32 (g // 2) + l] | bit g of qh[l] << 4. |scale * q| <= 63 * 31.
-row_dot_q5_k, row_dot_rows_q5_k = _make_row_dot(
-    groups=[(48 + 32 * (g // 2), 4 * (g % 2), 15, (16, g, 1, 4)) for g in range(8)], scale_fields=_K4_SCALES,
-    min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q5_K_SIZE, d_off=0, dmin_off=2)
-# Q6_K (210 bytes): ql[128] at 0, qh[64] at 128, scales int8[16] at 192, d at 208. Group 4h + j (weights 128h + 32j
-# + l): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits = qh[32h + l] bits 2j; q = that - 32.
-# |scale * q| <= 128 * 32 = 4096, so a lane's 16 products stay below 16 * 4096 * 32767 < 2^31.
-row_dot_q6_k, row_dot_rows_q6_k = _make_row_dot(
-    groups=[(64 * h + 32 * (j % 2), 4 * (j // 2), 15, (128 + 32 * h, 2 * j, 3, 4)) for h in range(2) for j in range(4)],
-    scale_fields=[([192 + k for k in range(16)], [0] * 16, 255, 0)], signed_scales=True,
-    scale_bias=0, value_bias=32, size=Q6_K_SIZE, d_off=208, dmin_off=-1, min_fields=None, exact_blocks=True)
+
+
+def _k_row_dots(portable: bool = False) -> dict:
+    """{QType: (row_dot, row_dot_rows)} of the K-quants (portable: without x86 intrinsics, for the tests)."""
+    return {
+        # Q2_K (84 bytes): scales[16] at byte 0 (scale = low nibble, min = high nibble), qs[64] at 16, d at 80, dmin
+        # at 82. Group 4h + j = qs[32h + l] bits 2j (weight 128h + 32j + l); scale k = byte k & 15, min k = byte k >> 4.
+        QType.Q2_K: _make_row_dot(
+            groups=[(16 + 32 * h, 2 * j, 3, None) for h in range(2) for j in range(4)],
+            scale_fields=[(list(range(16)), [0] * 16, 15, 0)], scale_bias=0, value_bias=0,
+            size=Q2_K_SIZE, d_off=80, dmin_off=82, min_fields=[(list(range(16)), [4] * 16, 15, 0)], prescale_one=True,
+            exact_blocks=True, portable=portable),
+        # Q3_K (110 bytes): hmask[32] at 0, qs[64] at 32, scales[12] at 96, d at 108. Group 4h + j = qs[32h + l] bits
+        # 2j | hmask[l] bit 4h + j << 2, minus 4. Scale k (6 bits, bias 32): low 4 bits = byte 96 + (k & 7) >> 4 (k >>
+        # 3), high 2 bits = byte 104 + (k & 3) >> 2 (k >> 2).
+        QType.Q3_K: _make_row_dot(
+            groups=[(32 + 32 * h, 2 * j, 3, (0, 4 * h + j, 1, 2)) for h in range(2) for j in range(4)],
+            scale_fields=[([96 + (k & 7) for k in range(16)], [4 * (k >> 3) for k in range(16)], 15, 0),
+                          ([104 + (k & 3) for k in range(16)], [2 * (k >> 2) for k in range(16)], 3, 4)],
+            scale_bias=32, value_bias=4, size=Q3_K_SIZE, d_off=108, dmin_off=-1, min_fields=None, prescale_one=True,
+            exact_blocks=True, portable=portable),
+        # Q4_K (144 bytes): d at 0, dmin at 2, scales[12] at 4 (above), qs[128] at 16: group g (sub-block g) = nibble
+        # g % 2 of qs[32 (g // 2) + l]. |scale * q| <= 63 * 15.
+        QType.Q4_K: _make_row_dot(
+            groups=[(16 + 32 * (g // 2), 4 * (g % 2), 15, None) for g in range(8)], scale_fields=_K4_SCALES,
+            min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q4_K_SIZE, d_off=0, dmin_off=2, exact_blocks=True,
+            portable=portable),
+        # Q5_K (176 bytes): Q4_K's d, dmin and scales[12] at 0-15, qh[32] at 16, qs[128] at 48: group g (sub-block g)
+        # = nibble g % 2 of qs[32 (g // 2) + l] | bit g of qh[l] << 4. |scale * q| <= 63 * 31.
+        QType.Q5_K: _make_row_dot(
+            groups=[(48 + 32 * (g // 2), 4 * (g % 2), 15, (16, g, 1, 4)) for g in range(8)], scale_fields=_K4_SCALES,
+            min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q5_K_SIZE, d_off=0, dmin_off=2, portable=portable),
+        # Q6_K (210 bytes): ql[128] at 0, qh[64] at 128, scales int8[16] at 192, d at 208. Group 4h + j (weights 128h
+        # + 32j + l): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits = qh[32h + l] bits 2j; q =
+        # that - 32. |scale * q| <= 128 * 32 = 4096, so a lane's 16 products stay below 16 * 4096 * 32767 < 2^31.
+        QType.Q6_K: _make_row_dot(
+            groups=[(64 * h + 32 * (j % 2), 4 * (j // 2), 15, (128 + 32 * h, 2 * j, 3, 4))
+                    for h in range(2) for j in range(4)],
+            scale_fields=[([192 + k for k in range(16)], [0] * 16, 255, 0)], signed_scales=True, scale_bias=0,
+            value_bias=32, size=Q6_K_SIZE, d_off=208, dmin_off=-1, min_fields=None, exact_blocks=True,
+            portable=portable),
+    }
+
+
+ROW_DOTS_K = _k_row_dots()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -834,14 +849,16 @@ def _iq1m_scales():
         first_shift.append(bit % 8)
         first_mask.append(3 if bit == 6 else 7)
         second_mask.append(1 if bit == 6 else 0)
-    return [(first_byte, first_shift, first_mask, 1), ([48 + 2 * (k // 4) + 1 for k in range(16)], [0] * 16, second_mask, 3)]
+    second_byte = [48 + 2 * (k // 4) + 1 for k in range(16)]
+    return [(first_byte, first_shift, first_mask, 1), (second_byte, [0] * 16, second_mask, 3)]
 
 
 def _iq_grid_dots(portable: bool = False) -> dict:
-    """{QType: (row_dot, row_dot_rows)} of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: Grid groups (byte layouts and
-    the float order in iquants.py). Every scale is d * (2s + 1) * 2^-k: IQ2's d (0.5 + s) / 4 = d (2s + 1) / 8, IQ3_XXS's
-    d (0.5 + s) / 2 = d (2s + 1) / 4, IQ3_S's d (1 + 2s); so 2s + 1 is the integer sub-block scale (<= 31, times a
-    magnitude <= 62: within 16 bits) and d_mult the power of two."""
+    """{QType: (row_dot, row_dot_rows)} of IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: Grid groups (byte
+    layouts and the float order in iquants.py). Every scale is d * (2s + 1) * 2^-k: IQ2's d (0.5 + s) / 4 =
+    d (2s + 1) / 8, IQ3_XXS's d (0.5 + s) / 2 = d (2s + 1) / 4, IQ3_S's d (1 + 2s), IQ1's d (2s + 1) (times 1/8 with
+    the delta folded in); so 2s + 1 is the integer sub-block scale (<= 31, times a magnitude <= 62: within 16 bits)
+    and d_mult the power of two. portable: without x86 intrinsics, for the tests."""
     grid = lambda flat, width: flat.reshape(-1, width).astype(np.int8)  # noqa: E731
     g8, g4 = range(8), range(4)
     common = dict(scale_bias=-1, value_bias=0, d_off=0, dmin_off=-1, min_fields=None, portable=portable)
@@ -882,261 +899,50 @@ def _iq_grid_dots(portable: bool = False) -> dict:
                          8 * grid(iquants.IQ1S_GRID, 8), None, delta=[[_field(35 + 2 * g, 1, 7, 1)]] * 4) for g in g8],
             scale_fields=[([35 + 2 * (k // 2) for k in range(16)], [4] * 16, 7, 1)], size=50, d_mult=0.125, **common),
         # IQ1_M (56 bytes): qs[32] at 0, qh[16] at 32 (a nibble per run: index bits 8-10, then delta's sign), scales
-        # uint16 [4] at 48: sub-block k's 3-bit scale at bit 3 (k % 4) of uint16 k // 4 (k % 4 = 2 straddles a byte), d's
+        # uint16 [4] at 48: sub-block k's 3-bit scale at bit 3 (k % 4) of uint16 k // 4 (k % 4 = 2 straddles bytes), d's
         # fp16 bits in the 4 top nibbles. w = d (2s + 1) (grid + delta) as IQ1_S, the delta per run of 8.
         QType.IQ1_M: _make_row_dot(
             groups=[Grid("iq1s", [[_field(4 * g + l), _field(32 + 2 * g + l // 2, 1, 4 * (l % 2), 7, 8)] for l in g4],
                          None, 8 * grid(iquants.IQ1S_GRID, 8), None,
                          delta=[[_field(32 + 2 * g + l // 2, 1, 4 * (l % 2) + 3, 1)] for l in g4]) for g in g8],
-            scale_fields=_iq1m_scales(), size=56, d_mult=0.125, d_fields=[_field(48 + 2 * i, 2, 12, 15, 4 * i) for i in g4],
-            **{**common, "d_off": -1}),
+            scale_fields=_iq1m_scales(), size=56, d_mult=0.125,
+            d_fields=[_field(48 + 2 * i, 2, 12, 15, 4 * i) for i in g4], **{**common, "d_off": -1}),
     }
 
 
 ROW_DOTS_NEW = _row_dots_for()
 ROW_DOTS_GRID = _iq_grid_dots()
-row_dot_iq2_xxs, row_dot_rows_iq2_xxs = ROW_DOTS_GRID[QType.IQ2_XXS]
-row_dot_iq2_xs, row_dot_rows_iq2_xs = ROW_DOTS_GRID[QType.IQ2_XS]
-row_dot_iq2_s, row_dot_rows_iq2_s = ROW_DOTS_GRID[QType.IQ2_S]
-row_dot_iq3_xxs, row_dot_rows_iq3_xxs = ROW_DOTS_GRID[QType.IQ3_XXS]
-row_dot_iq3_s, row_dot_rows_iq3_s = ROW_DOTS_GRID[QType.IQ3_S]
-row_dot_iq1_s, row_dot_rows_iq1_s = ROW_DOTS_GRID[QType.IQ1_S]
-row_dot_iq1_m, row_dot_rows_iq1_m = ROW_DOTS_GRID[QType.IQ1_M]
-row_dot_iq4_xs, row_dot_rows_iq4_xs = ROW_DOTS_NEW[QType.IQ4_XS]
-row_dot_iq4_nl, row_dot_rows_iq4_nl = ROW_DOTS_NEW[QType.IQ4_NL]
-row_dot_q4_0, row_dot_rows_q4_0 = ROW_DOTS_NEW[QType.Q4_0]
-row_dot_mxfp4, row_dot_rows_mxfp4 = ROW_DOTS_NEW[QType.MXFP4]
-row_dot_q8_0, row_dot_rows_q8_0 = ROW_DOTS_NEW[QType.Q8_0]
-row_dot_q2_0, row_dot_rows_q2_0 = ROW_DOTS_NEW[QType.Q2_0]
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# 3. One weight row (nb blocks, raw bytes) times quantized activations, per K type. w uint8 [nb * type_size],
+# 3. One weight row (nb blocks, raw bytes) times quantized activations, per type. w uint8 [nb * type_size],
 #    xq int16/int8 [nb * 256], xd float32 [nb], xbs int32 [nb * 16] -> float32.
 #    Within a block, "weight k" is the k-th of its 256 weights and activation k sits at xq[256 b + k].
+#    Numba calls an intrinsic only from a compiled function: one plain function per type and form, compiled from
+#    the two templates below with the type's row dot bound as a global (under its own name, which Numba's on-disk
+#    cache keys on).
 # ----------------------------------------------------------------------------------------------------------------
-@njit(cache=True)
-def vec_dot_q2_k(w, xq, xd, xbs):
-    # qs[32h + l] bits 2j..2j+1 -> weight 128h + 32j + l, sub-block (128h + 32j + l) // 16 = 8h + 2j + l // 16.
-    return row_dot_q2_k(w, xq, xd, xbs)
+def _vec_dot_template(w, xq, xd, xbs):
+    return ROW_DOT(w, xq, xd, xbs)  # noqa: F821 (bound by _compiled)
 
 
-@njit(cache=True)
-def vec_dot_q3_k(w, xq, xd, xbs):
-    # Weight 128h + 32j + l: low 2 bits in qs[32h + l] bits 2j..2j+1, high bit in hmask[l] bit 4h + j;
-    # q = low - 4 * (1 - high) = (low | high << 2) - 4: row_dot_q3_k's layout.
-    return row_dot_q3_k(w, xq, xd, xbs)
+def _vec_dot_rows_template(w, xq, xd, xbs, acc, out):
+    ROW_DOT_ROWS(w, xq, xd, xbs, acc, out)  # noqa: F821 (bound by _compiled)
 
 
-@njit(cache=True)
-def vec_dot_q4_k(w, xq, xd, xbs):
-    # Sub-block j (32 weights) of qs[32 (j // 2) + l], nibble j % 2, its 6-bit scale and min: row_dot_q4_k's layout.
-    return row_dot_q4_k(w, xq, xd, xbs)
+def _compiled(template, qtype, **constants):
+    """njit(cache=True) of `template` with `constants` as globals, named template_TYPE (e.g. _vec_dot_template_Q4_K)."""
+    name = f"{template.__name__}_{QType(qtype).name}"
+    fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **constants}, name)
+    fn.__qualname__ = name
+    return njit(cache=True)(fn)
 
 
-@njit(cache=True)
-def vec_dot_q5_k(w, xq, xd, xbs):
-    # Q4_K's scales and mins, a fifth bit per weight from qh: row_dot_q5_k's layout.
-    return row_dot_q5_k(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_q6_k(w, xq, xd, xbs):
-    # Weight 128h + 32j + l (l < 32): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits =
-    # qh[32h + l] bits 2j..2j+1; q = (low | high << 4) - 32: row_dot_q6_k's layout.
-    return row_dot_q6_k(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_q2_k(w, xq, xd, xbs, acc, out):
-    """out[t] = vec_dot_q2_k(w, xq[t], xd[t], xbs[t]) for every row t, each block unpacked once (prefill; an
-    expert's tokens), bit for bit. acc: float32 [T, 16] scratch."""
-    row_dot_rows_q2_k(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_q3_k(w, xq, xd, xbs, acc, out):
-    """The same for Q3_K."""
-    row_dot_rows_q3_k(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_q4_k(w, xq, xd, xbs, acc, out):
-    """The same for Q4_K."""
-    row_dot_rows_q4_k(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_q5_k(w, xq, xd, xbs, acc, out):
-    """The same for Q5_K."""
-    row_dot_rows_q5_k(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_q6_k(w, xq, xd, xbs, acc, out):
-    """The same for Q6_K."""
-    row_dot_rows_q6_k(w, xq, xd, xbs, acc, out)
-
-
-# The newer formats: one row, and many rows (Numba needs each intrinsic called from a function of its own).
-@njit(cache=True)
-def vec_dot_iq4_xs(w, xq, xd, xbs):
-    return row_dot_iq4_xs(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_iq4_nl(w, xq, xd, xbs):
-    return row_dot_iq4_nl(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_q4_0(w, xq, xd, xbs):
-    return row_dot_q4_0(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_mxfp4(w, xq, xd, xbs):
-    return row_dot_mxfp4(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_q8_0(w, xq, xd, xbs):
-    return row_dot_q8_0(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_q2_0(w, xq, xd, xbs):
-    return row_dot_q2_0(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq4_xs(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq4_xs(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq4_nl(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq4_nl(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_q4_0(w, xq, xd, xbs, acc, out):
-    row_dot_rows_q4_0(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_mxfp4(w, xq, xd, xbs, acc, out):
-    row_dot_rows_mxfp4(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_q8_0(w, xq, xd, xbs, acc, out):
-    row_dot_rows_q8_0(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_rows_q2_0(w, xq, xd, xbs, acc, out):
-    row_dot_rows_q2_0(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_iq2_xxs(w, xq, xd, xbs):
-    return row_dot_iq2_xxs(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq2_xxs(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq2_xxs(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_iq2_xs(w, xq, xd, xbs):
-    return row_dot_iq2_xs(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq2_xs(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq2_xs(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_iq2_s(w, xq, xd, xbs):
-    return row_dot_iq2_s(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq2_s(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq2_s(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_iq3_xxs(w, xq, xd, xbs):
-    return row_dot_iq3_xxs(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq3_xxs(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq3_xxs(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_iq3_s(w, xq, xd, xbs):
-    return row_dot_iq3_s(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq3_s(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq3_s(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_iq1_s(w, xq, xd, xbs):
-    return row_dot_iq1_s(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq1_s(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq1_s(w, xq, xd, xbs, acc, out)
-
-
-@njit(cache=True)
-def vec_dot_iq1_m(w, xq, xd, xbs):
-    return row_dot_iq1_m(w, xq, xd, xbs)
-
-
-@njit(cache=True)
-def vec_dot_rows_iq1_m(w, xq, xd, xbs, acc, out):
-    row_dot_rows_iq1_m(w, xq, xd, xbs, acc, out)
-
-
-ACT_DOTS = {
-    QType.Q2_K: vec_dot_q2_k,
-    QType.Q3_K: vec_dot_q3_k,
-    QType.Q4_K: vec_dot_q4_k,
-    QType.Q5_K: vec_dot_q5_k,
-    QType.Q6_K: vec_dot_q6_k,
-    QType.IQ4_XS: vec_dot_iq4_xs,
-    QType.IQ4_NL: vec_dot_iq4_nl,
-    QType.Q4_0: vec_dot_q4_0,
-    QType.MXFP4: vec_dot_mxfp4,
-    QType.Q8_0: vec_dot_q8_0,
-    QType.Q2_0: vec_dot_q2_0,
-    QType.IQ2_XXS: vec_dot_iq2_xxs,
-    QType.IQ2_XS: vec_dot_iq2_xs,
-    QType.IQ2_S: vec_dot_iq2_s,
-    QType.IQ3_XXS: vec_dot_iq3_xxs,
-    QType.IQ3_S: vec_dot_iq3_s,
-    QType.IQ1_S: vec_dot_iq1_s,
-    QType.IQ1_M: vec_dot_iq1_m,
-}
-
-
-ACT_DOTS_ROWS = {QType.Q2_K: vec_dot_rows_q2_k, QType.Q3_K: vec_dot_rows_q3_k, QType.Q4_K: vec_dot_rows_q4_k,
-                 QType.Q5_K: vec_dot_rows_q5_k, QType.Q6_K: vec_dot_rows_q6_k, QType.IQ4_XS: vec_dot_rows_iq4_xs,
-                 QType.IQ4_NL: vec_dot_rows_iq4_nl, QType.Q4_0: vec_dot_rows_q4_0, QType.MXFP4: vec_dot_rows_mxfp4,
-                 QType.Q8_0: vec_dot_rows_q8_0, QType.Q2_0: vec_dot_rows_q2_0, QType.IQ2_XXS: vec_dot_rows_iq2_xxs,
-                 QType.IQ2_XS: vec_dot_rows_iq2_xs, QType.IQ2_S: vec_dot_rows_iq2_s, QType.IQ3_XXS: vec_dot_rows_iq3_xxs,
-                 QType.IQ3_S: vec_dot_rows_iq3_s, QType.IQ1_S: vec_dot_rows_iq1_s, QType.IQ1_M: vec_dot_rows_iq1_m}
+ROW_DOTS = {**ROW_DOTS_K, **ROW_DOTS_NEW, **ROW_DOTS_GRID}
+# QType -> vec_dot(w, xq, xd, xbs) -> float32 (one row), and -> vec_dot_rows(w, xq, xd, xbs, acc, out) (out[t] for
+# every row t of 2-D xq, xd, xbs; acc float32 [T, 16] scratch; bit for bit the one-row results)
+ACT_DOTS = {q: _compiled(_vec_dot_template, q, ROW_DOT=one) for q, (one, _) in ROW_DOTS.items()}
+ACT_DOTS_ROWS = {q: _compiled(_vec_dot_rows_template, q, ROW_DOT_ROWS=rows) for q, (_, rows) in ROW_DOTS.items()}
 
 
 def has_int_dot(qtype, cols: int) -> bool:
