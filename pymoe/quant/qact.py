@@ -372,13 +372,18 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, signs])
             else:
                 v = builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(v), v)
-        if spec.delta is not None:  # + 1 - 2 * bit, per 8 weights
-            deltas = ir.Constant(ir.VectorType(i8, 4), ir.Undefined)
-            for r, f in enumerate(spec.delta):
-                bit = builder.trunc(bit_fields(builder, wdata, s_, f), i8)
-                delta = builder.sub(ir.Constant(i8, 1), builder.shl(bit, ir.Constant(i8, 1)))
-                deltas = builder.insert_element(deltas, delta, ir.Constant(i32, r))
-            v = builder.add(v, builder.shuffle_vector(deltas, deltas, vec(i32, 32, [k // 8 for k in range(32)])))
+        if spec.delta is not None:  # + 1 - 2 * bit, per 8 weights: each bit one field of one byte, so all four come
+            # from one load: lane k (weight k) takes its run's byte by a shuffle, shifted by the run's shift (measured,
+            # IQ1_M, 1 thread, one token: 9.8 -> 13.2 G MACs/s against a scalar extraction per run)
+            (offs, shifts) = zip(*((f[0][0], f[0][2]) for f in spec.delta))
+            assert all(len(f) == 1 and f[0][1] == 1 and f[0][3] == 1 and f[0][4] == 0 for f in spec.delta)
+            lo = min(offs)
+            raw = load(builder, wdata, builder.add(s_, ir.Constant(i64, lo)), i8, max(offs) + 1 - lo)
+            lanes = builder.shuffle_vector(raw, ir.Constant(raw.type, ir.Undefined),
+                                           vec(i32, 32, [offs[k // 8] - lo for k in range(32)]))
+            ones = vec(i8, 32, [1] * 32)
+            bits = builder.and_(builder.lshr(lanes, vec(i8, 32, [shifts[k // 8] for k in range(32)])), ones)
+            v = builder.add(v, builder.sub(ones, builder.shl(bits, ones)))
         return v
 
     def lookup(builder, v):  # int8 [32] of indices 0..15 -> int8 [32] of codebook levels
