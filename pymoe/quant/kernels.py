@@ -33,13 +33,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import os
-import types
 from dataclasses import dataclass
 
 import numpy as np
 from numba import get_num_threads, njit, prange
 
 from . import QType, QuantFormat, get_format
+from .jit import bind
 
 CHUNK_WEIGHTS = 256  # weights decoded per step (one K-quant block, 8 legacy blocks, 256 float values): 1 KiB
 ROWS_PER_TASK = 8  # rows handled by one prange iteration; each iteration owns one scratch buffer
@@ -133,12 +133,8 @@ def _decoder_fingerprint(fmt: QuantFormat) -> str:
 
 
 def _compile(template, suffix: str, constants: dict, parallel: bool = True):
-    """Compile `template` with some of its globals bound to `constants` (compile-time constants for Numba), under
-    the name template_suffix: a fresh function from the same code object, so Numba's on-disk cache finds it again."""
-    name = f"{template.__name__}_{suffix}"  # the on-disk cache key
-    fn = types.FunctionType(template.__code__, {**template.__globals__, **constants}, name)
-    fn.__qualname__ = name
-    return njit(parallel=True, cache=True)(fn) if parallel else njit(cache=True)(fn)
+    """`template` compiled with some of its globals bound to `constants`, named template_suffix (jit.bind)."""
+    return bind(template, f"{template.__name__}_{suffix}", constants, parallel)
 
 
 def _specialise(template, fmt: QuantFormat):

@@ -41,7 +41,6 @@ Weight layouts: the diagrams in kquants.py. Shape legend: T rows (tokens), C val
 from __future__ import annotations
 
 import math
-import types as pytypes
 
 import numpy as np
 from llvmlite import ir
@@ -51,6 +50,7 @@ from numba.extending import intrinsic
 
 from . import QType
 from . import iquants, mxfp4
+from .jit import bind
 from .kquants import Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K
 
 
@@ -924,30 +924,22 @@ ROW_DOTS_GRID = _iq_grid_dots()
 #    xq int16/int8 [nb * 256], xd float32 [nb], xbs int32 [nb * 16] -> float32.
 #    Within a block, "weight k" is the k-th of its 256 weights and activation k sits at xq[256 b + k].
 #    Numba calls an intrinsic only from a compiled function: one plain function per type and form, compiled from
-#    the two templates below with the type's row dot bound as a global (under its own name, which Numba's on-disk
-#    cache keys on).
+#    the two templates below with the type's row dot bound as a global (jit.bind).
 # ----------------------------------------------------------------------------------------------------------------
 def _vec_dot_template(w, xq, xd, xbs):
-    return ROW_DOT(w, xq, xd, xbs)  # noqa: F821 (bound by _compiled)
+    return ROW_DOT(w, xq, xd, xbs)  # noqa: F821 (bound by jit.bind)
 
 
 def _vec_dot_rows_template(w, xq, xd, xbs, acc, out):
-    ROW_DOT_ROWS(w, xq, xd, xbs, acc, out)  # noqa: F821 (bound by _compiled)
-
-
-def _compiled(template, qtype, **constants):
-    """njit(cache=True) of `template` with `constants` as globals, named template_TYPE (e.g. _vec_dot_template_Q4_K)."""
-    name = f"{template.__name__}_{QType(qtype).name}"
-    fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **constants}, name)
-    fn.__qualname__ = name
-    return njit(cache=True)(fn)
+    ROW_DOT_ROWS(w, xq, xd, xbs, acc, out)  # noqa: F821 (bound by jit.bind)
 
 
 ROW_DOTS = {**ROW_DOTS_K, **ROW_DOTS_NEW, **ROW_DOTS_GRID}
 # QType -> vec_dot(w, xq, xd, xbs) -> float32 (one row), and -> vec_dot_rows(w, xq, xd, xbs, acc, out) (out[t] for
 # every row t of 2-D xq, xd, xbs; acc float32 [T, 16] scratch; bit for bit the one-row results)
-ACT_DOTS = {q: _compiled(_vec_dot_template, q, ROW_DOT=one) for q, (one, _) in ROW_DOTS.items()}
-ACT_DOTS_ROWS = {q: _compiled(_vec_dot_rows_template, q, ROW_DOT_ROWS=rows) for q, (_, rows) in ROW_DOTS.items()}
+ACT_DOTS = {q: bind(_vec_dot_template, f"vec_dot_{q.name}", dict(ROW_DOT=one)) for q, (one, _) in ROW_DOTS.items()}
+ACT_DOTS_ROWS = {q: bind(_vec_dot_rows_template, f"vec_dot_rows_{q.name}", dict(ROW_DOT_ROWS=rows))
+                 for q, (_, rows) in ROW_DOTS.items()}
 
 
 def has_int_dot(qtype, cols: int) -> bool:

@@ -80,6 +80,7 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from . import QType
+from .jit import bind
 from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales, _scale_min_k4_jit,
                       scale_min_k4)
 from .qact import KVALUES_FP4, _AVX2, host_features, prefetch_ahead
@@ -737,14 +738,9 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
 
 def _compile(template, name: str, constants: dict):
     """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
-    instruction-form suffix."""
-    import types as pytypes
-
-    name += f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}"
-    fn = pytypes.FunctionType(template.__code__, {**template.__globals__, **constants}, name)
-    # the name keys Numba's on-disk cache (whose key also holds this CPU's name and features, not PYMOE_VNNI / _WIDE)
-    fn.__qualname__ = name
-    return njit(parallel=True, cache=True)(fn)
+    instruction-form suffix (jit.bind): the name keys Numba's on-disk cache, whose key also holds this CPU's name
+    and features, not PYMOE_VNNI / PYMOE_WIDE."""
+    return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}", constants, parallel=True)
 
 
 def _compile_matmul(qtype):
