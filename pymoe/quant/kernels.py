@@ -326,7 +326,9 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     [T, D] (accumulated into). Four parallel phases (five in prefill): quantize x per pair; gate+up+SwiGLU over
     (expert, block of F rows); quantize h per pair; down over `threads` ranges of D rows (each task owns its rows of
     y, so the pairs of one token never race), experts in order. Each task asks for the weight bytes `ahead` of the
-    ones it reads (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints).
+    ones it reads (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints),
+    a row (group) at a time, except where a one-token tile dot reads: that one asks for them from inside its block
+    loop (repack.STREAM_AHEAD, non-temporal unless PYMOE_NT=0).
     """
     # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
     # to K pairs, in NumPy) cost more than this phase. Decode quantizes each pair's row (K copies of one token's
@@ -372,7 +374,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
             o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
             for r in range(r0, r1, TILE_ROWS):
-                if ahead > 0:
+                if ahead > 0 and b - a >= TILE_MANY:  # (a one-token dot asks for the bytes ahead itself)
                     PREFETCH_WEIGHTS(tiles[k, 0], r // TILE_ROWS * gt.shape[1], gt.shape[1], gt.size, ahead)
                     PREFETCH_WEIGHTS(tiles[k, 1], r // TILE_ROWS * ut.shape[1], ut.shape[1], ut.size, ahead)
                 c0, c1 = r - r0, r - r0 + TILE_ROWS  # the row-group's columns of g and u
@@ -420,7 +422,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             if tiles[k, 2] != 0:  # repacked: 8 rows a call
                 dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
                 for r in range(r0, r1, TILE_ROWS):
-                    if ahead > 0:
+                    if ahead > 0 and b - a >= TILE_MANY:  # (as above)
                         rg = dt.shape[1]  # bytes of a row-group
                         PREFETCH_WEIGHTS(tiles[k, 2], r // TILE_ROWS * rg, rg, r1 // TILE_ROWS * rg, ahead)
                     i = 0
@@ -506,7 +508,8 @@ def act_kernel(template, *qtypes):
             constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows[0])
         else:
             dots = [qact.ACT_DOTS[QType(q)] for q in qtypes]
-            tile_dots = [repack.TILE_DOTS.get(QType(q), repack.tile_dot_q4_k) for q in qtypes]
+            tile_dots = [(repack.TILE_DOTS_NT if _NT else repack.TILE_DOTS).get(QType(q), repack.tile_dot_q4_k)
+                         for q in qtypes]  # one-token dots whose hints for the bytes ahead are non-temporal
             tile_bytes = [repack.TILE_BYTES.get(QType(q), 0) for q in qtypes]
             constants = dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
                              ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1],

@@ -603,12 +603,19 @@ _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QT
            QType.Q6_K: _block_symmetric(QType.Q6_K), QType.MXFP4: _block_mxfp4}
 
 
-def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False):
+def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
+                  locality: int = 3):
+    """ahead > 0: each block also asks for the bytes `ahead` past its own (llvm.prefetch at `locality`, 3: keep in
+    every cache level, 0: non-temporal), one hint per 64 bytes of the block, among the block's own loads (see
+    STREAM_AHEAD). Hints only: no fault past the end of the array, no effect on the results."""
     size, block = TILE_BYTES[qtype], _BLOCKS[qtype]
+    i32 = ir.IntType(32)
 
     def codegen(context, builder, signature, args):
         """out = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times n_tok tokens: 1-D xq int8 [nb * 256],
         xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]."""
+        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+            ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
         e = _Emit(builder, avx2, vnni, wide)
         nd = signature.args[1].ndim
@@ -629,6 +636,9 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
             t = builder.mul(bi, ir.Constant(_i64, size))  # the block's first byte
             xo = builder.mul(bi, ir.Constant(_i64, QK_K))  # its first activation
             bso = builder.mul(bi, ir.Constant(_i64, 16))
+            for c in range(0, size, 64) if ahead else ():  # this block's share of the hints: a block's bytes
+                ptr = builder.gep(ta.data, [builder.add(t, ir.Constant(_i64, ahead + c))])  # `ahead` further on
+                builder.call(prefetch, [ptr, *(ir.Constant(i32, v) for v in (0, locality, 1))])  # read, data
             toks = [_Tok(xr, xo, builder.load(builder.gep(xdr, [bi])), bsr, bso)
                     for xr, xdr, bsr in zip(xrows, xdrows, bsrows)]
             accs = block(e, ta.data, t, toks, [builder.load(p) for p in acc_ps])
@@ -654,16 +664,18 @@ MANY = 4  # tokens per call of a tile's many-token dot
 VNNI_MANY = {QType.Q4_K, QType.MXFP4}
 
 
-def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None):
+def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3):
     """-> tile_dot(tiles uint8 [nb * TILE_BYTES], xq, xd, xbs, out): the row-group's 8 rows times one token (xq int8
     [nb * 256], xd float32 [nb], xbs int32 [nb * 16], out float32 [8]) or times MANY tokens at once (the same arrays
     2-D, one C-contiguous row per token, out [MANY, 8]: the weights unpacked once for them; each token's bits those
     of its one-token call). It also types for int16 xq, so that a kernel compiled for both activation widths may
     hold the call; at 16 bits its body is a trap (callers pass no tiles then). portable: the IR without x86
-    intrinsics (CPUs without AVX2); vnni: with vpdpbusd or without (None: as this CPU allows, `_VNNI`)."""
+    intrinsics (CPUs without AVX2); vnni: with vpdpbusd or without (None: as this CPU allows, `_VNNI`). The
+    one-token dot asks for the tile bytes STREAM_AHEAD past those it reads, at prefetch `locality` (3: the dense
+    weights, read again next token; 0, non-temporal: the routed experts, `TILE_DOTS_NT`)."""
     vnni = _VNNI if vnni is None else vnni
     wide = (_WIDE if wide is None else wide) and QType(qtype) in WIDE  # the blocks written for two chunks only
-    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide),
+    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide, STREAM_AHEAD, locality),
                 2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY, wide)}
 
     def trap(context, builder, signature, args):
@@ -698,6 +710,14 @@ _VNNI, _WIDE = _host_vnni()
 # Q2_K's, Q3_K's and Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a
 # multiply per two chunks), so they stay 256-bit.
 WIDE = {QType.Q4_K}
+# How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
+# row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
+# block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
+# dense products' way until round eleven): the burst filled the core's miss buffers and the dot waited behind it,
+# so that reading an expert cost its compute time plus its memory time. The MoE kernel on 8 random experts not in
+# cache (mid Q4_K_M, 2 threads, rotated call by call in one process, median us): burst 4 KiB ahead 239-346,
+# in-dot 4 KiB 233, 8 KiB 189-231, 16 KiB 204-216 (three runs).
+STREAM_AHEAD = 8192
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
@@ -705,11 +725,14 @@ tile_dot_q6_k = _make_tile_dot(QType.Q6_K)
 tile_dot_mxfp4 = _make_tile_dot(QType.MXFP4)
 TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: tile_dot_q4_k,
              QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4}
+TILE_DOTS_NT = {q: _make_tile_dot(q, locality=0) for q in TILE_DOTS}  # the same with non-temporal hints: experts
 
 
 TILE_DOT = None  # bound per format by _compile_matmul
-AHEAD = 4096  # bytes of tiles requested ahead of the row-group being read (as kernels.PREFETCH_AHEAD; decode of
-# the mid Q4_K_M file, 0 / 4096 alternated in one process: p20 5.32 / 5.15 ms a token, median 5.70 / 5.56)
+AHEAD = 4096  # bytes of tiles requested ahead of the row-group being read by the many-token product (as
+# kernels.PREFETCH_AHEAD; decode of the mid Q4_K_M file, 0 / 4096 alternated in one process, when one-token products
+# took this way too: p20 5.32 / 5.15 ms a token, median 5.70 / 5.56). The one-token dot asks for its own
+# (STREAM_AHEAD).
 TOKENS = 64  # tokens per step of the many-token product: their activations (64 KiB at C = 1024) stay in L2
 
 
@@ -724,7 +747,8 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
         for t0 in range(0, T, TOKENS):
             t1 = min(T, t0 + TOKENS)
             for g in range(4 * task, min(n, 4 * task + 4)):
-                if t0 == 0 and ahead > 0:  # the bytes `ahead` requested on the first pass
+                if t0 == 0 and ahead > 0 and T >= MANY:  # the bytes `ahead` asked for on the first pass (one-token
+                    # dots ask for their own)
                     prefetch_ahead(base, g * rg, rg, n * rg, ahead)
                 t = t0
                 while t + MANY <= t1:
@@ -750,30 +774,22 @@ def _compile_matmul(qtype):
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}
 
 
-def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2, ahead):
+def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2):
     # One token times three matrices that share it (a layer's q, k and v): one parallel region over all their
     # row-groups, 4 a task, so the short k and v share the threads with q instead of each paying a call and a
-    # region of its own. Each row has the bits of tile_matmul's one-token call (the same TILE_DOT, the same order).
+    # region of its own. Each row has the bits of tile_matmul's one-token call (the same TILE_DOT, the same order),
+    # whose block loop asks for the bytes ahead (STREAM_AHEAD).
     n0, n1, n2 = t0.shape[0], t1.shape[0], t2.shape[0]
     b0, b1 = (n0 + 3) // 4, (n1 + 3) // 4  # tasks of the first two matrices
     for task in prange(b0 + b1 + (n2 + 3) // 4):
         if task < b0:
-            base, rg = t0.ctypes.data, t0.shape[1]
             for g in range(4 * task, min(n0, 4 * task + 4)):
-                if ahead > 0:
-                    prefetch_ahead(base, g * rg, rg, n0 * rg, ahead)
                 TILE_DOT_0(t0[g], xq[0], xd[0], xbs[0], y0[0, g * ROWS:(g + 1) * ROWS])
         elif task < b0 + b1:
-            base, rg = t1.ctypes.data, t1.shape[1]
             for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):
-                if ahead > 0:
-                    prefetch_ahead(base, g * rg, rg, n1 * rg, ahead)
                 TILE_DOT_1(t1[g], xq[0], xd[0], xbs[0], y1[0, g * ROWS:(g + 1) * ROWS])
         else:
-            base, rg = t2.ctypes.data, t2.shape[1]
             for g in range(4 * (task - b0 - b1), min(n2, 4 * (task - b0 - b1) + 4)):
-                if ahead > 0:
-                    prefetch_ahead(base, g * rg, rg, n2 * rg, ahead)
                 TILE_DOT_2(t2[g], xq[0], xd[0], xbs[0], y2[0, g * ROWS:(g + 1) * ROWS])
 
 
@@ -790,7 +806,7 @@ def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs:
         fn = _MATVEC3[key] = _compile(_tile_matvec3_template, "tile_matvec3_" + "_".join(q.name for q in key),
                                       {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)})
     ys = [np.empty((1, t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1, R_i]
-    fn(*tiles, xq, xd, xbs, *ys, AHEAD)
+    fn(*tiles, xq, xd, xbs, *ys)
     return ys
 
 
