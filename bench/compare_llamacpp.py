@@ -2,7 +2,10 @@
 
 What this is: for one model file, in one run, the median over --runs of
   - prefill tok/s for prompts of --prompt-tokens tokens (default 128 and 512),
-  - decode tok/s for --gen-tokens greedy tokens after a 128-token prompt,
+  - decode tok/s for --gen-tokens greedy tokens after a 128-token prompt (`--feed random`: each step is given a
+    fixed pseudo-random token id instead of the argmax, as llama-bench's text-generation test does; a random-weight
+    model's greedy output soon repeats one or two tokens, and so does its routing: ~95% of a step's experts are
+    the previous step's on the mid preset, which real text does not do),
 for pymoe (CPU backend) and for llama.cpp, their ratios, and pymoe's achieved GB/s of weights read per decoded
 token (dense weights + K experts per layer, from the file's real byte counts) next to the machine's measured
 memory read bandwidth. Prompts are fixed pseudo-random token ids, so both engines see exactly the same tokens.
@@ -40,33 +43,33 @@ def bytes_per_decoded_token(engine) -> int:
     return dense + experts
 
 
-def time_pymoe(engine, prompt: np.ndarray, n_gen: int) -> tuple[float, float]:
-    """-> (prefill seconds, decode seconds for n_gen tokens) for one request, greedy."""
+def time_pymoe(engine, prompt: np.ndarray, n_gen: int, feed=None) -> tuple[float, float]:
+    """-> (prefill seconds, decode seconds for n_gen tokens) for one request: greedy, or the tokens of `feed`."""
     model = engine.model
     kv = model.new_kv(len(prompt) + n_gen + 1)
     t0 = time.perf_counter()
     logits = model.prefill(prompt, kv)[-1]
     t1 = time.perf_counter()
-    for _ in range(n_gen):
-        logits = model.decode_one_token(int(np.argmax(logits)), kv)
+    for i in range(n_gen):
+        logits = model.decode_one_token(int(np.argmax(logits)) if feed is None else int(feed[i]), kv)
     return t1 - t0, time.perf_counter() - t1
 
 
-def time_llama(llm, prompt: np.ndarray, n_gen: int) -> tuple[float, float]:
+def time_llama(llm, prompt: np.ndarray, n_gen: int, feed=None) -> tuple[float, float]:
     llm.reset()
     t0 = time.perf_counter()
     llm.eval(prompt.tolist())
     t1 = time.perf_counter()
-    for _ in range(n_gen):
-        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1]))])
+    for i in range(n_gen):
+        llm.eval([int(np.argmax(llm.scores[llm.n_tokens - 1])) if feed is None else int(feed[i])])
     return t1 - t0, time.perf_counter() - t1
 
 
-def median_rates(fn, prompt, n_gen, runs) -> tuple[float, float]:
+def median_rates(fn, prompt, n_gen, runs, feed=None) -> tuple[float, float]:
     fn(prompt[:8], 2)  # warm-up: compilation, page faults
     pre, dec = [], []
     for _ in range(runs):
-        p, d = fn(prompt, n_gen)
+        p, d = fn(prompt, n_gen, feed)
         pre.append(len(prompt) / p)
         if n_gen:
             dec.append(n_gen / d)
@@ -90,7 +93,7 @@ def _worker(kind: str, model: str, threads: int, n_ctx: int, act_bits: int, plai
     if kind == "pymoe":
         engine = pymoe.load(model, threads=threads, n_ctx=n_ctx, backend="cpu",
                             backend_options=dict(act_bits=act_bits))
-        fn = lambda p, g: time_pymoe(engine, p, g)  # noqa: E731
+        fn = lambda p, g, f=None: time_pymoe(engine, p, g, f)  # noqa: E731
         info = dict(arch=engine.config.arch, n_layers=engine.config.n_layers, n_expert=engine.config.n_expert,
                     k=engine.config.n_expert_used, per_token=bytes_per_decoded_token(engine),
                     act_bits=engine.backend.act_bits)
@@ -105,15 +108,15 @@ def _worker(kind: str, model: str, threads: int, n_ctx: int, act_bits: int, plai
             _plain_cpu_kernels(llama_cpp)  # as the tests run it: without the AMX and repacked buffers
         llm = llama_cpp.Llama(model_path=model, n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                               n_batch=512, verbose=False, logits_all=False)
-        fn = lambda p, g: time_llama(llm, p, g)  # noqa: E731
+        fn = lambda p, g, f=None: time_llama(llm, p, g, f)  # noqa: E731
         info = {}
     conn.send(info)
     while True:
         request = conn.recv()
         if request is None:
             return
-        prompt, n_gen, runs = request
-        conn.send(median_rates(fn, prompt, n_gen, runs))
+        prompt, n_gen, runs, feed = request
+        conn.send(median_rates(fn, prompt, n_gen, runs, feed))
 
 
 def main():
@@ -124,6 +127,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="threads for both engines (default 2)")
     ap.add_argument("--prompt-tokens", default="128,512", help="prefill prompt lengths (default 128,512)")
     ap.add_argument("--gen-tokens", type=int, default=64, help="decoded tokens after a 128-token prompt (default 64)")
+    ap.add_argument("--feed", choices=("greedy", "random"), default="greedy",
+                    help="decode's tokens: each step's argmax (default), or fixed pseudo-random ids (as llama-bench)")
     ap.add_argument("--runs", type=int, default=3, help="runs per measurement; the median is reported (default 3)")
     ap.add_argument("--exact", action="store_true", help="pymoe's CPU float kernels (act_bits 0) instead of the integer path")
     ap.add_argument("--act-bits", default=None,
@@ -161,9 +166,11 @@ def main():
     rng = np.random.default_rng(0)
     prompts = {n: rng.integers(0, n_vocab, n) for n in sorted(set(lengths + [128]))}
 
+    feed = rng.integers(0, n_vocab, args.gen_tokens) if args.feed == "random" else None
+
     def measure(name, prompt, n_gen):
         time.sleep(0.5)  # let the other engine's spinning threads go to sleep
-        engines[name][1].send((prompt, n_gen, 1))
+        engines[name][1].send((prompt, n_gen, 1, feed if n_gen else None))
         return engines[name][1].recv()
 
     def row(prompt, n_gen, which):  # which: 0 prefill, 1 decode -> ([pymoe median per width], llama.cpp median)
@@ -176,7 +183,8 @@ def main():
     rows = []  # (measure, [pymoe rate per width], llama.cpp rate)
     for n in lengths:
         rows.append((f"prefill {n} tok/s", *row(prompts[n], 0, 0)))
-    rows.append((f"decode {args.gen_tokens} tok/s", *row(prompts[128], args.gen_tokens, 1)))
+    decode = f"decode {args.gen_tokens}{' random' if feed is not None else ''} tok/s"
+    rows.append((decode, *row(prompts[128], args.gen_tokens, 1)))
     for proc, conn, _ in engines.values():
         conn.send(None)
         proc.join()
@@ -198,9 +206,9 @@ def main():
         *load_before, *os.getloadavg()))
     head = "".join(f"{'pymoe ' + label(b):>13}" for _, b in ours) + f"{'llama.cpp':>11}"
     head += "".join(f"{'ratio ' + label(b):>13}" for _, b in ours)
-    print(f"{'measure':<20}{head}")
+    print(f"{'measure':<24}{head}")
     for name, mine, ref in rows:
-        print(f"{name:<20}" + "".join(f"{a:>13.1f}" for a in mine) + f"{ref:>11.1f}"
+        print(f"{name:<24}" + "".join(f"{a:>13.1f}" for a in mine) + f"{ref:>11.1f}"
               + "".join(f"{a / ref:>13.2f}" for a in mine))
     for (_, b), rate in zip(ours, rows[-1][1]):
         print(f"pymoe {label(b)} decode reads {per_token / 2**20:.1f} MiB of weights per token -> "
