@@ -234,11 +234,6 @@ ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (q
 # 4096 / 8192, 2 threads, 8-bit: p20 6.40 / 5.87 / 5.85 / 6.10 ms a token, median 8.34 / 6.38 / 6.39 / 7.51; 1 thread
 # median 12.6 / 10.5 / 10.4 / 12.1; 16-bit (raw rows) median 8.25 / 7.11 / 7.42 (Zen 5; bench/prefetch_ahead.py).
 PREFETCH_AHEAD = 4096
-# The bytes asked for at the start of each expert's stream (the dots' hints run STREAM_AHEAD past what they read, so
-# the first bytes of a stream are nobody's): the MoE kernel on 8 random experts not in cache, mid Q4_K_M, 2 threads,
-# with and without, rotated call by call in one process (480 calls each): median 246 -> 223 us
-# (4096 bytes: 249 -> 225, 16384: 246 -> 220).
-FIRST_BYTES = repack.STREAM_AHEAD
 MOE_ROWS_PER_TASK = 64  # rows per prange iteration in the MoE kernel: its scratch is allocated per iteration
 
 
@@ -378,9 +373,6 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
             ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
             o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
-            if ahead > 0 and r0 == 0:  # the expert's first bytes, which no hint from the dots before asked for
-                PREFETCH_WEIGHTS(tiles[k, 0], 0, FIRST_BYTES, gt.size, 0)
-                PREFETCH_WEIGHTS(tiles[k, 1], 0, FIRST_BYTES, ut.size, 0)
             for r in range(r0, r1, TILE_ROWS):
                 if ahead > 0 and b - a >= TILE_MANY:  # (a one-token dot asks for the bytes ahead itself)
                     PREFETCH_WEIGHTS(tiles[k, 0], r // TILE_ROWS * gt.shape[1], gt.shape[1], gt.size, ahead)
@@ -429,13 +421,6 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             r0, r1 = task * rows_down, min(D, (task + 1) * rows_down)
             if tiles[k, 2] != 0:  # repacked: 8 rows a call
                 dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
-                if ahead > 0:  # the first bytes of this task's range in the next expert (and in the first), a whole
-                    # expert's rows before they are read: the dots' hints stop at the end of this expert's range
-                    lo, hi = r0 // TILE_ROWS * dt.shape[1], r1 // TILE_ROWS * dt.shape[1]
-                    if k == 0:
-                        PREFETCH_WEIGHTS(tiles[k, 2], lo, FIRST_BYTES, hi, 0)
-                    if k + 1 < n_exp and tiles[k + 1, 2] != 0:
-                        PREFETCH_WEIGHTS(tiles[k + 1, 2], lo, FIRST_BYTES, hi, 0)
                 for r in range(r0, r1, TILE_ROWS):
                     if ahead > 0 and b - a >= TILE_MANY:  # (as above)
                         rg = dt.shape[1]  # bytes of a row-group
