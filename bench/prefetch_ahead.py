@@ -4,6 +4,9 @@ What this is: the measurement behind kernels.PREFETCH_AHEAD. It loads one model 
 for each distance in turn: a fresh KV cache, a 128-token prompt, 48 greedy decode steps, the first 8 not counted.
 Prints the 20th percentile, median and mean ms per token of each distance. The distances alternate step by step
 in one process, so a shared host's drift (large on the VMs this project runs on) reaches them alike.
+Since round eleven, the one-token tile dots (8-bit decode of repacked experts) ask for their bytes from inside
+their block loop at a compile-time distance (repack.STREAM_AHEAD); PREFETCH_AHEAD sets the rest: the raw-row paths
+(16-bit activations, types without tiles) and the many-token calls.
 What this is not: a side-by-side with llama.cpp (bench/compare_llamacpp.py), or a check of results (the hints do
 not change a bit: tests/test_repack.py and the kernel tests run with the default distance).
 

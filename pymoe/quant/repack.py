@@ -713,10 +713,11 @@ WIDE = {QType.Q4_K}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
-# dense products' way until round eleven): the burst filled the core's miss buffers and the dot waited behind it,
-# so that reading an expert cost its compute time plus its memory time. The MoE kernel on 8 random experts not in
-# cache (mid Q4_K_M, 2 threads, rotated call by call in one process, median us): burst 4 KiB ahead 239-346,
-# in-dot 4 KiB 233, 8 KiB 189-231, 16 KiB 204-216 (three runs).
+# dense products' way until round eleven), which fills the core's miss buffers at once while the dot waits. The
+# MoE kernel on 8 random experts not in cache (mid Q4_K_M, 2 threads, 8-bit; bench/stream_ahead.py, median us of
+# 480 calls, three runs): no hints 208 / 218 / 215, 4 KiB 171 / 180 / 193, 8 KiB 166 / 175 / 198, 16 KiB 185 /
+# 195 / 204. Whole decode, the old bursts and these hints alternated run by run in one process (16 runs of 64
+# tokens): the MoE kernel 228 -> 219 us a layer, 4.75 -> 4.64 ms a token.
 STREAM_AHEAD = 8192
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)

@@ -1,0 +1,116 @@
+"""Benchmark: the fused MoE kernel on experts not in cache, its one-token tile dots built at several hint distances.
+
+What this is: the measurement behind repack.STREAM_AHEAD. The one-token tile dot asks for the tile bytes
+STREAM_AHEAD past each block it reads (a hint per 64 bytes, among the block's own loads); the distance is baked into
+the dot when it is built. This script loads one model file (8-bit activations, repacked experts), builds the MoE
+kernel once per distance (0: no hints from the dots), and then, for --rounds rounds over the layers, calls each
+variant in turn on K experts drawn at random from the layer (a fresh draw per call: a decode step's experts come
+from DRAM, as on real text; the greedy output of a random-weight model repeats its routing). It times the kernel
+call alone and prints the median and 20th percentile per distance. The variants alternate call by call in one
+process, so a shared host's drift reaches them alike, in an order drawn anew for each layer (a call right after another on the
+same layer finds some of its experts in cache: ~1 of 8 drawn from 64; a fixed order favours all but the first). Every variant's y is the same bits (checked on the first call of each
+layer).
+What this is not: a whole decode step (bench/compare_llamacpp.py, `--feed random` for the same kind of routing).
+
+    PYTHONPATH=. python bench/stream_ahead.py /work/bigm/mid-Q4_K_M.gguf --threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+import pymoe
+from pymoe.quant import QType, kernels, qact, repack
+
+
+def build(qtypes, distance: int):
+    """The MoE kernel for these expert types with one-token tile dots hinting `distance` bytes ahead (act_kernel's
+    constants, the dots rebuilt)."""
+    saved = repack.STREAM_AHEAD
+    repack.STREAM_AHEAD = distance  # read by _make_tile_dot when it builds a dot
+    try:
+        dots = [repack._make_tile_dot(QType(q), locality=0 if kernels._NT else 3) for q in qtypes]
+    finally:
+        repack.STREAM_AHEAD = saved
+    rows = [kernels.rows_dot(q) for q in qtypes]
+    sizes = [pymoe.quant.get_format(q).row_bytes(qact.QK_K) for q in qtypes]
+    vec = [qact.ACT_DOTS[QType(q)] for q in qtypes]
+    tile_bytes = [repack.TILE_BYTES[QType(q)] for q in qtypes]
+    constants = dict(VEC_DOT_GATE=vec[0], VEC_DOT_UP=vec[1], VEC_DOT_DOWN=vec[2], ROWS_GATE=rows[0],
+                     ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
+                     TILE_GATE=dots[0], TILE_UP=dots[1], TILE_DOWN=dots[2], GATE_TILE=tile_bytes[0],
+                     UP_TILE=tile_bytes[1], DOWN_TILE=tile_bytes[2],
+                     PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if kernels._NT else qact.prefetch_ahead)
+    suffix = "_".join(QType(q).name for q in qtypes)
+    return kernels._compile(kernels._moe_kernel, f"bench{distance}_{suffix}_{kernels._act_fingerprint()}", constants)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model", help="GGUF file (expert types with a tile layout: Q2_K, Q3_K, Q4_K, Q6_K, MXFP4)")
+    ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
+    ap.add_argument("--distances", default="0,4096,8192,16384", help="bytes ahead, comma-separated (0: no hints)")
+    ap.add_argument("--rounds", type=int, default=30, help="rounds over the layers (default 30)")
+    args = ap.parse_args()
+
+    engine = pymoe.load(args.model, threads=args.threads, n_ctx=256, backend_options=dict(act_bits=8))
+    model, b = engine.model, engine.model.backend
+    cfg = model.cfg
+    E, K = cfg.n_expert, cfg.n_expert_used
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, cfg.n_embd)).astype(np.float32)
+    layers = [layer for layer in model.layers if layer.ffn_gate_inp is not None]
+    kinds = {tuple(layer.expert_types[p] for p in ("gate", "up", "down")) for layer in layers}
+    if not all(q in repack.TILE_BYTES for qt in kinds for q in qt):
+        raise SystemExit(f"stream_ahead: {args.model}: expert types {sorted(q.name for qt in kinds for q in qt)} "
+                         "include one without a tile layout")
+    distances = [int(d) for d in args.distances.split(",")]
+    variants = [(f"{d} B ahead", {qt: build(qt, d) for qt in kinds}) for d in distances]
+    for layer in layers:  # every expert's tiles made (the first use of an expert repacks it)
+        for e0 in range(0, E, K):
+            ids = np.arange(e0, min(E, e0 + K))[None]
+            b.moe_experts({e: model.cache.expert(layer.index, e) for e in ids[0].tolist()}, layer.expert_types, x,
+                          ids, np.ones(ids.shape, np.float32))
+    times = {name: [] for name, _ in variants}
+    saved = dict(kernels._ACT_KERNELS)
+    try:
+        for r in range(args.rounds):
+            for layer in layers:
+                qt = tuple(layer.expert_types[p] for p in ("gate", "up", "down"))
+                first = None
+                # a call after another on the same layer finds ~1/8 of its experts in cache (8 of 64 drawn twice):
+                # the order of the variants is drawn anew each time, so that no variant always comes first
+                order = [variants[0]] + [variants[i] for i in 1 + rng.permutation(len(variants) - 1)] if r == 0 \
+                    else [variants[i] for i in rng.permutation(len(variants))]
+                for name, fns in order:
+                    # round 0: every variant on the same experts (their bits compared); then a fresh draw per call
+                    ids = first[0] if r == 0 and first is not None else np.sort(rng.choice(E, K, replace=False))[None]
+                    fn, took = fns[qt], []
+
+                    def timed(*a, fn=fn, took=took):
+                        t0 = time.perf_counter()
+                        out = fn(*a)
+                        took.append(time.perf_counter() - t0)
+                        return out
+                    kernels._ACT_KERNELS[("_moe_kernel",) + qt] = timed
+                    y = b.moe_experts({e: model.cache.expert(layer.index, e) for e in ids[0].tolist()},
+                                      layer.expert_types, x, ids, np.full(ids.shape, 1.0 / K, np.float32))
+                    times[name] += took
+                    if r == 0:
+                        if first is None:
+                            first = (ids, y)
+                        elif not np.array_equal(y, first[1]):
+                            raise SystemExit(f"stream_ahead: {name} gave other bits than {variants[0][0]}")
+    finally:
+        kernels._ACT_KERNELS.clear()
+        kernels._ACT_KERNELS.update(saved)
+    print(f"{args.model}: the fused MoE kernel on {K} random experts of a layer (not in cache), {args.threads} "
+          f"threads, 8-bit; {args.rounds} rounds x {len(layers)} layers, variants rotated call by call")
+    for name, t in times.items():
+        print(f"  {name:<28} median {np.median(t) * 1e6:7.1f} us   p20 {np.percentile(t, 20) * 1e6:7.1f} us")
+
+
+if __name__ == "__main__":
+    main()
