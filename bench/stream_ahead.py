@@ -22,29 +22,16 @@ import time
 import numpy as np
 
 import pymoe
-from pymoe.quant import QType, kernels, qact, repack
+from pymoe.quant import QType, kernels, repack
 
 
 def build(qtypes, distance: int):
-    """The MoE kernel for these expert types with one-token tile dots hinting `distance` bytes ahead (act_kernel's
-    constants, the dots rebuilt)."""
-    saved = repack.STREAM_AHEAD
-    repack.STREAM_AHEAD = distance  # read by _make_tile_dot when it builds a dot
-    try:
-        dots = [repack._make_tile_dot(QType(q), locality=0 if kernels._NT else 3) for q in qtypes]
-    finally:
-        repack.STREAM_AHEAD = saved
-    rows = [kernels.rows_dot(q) for q in qtypes]
-    sizes = [pymoe.quant.get_format(q).row_bytes(qact.QK_K) for q in qtypes]
-    vec = [qact.ACT_DOTS[QType(q)] for q in qtypes]
-    tile_bytes = [repack.TILE_BYTES[QType(q)] for q in qtypes]
-    constants = dict(VEC_DOT_GATE=vec[0], VEC_DOT_UP=vec[1], VEC_DOT_DOWN=vec[2], ROWS_GATE=rows[0],
-                     ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
-                     TILE_GATE=dots[0], TILE_UP=dots[1], TILE_DOWN=dots[2], GATE_TILE=tile_bytes[0],
-                     UP_TILE=tile_bytes[1], DOWN_TILE=tile_bytes[2],
-                     PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if kernels._NT else qact.prefetch_ahead)
-    suffix = "_".join(QType(q).name for q in qtypes)
-    return kernels._compile(kernels._moe_kernel, f"bench{distance}_{suffix}_{kernels._act_fingerprint()}", constants)
+    """The MoE kernel for these expert types, its one-token tile dots asking for the bytes `distance` ahead (with
+    the hint the kernel's own dots use: non-temporal unless PYMOE_NT=0)."""
+    dots = {QType(q): repack._make_tile_dot(QType(q), locality=0 if kernels._NT else 3, ahead=distance)
+            for q in qtypes}
+    name = f"bench{distance}_" + "_".join(QType(q).name for q in qtypes) + "_" + kernels._act_fingerprint()
+    return kernels._compile(kernels._moe_kernel, name, kernels.moe_constants(qtypes, dots))
 
 
 def main():

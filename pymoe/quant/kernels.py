@@ -502,24 +502,31 @@ def act_kernel(template, *qtypes):
         return kernel
     key = (template.__name__,) + tuple(QType(q) for q in qtypes)
     if key not in _ACT_KERNELS:
-        rows = [rows_dot(q) for q in qtypes]
-        sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
-        if len(rows) == 1:
-            constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows[0])
+        if len(qtypes) == 1:
+            constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows_dot(qtypes[0]))
         else:
-            dots = [qact.ACT_DOTS[QType(q)] for q in qtypes]
-            tile_dots = [(repack.TILE_DOTS_NT if _NT else repack.TILE_DOTS).get(QType(q), repack.tile_dot_q4_k)
-                         for q in qtypes]  # one-token dots whose hints for the bytes ahead are non-temporal
-            tile_bytes = [repack.TILE_BYTES.get(QType(q), 0) for q in qtypes]
-            constants = dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
-                             ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1],
-                             DOWN_SIZE=sizes[2], TILE_GATE=tile_dots[0], TILE_UP=tile_dots[1],
-                             TILE_DOWN=tile_dots[2], GATE_TILE=tile_bytes[0], UP_TILE=tile_bytes[1],
-                             DOWN_TILE=tile_bytes[2],
-                             PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if _NT else qact.prefetch_ahead)
+            constants = moe_constants(qtypes)
         suffix = "_".join(QType(q).name for q in qtypes) + "_" + _act_fingerprint()
         _ACT_KERNELS[key] = _compile(template, suffix, constants)
     return _ACT_KERNELS[key]
+
+
+def moe_constants(qtypes, tile_dots: dict = None) -> dict:
+    """The globals `_moe_kernel` is compiled with for (gate, up, down) types: their row dots, sizes, one-token and
+    many-token tile dots (tile_dots: {QType: dot}; default the non-temporal ones, `repack.TILE_DOTS_NT`, or the
+    kept ones with PYMOE_NT=0) and the prefetch hint. bench/stream_ahead.py builds variants with its own dots."""
+    qtypes = [QType(q) for q in qtypes]
+    tile_dots = tile_dots or (repack.TILE_DOTS_NT if _NT else repack.TILE_DOTS)
+    dots = [qact.ACT_DOTS[q] for q in qtypes]
+    rows = [rows_dot(q) for q in qtypes]
+    sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
+    tiles = [tile_dots.get(q, repack.tile_dot_q4_k) for q in qtypes]  # (a placeholder where a type has no tiles)
+    tile_bytes = [repack.TILE_BYTES.get(q, 0) for q in qtypes]
+    return dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
+                ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
+                TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], GATE_TILE=tile_bytes[0],
+                UP_TILE=tile_bytes[1], DOWN_TILE=tile_bytes[2],
+                PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if _NT else qact.prefetch_ahead)
 
 
 def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=None) -> np.ndarray:

@@ -614,8 +614,6 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
     def codegen(context, builder, signature, args):
         """out = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times n_tok tokens: 1-D xq int8 [nb * 256],
         xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]."""
-        prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
-            ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
         e = _Emit(builder, avx2, vnni, wide)
         nd = signature.args[1].ndim
@@ -636,9 +634,12 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
             t = builder.mul(bi, ir.Constant(_i64, size))  # the block's first byte
             xo = builder.mul(bi, ir.Constant(_i64, QK_K))  # its first activation
             bso = builder.mul(bi, ir.Constant(_i64, 16))
-            for c in range(0, size, 64) if ahead else ():  # this block's share of the hints: a block's bytes
-                ptr = builder.gep(ta.data, [builder.add(t, ir.Constant(_i64, ahead + c))])  # `ahead` further on
-                builder.call(prefetch, [ptr, *(ir.Constant(i32, v) for v in (0, locality, 1))])  # read, data
+            if ahead:  # this block's share of the hints: a block's bytes `ahead` further on, one per 64 bytes
+                prefetch = cgutils.get_or_insert_function(builder.module, ir.FunctionType(
+                    ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32]), "llvm.prefetch.p0")
+                for c in range(0, size, 64):
+                    ptr = builder.gep(ta.data, [builder.add(t, ir.Constant(_i64, ahead + c))])
+                    builder.call(prefetch, [ptr, *(ir.Constant(i32, v) for v in (0, locality, 1))])  # read, data
             toks = [_Tok(xr, xo, builder.load(builder.gep(xdr, [bi])), bsr, bso)
                     for xr, xdr, bsr in zip(xrows, xdrows, bsrows)]
             accs = block(e, ta.data, t, toks, [builder.load(p) for p in acc_ps])
@@ -664,18 +665,20 @@ MANY = 4  # tokens per call of a tile's many-token dot
 VNNI_MANY = {QType.Q4_K, QType.MXFP4}
 
 
-def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3):
+def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3,
+                   ahead: int = None):
     """-> tile_dot(tiles uint8 [nb * TILE_BYTES], xq, xd, xbs, out): the row-group's 8 rows times one token (xq int8
     [nb * 256], xd float32 [nb], xbs int32 [nb * 16], out float32 [8]) or times MANY tokens at once (the same arrays
     2-D, one C-contiguous row per token, out [MANY, 8]: the weights unpacked once for them; each token's bits those
     of its one-token call). It also types for int16 xq, so that a kernel compiled for both activation widths may
     hold the call; at 16 bits its body is a trap (callers pass no tiles then). portable: the IR without x86
     intrinsics (CPUs without AVX2); vnni: with vpdpbusd or without (None: as this CPU allows, `_VNNI`). The
-    one-token dot asks for the tile bytes STREAM_AHEAD past those it reads, at prefetch `locality` (3: the dense
-    weights, read again next token; 0, non-temporal: the routed experts, `TILE_DOTS_NT`)."""
+    one-token dot asks for the tile bytes `ahead` (None: STREAM_AHEAD; 0: none) past those it reads, at prefetch
+    `locality` (3: the dense weights, read again next token; 0, non-temporal: the routed experts, `TILE_DOTS_NT`)."""
+    ahead = STREAM_AHEAD if ahead is None else ahead
     vnni = _VNNI if vnni is None else vnni
     wide = (_WIDE if wide is None else wide) and QType(qtype) in WIDE  # the blocks written for two chunks only
-    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide, STREAM_AHEAD, locality),
+    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide, ahead, locality),
                 2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY, wide)}
 
     def trap(context, builder, signature, args):
