@@ -7,9 +7,9 @@ kernel once per distance (0: no hints from the dots), and then, for --rounds rou
 variant in turn on K experts drawn at random from the layer (a fresh draw per call: a decode step's experts come
 from DRAM, as on real text; the greedy output of a random-weight model repeats its routing). It times the kernel
 call alone and prints the median and 20th percentile per distance. The variants alternate call by call in one
-process, so a shared host's drift reaches them alike, in an order drawn anew for each layer (a call right after another on the
-same layer finds some of its experts in cache: ~1 of 8 drawn from 64; a fixed order favours all but the first). Every variant's y is the same bits (checked on the first call of each
-layer).
+process, so a shared host's drift reaches them alike, in an order drawn anew for each layer (a call right after
+another on the same layer finds some of its experts in cache: ~1 of 8 drawn from 64; a fixed order favours all but
+the first). Every variant's y is the same bits (checked on the first call of each layer).
 What this is not: a whole decode step (bench/compare_llamacpp.py, `--feed random` for the same kind of routing).
 
     PYTHONPATH=. python bench/stream_ahead.py /work/bigm/mid-Q4_K_M.gguf --threads 2

@@ -29,7 +29,8 @@ EXACT_REL_BOUND = 1e-5
 # pymoe's CPU backend vs llama.cpp, both on the quantized file. llama.cpp multiplies K/IQ/TQ weights by Q8_K
 # activations and legacy/MXFP4 ones by Q8_0 (8-bit: relative error up to 2^-8 per activation), pymoe by 16-bit
 # activations for the types with an integer dot (qact.ACT_DOTS) and by float ones for the rest (TQ, Q1_0, ...),
-# so logits differ by ~1% of the scale: measured 0.04% (F16) to 1.7% (TQ1_0, TQ2_0). The bound is 3x the worst; a wrong layout gives errors of the order of the logits (>= 30%).
+# so logits differ by ~1% of the scale: measured 0.04% (F16) to 1.7% (TQ1_0, TQ2_0). The bound is 3x the worst; a
+# wrong layout gives errors of the order of the logits (>= 30%).
 LLAMA_REL_BOUND = 0.05
 MIN_DECIDED = 25  # of 50 positions, those whose top-1 the measured difference decides: fewest measured 30 (IQ2_XXS)
 MAIN_TYPE = {"MXFP4_MOE": "MXFP4", "IQ2_M": "IQ2_S", "IQ3_XS": "IQ3_XXS", "IQ3_M": "IQ3_S", "Q2_K_S": "Q2_K",
