@@ -1,4 +1,4 @@
-"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q6_K and MXFP4 (pymoe/quant/repack.py) and the CPU backend's use of them.
+"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q6_K, MXFP4 and IQ4_XS (pymoe/quant/repack.py) and the CPU backend's use of them.
 
 What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
 the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
@@ -22,7 +22,7 @@ from quant_helpers import random_rows
 U = 2.0 ** -24
 
 
-TILED = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.MXFP4]
+TILED = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.MXFP4, QType.IQ4_XS]
 IDS = [q.name for q in TILED]
 
 
@@ -102,7 +102,13 @@ def test_three_matrix_decode_call_has_the_bits_of_three_calls(types):
 def _extreme_rows(qtype) -> np.ndarray:
     """8 rows of 256 weights at the largest integer magnitude of the format: every quant bit set (Q2_K q = 3, Q3_K
     q' = 7, Q4_K q = 15, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3 (nibbles 7),
-    -12 in rows 4-7 (nibbles 15)."""
+    -12 in rows 4-7 (nibbles 15); IQ4_XS level -127 (nibbles 0) at scale -32 (6-bit field 0) in rows 0-3, level 113
+    (nibbles 15) at scale 31 in rows 4-7."""
+    if qtype == QType.IQ4_XS:
+        raw = np.zeros((8, 136), np.uint8)
+        raw[:, 0:2] = np.frombuffer(np.array([0.5], np.float16).tobytes(), np.uint8)  # d 0.5
+        raw[4:, 2:] = 0xFF  # rows 4-7: every scale bit and nibble set
+        return raw
     if qtype == QType.MXFP4:
         raw = np.full((8, 8, 17), 0x77, np.uint8)
         raw[4:] = 0xFF
@@ -122,7 +128,7 @@ def _extreme_rows(qtype) -> np.ndarray:
 def test_tile_dot_at_the_int16_bound(qtype):
     """Every weight at the format's largest magnitude and every activation +-127: a group's int16 lanes reach their
     bound (Q2_K 3048, Q3_K 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q6_K 2 * 2 * 63 * 127 = 32004, MXFP4 8 * 2 * 12 *
-    127 = 24384, all below 2^15); the
+    127 = 24384, IQ4_XS one chunk's 2 * 127 * 127 = 32258, all below 2^15); the
     tile still has the row dot's bits, and float math's value."""
     raw = _extreme_rows(qtype)
     for sign in (1, -1):
@@ -174,8 +180,9 @@ def _addresses(mats):
 
 
 @pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.MXFP4, QType.MXFP4, QType.MXFP4),
-                                   (QType.Q2_K, QType.Q2_K, QType.Q3_K), (QType.Q4_K, QType.Q4_K, QType.Q5_K)],
-                         ids=["Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q5_K-untiled"])
+                                   (QType.Q2_K, QType.Q2_K, QType.Q3_K), (QType.Q4_K, QType.Q4_K, QType.Q5_K),
+                                   (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS)],
+                         ids=["Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q5_K-untiled", "IQ4_XS"])
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     """Decode (one token, 4 experts) and a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
     many-token call and one single):
@@ -207,7 +214,8 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
 def llama_quantized(tiny_model, tmp_path_factory):
     """llama_quantized(ftype) -> the tiny qwen3moe quantized to that file type by llama.cpp's quantizer (Q4_K_M:
     Q4_K attention and experts, Q6_K ffn_down in layer 1, as tests/test_llamacpp_quant_mixes.py pins; MXFP4_MOE:
-    MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down): every expert matrix has a tile layout."""
+    MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down; IQ4_XS: IQ4_XS experts and attention): every
+    expert matrix has a tile layout."""
     llama_cpp = require_llama_cpp()
     root = tmp_path_factory.mktemp("repack")
 
@@ -222,7 +230,7 @@ def llama_quantized(tiny_model, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K", "IQ4_XS"])
 def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, ftype):
     """The whole model at 8 bits: prefill, then greedy decode with the repacked copies (dense and experts) against
     the same without, logits bit for bit; the copies were made and used."""
@@ -239,8 +247,8 @@ def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, f
         runs[rp] = np.array(logits)
         made = [v[2][3:] for v in m.backend._rows.values() if any(v[2][3:])]  # tile addresses of the experts run
         if rp:
-            if ftype == "Q4_K_M":
-                assert m.layers[0].attn_q.tiles is not None  # Q4_K, 8-row multiple: repacked at load
+            if ftype in ("Q4_K_M", "IQ4_XS"):
+                assert m.layers[0].attn_q.tiles is not None  # Q4_K / IQ4_XS, 8-row multiple: repacked at load
             assert len(made) == len(m.backend._rows)  # every expert the model ran, every matrix of it
             assert made and all(a[0] and a[1] and a[2] for a in made)
         else:

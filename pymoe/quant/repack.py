@@ -1,4 +1,4 @@
-"""Weights repacked 8 rows at a time (Q2_K..Q6_K but Q5_K, MXFP4), and the 8-bit dots that read them: 8 rows a lane.
+"""Weights repacked 8 rows at a time (Q2_K..Q6_K but Q5_K, MXFP4, IQ4_XS), and the 8-bit dots that read them: 8 rows a lane.
 
 What this is: the CPU layout llama.cpp calls a "repack" (its block_q4_Kx8 and friends), written from the idea, not
 the code. A one-row dot (qact.row_dot_*) spends much of a block on things every row repeats: unpacking the scales,
@@ -43,6 +43,10 @@ row-group g's 256-column block b at [g, b * TILE]. Per format (TILE_BYTES):
     byte    0: e     uint8 [8 groups][8]      the E8M0 scale of row r's block g (weights 32 g ..) at 8 g + r
     byte   64: qs    [8 groups g][4 chunks c][8 rows r][4 bytes]: row r's block-g bytes qs[4 c .. + 3], i.e.
                      weights 32 g + 4 c .. + 3 (low nibbles) and 32 g + 16 + 4 c .. + 3 (high)
+  IQ4_XS (1104 bytes; 8 x 136 = 1088 raw: the 6-bit scales unpacked)
+    byte    0: d     fp16 [8]
+    byte   16: scale int8 [8 groups][8]       group g's 6-bit scale of row r minus 32 (-32..31) at 16 + 8 g + r
+    byte   80: qs    [8 groups g][4 chunks c][8 rows r][4 bytes]: as MXFP4's (indices into the IQ4 codebook)
 
 `repack_ref(raw, qtype)` makes a layout from raw rows (NumPy, the reference), `repack(raw, qtype)` the same bytes
 compiled (what the CPU backend runs: an expert is repacked the first time decode uses it); `unpack(tiles, qtype)` is
@@ -57,6 +61,9 @@ Numerics (8-bit activations only: qact's x, int8 qs, d per 256, bsums per 16), p
   Q3_K and Q6_K, per 256-block b (q' = q + bias >= 0 against x, the bias brought back through the bsums):
     isum = sum_k sc_k * (sum_{i in sub-block k} q'_i x_i - bias * bsum_k)     = sum_k sc_k sum (q_i) x_i, exact
     acc  = fma(float(isum), d * dx, acc)
+  IQ4_XS, per 256-block b (v the codebook level, |v| <= 127; sc_g the group's scale - 32):
+    isum = sum_g sc_g * sum_{k in g} v_k x_k                  exact int32 (|isum| <= 256 * 32 * 127 * 127 < 2^28)
+    acc  = fma(float(isum), d * dx, acc)
   MXFP4, per group g of 32 (8 a block):
     isum = sum_{k in g} v_k x_k                              exact int32 (v the codebook level, |v| <= 12)
     acc  = fma(float(isum), s_g * dx, acc)                   groups in order, s_g = 2^(e_g - 128)
@@ -64,7 +71,8 @@ which is what the one-row dots compute for these formats at 8 bits (qact's `exac
 same float operations in the same order), so a row gives the same bits from either layout. In a tile, one group's
 products per row sit in two int16 lanes of several vpmaddubsw results added together, below 2^15: Q2_K 4 * 2 * 3 *
 127 = 3048, Q3_K 4 * 2 * 7 * 127 = 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q6_K 2 * 2 * 63 * 127 = 32004 (so two chunks
-at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384.
+at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS 2 * 127 * 127 = 32258 (so each chunk goes into
+int32 on its own); with VNNI every product goes straight into int32.
 Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by.
 What this is not: a 16-bit-activation path (its sums need qact's 16-lane split, so the default activations read the
 raw rows).
@@ -81,16 +89,19 @@ from numba.extending import intrinsic
 
 from . import QType
 from .jit import bind
+from .iquants import KVALUES_IQ4NL
 from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales, _scale_min_k4_jit,
                       scale_min_k4)
 from .qact import KVALUES_FP4, _AVX2, host_features, prefetch_ahead
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
+IQ4_XS_SIZE = 136  # bytes of one IQ4_XS block (256 weights)
 TILE_BYTES = {QType.Q2_K: 32 + 128 + 512, QType.Q3_K: 16 + 128 + 512 + 256, QType.Q4_K: 32 + 64 + 64 + 1024,
-              QType.Q6_K: 16 + 128 + 1024 + 512, QType.MXFP4: 64 + 1024}  # bytes per 8 rows and 256 columns
+              QType.Q6_K: 16 + 128 + 1024 + 512, QType.MXFP4: 64 + 1024,
+              QType.IQ4_XS: 16 + 64 + 1024}  # bytes per 8 rows and 256 columns
 RAW_BYTES = {QType.Q2_K: Q2_K_SIZE, QType.Q3_K: Q3_K_SIZE, QType.Q4_K: Q4_K_SIZE, QType.Q6_K: Q6_K_SIZE,
-             QType.MXFP4: 8 * MXFP4_SIZE}  # one row's 256 columns, as stored
+             QType.MXFP4: 8 * MXFP4_SIZE, QType.IQ4_XS: IQ4_XS_SIZE}  # one row's 256 columns, as stored
 
 
 def fits(qtype, rows: int, cols: int) -> bool:
@@ -149,6 +160,15 @@ def repack_ref(raw: np.ndarray, qtype) -> np.ndarray:
         out[..., 96:160] = mins.transpose(0, 1, 3, 2).reshape(G, nb, 64)
         qs = blk[..., 16:144].reshape(G, nb, ROWS, 4, 8, 4)  # [.., row, pair p, chunk c, 4 bytes]
         out[..., 160:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)  # [p][c][row][4]
+    elif qtype == QType.IQ4_XS:
+        out[..., 0:16] = blk[..., 0:2].reshape(G, nb, 16)  # d of rows 0..7
+        sh = blk[..., 2].astype(np.int16) | (blk[..., 3].astype(np.int16) << 8)  # [G, nb, 8] scales_h
+        j = np.arange(8)
+        low = (blk[..., 4 + j // 2] >> (4 * (j % 2))) & 15  # [G, nb, 8 rows, 8 groups]
+        ls = low.astype(np.int16) | (((sh[..., None] >> (2 * j)) & 3) << 4)  # the 6-bit scales, 0..63
+        out[..., 16:80] = (ls - 32).astype(np.int8).transpose(0, 1, 3, 2).reshape(G, nb, 64).view(np.uint8)
+        qs = blk[..., 8:].reshape(G, nb, ROWS, 8, 4, 4)  # [.., row, group g, chunk c, 4 bytes]
+        out[..., 80:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)  # [g][c][row][4]
     else:  # MXFP4
         b = blk.reshape(G, nb, ROWS, 8, MXFP4_SIZE)  # [.., row, group, 17]
         out[..., 0:64] = b[..., 0].transpose(0, 1, 3, 2).reshape(G, nb, 64)  # e [group][row]
@@ -200,6 +220,15 @@ def unpack(tiles: np.ndarray, qtype) -> np.ndarray:
         blk[..., 12:16] = (s1 & 15) | ((m1 & 15) << 4)
         blk[..., 16:144] = t[..., 160:].reshape(G, nb, 4, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
             G, nb, ROWS, 128)
+    elif qtype == QType.IQ4_XS:
+        blk = np.empty((G, nb, ROWS, IQ4_XS_SIZE), dtype=np.uint8)
+        blk[..., 0:2] = t[..., 0:16].reshape(G, nb, ROWS, 2)
+        ls = (t[..., 16:80].reshape(G, nb, 8, ROWS).transpose(0, 1, 3, 2).view(np.int8).astype(np.int16)
+              + 32)  # [G, nb, row, group]: 0..63
+        blk[..., 4:8] = (ls[..., 0::2] & 15) | ((ls[..., 1::2] & 15) << 4)  # scales_l: groups 2 i, 2 i + 1
+        sh = ((ls >> 4) << (2 * np.arange(8))).sum(axis=-1)  # scales_h: group j's top 2 bits at bit 2 j
+        blk[..., 2], blk[..., 3] = sh & 255, sh >> 8
+        blk[..., 8:] = t[..., 80:].reshape(G, nb, 8, 4, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, ROWS, 128)
     else:
         b = np.empty((G, nb, ROWS, 8, MXFP4_SIZE), dtype=np.uint8)
         b[..., 0] = t[..., 0:64].reshape(G, nb, 8, ROWS).transpose(0, 1, 3, 2)
@@ -305,8 +334,26 @@ def _repack_mxfp4_into(raw, out):
                     _interleave(t, 64 + 128 * g, r, row, s + 1, 4)  # qs: group g, chunk c = chunk 4 g + c
 
 
+@njit(cache=True)
+def _repack_iq4_xs_into(raw, out):
+    """raw uint8 [R, nb * 136] -> out uint8 [R / 8, nb * 1104]."""
+    nb = raw.shape[1] // IQ4_XS_SIZE
+    size = out.shape[1] // nb
+    for g in range(raw.shape[0] // ROWS):
+        for b in range(nb):
+            t = out[g, b * size:(b + 1) * size]
+            for r in range(ROWS):
+                blk = raw[g * ROWS + r, b * IQ4_XS_SIZE:(b + 1) * IQ4_XS_SIZE]
+                t[2 * r], t[2 * r + 1] = blk[0], blk[1]  # d
+                sh = np.int32(blk[2]) | (np.int32(blk[3]) << 8)  # scales_h
+                for j in range(8):  # group j's 6-bit scale, minus 32, as a byte
+                    ls = ((np.int32(blk[4 + j // 2]) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
+                    t[16 + 8 * j + r] = np.uint8((ls - 32) & 255)
+                _interleave(t, 80, r, blk, 8, 32)  # qs: group g, chunk c = chunk 4 g + c
+
+
 _REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q3_K: _repack_q3_k_into, QType.Q4_K: _repack_q4_k_into,
-                QType.Q6_K: _repack_q6_k_into, QType.MXFP4: _repack_mxfp4_into}
+                QType.Q6_K: _repack_q6_k_into, QType.MXFP4: _repack_mxfp4_into, QType.IQ4_XS: _repack_iq4_xs_into}
 
 
 def repack(raw: np.ndarray, qtype) -> np.ndarray:
@@ -423,7 +470,9 @@ class _Emit:
             x = b.select(b.icmp_signed("<", v, zero), b.neg(x), b.select(b.icmp_signed("==", v, zero), zero, x))
         return self.sub_add(s, mag, x)
 
-    def lookup(self, v, codebook):  # int8 [32] of indices 0..15 -> their codebook levels
+    def lookup(self, v, codebook):  # int8 [32] (wide: [64]) of indices 0..15 -> their codebook levels
+        if v.type.count == 64:  # (wide forms only, AVX-512BW) vpshufb on 512 bits: the table four times
+            return self.x86("llvm.x86.avx512.pshuf.b.512", v.type, [_vec(_i8, 64, list(codebook) * 4), v])
         if self.avx2:  # vpshufb looks up within each 16-byte half: the table twice
             return self.x86("llvm.x86.avx2.pshuf.b", _V32B, [_vec(_i8, 32, list(codebook) * 2), v])
         out = _vec(_i8, 32, [codebook[0]] * 32)
@@ -599,8 +648,42 @@ def _block_mxfp4(e: _Emit, wbase, t, toks, accs):
     return accs
 
 
+# IQ4_XS's codebook plus 128: the levels as unsigned bytes (1..241), the operand vpdpbusd takes unsigned
+_IQ4_PLUS_128 = [v + 128 - (256 if v + 128 > 127 else 0) for v in KVALUES_IQ4NL]  # as int8 bit patterns
+
+
+def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
+    """IQ4_XS: a group's levels looked up once, then per token. With VNNI the level + 128 (unsigned) meets x in
+    vpdpbusd and 128 * (the group's two bsums) comes off after, exactly; without, |level| meets x signed by the level
+    (vpsignb) and each chunk's int16 pair sums (up to 2 * 127 * 127) go into int32 at once, times the group's scale."""
+    b = e.b
+    isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+    for g in range(8):
+        sc8 = e.load(wbase, e.at(t, 16 + 8 * g), ir.VectorType(_i8, 8))  # the 8 rows' scales of group g, -32..31
+        s = [None] * len(toks)
+        for c in range(0, 4, e.width):  # chunk c (wide: c and c + 1)
+            lo, hi = e.nibbles(e.load(wbase, e.at(t, 80 + 32 * (4 * g + c)), e.VB))
+            for idx, k in ((lo, 32 * g + 4 * c), (hi, 32 * g + 16 + 4 * c)):
+                if e.vnni:
+                    u = e.lookup(idx, _IQ4_PLUS_128)
+                    s = [e.sub_add(a, u, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+                    continue
+                v = e.lookup(idx, KVALUES_IQ4NL)
+                mag = e.magnitude(v)
+                s = [e.signed_add(None, v, mag, e.x4(x.xbase, x.xo, k)) for x in toks]
+                isums = [b.add(i, e.sub_scaled(a, sc8, True)) for i, a in zip(isums, s)]
+        if e.vnni:  # row r: sc_rg * (sum (v + 128) x - 128 * the group's bsum)
+            for i, x in enumerate(toks):
+                bs = b.add(e.load(x.bsbase, e.at(x.bso, 2 * g), _i32), e.load(x.bsbase, e.at(x.bso, 2 * g + 1), _i32))
+                plain = b.sub(e.fold(s[i]), e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))
+                isums[i] = b.add(isums[i], e.sub_scaled(plain, sc8, True))
+    d8 = b.fpext(e.load(wbase, t, ir.VectorType(ir.HalfType(), 8)), _V8F)
+    return [e.fma(b.sitofp(isum, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), acc)
+            for x, isum, acc in zip(toks, isums, accs)]
+
+
 _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QType.Q4_K: _block_q4_k,
-           QType.Q6_K: _block_symmetric(QType.Q6_K), QType.MXFP4: _block_mxfp4}
+           QType.Q6_K: _block_symmetric(QType.Q6_K), QType.MXFP4: _block_mxfp4, QType.IQ4_XS: _block_iq4_xs}
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
@@ -661,8 +744,9 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
 # 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
-# 76-94 / 120, Q3_K 79-93 / 105, Q6_K 72-85 / 90 (bench/bench_repack.py, PYMOE_VNNI=1 / 0).
-VNNI_MANY = {QType.Q4_K, QType.MXFP4}
+# 76-94 / 120, Q3_K 79-93 / 105, Q6_K 72-85 / 90 (bench/bench_repack.py, PYMOE_VNNI=1 / 0); IQ4_XS (scales per 32,
+# and no vpsignb per token with VNNI) 122-131 / 96 (two runs against one).
+VNNI_MANY = {QType.Q4_K, QType.MXFP4, QType.IQ4_XS}
 
 
 def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3,
@@ -708,11 +792,12 @@ def _host_vnni() -> tuple[bool, bool]:
 
 
 _VNNI, _WIDE = _host_vnni()
-# 512-bit VNNI, two chunks per operation, for the formats in WIDE. Only Q4_K gained (1 thread, 512 x 1024, Zen 5,
-# G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130, bench/bench_repack.py with PYMOE_WIDE=1 / 0);
-# Q2_K's, Q3_K's and Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a
-# multiply per two chunks), so they stay 256-bit.
-WIDE = {QType.Q4_K}
+# 512-bit VNNI, two chunks per operation, for the formats in WIDE. Q4_K gained (1 thread, 512 x 1024, Zen 5,
+# G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130, bench/bench_repack.py with PYMOE_WIDE=1 / 0),
+# and IQ4_XS (one-token 120 / 95, four-token 167 / 169: medians of 40 alternated calls of one row-group loop in one
+# process, warm; the many-token form is no slower); Q2_K's, Q3_K's and Q6_K's one-token dots, written wide too,
+# were no faster (their 16-weight scales: a fold and a multiply per two chunks), so they stay 256-bit.
+WIDE = {QType.Q4_K, QType.IQ4_XS}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
@@ -727,8 +812,9 @@ tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
 tile_dot_q6_k = _make_tile_dot(QType.Q6_K)
 tile_dot_mxfp4 = _make_tile_dot(QType.MXFP4)
+tile_dot_iq4_xs = _make_tile_dot(QType.IQ4_XS)
 TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: tile_dot_q4_k,
-             QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4}
+             QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4, QType.IQ4_XS: tile_dot_iq4_xs}
 TILE_DOTS_NT = {q: _make_tile_dot(q, locality=0) for q in TILE_DOTS}  # the same with non-temporal hints: experts
 
 

@@ -510,6 +510,20 @@ MUTANTS: list[Mutant] = [
         "the wide (512-bit) Q4_K tile dot adds its first chunk's lanes twice and drops the second's; only CPUs "
         "with AVX-512 VNNI run that form: elsewhere this mutant survives"),
     Mutant(
+        "tile_iq4_xs_offset_off_by_one", "pymoe/quant/repack.py",
+        "e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))",
+        "e.splat(b.mul(bs, ir.Constant(_i32, 127)), _i32, 8))",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*IQ4_XS]",
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[IQ4_XS]"),
+        "the VNNI IQ4_XS tile dot takes 127 * bsum off the levels + 128 (every weight one step high); only CPUs "
+        "with VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
+        "repack_iq4_xs_scale_bias", "pymoe/quant/repack.py",
+        "t[16 + 8 * j + r] = np.uint8((ls - 32) & 255)",
+        "t[16 + 8 * j + r] = np.uint8((ls - 31) & 255)",
+        ("tests/test_repack.py::test_repack_is_the_reference_layout_and_comes_back[IQ4_XS]",),
+        "the compiled IQ4_XS repacking stores each 6-bit scale minus 31 (every group's scale one too large)"),
+    Mutant(
         "repack_chunks_reversed", "pymoe/quant/repack.py",
         "t[dst + 32 * c + 4 * r + i] = blk[src + 4 * c + i]",
         "t[dst + 32 * (c ^ 1) + 4 * r + i] = blk[src + 4 * c + i]",
