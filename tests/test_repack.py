@@ -1,4 +1,5 @@
-"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q6_K, MXFP4 and IQ4_XS (pymoe/quant/repack.py) and the CPU backend's use of them.
+"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 and IQ4_XS (pymoe/quant/repack.py) and the CPU
+backend's use of them.
 
 What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
 the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
@@ -22,7 +23,7 @@ from quant_helpers import random_rows
 U = 2.0 ** -24
 
 
-TILED = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q6_K, QType.MXFP4, QType.IQ4_XS]
+TILED = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4, QType.IQ4_XS]
 IDS = [q.name for q in TILED]
 
 
@@ -49,7 +50,7 @@ def test_q4_k_tiles_hold_the_decoders_scales():
     for r in range(8):
         for j in range(8):
             assert (t[32 + 8 * j + r], t[96 + 8 * j + r]) == get_scale_min(raw[r], 4, j)
-    assert not repack.fits(QType.Q5_K, 16, 512)  # no layout
+    assert not repack.fits(QType.Q4_0, 16, 512)  # no layout
 
 
 def _x8(X):
@@ -101,9 +102,9 @@ def test_three_matrix_decode_call_has_the_bits_of_three_calls(types):
 
 def _extreme_rows(qtype) -> np.ndarray:
     """8 rows of 256 weights at the largest integer magnitude of the format: every quant bit set (Q2_K q = 3, Q3_K
-    q' = 7, Q4_K q = 15, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3 (nibbles 7),
-    -12 in rows 4-7 (nibbles 15); IQ4_XS level -127 (nibbles 0) at scale -32 (6-bit field 0) in rows 0-3, level 113
-    (nibbles 15) at scale 31 in rows 4-7."""
+    q' = 7, Q4_K q = 15, Q5_K q = 31, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3
+    (nibbles 7), -12 in rows 4-7 (nibbles 15); IQ4_XS level -127 (nibbles 0) at scale -32 (6-bit field 0) in rows
+    0-3, level 113 (nibbles 15) at scale 31 in rows 4-7."""
     if qtype == QType.IQ4_XS:
         raw = np.zeros((8, 136), np.uint8)
         raw[:, 0:2] = np.frombuffer(np.array([0.5], np.float16).tobytes(), np.uint8)  # d 0.5
@@ -116,7 +117,7 @@ def _extreme_rows(qtype) -> np.ndarray:
         return raw.reshape(8, 136)
     raw = np.full((8, Q.get_format(qtype).type_size), 0xFF, np.uint8)
     half = np.frombuffer(np.array([0.5], np.float16).tobytes(), np.uint8)
-    at = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q6_K: (208,)}[qtype]
+    at = {QType.Q2_K: (80, 82), QType.Q3_K: (108,), QType.Q4_K: (0, 2), QType.Q5_K: (0, 2), QType.Q6_K: (208,)}[qtype]
     for off in at:  # d (and dmin) 0.5
         raw[:, off:off + 2] = half
     if qtype == QType.Q6_K:
@@ -124,29 +125,57 @@ def _extreme_rows(qtype) -> np.ndarray:
     return raw
 
 
-@pytest.mark.parametrize("qtype", TILED, ids=IDS)
-def test_tile_dot_at_the_int16_bound(qtype):
-    """Every weight at the format's largest magnitude and every activation +-127: a group's int16 lanes reach their
-    bound (Q2_K 3048, Q3_K 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q6_K 2 * 2 * 63 * 127 = 32004, MXFP4 8 * 2 * 12 *
-    127 = 24384, IQ4_XS one chunk's 2 * 127 * 127 = 32258, all below 2^15); the
-    tile still has the row dot's bits, and float math's value."""
-    raw = _extreme_rows(qtype)
-    for sign in (1, -1):
-        X = np.full((1, 256), sign * 126.75, np.float32)  # d = 1 (the power of two above 126.75 / 127): q = +-127
-        xq, xd, xbs = _x8(X)
-        assert np.abs(xq).min() == 127
-        y = repack.tile_matmul(repack.repack(raw, qtype), qtype, xq, xd, xbs)[0]
-        one = [qact.ACT_DOTS[qtype](raw[r], xq[0], xd[0], xbs[0]) for r in range(8)]
-        want = dequantize(raw, qtype).reshape(8, 256).astype(np.float64) @ qact.dequantize_act(xq, xd)[0]
-        assert np.array_equal(y, one) and np.allclose(y, want, rtol=1e-6, atol=0)
-
-
 # The forms of the tile dot this machine can compile: the portable IR (CPUs without AVX2) always; AVX2's intrinsics,
-# VNNI's (vpdpbusd on 256 bits: AVX-512 VNNI or AVX-VNNI) and the wide one (512 bits, two chunks an operation: Q4_K on
-# AVX-512 VNNI) where the CPU has them (LLVM cannot select them elsewhere).
+# VNNI's (vpdpbusd on 256 bits: AVX-512 VNNI or AVX-VNNI) and the wide one (512 bits, two chunks an operation: Q4_K,
+# Q5_K and IQ4_XS on AVX-512 VNNI) where the CPU has them (LLVM cannot select them elsewhere).
 FORMS = [("portable", dict(portable=True))] + ([("avx2", dict(vnni=False))] if qact._AVX2 else []) + (
     [("vnni", dict(vnni=True, wide=False))] if repack._VNNI else []) + (
     [("vnni-wide", dict(vnni=True, wide=True))] if repack._WIDE else [])
+_RUNNERS = {}
+
+
+def _form(qtype, form, tiles, xq, xd, xbs):
+    """One form of the tile dot over every row-group: -> (one-token results of token 0 float32 [R], many-token
+    results float32 [MANY, R]); xq etc. have MANY rows. One compiled runner per (format, form), for both tests."""
+    run = _RUNNERS.get((qtype, form))
+    if run is None:
+        dot = repack._make_tile_dot(qtype, **dict(FORMS)[form])
+
+        @njit
+        def run(tiles, xq, xd, xbs, y, y4):
+            for g in range(tiles.shape[0]):
+                dot(tiles[g], xq[0], xd[0], xbs[0], y[g * 8:(g + 1) * 8])
+                dot(tiles[g], xq, xd, xbs, y4[g])  # the many-token form: [MANY, 8]
+
+        _RUNNERS[(qtype, form)] = run
+    G = tiles.shape[0]
+    y, y4 = np.empty(8 * G, np.float32), np.empty((G, repack.MANY, 8), np.float32)
+    run(tiles, xq, xd, xbs, y, y4)
+    return y, y4.transpose(1, 0, 2).reshape(repack.MANY, 8 * G)
+
+
+@pytest.mark.parametrize("qtype", TILED, ids=IDS)
+def test_tile_dot_at_the_int16_bound(qtype):
+    """Every weight at the format's largest magnitude and every activation +-127: a group's int16 lanes reach their
+    bound (Q2_K 3048, Q3_K 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q5_K half a sub-block's 4 * 2 * 31 * 127 = 31496,
+    Q6_K 2 * 2 * 63 * 127 = 32004, MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS one chunk's 2 * 127 * 127 = 32258, all
+    below 2^15); the tile still has the row dot's bits, and float math's value, in every form this CPU compiles
+    (the int16 lanes are the AVX2 and portable forms'), for one token and for MANY."""
+    raw = _extreme_rows(qtype)
+    tiles = repack.repack(raw, qtype)
+    for sign in (1, -1):
+        X = np.full((repack.MANY, 256), sign * 126.75, np.float32)  # d = 1 (the power of two above 126.75 / 127)
+        xq, xd, xbs = _x8(X)
+        assert np.abs(xq).min() == 127  # q = +-127
+        y = repack.tile_matmul(tiles, qtype, xq[:1], xd[:1], xbs[:1])[0]
+        one = [qact.ACT_DOTS[qtype](raw[r], xq[0], xd[0], xbs[0]) for r in range(8)]
+        want = dequantize(raw, qtype).reshape(8, 256).astype(np.float64) @ qact.dequantize_act(xq, xd)[0]
+        assert np.array_equal(y, one) and np.allclose(y, want, rtol=1e-6, atol=0)  # rtol: float32 rounding of
+        for form, _ in FORMS:  # the block's integer sum (up to 2^28) and of d * dx, a few 2^-24 each
+            y1, y4 = _form(qtype, form, tiles, xq, xd, xbs)
+            assert np.array_equal(y1, y) and all(np.array_equal(r, y) for r in y4), form
+
+
 
 
 @pytest.mark.parametrize("form", [f for f, _ in FORMS])
@@ -157,22 +186,13 @@ def test_every_form_of_the_tile_dot_has_the_same_bits(qtype, form):
     straight into int32 by vpdpbusd, the scales by an int32 multiply) and wide VNNI (two chunks in 16 int32 lanes,
     the halves added) reach the same integers by different instructions, then do the same float operations: the
     same bits, for one token and for MANY."""
-    dot = repack._make_tile_dot(qtype, **dict(FORMS)[form])
-
-    @njit
-    def run(tiles, xq, xd, xbs, y, y4):
-        for g in range(tiles.shape[0]):
-            dot(tiles[g], xq[0], xd[0], xbs[0], y[g * 8:(g + 1) * 8])
-            dot(tiles[g], xq, xd, xbs, y4[g])  # the many-token form: [MANY, 8]
-
     rng = np.random.default_rng(3)
     raw = random_rows(qtype, 16, 512, rng)
     xq, xd, xbs = _x8(rng.standard_normal((repack.MANY, 512)))
     tiles = repack.repack(raw, qtype)
-    a, a4 = np.empty(16, np.float32), np.empty((2, repack.MANY, 8), np.float32)
-    run(tiles, xq, xd, xbs, a, a4)
+    a, a4 = _form(qtype, form, tiles, xq, xd, xbs)
     here = repack.tile_matmul(tiles, qtype, xq, xd, xbs)  # [MANY, 16]
-    assert np.array_equal(a, here[0]) and np.array_equal(a4.transpose(1, 0, 2).reshape(repack.MANY, 16), here)
+    assert np.array_equal(a, here[0]) and np.array_equal(a4, here)
 
 
 def _addresses(mats):
@@ -180,9 +200,9 @@ def _addresses(mats):
 
 
 @pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.MXFP4, QType.MXFP4, QType.MXFP4),
-                                   (QType.Q2_K, QType.Q2_K, QType.Q3_K), (QType.Q4_K, QType.Q4_K, QType.Q5_K),
-                                   (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS)],
-                         ids=["Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q5_K-untiled", "IQ4_XS"])
+                                   (QType.Q2_K, QType.Q2_K, QType.Q3_K), (QType.Q4_K, QType.Q4_K, QType.Q4_0),
+                                   (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS), (QType.Q5_K, QType.Q5_K, QType.Q6_K)],
+                         ids=["Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q4_0-untiled", "IQ4_XS", "Q5_K-Q6_K"])
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     """Decode (one token, 4 experts) and a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
     many-token call and one single):
@@ -206,7 +226,7 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
         plain = run(None)
         assert np.array_equal(run(mats), plain)
         assert not np.array_equal(run(zeroed), plain)
-        if types[2] == QType.Q5_K:  # at 16 bits the copies are not read (their dots are 8-bit only): the same
+        if types[2] == QType.Q4_0:  # at 16 bits the copies are not read (their dots are 8-bit only): the same
             assert np.array_equal(run(zeroed, 16), run(None, 16))  # result with zeroed ones (one triple: compile time)
 
 
@@ -214,8 +234,8 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
 def llama_quantized(tiny_model, tmp_path_factory):
     """llama_quantized(ftype) -> the tiny qwen3moe quantized to that file type by llama.cpp's quantizer (Q4_K_M:
     Q4_K attention and experts, Q6_K ffn_down in layer 1, as tests/test_llamacpp_quant_mixes.py pins; MXFP4_MOE:
-    MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down; IQ4_XS: IQ4_XS experts and attention): every
-    expert matrix has a tile layout."""
+    MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down; IQ4_XS: IQ4_XS experts and attention; Q5_K_M:
+    Q5_K and Q6_K): every expert matrix has a tile layout."""
     llama_cpp = require_llama_cpp()
     root = tmp_path_factory.mktemp("repack")
 
@@ -230,7 +250,7 @@ def llama_quantized(tiny_model, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K", "IQ4_XS"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K", "IQ4_XS", "Q5_K_M"])
 def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, ftype):
     """The whole model at 8 bits: prefill, then greedy decode with the repacked copies (dense and experts) against
     the same without, logits bit for bit; the copies were made and used."""

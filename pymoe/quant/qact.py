@@ -279,7 +279,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
     depend on how its integers sit in lanes: the numerics of the 8-row repacked layouts (quant/repack.py), for the
-    formats that have one (Q2_K, Q3_K, Q4_K, Q6_K, MXFP4, IQ4_XS).
+    formats that have one (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_XS).
     prescale_one: the one-row form multiplies the weights by their scales before the pair sums, as the rows form
     does (the same integers: both weights of a pair share a scale); else the pair sums after. Which is faster
     depends on the format (measured on Zen 3, 1 thread, 512 x 1024: Q2_K 9.6 vs 8.1 G MAC/s prescaled, Q4_K 6.3
@@ -743,7 +743,8 @@ def _k_row_dots(portable: bool = False) -> dict:
         # = nibble g % 2 of qs[32 (g // 2) + l] | bit g of qh[l] << 4. |scale * q| <= 63 * 31.
         QType.Q5_K: _make_row_dot(
             groups=[(48 + 32 * (g // 2), 4 * (g % 2), 15, (16, g, 1, 4)) for g in range(8)], scale_fields=_K4_SCALES,
-            min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q5_K_SIZE, d_off=0, dmin_off=2, portable=portable),
+            min_fields=_K4_MINS, scale_bias=0, value_bias=0, size=Q5_K_SIZE, d_off=0, dmin_off=2, exact_blocks=True,
+            portable=portable),
         # Q6_K (210 bytes): ql[128] at 0, qh[64] at 128, scales int8[16] at 192, d at 208. Group 4h + j (weights 128h
         # + 32j + l): low 4 bits = nibble j // 2 of ql[64h + 32 (j % 2) + l], high 2 bits = qh[32h + l] bits 2j; q =
         # that - 32. |scale * q| <= 128 * 32 = 4096, so a lane's 16 products stay below 16 * 4096 * 32767 < 2^31.

@@ -1,4 +1,4 @@
-"""Weights repacked 8 rows at a time (Q2_K..Q6_K but Q5_K, MXFP4, IQ4_XS), and the 8-bit dots that read them: 8 rows a lane.
+"""Weights repacked 8 rows at a time (Q2_K..Q6_K, MXFP4, IQ4_XS), and the 8-bit dots that read them: 8 rows a lane.
 
 What this is: the CPU layout llama.cpp calls a "repack" (its block_q4_Kx8 and friends), written from the idea, not
 the code. A one-row dot (qact.row_dot_*) spends much of a block on things every row repeats: unpacking the scales,
@@ -39,6 +39,9 @@ row-group g's 256-column block b at [g, b * TILE]. Per format (TILE_BYTES):
     byte   96: min   uint8 [8 sub-blocks][8]
     byte  160: qs    [4 pairs p][8 chunks c][8 rows r][4 bytes]: row r's Q4_K bytes qs[32 p + 4 c .. + 3], i.e.
                      weights 64 p + 4 c .. + 3 (low nibbles: sub-block 2 p) and 64 p + 32 + 4 c .. + 3 (high: 2 p + 1)
+  Q5_K (1440 bytes; 8 x 176 = 1408 raw): Q4_K's 1184 bytes (d, dmin, scales, mins, qs: the same places), then
+    byte 1184: qh    [8 chunks c][8 rows r][4 bytes]: row r's qh[4 c .. + 3], bit j the fifth bit of sub-block j's
+                     weight 32 j + 4 c .. + 3
   MXFP4 (1088 bytes, as raw: 8 rows x 8 blocks of 17)
     byte    0: e     uint8 [8 groups][8]      the E8M0 scale of row r's block g (weights 32 g ..) at 8 g + r
     byte   64: qs    [8 groups g][4 chunks c][8 rows r][4 bytes]: row r's block-g bytes qs[4 c .. + 3], i.e.
@@ -54,8 +57,8 @@ the inverse (the tests' round trip). `TILE_DOTS[qtype]`: the dot of one row-grou
 compiled callers: the fused MoE kernel); `tile_matmul(tiles, qtype, xq, xd, xbs)`: a whole matrix times T tokens.
 
 Numerics (8-bit activations only: qact's x, int8 qs, d per 256, bsums per 16), per row:
-  Q2_K and Q4_K, per 256-block b:
-    isum = sum_j sc_j * sum_{k in sub-block j} q_k x_k      exact int32 (|isum| <= 8 * 63 * 32 * 15 * 127 < 2^25)
+  Q2_K, Q4_K and Q5_K, per 256-block b:
+    isum = sum_j sc_j * sum_{k in sub-block j} q_k x_k      exact int32 (|isum| <= 8 * 63 * 32 * 31 * 127 < 2^26)
     msum = sum_j m_j * (the bsums of sub-block j)           exact int32
     acc  = fma(float(isum), d * dx, acc); acc = fma(float(msum), -(dmin * dx), acc)      blocks in order
   Q3_K and Q6_K, per 256-block b (q' = q + bias >= 0 against x, the bias brought back through the bsums):
@@ -70,7 +73,8 @@ Numerics (8-bit activations only: qact's x, int8 qs, d per 256, bsums per 16), p
 which is what the one-row dots compute for these formats at 8 bits (qact's `exact_blocks`: the same integers, the
 same float operations in the same order), so a row gives the same bits from either layout. In a tile, one group's
 products per row sit in two int16 lanes of several vpmaddubsw results added together, below 2^15: Q2_K 4 * 2 * 3 *
-127 = 3048, Q3_K 4 * 2 * 7 * 127 = 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q6_K 2 * 2 * 63 * 127 = 32004 (so two chunks
+127 = 3048, Q3_K 4 * 2 * 7 * 127 = 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q5_K 4 * 2 * 31 * 127 = 31496 (so
+half a sub-block at a time goes into int32), Q6_K 2 * 2 * 63 * 127 = 32004 (so two chunks
 at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS 2 * 127 * 127 = 32258 (so each chunk goes into
 int32 on its own); with VNNI every product goes straight into int32.
 Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by.
@@ -90,17 +94,18 @@ from numba.extending import intrinsic
 from . import QType
 from .jit import bind
 from .iquants import KVALUES_IQ4NL
-from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales, _scale_min_k4_jit,
-                      scale_min_k4)
+from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales,
+                      _scale_min_k4_jit, scale_min_k4)
 from .qact import KVALUES_FP4, _AVX2, host_features, prefetch_ahead
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
 IQ4_XS_SIZE = 136  # bytes of one IQ4_XS block (256 weights)
 TILE_BYTES = {QType.Q2_K: 32 + 128 + 512, QType.Q3_K: 16 + 128 + 512 + 256, QType.Q4_K: 32 + 64 + 64 + 1024,
-              QType.Q6_K: 16 + 128 + 1024 + 512, QType.MXFP4: 64 + 1024,
+              QType.Q5_K: 32 + 64 + 64 + 1024 + 256, QType.Q6_K: 16 + 128 + 1024 + 512, QType.MXFP4: 64 + 1024,
               QType.IQ4_XS: 16 + 64 + 1024}  # bytes per 8 rows and 256 columns
-RAW_BYTES = {QType.Q2_K: Q2_K_SIZE, QType.Q3_K: Q3_K_SIZE, QType.Q4_K: Q4_K_SIZE, QType.Q6_K: Q6_K_SIZE,
+RAW_BYTES = {QType.Q2_K: Q2_K_SIZE, QType.Q3_K: Q3_K_SIZE, QType.Q4_K: Q4_K_SIZE, QType.Q5_K: Q5_K_SIZE,
+             QType.Q6_K: Q6_K_SIZE,
              QType.MXFP4: 8 * MXFP4_SIZE, QType.IQ4_XS: IQ4_XS_SIZE}  # one row's 256 columns, as stored
 
 
@@ -149,7 +154,7 @@ def repack_ref(raw: np.ndarray, qtype) -> np.ndarray:
         out[..., 144:1168] = ql.transpose(0, 1, 3, 4, 5, 2, 6).reshape(G, nb, 1024)  # [h][m][c][row][4]
         qh = blk[..., 128:192].reshape(G, nb, ROWS, 2, 8, 4)  # [.., row, h, chunk c, 4 bytes]
         out[..., 1168:] = qh.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 512)  # [h][c][row][4]
-    elif qtype == QType.Q4_K:
+    elif qtype in (QType.Q4_K, QType.Q5_K):
         out[..., 0:16] = blk[..., 0:2].reshape(G, nb, 16)  # d of rows 0..7
         out[..., 16:32] = blk[..., 2:4].reshape(G, nb, 16)  # dmin
         sc = blk[..., 4:16]  # [G, nb, 8, 12] the packed 6-bit table
@@ -158,8 +163,12 @@ def repack_ref(raw: np.ndarray, qtype) -> np.ndarray:
         mins = np.concatenate([m0, m1], axis=-1)
         out[..., 32:96] = scales.transpose(0, 1, 3, 2).reshape(G, nb, 64)  # [sub][row]
         out[..., 96:160] = mins.transpose(0, 1, 3, 2).reshape(G, nb, 64)
-        qs = blk[..., 16:144].reshape(G, nb, ROWS, 4, 8, 4)  # [.., row, pair p, chunk c, 4 bytes]
-        out[..., 160:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)  # [p][c][row][4]
+        q0 = 16 if qtype == QType.Q4_K else 48  # Q5_K: qh[32] at 16, then qs
+        qs = blk[..., q0:q0 + 128].reshape(G, nb, ROWS, 4, 8, 4)  # [.., row, pair p, chunk c, 4 bytes]
+        out[..., 160:1184] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)  # [p][c][row][4]
+        if qtype == QType.Q5_K:
+            qh = blk[..., 16:48].reshape(G, nb, ROWS, 8, 4)  # [.., row, chunk c, 4 bytes]
+            out[..., 1184:] = qh.transpose(0, 1, 3, 2, 4).reshape(G, nb, 256)  # [c][row][4]
     elif qtype == QType.IQ4_XS:
         out[..., 0:16] = blk[..., 0:2].reshape(G, nb, 16)  # d of rows 0..7
         sh = blk[..., 2].astype(np.int16) | (blk[..., 3].astype(np.int16) << 8)  # [G, nb, 8] scales_h
@@ -208,8 +217,8 @@ def unpack(tiles: np.ndarray, qtype) -> np.ndarray:
             G, nb, ROWS, 128)
         blk[..., 128:192] = t[..., 1168:].reshape(G, nb, 2, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
             G, nb, ROWS, 64)
-    elif qtype == QType.Q4_K:
-        blk = np.empty((G, nb, ROWS, Q4_K_SIZE), dtype=np.uint8)
+    elif qtype in (QType.Q4_K, QType.Q5_K):
+        blk = np.empty((G, nb, ROWS, RAW_BYTES[qtype]), dtype=np.uint8)
         blk[..., 0:2] = t[..., 0:16].reshape(G, nb, ROWS, 2)
         blk[..., 2:4] = t[..., 16:32].reshape(G, nb, ROWS, 2)
         scales = t[..., 32:96].reshape(G, nb, 8, ROWS).transpose(0, 1, 3, 2)  # [G, nb, row, sub]
@@ -218,8 +227,12 @@ def unpack(tiles: np.ndarray, qtype) -> np.ndarray:
         blk[..., 4:8] = (s0 & 63) | ((s1 >> 4) << 6)  # scale_min_k4's inverse
         blk[..., 8:12] = (m0 & 63) | ((m1 >> 4) << 6)
         blk[..., 12:16] = (s1 & 15) | ((m1 & 15) << 4)
-        blk[..., 16:144] = t[..., 160:].reshape(G, nb, 4, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
+        q0 = 16 if qtype == QType.Q4_K else 48
+        blk[..., q0:q0 + 128] = t[..., 160:1184].reshape(G, nb, 4, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(
             G, nb, ROWS, 128)
+        if qtype == QType.Q5_K:
+            blk[..., 16:48] = t[..., 1184:].reshape(G, nb, 8, ROWS, 4).transpose(0, 1, 3, 2, 4).reshape(
+                G, nb, ROWS, 32)
     elif qtype == QType.IQ4_XS:
         blk = np.empty((G, nb, ROWS, IQ4_XS_SIZE), dtype=np.uint8)
         blk[..., 0:2] = t[..., 0:16].reshape(G, nb, ROWS, 2)
@@ -249,22 +262,36 @@ def _interleave(t, dst, r, blk, src, n):
 
 
 @njit(cache=True)
-def _repack_q4_k_into(raw, out):
-    """raw uint8 [R, nb * 144] -> out uint8 [R / 8, nb * 1184]."""
-    nb = raw.shape[1] // Q4_K_SIZE
+def _repack_k4_into(raw, out, raw_size):
+    """Q4_K: raw uint8 [R, nb * 144] -> out uint8 [R / 8, nb * 1184]; Q5_K (raw_size 176): raw [R, nb * 176] ->
+    out [R / 8, nb * 1440], Q4_K's bytes and then qh."""
+    nb = raw.shape[1] // raw_size
     size = out.shape[1] // nb
+    q0 = 16 if raw_size == Q4_K_SIZE else 48  # qs; Q5_K: qh[32] at 16, then qs
     for g in range(raw.shape[0] // ROWS):
         for b in range(nb):
             t = out[g, b * size:(b + 1) * size]
             for r in range(ROWS):
-                blk = raw[g * ROWS + r, b * Q4_K_SIZE:(b + 1) * Q4_K_SIZE]
+                blk = raw[g * ROWS + r, b * raw_size:(b + 1) * raw_size]
                 t[2 * r], t[2 * r + 1] = blk[0], blk[1]  # d
                 t[16 + 2 * r], t[17 + 2 * r] = blk[2], blk[3]  # dmin
                 for i in range(4):  # column i of the 6-bit table: sub-blocks i and i + 4
                     sc_lo, m_lo, sc_hi, m_hi = _scale_min_k4_jit(blk[4 + i], blk[8 + i], blk[12 + i])
                     t[32 + 8 * i + r], t[32 + 8 * (i + 4) + r] = sc_lo, sc_hi
                     t[96 + 8 * i + r], t[96 + 8 * (i + 4) + r] = m_lo, m_hi
-                _interleave(t, 160, r, blk, 16, 32)  # qs: pair p, chunk c = chunk 8 p + c
+                _interleave(t, 160, r, blk, q0, 32)  # qs: pair p, chunk c = chunk 8 p + c
+                if q0 == 48:
+                    _interleave(t, 1184, r, blk, 16, 8)  # qh: chunk c
+
+
+@njit(cache=True)
+def _repack_q4_k_into(raw, out):
+    _repack_k4_into(raw, out, Q4_K_SIZE)
+
+
+@njit(cache=True)
+def _repack_q5_k_into(raw, out):
+    _repack_k4_into(raw, out, Q5_K_SIZE)
 
 
 @njit(cache=True)
@@ -353,7 +380,8 @@ def _repack_iq4_xs_into(raw, out):
 
 
 _REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q3_K: _repack_q3_k_into, QType.Q4_K: _repack_q4_k_into,
-                QType.Q6_K: _repack_q6_k_into, QType.MXFP4: _repack_mxfp4_into, QType.IQ4_XS: _repack_iq4_xs_into}
+                QType.Q5_K: _repack_q5_k_into, QType.Q6_K: _repack_q6_k_into, QType.MXFP4: _repack_mxfp4_into,
+                QType.IQ4_XS: _repack_iq4_xs_into}
 
 
 def repack(raw: np.ndarray, qtype) -> np.ndarray:
@@ -547,16 +575,29 @@ def _block_q2_k(e: _Emit, wbase, t, toks, accs):
     return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
 
 
-def _block_q4_k(e: _Emit, wbase, t, toks, accs):
-    """Q4_K. A 32-byte load holds 4 weights of each row in two sub-blocks (2 p: low nibbles, 2 p + 1: high)."""
+def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
+    """Q4_K. A 32-byte load holds 4 weights of each row in two sub-blocks (2 p: low nibbles, 2 p + 1: high).
+    five: Q5_K, each nibble with its fifth bit from qh (bit j of a chunk's qh byte for sub-block j), 0..31; without
+    VNNI the int16 pair sums of 4 chunks (31496 at most) go into int32 before the next 4."""
     b = e.b
+    n = 32 * e.width
     isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for p in range(4):
         s_lo = s_hi = [None] * len(toks)
         for c in range(0, 8, e.width):  # chunk c (wide: c and c + 1): 4 weights of each row
             lo, hi = e.nibbles(e.load(wbase, e.at(t, 160 + 32 * (8 * p + c)), e.VB))
+            if five:
+                qh = e.load(wbase, e.at(t, 1184 + 32 * c), e.VB)
+                fifth = lambda j: b.shl(b.and_(b.lshr(qh, _vec(_i8, n, [j] * n)), _vec(_i8, n, [1] * n)),  # noqa
+                                        _vec(_i8, n, [4] * n))
+                lo, hi = b.or_(lo, fifth(2 * p)), b.or_(hi, fifth(2 * p + 1))
             s_lo = [e.sub_add(a, lo, e.xs(x.xbase, x.xo, 64 * p + 4 * c)) for a, x in zip(s_lo, toks)]
             s_hi = [e.sub_add(a, hi, e.xs(x.xbase, x.xo, 64 * p + 32 + 4 * c)) for a, x in zip(s_hi, toks)]
+            if five and not e.vnni and c == 3:  # half the sub-block: into int32 before int16 overflows
+                for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
+                    sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))
+                    isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]
+                s_lo = s_hi = [None] * len(toks)
         for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
             sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's scales
             isums = [b.add(i, e.sub_scaled(e.fold(a), sc8)) for i, a in zip(isums, s)]  # row r: sc_rj * its 32
@@ -683,7 +724,8 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
 
 
 _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QType.Q4_K: _block_q4_k,
-           QType.Q6_K: _block_symmetric(QType.Q6_K), QType.MXFP4: _block_mxfp4, QType.IQ4_XS: _block_iq4_xs}
+           QType.Q5_K: lambda *a: _block_q4_k(*a, five=True), QType.Q6_K: _block_symmetric(QType.Q6_K),
+           QType.MXFP4: _block_mxfp4, QType.IQ4_XS: _block_iq4_xs}
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
@@ -745,8 +787,10 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
 # 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
 # 76-94 / 120, Q3_K 79-93 / 105, Q6_K 72-85 / 90 (bench/bench_repack.py, PYMOE_VNNI=1 / 0); IQ4_XS (scales per 32,
-# and no vpsignb per token with VNNI) 122-131 / 96 (two runs against one).
-VNNI_MANY = {QType.Q4_K, QType.MXFP4, QType.IQ4_XS}
+# and no vpsignb per token with VNNI) 122-131 / 96 (two runs against one); Q5_K, wide, 167-169 / 120-125 (one
+# row-group loop, medians of 40 alternated calls in one process; narrow VNNI was slower, 98-101: a CPU with VNNI
+# but not the 512-bit form would do better without).
+VNNI_MANY = {QType.Q4_K, QType.Q5_K, QType.MXFP4, QType.IQ4_XS}
 
 
 def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3,
@@ -794,10 +838,11 @@ def _host_vnni() -> tuple[bool, bool]:
 _VNNI, _WIDE = _host_vnni()
 # 512-bit VNNI, two chunks per operation, for the formats in WIDE. Q4_K gained (1 thread, 512 x 1024, Zen 5,
 # G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130, bench/bench_repack.py with PYMOE_WIDE=1 / 0),
-# and IQ4_XS (one-token 120 / 95, four-token 167 / 169: medians of 40 alternated calls of one row-group loop in one
-# process, warm; the many-token form is no slower); Q2_K's, Q3_K's and Q6_K's one-token dots, written wide too,
-# were no faster (their 16-weight scales: a fold and a multiply per two chunks), so they stay 256-bit.
-WIDE = {QType.Q4_K, QType.IQ4_XS}
+# and so did IQ4_XS (one-token 120 / 95, four-token 167 / 169: medians of 40 alternated calls of one row-group loop
+# in one process, warm; the many-token form is no slower) and Q5_K (one-token 110-112 / 88-90); Q2_K's, Q3_K's and
+# Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a multiply per two
+# chunks), so they stay 256-bit.
+WIDE = {QType.Q4_K, QType.Q5_K, QType.IQ4_XS}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
@@ -810,11 +855,13 @@ STREAM_AHEAD = 8192
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
+tile_dot_q5_k = _make_tile_dot(QType.Q5_K)
 tile_dot_q6_k = _make_tile_dot(QType.Q6_K)
 tile_dot_mxfp4 = _make_tile_dot(QType.MXFP4)
 tile_dot_iq4_xs = _make_tile_dot(QType.IQ4_XS)
 TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: tile_dot_q4_k,
-             QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4, QType.IQ4_XS: tile_dot_iq4_xs}
+             QType.Q5_K: tile_dot_q5_k, QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4,
+             QType.IQ4_XS: tile_dot_iq4_xs}
 TILE_DOTS_NT = {q: _make_tile_dot(q, locality=0) for q in TILE_DOTS}  # the same with non-temporal hints: experts
 
 

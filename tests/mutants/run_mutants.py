@@ -518,6 +518,13 @@ MUTANTS: list[Mutant] = [
         "the VNNI IQ4_XS tile dot takes 127 * bsum off the levels + 128 (every weight one step high); only CPUs "
         "with VNNI run that form: elsewhere this mutant survives"),
     Mutant(
+        "tile_q5_k_int16_overflow", "pymoe/quant/repack.py",
+        "if five and not e.vnni and c == 3:",
+        "if five and not e.vnni and c == 99:",
+        ("tests/test_repack.py::test_tile_dot_at_the_int16_bound[Q5_K]",),
+        "the AVX2 and portable Q5_K tile dots sum a whole sub-block's pair sums in int16 (62992 at most): they "
+        "overflow at the largest weights"),
+    Mutant(
         "repack_iq4_xs_scale_bias", "pymoe/quant/repack.py",
         "t[16 + 8 * j + r] = np.uint8((ls - 32) & 255)",
         "t[16 + 8 * j + r] = np.uint8((ls - 31) & 255)",
