@@ -85,9 +85,13 @@ def test_attention_rows_against_einsum_and_independent_of_T():
     for t in (0, 5, T - 1):  # query t alone (decode) = its row of the T-query call (prefill)
         one = b.attention(q[t:t + 1], k[:p0 + t + 1], v[:p0 + t + 1], p0 + t)
         assert np.array_equal(one[0], out[t])
-    direct = np.empty_like(out)  # the kernel itself, its key scratch unpadded
-    attention_rows(q, k, np.empty((G, Dh, S), np.float32), v, p0, 0, np.zeros(0, np.float32), direct)
-    assert np.array_equal(direct, out)
+    direct = np.empty_like(out)  # the kernel itself, its key scratch padded only to whole vectors of 16 keys
+    L = (S + 15) // 16 * 16
+    for threads in (1, 2, 16):  # heads per task: all of a KV head's (4 here), or fewer where tasks would be few
+        attention_rows(q, k, np.empty((G, Dh, L), np.float32), v, p0, 0, np.zeros(0, np.float32), direct, threads)
+        assert np.array_equal(direct, out)
+    with pytest.raises(ValueError, match="rounded up to 16"):  # a scratch too short for those whole vectors
+        attention_rows(q, k, np.empty((G, Dh, L - 1), np.float32), v, p0, 0, np.zeros(0, np.float32), direct, 2)
 
 
 def test_f32_matmul_against_numpy_and_independent_of_T():

@@ -36,6 +36,7 @@ from numba import njit, prange
 
 from pymoe import quant
 from pymoe.gguf.loader import Tensor
+from .attention_simd import MAX_DV, scores_into, weighted_into
 from .pool import HostPool
 from .reference import DenseWeight, HostArrays, experts_one_by_one, host_dense
 from pymoe.quant import kernels, qact, repack
@@ -44,17 +45,21 @@ from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot, prefetch_line
 
 
 @njit(parallel=True, cache=True)
-def attention_rows(q, k, kt, v, p0, window, sinks, out):
-    """Causal GQA attention, each (query, head) on its own: q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] (S = p0 + T),
-    kt [G, Dh, >= S] scratch -> out float32 [T, H * Dv] (written). The math of model.attention,
+def attention_rows(q, k, kt, v, p0, window, sinks, out, threads):
+    """Causal GQA attention, each query on its own: q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] (S = p0 + T),
+    kt [G, Dh, >= S] scratch -> out float32 [T, H * Dv] (written); threads: Numba's thread count. The math of model.attention,
     in an order that depends only on the query's position, not on T: query t gives the same bits in a prefill of
     T tokens as alone in decode_one_token. The integer path needs that: it rounds activations, which would turn
     float-order noise (~1e-7) into rounding flips (~1e-4 in the logits of the tiny test models).
-    SIMD over keys: the scores as sum_d q[d] * kt[g, d, :] (each key's sum in order d = 0, 1, ..; one vector
-    multiply-add per d for 16 keys, no horizontal sum per key), e^x by exp_f32 (vectorised), the softmax sum in 16
-    interleaved partial sums (lane s % 16) added in a fixed tree, the output as sum_s p_s v[s] over Dv lanes."""
+    SIMD over keys: the scores as sum_d q[d] * kt[g, d, :] (each key's sum in order d = 0, 1, ..; a vector
+    multiply and add per d for 16 keys, no horizontal sum per key; `attention_simd.scores_into`: the sums in
+    registers, each key row loaded once for 4 heads), e^x by exp_f32 (vectorised), the softmax sum in 16 interleaved
+    partial sums (lane s % 16) added in a fixed tree, the output as sum_s p_s v[s] over Dv lanes
+    (`attention_simd.weighted_into`, the output rows in registers)."""
     T, H, Dh = q.shape
     S, G, Dv = v.shape
+    if kt.shape[2] < (S + 15) // 16 * 16:  # scores_into reads whole vectors of 16 keys
+        raise ValueError("attention_rows: kt's last axis must hold S rounded up to 16")
     sqrt_dh = np.float32(np.sqrt(Dh))
     # The keys transposed first, kt[g, d, s] = k[s, g, d], each dimension contiguous (the scores loop below), one
     # KV head per task. The caller pads kt's last axis past S to an odd multiple of 16 floats (a power-of-two stride
@@ -73,51 +78,63 @@ def attention_rows(q, k, kt, v, p0, window, sinks, out):
                     prefetch_line(k_at + (s + 16) * row_k + c)
             for d in range(Dh):
                 kt[g, d, s] = k[s, g, d]
-    for task in prange(T * H):
-        i, h = task // H, task % H
+    # A task: one query and `hpt` of the heads that read one KV head (scores_into and weighted_into load each key and
+    # value row once for up to 4 heads). All of a KV head's heads per task unless that leaves fewer than two tasks a
+    # thread (decode: T = 1), then halved until it does not.
+    hpg = H // G  # query heads per KV head
+    hpt = hpg
+    while hpt % 2 == 0 and T * (H // hpt) < 2 * threads:
+        hpt //= 2
+    per_query = H // hpt
+    for task in prange(T * per_query):
+        i, c = task // per_query, task % per_query
         # Queries in the order 0, T-1, 1, T-2, ...: query t reads p0 + t + 1 keys, and Numba gives each thread one
         # contiguous range of tasks, so in plain order the last thread would get the longest queries (3x the
         # first thread's work at T = 512, 2 threads); zig-zag, each range holds short and long ones alike.
         t = i // 2 if i % 2 == 0 else T - 1 - i // 2
-        g = h // (H // G)  # the KV head query head h reads
+        h0 = c * hpt  # heads h0 .. h0 + hpt - 1
+        g = h0 // hpg  # the KV head they read
         n = p0 + t + 1  # keys 0 .. p0 + t: causal
         lo = max(0, n - window) if window > 0 else 0  # sliding window: keys lo .. p0 + t
-        scores = np.zeros(n, dtype=np.float32)  # [n]
-        for d in range(Dh):
-            qd = q[t, h, d]
-            kd = kt[g, d, :n]  # [n] dimension d of every key
+        scores = np.empty((hpt, (n + 15) // 16 * 16), dtype=np.float32)  # [hpt, n] and the rest of the last 16
+        scores_into(q[t, h0:h0 + hpt], kt[g], n, scores)  # sum_d q[h, d] * kt[g, d, s], sums in registers
+        totals = np.empty(hpt, dtype=np.float32)
+        for j in range(hpt):
+            sc = scores[j]
+            top = np.float32(-np.inf)
             for s in range(n):
-                scores[s] += qd * kd[s]
-        top = np.float32(-np.inf)
-        for s in range(n):
-            scores[s] = scores[s] / sqrt_dh
-            if s >= lo:
-                top = max(top, scores[s])
-        if sinks.shape[0] > 0:  # gpt-oss: the head's sink logit joins the max and the sum, with no value
-            top = max(top, sinks[h])
-        for s in range(n):
-            scores[s] = exp_f32(scores[s] - top) if s >= lo else np.float32(0.0)
-        part = np.zeros(16, dtype=np.float32)  # [16] the softmax sum, lane s % 16
-        for s0 in range(0, n - n % 16, 16):
-            for j in range(16):
-                part[j] += scores[s0 + j]
-        for s in range(n - n % 16, n):
-            part[s % 16] += scores[s]
-        w = 8
-        while w >= 1:  # lanes j + w added to lanes j: a fixed tree
-            for j in range(w):
-                part[j] += part[j + w]
-            w //= 2
-        total = part[0]
-        if sinks.shape[0] > 0:
-            total += exp_f32(sinks[h] - top)
-        o = np.zeros(Dv, dtype=np.float32)  # [Dv]
-        for s in range(n):
-            p = scores[s] / total
-            vs = v[s, g]
-            for d in range(Dv):
-                o[d] += p * vs[d]
-        out[t, h * Dv:(h + 1) * Dv] = o
+                sc[s] = sc[s] / sqrt_dh
+                if s >= lo:
+                    top = max(top, sc[s])
+            if sinks.shape[0] > 0:  # gpt-oss: the head's sink logit joins the max and the sum, with no value
+                top = max(top, sinks[h0 + j])
+            for s in range(n):
+                sc[s] = exp_f32(sc[s] - top) if s >= lo else np.float32(0.0)
+            part = np.zeros(16, dtype=np.float32)  # [16] the softmax sum, lane s % 16
+            for s0 in range(0, n - n % 16, 16):
+                for k16 in range(16):
+                    part[k16] += sc[s0 + k16]
+            for s in range(n - n % 16, n):
+                part[s % 16] += sc[s]
+            w = 8
+            while w >= 1:  # lanes j + w added to lanes j: a fixed tree
+                for k16 in range(w):
+                    part[k16] += part[k16 + w]
+                w //= 2
+            totals[j] = part[0]
+            if sinks.shape[0] > 0:
+                totals[j] += exp_f32(sinks[h0 + j] - top)
+        o = out[t, h0 * Dv:(h0 + hpt) * Dv].reshape((hpt, Dv))  # [hpt, Dv] these heads' outputs
+        if Dv % 16 == 0 and Dv <= MAX_DV:  # the value rows' Dv / 16 vectors in registers
+            weighted_into(scores, totals, v[:, g], n, o)
+        else:
+            for j in range(hpt):
+                o[j] = 0.0
+                for s in range(n):
+                    p = scores[j, s] / totals[j]
+                    vs = v[s, g]
+                    for d in range(Dv):
+                        o[j, d] += p * vs[d]
 
 
 @njit(parallel=True, cache=True)
@@ -425,7 +442,7 @@ class CPUBackend(HostArrays):
         f32 = np.float32  # (a KV cache may store f16)
         q, k, v = (np.ascontiguousarray(q, f32), np.ascontiguousarray(k, f32), np.ascontiguousarray(v, f32))
         sinks = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, f32)
-        attention_rows(q, k, kt, v, p0, int(window), sinks, out)
+        attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads())
         return out
 
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:

@@ -253,9 +253,23 @@ MUTANTS: list[Mutant] = [
         (LLAMACPP_LOGITS + "[*glm4moe*]", "tests/test_model_vs_llamacpp.py::test_greedy_tokens_match_llamacpp[*glm4moe*]"),
         "GLM: the leading dense layer is planned as an MoE layer (a loader error or wrong logits)"),
     Mutant(
+        "attention_scores_one_key_vector", "pymoe/backends/attention_simd.py",
+        "builder.store(builder.fadd(builder.load(a), builder.fmul(qd, ks[j])), a)",
+        "builder.store(builder.fadd(builder.load(a), builder.fmul(qd, ks[0])), a)",
+        ("tests/test_attention_simd.py::test_scores_have_the_bits_of_the_numpy_twin[*]",
+         "tests/test_kernels_cpu_backend.py::test_attention_rows_against_einsum_and_independent_of_T"),
+        "CPU attention's blocked scores loop multiplies every key vector of a block by the first one's keys"),
+    Mutant(
+        "attention_weighted_first_heads_total", "pymoe/backends/attention_simd.py",
+        "pv = _splat(builder, builder.fdiv(builder.load(builder.gep(pa.data, [at])), tots[i]))",
+        "pv = _splat(builder, builder.fdiv(builder.load(builder.gep(pa.data, [at])), tots[0]))",
+        ("tests/test_attention_simd.py::test_weighted_rows_have_the_bits_of_the_numpy_twin[*]",
+         "tests/test_kernels_cpu_backend.py::test_attention_rows_against_einsum_and_independent_of_T"),
+        "CPU attention's output loop divides every head's weights by the first head's softmax sum"),
+    Mutant(
         "gpt_oss_sinks_dropped_on_cpu", "pymoe/backends/cpu.py",
-        "attention_rows(q, k, kt, v, p0, int(window), sinks, out)",
-        "attention_rows(q, k, kt, v, p0, int(window), _NO_SINKS, out)  # MUTANT",
+        "attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads())",
+        "attention_rows(q, k, kt, v, p0, int(window), _NO_SINKS, out, numba.get_num_threads())  # MUTANT",
         (LLAMACPP_LOGITS + "[*gpt-oss*]",),
         "gpt-oss: the CPU backend's attention ignores the per-head sinks"),
     Mutant(
