@@ -1,5 +1,5 @@
-"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4 and IQ4_XS (pymoe/quant/repack.py) and the CPU
-backend's use of them.
+"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4 and IQ4_XS (pymoe/quant/repack.py) and the
+CPU backend's use of them.
 
 What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
 the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
@@ -23,7 +23,7 @@ from quant_helpers import random_rows
 U = 2.0 ** -24
 
 
-TILED = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4, QType.IQ4_XS]
+TILED = [QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS]
 IDS = [q.name for q in TILED]
 
 
@@ -104,7 +104,12 @@ def _extreme_rows(qtype) -> np.ndarray:
     """8 rows of 256 weights at the largest integer magnitude of the format: every quant bit set (Q2_K q = 3, Q3_K
     q' = 7, Q4_K q = 15, Q5_K q = 31, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3
     (nibbles 7), -12 in rows 4-7 (nibbles 15); IQ4_XS level -127 (nibbles 0) at scale -32 (6-bit field 0) in rows
-    0-3, level 113 (nibbles 15) at scale 31 in rows 4-7."""
+    0-3, level 113 (nibbles 15) at scale 31 in rows 4-7; Q8_0 weight 127 in rows 0-3, -128 in rows 4-7."""
+    if qtype == QType.Q8_0:
+        raw = np.full((8, 8, 34), 127, np.uint8)
+        raw[4:, :, 2:] = 0x80  # -128
+        raw[:, :, 0:2] = np.frombuffer(np.array([0.5], np.float16).tobytes(), np.uint8)  # d 0.5
+        return raw.reshape(8, 272)
     if qtype == QType.IQ4_XS:
         raw = np.zeros((8, 136), np.uint8)
         raw[:, 0:2] = np.frombuffer(np.array([0.5], np.float16).tobytes(), np.uint8)  # d 0.5
@@ -157,10 +162,10 @@ def _form(qtype, form, tiles, xq, xd, xbs):
 @pytest.mark.parametrize("qtype", TILED, ids=IDS)
 def test_tile_dot_at_the_int16_bound(qtype):
     """Every weight at the format's largest magnitude and every activation +-127: a group's int16 lanes reach their
-    bound (Q2_K 3048, Q3_K 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q5_K half a sub-block's 4 * 2 * 31 * 127 = 31496,
-    Q6_K 2 * 2 * 63 * 127 = 32004, MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS one chunk's 2 * 127 * 127 = 32258, all
-    below 2^15); the tile still has the row dot's bits, and float math's value, in every form this CPU compiles
-    (the int16 lanes are the AVX2 and portable forms'), for one token and for MANY."""
+    bound (Q2_K 3048, Q3_K 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q5_K half a sub-block's 4 * 2 * 31 * 127 = 31496, Q6_K 2 * 2 *
+    63 * 127 = 32004, MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS one chunk's 2 * 127 * 127 = 32258, Q8_0 one chunk's 2 * 128
+    * 127 = 32512, all below 2^15); the tile still has the row dot's bits, and float math's value, in every form this
+    CPU compiles (the int16 lanes are the AVX2 and portable forms'), for one token and for MANY."""
     raw = _extreme_rows(qtype)
     tiles = repack.repack(raw, qtype)
     for sign in (1, -1):
@@ -235,7 +240,7 @@ def llama_quantized(tiny_model, tmp_path_factory):
     """llama_quantized(ftype) -> the tiny qwen3moe quantized to that file type by llama.cpp's quantizer (Q4_K_M:
     Q4_K attention and experts, Q6_K ffn_down in layer 1, as tests/test_llamacpp_quant_mixes.py pins; MXFP4_MOE:
     MXFP4 experts, Q8_0 attention; Q2_K: Q2_K gate and up, Q3_K down; IQ4_XS: IQ4_XS experts and attention; Q5_K_M:
-    Q5_K and Q6_K): every expert matrix has a tile layout."""
+    Q5_K and Q6_K; Q8_0): every expert matrix has a tile layout."""
     llama_cpp = require_llama_cpp()
     root = tmp_path_factory.mktemp("repack")
 
@@ -250,7 +255,7 @@ def llama_quantized(tiny_model, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K", "IQ4_XS", "Q5_K_M"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K", "IQ4_XS", "Q5_K_M", "Q8_0"])
 def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, ftype):
     """The whole model at 8 bits: prefill, then greedy decode with the repacked copies (dense and experts) against
     the same without, logits bit for bit; the copies were made and used."""
@@ -267,8 +272,8 @@ def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, f
         runs[rp] = np.array(logits)
         made = [v[2][3:] for v in m.backend._rows.values() if any(v[2][3:])]  # tile addresses of the experts run
         if rp:
-            if ftype in ("Q4_K_M", "IQ4_XS"):
-                assert m.layers[0].attn_q.tiles is not None  # Q4_K / IQ4_XS, 8-row multiple: repacked at load
+            if ftype in ("Q4_K_M", "IQ4_XS", "MXFP4_MOE", "Q8_0"):
+                assert m.layers[0].attn_q.tiles is not None  # Q4_K / IQ4_XS / Q8_0: repacked at load
             assert len(made) == len(m.backend._rows)  # every expert the model ran, every matrix of it
             assert made and all(a[0] and a[1] and a[2] for a in made)
         else:

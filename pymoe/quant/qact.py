@@ -279,7 +279,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
     depend on how its integers sit in lanes: the numerics of the 8-row repacked layouts (quant/repack.py), for the
-    formats that have one (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, MXFP4, IQ4_XS).
+    formats that have one (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS).
     prescale_one: the one-row form multiplies the weights by their scales before the pair sums, as the rows form
     does (the same integers: both weights of a pair share a scale); else the pair sums after. Which is faster
     depends on the format (measured on Zen 3, 1 thread, 512 x 1024: Q2_K 9.6 vs 8.1 G MAC/s prescaled, Q4_K 6.3
@@ -807,7 +807,7 @@ def _row_dots_for(portable: bool = False) -> dict:
         QType.Q8_0: _make_row_dot(
             groups=[b + 2 for b in blocks32(34)], signed_values=True,
             group_scales=[(b, "f16") for b in blocks32(34)], scale_fields=None, scale_bias=0, value_bias=0,
-            size=8 * 34, d_off=-1, dmin_off=-1, min_fields=None, portable=portable),
+            size=8 * 34, d_off=-1, dmin_off=-1, min_fields=None, portable=portable, exact_blocks=True),
         # Q2_0 (18 bytes a block of 64): d at 0, qs[16] at 2; weight 32h + l of block b (group 2b + h) is bits
         # 2 (l % 4) of qs[8h + l // 4], code - 1.
         QType.Q2_0: _make_row_dot(

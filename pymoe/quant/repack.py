@@ -1,4 +1,5 @@
-"""Weights repacked 8 rows at a time (Q2_K..Q6_K, MXFP4, IQ4_XS), and the 8-bit dots that read them: 8 rows a lane.
+"""Weights repacked 8 rows at a time (Q2_K..Q6_K, Q8_0, MXFP4, IQ4_XS), and the 8-bit dots that read them: 8 rows a
+lane.
 
 What this is: the CPU layout llama.cpp calls a "repack" (its block_q4_Kx8 and friends), written from the idea, not
 the code. A one-row dot (qact.row_dot_*) spends much of a block on things every row repeats: unpacking the scales,
@@ -46,6 +47,9 @@ row-group g's 256-column block b at [g, b * TILE]. Per format (TILE_BYTES):
     byte    0: e     uint8 [8 groups][8]      the E8M0 scale of row r's block g (weights 32 g ..) at 8 g + r
     byte   64: qs    [8 groups g][4 chunks c][8 rows r][4 bytes]: row r's block-g bytes qs[4 c .. + 3], i.e.
                      weights 32 g + 4 c .. + 3 (low nibbles) and 32 g + 16 + 4 c .. + 3 (high)
+  Q8_0 (2176 bytes, as raw: 8 rows x 8 blocks of 34)
+    byte    0: d     fp16 [8 groups][8]       row r's block-g scale at 2 (8 g + r)
+    byte  128: qs    [8 groups g][8 chunks c][8 rows r][4 bytes]: row r's block-g int8 weights 32 g + 4 c .. + 3
   IQ4_XS (1104 bytes; 8 x 136 = 1088 raw: the 6-bit scales unpacked)
     byte    0: d     fp16 [8]
     byte   16: scale int8 [8 groups][8]       group g's 6-bit scale of row r minus 32 (-32..31) at 16 + 8 g + r
@@ -67,16 +71,17 @@ Numerics (8-bit activations only: qact's x, int8 qs, d per 256, bsums per 16), p
   IQ4_XS, per 256-block b (v the codebook level, |v| <= 127; sc_g the group's scale - 32):
     isum = sum_g sc_g * sum_{k in g} v_k x_k                  exact int32 (|isum| <= 256 * 32 * 127 * 127 < 2^28)
     acc  = fma(float(isum), d * dx, acc)
-  MXFP4, per group g of 32 (8 a block):
-    isum = sum_{k in g} v_k x_k                              exact int32 (v the codebook level, |v| <= 12)
-    acc  = fma(float(isum), s_g * dx, acc)                   groups in order, s_g = 2^(e_g - 128)
+  MXFP4 and Q8_0, per group g of 32 (8 a block):
+    isum = sum_{k in g} v_k x_k                              exact int32 (v the codebook level, |v| <= 12, or the
+                                                             int8 weight)
+    acc  = fma(float(isum), s_g * dx, acc)                   groups in order, s_g = 2^(e_g - 128), or d_g
 which is what the one-row dots compute for these formats at 8 bits (qact's `exact_blocks`: the same integers, the
 same float operations in the same order), so a row gives the same bits from either layout. In a tile, one group's
 products per row sit in two int16 lanes of several vpmaddubsw results added together, below 2^15: Q2_K 4 * 2 * 3 *
 127 = 3048, Q3_K 4 * 2 * 7 * 127 = 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q5_K 4 * 2 * 31 * 127 = 31496 (so
 half a sub-block at a time goes into int32), Q6_K 2 * 2 * 63 * 127 = 32004 (so two chunks
-at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS 2 * 127 * 127 = 32258 (so each chunk goes into
-int32 on its own); with VNNI every product goes straight into int32.
+at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS 2 * 127 * 127 = 32258 and Q8_0 2 * 128 * 127 =
+32512 (so each chunk goes into int32 on its own); with VNNI every product goes straight into int32.
 Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by.
 What this is not: a 16-bit-activation path (its sums need qact's 16-lane split, so the default activations read the
 raw rows).
@@ -100,13 +105,15 @@ from .qact import KVALUES_FP4, _AVX2, host_features, prefetch_ahead
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
+Q8_0_SIZE = 34  # bytes of one Q8_0 block (32 weights)
 IQ4_XS_SIZE = 136  # bytes of one IQ4_XS block (256 weights)
 TILE_BYTES = {QType.Q2_K: 32 + 128 + 512, QType.Q3_K: 16 + 128 + 512 + 256, QType.Q4_K: 32 + 64 + 64 + 1024,
               QType.Q5_K: 32 + 64 + 64 + 1024 + 256, QType.Q6_K: 16 + 128 + 1024 + 512, QType.MXFP4: 64 + 1024,
-              QType.IQ4_XS: 16 + 64 + 1024}  # bytes per 8 rows and 256 columns
+              QType.Q8_0: 128 + 2048, QType.IQ4_XS: 16 + 64 + 1024}  # bytes per 8 rows and 256 columns
 RAW_BYTES = {QType.Q2_K: Q2_K_SIZE, QType.Q3_K: Q3_K_SIZE, QType.Q4_K: Q4_K_SIZE, QType.Q5_K: Q5_K_SIZE,
              QType.Q6_K: Q6_K_SIZE,
-             QType.MXFP4: 8 * MXFP4_SIZE, QType.IQ4_XS: IQ4_XS_SIZE}  # one row's 256 columns, as stored
+             QType.MXFP4: 8 * MXFP4_SIZE, QType.Q8_0: 8 * Q8_0_SIZE,
+             QType.IQ4_XS: IQ4_XS_SIZE}  # one row's 256 columns, as stored
 
 
 def fits(qtype, rows: int, cols: int) -> bool:
@@ -178,6 +185,11 @@ def repack_ref(raw: np.ndarray, qtype) -> np.ndarray:
         out[..., 16:80] = (ls - 32).astype(np.int8).transpose(0, 1, 3, 2).reshape(G, nb, 64).view(np.uint8)
         qs = blk[..., 8:].reshape(G, nb, ROWS, 8, 4, 4)  # [.., row, group g, chunk c, 4 bytes]
         out[..., 80:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 1024)  # [g][c][row][4]
+    elif qtype == QType.Q8_0:
+        b = blk.reshape(G, nb, ROWS, 8, Q8_0_SIZE)  # [.., row, group, 34]
+        out[..., 0:128] = b[..., 0:2].transpose(0, 1, 3, 2, 4).reshape(G, nb, 128)  # d [group][row]
+        qs = b[..., 2:].reshape(G, nb, ROWS, 8, 8, 4)  # [.., row, group g, chunk c, 4 bytes]
+        out[..., 128:] = qs.transpose(0, 1, 3, 4, 2, 5).reshape(G, nb, 2048)  # [g][c][row][4]
     else:  # MXFP4
         b = blk.reshape(G, nb, ROWS, 8, MXFP4_SIZE)  # [.., row, group, 17]
         out[..., 0:64] = b[..., 0].transpose(0, 1, 3, 2).reshape(G, nb, 64)  # e [group][row]
@@ -242,6 +254,11 @@ def unpack(tiles: np.ndarray, qtype) -> np.ndarray:
         sh = ((ls >> 4) << (2 * np.arange(8))).sum(axis=-1)  # scales_h: group j's top 2 bits at bit 2 j
         blk[..., 2], blk[..., 3] = sh & 255, sh >> 8
         blk[..., 8:] = t[..., 80:].reshape(G, nb, 8, 4, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, ROWS, 128)
+    elif qtype == QType.Q8_0:
+        b = np.empty((G, nb, ROWS, 8, Q8_0_SIZE), dtype=np.uint8)
+        b[..., 0:2] = t[..., 0:128].reshape(G, nb, 8, ROWS, 2).transpose(0, 1, 3, 2, 4)
+        b[..., 2:] = t[..., 128:].reshape(G, nb, 8, 8, ROWS, 4).transpose(0, 1, 4, 2, 3, 5).reshape(G, nb, ROWS, 8, 32)
+        blk = b.reshape(G, nb, ROWS, 8 * Q8_0_SIZE)
     else:
         b = np.empty((G, nb, ROWS, 8, MXFP4_SIZE), dtype=np.uint8)
         b[..., 0] = t[..., 0:64].reshape(G, nb, 8, ROWS).transpose(0, 1, 3, 2)
@@ -379,9 +396,25 @@ def _repack_iq4_xs_into(raw, out):
                 _interleave(t, 80, r, blk, 8, 32)  # qs: group g, chunk c = chunk 4 g + c
 
 
+@njit(cache=True)
+def _repack_q8_0_into(raw, out):
+    """raw uint8 [R, nb * 272] -> out uint8 [R / 8, nb * 2176]."""
+    nb = raw.shape[1] // (8 * Q8_0_SIZE)
+    size = out.shape[1] // nb
+    for g8 in range(raw.shape[0] // ROWS):
+        for b in range(nb):
+            t = out[g8, b * size:(b + 1) * size]
+            for r in range(ROWS):
+                row = raw[g8 * ROWS + r]
+                for g in range(8):
+                    s = (8 * b + g) * Q8_0_SIZE  # the block's first byte
+                    t[2 * (8 * g + r)], t[2 * (8 * g + r) + 1] = row[s], row[s + 1]  # d
+                    _interleave(t, 128 + 256 * g, r, row, s + 2, 8)  # qs: group g, chunk c
+
+
 _REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q3_K: _repack_q3_k_into, QType.Q4_K: _repack_q4_k_into,
                 QType.Q5_K: _repack_q5_k_into, QType.Q6_K: _repack_q6_k_into, QType.MXFP4: _repack_mxfp4_into,
-                QType.IQ4_XS: _repack_iq4_xs_into}
+                QType.Q8_0: _repack_q8_0_into, QType.IQ4_XS: _repack_iq4_xs_into}
 
 
 def repack(raw: np.ndarray, qtype) -> np.ndarray:
@@ -723,9 +756,37 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
             for x, isum, acc in zip(toks, isums, accs)]
 
 
+def _block_q8_0(e: _Emit, wbase, t, toks, accs):
+    """Q8_0, group by group: with VNNI the int8 weights + 128 (unsigned: the sign bit flipped) meet x in vpdpbusd
+    and 128 * (the group's two bsums) comes off after, exactly; without, |w| meets x signed by w (vpsignb) and each
+    chunk's int16 pair sums (up to 2 * 128 * 127) go into int32 at once. Then d_g * dx per group, as MXFP4's."""
+    b = e.b
+    accs = list(accs)
+    n = 32 * e.width
+    for g in range(8):
+        s = [None] * len(toks)
+        for c in range(0, 8, e.width):  # chunk c (wide: c and c + 1)
+            w = e.load(wbase, e.at(t, 128 + 32 * (8 * g + c)), e.VB)
+            k = 32 * g + 4 * c
+            if e.vnni:
+                u = b.xor(w, _vec(_i8, n, [-128] * n))  # w + 128 as an unsigned byte
+                s = [e.sub_add(a, u, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+                continue
+            mag = e.magnitude(w)
+            s = [_sum(e, a, e.sub_scaled(e.signed_add(None, w, mag, e.x4(x.xbase, x.xo, k)))) for a, x in zip(s, toks)]
+        d8 = b.fpext(e.load(wbase, e.at(t, 16 * g), ir.VectorType(ir.HalfType(), 8)), _V8F)  # the rows' d of group g
+        for i, x in enumerate(toks):
+            isum = s[i]
+            if e.vnni:  # row r: sum (w + 128) x - 128 * the group's bsum
+                bs = b.add(e.load(x.bsbase, e.at(x.bso, 2 * g), _i32), e.load(x.bsbase, e.at(x.bso, 2 * g + 1), _i32))
+                isum = b.sub(e.fold(isum), e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))
+            accs[i] = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), accs[i])
+    return accs
+
+
 _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QType.Q4_K: _block_q4_k,
            QType.Q5_K: lambda *a: _block_q4_k(*a, five=True), QType.Q6_K: _block_symmetric(QType.Q6_K),
-           QType.MXFP4: _block_mxfp4, QType.IQ4_XS: _block_iq4_xs}
+           QType.MXFP4: _block_mxfp4, QType.Q8_0: _block_q8_0, QType.IQ4_XS: _block_iq4_xs}
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
@@ -789,8 +850,8 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # 76-94 / 120, Q3_K 79-93 / 105, Q6_K 72-85 / 90 (bench/bench_repack.py, PYMOE_VNNI=1 / 0); IQ4_XS (scales per 32,
 # and no vpsignb per token with VNNI) 122-131 / 96 (two runs against one); Q5_K, wide, 167-169 / 120-125 (one
 # row-group loop, medians of 40 alternated calls in one process; narrow VNNI was slower, 98-101: a CPU with VNNI
-# but not the 512-bit form would do better without).
-VNNI_MANY = {QType.Q4_K, QType.Q5_K, QType.MXFP4, QType.IQ4_XS}
+# but not the 512-bit form would do better without); Q8_0, wide, 187-190 / 101-104 (the same loop).
+VNNI_MANY = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS}
 
 
 def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3,
@@ -839,10 +900,11 @@ _VNNI, _WIDE = _host_vnni()
 # 512-bit VNNI, two chunks per operation, for the formats in WIDE. Q4_K gained (1 thread, 512 x 1024, Zen 5,
 # G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130, bench/bench_repack.py with PYMOE_WIDE=1 / 0),
 # and so did IQ4_XS (one-token 120 / 95, four-token 167 / 169: medians of 40 alternated calls of one row-group loop
-# in one process, warm; the many-token form is no slower) and Q5_K (one-token 110-112 / 88-90); Q2_K's, Q3_K's and
+# in one process, warm; the many-token form is no slower), Q5_K (one-token 110-112 / 88-90) and Q8_0 (one-token
+# 87-107 / 77-82, four-token 128-191 / 127-153, two runs); Q2_K's, Q3_K's and
 # Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a multiply per two
 # chunks), so they stay 256-bit.
-WIDE = {QType.Q4_K, QType.Q5_K, QType.IQ4_XS}
+WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
@@ -858,10 +920,11 @@ tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
 tile_dot_q5_k = _make_tile_dot(QType.Q5_K)
 tile_dot_q6_k = _make_tile_dot(QType.Q6_K)
 tile_dot_mxfp4 = _make_tile_dot(QType.MXFP4)
+tile_dot_q8_0 = _make_tile_dot(QType.Q8_0)
 tile_dot_iq4_xs = _make_tile_dot(QType.IQ4_XS)
 TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: tile_dot_q4_k,
              QType.Q5_K: tile_dot_q5_k, QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4,
-             QType.IQ4_XS: tile_dot_iq4_xs}
+             QType.Q8_0: tile_dot_q8_0, QType.IQ4_XS: tile_dot_iq4_xs}
 TILE_DOTS_NT = {q: _make_tile_dot(q, locality=0) for q in TILE_DOTS}  # the same with non-temporal hints: experts
 
 

@@ -525,8 +525,8 @@ MUTANTS: list[Mutant] = [
         "with AVX-512 VNNI run that form: elsewhere this mutant survives"),
     Mutant(
         "tile_iq4_xs_offset_off_by_one", "pymoe/quant/repack.py",
-        "e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))",
-        "e.splat(b.mul(bs, ir.Constant(_i32, 127)), _i32, 8))",
+        "plain = b.sub(e.fold(s[i]), e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))",
+        "plain = b.sub(e.fold(s[i]), e.splat(b.mul(bs, ir.Constant(_i32, 127)), _i32, 8))",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*IQ4_XS]",
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[IQ4_XS]"),
         "the VNNI IQ4_XS tile dot takes 127 * bsum off the levels + 128 (every weight one step high); only CPUs "
@@ -538,6 +538,13 @@ MUTANTS: list[Mutant] = [
         ("tests/test_repack.py::test_tile_dot_at_the_int16_bound[Q5_K]",),
         "the AVX2 and portable Q5_K tile dots sum a whole sub-block's pair sums in int16 (62992 at most): they "
         "overflow at the largest weights"),
+    Mutant(
+        "tile_q8_0_group_scale_of_the_next_group", "pymoe/quant/repack.py",
+        "d8 = b.fpext(e.load(wbase, e.at(t, 16 * g), ir.VectorType(ir.HalfType(), 8)), _V8F)",
+        "d8 = b.fpext(e.load(wbase, e.at(t, 16 * ((g + 1) % 8)), ir.VectorType(ir.HalfType(), 8)), _V8F)",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q8_0]",
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q8_0]"),
+        "the repacked Q8_0 dot scales each group by the next group's d"),
     Mutant(
         "repack_iq4_xs_scale_bias", "pymoe/quant/repack.py",
         "t[16 + 8 * j + r] = np.uint8((ls - 32) & 255)",
