@@ -303,11 +303,13 @@ def _repack_k4_into(raw, out, raw_size):
 
 @njit(cache=True)
 def _repack_q4_k_into(raw, out):
+    """raw uint8 [R, nb * 144] -> out uint8 [R / 8, nb * 1184]."""
     _repack_k4_into(raw, out, Q4_K_SIZE)
 
 
 @njit(cache=True)
 def _repack_q5_k_into(raw, out):
+    """raw uint8 [R, nb * 176] -> out uint8 [R / 8, nb * 1440]."""
     _repack_k4_into(raw, out, Q5_K_SIZE)
 
 
@@ -363,9 +365,12 @@ def _repack_q6_k_into(raw, out):
 
 
 @njit(cache=True)
-def _repack_mxfp4_into(raw, out):
-    """raw uint8 [R, nb * 136] -> out uint8 [R / 8, nb * 1088]."""
-    nb = raw.shape[1] // (8 * MXFP4_SIZE)
+def _repack_blocks32_into(raw, out, block, sb):
+    """The formats of 8 blocks of 32 weights per 256 columns, each block a scale of sb bytes then its quants (MXFP4:
+    17-byte blocks, a 1-byte E8M0; Q8_0: 34, a 2-byte fp16): raw uint8 [R, nb * 8 block] -> out uint8 [R / 8, nb *
+    TILE]: the scales [8 groups][8 rows][sb bytes], then the quants [group][chunk c][row][4 bytes]."""
+    chunks = (block - sb) // 4  # 4-byte chunks of one block's quants
+    nb = raw.shape[1] // (8 * block)
     size = out.shape[1] // nb
     for g8 in range(raw.shape[0] // ROWS):
         for b in range(nb):
@@ -373,9 +378,22 @@ def _repack_mxfp4_into(raw, out):
             for r in range(ROWS):
                 row = raw[g8 * ROWS + r]
                 for g in range(8):
-                    s = (8 * b + g) * MXFP4_SIZE  # the block's first byte
-                    t[8 * g + r] = row[s]
-                    _interleave(t, 64 + 128 * g, r, row, s + 1, 4)  # qs: group g, chunk c = chunk 4 g + c
+                    s = (8 * b + g) * block  # the block's first byte
+                    for i in range(sb):
+                        t[sb * (8 * g + r) + i] = row[s + i]  # its scale
+                    _interleave(t, 64 * sb + 32 * chunks * g, r, row, s + sb, chunks)  # qs: group g, chunk c
+
+
+@njit(cache=True)
+def _repack_mxfp4_into(raw, out):
+    """raw uint8 [R, nb * 136] -> out uint8 [R / 8, nb * 1088]."""
+    _repack_blocks32_into(raw, out, MXFP4_SIZE, 1)
+
+
+@njit(cache=True)
+def _repack_q8_0_into(raw, out):
+    """raw uint8 [R, nb * 272] -> out uint8 [R / 8, nb * 2176]."""
+    _repack_blocks32_into(raw, out, Q8_0_SIZE, 2)
 
 
 @njit(cache=True)
@@ -394,22 +412,6 @@ def _repack_iq4_xs_into(raw, out):
                     ls = ((np.int32(blk[4 + j // 2]) >> (4 * (j % 2))) & 15) | (((sh >> (2 * j)) & 3) << 4)
                     t[16 + 8 * j + r] = np.uint8((ls - 32) & 255)
                 _interleave(t, 80, r, blk, 8, 32)  # qs: group g, chunk c = chunk 4 g + c
-
-
-@njit(cache=True)
-def _repack_q8_0_into(raw, out):
-    """raw uint8 [R, nb * 272] -> out uint8 [R / 8, nb * 2176]."""
-    nb = raw.shape[1] // (8 * Q8_0_SIZE)
-    size = out.shape[1] // nb
-    for g8 in range(raw.shape[0] // ROWS):
-        for b in range(nb):
-            t = out[g8, b * size:(b + 1) * size]
-            for r in range(ROWS):
-                row = raw[g8 * ROWS + r]
-                for g in range(8):
-                    s = (8 * b + g) * Q8_0_SIZE  # the block's first byte
-                    t[2 * (8 * g + r)], t[2 * (8 * g + r) + 1] = row[s], row[s + 1]  # d
-                    _interleave(t, 128 + 256 * g, r, row, s + 2, 8)  # qs: group g, chunk c
 
 
 _REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q3_K: _repack_q3_k_into, QType.Q4_K: _repack_q4_k_into,
