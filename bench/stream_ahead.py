@@ -36,7 +36,7 @@ def build(qtypes, distance: int):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("model", help="GGUF file (expert types with a tile layout: Q2_K, Q3_K, Q4_K, Q6_K, MXFP4)")
+    ap.add_argument("model", help="GGUF file (expert types with a tile layout: repack.TILE_BYTES)")
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
     ap.add_argument("--distances", default="0,4096,8192,16384", help="bytes ahead, comma-separated (0: no hints)")
     ap.add_argument("--rounds", type=int, default=30, help="rounds over the layers (default 30)")

@@ -60,8 +60,10 @@ class Engine:
                                    **(backend_options or {}))
         log(f"backend {self.backend.name}")
         if getattr(self.backend, "repack", False):  # CPU, 8-bit activations (backends/cpu.py, quant/repack.py)
-            log("8-bit activations: Q2_K, Q3_K, Q4_K, Q6_K and MXFP4 weights are repacked 8 rows at a time, the dense "
-                "ones now, an expert when it first runs (a copy beside the memory map; PYMOE_REPACK=0: off)")
+            from .quant.repack import TILE_BYTES
+            tiled = ", ".join(q.name for q in TILE_BYTES)
+            log(f"8-bit activations: {tiled} weights are repacked 8 rows at a time, the dense ones now, an expert "
+                "when it first runs (a copy beside the memory map; PYMOE_REPACK=0: off)")
         if hasattr(self.backend, "attach"):  # CUDA: pin and map the model file
             self.backend.attach(self.file)
         self.profile = profile

@@ -13,7 +13,7 @@ Two paths for quantized weights, chosen once by `act_bits`:
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).
-Repacked weights (act_bits 8): Q2_K, Q3_K, Q4_K, Q6_K and MXFP4 matrices are also kept 8 rows interleaved
+Repacked weights (act_bits 8): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
 (quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
 with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
 (`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read).
