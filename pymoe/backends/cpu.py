@@ -47,15 +47,16 @@ from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot, prefetch_line
 @njit(parallel=True, cache=True)
 def attention_rows(q, k, kt, v, p0, window, sinks, out, threads):
     """Causal GQA attention, each query on its own: q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] (S = p0 + T),
-    kt [G, Dh, >= S] scratch -> out float32 [T, H * Dv] (written); threads: Numba's thread count. The math of model.attention,
-    in an order that depends only on the query's position, not on T: query t gives the same bits in a prefill of
-    T tokens as alone in decode_one_token. The integer path needs that: it rounds activations, which would turn
-    float-order noise (~1e-7) into rounding flips (~1e-4 in the logits of the tiny test models).
-    SIMD over keys: the scores as sum_d q[d] * kt[g, d, :] (each key's sum in order d = 0, 1, ..; a vector
-    multiply and add per d for 16 keys, no horizontal sum per key; `attention_simd.scores_into`: the sums in
-    registers, each key row loaded once for 4 heads), e^x by exp_f32 (vectorised), the softmax sum in 16 interleaved
-    partial sums (lane s % 16) added in a fixed tree, the output as sum_s p_s v[s] over Dv lanes
-    (`attention_simd.weighted_into`, the output rows in registers)."""
+    kt [G, Dh, >= S rounded up to 16] scratch -> out float32 [T, H * Dv] (written); threads: Numba's thread count.
+    The math of model.attention, in an order that depends only on the query's position, not on T: query t gives the
+    same bits in a prefill of T tokens as alone in decode_one_token. The integer path needs that: it rounds
+    activations, which would turn float-order noise (~1e-7) into rounding flips (~1e-4 in the logits of the tiny
+    test models).
+    SIMD over keys: the scores as sum_d q[d] * kt[g, d, :] (each key's sum in order d = 0, 1, ..; a vector multiply
+    and add per d for 16 keys, no horizontal sum per key; `attention_simd.scores_into`: the sums in registers, each
+    key row loaded once for 4 heads), e^x by exp_f32 (vectorised), the softmax sum in 16 interleaved partial sums
+    (lane s % 16) added in a fixed tree, the output as sum_s p_s v[s] over Dv lanes (`attention_simd.weighted_into`,
+    the output rows in registers)."""
     T, H, Dh = q.shape
     S, G, Dv = v.shape
     if kt.shape[2] < (S + 15) // 16 * 16:  # scores_into reads whole vectors of 16 keys
