@@ -555,6 +555,16 @@ class _Tok:
     def __init__(self, xbase, xo, dx, bsbase, bso):
         self.xbase, self.xo, self.dx, self.bsbase, self.bso = xbase, xo, dx, bsbase, bso
 
+    def bsum32(self, e: "_Emit", j: int):  # the sum of the block's activations 32 j .. 32 j + 31 (two bsums), int32
+        return e.b.add(e.load(self.bsbase, e.at(self.bso, 2 * j), _i32),
+                       e.load(self.bsbase, e.at(self.bso, 2 * j + 1), _i32))
+
+
+def _minus_128_bsum(e: "_Emit", s, x: _Tok, g: int):
+    """Group g's per-row sums of (v + 128) x (vpdpbusd's unsigned operand; wide: two halves, folded) -> the sums of
+    v x: 128 times the group's activation sum taken off, exactly."""
+    return e.b.sub(e.fold(s), e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 128)), _i32, 8))
+
 
 def _affine_epilogue(e: _Emit, wbase, t, toks, isums, msums, accs):
     """Per token: acc + d * dx * isum - dmin * dx * msum, lane by lane (d, dmin: the 8 rows' fp16 factors at bytes t,
@@ -616,6 +626,13 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
     VNNI the int16 pair sums of 4 chunks (31496 at most) go into int32 before the next 4."""
     b = e.b
     n = 32 * e.width
+
+    def scaled(isums, p, s_lo, s_hi):  # + each row's sums of sub-blocks 2 p, 2 p + 1 times their scales, in int32
+        for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
+            sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's scales
+            isums = [b.add(i, e.sub_scaled(e.fold(a), sc8)) for i, a in zip(isums, s)]  # row r: sc_rj * its sums
+        return isums
+
     isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for p in range(4):
         s_lo = s_hi = [None] * len(toks)
@@ -629,19 +646,14 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
             s_lo = [e.sub_add(a, lo, e.xs(x.xbase, x.xo, 64 * p + 4 * c)) for a, x in zip(s_lo, toks)]
             s_hi = [e.sub_add(a, hi, e.xs(x.xbase, x.xo, 64 * p + 32 + 4 * c)) for a, x in zip(s_hi, toks)]
             if five and not e.vnni and c == 3:  # half the sub-block: into int32 before int16 overflows
-                for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
-                    sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))
-                    isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]
+                isums = scaled(isums, p, s_lo, s_hi)
                 s_lo = s_hi = [None] * len(toks)
-        for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
-            sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's scales
-            isums = [b.add(i, e.sub_scaled(e.fold(a), sc8)) for i, a in zip(isums, s)]  # row r: sc_rj * its 32
+        isums = scaled(isums, p, s_lo, s_hi)
     msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
     for j in range(8):
         m8 = b.zext(e.load(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), _V8I)  # sub-block j's mins
         for i, x in enumerate(toks):
-            bs = b.add(e.load(x.bsbase, e.at(x.bso, 2 * j), _i32), e.load(x.bsbase, e.at(x.bso, 2 * j + 1), _i32))
-            msums[i] = b.add(msums[i], b.mul(m8, e.splat(bs, _i32, 8)))
+            msums[i] = b.add(msums[i], b.mul(m8, e.splat(x.bsum32(e, j), _i32, 8)))
     return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
 
 
@@ -750,9 +762,7 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
                 isums = [b.add(i, e.sub_scaled(a, sc8, True)) for i, a in zip(isums, s)]
         if e.vnni:  # row r: sc_rg * (sum (v + 128) x - 128 * the group's bsum)
             for i, x in enumerate(toks):
-                bs = b.add(e.load(x.bsbase, e.at(x.bso, 2 * g), _i32), e.load(x.bsbase, e.at(x.bso, 2 * g + 1), _i32))
-                plain = b.sub(e.fold(s[i]), e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))
-                isums[i] = b.add(isums[i], e.sub_scaled(plain, sc8, True))
+                isums[i] = b.add(isums[i], e.sub_scaled(_minus_128_bsum(e, s[i], x, g), sc8, True))
     d8 = b.fpext(e.load(wbase, t, ir.VectorType(ir.HalfType(), 8)), _V8F)
     return [e.fma(b.sitofp(isum, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), acc)
             for x, isum, acc in zip(toks, isums, accs)]
@@ -780,8 +790,7 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
         for i, x in enumerate(toks):
             isum = s[i]
             if e.vnni:  # row r: sum (w + 128) x - 128 * the group's bsum
-                bs = b.add(e.load(x.bsbase, e.at(x.bso, 2 * g), _i32), e.load(x.bsbase, e.at(x.bso, 2 * g + 1), _i32))
-                isum = b.sub(e.fold(isum), e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))
+                isum = _minus_128_bsum(e, isum, x, g)
             accs[i] = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), accs[i])
     return accs
 

@@ -525,12 +525,13 @@ MUTANTS: list[Mutant] = [
         "with AVX-512 VNNI run that form: elsewhere this mutant survives"),
     Mutant(
         "tile_iq4_xs_offset_off_by_one", "pymoe/quant/repack.py",
-        "plain = b.sub(e.fold(s[i]), e.splat(b.mul(bs, ir.Constant(_i32, 128)), _i32, 8))",
-        "plain = b.sub(e.fold(s[i]), e.splat(b.mul(bs, ir.Constant(_i32, 127)), _i32, 8))",
+        "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 128)), _i32, 8))",
+        "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 127)), _i32, 8))",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*IQ4_XS]",
+         "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q8_0]",
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[IQ4_XS]"),
-        "the VNNI IQ4_XS tile dot takes 127 * bsum off the levels + 128 (every weight one step high); only CPUs "
-        "with VNNI run that form: elsewhere this mutant survives"),
+        "the VNNI IQ4_XS and Q8_0 tile dots take 127 * bsum off the weights + 128 (every weight one step high); "
+        "only CPUs with VNNI run that form: elsewhere this mutant survives"),
     Mutant(
         "tile_q5_k_int16_overflow", "pymoe/quant/repack.py",
         "if five and not e.vnni and c == 3:",
