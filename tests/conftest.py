@@ -16,6 +16,18 @@ from oracle import strict
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "deepseek2")
 MIXES = ("f32", "q2_k")
+MAX_WORKERS = 4  # pytest-xdist workers (`-n auto`): each one makes its own models and compiles its own kernels, so
+#                  many cores would mostly add memory
+
+
+@pytest.hookimpl(optionalhook=True)  # (a pytest-xdist hook: unused without xdist, as on the lent GPU machines)
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto` (the README's test command): one worker per core, at most MAX_WORKERS. Most of a cold run is
+    Numba compiling kernels (740 of 1238 s, measured on 2 cores: the same run with its kernels cached took 496 s),
+    one core a compilation, so two workers on 2 cores took 763 s. Tests go to the workers a file at a time
+    (`--dist loadfile`): a module's fixtures (llama.cpp-quantized files) are made once."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(MAX_WORKERS, cores))
 
 
 @pytest.fixture(scope="session")
