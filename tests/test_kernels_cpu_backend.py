@@ -94,7 +94,7 @@ def test_attention_rows_against_einsum_and_independent_of_T():
         attention_rows(q, k, np.empty((G, Dh, L - 1), np.float32), v, p0, 0, np.zeros(0, np.float32), direct, 2)
     v24 = v[..., :24].copy()  # a value head size that is not a multiple of 16: the plain output loop
     out24 = b.attention(q, k, v24, p0)
-    assert np.abs(out24 - attention(q, k, v24, p0)).max() <= 1e-5 * np.abs(v24).max()
+    assert np.abs(out24 - attention(q, k, v24, p0)).max() <= 1e-5 * np.abs(v24).max()  # the bound above
     assert np.array_equal(b.attention(q[5:6], k[:p0 + 6], v24[:p0 + 6], p0 + 5)[0], out24[5])
 
 
