@@ -200,6 +200,42 @@ def test_every_form_of_the_tile_dot_has_the_same_bits(qtype, form):
     assert np.array_equal(a, here[0]) and np.array_equal(a4, here)
 
 
+_PAIR_RUNNERS = {}
+
+
+@pytest.mark.parametrize("qtype", sorted(repack.PAIR), ids=lambda q: q.name)
+def test_two_row_group_dot_has_the_bits_of_two_calls(qtype):
+    """The two-row-group form (tiles [2, row_tiles] -> [MANY, 16]: lanes 8-15 the second row-group's rows, each
+    chunk's activations one dword broadcast to all 16 lanes, IQ4_XS's and Q8_0's sums starting from -128 * bsum)
+    gives, lane by lane, the bits of the one-row-group call on each, for every pair of neighbours of a 5-group
+    matrix, of random and of the format's extreme weights (_extreme_rows). Where this CPU has no 512-bit VNNI, the
+    form is not used (PAIRS is empty)."""
+    if qtype not in repack.PAIRS:
+        assert not (repack._WIDE and qact._AVX2)  # only a CPU without the 512-bit form goes without
+        return
+    if qtype not in _PAIR_RUNNERS:
+        dot = repack.TILE_DOTS[qtype]
+
+        @njit
+        def run(tiles, xq, xd, xbs, y2, y1):
+            for g in range(tiles.shape[0] - 1):
+                dot(tiles[g:g + 2], xq, xd, xbs, y2[g])
+                dot(tiles[g], xq, xd, xbs, y1[g])
+            dot(tiles[tiles.shape[0] - 1], xq, xd, xbs, y1[tiles.shape[0] - 1])
+
+        _PAIR_RUNNERS[qtype] = run
+    rng = np.random.default_rng(11)
+    for raw in (random_rows(qtype, 40, 512, rng), np.concatenate([_extreme_rows(qtype)] * 5)):
+        tiles = repack.repack(raw, qtype)
+        G, C = tiles.shape[0], raw.shape[1] // repack.RAW_BYTES[qtype] * 256
+        xq, xd, xbs = _x8(rng.standard_normal((repack.MANY, C)) * rng.uniform(0.1, 100))
+        y2 = np.full((G - 1, repack.MANY, 16), np.nan, np.float32)
+        y1 = np.full((G, repack.MANY, 8), np.nan, np.float32)
+        _PAIR_RUNNERS[qtype](tiles, xq, xd, xbs, y2, y1)
+        for g in range(G - 1):
+            assert np.array_equal(y2[g], np.concatenate([y1[g], y1[g + 1]], axis=1)), g
+
+
 def _addresses(mats):
     return tuple(0 if m is None else m.ctypes.data for m in mats)
 

@@ -227,6 +227,7 @@ ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc
 GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per 256 weights of the gate, up and down types
 TILE_GATE = TILE_UP = TILE_DOWN = None  # their repacked layouts' tile dots (quant/repack.py; any one for a type
 GATE_TILE = UP_TILE = DOWN_TILE = 0  # without a layout: never called), and bytes per 8 rows and 256 columns
+PAIR_GATE_UP = PAIR_DOWN = False  # whether their many-token tile dots take two row-groups a call (repack.PAIRS)
 MM_ROWS_PER_TASK, MM_TOKENS = 32, 64  # the tile of the integer mat-mat kernel: rows per task, tokens per step
 ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (qact._make_row_dot)
 # How far ahead the MoE kernel asks for the weights it reads next (bytes; 0: not at all). Hardware prefetchers alone
@@ -373,22 +374,35 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
             ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
             o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
-            for r in range(r0, r1, TILE_ROWS):
+            o2 = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)  # a two-row-group call's
+            r = r0
+            while r < r1:
+                # row-groups in this step: two where both types have the two-row-group form (PAIR_GATE_UP)
+                m = 2 if PAIR_GATE_UP and r + 2 * TILE_ROWS <= r1 and b - a >= TILE_MANY else 1
+                q0, q1, c0 = r // TILE_ROWS, r // TILE_ROWS + m, r - r0  # its row-groups; their columns of g, u
                 if ahead > 0 and b - a >= TILE_MANY:  # (a one-token dot asks for the bytes ahead itself)
-                    PREFETCH_WEIGHTS(tiles[k, 0], r // TILE_ROWS * gt.shape[1], gt.shape[1], gt.size, ahead)
-                    PREFETCH_WEIGHTS(tiles[k, 1], r // TILE_ROWS * ut.shape[1], ut.shape[1], ut.size, ahead)
-                c0, c1 = r - r0, r - r0 + TILE_ROWS  # the row-group's columns of g and u
+                    PREFETCH_WEIGHTS(tiles[k, 0], q0 * gt.shape[1], m * gt.shape[1], gt.size, ahead)
+                    PREFETCH_WEIGHTS(tiles[k, 1], q0 * ut.shape[1], m * ut.shape[1], ut.size, ahead)
                 i = 0
                 while i + TILE_MANY <= b - a:  # TILE_MANY tokens a call (prefill), the weights unpacked once
                     p0, p1 = a + i, a + i + TILE_MANY
-                    TILE_GATE(gt[r // TILE_ROWS], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
-                    g[i:i + TILE_MANY, c0:c1] = o
-                    TILE_UP(ut[r // TILE_ROWS], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
-                    u[i:i + TILE_MANY, c0:c1] = o
+                    if m == 2:
+                        TILE_GATE(gt[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                        g[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
+                        TILE_UP(ut[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                        u[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
+                    else:
+                        TILE_GATE(gt[q0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                        g[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
+                        TILE_UP(ut[q0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                        u[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
                     i += TILE_MANY
-                for j in range(i, b - a):
-                    TILE_GATE(gt[r // TILE_ROWS], xq[a + j], xd[a + j], xbs[a + j], g[j, c0:c1])
-                    TILE_UP(ut[r // TILE_ROWS], xq[a + j], xd[a + j], xbs[a + j], u[j, c0:c1])
+                for q in range(q0, q1):
+                    c = q * TILE_ROWS - r0
+                    for j in range(i, b - a):
+                        TILE_GATE(gt[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
+                        TILE_UP(ut[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
+                r += m * TILE_ROWS
         else:
             for r in range(r0, r1):
                 if ahead > 0:
@@ -415,28 +429,40 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
         out = np.empty(n_max, dtype=np.float32)
         out8 = np.empty(TILE_ROWS, dtype=np.float32)  # one row-group's results, for one token
         out_many = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # for TILE_MANY
+        out_pair = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)  # for TILE_MANY and two row-groups
         for k in range(n_exp):
             a, b = start[k], start[k + 1]
             down = carray(bytes_at(addr[k, 2]), (D, down_bytes))  # [D, row_bytes(F)]
             r0, r1 = task * rows_down, min(D, (task + 1) * rows_down)
             if tiles[k, 2] != 0:  # repacked: 8 rows a call
                 dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
-                for r in range(r0, r1, TILE_ROWS):
+                r = r0
+                while r < r1:
+                    n_rg = 2 if PAIR_DOWN and r + 2 * TILE_ROWS <= r1 and b - a >= TILE_MANY else 1  # (as above)
+                    q0 = r // TILE_ROWS
                     if ahead > 0 and b - a >= TILE_MANY:  # (as above)
                         rg = dt.shape[1]  # bytes of a row-group
-                        PREFETCH_WEIGHTS(tiles[k, 2], r // TILE_ROWS * rg, rg, r1 // TILE_ROWS * rg, ahead)
+                        PREFETCH_WEIGHTS(tiles[k, 2], q0 * rg, n_rg * rg, r1 // TILE_ROWS * rg, ahead)
                     i = 0
                     while i + TILE_MANY <= b - a:
                         p0, p1 = a + i, a + i + TILE_MANY
-                        TILE_DOWN(dt[r // TILE_ROWS], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
-                        for m in range(TILE_MANY):
-                            for j in range(TILE_ROWS):
-                                y[tok[p0 + m], r + j] += weight[p0 + m] * out_many[m, j]
+                        if n_rg == 2:
+                            TILE_DOWN(dt[q0:q0 + 2], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
+                            for m in range(TILE_MANY):
+                                for j in range(2 * TILE_ROWS):
+                                    y[tok[p0 + m], r + j] += weight[p0 + m] * out_pair[m, j]
+                        else:
+                            TILE_DOWN(dt[q0], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
+                            for m in range(TILE_MANY):
+                                for j in range(TILE_ROWS):
+                                    y[tok[p0 + m], r + j] += weight[p0 + m] * out_many[m, j]
                         i += TILE_MANY
-                    for m in range(i, b - a):
-                        TILE_DOWN(dt[r // TILE_ROWS], hq[a + m], hd[a + m], hbs[a + m], out8)
-                        for j in range(TILE_ROWS):
-                            y[tok[a + m], r + j] += weight[a + m] * out8[j]
+                    for q in range(q0, q0 + n_rg):
+                        for m in range(i, b - a):
+                            TILE_DOWN(dt[q], hq[a + m], hd[a + m], hbs[a + m], out8)
+                            for j in range(TILE_ROWS):
+                                y[tok[a + m], q * TILE_ROWS + j] += weight[a + m] * out8[j]
+                    r += n_rg * TILE_ROWS
                 continue
             for r in range(r0, r1):
                 if ahead > 0:
@@ -526,6 +552,8 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
                 ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
                 TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], GATE_TILE=tile_bytes[0],
                 UP_TILE=tile_bytes[1], DOWN_TILE=tile_bytes[2],
+                PAIR_GATE_UP=qtypes[0] in repack.PAIRS and qtypes[1] in repack.PAIRS,
+                PAIR_DOWN=qtypes[2] in repack.PAIRS,
                 PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if _NT else qact.prefetch_ahead)
 
 

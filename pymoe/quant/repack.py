@@ -443,12 +443,19 @@ class _Emit:
     """The few vector operations both tile dots are made of, for one builder (avx2: by AVX2's intrinsics; else
     portable IR with the same integers, what CPUs without AVX2 run)."""
 
-    def __init__(self, builder, avx2: bool, vnni: bool = False, wide: bool = False):
+    def __init__(self, builder, avx2: bool, vnni: bool = False, wide: bool = False, stride=None):
         self.b, self.avx2, self.vnni = builder, avx2, avx2 and vnni
         # wide (VNNI only, formats in WIDE): two consecutive chunks per operation, 512-bit vectors: lanes 0-7 hold
         # the 8 rows' sums of the first chunk, lanes 8-15 those of the second, added together by `fold`
-        self.width = 2 if self.vnni and wide else 1
-        self.VB = ir.VectorType(_i8, 32 * self.width)  # the weights of `width` chunks
+        # stride (an i64 value: the bytes from one row-group's tiles to the next's; 512-bit VNNI only, formats in
+        # PAIR): two row-groups side by side, lanes 0-7 the first's 8 rows and 8-15 the second's, one chunk of each
+        # an operation, and that chunk's 4 activations one dword broadcast to all 16 lanes (no shuffle)
+        self.stride, self.pair = stride, stride is not None
+        self.width = 2 if self.vnni and wide and not self.pair else 1
+        self.lanes = 16 if self.pair else 8  # rows in a result vector
+        self.VB = ir.VectorType(_i8, 32 * self.width * (2 if self.pair else 1))  # the weights of one operation
+        self.VI, self.VF = ir.VectorType(_i32, self.lanes), ir.VectorType(_f32, self.lanes)  # a value per row
+        self.zeros = ir.Constant(self.VI, [0] * self.lanes)
 
     def x86(self, name, ret, argv):
         fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(ret, [a.type for a in argv]), name)
@@ -460,6 +467,19 @@ class _Emit:
     def load(self, ptr, off, ty):  # ty at ptr + off elements, unaligned
         return self.b.load(self.b.bitcast(self.b.gep(ptr, [off]), ty.as_pointer()), align=1)
 
+    def chunk(self, wbase, off):  # the weights one operation reads, at tile byte off (pair: and off + stride)
+        if not self.pair:
+            return self.load(wbase, off, self.VB)
+        return self.per_row(wbase, off, _V32B)
+
+    def per_row(self, wbase, off, ty):  # ty (a value per row, or a chunk) at byte off; pair: both row-groups'
+        v = self.load(wbase, off, ty)
+        if not self.pair:
+            return v
+        n = ty.count
+        second = self.load(wbase, self.b.add(off, self.stride), ty)  # the next row-group's
+        return self.b.shuffle_vector(v, second, _vec(_i32, 2 * n, range(2 * n)))
+
     def splat(self, scalar, ty, n):
         v = self.b.insert_element(ir.Constant(ir.VectorType(ty, n), ir.Undefined), scalar, ir.Constant(_i32, 0))
         return self.b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _vec(_i32, n, [0] * n))
@@ -468,6 +488,8 @@ class _Emit:
         return self.b.bitcast(self.splat(self.load(xbase, self.at(xo, k), _i32), _i32, 8), _V32B)
 
     def xs(self, xbase, xo, k):  # activations k .. k + 4 width - 1 as `width` chunks see them: int8 [32 width]
+        if self.pair:  # k .. k + 3 to all 16 lanes (vpdpbusd's embedded broadcast)
+            return self.b.bitcast(self.splat(self.load(xbase, self.at(xo, k), _i32), _i32, 16), self.VB)
         if self.width == 1:
             return self.x4(xbase, xo, k)
         two = self.load(xbase, self.at(xo, k), ir.VectorType(_i32, 2))  # k .. k + 3 to lanes 0-7, k + 4 .. to 8-15
@@ -480,8 +502,8 @@ class _Emit:
         return b.add(b.shuffle_vector(s, s, _vec(_i32, 8, range(8))),
                      b.shuffle_vector(s, s, _vec(_i32, 8, range(8, 16))))
 
-    def nibbles(self, q):  # uint8 [32 width] -> (low nibbles, high nibbles)
-        n = 32 * self.width
+    def nibbles(self, q):  # uint8 [32 width] (pair: [64]) -> (low nibbles, high nibbles)
+        n = self.VB.count
         low = _vec(_i8, n, [15] * n)
         return self.b.and_(q, low), self.b.and_(self.b.lshr(q, _vec(_i8, n, [4] * n)), low)
 
@@ -507,16 +529,16 @@ class _Emit:
     # int32 lane (vpdpbusd) and multiplies by the scale as int32. The sums are exact either way.
     def sub_add(self, s, w, x):  # s (None at first) + the products of uint8 [32] w and int8 [32] x, per row
         if self.vnni:
-            vi = ir.VectorType(_i32, 8 * self.width)
-            acc = ir.Constant(vi, [0] * (8 * self.width)) if s is None else s
-            return self.x86(f"llvm.x86.avx512.vpdpbusd.{256 * self.width}", vi,
+            vi = ir.VectorType(_i32, self.VB.count // 4)
+            acc = ir.Constant(vi, [0] * vi.count) if s is None else s
+            return self.x86(f"llvm.x86.avx512.vpdpbusd.{8 * self.VB.count}", vi,
                             [acc, self.b.bitcast(w, vi), self.b.bitcast(x, vi)])  # int32 [8 width]
         return _sum(self, s, self.maddubs(w, x))  # int16 [16]: row r in lanes 2r, 2r + 1
 
     def sub_scaled(self, s, sc8=None, signed: bool = False):  # -> int32 [8]: row r's sum times its scale
         # sc8: int8 [8], one scale per row (None: 1; signed: int8, else uint8)
         if self.vnni:
-            return s if sc8 is None else self.b.mul(s, (self.b.sext if signed else self.b.zext)(sc8, _V8I))
+            return s if sc8 is None else self.b.mul(s, (self.b.sext if signed else self.b.zext)(sc8, self.VI))
         sc16 = _vec(_i16, 16, [1] * 16) if sc8 is None else _dup_pairs(self, sc8, signed)
         return self.madd16(s, sc16)
 
@@ -544,8 +566,8 @@ class _Emit:
             out = self.b.select(hit, _vec(_i8, 32, [codebook[k]] * 32), out)
         return out
 
-    def fma(self, a, c, d):  # float32 [8]: a * c + d, one rounding
-        return self.x86("llvm.fma.v8f32", _V8F, [a, c, d])
+    def fma(self, a, c, d):  # float32 [lanes]: a * c + d, one rounding
+        return self.x86(f"llvm.fma.v{self.lanes}f32", self.VF, [a, c, d])
 
 
 class _Tok:
@@ -566,18 +588,26 @@ def _minus_128_bsum(e: "_Emit", s, x: _Tok, g: int):
     return e.b.sub(e.fold(s), e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 128)), _i32, 8))
 
 
+def _minus_128_bsum_start(e: "_Emit", x: _Tok, g: int):
+    """(pair) -128 times group g's activation sum in every lane: where vpdpbusd's sums of (v + 128) x start, so that
+    they end as the sums of v x. The same integers as `_minus_128_bsum`, with one operation less per group and token
+    and no register held across the groups (where the subtraction after made LLVM keep every group's term live:
+    spills)."""
+    return e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, -128)), _i32, e.lanes)
+
+
 def _affine_epilogue(e: _Emit, wbase, t, toks, isums, msums, accs):
     """Per token: acc + d * dx * isum - dmin * dx * msum, lane by lane (d, dmin: the 8 rows' fp16 factors at bytes t,
     t + 16, loaded once for all the tokens)."""
     b = e.b
     half8 = ir.VectorType(ir.HalfType(), 8)
-    d8 = b.fpext(e.load(wbase, t, half8), _V8F)
-    dmin8 = b.fpext(e.load(wbase, e.at(t, 16), half8), _V8F)
+    d8 = b.fpext(e.per_row(wbase, t, half8), e.VF)
+    dmin8 = b.fpext(e.per_row(wbase, e.at(t, 16), half8), e.VF)
     out = []
     for x, isum, msum, acc in zip(toks, isums, msums, accs):
-        dxv = e.splat(x.dx, _f32, 8)
-        acc = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, dxv), acc)
-        out.append(e.fma(b.sitofp(msum, _V8F), b.fneg(b.fmul(dmin8, dxv)), acc))
+        dxv = e.splat(x.dx, _f32, e.lanes)
+        acc = e.fma(b.sitofp(isum, e.VF), b.fmul(d8, dxv), acc)
+        out.append(e.fma(b.sitofp(msum, e.VF), b.fneg(b.fmul(dmin8, dxv)), acc))
     return out
 
 
@@ -625,21 +655,21 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
     five: Q5_K, each nibble with its fifth bit from qh (bit j of a chunk's qh byte for sub-block j), 0..31; without
     VNNI the int16 pair sums of 4 chunks (31496 at most) go into int32 before the next 4."""
     b = e.b
-    n = 32 * e.width
+    n = e.VB.count
 
     def scaled(isums, p, s_lo, s_hi):  # + each row's sums of sub-blocks 2 p, 2 p + 1 times their scales, in int32
         for j, s in ((2 * p, s_lo), (2 * p + 1, s_hi)):
-            sc8 = e.load(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's scales
+            sc8 = e.per_row(wbase, e.at(t, 32 + 8 * j), ir.VectorType(_i8, 8))  # sub-block j's scales
             isums = [b.add(i, e.sub_scaled(e.fold(a), sc8)) for i, a in zip(isums, s)]  # row r: sc_rj * its sums
         return isums
 
-    isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+    isums = [e.zeros] * len(toks)
     for p in range(4):
         s_lo = s_hi = [None] * len(toks)
         for c in range(0, 8, e.width):  # chunk c (wide: c and c + 1): 4 weights of each row
-            lo, hi = e.nibbles(e.load(wbase, e.at(t, 160 + 32 * (8 * p + c)), e.VB))
+            lo, hi = e.nibbles(e.chunk(wbase, e.at(t, 160 + 32 * (8 * p + c))))
             if five:
-                qh = e.load(wbase, e.at(t, 1184 + 32 * c), e.VB)
+                qh = e.chunk(wbase, e.at(t, 1184 + 32 * c))
                 fifth = lambda j: b.shl(b.and_(b.lshr(qh, _vec(_i8, n, [j] * n)), _vec(_i8, n, [1] * n)),  # noqa
                                         _vec(_i8, n, [4] * n))
                 lo, hi = b.or_(lo, fifth(2 * p)), b.or_(hi, fifth(2 * p + 1))
@@ -649,11 +679,11 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
                 isums = scaled(isums, p, s_lo, s_hi)
                 s_lo = s_hi = [None] * len(toks)
         isums = scaled(isums, p, s_lo, s_hi)
-    msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+    msums = [e.zeros] * len(toks)
     for j in range(8):
-        m8 = b.zext(e.load(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), _V8I)  # sub-block j's mins
+        m8 = b.zext(e.per_row(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), e.VI)  # sub-block j's mins
         for i, x in enumerate(toks):
-            msums[i] = b.add(msums[i], b.mul(m8, e.splat(x.bsum32(e, j), _i32, 8)))
+            msums[i] = b.add(msums[i], b.mul(m8, e.splat(x.bsum32(e, j), _i32, e.lanes)))
     return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
 
 
@@ -742,15 +772,16 @@ _IQ4_PLUS_128 = [v + 128 - (256 if v + 128 > 127 else 0) for v in KVALUES_IQ4NL]
 
 def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
     """IQ4_XS: a group's levels looked up once, then per token. With VNNI the level + 128 (unsigned) meets x in
-    vpdpbusd and 128 * (the group's two bsums) comes off after, exactly; without, |level| meets x signed by the level
-    (vpsignb) and each chunk's int16 pair sums (up to 2 * 127 * 127) go into int32 at once, times the group's scale."""
+    vpdpbusd and 128 * (the group's two bsums) comes off after, exactly (pair: the sums start from -128 * bsum
+    instead, the same integer); without, |level| meets x signed by the level (vpsignb) and each chunk's int16 pair
+    sums (up to 2 * 127 * 127) go into int32 at once, times the group's scale."""
     b = e.b
-    isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+    isums = [e.zeros] * len(toks)
     for g in range(8):
-        sc8 = e.load(wbase, e.at(t, 16 + 8 * g), ir.VectorType(_i8, 8))  # the 8 rows' scales of group g, -32..31
-        s = [None] * len(toks)
+        sc8 = e.per_row(wbase, e.at(t, 16 + 8 * g), ir.VectorType(_i8, 8))  # the rows' scales of group g, -32..31
+        s = [_minus_128_bsum_start(e, x, g) if e.pair else None for x in toks]
         for c in range(0, 4, e.width):  # chunk c (wide: c and c + 1)
-            lo, hi = e.nibbles(e.load(wbase, e.at(t, 80 + 32 * (4 * g + c)), e.VB))
+            lo, hi = e.nibbles(e.chunk(wbase, e.at(t, 80 + 32 * (4 * g + c))))
             for idx, k in ((lo, 32 * g + 4 * c), (hi, 32 * g + 16 + 4 * c)):
                 if e.vnni:
                     u = e.lookup(idx, _IQ4_PLUS_128)
@@ -762,9 +793,9 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
                 isums = [b.add(i, e.sub_scaled(a, sc8, True)) for i, a in zip(isums, s)]
         if e.vnni:  # row r: sc_rg * (sum (v + 128) x - 128 * the group's bsum)
             for i, x in enumerate(toks):
-                isums[i] = b.add(isums[i], e.sub_scaled(_minus_128_bsum(e, s[i], x, g), sc8, True))
-    d8 = b.fpext(e.load(wbase, t, ir.VectorType(ir.HalfType(), 8)), _V8F)
-    return [e.fma(b.sitofp(isum, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), acc)
+                isums[i] = b.add(isums[i], e.sub_scaled(s[i] if e.pair else _minus_128_bsum(e, s[i], x, g), sc8, True))
+    d8 = b.fpext(e.per_row(wbase, t, ir.VectorType(ir.HalfType(), 8)), e.VF)
+    return [e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), acc)
             for x, isum, acc in zip(toks, isums, accs)]
 
 
@@ -774,11 +805,11 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
     chunk's int16 pair sums (up to 2 * 128 * 127) go into int32 at once. Then d_g * dx per group, as MXFP4's."""
     b = e.b
     accs = list(accs)
-    n = 32 * e.width
+    n = e.VB.count
     for g in range(8):
-        s = [None] * len(toks)
+        s = [_minus_128_bsum_start(e, x, g) if e.pair else None for x in toks]
         for c in range(0, 8, e.width):  # chunk c (wide: c and c + 1)
-            w = e.load(wbase, e.at(t, 128 + 32 * (8 * g + c)), e.VB)
+            w = e.chunk(wbase, e.at(t, 128 + 32 * (8 * g + c)))
             k = 32 * g + 4 * c
             if e.vnni:
                 u = b.xor(w, _vec(_i8, n, [-128] * n))  # w + 128 as an unsigned byte
@@ -786,12 +817,12 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
                 continue
             mag = e.magnitude(w)
             s = [_sum(e, a, e.sub_scaled(e.signed_add(None, w, mag, e.x4(x.xbase, x.xo, k)))) for a, x in zip(s, toks)]
-        d8 = b.fpext(e.load(wbase, e.at(t, 16 * g), ir.VectorType(ir.HalfType(), 8)), _V8F)  # the rows' d of group g
+        d8 = b.fpext(e.per_row(wbase, e.at(t, 16 * g), ir.VectorType(ir.HalfType(), 8)), e.VF)  # the rows' d of g
         for i, x in enumerate(toks):
             isum = s[i]
-            if e.vnni:  # row r: sum (w + 128) x - 128 * the group's bsum
+            if e.vnni and not e.pair:  # row r: sum (w + 128) x - 128 * the group's bsum
                 isum = _minus_128_bsum(e, isum, x, g)
-            accs[i] = e.fma(b.sitofp(isum, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), accs[i])
+            accs[i] = e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), accs[i])
     return accs
 
 
@@ -801,7 +832,7 @@ _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QT
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
-                  locality: int = 3):
+                  locality: int = 3, pair: bool = False):
     """ahead > 0: each block also asks for the bytes `ahead` past its own (llvm.prefetch at `locality`, 3: keep in
     every cache level, 0: non-temporal), one hint per 64 bytes of the block, among the block's own loads (see
     STREAM_AHEAD). Hints only: no fault past the end of the array, no effect on the results."""
@@ -810,9 +841,10 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
 
     def codegen(context, builder, signature, args):
         """out = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times n_tok tokens: 1-D xq int8 [nb * 256],
-        xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]."""
+        xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]. pair: tiles uint8 [2, nb * TILE]
+        (two row-groups, 16 rows), 2-D xq, out [n_tok, 16]."""
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
-        e = _Emit(builder, avx2, vnni, wide)
+        e = _Emit(builder, avx2, vnni, wide, cgutils.unpack_tuple(builder, ta.strides, 2)[0] if pair else None)
         nd = signature.args[1].ndim
         nb = cgutils.unpack_tuple(builder, xda.shape, nd)[nd - 1]
 
@@ -825,7 +857,7 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
                     for i in range(n_tok)]
 
         xrows, xdrows, bsrows = rows(xa, _i8), rows(xda, _f32), rows(bsa, _i32)
-        acc_ps = [cgutils.alloca_once_value(builder, ir.Constant(_V8F, [0.0] * 8)) for _ in range(n_tok)]
+        acc_ps = [cgutils.alloca_once_value(builder, ir.Constant(e.VF, [0.0] * e.lanes)) for _ in range(n_tok)]
         with cgutils.for_range(builder, nb) as loop:
             bi = loop.index
             t = builder.mul(bi, ir.Constant(_i64, size))  # the block's first byte
@@ -842,8 +874,8 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
             accs = block(e, ta.data, t, toks, [builder.load(p) for p in acc_ps])
             for p, acc in zip(acc_ps, accs):
                 builder.store(acc, p)
-        out = builder.bitcast(outa.data, _V8F.as_pointer())
-        for i, p in enumerate(acc_ps):  # out is C-contiguous: token i's 8 results at 8 i
+        out = builder.bitcast(outa.data, e.VF.as_pointer())
+        for i, p in enumerate(acc_ps):  # out is C-contiguous: token i's 8 (pair: 16) results at 8 i (16 i)
             builder.store(builder.load(p), builder.gep(out, [ir.Constant(_i64, i)]), align=4)
         return context.get_dummy_value()
 
@@ -855,6 +887,14 @@ def _c(a, dtype, nd=1):
 
 
 MANY = 4  # tokens per call of a tile's many-token dot
+# The formats whose many-token dot also comes in a two-row-group form (`_Emit`'s pair: tiles [2, row_tiles] ->
+# out [MANY, 16]) where the CPU has 512-bit VNNI: a chunk's 4 activations are then one dword broadcast to 16 rows
+# (vpdpbusd's embedded broadcast: no shuffle), where the wide form spends a load and a vpermd per 8 rows and two
+# chunks. 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s pair / wide (bench/bench_repack.py, the same bits):
+# Q4_K 231 / 182, IQ4_XS 184 / 117-140, Q8_0 271 / 157. Q5_K's pair form, written, was slower (116 / 164: its
+# fifth-bit chunks, one per chunk and shared by the 4 sub-block pairs, are loaded once and held in registers across
+# them, 8 of 512 bits: spills), so Q5_K stays wide. See PAIRS.
+PAIR = {QType.Q4_K, QType.Q8_0, QType.IQ4_XS}
 # The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
 # 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
@@ -880,6 +920,10 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     wide = (_WIDE if wide is None else wide) and QType(qtype) in WIDE  # the blocks written for two chunks only
     codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide, ahead, locality),
                 2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY, wide)}
+    pair = _AVX2 and not portable and vnni and wide and QType(qtype) in PAIR  # wide: this CPU has the 512-bit form
+
+    if pair:
+        codegens["pair"] = _make_codegen(QType(qtype), True, MANY, True, True, pair=True)
 
     def trap(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
@@ -889,6 +933,10 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     @intrinsic
     def tile_dot(typingctx, tiles, xq, xd, xbs, out):
         nd = getattr(xq, "ndim", 0)
+        if (_c(tiles, types.uint8, 2) and nd == 2 and _c(xq, xq.dtype, 2) and xq.dtype in (types.int8, types.int16)
+                and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2) and _c(out, types.float32, 2)):
+            # two row-groups, MANY tokens (a trap where this format or CPU has no such form, or at 16 bits)
+            return types.none(tiles, xq, xd, xbs, out), codegens["pair"] if pair and xq.dtype == types.int8 else trap
         if (_c(tiles, types.uint8) and nd in (1, 2) and _c(xq, xq.dtype, nd) and xq.dtype in (types.int8, types.int16)
                 and _c(xd, types.float32, nd) and _c(xbs, types.int32, nd) and _c(out, types.float32, nd)):
             return types.none(tiles, xq, xd, xbs, out), codegens[nd] if xq.dtype == types.int8 else trap
@@ -916,6 +964,7 @@ _VNNI, _WIDE = _host_vnni()
 # Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a multiply per two
 # chunks), so they stay 256-bit.
 WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
+PAIRS = {q for q in PAIR if _AVX2 and _WIDE and q in WIDE}  # the formats whose two-row-group dot this CPU runs
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
@@ -939,7 +988,7 @@ TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: t
 TILE_DOTS_NT = {q: _make_tile_dot(q, locality=0) for q in TILE_DOTS}  # the same with non-temporal hints: experts
 
 
-TILE_DOT = None  # bound per format by _compile_matmul
+TILE_DOT, TILE_PAIR = None, False  # bound per format by _compile_matmul
 AHEAD = 4096  # bytes of tiles requested ahead of the row-group being read by the many-token product (as
 # kernels.PREFETCH_AHEAD; decode of the mid Q4_K_M file, 0 / 4096 alternated in one process, when one-token products
 # took this way too: p20 5.32 / 5.15 ms a token, median 5.70 / 5.56). The one-token dot asks for its own
@@ -950,25 +999,37 @@ TOKENS = 64  # tokens per step of the many-token product: their activations (64 
 def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
     # y float32 [T, R] = X W^T, W as tiles [R / 8, row_tiles], X as 8-bit rows xq [T, C], xd, xbs. A task owns 4
     # row-groups (32 rows, a few KiB of tiles: in L1) and walks the tokens TOKENS at a time, MANY per TILE_DOT call
-    # (the rest one by one); each token's results are its one-token call's bits.
+    # (the rest one by one), two row-groups a call where the format has that form on this CPU (TILE_PAIR: PAIRS);
+    # each token's results are its one-token call's bits.
     n, T = tiles.shape[0], xq.shape[0]
     base, rg = tiles.ctypes.data, tiles.shape[1]  # rg: bytes of a row-group
     for task in prange((n + 3) // 4):
         out = np.empty((MANY, ROWS), dtype=np.float32)
+        out2 = np.empty((MANY, 2 * ROWS), dtype=np.float32)  # a two-row-group call's
+        g1 = min(n, 4 * task + 4)
         for t0 in range(0, T, TOKENS):
             t1 = min(T, t0 + TOKENS)
-            for g in range(4 * task, min(n, 4 * task + 4)):
+            g = 4 * task
+            while g < g1:
+                m = 2 if TILE_PAIR and g + 1 < g1 else 1  # row-groups in this step
                 if t0 == 0 and ahead > 0 and T >= MANY:  # the bytes `ahead` asked for on the first pass (one-token
                     # dots ask for their own)
-                    prefetch_ahead(base, g * rg, rg, n * rg, ahead)
+                    prefetch_ahead(base, g * rg, m * rg, n * rg, ahead)
                 t = t0
                 while t + MANY <= t1:
-                    TILE_DOT(tiles[g], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out)
-                    for i in range(MANY):
-                        y[t + i, g * ROWS:(g + 1) * ROWS] = out[i]
+                    if m == 2:
+                        TILE_DOT(tiles[g:g + 2], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)
+                        for i in range(MANY):
+                            y[t + i, g * ROWS:(g + 2) * ROWS] = out2[i]
+                    else:
+                        TILE_DOT(tiles[g], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out)
+                        for i in range(MANY):
+                            y[t + i, g * ROWS:(g + 1) * ROWS] = out[i]
                     t += MANY
-                for u in range(t, t1):
-                    TILE_DOT(tiles[g], xq[u], xd[u], xbs[u], y[u, g * ROWS:(g + 1) * ROWS])
+                for h in range(g, g + m):
+                    for u in range(t, t1):
+                        TILE_DOT(tiles[h], xq[u], xd[u], xbs[u], y[u, h * ROWS:(h + 1) * ROWS])
+                g += m
 
 
 def _compile(template, name: str, constants: dict):
@@ -979,7 +1040,8 @@ def _compile(template, name: str, constants: dict):
 
 
 def _compile_matmul(qtype):
-    return _compile(_tile_matmul_template, f"tile_matmul_{qtype.name}", {"TILE_DOT": TILE_DOTS[qtype]})
+    return _compile(_tile_matmul_template, f"tile_matmul_{qtype.name}",
+                    {"TILE_DOT": TILE_DOTS[qtype], "TILE_PAIR": qtype in PAIRS})
 
 
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}

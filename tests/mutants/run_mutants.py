@@ -533,6 +533,22 @@ MUTANTS: list[Mutant] = [
         "the VNNI IQ4_XS and Q8_0 tile dots take 127 * bsum off the weights + 128 (every weight one step high); "
         "only CPUs with VNNI run that form: elsewhere this mutant survives"),
     Mutant(
+        "pair_start_off_by_one", "pymoe/quant/repack.py",
+        "ir.Constant(_i32, -128)), _i32, e.lanes)",
+        "ir.Constant(_i32, -127)), _i32, e.lanes)",
+        ("tests/test_repack.py::test_two_row_group_dot_has_the_bits_of_two_calls[*",
+         "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*IQ4_XS]"),
+        "the two-row-group IQ4_XS and Q8_0 dots start their sums from -127 * bsum (every weight one step high); "
+        "only CPUs with 512-bit VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
+        "pair_second_row_group_reads_the_first", "pymoe/quant/repack.py",
+        "self.load(wbase, self.b.add(off, self.stride), ty)",
+        "self.load(wbase, off, ty)",
+        ("tests/test_repack.py::test_two_row_group_dot_has_the_bits_of_two_calls[*",
+         "tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[*"),
+        "lanes 8-15 of the two-row-group dot read the first row-group's tiles again; only CPUs with 512-bit VNNI "
+        "run that form: elsewhere this mutant survives"),
+    Mutant(
         "tile_q5_k_int16_overflow", "pymoe/quant/repack.py",
         "if five and not e.vnni and c == 3:",
         "if five and not e.vnni and c == 99:",
