@@ -44,7 +44,8 @@ def test_multi_row_dot_has_the_bits_of_the_one_row_dot(qtype, bits):
 def test_rmsnorm_and_rope_hooks_are_bit_identical_to_numpy():
     b = CPUBackend()
     rng = np.random.default_rng(6)
-    for shape in ((1, 1024), (7, 1024), (3, 16, 64), (2, 5, 100), (4, 129), (1, 7), (2, 3000)):
+    for shape in ((1, 1024), (7, 1024), (3, 16, 64), (2, 5, 100), (4, 129), (1, 7), (2, 3000),
+                  (100, 1024), (4, 41, 64)):  # the last two: >= RMSNORM_PARALLEL_ROWS rows, shared among threads
         x = (rng.standard_normal(shape) * rng.uniform(0.01, 50)).astype(np.float32)
         w = rng.standard_normal(shape[-1]).astype(np.float32)
         assert np.array_equal(b.rmsnorm(x, w, 1e-6), rmsnorm(x, w, 1e-6))

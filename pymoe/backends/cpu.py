@@ -290,11 +290,31 @@ def rmsnorm_rows(x, w, eps, out):
     N, n = x.shape
     sq = np.empty(n, dtype=np.float32)  # [n] x^2 of one row
     for t in range(N):
-        for i in range(n):
-            sq[i] = x[t, i] * x[t, i]
-        denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n) + eps)  # float32 throughout
-        for i in range(n):
-            out[t, i] = x[t, i] / denom * w[i]
+        _rmsnorm_row(x[t], w, eps, out[t], sq)
+
+
+@njit(cache=True, inline="always")
+def _rmsnorm_row(x, w, eps, out, sq):
+    n = x.shape[0]
+    for i in range(n):
+        sq[i] = x[i] * x[i]
+    denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n) + eps)  # float32 throughout
+    for i in range(n):
+        out[i] = x[i] / denom * w[i]
+
+
+RMSNORM_PARALLEL_ROWS = 64  # from this many rows (a prefill chunk's) rmsnorm_rows_parallel: a parallel region costs
+# a few us, what a decode step's one-row call takes in all
+
+
+@njit(cache=True, parallel=True)
+def rmsnorm_rows_parallel(x, w, eps, out):
+    """rmsnorm_rows with the rows shared among the threads, 16 a task (each row's bits as rmsnorm_rows')."""
+    N, n = x.shape
+    for task in prange((N + 15) // 16):
+        sq = np.empty(n, dtype=np.float32)
+        for t in range(16 * task, min(N, 16 * task + 16)):
+            _rmsnorm_row(x[t], w, eps, out[t], sq)
 
 
 @njit(cache=True)
@@ -458,7 +478,8 @@ class CPUBackend(HostArrays):
         """model.rmsnorm's contract (x [..., n] normalised over its last axis, times w [n]), bit for bit."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # [N, n]
         out = np.empty(x2.shape, np.float32)
-        rmsnorm_rows(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
+        fn = rmsnorm_rows_parallel if x2.shape[0] >= RMSNORM_PARALLEL_ROWS else rmsnorm_rows
+        fn(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
         return out.reshape(x.shape)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:

@@ -505,8 +505,8 @@ def _act_fingerprint() -> str:
     here = os.path.dirname(__file__)
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
-            + ("n" if _NT else ""))  # PYMOE_VNNI, PYMOE_WIDE: which instructions the tile dots use; PYMOE_NT: the
-    # MoE kernel's hint
+            + ("p" if repack.PAIRS else "") + ("n" if _NT else ""))  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which
+    # instructions and forms the tile dots use; PYMOE_NT: the MoE kernel's hint
 
 
 def rows_dot(qtype):

@@ -480,6 +480,12 @@ class _Emit:
         second = self.load(wbase, self.b.add(off, self.stride), ty)  # the next row-group's
         return self.b.shuffle_vector(v, second, _vec(_i32, 2 * n, range(2 * n)))
 
+    def barrier(self):  # an empty asm with side effects: no load after it moves before it. The pair form puts one
+        # between parts of a block: without, LLVM's scheduler loads and unpacks a whole block's weights first, 32
+        # or more 512-bit values at once, and spills them (1 thread, 512 x 1024, 64 tokens, G MACs/s without /
+        # with: Q5_K 116 / 166-203, IQ4_XS 184-195 / 234-235)
+        self.b.asm(ir.FunctionType(ir.VoidType(), []), "", "", [], True)
+
     def splat(self, scalar, ty, n):
         v = self.b.insert_element(ir.Constant(ir.VectorType(ty, n), ir.Undefined), scalar, ir.Constant(_i32, 0))
         return self.b.shuffle_vector(v, ir.Constant(v.type, ir.Undefined), _vec(_i32, n, [0] * n))
@@ -665,6 +671,8 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
 
     isums = [e.zeros] * len(toks)
     for p in range(4):
+        if e.pair:
+            e.barrier()
         s_lo = s_hi = [None] * len(toks)
         for c in range(0, 8, e.width):  # chunk c (wide: c and c + 1): 4 weights of each row
             lo, hi = e.nibbles(e.chunk(wbase, e.at(t, 160 + 32 * (8 * p + c))))
@@ -778,6 +786,8 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
     b = e.b
     isums = [e.zeros] * len(toks)
     for g in range(8):
+        if e.pair and g % 2 == 0:  # (two groups a part: every group's was slower for Q8_0, 202 / 237-246)
+            e.barrier()
         sc8 = e.per_row(wbase, e.at(t, 16 + 8 * g), ir.VectorType(_i8, 8))  # the rows' scales of group g, -32..31
         s = [_minus_128_bsum_start(e, x, g) if e.pair else None for x in toks]
         for c in range(0, 4, e.width):  # chunk c (wide: c and c + 1)
@@ -807,6 +817,8 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
     accs = list(accs)
     n = e.VB.count
     for g in range(8):
+        if e.pair and g % 2 == 0:
+            e.barrier()
         s = [_minus_128_bsum_start(e, x, g) if e.pair else None for x in toks]
         for c in range(0, 8, e.width):  # chunk c (wide: c and c + 1)
             w = e.chunk(wbase, e.at(t, 128 + 32 * (8 * g + c)))
@@ -890,11 +902,10 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # The formats whose many-token dot also comes in a two-row-group form (`_Emit`'s pair: tiles [2, row_tiles] ->
 # out [MANY, 16]) where the CPU has 512-bit VNNI: a chunk's 4 activations are then one dword broadcast to 16 rows
 # (vpdpbusd's embedded broadcast: no shuffle), where the wide form spends a load and a vpermd per 8 rows and two
-# chunks. 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s pair / wide (bench/bench_repack.py, the same bits):
-# Q4_K 231 / 182, IQ4_XS 184 / 117-140, Q8_0 271 / 157. Q5_K's pair form, written, was slower (116 / 164: its
-# fifth-bit chunks, one per chunk and shared by the 4 sub-block pairs, are loaded once and held in registers across
-# them, 8 of 512 bits: spills), so Q5_K stays wide. See PAIRS.
-PAIR = {QType.Q4_K, QType.Q8_0, QType.IQ4_XS}
+# chunks. 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s pair / wide, two runs each (bench/bench_repack.py with
+# PYMOE_PAIR=1 / 0, the same bits): Q4_K 252-257 / 173-176, IQ4_XS 232-248 / 106-112, Q8_0 244-270 / 119-153, Q5_K
+# 178-180 / 151-159 (its fifth bits: more unpacking per chunk). With the blocks' barriers (`_Emit.barrier`).
+PAIR = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
 # The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
 # 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
@@ -964,7 +975,8 @@ _VNNI, _WIDE = _host_vnni()
 # Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a multiply per two
 # chunks), so they stay 256-bit.
 WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
-PAIRS = {q for q in PAIR if _AVX2 and _WIDE and q in WIDE}  # the formats whose two-row-group dot this CPU runs
+# the formats whose two-row-group dot this CPU runs (PYMOE_PAIR=0: none, the wide form alone, to compare them)
+PAIRS = {q for q in PAIR if _AVX2 and _WIDE and q in WIDE and os.environ.get("PYMOE_PAIR", "1") != "0"}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
@@ -1035,8 +1047,9 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
 def _compile(template, name: str, constants: dict):
     """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
     instruction-form suffix (jit.bind): the name keys Numba's on-disk cache, whose key also holds this CPU's name
-    and features, not PYMOE_VNNI / PYMOE_WIDE."""
-    return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}", constants, parallel=True)
+    and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR."""
+    return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}{'_pair' if PAIRS else ''}",
+                constants, parallel=True)
 
 
 def _compile_matmul(qtype):

@@ -510,8 +510,8 @@ MUTANTS: list[Mutant] = [
         "the repacked Q6_K dot brings back 31 * bsum instead of 32 (every weight off by one step)"),
     Mutant(
         "tile_vnni_scale_sign_lost", "pymoe/quant/repack.py",
-        "return s if sc8 is None else self.b.mul(s, (self.b.sext if signed else self.b.zext)(sc8, _V8I))",
-        "return s if sc8 is None else self.b.mul(s, self.b.zext(sc8, _V8I))",
+        "return s if sc8 is None else self.b.mul(s, (self.b.sext if signed else self.b.zext)(sc8, self.VI))",
+        "return s if sc8 is None else self.b.mul(s, self.b.zext(sc8, self.VI))",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q6_K]",
          "tests/test_repack.py::test_every_form_of_the_tile_dot_has_the_same_bits[Q3_K-*]"),
         "the VNNI tile dot reads Q3_K's and Q6_K's signed scales as unsigned (a negative scale becomes 256 + sc); "
@@ -532,6 +532,12 @@ MUTANTS: list[Mutant] = [
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[IQ4_XS]"),
         "the VNNI IQ4_XS and Q8_0 tile dots take 127 * bsum off the weights + 128 (every weight one step high); "
         "only CPUs with VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
+        "rmsnorm_parallel_skips_a_row", "pymoe/backends/cpu.py",
+        "for t in range(16 * task, min(N, 16 * task + 16)):",
+        "for t in range(16 * task, min(N, 16 * task + 15)):",
+        ("tests/test_kernels_cpu_backend.py::test_rmsnorm_and_rope_hooks_are_bit_identical_to_numpy",),
+        "a prefill chunk's rmsnorm leaves one row in 16 unwritten"),
     Mutant(
         "pair_start_off_by_one", "pymoe/quant/repack.py",
         "ir.Constant(_i32, -128)), _i32, e.lanes)",
@@ -557,8 +563,8 @@ MUTANTS: list[Mutant] = [
         "overflow at the largest weights"),
     Mutant(
         "tile_q8_0_group_scale_of_the_next_group", "pymoe/quant/repack.py",
-        "d8 = b.fpext(e.load(wbase, e.at(t, 16 * g), ir.VectorType(ir.HalfType(), 8)), _V8F)",
-        "d8 = b.fpext(e.load(wbase, e.at(t, 16 * ((g + 1) % 8)), ir.VectorType(ir.HalfType(), 8)), _V8F)",
+        "d8 = b.fpext(e.per_row(wbase, e.at(t, 16 * g), ir.VectorType(ir.HalfType(), 8)), e.VF)",
+        "d8 = b.fpext(e.per_row(wbase, e.at(t, 16 * ((g + 1) % 8)), ir.VectorType(ir.HalfType(), 8)), e.VF)",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q8_0]",
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q8_0]"),
         "the repacked Q8_0 dot scales each group by the next group's d"),
