@@ -705,48 +705,51 @@ def _block_symmetric(qtype):
         bias, chunks_per_madd = 32, 2  # 2 * 2 * 63 * 127 = 32004 < 2^15
 
     def planes(e: _Emit, wbase, t, h, c):  # the 4 bit-planes j of chunk c: int8 [32] q' of weights 128 h + 32 j + 4 c
-        b = e.b
-        sh = lambda v, n: b.lshr(v, _vec(_i8, 32, [n] * 32)) if n else v  # noqa: E731
-        mask = lambda v, m: b.and_(v, _vec(_i8, 32, [m] * 32))  # noqa: E731
-        up = lambda v, n: b.shl(v, _vec(_i8, 32, [n] * 32))  # noqa: E731
+        b, n = e.b, e.VB.count  # (pair: [64], both row-groups')
+        sh = lambda v, k: b.lshr(v, _vec(_i8, n, [k] * n)) if k else v  # noqa: E731
+        mask = lambda v, m: b.and_(v, _vec(_i8, n, [m] * n))  # noqa: E731
+        up = lambda v, k: b.shl(v, _vec(_i8, n, [k] * n))  # noqa: E731
         if qtype == QType.Q3_K:
-            q = e.load(wbase, e.at(t, 144 + 32 * (8 * h + c)), _V32B)
-            hm = e.load(wbase, e.at(t, 656 + 32 * c), _V32B)
+            q = e.chunk(wbase, e.at(t, 144 + 32 * (8 * h + c)))
+            hm = e.chunk(wbase, e.at(t, 656 + 32 * c))
             return [b.or_(mask(sh(q, 2 * j), 3), up(mask(sh(hm, 4 * h + j), 1), 2)) for j in range(4)]
-        lo_a = e.load(wbase, e.at(t, 144 + 32 * (16 * h + c)), _V32B)  # ql[64 h + 4 c ..]
-        lo_b = e.load(wbase, e.at(t, 144 + 32 * (16 * h + 8 + c)), _V32B)  # ql[64 h + 32 + 4 c ..]
-        hq = e.load(wbase, e.at(t, 1168 + 32 * (8 * h + c)), _V32B)  # qh[32 h + 4 c ..]
+        lo_a = e.chunk(wbase, e.at(t, 144 + 32 * (16 * h + c)))  # ql[64 h + 4 c ..]
+        lo_b = e.chunk(wbase, e.at(t, 144 + 32 * (16 * h + 8 + c)))  # ql[64 h + 32 + 4 c ..]
+        hq = e.chunk(wbase, e.at(t, 1168 + 32 * (8 * h + c)))  # qh[32 h + 4 c ..]
         lows = [mask(lo_a, 15), mask(lo_b, 15), sh(lo_a, 4), sh(lo_b, 4)]  # j = 0, 1 low nibbles; 2, 3 high
         return [b.or_(lows[j], up(mask(sh(hq, 2 * j), 3), 4)) for j in range(4)]
 
     def block(e: _Emit, wbase, t, toks, accs):
         b = e.b
-        isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+        per = 4 if e.pair else chunks_per_madd  # chunks into int32 at a time (pair: VNNI, the sub-block at once)
+        isums = [e.zeros] * len(toks)
         for h in range(2):
             for half in range(2):  # chunks 4 half .. 4 half + 3: sub-blocks 8 h + 2 j + half
+                if e.pair:
+                    e.barrier()
                 s = [[None] * len(toks) for _ in range(4)]
                 for c in range(4 * half, 4 * half + 4):
                     vs = planes(e, wbase, t, h, c)
                     for j in range(4):
-                        s[j] = [e.sub_add(a, vs[j], e.x4(x.xbase, x.xo, 128 * h + 32 * j + 4 * c))
+                        s[j] = [e.sub_add(a, vs[j], e.xs(x.xbase, x.xo, 128 * h + 32 * j + 4 * c))
                                 for a, x in zip(s[j], toks)]
-                    if (c + 1) % chunks_per_madd == 0:  # into int32 with the sub-blocks' scales, before 2^15
+                    if (c + 1) % per == 0:  # into int32 with the sub-blocks' scales, before 2^15
                         for j in range(4):
                             k = 8 * h + 2 * j + half
-                            sc8 = e.load(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8))
+                            sc8 = e.per_row(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8))
                             isums = [b.add(i, e.sub_scaled(a, sc8, True)) for i, a in zip(isums, s[j])]
                             s[j] = [None] * len(toks)
         # - bias * sum_k sc_k bsum_k, then d * dx times the whole block's integer
-        corr = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+        corr = [e.zeros] * len(toks)
         for k in range(16):
-            sc = b.sext(e.load(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8)), _V8I)
-            corr = [b.add(m, b.mul(sc, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, 8)))
+            sc = b.sext(e.per_row(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8)), e.VI)
+            corr = [b.add(m, b.mul(sc, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, e.lanes)))
                     for m, x in zip(corr, toks)]
-        d8 = b.fpext(e.load(wbase, t, ir.VectorType(ir.HalfType(), 8)), _V8F)
+        d8 = b.fpext(e.per_row(wbase, t, ir.VectorType(ir.HalfType(), 8)), e.VF)
         out = []
         for x, isum, m, acc in zip(toks, isums, corr, accs):
-            total = b.sub(isum, b.mul(m, _vec(_i32, 8, [bias] * 8)))
-            out.append(e.fma(b.sitofp(total, _V8F), b.fmul(d8, e.splat(x.dx, _f32, 8)), acc))
+            total = b.sub(isum, b.mul(m, _vec(_i32, e.lanes, [bias] * e.lanes)))
+            out.append(e.fma(b.sitofp(total, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), acc))
         return out
 
     return block
@@ -902,10 +905,14 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # The formats whose many-token dot also comes in a two-row-group form (`_Emit`'s pair: tiles [2, row_tiles] ->
 # out [MANY, 16]) where the CPU has 512-bit VNNI: a chunk's 4 activations are then one dword broadcast to 16 rows
 # (vpdpbusd's embedded broadcast: no shuffle), where the wide form spends a load and a vpermd per 8 rows and two
-# chunks. 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s pair / wide, two runs each (bench/bench_repack.py with
+# chunks. 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s pair / not (the wide form; Q3_K's and Q6_K's the 256-bit
+# one without VNNI), two runs each (bench/bench_repack.py with
 # PYMOE_PAIR=1 / 0, the same bits): Q4_K 252-257 / 173-176, IQ4_XS 232-248 / 106-112, Q8_0 244-270 / 119-153, Q5_K
-# 178-180 / 151-159 (its fifth bits: more unpacking per chunk). With the blocks' barriers (`_Emit.barrier`).
-PAIR = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
+# 178-180 / 151-159 (its fifth bits: more unpacking per chunk); in a second round Q3_K 145-156 / 105-110 and Q6_K
+# 138-144 / 110-114 (their pair form takes VNNI, a scale multiply per 16 weights and token, for 16 rows at once), Q4_K
+# 242-251 / 177-178, Q5_K 177 / 156-159, Q8_0 239-267 / 119-121, IQ4_XS 233-243 / 113-138. With the blocks' barriers
+# (`_Emit.barrier`). Q2_K and MXFP4 have no pair form (their prefill was already above llama.cpp's).
+PAIR = {QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS}
 # The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
 # 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
@@ -925,13 +932,17 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     hold the call; at 16 bits its body is a trap (callers pass no tiles then). portable: the IR without x86
     intrinsics (CPUs without AVX2); vnni: with vpdpbusd or without (None: as this CPU allows, `_VNNI`). The
     one-token dot asks for the tile bytes `ahead` (None: STREAM_AHEAD; 0: none) past those it reads, at prefetch
-    `locality` (3: the dense weights, read again next token; 0, non-temporal: the routed experts, `TILE_DOTS_NT`)."""
+    `locality` (3: the dense weights, read again next token; 0, non-temporal: the routed experts, `TILE_DOTS_NT`).
+    With tiles 2-D (uint8 [2, nb * TILE_BYTES], two neighbouring row-groups) and MANY tokens, out [MANY, 16]: the pair
+    form (formats in PAIR, on a CPU with 512-bit VNNI; a trap elsewhere: callers check PAIRS), lane by lane the bits
+    of the one-row-group calls."""
     ahead = STREAM_AHEAD if ahead is None else ahead
     vnni = _VNNI if vnni is None else vnni
-    wide = (_WIDE if wide is None else wide) and QType(qtype) in WIDE  # the blocks written for two chunks only
+    wide_ok = _WIDE if wide is None else wide  # the 512-bit forms allowed
+    wide = wide_ok and QType(qtype) in WIDE  # the blocks written for two chunks only
     codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide, ahead, locality),
                 2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY, wide)}
-    pair = _AVX2 and not portable and vnni and wide and QType(qtype) in PAIR  # wide: this CPU has the 512-bit form
+    pair = _AVX2 and not portable and vnni and wide_ok and QType(qtype) in PAIR
 
     if pair:
         codegens["pair"] = _make_codegen(QType(qtype), True, MANY, True, True, pair=True)
@@ -976,7 +987,7 @@ _VNNI, _WIDE = _host_vnni()
 # chunks), so they stay 256-bit.
 WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
 # the formats whose two-row-group dot this CPU runs (PYMOE_PAIR=0: none, the wide form alone, to compare them)
-PAIRS = {q for q in PAIR if _AVX2 and _WIDE and q in WIDE and os.environ.get("PYMOE_PAIR", "1") != "0"}
+PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1") != "0"}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
