@@ -319,8 +319,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     addr int64 [S, 6]: per expert, the addresses of its gate, up (uint8 [F, row_bytes(D)]) and down (uint8
     [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive), then of the same three matrices
     repacked 8 rows at a time (quant/repack.py, uint8 [rows / 8, row_tiles]), or 0 where there is no such copy; an
-    expert's repacked matrices are read 8 rows per call, for TILE_MANY tokens at a time (then one by one), with the
-    same bits. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
+    expert's repacked matrices are read 8 rows per call (16, two row-groups, where the types have the pair form:
+    PAIR_GATE_UP, PAIR_DOWN), for TILE_MANY tokens at a time (then one by one), with the same bits. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); h
     float32 [P, F], hq/hd/hbs its quantized rows (qmax: the largest value of xq's and hq's dtype). y float32
