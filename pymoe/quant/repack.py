@@ -82,7 +82,9 @@ products per row sit in two int16 lanes of several vpmaddubsw results added toge
 half a sub-block at a time goes into int32), Q6_K 2 * 2 * 63 * 127 = 32004 (so two chunks
 at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS 2 * 127 * 127 = 32258 and Q8_0 2 * 128 * 127 =
 32512 (so each chunk goes into int32 on its own); with VNNI every product goes straight into int32.
-Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by.
+Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by; on a
+CPU with 512-bit VNNI the formats in PAIR read two row-groups per call (16 rows in the lanes of one vector, each row's
+integers and float operations those of its own row-group's call: the same bits; `_Emit`).
 What this is not: a 16-bit-activation path (its sums need qact's 16-lane split, so the default activations read the
 raw rows).
 """
@@ -697,8 +699,9 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
 
 def _block_symmetric(qtype):
     """Q3_K and Q6_K: d * sc_k * (q - bias), signed 8-bit scales per 16 weights. In a tile the integers are taken as
-    q' = q + bias >= 0 (Q3_K 0..7, Q6_K 0..63) against x by vpmaddubsw, and the bias comes back through the
-    bsums: isum = sum_k sc_k (sum q' x - bias * bsum_k), exactly the one-row dot's integer."""
+    q' = q + bias >= 0 (Q3_K 0..7, Q6_K 0..63) against x by vpmaddubsw (by vpdpbusd in the pair form, which takes a
+    sub-block's 4 chunks into int32 at once), and the bias comes back through the bsums: isum = sum_k sc_k (sum q' x -
+    bias * bsum_k), exactly the one-row dot's integer."""
     if qtype == QType.Q3_K:
         bias, chunks_per_madd = 4, 4  # |4 chunks of 2 products| <= 4 * 2 * 7 * 127 < 2^15
     else:
