@@ -1,5 +1,5 @@
-"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4 and IQ4_XS (pymoe/quant/repack.py) and the
-CPU backend's use of them.
+"""The 8-row repacked layouts of Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4 and IQ4_XS (pymoe/quant/repack.py), the
+decoded layout of IQ1-IQ3 (prefill's scratch tiles), and the CPU backend's use of them.
 
 What this is: the layout against its NumPy reference and its inverse (the raw bytes come back); the tile dot against
 the one-row and multi-row dots of the same rows, bit for bit (the repacked layout exists to be faster, never to
@@ -203,7 +203,7 @@ def test_every_form_of_the_tile_dot_has_the_same_bits(qtype, form):
 _PAIR_RUNNERS = {}
 
 
-@pytest.mark.parametrize("qtype", sorted(repack.PAIR), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", sorted(q for q in repack.PAIR if q != repack.DECODED), ids=lambda q: q.name)
 def test_two_row_group_dot_has_the_bits_of_two_calls(qtype):
     """The two-row-group form (tiles [2, row_tiles] -> [MANY, 16]: lanes 8-15 the second row-group's rows, each
     chunk's activations one dword broadcast to all 16 lanes, IQ4_XS's and Q8_0's sums starting from -128 * bsum)
@@ -234,6 +234,74 @@ def test_two_row_group_dot_has_the_bits_of_two_calls(qtype):
         _PAIR_RUNNERS[qtype](tiles, xq, xd, xbs, y2, y1)
         for g in range(G - 1):
             assert np.array_equal(y2[g], np.concatenate([y1[g], y1[g + 1]], axis=1)), g
+
+
+GRID = sorted(qact.ROW_DECODES, key=lambda q: q.name)  # IQ1-IQ3: the formats prefill reads decoded
+
+
+@pytest.mark.parametrize("qtype", GRID, ids=lambda q: q.name)
+def test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits(qtype):
+    """IQ1-IQ3 rows decoded (repack.decode_tiles through qact's row_decode: what the MoE kernel does to an expert's
+    rows in prefill) hold gguf-py's dequantized weights exactly (d * scale * q, each product exact in float32:
+    repack.decoded_values); the decoded layout's tile dot gives, for one token, among MANY and in the two-row-group
+    form (tile_matmul: 5 row-groups, 11 tokens; and matmul_act's prefill form, which decodes as it goes), the bits of
+    the raw rows' one-row and multi-row dots (qact's
+    exact_blocks: the same integers, the same float operations), in every form this CPU compiles, and is within
+    float32 rounding of float math (4 C u sum|w x|, as test_tile_dot_has_the_bits_of_the_row_dots)."""
+    import gguf
+
+    rng = np.random.default_rng(int(qtype))
+    R, C = 40, 512
+    raw = random_rows(qtype, R, C, rng)
+    tiles = repack.decode_tiles(raw, qtype)  # [5, 2 * DECODED_TILE]
+    ref = gguf.dequantize(raw, gguf.GGMLQuantizationType(int(qtype))).reshape(R, C)
+    assert np.array_equal(repack.decoded_values(tiles), ref)
+    T = 2 * repack.MANY + 3
+    X = (rng.standard_normal((T, C)) * rng.uniform(0.1, 100)).astype(np.float32)
+    xq, xd, xbs = _x8(X)
+    many = repack.tile_matmul(tiles, repack.DECODED, xq, xd, xbs)  # [T, R]
+    rows, acc = np.empty((T, R), np.float32), np.empty((T, 16), np.float32)
+    for r in range(R):
+        qact.ACT_DOTS_ROWS[qtype](raw[r], xq, xd, xbs, acc, rows[:, r])
+    assert T >= kernels.DECODE_MIN_TOKENS  # so matmul_act decodes (repack.decoded_matmul, 32 rows a task)
+    assert np.array_equal(kernels.matmul_act(raw, qtype, X, 8, xact=(xq, xd, xbs)), rows)
+    x_deq = qact.dequantize_act(xq, xd).astype(np.float64)  # [T, C]
+    for t in range(T):
+        one = np.array([qact.ACT_DOTS[qtype](raw[r], xq[t], xd[t], xbs[t]) for r in range(R)], np.float32)
+        assert np.array_equal(many[t], one) and np.array_equal(many[t], rows[t]), t
+        bound = 4 * C * U * (np.abs(ref.astype(np.float64)) @ np.abs(x_deq[t]))
+        assert (np.abs(many[t] - ref.astype(np.float64) @ x_deq[t]) <= bound).all()
+    for form, _ in FORMS:
+        y1, y4 = _form(repack.DECODED, form, tiles, xq[:repack.MANY], xd[:repack.MANY], xbs[:repack.MANY])
+        assert np.array_equal(y1, many[0]) and np.array_equal(y4, many[:repack.MANY]), form
+
+
+@pytest.mark.parametrize("types", [(QType.IQ2_XXS, QType.IQ2_XXS, QType.IQ3_XXS), (QType.Q4_K, QType.Q4_K, QType.IQ1_M)],
+                         ids=lambda t: "-".join(q.name for q in t))
+def test_fused_moe_kernel_decodes_iq_experts_with_the_bits_of_one_token_calls(types):
+    """A prefill chunk of 40 tokens whose 4 experts have 3, 9, 20 and 33 of them: gate, up and down of an IQ1-IQ3
+    type are read through decoded scratch tiles (16 rows at a time) for the experts with DECODE_MIN_TOKENS or more,
+    through the raw rows for the others; every token's output is bit for bit the kernel's on that token alone (one
+    token an expert: the raw rows' one-row dots), whose integers and float operations the decoded tiles repeat."""
+    rng = np.random.default_rng(17)
+    D, F, T = 512, 256, 40
+    experts = [tuple(random_rows(q, *shape, rng) for q, shape in zip(types, ((F, D), (F, D), (D, F))))
+               for _ in range(4)]
+    x = rng.standard_normal((T, D)).astype(np.float32)
+    pairs = [(np.sort(rng.choice(T, n, replace=False)), rng.uniform(0.1, 1, n).astype(np.float32))
+             for n in (3, 9, 20, 33)]
+    assert kernels.DECODE_MIN_TOKENS <= 9
+    y = kernels.moe_act(experts, types, x, pairs, bits=8)  # [T, D]
+    for t in range(T):
+        mine = [(ex, (np.zeros(1, np.int64), w[tok == t])) for ex, (tok, w) in zip(experts, pairs) if (tok == t).any()]
+        if not mine:  # a token no expert took
+            assert not y[t].any()
+            continue
+        alone = kernels.moe_act([ex for ex, _ in mine], types, x[t:t + 1], [p for _, p in mine], bits=8)[0]
+        assert np.array_equal(y[t], alone), t
+    y16 = kernels.moe_act(experts, types, x, pairs, bits=16)  # 16-bit activations: the raw rows (no 8-bit tiles)
+    assert np.array_equal(y16[:1], kernels.moe_act(experts, types, x[:1], [(t[t == 0], w[t == 0]) for t, w in pairs],
+                                                   bits=16))
 
 
 def _addresses(mats):

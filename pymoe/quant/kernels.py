@@ -228,6 +228,15 @@ GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per 256 weights of the gate, up and
 TILE_GATE = TILE_UP = TILE_DOWN = None  # their repacked layouts' tile dots (quant/repack.py; any one for a type
 GATE_TILE = UP_TILE = DOWN_TILE = 0  # without a layout: never called), and bytes per 8 rows and 256 columns
 PAIR_GATE_UP = PAIR_DOWN = False  # whether their many-token tile dots take two row-groups a call (repack.PAIRS)
+DECODE_GATE = DECODE_UP = DECODE_DOWN = None  # their row decoders (qact.ROW_DECODES; a placeholder where none)
+DECODED_GATE_UP = DECODED_DOWN = False  # whether prefill reads them through decoded scratch tiles (both gate and up)
+TILE_DECODED = None  # the decoded layout's tile dot (repack.tile_dot_decoded), PAIR_DECODED: in its pair form
+PAIR_DECODED = False
+DECODED_TILE = 0  # bytes of the decoded layout per 8 rows and 256 columns (qact.DECODED_TILE)
+# The fewest tokens of one expert for which prefill decodes its rows into scratch tiles (IQ1-IQ3): decoding costs
+# about as much as ~14 tokens' raw-row products (1 thread, 512 x 1024, bench/bench_repack.py: decoding ~10 G
+# weights/s, the decoded tile dots ~143 G MACs/s against the raw rows' ~49), so from ~8 tokens on it pays
+DECODE_MIN_TOKENS = 8
 MM_ROWS_PER_TASK, MM_TOKENS = 32, 64  # the tile of the integer mat-mat kernel: rows per task, tokens per step
 ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (qact._make_row_dot)
 # How far ahead the MoE kernel asks for the weights it reads next (bytes; 0: not at all). Hardware prefetchers alone
@@ -320,7 +329,10 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     [D, row_bytes(F)]) raw rows, C-contiguous (the caller keeps them alive), then of the same three matrices
     repacked 8 rows at a time (quant/repack.py, uint8 [rows / 8, row_tiles]), or 0 where there is no such copy; an
     expert's repacked matrices are read 8 rows per call (16, two row-groups, where the types have the pair form:
-    PAIR_GATE_UP, PAIR_DOWN), for TILE_MANY tokens at a time (then one by one), with the same bits. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
+    PAIR_GATE_UP, PAIR_DOWN), for TILE_MANY tokens at a time (then one by one), with the same bits. In prefill, an
+    IQ1-IQ3 matrix (no repacked copy: DECODED_GATE_UP, DECODED_DOWN) of an expert with DECODE_MIN_TOKENS pairs or
+    more is decoded 16 rows at a time into a scratch tile (DECODE_*: qact's row_decode) that the decoded layout's
+    tile dot reads for all its pairs (TILE_DECODED), again with the bits of the raw rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); h
     float32 [P, F], hq/hd/hbs its quantized rows (qmax: the largest value of xq's and hq's dtype). y float32
@@ -403,6 +415,42 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
                         TILE_GATE(gt[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
                         TILE_UP(ut[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
                 r += m * TILE_ROWS
+        elif DECODED_GATE_UP and qmax == 127 and b - a >= DECODE_MIN_TOKENS and F % TILE_ROWS == 0:  # 8-bit x:
+            # decoded 16 rows at a time
+            dg = np.empty((2, D // QK_K * DECODED_TILE), dtype=np.uint8)  # [2, row_tiles(D)] gate rows, decoded
+            du = np.empty((2, D // QK_K * DECODED_TILE), dtype=np.uint8)  # up rows
+            o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)
+            o2 = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)
+            r = r0
+            while r < r1:
+                m = 2 if PAIR_DECODED and r + 2 * TILE_ROWS <= r1 else 1  # row-groups in this step
+                if ahead > 0:
+                    PREFETCH_WEIGHTS(addr[k, 0], r * gate_bytes, m * TILE_ROWS * gate_bytes, F * gate_bytes, ahead)
+                    PREFETCH_WEIGHTS(addr[k, 1], r * up_bytes, m * TILE_ROWS * up_bytes, F * up_bytes, ahead)
+                for j in range(m * TILE_ROWS):
+                    DECODE_GATE(gate[r + j], dg[j // TILE_ROWS], j % TILE_ROWS)
+                    DECODE_UP(up[r + j], du[j // TILE_ROWS], j % TILE_ROWS)
+                c0 = r - r0
+                i = 0
+                while i + TILE_MANY <= b - a:
+                    p0, p1 = a + i, a + i + TILE_MANY
+                    if m == 2:
+                        TILE_DECODED(dg, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                        g[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
+                        TILE_DECODED(du, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                        u[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
+                    else:
+                        TILE_DECODED(dg[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                        g[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
+                        TILE_DECODED(du[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                        u[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
+                    i += TILE_MANY
+                for q in range(m):
+                    c = c0 + q * TILE_ROWS
+                    for j in range(i, b - a):
+                        TILE_DECODED(dg[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
+                        TILE_DECODED(du[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
+                r += m * TILE_ROWS
         else:
             for r in range(r0, r1):
                 if ahead > 0:
@@ -430,6 +478,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
         out8 = np.empty(TILE_ROWS, dtype=np.float32)  # one row-group's results, for one token
         out_many = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # for TILE_MANY
         out_pair = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)  # for TILE_MANY and two row-groups
+        dd = np.empty((2, F // QK_K * DECODED_TILE), dtype=np.uint8)  # [2, row_tiles(F)] 16 down rows, decoded
         for k in range(n_exp):
             a, b = start[k], start[k + 1]
             down = carray(bytes_at(addr[k, 2]), (D, down_bytes))  # [D, row_bytes(F)]
@@ -462,6 +511,36 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
                             TILE_DOWN(dt[q], hq[a + m], hd[a + m], hbs[a + m], out8)
                             for j in range(TILE_ROWS):
                                 y[tok[a + m], q * TILE_ROWS + j] += weight[a + m] * out8[j]
+                    r += n_rg * TILE_ROWS
+                continue
+            if DECODED_DOWN and qmax == 127 and b - a >= DECODE_MIN_TOKENS and D % TILE_ROWS == 0:  # (as above)
+                r = r0
+                while r < r1:
+                    n_rg = 2 if PAIR_DECODED and r + 2 * TILE_ROWS <= r1 else 1
+                    if ahead > 0:
+                        PREFETCH_WEIGHTS(addr[k, 2], r * down_bytes, n_rg * TILE_ROWS * down_bytes, r1 * down_bytes,
+                                         ahead)
+                    for j in range(n_rg * TILE_ROWS):
+                        DECODE_DOWN(down[r + j], dd[j // TILE_ROWS], j % TILE_ROWS)
+                    i = 0
+                    while i + TILE_MANY <= b - a:
+                        p0, p1 = a + i, a + i + TILE_MANY
+                        if n_rg == 2:
+                            TILE_DECODED(dd, hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
+                            for m in range(TILE_MANY):
+                                for j in range(2 * TILE_ROWS):
+                                    y[tok[p0 + m], r + j] += weight[p0 + m] * out_pair[m, j]
+                        else:
+                            TILE_DECODED(dd[0], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
+                            for m in range(TILE_MANY):
+                                for j in range(TILE_ROWS):
+                                    y[tok[p0 + m], r + j] += weight[p0 + m] * out_many[m, j]
+                        i += TILE_MANY
+                    for q in range(n_rg):
+                        for m in range(i, b - a):
+                            TILE_DECODED(dd[q], hq[a + m], hd[a + m], hbs[a + m], out8)
+                            for j in range(TILE_ROWS):
+                                y[tok[a + m], r + q * TILE_ROWS + j] += weight[a + m] * out8[j]
                     r += n_rg * TILE_ROWS
                 continue
             for r in range(r0, r1):
@@ -499,13 +578,16 @@ _ACT_KERNELS: dict = {}
 # MXFP4_MOE files the rounds split both ways (no change measured). The distance stays PREFETCH_AHEAD (4096 best
 # with either hint: bench/prefetch_ahead.py).
 _NT = os.environ.get("PYMOE_NT", "1") != "0"
+# PYMOE_DECODE=0: prefill reads the IQ1-IQ3 experts' raw rows (the multi-row dots), not decoded scratch tiles (the
+# same bits either way; to compare them)
+_DECODE = os.environ.get("PYMOE_DECODE", "1") != "0"
 
 
 def _act_fingerprint() -> str:
     here = os.path.dirname(__file__)
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
-            + ("p" if repack.PAIRS else "") + ("n" if _NT else ""))  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which
+            + ("p" if repack.PAIRS else "") + ("n" if _NT else "") + ("d" if _DECODE else ""))  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which
     # instructions and forms the tile dots use; PYMOE_NT: the MoE kernel's hint
 
 
@@ -548,12 +630,18 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
     tiles = [tile_dots.get(q, repack.tile_dot_q4_k) for q in qtypes]  # (a placeholder where a type has no tiles)
     tile_bytes = [repack.TILE_BYTES.get(q, 0) for q in qtypes]
+    placeholder = next(iter(qact.ROW_DECODES.values()))  # (typed, never called, where a type has no decoder)
+    decoders = [qact.ROW_DECODES.get(q, placeholder) for q in qtypes]
     return dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
                 ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
                 TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], GATE_TILE=tile_bytes[0],
                 UP_TILE=tile_bytes[1], DOWN_TILE=tile_bytes[2],
                 PAIR_GATE_UP=qtypes[0] in repack.PAIRS and qtypes[1] in repack.PAIRS,
                 PAIR_DOWN=qtypes[2] in repack.PAIRS,
+                DECODE_GATE=decoders[0], DECODE_UP=decoders[1], DECODE_DOWN=decoders[2],
+                DECODED_GATE_UP=_DECODE and qtypes[0] in qact.ROW_DECODES and qtypes[1] in qact.ROW_DECODES,
+                DECODED_DOWN=_DECODE and qtypes[2] in qact.ROW_DECODES, TILE_DECODED=repack.tile_dot_decoded,
+                PAIR_DECODED=repack.DECODED in repack.PAIRS, DECODED_TILE=qact.DECODED_TILE,
                 PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if _NT else qact.prefetch_ahead)
 
 
@@ -568,6 +656,9 @@ def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=Non
         raise ValueError(f"matmul_act: X must have shape (T, {cols_of(w, fmt)}) for {fmt.name} weights "
                          f"{w.shape[0]}x{cols_of(w, fmt)} of a type with an integer dot, got {X.shape}")
     xq, xd, xbs = xact if xact is not None else qact.quantize_rows(X, bits)  # [T, C], [T, C/256], [T, C/16]
+    if (xq.dtype == np.int8 and X.shape[0] >= DECODE_MIN_TOKENS and _DECODE and fmt.qtype in qact.ROW_DECODES
+            and w.shape[0] % TILE_ROWS == 0):  # IQ1-IQ3 in prefill: decoded 32 rows at a time, the same bits
+        return repack.decoded_matmul(w, fmt.qtype, xq, xd, xbs)
     Y = np.empty((X.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
     if X.shape[0] == 1:
         act_kernel(_matvec_act_kernel, fmt.qtype)(w, xq[0], xd[0], xbs[0], Y[0])

@@ -262,7 +262,7 @@ class Grid:
 def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: int, d_off: int, dmin_off: int,
                   min_fields, signed_scales: bool = False, codebook=None, group_scales=None, signed_values=False,
                   portable: bool = False, prescale_one: bool = False, exact_blocks: bool = False, d_mult: float = 1.0,
-                  d_fields=None):
+                  d_fields=None, decoder: bool = False):
     """-> (row_dot(w, xq, xd, xbs) -> float32 for one activation row (1-D xq [C], xd [C/256], xbs [C/16]),
     row_dot_rows(w, xq, xd, xbs, acc, out) writing out[t] = row_dot(w, xq[t], xd[t], xbs[t]) for every row t of
     2-D, C-contiguous xq, xd, xbs; acc: float32 [T, 16] scratch). w: one weight row, uint8 [nb * size].
@@ -280,6 +280,9 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
     depend on how its integers sit in lanes: the numerics of the 8-row repacked layouts (quant/repack.py), for the
     formats that have one (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS).
+    decoder: also return a third intrinsic, row_decode(w, tile, r): the row's blocks into row r (0..7) of an 8-row
+    decoded tile (DECODED_TILE bytes per block, the layout at DECODED_TILE; formats whose blocks are integers with a
+    scale per 16 weights and one d: the Grid formats).
     prescale_one: the one-row form multiplies the weights by their scales before the pair sums, as the rows form
     does (the same integers: both weights of a pair share a scale); else the pair sums after. Which is faster
     depends on the format (measured on Zen 3, 1 thread, 512 x 1024: Q2_K 9.6 vs 8.1 G MAC/s prescaled, Q4_K 6.3
@@ -683,6 +686,27 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             builder.store(total, at(builder, outb, builder.mul(t.index, outs), f32))
         return context.get_dummy_value()
 
+    def codegen_decode(context, builder, signature, args):
+        wa, ta = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:2], args[:2]))
+        r = context.cast(builder, args[2], signature.args[2], types.int64)  # the row within the row-group
+        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, size))
+        tb = builder.bitcast(ta.data, i8.as_pointer())
+        with cgutils.for_range(builder, n_blocks) as loop:
+            b_ = loop.index
+            (groups_, _), d, _, _ = block_at(builder, wa.data, b_, "bytes", 8)  # int8 [32] and scales per group
+            t_ = builder.mul(b_, ir.Constant(i64, DECODED_TILE))  # the block's first tile byte
+            off = lambda k, per: builder.add(t_, builder.add(ir.Constant(i64, k), builder.mul(r, ir.Constant(i64, per))))  # noqa: E731
+            builder.store(d, at(builder, tb, off(DECODED_D, 4), f32), align=1)
+            for g, (v, sc) in enumerate(groups_):
+                for half, lane in ((0, 0), (1, 8)):  # sub-block 2g + half: its scale in pair lanes 0-7, 8-15
+                    s8 = builder.trunc(builder.extract_element(sc, ir.Constant(i32, lane)), i8)
+                    builder.store(s8, at(builder, tb, off(DECODED_SCALES + 8 * (2 * g + half), 1), i8), align=1)
+                words = builder.bitcast(v, ir.VectorType(i32, 8))  # chunk c: weights 32g + 4c .. + 3
+                for c in range(8):
+                    builder.store(builder.extract_element(words, ir.Constant(i32, c)),
+                                  at(builder, tb, off(DECODED_QS + 32 * (8 * g + c), 4), i32), align=1)
+        return context.get_dummy_value()
+
     def _act_rows(x, nd):
         return _is_act(x) and x.dtype != types.int32 and x.ndim == nd and x.layout == "C"
 
@@ -701,7 +725,12 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 1):
             return types.none(w, xq, xd, xbs, acc, out), codegen_rows
 
-    return row_dot, row_dot_rows
+    @intrinsic
+    def row_decode(typingctx, w, tile, r):
+        if _arr(w, types.uint8, 1) and _arr(tile, types.uint8, 1) and isinstance(r, types.Integer):
+            return types.none(w, tile, r), codegen_decode
+
+    return (row_dot, row_dot_rows, row_decode) if decoder else (row_dot, row_dot_rows)
 
 
 # Q4_K's and Q5_K's scales[12] at byte 4: a 6-bit scale and min per 32-weight sub-block j, packed as in get_scale_min:
@@ -823,7 +852,18 @@ def _row_dots_for(portable: bool = False) -> dict:
 #     from the format's grid; IQ2/IQ3: each 8 weights' signs come from a +-1 table and go onto the magnitudes
 #     (vpsignb); IQ1: the grid's -1/0/+1 times 8, plus +-1 (the +-1/8 delta). From there the 8-bit path moves the
 #     signs onto x like every signed format. Bounds: |integer| <= 62, 2s + 1 <= 31.
+#     Prefill reads them decoded: the MoE kernel decodes 16 rows of an expert (row_decode, one row at a time) into
+#     a scratch tile of 8-row groups and runs the tile dots of quant/repack.py (`repack.DECODED`) over all the
+#     expert's tokens; the decoded layout, per 8 rows and 256 columns (DECODED_TILE bytes):
+#       byte   0: d     float32 [8]                row r's block scale (d times d_mult, exact) at 4 r
+#       byte  32: scale int8 [16 sub-blocks][8]   sub-block k's (16 weights) integer scale 2s + 1 at 32 + 8 k + r
+#       byte 160: qs    int8 [8 groups g][8 chunks c][8 rows r][4 bytes]: row r's integers 32 g + 4 c .. + 3
+#     A weight is d * scale * q, the integers those of the one-row dot (the same bits from either, exact_blocks).
 # ----------------------------------------------------------------------------------------------------------------
+DECODED_D, DECODED_SCALES, DECODED_QS = 0, 32, 160
+DECODED_TILE = 160 + 8 * 256  # 2208 bytes
+
+
 def _sign_rows(bytes_: np.ndarray) -> np.ndarray:
     """int [m] bytes of 8 sign bits -> int8 [m, 8]: entry j is -1 where bit j is set, else +1."""
     return np.where((bytes_[:, None] >> np.arange(8)) & 1, -1, 1).astype(np.int8)
@@ -867,7 +907,8 @@ def _iq_grid_dots(portable: bool = False) -> dict:
     and d_mult the power of two. portable: without x86 intrinsics, for the tests."""
     grid = lambda flat, width: flat.reshape(-1, width).astype(np.int8)  # noqa: E731
     g8, g4 = range(8), range(4)
-    common = dict(scale_bias=-1, value_bias=0, d_off=0, dmin_off=-1, min_fields=None, portable=portable)
+    common = dict(scale_bias=-1, value_bias=0, d_off=0, dmin_off=-1, min_fields=None, portable=portable,
+                  exact_blocks=True, decoder=True)
     return {
         # IQ2_XXS (66 bytes): group g at 2 + 8g: 4 row indices, then a uint32: 4 x 7 sign bits, the scale in bits 28-31.
         QType.IQ2_XXS: _make_row_dot(
@@ -936,11 +977,12 @@ def _vec_dot_rows_template(w, xq, xd, xbs, acc, out):
 
 
 ROW_DOTS = {**ROW_DOTS_K, **ROW_DOTS_NEW, **ROW_DOTS_GRID}
+ROW_DECODES = {q: dots[2] for q, dots in ROW_DOTS_GRID.items()}  # QType -> row_decode (see DECODED_TILE)
 # QType -> vec_dot(w, xq, xd, xbs) -> float32 (one row), and -> vec_dot_rows(w, xq, xd, xbs, acc, out) (out[t] for
 # every row t of 2-D xq, xd, xbs; acc float32 [T, 16] scratch; bit for bit the one-row results)
-ACT_DOTS = {q: bind(_vec_dot_template, f"vec_dot_{q.name}", dict(ROW_DOT=one)) for q, (one, _) in ROW_DOTS.items()}
-ACT_DOTS_ROWS = {q: bind(_vec_dot_rows_template, f"vec_dot_rows_{q.name}", dict(ROW_DOT_ROWS=rows))
-                 for q, (_, rows) in ROW_DOTS.items()}
+ACT_DOTS = {q: bind(_vec_dot_template, f"vec_dot_{q.name}", dict(ROW_DOT=dots[0])) for q, dots in ROW_DOTS.items()}
+ACT_DOTS_ROWS = {q: bind(_vec_dot_rows_template, f"vec_dot_rows_{q.name}", dict(ROW_DOT_ROWS=dots[1]))
+                 for q, dots in ROW_DOTS.items()}
 
 
 def has_int_dot(qtype, cols: int) -> bool:

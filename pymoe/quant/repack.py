@@ -1,5 +1,5 @@
-"""Weights repacked 8 rows at a time (Q2_K..Q6_K, Q8_0, MXFP4, IQ4_XS), and the 8-bit dots that read them: 8 rows a
-lane.
+"""Weights repacked 8 rows at a time (Q2_K..Q6_K, Q8_0, MXFP4, IQ4_XS; IQ1-IQ3 decoded, in prefill), and the 8-bit
+dots that read them: 8 rows a lane.
 
 What this is: the CPU layout llama.cpp calls a "repack" (its block_q4_Kx8 and friends), written from the idea, not
 the code. A one-row dot (qact.row_dot_*) spends much of a block on things every row repeats: unpacking the scales,
@@ -55,6 +55,14 @@ row-group g's 256-column block b at [g, b * TILE]. Per format (TILE_BYTES):
     byte   16: scale int8 [8 groups][8]       group g's 6-bit scale of row r minus 32 (-32..31) at 16 + 8 g + r
     byte   80: qs    [8 groups g][4 chunks c][8 rows r][4 bytes]: as MXFP4's (indices into the IQ4 codebook)
 
+  decoded (2208 bytes; IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S: `DECODED`, the layout in qact's section 3c)
+    byte    0: d     float32 [8]              row r's block scale, times the format's power of two (exact)
+    byte   32: scale int8 [16 sub-blocks][8]  the integer scale 2s + 1 of sub-block k (16 weights) of row r
+    byte  160: qs    int8 [8 groups g][8 chunks c][8 rows r][4 bytes]: row r's signed integers 32 g + 4 c .. + 3
+    Not a copy kept beside the raw rows (4 to 8 times their bytes): the MoE kernel decodes 16 rows of an expert at a
+    time into scratch (qact's row_decode, per row) when the expert has enough tokens in a prefill chunk, and runs
+    this layout's tile dot over all of them (`decode_tiles` is the whole-matrix form, for the tests and benches).
+
 `repack_ref(raw, qtype)` makes a layout from raw rows (NumPy, the reference), `repack(raw, qtype)` the same bytes
 compiled (what the CPU backend runs: an expert is repacked the first time decode uses it); `unpack(tiles, qtype)` is
 the inverse (the tests' round trip). `TILE_DOTS[qtype]`: the dot of one row-group and one token (an intrinsic, for
@@ -70,6 +78,9 @@ Numerics (8-bit activations only: qact's x, int8 qs, d per 256, bsums per 16), p
     acc  = fma(float(isum), d * dx, acc)
   IQ4_XS, per 256-block b (v the codebook level, |v| <= 127; sc_g the group's scale - 32):
     isum = sum_g sc_g * sum_{k in g} v_k x_k                  exact int32 (|isum| <= 256 * 32 * 127 * 127 < 2^28)
+    acc  = fma(float(isum), d * dx, acc)
+  decoded (IQ1-IQ3; q the signed integer, |q| <= 62, sc_k = 2s + 1 <= 31, d the block's float times 2^-k):
+    isum = sum_k sc_k * sum_{i in sub-block k} q_i x_i       exact int32 (|isum| <= 256 * 62 * 127 * 31 < 2^27)
     acc  = fma(float(isum), d * dx, acc)
   MXFP4 and Q8_0, per group g of 32 (8 a block):
     isum = sum_{k in g} v_k x_k                              exact int32 (v the codebook level, |v| <= 12, or the
@@ -98,7 +109,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from . import QType
+from . import QType, get_format, qact
 from .jit import bind
 from .iquants import KVALUES_IQ4NL
 from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales,
@@ -844,9 +855,52 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
     return accs
 
 
+def _block_decoded(e: _Emit, wbase, t, toks, accs):
+    """The decoded layout of the Grid formats (IQ1-IQ3, `DECODED`: int8 weights, an integer scale per 16 of them,
+    a float d per row and block). With VNNI q + 128 (the sign bit flipped, as Q8_0's) meets x in vpdpbusd, a
+    sub-block's 4 chunks into one int32 sum, and 128 * the sub-block's bsum comes off (pair: the sum starts there);
+    without, |q| meets x signed by q (vpsignb), each chunk into int32 on its own (2 * 128 * 127 < 2^15). Then, as
+    the one-row dot's exact_blocks: isum = sum_k sc_k * (sub-block k's sum of q x), exact (|isum| <= 256 * 62 * 127
+    * 31 < 2^27), and acc = fma(float(isum), d * dx, acc)."""
+    b = e.b
+    n = e.VB.count
+    isums = [e.zeros] * len(toks)
+    for g in range(8):
+        if e.pair and g % 2 == 0:  # (as IQ4_XS's and Q8_0's: two groups a part)
+            e.barrier()
+        for half in range(2):  # sub-block k = 2 g + half: chunks 4 half .. 4 half + 3 of group g
+            k = 2 * g + half
+            sc8 = e.per_row(wbase, e.at(t, qact.DECODED_SCALES + 8 * k), ir.VectorType(_i8, 8))
+            minus = [e.b.mul(e.load(x.bsbase, e.at(x.bso, k), _i32), ir.Constant(_i32, -128)) for x in toks]
+            s = [e.splat(m, _i32, e.lanes) if e.pair else None for m in minus]
+            for c in range(4 * half, 4 * half + 4):
+                w = e.chunk(wbase, e.at(t, qact.DECODED_QS + 32 * (8 * g + c)))
+                xk = 32 * g + 4 * c
+                if e.vnni:
+                    u = b.xor(w, _vec(_i8, n, [-128] * n))  # q + 128 as an unsigned byte
+                    s = [e.sub_add(a, u, e.xs(x.xbase, x.xo, xk)) for a, x in zip(s, toks)]
+                    continue
+                mag = e.magnitude(w)
+                isums = [b.add(i, e.sub_scaled(e.signed_add(None, w, mag, e.x4(x.xbase, x.xo, xk)), sc8, True))
+                         for i, x in zip(isums, toks)]
+            if e.vnni:  # row r: sc_k * (sum (q + 128) x - 128 * bsum_k)
+                for i in range(len(toks)):
+                    si = s[i] if e.pair else b.add(s[i], e.splat(minus[i], _i32, e.lanes))
+                    isums[i] = b.add(isums[i], e.sub_scaled(si, sc8, True))
+    d8 = e.per_row(wbase, e.at(t, qact.DECODED_D), ir.VectorType(_f32, 8))
+    return [e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), acc)
+            for x, isum, acc in zip(toks, isums, accs)]
+
+
+DECODED = "decoded"  # the key of the decoded layout (qact.DECODED_TILE) beside the QTypes in the tables below
 _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QType.Q4_K: _block_q4_k,
            QType.Q5_K: lambda *a: _block_q4_k(*a, five=True), QType.Q6_K: _block_symmetric(QType.Q6_K),
-           QType.MXFP4: _block_mxfp4, QType.Q8_0: _block_q8_0, QType.IQ4_XS: _block_iq4_xs}
+           QType.MXFP4: _block_mxfp4, QType.Q8_0: _block_q8_0, QType.IQ4_XS: _block_iq4_xs, DECODED: _block_decoded}
+_LAYOUT_BYTES = {**TILE_BYTES, DECODED: qact.DECODED_TILE}  # bytes per 8 rows and 256 columns, every layout
+
+
+def _key(layout):  # a layout's key: a QType (an int finds it), or DECODED
+    return layout if layout == DECODED else QType(layout)
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
@@ -854,7 +908,7 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
     """ahead > 0: each block also asks for the bytes `ahead` past its own (llvm.prefetch at `locality`, 3: keep in
     every cache level, 0: non-temporal), one hint per 64 bytes of the block, among the block's own loads (see
     STREAM_AHEAD). Hints only: no fault past the end of the array, no effect on the results."""
-    size, block = TILE_BYTES[qtype], _BLOCKS[qtype]
+    size, block = _LAYOUT_BYTES[qtype], _BLOCKS[qtype]
     i32 = ir.IntType(32)
 
     def codegen(context, builder, signature, args):
@@ -915,7 +969,7 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # 138-144 / 110-114 (their pair form takes VNNI, a scale multiply per 16 weights and token, for 16 rows at once), Q4_K
 # 242-251 / 177-178, Q5_K 177 / 156-159, Q8_0 239-267 / 119-121, IQ4_XS 233-243 / 113-138. With the blocks' barriers
 # (`_Emit.barrier`). Q2_K and MXFP4 have no pair form (their prefill was already above llama.cpp's).
-PAIR = {QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS}
+PAIR = {QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS, DECODED}
 # The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
 # 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
@@ -923,7 +977,7 @@ PAIR = {QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS
 # and no vpsignb per token with VNNI) 122-131 / 96 (two runs against one); Q5_K, wide, 167-169 / 120-125 (one
 # row-group loop, medians of 40 alternated calls in one process; narrow VNNI was slower, 98-101: a CPU with VNNI
 # but not the 512-bit form would do better without); Q8_0, wide, 187-190 / 101-104 (the same loop).
-VNNI_MANY = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS}
+VNNI_MANY = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS, DECODED}
 
 
 def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3,
@@ -942,13 +996,14 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     ahead = STREAM_AHEAD if ahead is None else ahead
     vnni = _VNNI if vnni is None else vnni
     wide_ok = _WIDE if wide is None else wide  # the 512-bit forms allowed
-    wide = wide_ok and QType(qtype) in WIDE  # the blocks written for two chunks only
-    codegens = {1: _make_codegen(QType(qtype), _AVX2 and not portable, 1, vnni, wide, ahead, locality),
-                2: _make_codegen(QType(qtype), _AVX2 and not portable, MANY, vnni and QType(qtype) in VNNI_MANY, wide)}
-    pair = _AVX2 and not portable and vnni and wide_ok and QType(qtype) in PAIR
+    qtype = _key(qtype)
+    wide = wide_ok and qtype in WIDE  # the blocks written for two chunks only
+    codegens = {1: _make_codegen(qtype, _AVX2 and not portable, 1, vnni, wide, ahead, locality),
+                2: _make_codegen(qtype, _AVX2 and not portable, MANY, vnni and qtype in VNNI_MANY, wide)}
+    pair = _AVX2 and not portable and vnni and wide_ok and qtype in PAIR
 
     if pair:
-        codegens["pair"] = _make_codegen(QType(qtype), True, MANY, True, True, pair=True)
+        codegens["pair"] = _make_codegen(qtype, True, MANY, True, True, pair=True)
 
     def trap(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
@@ -1012,6 +1067,8 @@ TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: t
              QType.Q5_K: tile_dot_q5_k, QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4,
              QType.Q8_0: tile_dot_q8_0, QType.IQ4_XS: tile_dot_iq4_xs}
 TILE_DOTS_NT = {q: _make_tile_dot(q, locality=0) for q in TILE_DOTS}  # the same with non-temporal hints: experts
+# the decoded layout's (a scratch tile, in L1: no hints ahead)
+tile_dot_decoded = _make_tile_dot(DECODED, ahead=0)
 
 
 TILE_DOT, TILE_PAIR = None, False  # bound per format by _compile_matmul
@@ -1072,6 +1129,99 @@ def _compile_matmul(qtype):
 
 
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}
+_MATMULS[DECODED] = _compile(_tile_matmul_template, "tile_matmul_decoded",
+                             {"TILE_DOT": tile_dot_decoded, "TILE_PAIR": DECODED in PAIRS})
+
+
+def _decode_template(raw, out):
+    # out uint8 [R / 8, nb * DECODED_TILE] = raw uint8 [R, row_bytes] of a Grid format, decoded row by row
+    for r in prange(raw.shape[0]):
+        ROW_DECODE(raw[r], out[r // ROWS], r % ROWS)  # noqa: F821 (bound by _compile)
+
+
+_DECODERS = {}
+
+
+def decode_tiles(raw: np.ndarray, qtype) -> np.ndarray:
+    """Raw rows uint8 [R, row_bytes] of a Grid format (qact.ROW_DECODES; R a multiple of 8) -> its decoded
+    layout uint8 [R / 8, nb * DECODED_TILE], the input of tile_matmul(..., DECODED, ...). The MoE kernel decodes
+    16 rows at a time into scratch instead (kernels._moe_kernel); this is the whole-matrix form for the tests."""
+    qtype = QType(qtype)
+    fn = _DECODERS.get(qtype)
+    if fn is None:
+        fn = _DECODERS[qtype] = _compile(_decode_template, f"decode_tiles_{qtype.name}",
+                                         {"ROW_DECODE": qact.ROW_DECODES[qtype]})
+    raw = np.ascontiguousarray(raw)
+    out = np.empty((raw.shape[0] // ROWS, raw.shape[1] // get_format(qtype).row_bytes(QK_K) * qact.DECODED_TILE),
+                   dtype=np.uint8)
+    fn(raw, out)
+    return out
+
+
+def _decoded_matmul_template(raw, xq, xd, xbs, y):
+    # y float32 [T, R] = X W^T, W as raw rows uint8 [R, row_bytes] of a Grid format (R a multiple of 8): a task
+    # decodes its 4 row-groups (32 rows) into scratch tiles once, then walks the tokens as _tile_matmul_template
+    # does over them (TILE_DOT: the decoded layout's dot), so each (row, token) has the raw rows' bits
+    n, T = raw.shape[0] // ROWS, xq.shape[0]
+    for task in prange((n + 3) // 4):
+        g0, g1 = 4 * task, min(n, 4 * task + 4)
+        tiles = np.empty((g1 - g0, xd.shape[1] * qact.DECODED_TILE), dtype=np.uint8)  # [<= 4, row_tiles]
+        for j in range((g1 - g0) * ROWS):
+            ROW_DECODE(raw[g0 * ROWS + j], tiles[j // ROWS], j % ROWS)  # noqa: F821 (bound by _compile)
+        out = np.empty((MANY, ROWS), dtype=np.float32)
+        out2 = np.empty((MANY, 2 * ROWS), dtype=np.float32)
+        for t0 in range(0, T, TOKENS):
+            t1 = min(T, t0 + TOKENS)
+            g = 0
+            while g < g1 - g0:
+                m = 2 if TILE_PAIR and g + 1 < g1 - g0 else 1  # noqa: F821
+                c = (g0 + g) * ROWS  # the first row of this step
+                t = t0
+                while t + MANY <= t1:
+                    if m == 2:
+                        TILE_DOT(tiles[g:g + 2], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)  # noqa: F821
+                        for i in range(MANY):
+                            y[t + i, c:c + 2 * ROWS] = out2[i]
+                    else:
+                        TILE_DOT(tiles[g], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out)  # noqa: F821
+                        for i in range(MANY):
+                            y[t + i, c:c + ROWS] = out[i]
+                    t += MANY
+                for h in range(g, g + m):
+                    for u in range(t, t1):
+                        TILE_DOT(tiles[h], xq[u], xd[u], xbs[u], y[u, (g0 + h) * ROWS:(g0 + h + 1) * ROWS])  # noqa: F821
+                g += m
+
+
+_DECODED_MATMULS = {}
+
+
+def decoded_matmul(raw: np.ndarray, qtype, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> np.ndarray:
+    """X W^T -> float32 [T, R] for raw rows uint8 [R, row_bytes] of a Grid format (IQ1-IQ3; R a multiple of 8,
+    C-contiguous) and T rows of 8-bit activations: the rows decoded 32 at a time into scratch tiles, then the decoded
+    layout's tile dots (a prefill chunk's dense products; kernels.matmul_act calls it). The raw rows' bits."""
+    qtype = QType(qtype)
+    fn = _DECODED_MATMULS.get(qtype)
+    if fn is None:
+        fn = _DECODED_MATMULS[qtype] = _compile(
+            _decoded_matmul_template, f"decoded_matmul_{qtype.name}",
+            {"ROW_DECODE": qact.ROW_DECODES[qtype], "TILE_DOT": tile_dot_decoded, "TILE_PAIR": DECODED in PAIRS})
+    y = np.empty((xq.shape[0], raw.shape[0]), dtype=np.float32)  # [T, R]
+    fn(raw, xq, xd, xbs, y)
+    return y
+
+
+def decoded_values(tiles: np.ndarray) -> np.ndarray:
+    """NumPy: a decoded layout uint8 [R / 8, nb * DECODED_TILE] -> the weights float32 [R, nb * 256], d * scale *
+    q (each product exact in float32: d's 11-bit mantissa times |scale * q| <= 31 * 62 < 2^11)."""
+    g, n = tiles.shape[0], tiles.shape[1] // qact.DECODED_TILE
+    blk = tiles.reshape(g, n, qact.DECODED_TILE)
+    d = blk[:, :, :32].copy().view(np.float32)  # [g, n, 8]
+    sc = blk[:, :, 32:160].view(np.int8).reshape(g, n, 16, 8).astype(np.float32)  # [g, n, k, r]
+    q = blk[:, :, 160:].view(np.int8).reshape(g, n, 8, 8, 8, 4).astype(np.float32)  # [g, n, group, chunk, r, 4]
+    q = q.transpose(0, 4, 1, 2, 3, 5).reshape(g, 8, n, 16, 16)  # [g, r, n, k, 16]
+    w = q * sc.transpose(0, 3, 1, 2)[..., None] * d.transpose(0, 2, 1)[:, :, :, None, None]
+    return w.reshape(g * 8, n * 256)
 
 
 def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2):
