@@ -555,6 +555,37 @@ MUTANTS: list[Mutant] = [
         "lanes 8-15 of the two-row-group dot read the first row-group's tiles again; only CPUs with 512-bit VNNI "
         "run that form: elsewhere this mutant survives"),
     Mutant(
+        "decoded_gate_rows_one_row_off", "pymoe/quant/kernels.py",
+        "DECODE_GATE(gate[r + j], dg[j // TILE_ROWS], j % TILE_ROWS)",
+        "DECODE_GATE(gate[r + j], dg[j // TILE_ROWS], (j + 1) % TILE_ROWS)",
+        ("tests/test_repack.py::test_fused_moe_kernel_decodes_iq_experts_with_the_bits_of_one_token_calls[*",),
+        "the MoE kernel decodes each gate row of an IQ expert into the scratch tile's next row (prefill, 8-bit)"),
+    Mutant(
+        "decoded_down_second_row_group_columns", "pymoe/quant/kernels.py",
+        "y[tok[a + m], r + q * TILE_ROWS + j] += weight[a + m] * out8[j]",
+        "y[tok[a + m], r + j] += weight[a + m] * out8[j]",
+        ("tests/test_repack.py::test_fused_moe_kernel_decodes_iq_experts_with_the_bits_of_one_token_calls[*",),
+        "a decoded down step's second row-group adds its leftover tokens' results into the first's columns"),
+    Mutant(
+        "decoded_dot_bsum_of_the_wrong_sub_block", "pymoe/quant/repack.py",
+        "minus = [e.b.mul(e.load(x.bsbase, e.at(x.bso, k), _i32)",
+        "minus = [e.b.mul(e.load(x.bsbase, e.at(x.bso, 2 * g), _i32)",
+        ("tests/test_repack.py::test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits[*",),
+        "the decoded layout's VNNI dot takes 128 times the group's first bsum off both of its sub-blocks' sums; "
+        "only CPUs with VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
+        "decoded_scale_of_the_first_half", "pymoe/quant/qact.py",
+        "for half, lane in ((0, 0), (1, 8)):",
+        "for half, lane in ((0, 0), (1, 0)):",
+        ("tests/test_repack.py::test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits[IQ2_XS]",),
+        "row_decode stores a group's first sub-block scale for both of its halves (IQ2_XS's scales are per 16)"),
+    Mutant(
+        "decoded_matmul_row_groups_folded", "pymoe/quant/repack.py",
+        "ROW_DECODE(raw[g0 * ROWS + j], tiles[j // ROWS], j % ROWS)",
+        "ROW_DECODE(raw[g0 * ROWS + j], tiles[(j // ROWS) % 2], j % ROWS)",
+        ("tests/test_repack.py::test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits[IQ1_S]",),
+        "matmul_act's decoded prefill writes a task's third and fourth row-groups over its first two"),
+    Mutant(
         "tile_q5_k_int16_overflow", "pymoe/quant/repack.py",
         "if five and not e.vnni and c == 3:",
         "if five and not e.vnni and c == 99:",
