@@ -645,26 +645,32 @@ def _sum(e: _Emit, a, m):  # a running sum, None at first
 def _block_q2_k(e: _Emit, wbase, t, toks, accs):
     """Q2_K. A 32-byte load holds, per row, 4 bytes = 4 weights in each of 4 bit-planes j (weights 128 h + 32 j +
     4 c ..); sub-block k (16 weights) = chunks 4 e .. 4 e + 3 of plane j, k = 8 h + 2 j + e. Scale = low nibble
-    of the sub-block's byte, min = high nibble."""
+    of the sub-block's byte, min = high nibble. The 2-bit weights are unsigned: no bias (pair form: vpdpbusd, a
+    sub-block's 4 chunks into int32 at once, then its scale)."""
     b = e.b
-    three = _vec(_i8, 32, [3] * 32)
-    isums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+    n = e.VB.count
+    three = _vec(_i8, n, [3] * n)
+    isums = [e.zeros] * len(toks)
     for h in range(2):
         for j in range(4):
+            if e.pair:  # (a barrier per plane: see _Emit.barrier)
+                e.barrier()
             for half in range(2):
                 s = [None] * len(toks)
                 for c in range(4 * half, 4 * half + 4):
-                    q = e.load(wbase, e.at(t, 160 + 32 * (8 * h + c)), _V32B)
-                    v = b.and_(b.lshr(q, _vec(_i8, 32, [2 * j] * 32)), three) if j else b.and_(q, three)
+                    q = e.chunk(wbase, e.at(t, 160 + 32 * (8 * h + c)))
+                    v = b.and_(b.lshr(q, _vec(_i8, n, [2 * j] * n)), three) if j else b.and_(q, three)
                     k = 128 * h + 32 * j + 4 * c  # the chunk's first weight
-                    s = [e.sub_add(a, v, e.x4(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+                    s = [e.sub_add(a, v, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
                 k = 8 * h + 2 * j + half
-                sc8 = b.and_(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [15] * 8))
+                sc8 = b.and_(e.per_row(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)),
+                             _vec(_i8, 2 * 8 if e.pair else 8, [15] * (16 if e.pair else 8)))
                 isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]  # row r: sc_rk * its 16 products
-    msums = [ir.Constant(_V8I, [0] * 8)] * len(toks)
+    msums = [e.zeros] * len(toks)
     for k in range(16):
-        m8 = b.zext(b.lshr(e.load(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)), _vec(_i8, 8, [4] * 8)), _V8I)
-        msums = [b.add(m, b.mul(m8, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, 8)))
+        m8 = e.per_row(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8))
+        m8 = b.zext(b.lshr(m8, _vec(_i8, m8.type.count, [4] * m8.type.count)), e.VI)
+        msums = [b.add(m, b.mul(m8, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, e.lanes)))
                  for m, x in zip(msums, toks)]
     return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
 
@@ -969,7 +975,7 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # 138-144 / 110-114 (their pair form takes VNNI, a scale multiply per 16 weights and token, for 16 rows at once), Q4_K
 # 242-251 / 177-178, Q5_K 177 / 156-159, Q8_0 239-267 / 119-121, IQ4_XS 233-243 / 113-138. With the blocks' barriers
 # (`_Emit.barrier`). Q2_K and MXFP4 have no pair form (their prefill was already above llama.cpp's).
-PAIR = {QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS, DECODED}
+PAIR = {QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS, DECODED}
 # The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
 # 1 thread, 512 x 1024, 64 tokens, Zen 5, G MACs/s with / without: Q4_K 131-144 / 125, MXFP4 114-116 / 96; Q2_K
