@@ -974,7 +974,10 @@ MANY = 4  # tokens per call of a tile's many-token dot
 # 178-180 / 151-159 (its fifth bits: more unpacking per chunk); in a second round Q3_K 145-156 / 105-110 and Q6_K
 # 138-144 / 110-114 (their pair form takes VNNI, a scale multiply per 16 weights and token, for 16 rows at once), Q4_K
 # 242-251 / 177-178, Q5_K 177 / 156-159, Q8_0 239-267 / 119-121, IQ4_XS 233-243 / 113-138. With the blocks' barriers
-# (`_Emit.barrier`). Q2_K and MXFP4 have no pair form (their prefill was already above llama.cpp's).
+# (`_Emit.barrier`). Q2_K's pair form came in round fifteen, on an Intel Xeon VM with AVX-512 VNNI: 112-118 / 63-72
+# (the same matrix and tokens, three alternated runs); it also serves the down matrices of the IQ1 and IQ2 mixes.
+# The decoded layout's (DECODED) is the IQ1-IQ3 prefill's. MXFP4 has no pair form (its prefill was already above
+# llama.cpp's).
 PAIR = {QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, QType.IQ4_XS, DECODED}
 # The formats whose many-token dot takes vpdpbusd where the CPU has it (every format's one-token dot does). For the
 # others, whose scales cover 16 weights, an int32 multiply per sub-block and token cost more than vpdpbusd saves:
