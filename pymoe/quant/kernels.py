@@ -233,9 +233,10 @@ DECODED_GATE_UP = DECODED_DOWN = False  # whether prefill reads them through dec
 TILE_DECODED = None  # the decoded layout's tile dot (repack.tile_dot_decoded), PAIR_DECODED: in its pair form
 PAIR_DECODED = False
 DECODED_TILE = 0  # bytes of the decoded layout per 8 rows and 256 columns (qact.DECODED_TILE)
-# The fewest tokens of one expert for which prefill decodes its rows into scratch tiles (IQ1-IQ3): decoding costs
-# about as much as ~14 tokens' raw-row products (1 thread, 512 x 1024, bench/bench_repack.py: decoding ~10 G
-# weights/s, the decoded tile dots ~143 G MACs/s against the raw rows' ~49), so from ~8 tokens on it pays
+# The fewest tokens of one expert for which prefill decodes its rows into scratch tiles (IQ1-IQ3): decoding a weight
+# costs about what ~5 tokens' raw-row products of it do, which the faster dot wins back after ~7.5 tokens (1 thread,
+# 512 x 1024, bench/bench_repack.py: decoding ~10 G weights/s, the decoded tile dots ~143 G MACs/s against the raw
+# rows' ~49: 0.1 / (1/49 - 1/143) = 7.5)
 DECODE_MIN_TOKENS = 8
 MM_ROWS_PER_TASK, MM_TOKENS = 32, 64  # the tile of the integer mat-mat kernel: rows per task, tokens per step
 ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (qact._make_row_dot)

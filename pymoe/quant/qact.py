@@ -279,7 +279,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     exact_blocks: with 8-bit activations, each block's integer sums (with group_scales: each group's) are added up
     exactly and enter the float accumulator as one multiply-add each, in order (block_terms8), so a row's bits do not
     depend on how its integers sit in lanes: the numerics of the 8-row repacked layouts (quant/repack.py), for the
-    formats that have one (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS).
+    formats that have one (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q8_0, MXFP4, IQ4_XS) and the Grid formats (decoded tiles).
     decoder: also return a third intrinsic, row_decode(w, tile, r): the row's blocks into row r (0..7) of an 8-row
     decoded tile (DECODED_TILE bytes per block, the layout at DECODED_TILE; formats whose blocks are integers with a
     scale per 16 weights and one d: the Grid formats).

@@ -832,13 +832,21 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
             for x, isum, acc in zip(toks, isums, accs)]
 
 
+def _plus_128_sums(e: _Emit, s, w, toks, k):
+    """VNNI, int8 weights w (one operation's chunk): each token's sums s (None at first) plus (w + 128) times its
+    activations k .. k + 3 (the sign bit flipped makes w + 128 the unsigned byte vpdpbusd takes; the caller takes 128
+    times the activations' sum off, or starts from there)."""
+    n = e.VB.count
+    u = e.b.xor(w, _vec(_i8, n, [-128] * n))
+    return [e.sub_add(a, u, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+
+
 def _block_q8_0(e: _Emit, wbase, t, toks, accs):
     """Q8_0, group by group: with VNNI the int8 weights + 128 (unsigned: the sign bit flipped) meet x in vpdpbusd
     and 128 * (the group's two bsums) comes off after, exactly; without, |w| meets x signed by w (vpsignb) and each
     chunk's int16 pair sums (up to 2 * 128 * 127) go into int32 at once. Then d_g * dx per group, as MXFP4's."""
     b = e.b
     accs = list(accs)
-    n = e.VB.count
     for g in range(8):
         if e.pair and g % 2 == 0:
             e.barrier()
@@ -847,8 +855,7 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
             w = e.chunk(wbase, e.at(t, 128 + 32 * (8 * g + c)))
             k = 32 * g + 4 * c
             if e.vnni:
-                u = b.xor(w, _vec(_i8, n, [-128] * n))  # w + 128 as an unsigned byte
-                s = [e.sub_add(a, u, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+                s = _plus_128_sums(e, s, w, toks, k)
                 continue
             mag = e.magnitude(w)
             s = [_sum(e, a, e.sub_scaled(e.signed_add(None, w, mag, e.x4(x.xbase, x.xo, k)))) for a, x in zip(s, toks)]
@@ -869,7 +876,6 @@ def _block_decoded(e: _Emit, wbase, t, toks, accs):
     the one-row dot's exact_blocks: isum = sum_k sc_k * (sub-block k's sum of q x), exact (|isum| <= 256 * 62 * 127
     * 31 < 2^27), and acc = fma(float(isum), d * dx, acc)."""
     b = e.b
-    n = e.VB.count
     isums = [e.zeros] * len(toks)
     for g in range(8):
         if e.pair and g % 2 == 0:  # (as IQ4_XS's and Q8_0's: two groups a part)
@@ -883,8 +889,7 @@ def _block_decoded(e: _Emit, wbase, t, toks, accs):
                 w = e.chunk(wbase, e.at(t, qact.DECODED_QS + 32 * (8 * g + c)))
                 xk = 32 * g + 4 * c
                 if e.vnni:
-                    u = b.xor(w, _vec(_i8, n, [-128] * n))  # q + 128 as an unsigned byte
-                    s = [e.sub_add(a, u, e.xs(x.xbase, x.xo, xk)) for a, x in zip(s, toks)]
+                    s = _plus_128_sums(e, s, w, toks, xk)
                     continue
                 mag = e.magnitude(w)
                 isums = [b.add(i, e.sub_scaled(e.signed_add(None, w, mag, e.x4(x.xbase, x.xo, xk)), sc8, True))

@@ -496,8 +496,8 @@ MUTANTS: list[Mutant] = [
         "the repacked MXFP4 dot scales each group by its neighbour group's E8M0 scale"),
     Mutant(
         "tile_q2_k_min_is_the_whole_byte", "pymoe/quant/repack.py",
-        "_vec(_i8, 8, [4] * 8)), _V8I)",
-        "_vec(_i8, 8, [0] * 8)), _V8I)",
+        "[4] * m8.type.count)), e.VI)",
+        "[0] * m8.type.count)), e.VI)",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q2_K]",
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q2_K]"),
         "the repacked Q2_K dot takes a sub-block's whole scale byte as its min (not the high nibble)"),
