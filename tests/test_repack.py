@@ -263,7 +263,7 @@ def test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits(qtype):
     rows, acc = np.empty((T, R), np.float32), np.empty((T, 16), np.float32)
     for r in range(R):
         qact.ACT_DOTS_ROWS[qtype](raw[r], xq, xd, xbs, acc, rows[:, r])
-    assert T >= kernels.DECODE_MIN_TOKENS  # so matmul_act decodes (repack.decoded_matmul, 32 rows a task)
+    assert T >= kernels.DECODE_MIN_TOKENS  # so matmul_act decodes (repack.decoded_matmul: decode_tiles, then tile_matmul)
     assert np.array_equal(kernels.matmul_act(raw, qtype, X, 8, xact=(xq, xd, xbs)), rows)
     x_deq = qact.dequantize_act(xq, xd).astype(np.float64)  # [T, C]
     for t in range(T):

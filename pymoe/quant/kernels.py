@@ -661,7 +661,7 @@ def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=Non
                          f"{w.shape[0]}x{cols_of(w, fmt)} of a type with an integer dot, got {X.shape}")
     xq, xd, xbs = xact if xact is not None else qact.quantize_rows(X, bits)  # [T, C], [T, C/256], [T, C/16]
     if (xq.dtype == np.int8 and X.shape[0] >= DECODE_MIN_TOKENS and _DECODE and fmt.qtype in qact.ROW_DECODES
-            and w.shape[0] % TILE_ROWS == 0):  # IQ1-IQ3 in prefill: decoded 32 rows at a time, the same bits
+            and w.shape[0] % TILE_ROWS == 0):  # IQ1-IQ3 in prefill: the matrix decoded, then tiles: the same bits
         return repack.decoded_matmul(w, fmt.qtype, xq, xd, xbs)
     Y = np.empty((X.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
     if X.shape[0] == 1:

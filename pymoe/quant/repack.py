@@ -663,8 +663,8 @@ def _block_q2_k(e: _Emit, wbase, t, toks, accs):
                     k = 128 * h + 32 * j + 4 * c  # the chunk's first weight
                     s = [e.sub_add(a, v, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
                 k = 8 * h + 2 * j + half
-                sc8 = b.and_(e.per_row(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8)),
-                             _vec(_i8, 2 * 8 if e.pair else 8, [15] * (16 if e.pair else 8)))
+                sc8 = e.per_row(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8))
+                sc8 = b.and_(sc8, _vec(_i8, sc8.type.count, [15] * sc8.type.count))  # the low nibbles
                 isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]  # row r: sc_rk * its 16 products
     msums = [e.zeros] * len(toks)
     for k in range(16):
@@ -1172,57 +1172,11 @@ def decode_tiles(raw: np.ndarray, qtype) -> np.ndarray:
     return out
 
 
-def _decoded_matmul_template(raw, xq, xd, xbs, y):
-    # y float32 [T, R] = X W^T, W as raw rows uint8 [R, row_bytes] of a Grid format (R a multiple of 8): a task
-    # decodes its 4 row-groups (32 rows) into scratch tiles once, then walks the tokens as _tile_matmul_template
-    # does over them (TILE_DOT: the decoded layout's dot), so each (row, token) has the raw rows' bits
-    n, T = raw.shape[0] // ROWS, xq.shape[0]
-    for task in prange((n + 3) // 4):
-        g0, g1 = 4 * task, min(n, 4 * task + 4)
-        tiles = np.empty((g1 - g0, xd.shape[1] * qact.DECODED_TILE), dtype=np.uint8)  # [<= 4, row_tiles]
-        for j in range((g1 - g0) * ROWS):
-            ROW_DECODE(raw[g0 * ROWS + j], tiles[j // ROWS], j % ROWS)  # noqa: F821 (bound by _compile)
-        out = np.empty((MANY, ROWS), dtype=np.float32)
-        out2 = np.empty((MANY, 2 * ROWS), dtype=np.float32)
-        for t0 in range(0, T, TOKENS):
-            t1 = min(T, t0 + TOKENS)
-            g = 0
-            while g < g1 - g0:
-                m = 2 if TILE_PAIR and g + 1 < g1 - g0 else 1  # noqa: F821
-                c = (g0 + g) * ROWS  # the first row of this step
-                t = t0
-                while t + MANY <= t1:
-                    if m == 2:
-                        TILE_DOT(tiles[g:g + 2], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)  # noqa: F821
-                        for i in range(MANY):
-                            y[t + i, c:c + 2 * ROWS] = out2[i]
-                    else:
-                        TILE_DOT(tiles[g], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out)  # noqa: F821
-                        for i in range(MANY):
-                            y[t + i, c:c + ROWS] = out[i]
-                    t += MANY
-                for h in range(g, g + m):
-                    for u in range(t, t1):
-                        TILE_DOT(tiles[h], xq[u], xd[u], xbs[u], y[u, (g0 + h) * ROWS:(g0 + h + 1) * ROWS])  # noqa: F821
-                g += m
-
-
-_DECODED_MATMULS = {}
-
-
 def decoded_matmul(raw: np.ndarray, qtype, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> np.ndarray:
-    """X W^T -> float32 [T, R] for raw rows uint8 [R, row_bytes] of a Grid format (IQ1-IQ3; R a multiple of 8,
-    C-contiguous) and T rows of 8-bit activations: the rows decoded 32 at a time into scratch tiles, then the decoded
-    layout's tile dots (a prefill chunk's dense products; kernels.matmul_act calls it). The raw rows' bits."""
-    qtype = QType(qtype)
-    fn = _DECODED_MATMULS.get(qtype)
-    if fn is None:
-        fn = _DECODED_MATMULS[qtype] = _compile(
-            _decoded_matmul_template, f"decoded_matmul_{qtype.name}",
-            {"ROW_DECODE": qact.ROW_DECODES[qtype], "TILE_DOT": tile_dot_decoded, "TILE_PAIR": DECODED in PAIRS})
-    y = np.empty((xq.shape[0], raw.shape[0]), dtype=np.float32)  # [T, R]
-    fn(raw, xq, xd, xbs, y)
-    return y
+    """X W^T -> float32 [T, R] for raw rows uint8 [R, row_bytes] of a Grid format (IQ1-IQ3; R a multiple of 8) and
+    T rows of 8-bit activations: the matrix decoded (a transient copy, 8.6 bits a weight: 1.1 MiB for 1024 x 1024),
+    then tile_matmul over it (a prefill chunk's dense products; kernels.matmul_act calls it). The raw rows' bits."""
+    return tile_matmul(decode_tiles(raw, qtype), DECODED, xq, xd, xbs)
 
 
 def decoded_values(tiles: np.ndarray) -> np.ndarray:

@@ -580,11 +580,11 @@ MUTANTS: list[Mutant] = [
         ("tests/test_repack.py::test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits[IQ2_XS]",),
         "row_decode stores a group's first sub-block scale for both of its halves (IQ2_XS's scales are per 16)"),
     Mutant(
-        "decoded_matmul_row_groups_folded", "pymoe/quant/repack.py",
-        "ROW_DECODE(raw[g0 * ROWS + j], tiles[j // ROWS], j % ROWS)",
-        "ROW_DECODE(raw[g0 * ROWS + j], tiles[(j // ROWS) % 2], j % ROWS)",
+        "decode_tiles_row_groups_folded", "pymoe/quant/repack.py",
+        "ROW_DECODE(raw[r], out[r // ROWS], r % ROWS)",
+        "ROW_DECODE(raw[r], out[(r // ROWS) % 2], r % ROWS)",
         ("tests/test_repack.py::test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits[IQ1_S]",),
-        "matmul_act's decoded prefill writes a task's third and fourth row-groups over its first two"),
+        "decode_tiles (matmul_act's decoded prefill) writes row-groups 2, 3, ... over the first two"),
     Mutant(
         "tile_q5_k_int16_overflow", "pymoe/quant/repack.py",
         "if five and not e.vnni and c == 3:",
