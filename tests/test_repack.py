@@ -313,8 +313,9 @@ def _addresses(mats):
                                    (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS), (QType.Q5_K, QType.Q5_K, QType.Q6_K)],
                          ids=["Q4_K-Q6_K", "MXFP4", "Q2_K-Q3_K", "Q4_K-Q4_0-untiled", "IQ4_XS", "Q5_K-Q6_K"])
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
-    """Decode (one token, 4 experts) and a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
-    many-token call and one single):
+    """Decode (one token, 4 experts), a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
+    many-token call and one single) and a longer one (70 tokens: an expert with all of them, read in two chunks of
+    kernels.TILE_TOKENS = 64 and 6, the second with a single at its end):
     the kernel's result with repacked copies (of every matrix of a tiled type) is the result without, bit for bit;
     with the copies zeroed it changes (so they are what the kernel reads)."""
     rng = np.random.default_rng(7)
@@ -323,7 +324,9 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
                for _ in range(S)]
     mats = [tuple(repack.repack(m, q) if q in repack.TILE_BYTES else None for q, m in zip(types, ex)) for ex in experts]
     zeroed = [tuple(None if m is None else np.zeros_like(m) for m in ms) for ms in mats]
-    for T, start, tok in ((1, [0, 1, 2, 3, 4], [0, 0, 0, 0]), (6, [0, 1, 6, 7, 9], [2, 0, 1, 2, 3, 5, 4, 1, 3])):
+    assert kernels.TILE_TOKENS == 64 and repack.MANY == 4  # (the chunks and calls the 70-token case makes)
+    for T, start, tok in ((1, [0, 1, 2, 3, 4], [0, 0, 0, 0]), (6, [0, 1, 6, 7, 9], [2, 0, 1, 2, 3, 5, 4, 1, 3]),
+                          (70, [0, 70, 71, 74, 76], list(range(70)) + [3, 5, 9, 69, 0, 1])):
         x = rng.standard_normal((T, D)).astype(np.float32)
         start, tok = np.array(start, np.int64), np.array(tok, np.int64)
         weight = rng.uniform(0.1, 1, tok.size).astype(np.float32)

@@ -218,9 +218,9 @@ from numba import carray, types as nbtypes  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import qact  # noqa: E402  (qact imports the registry filled above)
-from .qact import QK_K, prefetch_ahead, quantize_act  # noqa: E402
+from .qact import QK_K, SUB, prefetch_ahead, quantize_act  # noqa: E402
 from . import repack  # noqa: E402
-from .repack import MANY as TILE_MANY, ROWS as TILE_ROWS  # noqa: E402
+from .repack import MANY as TILE_MANY, ROWS as TILE_ROWS, TOKENS as TILE_TOKENS  # noqa: E402
 
 VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
 ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc float32 [n, 16], out float32 [n])
@@ -245,7 +245,12 @@ ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (q
 # 4096 / 8192, 2 threads, 8-bit: p20 6.40 / 5.87 / 5.85 / 6.10 ms a token, median 8.34 / 6.38 / 6.39 / 7.51; 1 thread
 # median 12.6 / 10.5 / 10.4 / 12.1; 16-bit (raw rows) median 8.25 / 7.11 / 7.42 (Zen 5; bench/prefetch_ahead.py).
 PREFETCH_AHEAD = 4096
-MOE_ROWS_PER_TASK = 64  # rows per prange iteration in the MoE kernel: its scratch is allocated per iteration
+# Rows of F per gate/up task of the MoE kernel: one quantization block of h (QK_K), so that a task turns its own
+# rows of silu(gate x) * up x into 8-bit (or 16-bit) values while they are in cache: h never exists as float32
+# (P x F x 4 bytes, 8 MiB for a 512-token chunk of the mid preset) and needs no parallel phase of its own. Time:
+# within noise (layer 5 of the mid Q4_K_M file, its real 512-token call, 1 thread, 9 alternated calls: 55.1 ms with
+# 64-row tasks and that phase, 54.9 so); the tokens in chunks of TILE_TOKENS (gate/up and down) gave 61.2 -> 59.5 ms
+MOE_ROWS_PER_TASK = QK_K
 
 
 def _matvec_act_kernel(w, xq, xd, xbs, y):
@@ -323,7 +328,7 @@ def bytes_at(typingctx, address):
     return sig, codegen
 
 
-def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, qmax, y, threads, ahead):
+def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qmax, y, threads, ahead):
     """y[tok[p]] += weight[p] * down_e(silu(gate_e x_p) * up_e x_p) for every (expert, token) pair p.
 
     addr int64 [S, 6]: per expert, the addresses of its gate, up (uint8 [F, row_bytes(D)]) and down (uint8
@@ -335,11 +340,12 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     more is decoded 16 rows at a time into a scratch tile (DECODE_*: qact's row_decode) that the decoded layout's
     tile dot reads for all its pairs (TILE_DECODED), again with the bits of the raw rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
-    Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); h
-    float32 [P, F], hq/hd/hbs its quantized rows (qmax: the largest value of xq's and hq's dtype). y float32
-    [T, D] (accumulated into). Four parallel phases (five in prefill): quantize x per pair; gate+up+SwiGLU over
-    (expert, block of F rows); quantize h per pair; down over `threads` ranges of D rows (each task owns its rows of
-    y, so the pairs of one token never race), experts in order. Each task asks for the weight bytes `ahead` of the
+    Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); hq
+    [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype). y float32
+    [T, D] (accumulated into). Two parallel phases (three in prefill): quantize x per pair; gate+up+SwiGLU over
+    (expert, block of QK_K rows of F: the task quantizes its block of h, which is never stored as float32); down
+    over `threads` ranges of D rows (each task owns its rows of y, so the pairs of one token never race), experts
+    in order. Each task asks for the weight bytes `ahead` of the
     ones it reads (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints),
     a row (group) at a time, except where a one-token tile dot reads: that one asks for them from inside its block
     loop (repack.STREAM_AHEAD, non-temporal unless PYMOE_NT=0).
@@ -372,106 +378,116 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
     n_max = 0  # the most pairs of one expert: scratch size
     for k in range(n_exp):
         n_max = max(n_max, start[k + 1] - start[k])
-    blocks_f = (F + MOE_ROWS_PER_TASK - 1) // MOE_ROWS_PER_TASK
+    blocks_f = F // MOE_ROWS_PER_TASK  # (F: whole 256-blocks, or no integer path: qact.has_int_dot)
     for task in prange(n_exp * blocks_f):
         k = task // blocks_f
         a, b = start[k], start[k + 1]
         gate = carray(bytes_at(addr[k, 0]), (F, gate_bytes))  # [F, row_bytes(D)]
         up = carray(bytes_at(addr[k, 1]), (F, up_bytes))  # [F, row_bytes(D)]
-        acc = np.empty((b - a, ROWS_LANES), dtype=np.float32)  # scratch of ROWS
-        g = np.empty((b - a, MOE_ROWS_PER_TASK), dtype=np.float32)  # [n, rows] gate rows times the expert's tokens
-        u = np.empty((b - a, MOE_ROWS_PER_TASK), dtype=np.float32)  # [n, rows] up rows
         r0 = (task % blocks_f) * MOE_ROWS_PER_TASK
-        r1 = min(F, r0 + MOE_ROWS_PER_TASK)
-        if tiles[k, 0] != 0 and tiles[k, 1] != 0:  # both repacked: 8 rows a call
-            gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
-            ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
-            o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
-            o2 = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)  # a two-row-group call's
-            r = r0
-            while r < r1:
-                # row-groups in this step: two where both types have the two-row-group form (PAIR_GATE_UP)
-                m = 2 if PAIR_GATE_UP and r + 2 * TILE_ROWS <= r1 and b - a >= TILE_MANY else 1
-                q0, q1, c0 = r // TILE_ROWS, r // TILE_ROWS + m, r - r0  # its row-groups; their columns of g, u
-                if ahead > 0 and b - a >= TILE_MANY:  # (a one-token dot asks for the bytes ahead itself) kept in
-                    # every cache level (not PREFETCH_WEIGHTS' non-temporal hint): the step's tiles are read again for
-                    # each TILE_MANY tokens, between reads of as many activation rows (a 512-token chunk of the mid
-                    # Q4_K_M file, one layer, 1 thread: 56.1-58.6 ms with the non-temporal hint, 52.8-53.8 without)
-                    prefetch_ahead(tiles[k, 0], q0 * gt.shape[1], m * gt.shape[1], gt.size, ahead)
-                    prefetch_ahead(tiles[k, 1], q0 * ut.shape[1], m * ut.shape[1], ut.size, ahead)
-                i = 0
-                while i + TILE_MANY <= b - a:  # TILE_MANY tokens a call (prefill), the weights unpacked once
-                    p0, p1 = a + i, a + i + TILE_MANY
-                    if m == 2:
-                        TILE_GATE(gt[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
-                        g[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
-                        TILE_UP(ut[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
-                        u[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
+        r1 = r0 + MOE_ROWS_PER_TASK
+        repacked = tiles[k, 0] != 0 and tiles[k, 1] != 0  # both repacked: 8 rows a call
+        decoded = not repacked and DECODED_GATE_UP and qmax == 127 and b - a >= DECODE_MIN_TOKENS  # 8-bit x: IQ
+        # rows decoded 16 at a time
+        # The expert's pairs in chunks: TILE_TOKENS at a time over repacked tiles (the task's tiles stay in L2 from one
+        # chunk to the next, the chunk's activations and its rows of g and u in L2 too), all at once otherwise
+        # (decoded rows are decoded once; the raw rows' dots take all the pairs in one call).
+        step = min(b - a, TILE_TOKENS) if repacked else b - a
+        g = np.empty((step, MOE_ROWS_PER_TASK), dtype=np.float32)  # [step, rows] gate rows times a chunk's tokens
+        u = np.empty((step, MOE_ROWS_PER_TASK), dtype=np.float32)  # [step, rows] up rows
+        hb = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # [rows] one pair's block of h
+        acc = np.empty((step, ROWS_LANES), dtype=np.float32)  # scratch of ROWS
+        o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
+        o2 = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)  # a two-row-group call's
+        for c0 in range(0, b - a, max(step, 1)):
+            c1 = min(b - a, c0 + step)  # this chunk: pairs a + c0 .. a + c1, rows c0 - c0 .. c1 - c0 of g and u
+            if repacked:
+                gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
+                ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
+                r = r0
+                while r < r1:
+                    # row-groups in this step: two where both types have the two-row-group form (PAIR_GATE_UP)
+                    m = 2 if PAIR_GATE_UP and r + 2 * TILE_ROWS <= r1 and c1 - c0 >= TILE_MANY else 1
+                    q0, q1, cr = r // TILE_ROWS, r // TILE_ROWS + m, r - r0  # its row-groups; their columns of g, u
+                    if c0 == 0 and ahead > 0 and b - a >= TILE_MANY:  # (a one-token dot asks for the bytes ahead
+                        # itself) kept in every cache level (not PREFETCH_WEIGHTS' non-temporal hint): the tiles
+                        # are read again for each TILE_MANY tokens, and for each chunk (a 512-token chunk of the mid
+                        # Q4_K_M file, one layer, 1 thread: 56.1-58.6 ms with the non-temporal hint, 52.8-53.8
+                        # without)
+                        prefetch_ahead(tiles[k, 0], q0 * gt.shape[1], m * gt.shape[1], gt.size, ahead)
+                        prefetch_ahead(tiles[k, 1], q0 * ut.shape[1], m * ut.shape[1], ut.size, ahead)
+                    i = c0
+                    while i + TILE_MANY <= c1:  # TILE_MANY tokens a call (prefill), the weights unpacked once
+                        p0, p1, j = a + i, a + i + TILE_MANY, i - c0
+                        if m == 2:
+                            TILE_GATE(gt[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            g[j:j + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
+                            TILE_UP(ut[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            u[j:j + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
+                        else:
+                            TILE_GATE(gt[q0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                            g[j:j + TILE_MANY, cr:cr + TILE_ROWS] = o
+                            TILE_UP(ut[q0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                            u[j:j + TILE_MANY, cr:cr + TILE_ROWS] = o
+                        i += TILE_MANY
+                    for q in range(q0, q1):
+                        c = q * TILE_ROWS - r0
+                        for j in range(i, c1):
+                            TILE_GATE(gt[q], xq[a + j], xd[a + j], xbs[a + j], g[j - c0, c:c + TILE_ROWS])
+                            TILE_UP(ut[q], xq[a + j], xd[a + j], xbs[a + j], u[j - c0, c:c + TILE_ROWS])
+                    r += m * TILE_ROWS
+            elif decoded:  # (one chunk: c0 = 0, c1 = b - a)
+                dg = np.empty((2, D // QK_K * DECODED_TILE), dtype=np.uint8)  # [2, row_tiles(D)] gate rows, decoded
+                du = np.empty((2, D // QK_K * DECODED_TILE), dtype=np.uint8)  # up rows
+                r = r0
+                while r < r1:
+                    m = 2 if PAIR_DECODED else 1  # row-groups in this step (r1 - r0: whole pairs of them)
+                    if ahead > 0:
+                        PREFETCH_WEIGHTS(addr[k, 0], r * gate_bytes, m * TILE_ROWS * gate_bytes, F * gate_bytes, ahead)
+                        PREFETCH_WEIGHTS(addr[k, 1], r * up_bytes, m * TILE_ROWS * up_bytes, F * up_bytes, ahead)
+                    for j in range(m * TILE_ROWS):
+                        DECODE_GATE(gate[r + j], dg[j // TILE_ROWS], j % TILE_ROWS)
+                        DECODE_UP(up[r + j], du[j // TILE_ROWS], j % TILE_ROWS)
+                    cr = r - r0
+                    i = 0
+                    while i + TILE_MANY <= b - a:
+                        p0, p1 = a + i, a + i + TILE_MANY
+                        if m == 2:
+                            TILE_DECODED(dg, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            g[i:i + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
+                            TILE_DECODED(du, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            u[i:i + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
+                        else:
+                            TILE_DECODED(dg[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                            g[i:i + TILE_MANY, cr:cr + TILE_ROWS] = o
+                            TILE_DECODED(du[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                            u[i:i + TILE_MANY, cr:cr + TILE_ROWS] = o
+                        i += TILE_MANY
+                    for q in range(m):
+                        c = cr + q * TILE_ROWS
+                        for j in range(i, b - a):
+                            TILE_DECODED(dg[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
+                            TILE_DECODED(du[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
+                    r += m * TILE_ROWS
+            else:  # raw rows, one at a time (one chunk)
+                for r in range(r0, r1):
+                    if ahead > 0:
+                        PREFETCH_WEIGHTS(addr[k, 0], r * gate_bytes, gate_bytes, F * gate_bytes, ahead)
+                        PREFETCH_WEIGHTS(addr[k, 1], r * up_bytes, up_bytes, F * up_bytes, ahead)
+                    if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
+                        g[0, r - r0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
+                        u[0, r - r0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
                     else:
-                        TILE_GATE(gt[q0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
-                        g[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
-                        TILE_UP(ut[q0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
-                        u[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
-                    i += TILE_MANY
-                for q in range(q0, q1):
-                    c = q * TILE_ROWS - r0
-                    for j in range(i, b - a):
-                        TILE_GATE(gt[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
-                        TILE_UP(ut[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
-                r += m * TILE_ROWS
-        elif DECODED_GATE_UP and qmax == 127 and b - a >= DECODE_MIN_TOKENS and F % TILE_ROWS == 0:  # 8-bit x:
-            # decoded 16 rows at a time
-            dg = np.empty((2, D // QK_K * DECODED_TILE), dtype=np.uint8)  # [2, row_tiles(D)] gate rows, decoded
-            du = np.empty((2, D // QK_K * DECODED_TILE), dtype=np.uint8)  # up rows
-            o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)
-            o2 = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)
-            r = r0
-            while r < r1:
-                m = 2 if PAIR_DECODED and r + 2 * TILE_ROWS <= r1 else 1  # row-groups in this step
-                if ahead > 0:
-                    PREFETCH_WEIGHTS(addr[k, 0], r * gate_bytes, m * TILE_ROWS * gate_bytes, F * gate_bytes, ahead)
-                    PREFETCH_WEIGHTS(addr[k, 1], r * up_bytes, m * TILE_ROWS * up_bytes, F * up_bytes, ahead)
-                for j in range(m * TILE_ROWS):
-                    DECODE_GATE(gate[r + j], dg[j // TILE_ROWS], j % TILE_ROWS)
-                    DECODE_UP(up[r + j], du[j // TILE_ROWS], j % TILE_ROWS)
-                c0 = r - r0
-                i = 0
-                while i + TILE_MANY <= b - a:
-                    p0, p1 = a + i, a + i + TILE_MANY
-                    if m == 2:
-                        TILE_DECODED(dg, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
-                        g[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
-                        TILE_DECODED(du, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
-                        u[i:i + TILE_MANY, c0:c0 + 2 * TILE_ROWS] = o2
-                    else:
-                        TILE_DECODED(dg[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
-                        g[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
-                        TILE_DECODED(du[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
-                        u[i:i + TILE_MANY, c0:c0 + TILE_ROWS] = o
-                    i += TILE_MANY
-                for q in range(m):
-                    c = c0 + q * TILE_ROWS
-                    for j in range(i, b - a):
-                        TILE_DECODED(dg[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
-                        TILE_DECODED(du[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
-                r += m * TILE_ROWS
-        else:
-            for r in range(r0, r1):
-                if ahead > 0:
-                    PREFETCH_WEIGHTS(addr[k, 0], r * gate_bytes, gate_bytes, F * gate_bytes, ahead)
-                    PREFETCH_WEIGHTS(addr[k, 1], r * up_bytes, up_bytes, F * up_bytes, ahead)
-                if b - a == 1:  # one token (decode): the one-row dot, no call of the multi-row one
-                    g[0, r - r0] = VEC_DOT_GATE(gate[r], xq[a], xd[a], xbs[a])
-                    u[0, r - r0] = VEC_DOT_UP(up[r], xq[a], xd[a], xbs[a])
-                else:
-                    ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g[:, r - r0])
-                    ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u[:, r - r0])
-        for i in range(b - a):  # silu(g) * u, a vector loop over the rows (exp_f32: no libm call per value)
-            gi, ui, hi = g[i], u[i], h[a + i, r0:r1]
-            for j in range(r1 - r0):
-                hi[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]
-    for p in prange(h.shape[0]):
-        quantize_act(h[p], hq[p], hd[p], hbs[p], qmax)
+                        ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g[:, r - r0])
+                        ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u[:, r - r0])
+            blk = r0 // QK_K
+            for i in range(c0, c1):  # silu(g) * u, a vector loop over the rows (exp_f32: no libm call per value)
+                gi, ui = g[i - c0], u[i - c0]
+                for j in range(MOE_ROWS_PER_TASK):
+                    hb[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]
+                # one block of the pair's row of h quantized: the bits of quantizing the whole row (its blocks are
+                # independent)
+                quantize_act(hb, hq[a + i, r0:r1], hd[a + i, blk:blk + 1], hbs[a + i, r0 // SUB:r1 // SUB], qmax)
     # down: one task per thread, each a contiguous range of D rows (every row is the same work: all the pairs), its
     # experts one after another, so each expert's rows are read as one long stream (64-row tasks read 8 short
     # streams at once: ~10% slower on experts not in cache, measured in one process, alternated)
@@ -489,33 +505,36 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, h, hq, hd, hbs, 
             r0, r1 = task * rows_down, min(D, (task + 1) * rows_down)
             if tiles[k, 2] != 0:  # repacked: 8 rows a call
                 dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
-                r = r0
-                while r < r1:
-                    n_rg = 2 if PAIR_DOWN and r + 2 * TILE_ROWS <= r1 and b - a >= TILE_MANY else 1  # (as above)
-                    q0 = r // TILE_ROWS
-                    if ahead > 0 and b - a >= TILE_MANY:  # (as above)
-                        rg = dt.shape[1]  # bytes of a row-group
-                        prefetch_ahead(tiles[k, 2], q0 * rg, n_rg * rg, r1 // TILE_ROWS * rg, ahead)  # (as above)
-                    i = 0
-                    while i + TILE_MANY <= b - a:
-                        p0, p1 = a + i, a + i + TILE_MANY
-                        if n_rg == 2:
-                            TILE_DOWN(dt[q0:q0 + 2], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
-                            for m in range(TILE_MANY):
-                                for j in range(2 * TILE_ROWS):
-                                    y[tok[p0 + m], r + j] += weight[p0 + m] * out_pair[m, j]
-                        else:
-                            TILE_DOWN(dt[q0], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
-                            for m in range(TILE_MANY):
+                for c0 in range(0, b - a, TILE_TOKENS):  # the pairs TILE_TOKENS at a time (as in gate/up): their
+                    # rows of y stay in cache from one row-group to the next, the task's tiles in L2
+                    c1 = min(b - a, c0 + TILE_TOKENS)
+                    r = r0
+                    while r < r1:
+                        n_rg = 2 if PAIR_DOWN and r + 2 * TILE_ROWS <= r1 and c1 - c0 >= TILE_MANY else 1  # (as above)
+                        q0 = r // TILE_ROWS
+                        if c0 == 0 and ahead > 0 and b - a >= TILE_MANY:  # (as above)
+                            rg = dt.shape[1]  # bytes of a row-group
+                            prefetch_ahead(tiles[k, 2], q0 * rg, n_rg * rg, r1 // TILE_ROWS * rg, ahead)  # (as above)
+                        i = c0
+                        while i + TILE_MANY <= c1:
+                            p0, p1 = a + i, a + i + TILE_MANY
+                            if n_rg == 2:
+                                TILE_DOWN(dt[q0:q0 + 2], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
+                                for m in range(TILE_MANY):
+                                    for j in range(2 * TILE_ROWS):
+                                        y[tok[p0 + m], r + j] += weight[p0 + m] * out_pair[m, j]
+                            else:
+                                TILE_DOWN(dt[q0], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
+                                for m in range(TILE_MANY):
+                                    for j in range(TILE_ROWS):
+                                        y[tok[p0 + m], r + j] += weight[p0 + m] * out_many[m, j]
+                            i += TILE_MANY
+                        for q in range(q0, q0 + n_rg):
+                            for m in range(i, c1):
+                                TILE_DOWN(dt[q], hq[a + m], hd[a + m], hbs[a + m], out8)
                                 for j in range(TILE_ROWS):
-                                    y[tok[p0 + m], r + j] += weight[p0 + m] * out_many[m, j]
-                        i += TILE_MANY
-                    for q in range(q0, q0 + n_rg):
-                        for m in range(i, b - a):
-                            TILE_DOWN(dt[q], hq[a + m], hd[a + m], hbs[a + m], out8)
-                            for j in range(TILE_ROWS):
-                                y[tok[a + m], q * TILE_ROWS + j] += weight[a + m] * out8[j]
-                    r += n_rg * TILE_ROWS
+                                    y[tok[a + m], q * TILE_ROWS + j] += weight[a + m] * out8[j]
+                        r += n_rg * TILE_ROWS
                 continue
             if DECODED_DOWN and qmax == 127 and b - a >= DECODE_MIN_TOKENS and D % TILE_ROWS == 0:  # (as above)
                 r = r0
@@ -724,12 +743,11 @@ def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.nda
     xq = np.empty((P, D), dtype=dtype)  # [P, D] x quantized, one row per pair (the kernel fills them)
     xd = np.empty((P, D // QK_K), dtype=np.float32)
     xbs = np.empty((P, D // qact.SUB), dtype=np.int32)
-    h = np.empty((P, F), dtype=np.float32)  # [P, F]
     hq = np.empty((P, F), dtype=dtype)
     hd = np.empty((P, F // QK_K), dtype=np.float32)
     hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
     y = np.zeros((T, D), dtype=np.float32)  # [T, D]
     act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, np.ascontiguousarray(x, dtype=np.float32), xq, xd,
-                                     xbs, h, hq, hd, hbs, qact.qmax_of(xq.dtype), y, get_num_threads(),
+                                     xbs, hq, hd, hbs, qact.qmax_of(xq.dtype), y, get_num_threads(),
                                      PREFETCH_AHEAD)
     return y
