@@ -594,13 +594,16 @@ def expert_addresses(gate, up, down, F, D, gate_bytes, up_bytes, down_bytes):
 
 
 _ACT_KERNELS: dict = {}
-# The fused MoE kernel's prefetch hints for expert weights: non-temporal (prefetchnta) unless PYMOE_NT=0. A decode
-# step reads every chosen expert once (Q4_K_M mid: ~100 MiB a token, 3x the L3); kept hints let that stream evict
-# what the next token reads again (dense weights, the KV cache, the interpreter's own data). Q4_K_M mid, 8-bit, 2
-# threads, 6 rounds of alternated processes: 4.57 -> 4.40 ms a token, faster in every round; on the Q2_K and
-# MXFP4_MOE files the rounds split both ways (no change measured). The distance stays PREFETCH_AHEAD (4096 best
-# with either hint: bench/prefetch_ahead.py).
-_NT = os.environ.get("PYMOE_NT", "1") != "0"
+# The fused MoE kernel's prefetch hints for expert weights: non-temporal (prefetchnta) on AMD Zen, kept (prefetcht0)
+# elsewhere; PYMOE_NT=1 / 0 chooses. A decode step reads every chosen expert once (Q4_K_M mid: ~100 MiB a token, 3x
+# a Zen L3); kept hints let that stream evict what the next token reads again (dense weights, the KV cache, the
+# interpreter's own data). Zen 5 VM: Q4_K_M mid, 8-bit, 2 threads, 6 rounds of alternated processes: 4.57 -> 4.40
+# ms a token with the non-temporal hint, faster in every round; on the Q2_K and MXFP4_MOE files the rounds split both
+# ways. The 2-core Intel Xeon VM of rounds fifteen and sixteen (2 MiB L2 a core, a 480 MiB L3 shared with the host)
+# is the other way round, and by far: the kernel on 8 random experts not in cache (bench/stream_ahead.py, 2 threads,
+# median us, kept / non-temporal, the one-token dots' distance 4096 / 8192 B): Q2_K mix 242 / 457, Q4_K_M 359 / 745.
+# The distance stays PREFETCH_AHEAD (4096 best with either hint on Zen 5: bench/prefetch_ahead.py).
+_NT = os.environ.get("PYMOE_NT", "1" if qact.host_cpu_name().startswith("znver") else "0") != "0"
 # PYMOE_DECODE=0: prefill reads the IQ1-IQ3 experts' raw rows (the multi-row dots), not decoded scratch tiles (the
 # same bits either way; to compare them)
 _DECODE = os.environ.get("PYMOE_DECODE", "1") != "0"

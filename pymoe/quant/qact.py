@@ -222,6 +222,15 @@ def host_features() -> dict:
     return dict(binding.get_host_cpu_features()) if numba.config.CPU_NAME in (None, "host") else {}
 
 
+def host_cpu_name() -> str:
+    """The CPU Numba compiles for, as LLVM names it ("znver5", "rocketlake", ...): NUMBA_CPU_NAME when set, else this
+    machine's."""
+    import numba
+    from llvmlite import binding
+
+    return numba.config.CPU_NAME if numba.config.CPU_NAME not in (None, "host") else binding.get_host_cpu_name()
+
+
 def _host_has_avx512bw() -> bool:
     """Whether this CPU has AVX-512BW (`host_features`): then row_dot calls vpmaddwd by its x86 intrinsic (the
     portable pattern above is what other CPUs get; the integers are the same)."""
