@@ -345,10 +345,10 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     [T, D] (accumulated into). Two parallel phases (three in prefill): quantize x per pair; gate+up+SwiGLU over
     (expert, block of QK_K rows of F: the task quantizes its block of h, which is never stored as float32); down
     over `threads` ranges of D rows (each task owns its rows of y, so the pairs of one token never race), experts
-    in order. Each task asks for the weight bytes `ahead` of the
-    ones it reads (PREFETCH_WEIGHTS: qact.prefetch_ahead_nt, or prefetch_ahead with PYMOE_NT=0; ahead 0: no hints),
-    a row (group) at a time, except where a one-token tile dot reads: that one asks for them from inside its block
-    loop (repack.STREAM_AHEAD, non-temporal unless PYMOE_NT=0).
+    in order. Each task asks for the weight bytes `ahead` of the ones it reads (PREFETCH_WEIGHTS:
+    qact.prefetch_ahead_nt where _NT, on AMD Zen, else prefetch_ahead; ahead 0: no hints), a row (group) at a time,
+    except where a one-token tile dot reads: that one asks for them from inside its block loop (repack.STREAM_AHEAD,
+    non-temporal where _NT).
     """
     # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
     # to K pairs, in NumPy) cost more than this phase. Decode quantizes each pair's row (K copies of one token's
@@ -410,7 +410,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
                     m = 2 if PAIR_GATE_UP and r + 2 * TILE_ROWS <= r1 and c1 - c0 >= TILE_MANY else 1
                     q0, q1, cr = r // TILE_ROWS, r // TILE_ROWS + m, r - r0  # its row-groups; their columns of g, u
                     if c0 == 0 and ahead > 0 and b - a >= TILE_MANY:  # (a one-token dot asks for the bytes ahead
-                        # itself) kept in every cache level (not PREFETCH_WEIGHTS' non-temporal hint): the tiles
+                        # itself) kept in every cache level (not PREFETCH_WEIGHTS, non-temporal on Zen): the tiles
                         # are read again for each TILE_MANY tokens, and for each chunk (a 512-token chunk of the mid
                         # Q4_K_M file, one layer, 1 thread: 56.1-58.6 ms with the non-temporal hint, 52.8-53.8
                         # without)

@@ -88,8 +88,8 @@ MUTANTS: list[Mutant] = [
         "expert FFN computes down(silu(up x) * gate x) (the float, one-expert-at-a-time path)"),
     Mutant(
         "fused_moe_gate_up_swapped", "pymoe/quant/kernels.py",
-        "hi[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]",
-        "hi[j] = ui[j] / (np.float32(1.0) + exp_f32(-ui[j])) * gi[j]",
+        "hb[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]",
+        "hb[j] = ui[j] / (np.float32(1.0) + exp_f32(-ui[j])) * gi[j]",
         ("tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]",
          # the whole-model check of the CPU backend's integer path; the llama.cpp test runs K-quant files on the
          # reference backend
@@ -585,6 +585,18 @@ MUTANTS: list[Mutant] = [
         "ROW_DECODE(raw[r], out[(r // ROWS) % 2], r % ROWS)",
         ("tests/test_repack.py::test_decoded_layout_holds_the_weights_and_gives_the_row_dots_bits[IQ1_S]",),
         "decode_tiles (matmul_act's decoded prefill) writes row-groups 2, 3, ... over the first two"),
+    Mutant(
+        "moe_tile_chunk_tail_dropped", "pymoe/quant/kernels.py",
+        "                            for m in range(i, c1):",
+        "                            for m in range(i, c1 - 1):",
+        ("tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[Q4_K-Q6_K]",),
+        "the fused MoE kernel's down over repacked tiles skips the last single token of each chunk of TILE_TOKENS"),
+    Mutant(
+        "quantize_act_lane_max_short", "pymoe/quant/qact.py",
+        "            for i in range(SUB):\n                lanes[i] = max(lanes[i], abs(xb[SUB * s + i]))",
+        "            for i in range(SUB - 1):\n                lanes[i] = max(lanes[i], abs(xb[SUB * s + i]))",
+        ("tests/test_kernels_qact.py::test_quantize_act_matches_reference[*]",),
+        "the Numba activation quantizer's block maximum skips every 16th value (lane 15 of its running maxima)"),
     Mutant(
         "tile_q5_k_int16_overflow", "pymoe/quant/repack.py",
         "if five and not e.vnni and c == 3:",
