@@ -49,6 +49,12 @@ def test_quantize_act_matches_reference(bits):
     ref, got = qact.quantize_act_ref(X, bits), qact.quantize_rows(X, bits)
     for a, b in zip(ref, got):
         assert a.dtype == b.dtype and np.array_equal(a, b)
+    # the block maximum at every position of a block, the other values a binade below it: a maximum that skipped
+    # any position (the quantizer keeps 16 running maxima, one per lane) would halve d there
+    P = np.full((qact.QK_K, qact.QK_K), 0.3, dtype=np.float32)
+    P[np.arange(qact.QK_K), np.arange(qact.QK_K)] = -1.0  # row i: its largest |value| at position i
+    for a, b in zip(qact.quantize_act_ref(P, bits), qact.quantize_rows(P, bits)):
+        assert np.array_equal(a, b)
     qs, d, bsums = got
     assert qs.dtype == qact.ACT_DTYPES[bits] and np.abs(qs.astype(int)).max() <= 2 ** (bits - 1) - 1
     assert np.array_equal(bsums, qs.reshape(4, -1, 16).astype(np.int32).sum(-1))
