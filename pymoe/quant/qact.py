@@ -382,13 +382,17 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             v = builder.insert_element(v, row, ir.Constant(i32, r))
         return builder.bitcast(v, ir.VectorType(i8, 32))
 
-    def grid_group(builder, wdata, s_, spec):  # a Grid group -> int8 [32] signed weights (magnitude times sign)
+    def grid_group(builder, wdata, s_, spec, split=False):
+        """A Grid group -> int8 [32] signed weights (magnitude times sign); with split, for a group with signs:
+        (int8 [32] magnitudes, int8 [32] of +-1), which the 8-bit dot puts onto x instead (group_sums8)."""
         width = spec.grid.shape[1]
         v = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_grid", spec.grid),
                     [bit_fields(builder, wdata, s_, f) for f in spec.rows], width)
         if spec.signs is not None:
             signs = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_signs", spec.sign_table),
                             [bit_fields(builder, wdata, s_, f) for f in spec.signs], 8)
+            if split:
+                return v, signs
             if avx2:
                 v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, signs])
             else:
@@ -441,10 +445,12 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     def times_dx(builder, d, dx):  # the groups' scales float32 [8] times the row's block scale: d_g * dx, each rounded once
         return builder.fmul(d, splat(builder, dx, 8))
 
-    def unpack(builder, wdata, s_, prescale):
+    def unpack(builder, wdata, s_, prescale, split=False):
         """The block at byte s: its 8 groups as (int16 [32] vector of scale * q, None) if prescale, else as (q,
         int32 [16] scales: lane j of a pair sum gets its sub-block's scale), and its mins int32 [16] (or None).
-        With group_scales: the groups as (q, None), the scales applied later in float."""
+        With group_scales: the groups as (q, None), the scales applied later in float. prescale "bytes" (the 8-bit
+        path): (int8 [32] q, int16 [16] scales per pair lane or None, None), or with split, for Grid groups with
+        signs: (int8 [32] magnitudes, scales, int8 [32] signs +-1)."""
         def field(off, shift, mask, n=32):  # (n bytes of the block from s + off) >> shift & mask
             v = load(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i8, n)
             return builder.and_(builder.lshr(v, vec(i8, n, [shift] * n)), vec(i8, n, [mask] * n))
@@ -477,7 +483,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             if isinstance(spec, Gather):
                 v = gather(builder, wdata, s_, spec)
             elif isinstance(spec, Grid):
-                v = grid_group(builder, wdata, s_, spec)
+                v = grid_group(builder, wdata, s_, spec, split and prescale == "bytes")
             elif signed_values:  # the group's 32 bytes are int8 weights
                 v = load(builder, wdata, builder.add(s_, ir.Constant(i64, spec)), i8, 32)
             else:
@@ -486,6 +492,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 if high is not None:
                     hoff, hshift, hmask, hpos = high
                     v = builder.or_(v, builder.shl(field(hoff, hshift, hmask), vec(i8, 32, [hpos] * 32)))
+            v, signs = v if isinstance(v, tuple) else (v, None)
             if codebook is not None:
                 v = lookup(builder, v)
             if value_bias:  # every format's q - bias fits int8 (Q6_K: -32..31)
@@ -493,7 +500,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             if prescale == "bytes":  # the 8-bit path: the int8 values and their scales, int16 [16] per pair lane
                 sc = None if scales is None else builder.shuffle_vector(
                     scales, scales, vec(i32, 16, [2 * g] * 8 + [2 * g + 1] * 8))
-                out.append((v, sc))
+                out.append((v, sc, signs))
                 continue
             w16 = (builder.sext if negative else builder.zext)(v, ir.VectorType(i16, 32))
             if scales is None:  # group_scales: the integers as they are
@@ -532,11 +539,18 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         return builder.add(builder.shuffle_vector(prod, prod, vec(i32, 8, _LANE[0:16:2])),
                            builder.shuffle_vector(prod, prod, vec(i32, 8, _LANE[1:16:2])))
 
-    def group_sums8(builder, v, sc, xv):
+    def group_sums8(builder, v, sc, xv, signs=None):
         """The 8-bit path of one group: int8 [32] values v (signed formats: any sign), their scales sc (int16 [16]
         per pair lane, or None), int8 [32] x -> int32 [8], lane i = sum of weights 4i..4i+3 times x (times scale).
-        As llama.cpp does it on AVX2: |v| against x with v's sign moved onto x (vpsignb), then vpmaddubsw."""
-        if negative:
+        As llama.cpp does it on AVX2: |v| against x with v's sign moved onto x (vpsignb), then vpmaddubsw; a Grid
+        group's signs (+-1, v its magnitudes) go onto x directly (the same products: IQ3_XXS, 1 thread, one token,
+        G MACs/s in docs/performance.md round seventeen)."""
+        if signs is not None:
+            if avx2:
+                xv = x86(builder, "llvm.x86.avx2.psign.b", xv.type, [xv, signs])
+            else:
+                xv = builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(xv), xv)
+        elif negative:
             zero = vec(i8, 32, [0] * 32)
             if avx2:
                 xv = x86(builder, "llvm.x86.avx2.psign.b", xv.type, [xv, v])
@@ -554,8 +568,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         isum = None
         ddx = times_dx(builder, d, dx) if group_scales is not None else None  # float32 [8]: d_g * dx
         for k in range(4):
-            sums = [group_sums8(builder, v, sc, load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i8, 32))
-                    for g, (v, sc) in ((g, unpacked[g]) for g in (2 * k, 2 * k + 1))]
+            sums = [group_sums8(builder, v, sc, load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i8, 32),
+                                signs) for g, (v, sc, signs) in ((g, unpacked[g]) for g in (2 * k, 2 * k + 1))]
             if exact_blocks and ddx is not None:  # each group's sum exactly, then one multiply-add into lane 0
                 a0 = builder.extract_element(acc, ir.Constant(i32, 0))
                 for g, s in zip((2 * k, 2 * k + 1), sums):
@@ -643,8 +657,9 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                              builder.shuffle_vector(v, v, vec(i32, n, range(n, 2 * n))))
         return builder.extract_element(v, ir.Constant(i32, 0))
 
-    def block_at(builder, wdata, b_, prescale, xbits):
-        """The block's unpacked groups (for the activations' width), its scale(s), dmin and first value's index."""
+    def block_at(builder, wdata, b_, prescale, xbits, split=True):
+        """The block's unpacked groups (for the activations' width; split: Grid signs apart, see unpack), its
+        scale(s), dmin and first value's index."""
         if xbits == 8:
             prescale = "bytes"
         s_ = builder.mul(b_, ir.Constant(i64, size))
@@ -659,7 +674,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             if d_mult != 1.0:  # a power of two: exact
                 d = builder.fmul(d, ir.Constant(f32, d_mult))
         dmin = fp16(builder, wdata, s_, dmin_off) if dmin_off >= 0 else None
-        return unpack(builder, wdata, s_, prescale), d, dmin, builder.mul(b_, ir.Constant(i64, QK_K))
+        return unpack(builder, wdata, s_, prescale, split), d, dmin, builder.mul(b_, ir.Constant(i64, QK_K))
 
     def codegen_one(context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
@@ -711,11 +726,11 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         tb = builder.bitcast(ta.data, i8.as_pointer())
         with cgutils.for_range(builder, n_blocks) as loop:
             b_ = loop.index
-            (groups_, _), d, _, _ = block_at(builder, wa.data, b_, "bytes", 8)  # int8 [32] and scales per group
+            (groups_, _), d, _, _ = block_at(builder, wa.data, b_, "bytes", 8, split=False)  # int8 [32], scales
             t_ = builder.mul(b_, ir.Constant(i64, DECODED_TILE))  # the block's first tile byte
             off = lambda k, per: builder.add(t_, builder.add(ir.Constant(i64, k), builder.mul(r, ir.Constant(i64, per))))  # noqa: E731
             builder.store(d, at(builder, tb, off(DECODED_D, 4), f32), align=1)
-            for g, (v, sc) in enumerate(groups_):
+            for g, (v, sc, _) in enumerate(groups_):
                 for half, lane in ((0, 0), (1, 8)):  # sub-block 2g + half: its scale in pair lanes 0-7, 8-15
                     s8 = builder.trunc(builder.extract_element(sc, ir.Constant(i32, lane)), i8)
                     builder.store(s8, at(builder, tb, off(DECODED_SCALES + 8 * (2 * g + half), 1), i8), align=1)
@@ -867,9 +882,10 @@ def _row_dots_for(portable: bool = False) -> dict:
 
 # ----------------------------------------------------------------------------------------------------------------
 # 3c. IQ1, IQ2 and IQ3: Grid groups. A row index (bit fields of the block) picks 8 (IQ1, IQ2) or 4 (IQ3) magnitudes
-#     from the format's grid; IQ2/IQ3: each 8 weights' signs come from a +-1 table and go onto the magnitudes
-#     (vpsignb); IQ1: the grid's -1/0/+1 times 8, plus +-1 (the +-1/8 delta). From there the 8-bit path moves the
-#     signs onto x like every signed format. Bounds: |integer| <= 62, 2s + 1 <= 31.
+#     from the format's grid; IQ2/IQ3: each 8 weights' signs come from a +-1 table, and the 8-bit dot puts them onto
+#     x (vpsignb) and multiplies the magnitudes as they are, as llama.cpp does (the 16-bit dot and the decoder put them
+#     onto the magnitudes); IQ1: the grid's -1/0/+1 times 8, plus +-1 (the +-1/8 delta), whose signs the 8-bit path
+#     moves onto x like every signed format's. Bounds: |integer| <= 62, 2s + 1 <= 31.
 #     Prefill reads them decoded: the MoE kernel decodes 16 rows of an expert (row_decode, one row at a time) into
 #     a scratch tile of 8-row groups and runs the tile dots of quant/repack.py (`repack.DECODED`) over all the
 #     expert's tokens; the decoded layout, per 8 rows and 256 columns (DECODED_TILE bytes):
