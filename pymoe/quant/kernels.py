@@ -645,6 +645,21 @@ def act_kernel(template, *qtypes):
     return _ACT_KERNELS[key]
 
 
+@njit(cache=True)
+def _never_tile_dot(tiles, xq, xd, xbs, out):
+    """The kernel's tile dot for a type without a tile layout: its calls are never reached (a matrix has a repacked
+    copy only where its type has a layout, quant/repack.py TILE_BYTES), but Numba compiles every branch. This stub
+    in place of a real tile dot compiles in no time: a real one costs seconds per call site."""
+    raise AssertionError("no tile layout for this type")
+
+
+@njit(cache=True)
+def _never_row_decode(w, tile, r):
+    """The kernel's row decoder for a type without one (not IQ1-IQ3): never reached (DECODED_GATE_UP and
+    DECODED_DOWN say which matrices are decoded), compiled as a stub for the same reason as _never_tile_dot."""
+    raise AssertionError("no decoded layout for this type")
+
+
 def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     """The globals `_moe_kernel` is compiled with for (gate, up, down) types: their row dots, sizes, one-token and
     many-token tile dots (tile_dots: {QType: dot}; default the non-temporal ones, `repack.TILE_DOTS_NT`, or the
@@ -654,10 +669,10 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     dots = [qact.ACT_DOTS[q] for q in qtypes]
     rows = [rows_dot(q) for q in qtypes]
     sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
-    tiles = [tile_dots.get(q, repack.tile_dot_q4_k) for q in qtypes]  # (a placeholder where a type has no tiles)
+    tiles = [tile_dots.get(q, _never_tile_dot) for q in qtypes]
     tile_bytes = [repack.TILE_BYTES.get(q, 0) for q in qtypes]
-    placeholder = next(iter(qact.ROW_DECODES.values()))  # (typed, never called, where a type has no decoder)
-    decoders = [qact.ROW_DECODES.get(q, placeholder) for q in qtypes]
+    decoders = [qact.ROW_DECODES.get(q, _never_row_decode) for q in qtypes]
+    any_decoded = any(q in qact.ROW_DECODES for q in qtypes)
     return dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
                 ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
                 TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], GATE_TILE=tile_bytes[0],
@@ -666,7 +681,8 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
                 PAIR_DOWN=qtypes[2] in repack.PAIRS,
                 DECODE_GATE=decoders[0], DECODE_UP=decoders[1], DECODE_DOWN=decoders[2],
                 DECODED_GATE_UP=_DECODE and qtypes[0] in qact.ROW_DECODES and qtypes[1] in qact.ROW_DECODES,
-                DECODED_DOWN=_DECODE and qtypes[2] in qact.ROW_DECODES, TILE_DECODED=repack.tile_dot_decoded,
+                DECODED_DOWN=_DECODE and qtypes[2] in qact.ROW_DECODES,
+                TILE_DECODED=repack.tile_dot_decoded if any_decoded else _never_tile_dot,
                 PAIR_DECODED=repack.DECODED in repack.PAIRS, DECODED_TILE=qact.DECODED_TILE,
                 PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if _NT else qact.prefetch_ahead)
 
