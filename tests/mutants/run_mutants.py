@@ -157,6 +157,13 @@ MUTANTS: list[Mutant] = [
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]"),
         "IQ2/IQ3 integer dots: the grid magnitudes without their sign table applied"),
     Mutant(
+        "iq_grid_signs_not_on_x", "pymoe/quant/qact.py",
+        'xv = x86(builder, "llvm.x86.avx2.psign.b", xv.type, [xv, signs])',
+        "pass  # MUTANT: the grid rows' signs are not moved onto x",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ2_XXS-8]",
+         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-8]"),
+        "IQ2/IQ3 8-bit dots: the magnitudes times x without the sign table moved onto x"),
+    Mutant(
         "iq3s_index_bit_8_dropped", "pymoe/quant/qact.py",
         "_field(66 + g, 1, m, 1, 8)", "_field(66 + g, 1, m, 0, 8)",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]",),
