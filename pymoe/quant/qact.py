@@ -398,17 +398,20 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             else:
                 v = builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(v), v)
         if spec.delta is not None:  # + 1 - 2 * bit, per 8 weights: each bit one field of one byte, so all four come
-            # from one load: lane k (weight k) takes its run's byte by a shuffle, shifted by the run's shift (measured,
-            # IQ1_M, 1 thread, one token: 9.8 -> 13.2 G MACs/s against a scalar extraction per run)
+            # from one load: lane k (weight k) takes its run's byte by a shuffle (measured, IQ1_M, 1 thread, one
+            # token, Zen 5: 9.8 -> 13.2 G MACs/s against a scalar extraction per run)
             (offs, shifts) = zip(*((f[0][0], f[0][2]) for f in spec.delta))
             assert all(len(f) == 1 and f[0][1] == 1 and f[0][3] == 1 and f[0][4] == 0 for f in spec.delta)
             lo = min(offs)
             raw = load(builder, wdata, builder.add(s_, ir.Constant(i64, lo)), i8, max(offs) + 1 - lo)
             lanes = builder.shuffle_vector(raw, ir.Constant(raw.type, ir.Undefined),
                                            vec(i32, 32, [offs[k // 8] - lo for k in range(32)]))
-            ones = vec(i8, 32, [1] * 32)
-            bits = builder.and_(builder.lshr(lanes, vec(i8, 32, [shifts[k // 8] for k in range(32)])), ones)
-            v = builder.add(v, builder.sub(ones, builder.shl(bits, ones)))
+            # each lane's bit tested in place (vptestmb, then a blend of -1 and +1 on AVX-512): measured IQ1_M, 1
+            # thread, one token, Zen 4, G MACs/s in docs/performance.md round seventeen, against shifting each lane
+            # by its run's shift (bytes have no variable shift: widen, vpsrlvw, narrow)
+            set_ = builder.icmp_unsigned("!=", builder.and_(lanes, vec(i8, 32, [1 << shifts[k // 8] for k in range(32)])),
+                                         vec(i8, 32, [0] * 32))
+            v = builder.add(v, builder.select(set_, vec(i8, 32, [-1] * 32), vec(i8, 32, [1] * 32)))
         return v
 
     def lookup(builder, v):  # int8 [32] of indices 0..15 -> int8 [32] of codebook levels
@@ -557,7 +560,10 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             else:
                 xv = builder.select(builder.icmp_signed("<", v, zero), builder.neg(xv),
                                     builder.select(builder.icmp_signed("==", v, zero), zero, xv))
-            v = builder.select(builder.icmp_signed("<", v, zero), builder.neg(v), v)  # |v| (-128 -> 128 unsigned)
+            if avx2:  # |v| as vpsignb(v, v): one instruction, where LLVM made four of the select below (AVX-512)
+                v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, v])
+            else:  # |v| (-128 -> 128 unsigned, as vpsignb gives it)
+                v = builder.select(builder.icmp_signed("<", v, zero), builder.neg(v), v)
         pairs = maddubs(builder, v, xv)  # int16 [16]
         return madd16(builder, pairs, sc if sc is not None else vec(i16, 16, [1] * 16))
 

@@ -150,6 +150,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[*-8]",),
         "8-bit activations: |w| times x without w's sign moved onto x (vpsignb dropped)"),
     Mutant(
+        "int8_path_abs_dropped", "pymoe/quant/qact.py",
+        'v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, v])',
+        "pass  # MUTANT: the weights' magnitudes not taken",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[*-8]",),
+        "8-bit activations: a signed weight read by vpmaddubsw as unsigned (|v| as vpsignb(v, v) dropped)"),
+    Mutant(
         "iq_grid_signs_dropped", "pymoe/quant/qact.py",
         'v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, signs])',
         "pass  # MUTANT: the grid rows' signs are dropped",
@@ -170,7 +176,7 @@ MUTANTS: list[Mutant] = [
         "IQ3_S's integer dot reads only the low 8 bits of a grid row's index (qh's bit 8 dropped: 256 of 512 rows)"),
     Mutant(
         "iq1_delta_sign_ignored", "pymoe/quant/qact.py",
-        "builder.sub(ones, builder.shl(bits, ones))", "ones",
+        "builder.select(set_, vec(i8, 32, [-1] * 32), vec(i8, 32, [1] * 32))", "vec(i8, 32, [1] * 32)",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ1_S-*]",
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ1_M-*]"),
         "IQ1's integer dots add +1/8 to every run, whatever the sign bit of its delta"),
