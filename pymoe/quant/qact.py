@@ -250,6 +250,16 @@ def _host_has_avx2() -> bool:
 _AVX2 = _host_has_avx2()
 
 
+def _host_has_fast_pdep() -> bool:
+    """Whether this CPU has BMI2's pdep at one instruction's cost: every BMI2 CPU but AMD's Zen 1 and 2, whose pdep is
+    microcoded (hundreds of cycles). Then the Grid formats whose row index is split over two fields (IQ1_S, IQ1_M,
+    IQ2_S, IQ3_S) build four indices with two pdep (Grid.rows, `row_indices` in _make_row_dot)."""
+    return bool(host_features().get("bmi2")) and host_cpu_name() not in ("znver1", "znver2")
+
+
+_PDEP = _host_has_fast_pdep()
+
+
 class Gather:
     """A group of 32 weights whose lanes are not 32 consecutive bytes under one shift: lane l is
     (byte index[l] of the block) >> shift[l] & mask, e.g. IQ4's 16 bytes read twice (low nibbles, then high ones)
@@ -275,6 +285,32 @@ class Grid:
         assert (signs is None or (len(signs) == 4 and sign_table.shape[1] == 8)) and (delta is None or len(delta) == 4)
         self.name, self.rows, self.signs, self.grid, self.sign_table = name, rows, signs, grid, sign_table
         self.delta = delta
+
+
+def _pdep_plan(four) -> tuple:
+    """For 4 Grid rows (field lists), the pdep form of their indices if they fit it, else (): each row = byte l of 4
+    consecutive bytes (whole, at bit 0) + a high part (mask m, at bit pos) from one little-endian word of 1, 2 or 4
+    bytes, the 4 high parts at increasing, disjoint bit offsets. -> (the 4 bytes' offset, the word's offset, its
+    bytes, the first part's bit offset in it, the source mask of the 4 high parts in the word shifted by that offset,
+    the destination mask: part l at bits 16 l + pos)."""
+    if any(len(f) != 2 for f in four):
+        return ()
+    firsts, highs = [f[0] for f in four], [f[1] for f in four]
+    if [f[1:] for f in firsts] != [(1, 0, 255, 0)] * 4 or [f[0] - firsts[0][0] for f in firsts] != [0, 1, 2, 3]:
+        return ()
+    base = min(h[0] for h in highs)
+    span = max(h[0] + h[1] for h in highs) - base
+    mask, pos = highs[0][3], highs[0][4]
+    if span not in (1, 2, 4) or any(h[3] != mask or h[4] != pos for h in highs) or pos + mask.bit_length() > 16:
+        return ()
+    bits = [8 * (h[0] - base) + h[2] for h in highs]  # each high part's bit offset in the word
+    stride = bits[1] - bits[0]  # pdep deposits the word's low bits in order: the parts must be evenly spaced, and
+    # each takes `stride` bits at 16 l + pos (the bits between parts, masked to 0, land above each part)
+    if (any(b1 - b0 != stride for b0, b1 in zip(bits, bits[1:])) or stride < mask.bit_length() or pos + stride > 16
+            or bits[-1] + mask.bit_length() > 8 * span):
+        return ()
+    return (firsts[0][0], base, span, bits[0], sum(mask << (b - bits[0]) for b in bits),
+            sum(((1 << stride) - 1) << (16 * l + pos) for l in range(4)))
 
 
 def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: int, d_off: int, dmin_off: int,
@@ -309,6 +345,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
     pmaddwd_512 = _PMADDWD_512 and not portable
     avx2 = _AVX2 and not portable
+    pdep = _PDEP and not portable
     negative = (codebook is not None or signed_values or value_bias != 0  # a weight's integer can be negative
                 or any(isinstance(g, Grid) for g in groups))
 
@@ -371,6 +408,31 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             out = v if out is None else builder.or_(out, v)
         return out
 
+    def row_indices(builder, wdata, s_, rows):
+        """Grid.rows' indices of the block at byte s, int64 each: bit_fields per row, or, with pdep, four rows at a
+        time where each row is one byte of 4 consecutive ones plus a high part from one 1-, 2- or 4-byte word at
+        increasing bit offsets (IQ1_S, IQ1_M, IQ2_S, IQ3_S): pdep spreads the 4 bytes to bits 16 l, another pdep the
+        high parts to bits 16 l + pos, one OR, then a shift and mask per row; the same indices (llama.cpp builds
+        IQ1_M's so). Measured IQ1_M, 1 thread, one token, Zen 4: docs/performance.md round seventeen."""
+        out = []
+        for q in range(0, len(rows), 4):
+            four = rows[q:q + 4]
+            packed = pdep and len(four) == 4 and _pdep_plan(four)
+            if not packed:
+                out += [bit_fields(builder, wdata, s_, f) for f in four]
+                continue
+            lo_off, word_off, nbytes, shift, src_mask, dst_mask = packed
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]), "llvm.x86.bmi.pdep.64")
+            word = lambda off, n: builder.zext(builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)),  # noqa: E731
+                                                                ir.IntType(8 * n)), align=1), i64)
+            lo = builder.call(fn, [word(lo_off, 4), ir.Constant(i64, 0x00FF00FF00FF00FF)])
+            high = builder.lshr(word(word_off, nbytes), ir.Constant(i64, shift))
+            hi = builder.call(fn, [builder.and_(high, ir.Constant(i64, src_mask)), ir.Constant(i64, dst_mask)])
+            both = builder.or_(lo, hi)
+            out += [builder.and_(builder.lshr(both, ir.Constant(i64, 16 * l)), ir.Constant(i64, 0xFFFF))
+                    for l in range(4)]
+        return out
+
     def rows_of(builder, table, indices, width):
         """Rows of a constant table of width-byte rows (len(indices) * width = 32) -> int8 [32], in order: a scalar
         load per row. Measured against an index vector built by shuffles and one AVX2 gather (vpgatherdq / vpgatherdd),
@@ -387,7 +449,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         (int8 [32] magnitudes, int8 [32] of +-1), which the 8-bit dot puts onto x instead (group_sums8)."""
         width = spec.grid.shape[1]
         v = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_grid", spec.grid),
-                    [bit_fields(builder, wdata, s_, f) for f in spec.rows], width)
+                    row_indices(builder, wdata, s_, spec.rows), width)
         if spec.signs is not None:
             signs = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_signs", spec.sign_table),
                             [bit_fields(builder, wdata, s_, f) for f in spec.signs], 8)

@@ -170,6 +170,13 @@ MUTANTS: list[Mutant] = [
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-8]"),
         "IQ2/IQ3 8-bit dots: the magnitudes times x without the sign table moved onto x"),
     Mutant(
+        "iq_pdep_high_parts_dropped", "pymoe/quant/qact.py",
+        "both = builder.or_(lo, hi)", "both = lo",
+        ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ1_M-*]",
+         "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]"),
+        "IQ1/IQ2_S/IQ3_S row indices built by pdep without their high bits (CPUs with a fast pdep only: elsewhere "
+        "this mutant survives)"),
+    Mutant(
         "iq3s_index_bit_8_dropped", "pymoe/quant/qact.py",
         "_field(66 + g, 1, m, 1, 8)", "_field(66 + g, 1, m, 0, 8)",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ3_S-*]",),
