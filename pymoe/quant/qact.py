@@ -290,9 +290,9 @@ class Grid:
 def _pdep_plan(four) -> tuple:
     """For 4 Grid rows (field lists), the pdep form of their indices if they fit it, else (): each row = byte l of 4
     consecutive bytes (whole, at bit 0) + a high part (mask m, at bit pos) from one little-endian word of 1, 2 or 4
-    bytes, the 4 high parts at increasing, disjoint bit offsets. -> (the 4 bytes' offset, the word's offset, its
-    bytes, the first part's bit offset in it, the source mask of the 4 high parts in the word shifted by that offset,
-    the destination mask: part l at bits 16 l + pos)."""
+    bytes, the 4 high parts evenly spaced in it (pdep deposits a word's low bits in order). -> (the 4 bytes' offset,
+    the word's offset, its bytes, the first part's bit offset in it, the source mask of the 4 high parts in the word
+    shifted by that offset, the destination mask: part l at bits 16 l + pos, as many bits as the parts' spacing)."""
     if any(len(f) != 2 for f in four):
         return ()
     firsts, highs = [f[0] for f in four], [f[1] for f in four]
@@ -422,9 +422,13 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 out += [bit_fields(builder, wdata, s_, f) for f in four]
                 continue
             lo_off, word_off, nbytes, shift, src_mask, dst_mask = packed
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]), "llvm.x86.bmi.pdep.64")
-            word = lambda off, n: builder.zext(builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)),  # noqa: E731
-                                                                ir.IntType(8 * n)), align=1), i64)
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]),
+                                                "llvm.x86.bmi.pdep.64")
+
+            def word(off, n):  # the n-byte little-endian word at byte s + off, as int64
+                ptr = at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * n))
+                return builder.zext(builder.load(ptr, align=1), i64)
+
             lo = builder.call(fn, [word(lo_off, 4), ir.Constant(i64, 0x00FF00FF00FF00FF)])
             high = builder.lshr(word(word_off, nbytes), ir.Constant(i64, shift))
             hi = builder.call(fn, [builder.and_(high, ir.Constant(i64, src_mask)), ir.Constant(i64, dst_mask)])
@@ -471,8 +475,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             # each lane's bit tested in place (vptestmb, then a blend of -1 and +1 on AVX-512): measured IQ1_M, 1
             # thread, one token, Zen 4, G MACs/s in docs/performance.md round seventeen, against shifting each lane
             # by its run's shift (bytes have no variable shift: widen, vpsrlvw, narrow)
-            set_ = builder.icmp_unsigned("!=", builder.and_(lanes, vec(i8, 32, [1 << shifts[k // 8] for k in range(32)])),
-                                         vec(i8, 32, [0] * 32))
+            bit = vec(i8, 32, [1 << shifts[k // 8] for k in range(32)])
+            set_ = builder.icmp_unsigned("!=", builder.and_(lanes, bit), vec(i8, 32, [0] * 32))
             v = builder.add(v, builder.select(set_, vec(i8, 32, [-1] * 32), vec(i8, 32, [1] * 32)))
         return v
 
