@@ -414,6 +414,10 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         increasing bit offsets (IQ1_S, IQ1_M, IQ2_S, IQ3_S): pdep spreads the 4 bytes to bits 16 l, another pdep the
         high parts to bits 16 l + pos, one OR, then a shift and mask per row; the same indices (llama.cpp builds
         IQ1_M's so). Measured IQ1_M, 1 thread, one token, Zen 4: docs/performance.md round seventeen."""
+        def word(off, n):  # the n-byte little-endian word at byte s + off, as int64
+            ptr = at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * n))
+            return builder.zext(builder.load(ptr, align=1), i64)
+
         out = []
         for q in range(0, len(rows), 4):
             four = rows[q:q + 4]
@@ -424,11 +428,6 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             lo_off, word_off, nbytes, shift, src_mask, dst_mask = packed
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]),
                                                 "llvm.x86.bmi.pdep.64")
-
-            def word(off, n):  # the n-byte little-endian word at byte s + off, as int64
-                ptr = at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * n))
-                return builder.zext(builder.load(ptr, align=1), i64)
-
             lo = builder.call(fn, [word(lo_off, 4), ir.Constant(i64, 0x00FF00FF00FF00FF)])
             high = builder.lshr(word(word_off, nbytes), ir.Constant(i64, shift))
             hi = builder.call(fn, [builder.and_(high, ir.Constant(i64, src_mask)), ir.Constant(i64, dst_mask)])
@@ -549,10 +548,13 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 scales = builder.sub(scales, vec(i16, 16, [scale_bias] * 16))
         out = []
         for g, spec in enumerate(groups):
+            signs = None  # a Grid group's +-1 signs when they stay apart from its magnitudes (split)
             if isinstance(spec, Gather):
                 v = gather(builder, wdata, s_, spec)
+            elif isinstance(spec, Grid) and split and prescale == "bytes" and spec.signs is not None:
+                v, signs = grid_group(builder, wdata, s_, spec, split=True)  # magnitudes, and signs for x
             elif isinstance(spec, Grid):
-                v = grid_group(builder, wdata, s_, spec, split and prescale == "bytes")
+                v = grid_group(builder, wdata, s_, spec)
             elif signed_values:  # the group's 32 bytes are int8 weights
                 v = load(builder, wdata, builder.add(s_, ir.Constant(i64, spec)), i8, 32)
             else:
@@ -561,7 +563,6 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 if high is not None:
                     hoff, hshift, hmask, hpos = high
                     v = builder.or_(v, builder.shl(field(hoff, hshift, hmask), vec(i8, 32, [hpos] * 32)))
-            v, signs = v if isinstance(v, tuple) else (v, None)
             if codebook is not None:
                 v = lookup(builder, v)
             if value_bias:  # every format's q - bias fits int8 (Q6_K: -32..31)
