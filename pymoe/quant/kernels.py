@@ -613,8 +613,9 @@ def _act_fingerprint() -> str:
     here = os.path.dirname(__file__)
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
-            + ("p" if repack.PAIRS else "") + ("n" if _NT else "") + ("d" if _DECODE else ""))  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which
-    # instructions and forms the tile dots use; PYMOE_NT: the MoE kernel's hint
+            + ("p" if repack.PAIRS else "") + ("n" if _NT else "") + ("d" if _DECODE else "")
+            + f"s{repack.STREAM_AHEAD}")  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which instructions and forms the
+    # tile dots use; PYMOE_NT: the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token tile dots' distance
 
 
 def rows_dot(qtype):

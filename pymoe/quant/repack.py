@@ -114,7 +114,7 @@ from .jit import bind
 from .iquants import KVALUES_IQ4NL
 from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales,
                       _scale_min_k4_jit, scale_min_k4)
-from .qact import KVALUES_FP4, _AVX2, host_features, prefetch_ahead
+from .qact import KVALUES_FP4, _AVX2, host_cpu_name, host_features, prefetch_ahead
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
@@ -1068,7 +1068,10 @@ PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1"
 # 480 calls, three runs): no hints 208 / 218 / 215, 4 KiB 171 / 180 / 193, 8 KiB 166 / 175 / 198, 16 KiB 185 /
 # 195 / 204. Whole decode, the old bursts and these hints alternated run by run in one process (16 runs of 64
 # tokens): the MoE kernel 228 -> 219 us a layer, 4.75 -> 4.64 ms a token.
-STREAM_AHEAD = 8192
+# The 2-core Zen 4 VM of round eighteen is the other way round: there the hints only add work (the same benchmark,
+# 2 threads, median / p20 us of 720 calls, in two runs: 8 KiB 388 / 309 and 377 / 303, 4 KiB 362 / 280, 1 KiB 325
+# / 251, none 350 / 257 and 330 / 247), so that CPU gets none. PYMOE_STREAM_AHEAD=<bytes> chooses (0: none).
+STREAM_AHEAD = int(os.environ.get("PYMOE_STREAM_AHEAD", "0" if host_cpu_name() == "znver4" else "8192"))
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
@@ -1132,9 +1135,9 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
 def _compile(template, name: str, constants: dict):
     """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
     instruction-form suffix (jit.bind): the name keys Numba's on-disk cache, whose key also holds this CPU's name
-    and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR."""
-    return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}{'_pair' if PAIRS else ''}",
-                constants, parallel=True)
+    and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR / PYMOE_STREAM_AHEAD."""
+    return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}{'_pair' if PAIRS else ''}"
+                f"_s{STREAM_AHEAD}", constants, parallel=True)
 
 
 def _compile_matmul(qtype):
