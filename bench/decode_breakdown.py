@@ -1,7 +1,7 @@
 """Benchmark: where one decoded token's time goes, per backend call, on one model file (pymoe alone).
 
 What this is: the table of docs/performance.md "Round five / Where the time goes". It loads the model, prefills a
-128-token prompt, decodes a few tokens to warm up, then times --tokens greedy tokens with a wrapper around every
+--context-token prompt (default 128), decodes a few tokens to warm up, then times --tokens greedy tokens with a wrapper around every
 backend primitive (linear, linear_many, attention, rmsnorm, rope, route, moe_experts, kv_write, kv_read, ...), the
 expert cache's lookup / expert / finish, the fused MoE kernel call, and each attention and FFN block. Prints ms per
 token and calls per token, largest first. The wrappers themselves add ~1 us a call, and nested rows overlap (the
@@ -33,9 +33,10 @@ def main():
     ap.add_argument("model", help="GGUF file")
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
     ap.add_argument("--tokens", type=int, default=40, help="decoded tokens timed (default 40)")
+    ap.add_argument("--context", type=int, default=128, help="prompt tokens before them (default 128)")
     args = ap.parse_args()
 
-    engine = pymoe.load(args.model, threads=args.threads, n_ctx=128 + args.tokens + 16)
+    engine = pymoe.load(args.model, threads=args.threads, n_ctx=args.context + args.tokens + 16)
     model = engine.model
     seconds, calls = collections.Counter(), collections.Counter()
 
@@ -60,8 +61,8 @@ def main():
         for key in list(table):
             table[key] = timed(table[key], f"{kind} block: {key}")
 
-    prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, 128)
-    kv = model.new_kv(128 + args.tokens + 16)
+    prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, args.context)
+    kv = model.new_kv(args.context + args.tokens + 16)
     logits = model.prefill(prompt, kv)[-1]
     for _ in range(5):
         logits = model.decode_one_token(int(np.argmax(logits)), kv)

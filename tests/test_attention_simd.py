@@ -30,9 +30,9 @@ def _weighted(p, total, v, n, out):
 def test_scores_have_the_bits_of_the_numpy_twin(nh, n):
     rng = np.random.default_rng(nh * 1000 + n)
     Dh = 80  # not a power of two: the d loop is a run-time count
-    L = (n + 15) // 16 * 16 + 16
+    nb = (n + 63) // 64  # tiles of 64 keys: no more than n needs (a 4-head run's 64 keys are one tile's)
     q = rng.standard_normal((nh, Dh)).astype(np.float32)
-    kt = rng.standard_normal((Dh, L)).astype(np.float32)
+    kt = rng.standard_normal((nb, Dh, 64)).astype(np.float32)
     out = np.full((nh, (n + 15) // 16 * 16), np.nan, np.float32)
     _scores(q, kt, n, out)
     assert np.array_equal(out[:, :n], scores_ref(q, kt, n))

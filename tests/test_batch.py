@@ -130,25 +130,28 @@ def test_decode_batch_rejects_bad_batches(tiny_model):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_kv_cache_holds_only_what_each_layer_attends_over(tiny_model, arch):
-    """Bytes of an f32 cache = n_ctx x the values per token counted from the file's own tensors and keys, not from
+    """Bytes of a cache = n_ctx x the values per token counted from the file's own tensors and keys, not from
     pymoe's config: a layer with attn_k keeps G x (Dh + Dv) values (key/value_length), an MLA layer (attn_kv_a_mqa)
-    one compressed row of kv_lora_rank + rope (its V is read from it), a Gated DeltaNet layer (ssm_a) none."""
+    one compressed row of kv_lora_rank + rope (its V is read from it), a Gated DeltaNet layer (ssm_a) none. The f32
+    cache holds a layer's keys in tiles of 64 positions (engine/kv.py KeyTiles), so 16 positions take one tile."""
     import gguf
 
     r = gguf.GGUFReader(tiny_model(arch, "f32"))
     key = lambda k: int(r.fields[f"{arch}.{k}"].contents())  # noqa: E731
     names = {t.name for t in r.tensors}
-    per_token = 0
+    keys = rows = 0  # values per token: keys of layers with a V plane; everything else (V, MLA's rows)
     for i in range(key("block_count")):
         if f"blk.{i}.attn_kv_a_mqa.weight" in names:
-            per_token += key("attention.kv_lora_rank") + key("rope.dimension_count")
+            rows += key("attention.kv_lora_rank") + key("rope.dimension_count")
         elif f"blk.{i}.attn_k.weight" in names:
-            per_token += key("attention.head_count_kv") * (key("attention.key_length") + key("attention.value_length"))
+            keys += key("attention.head_count_kv") * key("attention.key_length")
+            rows += key("attention.head_count_kv") * key("attention.value_length")
         else:
             assert f"blk.{i}.ssm_a" in names
     m = pymoe.load(tiny_model(arch, "f32"))
-    assert kv_nbytes(new_kv(m.config, 16, "f32")) == 16 * per_token * 4
-    assert kv_nbytes(new_kv(m.config, 16, "f16")) == 16 * per_token * 2
+    assert kv_nbytes(new_kv(m.config, 16, "f32")) == (64 * keys + 16 * rows) * 4
+    assert kv_nbytes(new_kv(m.config, 128, "f32")) == 128 * (keys + rows) * 4
+    assert kv_nbytes(new_kv(m.config, 16, "f16")) == 16 * (keys + rows) * 2
 
 
 # --- int8 KV -------------------------------------------------------------------------------------------------------

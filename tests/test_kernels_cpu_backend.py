@@ -86,17 +86,65 @@ def test_attention_rows_against_einsum_and_independent_of_T():
     for t in (0, 5, T - 1):  # query t alone (decode) = its row of the T-query call (prefill)
         one = b.attention(q[t:t + 1], k[:p0 + t + 1], v[:p0 + t + 1], p0 + t)
         assert np.array_equal(one[0], out[t])
-    direct = np.empty_like(out)  # the kernel itself, its key scratch padded only to whole vectors of 16 keys
-    L = (S + 15) // 16 * 16
+    direct = np.empty_like(out)  # the kernel itself, its key scratch as few tiles of 64 keys as hold S
+    nb = (S + 63) // 64
     for threads in (1, 2, 16):  # heads per task: all of a KV head's (4 here), or fewer where tasks would be few
-        attention_rows(q, k, np.empty((G, Dh, L), np.float32), v, p0, 0, np.zeros(0, np.float32), direct, threads)
+        attention_rows(q, k, np.empty((G, nb, Dh, 64), np.float32), v, p0, 0, np.zeros(0, np.float32), direct,
+                       threads, False)
         assert np.array_equal(direct, out)
-    with pytest.raises(ValueError, match="rounded up to 16"):  # a scratch too short for those whole vectors
-        attention_rows(q, k, np.empty((G, Dh, L - 1), np.float32), v, p0, 0, np.zeros(0, np.float32), direct, 2)
+    with pytest.raises(ValueError, match="nb \\* 64 >= S"):  # a scratch too short for the keys
+        attention_rows(q, k, np.empty((G, (S - 1) // 64, Dh, 64), np.float32), v, p0, 0, np.zeros(0, np.float32),
+                       direct, 2, False)
     v24 = v[..., :24].copy()  # a value head size that is not a multiple of 16: the plain output loop
     out24 = b.attention(q, k, v24, p0)
     assert np.abs(out24 - attention(q, k, v24, p0)).max() <= 1e-5 * np.abs(v24).max()  # the bound above
     assert np.array_equal(b.attention(q[5:6], k[:p0 + 6], v24[:p0 + 6], p0 + 5)[0], out24[5])
+
+
+def test_attention_reads_the_f32_caches_key_tiles_in_place():
+    """The f32 KV cache stores keys in tiles of 64 positions (engine/kv.py KeyTiles): what it reads back is what was
+    written, the CPU backend's kv_read hands the tiles over as they are (KeyBlocks) and its attention on them has
+    the bits of the same keys as a plain [S, G, Dh] array, in a prefill and then in decode steps that cross tile
+    edges; a copied prefix, an f16 cache and an MLA one (no V plane: K stays position-first) behave as before."""
+    from types import SimpleNamespace
+    from pymoe.backends.attention_simd import KeyBlocks
+    from pymoe.engine.kv import Float16KVCache, KeyTiles, KVCache
+
+    rng = np.random.default_rng(11)
+    H, G, Dh, n_ctx = 8, 2, 64, 150
+    cfg = SimpleNamespace(kv_layers=lambda: (0, 1), n_head_kv=G, head_dim=Dh, kv_v_width=Dh, head_dim_v=Dh)
+    kv = KVCache(cfg, n_ctx)
+    assert isinstance(kv.k, KeyTiles)
+    k = rng.standard_normal((n_ctx, G, Dh)).astype(np.float32)
+    v = rng.standard_normal((n_ctx, G, Dh)).astype(np.float32)
+    q = rng.standard_normal((n_ctx, H, Dh)).astype(np.float32)
+    b = CPUBackend()
+    T = 70  # a prefill of T tokens (across a tile's edge), then decode steps one at a time
+    kv.write(1, 0, k[:T], v[:T])
+    kr, vr = b.kv_read(kv, 1, T)
+    assert isinstance(kr, KeyBlocks) and kr.shape == (T, G, Dh) and np.array_equal(np.asarray(kr), k[:T])
+    assert np.array_equal(kv.read(1, T)[0], k[:T]) and np.array_equal(vr, v[:T])
+    assert np.array_equal(b.attention(q[:T], kr, vr, 0), b.attention(q[:T], k[:T], v[:T], 0))
+    for p in range(T, n_ctx):
+        kv.write(1, p, k[p:p + 1], v[p:p + 1])
+        kr, vr = b.kv_read(kv, 1, p + 1)
+        assert np.array_equal(b.attention(q[p:p + 1], kr, vr, p), b.attention(q[p:p + 1], k[:p + 1], v[:p + 1], p))
+    assert np.array_equal(kv.read(1, n_ctx)[0], k) and not kv.read(0, n_ctx)[0].any()  # layer 0 untouched
+    kv.write(1, 60, k[:10], v[:10])  # a rewrite across a tile's edge (speculation rolls back so)
+    assert np.array_equal(kv.read(1, 80)[0][60:70], k[:10]) and np.array_equal(kv.read(1, 80)[0][70:], k[70:80])
+    kv.n = n_ctx
+    other = KVCache(cfg, n_ctx)
+    other.copy_from(kv, 100)
+    assert np.array_equal(other.read(1, 100)[0], kv.read(1, 100)[0])
+    f16 = Float16KVCache(cfg, n_ctx)  # position-first: its keys go through attention_rows' scratch tiles
+    f16.write(1, 0, k, v)
+    k16, v16 = b.kv_read(f16, 1, n_ctx)
+    assert isinstance(k16, np.ndarray)
+    assert np.array_equal(b.attention(q[-1:], k16, v16, n_ctx - 1),
+                          b.attention(q[-1:], k16.astype(np.float32), v16.astype(np.float32), n_ctx - 1))
+    mla = KVCache(SimpleNamespace(kv_layers=lambda: (0,), n_head_kv=1, head_dim=Dh, kv_v_width=0, head_dim_v=48),
+                  n_ctx)  # MLA: V is the first 48 values of each K row
+    assert type(mla.k) is np.ndarray
 
 
 def test_f32_matmul_against_numpy_and_independent_of_T():

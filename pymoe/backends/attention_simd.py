@@ -1,7 +1,7 @@
 """The two inner loops of CPU attention (backends/cpu.py, `attention_rows`), as LLVM IR with accumulators in registers.
 
 What this is: for one query and the nh query heads that share one KV head (GQA),
-  scores_into(q, kt, n, out):  out[j, s] = sum_d q[j, d] * kt[d, s] for s < n, the sum in order d = 0, 1, .. (a
+  scores_into(q, kt, n, out):  out[j, s] = sum_d q[j, d] * key(d, s) for s < n, the sum in order d = 0, 1, .. (a
                                multiply, then an add, both float32: no fused multiply-add), from 0.0;
   weighted_into(p, total, v, n, out):  out[j, d] = sum_s (p[j, s] / total[j]) * v[s, d] for d < Dv, in order
                                s = 0, 1, .. (p[j, s] / total[j] rounded once, then a multiply and an add).
@@ -12,9 +12,9 @@ whole loop (4 heads x 64 keys, or 8 x 16 keys of one head; 4 heads' output rows 
 row is loaded once for the heads taken together. Each value is computed by the same float operations in the same
 order, so the bits are the Numba loops' (tests/test_attention_simd.py holds them to NumPy twins, `scores_ref` /
 `weighted_ref`, bit for bit).
-Shapes: q float32 [nh, Dh] (any strides); kt float32 [Dh, L] C-contiguous, L >= n rounded up to 16 (the caller
-pads; lanes past n are read, computed and written to out but never used: out's rows have room for n rounded up to
-16); p float32 [nh, >= n], total [nh], v float32 [n', Dv] whose rows may be strided (a KV head's rows of [S, G, Dv])
+Shapes: q float32 [nh, Dh] (any strides); kt float32 [nb, Dh, 64] C-contiguous, the keys in tiles of 64 positions,
+key(d, s) = kt[s // 64, d, s % 64], nb * 64 >= n (lanes past n are read, computed and written to out but never
+used: out's rows have room for n rounded up to 16; the f32 KV cache stores its keys so, engine/kv.py `KeyTiles`); p float32 [nh, >= n], total [nh], v float32 [n', Dv] whose rows may be strided (a KV head's rows of [S, G, Dv])
 but whose values are contiguous, Dv a multiple of 16 up to 256, out [nh, Dv] with contiguous rows.
 What this is not: the softmax (Numba's loops in `attention_rows`, which vectorise on their own).
 """
@@ -32,6 +32,24 @@ BLOCK = 8  # vectors of 16 keys summed at once by scores_into for one head (4 pe
 # add chains that hide the add's latency
 HEADS = 4  # query heads of one KV head taken together: each key or value row loaded once for them
 MAX_DV = 256  # the widest value row weighted_into keeps in registers (16 vectors)
+TILE_KEYS = 64  # keys per tile of scores_into's kt: a tile [Dh, 64] is one 4-head run's keys, contiguous
+
+
+class KeyBlocks:
+    """The first S positions of one layer's keys as key tiles: tiles float32 [G, nb, Dh, 64] C-contiguous (nb * 64
+    >= S), key d of head g at position s in tiles[g, s // 64, d, s % 64] (the f32 KV cache's own layout,
+    engine/kv.py `KeyTiles`, read in place by backends/cpu.py). It stands for K [S, G, Dh]: `shape`, and
+    np.asarray(it) for code that wants that array (a copy)."""
+
+    def __init__(self, tiles: np.ndarray, S: int):
+        self.tiles, self.S = tiles, S
+        self.shape = (S, tiles.shape[0], tiles.shape[2])
+        self.dtype = tiles.dtype
+
+    def __array__(self, dtype=None, copy=None):
+        G, nb, Dh, w = self.tiles.shape
+        k = self.tiles.transpose(1, 3, 0, 2).reshape(nb * w, G, Dh)[:self.S]  # [S, G, Dh]
+        return k if dtype is None else k.astype(dtype, copy=False)
 
 
 def _splat(builder, scalar):
@@ -54,10 +72,11 @@ def _c(a, nd):
 
 @intrinsic
 def scores_into(typingctx, q, kt, n, out):
-    """out[j, s] = sum_d q[j, d] * kt[d, s] for the nh heads j of q [nh, Dh], s < n rounded up to 16 (see the module's
-    docstring): 4 heads at a time (4 vectors of 16 keys each: kt's row read once for them), then the rest one by
-    one (8 vectors)."""
-    if not (_c(q, 2) and _c(kt, 2) and kt.layout == "C" and isinstance(n, types.Integer) and _c(out, 2)):
+    """out[j, s] = sum_d q[j, d] * kt[s // 64, d, s % 64] for the nh heads j of q [nh, Dh], s < n rounded up to 16
+    (see the module's docstring), kt float32 [nb, Dh, 64] C-contiguous, nb * 64 >= n (key tiles: each block of 64
+    keys a contiguous [Dh, 64] tile): 4 heads at a time (4 vectors of 16 keys each, one tile's row: read once for
+    them), then the rest one by one (8 vectors)."""
+    if not (_c(q, 2) and _c(kt, 3) and kt.layout == "C" and isinstance(n, types.Integer) and _c(out, 2)):
         return None
 
     def codegen(context, builder, signature, args):
@@ -66,7 +85,8 @@ def scores_into(typingctx, q, kt, n, out):
         const = lambda v: ir.Constant(_i64, v)  # noqa: E731
         n_ = context.cast(builder, args[2], signature.args[2], types.int64)
         nh = cgutils.unpack_tuple(builder, qa.shape, 2)[0]
-        Dh, L = cgutils.unpack_tuple(builder, ka.shape, 2)  # L: elements from one dimension's row to the next
+        Dh = cgutils.unpack_tuple(builder, ka.shape, 3)[1]
+        tile = builder.mul(Dh, const(TILE_KEYS))  # elements from one tile to the next
         q_row, q_col = (builder.udiv(x, const(4)) for x in cgutils.unpack_tuple(builder, qa.strides, 2))
         o_row = builder.udiv(cgutils.unpack_tuple(builder, oa.strides, 2)[0], const(4))
         vecs = builder.udiv(builder.add(n_, const(15)), const(16))  # vectors of 16 keys
@@ -76,10 +96,15 @@ def scores_into(typingctx, q, kt, n, out):
             for a in accs[:heads * width]:
                 builder.store(ir.Constant(_V16F, [0.0] * 16), a)
             s0 = builder.mul(first_vec, const(16))
+            starts = []  # vector j (keys s0 + 16 j ..): its tile's start plus its lane offset
+            for j in range(width):
+                sj = builder.add(s0, const(16 * j))
+                starts.append(builder.add(builder.mul(builder.udiv(sj, const(TILE_KEYS)), tile),
+                                          builder.urem(sj, const(TILE_KEYS))))
             with cgutils.for_range(builder, Dh) as loop:
                 d = loop.index
-                row = builder.add(builder.mul(d, L), s0)
-                ks = [_vload(builder, ka.data, builder.add(row, const(16 * j))) for j in range(width)]
+                row = builder.mul(d, const(TILE_KEYS))
+                ks = [_vload(builder, ka.data, builder.add(row, starts[j])) for j in range(width)]
                 for i in range(heads):
                     at = builder.add(builder.mul(builder.add(h0, const(i)), q_row), builder.mul(d, q_col))
                     qd = _splat(builder, builder.load(builder.gep(qa.data, [at])))
@@ -164,10 +189,12 @@ def weighted_into(typingctx, p, total, v, n, out):
 
 
 def scores_ref(q: np.ndarray, kt: np.ndarray, n: int) -> np.ndarray:
-    """NumPy twin of scores_into: q [nh, Dh] -> float32 [nh, n], each sum over d in order, multiply then add."""
+    """NumPy twin of scores_into: q [nh, Dh], key tiles kt [nb, Dh, 64] -> float32 [nh, n], each sum over d in
+    order, multiply then add."""
+    keys = kt.transpose(1, 0, 2).reshape(kt.shape[1], -1)  # [Dh, nb * 64]: key d of position s at [d, s]
     out = np.zeros((q.shape[0], n), np.float32)
-    for d in range(kt.shape[0]):
-        out += q[:, d:d + 1].astype(np.float32) * kt[d, :n]
+    for d in range(keys.shape[0]):
+        out += q[:, d:d + 1].astype(np.float32) * keys[d, :n]
     return out
 
 

@@ -36,7 +36,7 @@ from numba import njit, prange
 
 from pymoe import quant
 from pymoe.gguf.loader import Tensor
-from .attention_simd import MAX_DV, scores_into, weighted_into
+from .attention_simd import MAX_DV, TILE_KEYS, KeyBlocks, scores_into, weighted_into
 from .pool import HostPool
 from .reference import DenseWeight, HostArrays, experts_one_by_one, host_dense
 from pymoe.quant import kernels, qact, repack
@@ -45,31 +45,32 @@ from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot, prefetch_line
 
 
 @njit(parallel=True, cache=True)
-def attention_rows(q, k, kt, v, p0, window, sinks, out, threads):
+def attention_rows(q, k, kt, v, p0, window, sinks, out, threads, in_place):
     """Causal GQA attention, each query on its own: q [T, H, Dh], k [S, G, Dh], v [S, G, Dv] (S = p0 + T),
-    kt [G, Dh, >= S rounded up to 16] scratch -> out float32 [T, H * Dv] (written); threads: Numba's thread count.
+    kt [G, nb, Dh, 64] (nb * 64 >= S) the keys in tiles of 64 positions -> out float32 [T, H * Dv] (written);
+    threads: Numba's thread count. in_place: kt already holds the keys (the f32 KV cache's own plane, engine/kv.py
+    `KeyTiles`; k is not read), else it is scratch, filled here from k.
     The math of model.attention, in an order that depends only on the query's position, not on T: query t gives the
     same bits in a prefill of T tokens as alone in decode_one_token. The integer path needs that: it rounds
     activations, which would turn float-order noise (~1e-7) into rounding flips (~1e-4 in the logits of the tiny
     test models).
-    SIMD over keys: the scores as sum_d q[d] * kt[g, d, :] (each key's sum in order d = 0, 1, ..; a vector multiply
+    SIMD over keys: the scores as sum_d q[d] * kt[g, b, d, :] (each key's sum in order d = 0, 1, ..; a vector multiply
     and add per d for 16 keys, no horizontal sum per key; `attention_simd.scores_into`: the sums in registers, each
     key row loaded once for 4 heads), e^x by exp_f32 (vectorised), the softmax sum in 16 interleaved partial sums
     (lane s % 16) added in a fixed tree, the output as sum_s p_s v[s] over Dv lanes (`attention_simd.weighted_into`,
     the output rows in registers)."""
     T, H, Dh = q.shape
     S, G, Dv = v.shape
-    if kt.shape[2] < (S + 15) // 16 * 16:  # scores_into reads whole vectors of 16 keys
-        raise ValueError("attention_rows: kt's last axis must hold S rounded up to 16")
+    if kt.shape[1] * TILE_KEYS < S or kt.shape[2] != Dh or kt.shape[3] != TILE_KEYS:
+        raise ValueError("attention_rows: kt must be [G, nb, Dh, 64] with nb * 64 >= S")
     sqrt_dh = np.float32(np.sqrt(Dh))
-    # The keys transposed first, kt[g, d, s] = k[s, g, d], each dimension contiguous (the scores loop below), one
-    # KV head per task. The caller pads kt's last axis past S to an odd multiple of 16 floats (a power-of-two stride
-    # put every write of a key in the same cache set: 3x-10x slower); NumPy's strided copy takes ~3x this loop's time.
-    # In decode the cache's keys and values come from DRAM (a token's expert weights went through every cache since
-    # this layer last ran): the loop asks for the key 16 rows ahead and for the value rows the output loop will read
-    # (hints only; 37 -> 32 us a layer at 160 positions, measured in one process, alternated call by call).
+    # Keys not in tiles (an f16 or int8 cache's, read as float32): into kt first, kt[g, s // 64, d, s % 64] =
+    # k[s, g, d], one KV head per task. In decode the cache's keys and values come from DRAM (a token's expert
+    # weights went through every cache since this layer last ran): the loop asks for the key 16 rows ahead and for
+    # the value rows the output loop will read (hints only; 37 -> 32 us a layer at 160 positions, measured in one
+    # process, alternated call by call). The f32 cache's tiles need none of it: its keys are read where they are.
     row_k, row_v = G * Dh * 4, G * Dv * 4  # bytes from one position to the next (k, v C-contiguous float32)
-    for g in prange(G):
+    for g in prange(0 if in_place else G):
         k_at, v_at = k.ctypes.data + g * Dh * 4, v.ctypes.data + g * Dv * 4  # head g of position 0
         for s in range(S):
             for c in range(0, Dv * 4, 64):
@@ -77,8 +78,9 @@ def attention_rows(q, k, kt, v, p0, window, sinks, out, threads):
             if s + 16 < S:
                 for c in range(0, Dh * 4, 64):
                     prefetch_line(k_at + (s + 16) * row_k + c)
+            tile = kt[g, s // TILE_KEYS]
             for d in range(Dh):
-                kt[g, d, s] = k[s, g, d]
+                tile[d, s % TILE_KEYS] = k[s, g, d]
     # A task: one query and `hpt` of the heads that read one KV head (scores_into and weighted_into load each key and
     # value row once for up to 4 heads). All of a KV head's heads per task unless that leaves fewer than two tasks a
     # thread (decode: T = 1), then halved until it does not.
@@ -98,7 +100,7 @@ def attention_rows(q, k, kt, v, p0, window, sinks, out, threads):
         n = p0 + t + 1  # keys 0 .. p0 + t: causal
         lo = max(0, n - window) if window > 0 else 0  # sliding window: keys lo .. p0 + t
         scores = np.empty((hpt, (n + 15) // 16 * 16), dtype=np.float32)  # [hpt, n] and the rest of the last 16
-        scores_into(q[t, h0:h0 + hpt], kt[g], n, scores)  # sum_d q[h, d] * kt[g, d, s], sums in registers
+        scores_into(q[t, h0:h0 + hpt], kt[g], n, scores)  # sum_d q[h, d] * key(d, s), sums in registers
         totals = np.empty(hpt, dtype=np.float32)
         for j in range(hpt):
             sc = scores[j]
@@ -334,6 +336,7 @@ def rope_rows(x, cos, sin, neox):
 
 
 NO_TILES = (0, 0, 0)  # an expert without repacked matrices
+_NO_KEYS = np.zeros((0, 1, 1), dtype=np.float32)  # attention_rows' k when kt holds the keys
 _NO_SINKS = np.zeros(0, np.float32)  # attention_rows' sinks for a model without them
 
 
@@ -456,15 +459,21 @@ class CPUBackend(HostArrays):
         window and per-head sinks) by `attention_rows`, whose bits do not depend on T."""
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=np.float32)  # [T, H * Dv]
         S, G, Dh = k.shape
-        # [G, Dh, stride >= S]: for SIMD over keys. The stride is an odd multiple of 16 floats, never a multiple of
-        # 128 bytes: at 1024 floats (S = 1000, the rows 4 KiB apart) the transposition took 870 us instead of 90
-        # (every row's line in the same cache set), as 512 did before padding
-        kt = np.empty((G, Dh, (S + 31) // 32 * 32 + 16), dtype=np.float32)
         f32 = np.float32  # (a KV cache may store f16)
-        q, k, v = (np.ascontiguousarray(q, f32), np.ascontiguousarray(k, f32), np.ascontiguousarray(v, f32))
+        if isinstance(k, KeyBlocks):  # the f32 cache's key tiles (kv_read below), read where they are
+            kt, k = k.tiles, _NO_KEYS
+        else:  # [G, nb, Dh, 64] scratch for the key tiles, filled by attention_rows
+            kt = np.empty((G, (S + TILE_KEYS - 1) // TILE_KEYS, Dh, TILE_KEYS), dtype=np.float32)
+            k = np.ascontiguousarray(k, f32)
+        q, v = np.ascontiguousarray(q, f32), np.ascontiguousarray(v, f32)
         sinks = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, f32)
-        attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads())
+        attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads(), k is _NO_KEYS)
         return out
+
+    def kv_read(self, kv, layer: int, S: int) -> tuple:
+        """kv.read's (K [S, G, Dh], V [S, G, Dv]), with the f32 cache's keys as they are stored (a `KeyBlocks` of
+        its key tiles, engine/kv.py `KeyTiles`, which `attention` reads in place) instead of copied into [S, G, Dh]."""
+        return kv.read(layer, S, key_blocks=True)
 
     def route(self, logits: np.ndarray, k: int, norm_topk: bool) -> tuple[np.ndarray, np.ndarray]:
         """reference.route's contract: router logits [T, E] -> (ids int [T, K], w float32 [T, K]), compiled (the

@@ -34,6 +34,7 @@ from typing import Optional
 
 import numpy as np
 
+from pymoe.backends.attention_simd import TILE_KEYS, KeyBlocks
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import ModelConfig
 
@@ -51,12 +52,14 @@ class KVCache:
         self.n_ctx, self.n = n_ctx, 0
         self.rows = {layer: r for r, layer in enumerate(cfg.kv_layers() if layers is None else layers)}
         shape = (len(self.rows), n_ctx, cfg.n_head_kv)
-        self.k = self._plane((*shape, cfg.head_dim))
+        self.k = self._plane((*shape, cfg.head_dim), keys=bool(cfg.kv_v_width))
         self.v = self._plane((*shape, cfg.kv_v_width)) if cfg.kv_v_width else None
         self.v_in_k = 0 if cfg.kv_v_width else cfg.head_dim_v  # MLA: V = K[..., :v_in_k]
 
-    def _plane(self, shape: tuple):
-        return np.zeros(shape, dtype=np.float32)
+    def _plane(self, shape: tuple, keys: bool = False):
+        """A plane [L, n_ctx, G, Dh]; keys: it holds keys only (there is a V plane; MLA's K rows also hold its V):
+        stored in tiles of 64 positions (`KeyTiles`), the layout CPU attention computes scores from."""
+        return KeyTiles(shape) if keys else np.zeros(shape, dtype=np.float32)
 
     def write(self, layer: int, p0: int, k: np.ndarray, v) -> None:
         """k [T, G, Dh], v [T, G, Dv] (or None without a V plane) into positions p0 .. p0 + T - 1."""
@@ -65,8 +68,11 @@ class KVCache:
         if self.v is not None:
             self.v[r, p0:p0 + v.shape[0]] = v
 
-    def read(self, layer: int, S: int) -> tuple:
-        """-> K [S, G, Dh], V [S, G, Dv] of the first S positions."""
+    def read(self, layer: int, S: int, key_blocks: bool = False) -> tuple:
+        """-> K [S, G, Dh], V [S, G, Dv] of the first S positions. key_blocks: keys stored in tiles come back as
+        they are (a `KeyBlocks`, what CPU attention reads), not copied into K."""
+        if key_blocks and isinstance(self.k, KeyTiles):
+            return self.k.blocks(self.rows[layer], S), self.v[self.rows[layer], :S]
         k = self.k[self.rows[layer], :S]
         return k, (self.v[self.rows[layer], :S] if self.v is not None else k[..., :self.v_in_k])
 
@@ -149,8 +155,48 @@ def copy_positions(dst, src, n: int) -> None:
     plane's codes and scales, not a requantization of its dequantized values)."""
     if isinstance(src, QuantizedPlane):
         dst.q[:, :n], dst.d[:, :n] = src.q[:, :n], src.d[:, :n]
+    elif isinstance(src, KeyTiles):
+        nb = (n + TILE_KEYS - 1) // TILE_KEYS  # whole tiles (positions past n are not read before written)
+        dst.t[:, :, :nb] = src.t[:, :, :nb]
     else:
         dst[:, :n] = src[:, :n]
+
+
+class KeyTiles:
+    """Looks like a float32 array [L, n_ctx, G, Dh] to code that writes and reads [layer, positions] blocks, and
+    stores the keys in tiles of 64 positions: t [L, G, nb, Dh, 64], key d of head g at position s in t[l, g, s // 64,
+    d, s % 64]. CPU attention sums q . k over d for 16 positions at a time (a vector of 16 keys per d:
+    attention_simd.scores_into); here those vectors are in place, each 64-position tile [Dh, 64] contiguous, where
+    the position-first layout had every layer's keys transposed for every token (~half of a decode step's attention
+    at 160 positions, growing with the context). `blocks` hands the tiles over as they are (attention_simd.KeyBlocks);
+    indexing copies them back into [T, G, Dh]."""
+
+    def __init__(self, shape: tuple):
+        L, n_ctx, G, Dh = self.shape = shape
+        self.t = np.zeros((L, G, (n_ctx + TILE_KEYS - 1) // TILE_KEYS, Dh, TILE_KEYS), np.float32)
+
+    def __setitem__(self, index, x: np.ndarray) -> None:
+        """index: (layer, positions p0:p1); x float32 [p1 - p0, G, Dh], written tile by tile."""
+        layer, pos = index
+        p0, p1, _ = pos.indices(self.shape[1])
+        x = np.asarray(x, dtype=np.float32)
+        for b in range(p0 // TILE_KEYS, (p1 + TILE_KEYS - 1) // TILE_KEYS):
+            lo, hi = max(p0, b * TILE_KEYS), min(p1, (b + 1) * TILE_KEYS)  # positions of tile b
+            self.t[layer, :, b, :, lo - b * TILE_KEYS:hi - b * TILE_KEYS] = x[lo - p0:hi - p0].transpose(1, 2, 0)
+
+    def __getitem__(self, index) -> np.ndarray:
+        """index: (layer, positions p0:p1) -> float32 [p1 - p0, G, Dh], a copy."""
+        layer, pos = index
+        p0, p1, _ = pos.indices(self.shape[1])
+        return np.asarray(KeyBlocks(self.t[layer], p1))[p0:]
+
+    def blocks(self, layer: int, S: int) -> KeyBlocks:
+        """The first S positions of this row's keys, the tiles themselves (a view)."""
+        return KeyBlocks(self.t[layer], S)
+
+    @property
+    def nbytes(self) -> int:
+        return self.t.nbytes
 
 
 class QuantizedPlane:
@@ -186,14 +232,14 @@ class QuantizedPlane:
 class Float16KVCache(KVCache):
     """KVCache with float16 storage: writes round to f16, reads come back as f16 and attention upcasts."""
 
-    def _plane(self, shape: tuple):
+    def _plane(self, shape: tuple, keys: bool = False):
         return np.zeros(shape, dtype=np.float16)
 
 
 class Int8KVCache(KVCache):
     """KVCache with K and V as QuantizedPlanes (int8 values + a float16 scale per 32 values of a head)."""
 
-    def _plane(self, shape: tuple):
+    def _plane(self, shape: tuple, keys: bool = False):
         return QuantizedPlane(shape)
 
 
