@@ -5,11 +5,13 @@ again), all with the one interface the attention blocks (engine/attention.py) us
 `kv_write` / `kv_read`:
     kv.write(layer, p0, k, v)   the new tokens' keys and values   (k [T, G, Dh], v [T, G, Dv] float32)
     kv.read(layer, S)           the first S positions             (-> float32-compatible [S, G, Dh], [S, G, Dv])
+    kv.read(layer, S, key_blocks=True)   the same, keys stored in tiles handed over as they are (the CPU backend)
 plus kv.n (tokens stored) / kv.n_ctx / clear(). Rows exist only for the layers that keep K/V
 (`ModelConfig.kv_layers`: not Gated DeltaNet layers), and MLA has no V plane: its V is the first kv_lora_rank
 values of the compressed K row, read from there (so an MLA cache holds kv_lora_rank + rope values per token and
 layer, as llama.cpp's does). The int8 cache stores K and V as `QuantizedPlane`s, small adapters that quantize on
-write and dequantize the prefix asked for on read, so the blocks run unchanged. The CUDA backend's
+write and dequantize the prefix asked for on read, so the blocks run unchanged; the f32 cache stores its keys in
+tiles of 64 positions (`KeyTiles`), the layout CPU attention computes scores in, the same way. The CUDA backend's
 `DeviceKVCache` (backends/cuda.py), the same fields in device memory, runs the very same block code.
 State of other kinds goes here too: a linear-attention (Gated DeltaNet) layer keeps a recurrent state and a conv
 state (`recurrent(layer)`, engine/deltanet.py) instead of K/V.
@@ -44,8 +46,9 @@ GROUP = 32  # int8 values per float16 scale, as in GGML's Q8_0 (llama.cpp's `--c
 
 class KVCache:
     """Keys and values for one sequence: float32 K [L_kv, n_ctx, G, Dh] and V [L_kv, n_ctx, G, Dv] over the L_kv
-    layers that keep them (`rows`: layer -> row; ModelConfig.kv_layers), `n` tokens stored so far. MLA's V is the
-    first Dv values of its K row, so it has no V plane (`v` None; `read` slices it from K)."""
+    layers that keep them (`rows`: layer -> row; ModelConfig.kv_layers), `n` tokens stored so far; K stored in
+    tiles of 64 positions (`KeyTiles`), which it reads and writes as that array. MLA's V is the first Dv values of
+    its K row, so it has no V plane (`v` None; `read` slices it from K, kept position-first)."""
 
     def __init__(self, cfg: ModelConfig, n_ctx: int, layers: Optional[tuple] = None):
         """layers: the layers to keep K/V for (default: ModelConfig.kv_layers(); the MTP block: its own one)."""
