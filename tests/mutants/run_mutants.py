@@ -280,6 +280,19 @@ MUTANTS: list[Mutant] = [
          "tests/test_kernels_cpu_backend.py::test_attention_rows_against_einsum_and_independent_of_T"),
         "CPU attention's blocked scores loop multiplies every key vector of a block by the first one's keys"),
     Mutant(
+        "attention_key_tiles_one_tile", "pymoe/backends/attention_simd.py",
+        "starts.append(builder.add(builder.mul(builder.udiv(sj, const(TILE_KEYS)), tile),",
+        "starts.append(builder.add(builder.mul(builder.udiv(s0, const(TILE_KEYS)), tile),",
+        ("tests/test_attention_simd.py::test_scores_have_the_bits_of_the_numpy_twin[*]",
+         "tests/test_kernels_cpu_backend.py::test_attention_reads_the_f32_caches_key_tiles_in_place"),
+        "CPU attention reads a run's later key vectors from its first vector's tile (wrong past a tile's edge)"),
+    Mutant(
+        "kv_key_tiles_copy_drops_partial_tile", "pymoe/engine/kv.py",
+        "nb = (n + TILE_KEYS - 1) // TILE_KEYS  # whole tiles",
+        "nb = n // TILE_KEYS  # MUTANT whole tiles",
+        ("tests/test_kernels_cpu_backend.py::test_attention_reads_the_f32_caches_key_tiles_in_place",),
+        "a copied f32 KV prefix (n > 1 choices, prefix reuse) loses the keys of its last, partial tile"),
+    Mutant(
         "attention_weighted_first_heads_total", "pymoe/backends/attention_simd.py",
         "pv = _splat(builder, builder.fdiv(builder.load(builder.gep(pa.data, [at])), tots[i]))",
         "pv = _splat(builder, builder.fdiv(builder.load(builder.gep(pa.data, [at])), tots[0]))",
