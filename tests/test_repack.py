@@ -134,12 +134,12 @@ def _extreme_rows(qtype) -> np.ndarray:
 # VNNI's (vpdpbusd on 256 bits: AVX-512 VNNI or AVX-VNNI) and the wide one (512 bits, two chunks an operation: Q4_K,
 # Q5_K and IQ4_XS on AVX-512 VNNI) where the CPU has them (LLVM cannot select them elsewhere).
 # Each with the one-token dot's prefetch hints as this CPU has them (repack.STREAM_AHEAD, 0 on Zen 4), and this
-# CPU's own form again with hints 8 KiB ahead, kept and non-temporal: hints must not change a bit, whichever
-# distance the CPU that runs the tests gets.
+# CPU's own form again with hints 8 KiB ahead (non-temporal, as the experts' dots ask): hints must not change a bit,
+# whichever distance the CPU that runs the tests gets.
 FORMS = [("portable", dict(portable=True))] + ([("avx2", dict(vnni=False))] if qact._AVX2 else []) + (
     [("vnni", dict(vnni=True, wide=False))] if repack._VNNI else []) + (
     [("vnni-wide", dict(vnni=True, wide=True))] if repack._WIDE else []) + [
-    ("hints-kept", dict(ahead=8192, locality=3)), ("hints-nt", dict(ahead=8192, locality=0))]
+    ("hints", dict(ahead=8192, locality=0))]
 _RUNNERS = {}
 
 
