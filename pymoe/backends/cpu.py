@@ -460,14 +460,15 @@ class CPUBackend(HostArrays):
         out = np.empty((q.shape[0], q.shape[1] * v.shape[2]), dtype=np.float32)  # [T, H * Dv]
         S, G, Dh = k.shape
         f32 = np.float32  # (a KV cache may store f16)
-        if isinstance(k, KeyBlocks):  # the f32 cache's key tiles (kv_read below), read where they are
+        in_place = isinstance(k, KeyBlocks)
+        if in_place:  # the f32 cache's key tiles (kv_read below), read where they are
             kt, k = k.tiles, _NO_KEYS
         else:  # [G, nb, Dh, 64] scratch for the key tiles, filled by attention_rows
             kt = np.empty((G, (S + TILE_KEYS - 1) // TILE_KEYS, Dh, TILE_KEYS), dtype=np.float32)
             k = np.ascontiguousarray(k, f32)
         q, v = np.ascontiguousarray(q, f32), np.ascontiguousarray(v, f32)
         sinks = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, f32)
-        attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads(), k is _NO_KEYS)
+        attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads(), in_place)
         return out
 
     def kv_read(self, kv, layer: int, S: int) -> tuple:

@@ -301,8 +301,8 @@ MUTANTS: list[Mutant] = [
         "CPU attention's output loop divides every head's weights by the first head's softmax sum"),
     Mutant(
         "gpt_oss_sinks_dropped_on_cpu", "pymoe/backends/cpu.py",
-        "attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads(), k is _NO_KEYS)",
-        "attention_rows(q, k, kt, v, p0, int(window), _NO_SINKS, out, numba.get_num_threads(), k is _NO_KEYS)  # MUTANT",
+        "attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads(), in_place)",
+        "attention_rows(q, k, kt, v, p0, int(window), _NO_SINKS, out, numba.get_num_threads(), in_place)  # MUTANT",
         (LLAMACPP_LOGITS + "[*gpt-oss*]",),
         "gpt-oss: the CPU backend's attention ignores the per-head sinks"),
     Mutant(
