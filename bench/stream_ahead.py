@@ -1,18 +1,19 @@
-"""Benchmark: the fused MoE kernel on experts not in cache, its one-token tile dots built at several hint distances.
+"""Benchmark: the fused MoE kernel on experts not in cache, its one-token tile dots built with several hints.
 
-What this is: the measurement behind repack.STREAM_AHEAD. The one-token tile dot asks for the tile bytes
-STREAM_AHEAD past each block it reads (a hint per 64 bytes, among the block's own loads); the distance is baked into
-the dot when it is built. This script loads one model file (8-bit activations, repacked experts), builds the MoE
-kernel once per distance (0: no hints from the dots), and then, for --rounds rounds over the layers, calls each
+What this is: the measurement behind repack.STREAM_AHEAD and qact.STREAM_LOCALITY. The one-token tile dot asks for
+the tile bytes STREAM_AHEAD past each block it reads (a hint per 64 bytes, among the block's own loads), at a
+prefetch locality (which cache level the line goes to); both are baked into the dot when it is built. This script
+loads one model file (8-bit activations, repacked experts), builds the MoE kernel once per distance and locality (0
+bytes: no hints from the dots), and then, for --rounds rounds over the layers, calls each
 variant in turn on K experts drawn at random from the layer (a fresh draw per call: a decode step's experts come
 from DRAM, as on real text; the greedy output of a random-weight model repeats its routing). It times the kernel
-call alone and prints the median and 20th percentile per distance. The variants alternate call by call in one
+call alone and prints the median and 20th percentile per variant. The variants alternate call by call in one
 process, so a shared host's drift reaches them alike, in an order drawn anew for each layer (a call right after
 another on the same layer finds some of its experts in cache: ~1 of 8 drawn from 64; a fixed order favours all but
 the first). Every variant's y is the same bits (checked on the first call of each layer).
 What this is not: a whole decode step (bench/compare_llamacpp.py, `--feed random` for the same kind of routing).
 
-    PYTHONPATH=. python bench/stream_ahead.py /work/bigm/mid-Q4_K_M.gguf --threads 2
+    PYTHONPATH=. python bench/stream_ahead.py /work/bigm/mid-Q4_K_M.gguf --threads 2 --localities 0,1,2,3
 """
 from __future__ import annotations
 
@@ -22,15 +23,15 @@ import time
 import numpy as np
 
 import pymoe
-from pymoe.quant import QType, kernels, repack
+from pymoe.quant import QType, kernels, qact, repack
 
 
-def build(qtypes, distance: int):
-    """The MoE kernel for these expert types, its one-token tile dots asking for the bytes `distance` ahead (with
-    the hint the kernel's own dots use: non-temporal unless PYMOE_NT=0)."""
-    dots = {QType(q): repack._make_tile_dot(QType(q), locality=0 if kernels._NT else 3, ahead=distance)
-            for q in qtypes}
-    name = f"bench{distance}_" + "_".join(QType(q).name for q in qtypes) + "_" + kernels._act_fingerprint()
+def build(qtypes, distance: int, locality: int):
+    """The MoE kernel for these expert types, its one-token tile dots asking for the bytes `distance` ahead at
+    prefetch `locality` (0: prefetchnta, 1: prefetcht2, 2: prefetcht1, 3: prefetcht0)."""
+    dots = {QType(q): repack._make_tile_dot(QType(q), locality=locality, ahead=distance) for q in qtypes}
+    name = (f"bench{distance}_l{locality}_" + "_".join(QType(q).name for q in qtypes) + "_"
+            + kernels._act_fingerprint())
     return kernels._compile(kernels._moe_kernel, name, kernels.moe_constants(qtypes, dots))
 
 
@@ -39,6 +40,9 @@ def main():
     ap.add_argument("model", help="GGUF file (expert types with a tile layout: repack.TILE_BYTES)")
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
     ap.add_argument("--distances", default="0,4096,8192,16384", help="bytes ahead, comma-separated (0: no hints)")
+    ap.add_argument("--localities", default=str(qact.STREAM_LOCALITY),
+                    help="prefetch localities, comma-separated (default this CPU's for the experts, "
+                         f"qact.STREAM_LOCALITY = {qact.STREAM_LOCALITY})")
     ap.add_argument("--rounds", type=int, default=30, help="rounds over the layers (default 30)")
     args = ap.parse_args()
 
@@ -54,7 +58,9 @@ def main():
         raise SystemExit(f"stream_ahead: {args.model}: expert types {sorted(q.name for qt in kinds for q in qt)} "
                          "include one without a tile layout")
     distances = [int(d) for d in args.distances.split(",")]
-    variants = [(f"{d} B ahead", {qt: build(qt, d) for qt in kinds}) for d in distances]
+    localities = [int(v) for v in args.localities.split(",")]
+    variants = [(f"{d} B ahead" + (f", locality {loc}" if d else ""), {qt: build(qt, d, loc) for qt in kinds})
+                for d in distances for loc in (localities if d else localities[:1])]
     for layer in layers:  # every expert's tiles made (the first use of an expert repacks it)
         for e0 in range(0, E, K):
             ids = np.arange(e0, min(E, e0 + K))[None]

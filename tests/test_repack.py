@@ -9,6 +9,8 @@ products with and without repacked copies, bit for bit, with a check that the co
 made by llama.cpp's quantizer decoded with and without repacking, bit for bit, and one MXFP4_MOE file likewise.
 What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Round seven").
 """
+import re
+
 import numpy as np
 import pytest
 from numba import njit
@@ -133,13 +135,12 @@ def _extreme_rows(qtype) -> np.ndarray:
 # The forms of the tile dot this machine can compile: the portable IR (CPUs without AVX2) always; AVX2's intrinsics,
 # VNNI's (vpdpbusd on 256 bits: AVX-512 VNNI or AVX-VNNI) and the wide one (512 bits, two chunks an operation: Q4_K,
 # Q5_K and IQ4_XS on AVX-512 VNNI) where the CPU has them (LLVM cannot select them elsewhere).
-# Each with the one-token dot's prefetch hints as this CPU has them (repack.STREAM_AHEAD, 0 on Zen 4), and this
-# CPU's own form again with hints 8 KiB ahead (non-temporal, as the experts' dots ask): hints must not change a bit,
-# whichever distance the CPU that runs the tests gets.
+# Each with the one-token dot's prefetch hints as this CPU has them (repack.STREAM_AHEAD, at the dense weights'
+# locality), and this CPU's own form again without hints (PYMOE_STREAM_AHEAD=0): hints must not change a bit.
 FORMS = [("portable", dict(portable=True))] + ([("avx2", dict(vnni=False))] if qact._AVX2 else []) + (
     [("vnni", dict(vnni=True, wide=False))] if repack._VNNI else []) + (
     [("vnni-wide", dict(vnni=True, wide=True))] if repack._WIDE else []) + [
-    ("hints", dict(ahead=8192, locality=0))]
+    ("no hints", dict(ahead=0))]
 _RUNNERS = {}
 
 
@@ -202,6 +203,41 @@ def test_every_form_of_the_tile_dot_has_the_same_bits(qtype, form):
     a, a4 = _form(qtype, form, tiles, xq, xd, xbs)
     here = repack.tile_matmul(tiles, qtype, xq, xd, xbs)  # [MANY, 16]
     assert np.array_equal(a, here[0]) and np.array_equal(a4, here)
+
+
+def test_prefetch_hints_follow_the_cpu_and_the_environment(monkeypatch):
+    """The prefetch hint of the experts' one-token dots (qact._stream_locality: read once a token) and of the dense
+    weights' (qact._dense_locality: read again next token), per CPU as measured (Zen 4: both into L2, prefetcht1;
+    other AMD Zen: the experts' non-temporal; elsewhere prefetcht0) and as the environment forces it; and the dots
+    compiled here ask with them (llvm.prefetch's locality in their IR). Hints change no bit (the forms above), so a
+    wrong one shows only here and in bench/stream_ahead.py."""
+    for var in ("PYMOE_STREAM_LOCALITY", "PYMOE_NT", "PYMOE_DENSE_LOCALITY"):
+        monkeypatch.delenv(var, raising=False)
+    for cpu, stream, dense in (("znver4", 2, 2), ("znver5", 0, 3), ("sapphirerapids", 3, 3)):
+        monkeypatch.setattr(qact, "host_cpu_name", lambda cpu=cpu: cpu)
+        assert (qact._stream_locality(), qact._dense_locality()) == (stream, dense), cpu
+    for env, stream in (({"PYMOE_NT": "1"}, 0), ({"PYMOE_NT": "0"}, 3),
+                        ({"PYMOE_NT": "0", "PYMOE_STREAM_LOCALITY": "1"}, 1)):
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        assert qact._stream_locality() == stream, env
+    monkeypatch.setenv("PYMOE_DENSE_LOCALITY", "1")
+    assert qact._dense_locality() == 1
+    if not repack.STREAM_AHEAD:
+        return
+    for dots, locality in ((repack.TILE_DOTS_STREAM, qact.STREAM_LOCALITY), (repack.TILE_DOTS, qact.DENSE_LOCALITY)):
+        dot = dots[QType.Q4_K]
+
+        @njit
+        def one(tiles, xq, xd, xbs, out):
+            dot(tiles, xq, xd, xbs, out)
+
+        C = 256
+        one(np.zeros(repack.TILE_BYTES[QType.Q4_K], np.uint8), *(a[0] for a in _x8(np.ones((1, C)))),
+            np.zeros(8, np.float32))
+        ir_text = next(iter(one.inspect_llvm().values()))
+        hints = re.findall(r"call void @llvm\.prefetch[.\w]*\([^,]+, i32 0, i32 (\d), i32 1\)", ir_text)
+        assert hints and set(hints) == {str(locality)}, (locality, set(hints))
 
 
 _PAIR_RUNNERS = {}

@@ -346,9 +346,9 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     (expert, block of QK_K rows of F: the task quantizes its block of h, which is never stored as float32); down
     over `threads` ranges of D rows (each task owns its rows of y, so the pairs of one token never race), experts
     in order. Each task asks for the weight bytes `ahead` of the ones it reads (PREFETCH_WEIGHTS:
-    qact.prefetch_ahead_nt where _NT, on AMD Zen, else prefetch_ahead; ahead 0: no hints), a row (group) at a time,
+    qact.prefetch_ahead_stream, at this CPU's hint for bytes read once; ahead 0: no hints), a row (group) at a time,
     except where a one-token tile dot reads: that one asks for them from inside its block loop (repack.STREAM_AHEAD,
-    non-temporal where _NT).
+    at the same hint).
     """
     # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
     # to K pairs, in NumPy) cost more than this phase. Decode quantizes each pair's row (K copies of one token's
@@ -594,16 +594,21 @@ def expert_addresses(gate, up, down, F, D, gate_bytes, up_bytes, down_bytes):
 
 
 _ACT_KERNELS: dict = {}
-# The fused MoE kernel's prefetch hints for expert weights: non-temporal (prefetchnta) on AMD Zen, kept (prefetcht0)
-# elsewhere; PYMOE_NT=1 / 0 chooses. A decode step reads every chosen expert once (Q4_K_M mid: ~100 MiB a token, 3x
-# a Zen L3); kept hints let that stream evict what the next token reads again (dense weights, the KV cache, the
-# interpreter's own data). Zen 5 VM: Q4_K_M mid, 8-bit, 2 threads, 6 rounds of alternated processes: 4.57 -> 4.40
-# ms a token with the non-temporal hint, faster in every round; on the Q2_K and MXFP4_MOE files the rounds split both
-# ways. The 2-core Intel Xeon VM of rounds fifteen and sixteen (2 MiB L2 a core, a 480 MiB L3 shared with the host)
-# is the other way round, and by far: the kernel on 8 random experts not in cache (bench/stream_ahead.py, 2 threads,
-# median us, kept / non-temporal, the one-token dots' distance 4096 / 8192 B): Q2_K mix 242 / 457, Q4_K_M 359 / 745.
+# The fused MoE kernel's prefetch hints for expert weights (qact.STREAM_LOCALITY, the locality of llvm.prefetch):
+# non-temporal (0, prefetchnta) on AMD Zen, into L2 (2, prefetcht1) on Zen 4, kept (3, prefetcht0) elsewhere;
+# PYMOE_STREAM_LOCALITY=0..3 chooses (PYMOE_NT=1 / 0: 0 / 3). A decode step reads every chosen expert once (Q4_K_M
+# mid: ~100 MiB a token, 3x a Zen L3); kept hints let that stream evict what the next token reads again (dense
+# weights, the KV cache, the interpreter's own data). Zen 5 VM: Q4_K_M mid, 8-bit, 2 threads, 6 rounds of alternated
+# processes: 4.57 -> 4.40 ms a token with the non-temporal hint, faster in every round; on the Q2_K and MXFP4_MOE
+# files the rounds split both ways. The 2-core Intel Xeon VM of rounds fifteen and sixteen (2 MiB L2 a core, a 480
+# MiB L3 shared with the host) is the other way round, and by far: the kernel on 8 random experts not in cache
+# (bench/stream_ahead.py, 2 threads, median us, kept / non-temporal, the one-token dots' distance 4096 / 8192 B): Q2_K
+# mix 242 / 457, Q4_K_M 359 / 745. The 2-core Zen 4 VM of rounds eighteen and nineteen wants neither: there both
+# made the kernel slower than no hints at all, and the hint into L2 (prefetcht1, or prefetcht2: the same there) made
+# it much faster (bench/stream_ahead.py --localities 0,1,2,3, Q4_K_M, 2 threads, median / p20 us, 8 KiB ahead: none
+# 317 / 217, prefetchnta 324 / 265, prefetcht0 323 / 274, prefetcht1 200 / 177, prefetcht2 193 / 173; a second run
+# 329 / 236 none, 228 / 189 prefetcht1 at 8 KiB, 238 / 204 at 4 KiB, 236 / 193 at 16 KiB).
 # The distance stays PREFETCH_AHEAD (4096 best with either hint on Zen 5: bench/prefetch_ahead.py).
-_NT = os.environ.get("PYMOE_NT", "1" if qact.host_cpu_name().startswith("znver") else "0") != "0"
 # PYMOE_DECODE=0: prefill reads the IQ1-IQ3 experts' raw rows (the multi-row dots), not decoded scratch tiles (the
 # same bits either way; to compare them)
 _DECODE = os.environ.get("PYMOE_DECODE", "1") != "0"
@@ -613,9 +618,10 @@ def _act_fingerprint() -> str:
     here = os.path.dirname(__file__)
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
-            + ("p" if repack.PAIRS else "") + ("n" if _NT else "") + ("d" if _DECODE else "")
+            + ("p" if repack.PAIRS else "") + f"n{qact.STREAM_LOCALITY}" + ("d" if _DECODE else "")
             + f"s{repack.STREAM_AHEAD}")  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which instructions and forms the
-    # tile dots use; PYMOE_NT: the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token tile dots' distance
+    # tile dots use; PYMOE_STREAM_LOCALITY (PYMOE_NT): the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token
+    # tile dots' distance
 
 
 def rows_dot(qtype):
@@ -663,10 +669,10 @@ def _never_row_decode(w, tile, r):
 
 def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     """The globals `_moe_kernel` is compiled with for (gate, up, down) types: their row dots, sizes, one-token and
-    many-token tile dots (tile_dots: {QType: dot}; default the non-temporal ones, `repack.TILE_DOTS_NT`, or the
-    kept ones with PYMOE_NT=0) and the prefetch hint. bench/stream_ahead.py builds variants with its own dots."""
+    many-token tile dots (tile_dots: {QType: dot}; default those with the hint for bytes read once,
+    `repack.TILE_DOTS_STREAM`) and the prefetch hint. bench/stream_ahead.py builds variants with its own dots."""
     qtypes = [QType(q) for q in qtypes]
-    tile_dots = tile_dots or (repack.TILE_DOTS_NT if _NT else repack.TILE_DOTS)
+    tile_dots = tile_dots or repack.TILE_DOTS_STREAM
     dots = [qact.ACT_DOTS[q] for q in qtypes]
     rows = [rows_dot(q) for q in qtypes]
     sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
@@ -685,7 +691,7 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
                 DECODED_DOWN=_DECODE and qtypes[2] in qact.ROW_DECODES,
                 TILE_DECODED=repack.tile_dot_decoded if any_decoded else _never_tile_dot,
                 PAIR_DECODED=repack.DECODED in repack.PAIRS, DECODED_TILE=qact.DECODED_TILE,
-                PREFETCH_WEIGHTS=qact.prefetch_ahead_nt if _NT else qact.prefetch_ahead)
+                PREFETCH_WEIGHTS=qact.prefetch_ahead_stream)
 
 
 def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=None) -> np.ndarray:

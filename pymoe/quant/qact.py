@@ -41,6 +41,7 @@ Weight layouts: the diagrams in kquants.py. Shape legend: T rows (tokens), C val
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from llvmlite import ir
@@ -168,7 +169,6 @@ def _prefetch(locality: int, name: str):
 
 
 prefetch_line = _prefetch(3, "prefetch_line")  # bytes worth keeping: dense weights, the KV cache
-prefetch_line_nt = _prefetch(0, "prefetch_line_nt")  # bytes read once per token: routed experts (kernels._moe_kernel)
 
 
 @njit(cache=True, inline="always")
@@ -179,10 +179,10 @@ def prefetch_ahead(base, pos, nbytes, end, dist):
 
 
 @njit(cache=True, inline="always")
-def prefetch_ahead_nt(base, pos, nbytes, end, dist):
-    """prefetch_ahead with the non-temporal hint (x86: prefetchnta)."""
+def prefetch_ahead_stream(base, pos, nbytes, end, dist):
+    """prefetch_ahead with the hint for bytes read once (STREAM_LOCALITY)."""
     for off in range(pos + dist, min(end, pos + dist + nbytes), 64):
-        prefetch_line_nt(base + off)
+        prefetch_line_stream(base + off)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -229,6 +229,30 @@ def host_cpu_name() -> str:
     from llvmlite import binding
 
     return numba.config.CPU_NAME if numba.config.CPU_NAME not in (None, "host") else binding.get_host_cpu_name()
+
+
+def _stream_locality() -> int:
+    """The hint for the bytes a decode step reads once (the routed experts, kernels._moe_kernel): 0, non-temporal
+    (prefetchnta), on AMD Zen; 2 (prefetcht1: into L2, not L1) on Zen 4; 3 (prefetcht0, every level) elsewhere.
+    PYMOE_STREAM_LOCALITY=0..3 chooses; PYMOE_NT=1 / 0 is 0 / 3. The measurements are in kernels (_NT's comment)."""
+    if os.environ.get("PYMOE_STREAM_LOCALITY"):
+        return int(os.environ["PYMOE_STREAM_LOCALITY"])
+    if os.environ.get("PYMOE_NT"):
+        return 0 if os.environ["PYMOE_NT"] != "0" else 3
+    cpu = host_cpu_name()
+    return 2 if cpu == "znver4" else 0 if cpu.startswith("znver") else 3
+
+
+def _dense_locality() -> int:
+    """The hint for the bytes read again next token (the dense weights' one-token tile dots, repack.TILE_DOTS): 3
+    (prefetcht0) except on Zen 4, where 2 (prefetcht1) was faster (docs/performance.md, round nineteen);
+    PYMOE_DENSE_LOCALITY=0..3 chooses."""
+    return int(os.environ.get("PYMOE_DENSE_LOCALITY") or (2 if host_cpu_name() == "znver4" else 3))
+
+
+STREAM_LOCALITY, DENSE_LOCALITY = _stream_locality(), _dense_locality()
+prefetch_line_stream = _prefetch(STREAM_LOCALITY, f"prefetch_line_stream{STREAM_LOCALITY}")  # bytes read once per
+# token: routed experts (kernels._moe_kernel)
 
 
 def _host_has_avx512bw() -> bool:

@@ -114,7 +114,7 @@ from .jit import bind
 from .iquants import KVALUES_IQ4NL
 from .kquants import (Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K, _q3_k_scale, _q3_k_scales,
                       _scale_min_k4_jit, scale_min_k4)
-from .qact import KVALUES_FP4, _AVX2, host_cpu_name, host_features, prefetch_ahead
+from .qact import KVALUES_FP4, _AVX2, host_features, prefetch_ahead
 
 ROWS = 8  # rows per tile
 MXFP4_SIZE = 17  # bytes of one MXFP4 block (32 weights)
@@ -994,7 +994,7 @@ PAIR = {QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.Q8_0, 
 VNNI_MANY = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.MXFP4, QType.IQ4_XS, DECODED}
 
 
-def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = 3,
+def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool = None, locality: int = None,
                    ahead: int = None):
     """-> tile_dot(tiles uint8 [nb * TILE_BYTES], xq, xd, xbs, out): the row-group's 8 rows times one token (xq int8
     [nb * 256], xd float32 [nb], xbs int32 [nb * 16], out float32 [8]) or times MANY tokens at once (the same arrays
@@ -1003,11 +1003,13 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     hold the call; at 16 bits its body is a trap (callers pass no tiles then). portable: the IR without x86
     intrinsics (CPUs without AVX2); vnni: with vpdpbusd or without (None: as this CPU allows, `_VNNI`). The
     one-token dot asks for the tile bytes `ahead` (None: STREAM_AHEAD; 0: none) past those it reads, at prefetch
-    `locality` (3: the dense weights, read again next token; 0, non-temporal: the routed experts, `TILE_DOTS_NT`).
+    `locality` (None: qact.DENSE_LOCALITY, for the dense weights, read again next token; the routed experts, read
+    once: qact.STREAM_LOCALITY, `TILE_DOTS_STREAM`).
     With tiles 2-D (uint8 [2, nb * TILE_BYTES], two neighbouring row-groups) and MANY tokens, out [MANY, 16]: the pair
     form (formats in PAIR, on a CPU with 512-bit VNNI; a trap elsewhere: callers check PAIRS), lane by lane the bits
     of the one-row-group calls."""
     ahead = STREAM_AHEAD if ahead is None else ahead
+    locality = qact.DENSE_LOCALITY if locality is None else locality
     vnni = _VNNI if vnni is None else vnni
     wide_ok = _WIDE if wide is None else wide  # the 512-bit forms allowed
     qtype = _key(qtype)
@@ -1068,10 +1070,12 @@ PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1"
 # 480 calls, three runs): no hints 208 / 218 / 215, 4 KiB 171 / 180 / 193, 8 KiB 166 / 175 / 198, 16 KiB 185 /
 # 195 / 204. Whole decode, the old bursts and these hints alternated run by run in one process (16 runs of 64
 # tokens): the MoE kernel 228 -> 219 us a layer, 4.75 -> 4.64 ms a token.
-# The 2-core Zen 4 VM of round eighteen is the other way round: there the hints only add work (the same benchmark,
-# 2 threads, median / p20 us of 720 calls, in two runs: 8 KiB 388 / 309 and 377 / 303, 4 KiB 362 / 280, 1 KiB 325
-# / 251, none 350 / 257 and 330 / 247), so that CPU gets none. PYMOE_STREAM_AHEAD=<bytes> chooses (0: none).
-STREAM_AHEAD = int(os.environ.get("PYMOE_STREAM_AHEAD", "0" if host_cpu_name() == "znver4" else "8192"))
+# On the 2-core Zen 4 VM of round eighteen the hints, non-temporal, only added work (the same benchmark, 2 threads,
+# median / p20 us of 720 calls, in two runs: 8 KiB 388 / 309 and 377 / 303, 4 KiB 362 / 280, 1 KiB 325 / 251, none
+# 350 / 257 and 330 / 247), so that CPU went without until round nineteen found the hint it wants: into L2
+# (qact.STREAM_LOCALITY, with the figures in kernels), 8 KiB ahead as elsewhere. PYMOE_STREAM_AHEAD=<bytes> chooses
+# (0: none). The dense weights' dots ask at qact.DENSE_LOCALITY (prefetcht0; prefetcht1 on Zen 4).
+STREAM_AHEAD = int(os.environ.get("PYMOE_STREAM_AHEAD", "8192"))
 tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
 tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
 tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
@@ -1083,7 +1087,8 @@ tile_dot_iq4_xs = _make_tile_dot(QType.IQ4_XS)
 TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: tile_dot_q4_k,
              QType.Q5_K: tile_dot_q5_k, QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4,
              QType.Q8_0: tile_dot_q8_0, QType.IQ4_XS: tile_dot_iq4_xs}
-TILE_DOTS_NT = {q: _make_tile_dot(q, locality=0) for q in TILE_DOTS}  # the same with non-temporal hints: experts
+TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=qact.STREAM_LOCALITY) for q in TILE_DOTS}  # the experts' (the
+# hint for bytes read once)
 # the decoded layout's (a scratch tile, in L1: no hints ahead)
 tile_dot_decoded = _make_tile_dot(DECODED, ahead=0)
 
@@ -1135,9 +1140,9 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
 def _compile(template, name: str, constants: dict):
     """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
     instruction-form suffix (jit.bind): the name keys Numba's on-disk cache, whose key also holds this CPU's name
-    and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR / PYMOE_STREAM_AHEAD."""
+    and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR / PYMOE_STREAM_AHEAD / PYMOE_DENSE_LOCALITY."""
     return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}{'_pair' if PAIRS else ''}"
-                f"_s{STREAM_AHEAD}", constants, parallel=True)
+                f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}", constants, parallel=True)
 
 
 def _compile_matmul(qtype):

@@ -293,6 +293,19 @@ MUTANTS: list[Mutant] = [
         ("tests/test_kernels_cpu_backend.py::test_attention_reads_the_f32_caches_key_tiles_in_place",),
         "a copied f32 KV prefix (n > 1 choices, prefix reuse) loses the keys of its last, partial tile"),
     Mutant(
+        "expert_dots_hint_kept", "pymoe/quant/repack.py",
+        "TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=qact.STREAM_LOCALITY)",
+        "TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=3)",
+        ("tests/test_repack.py::test_prefetch_hints_follow_the_cpu_and_the_environment",),
+        "the experts' one-token dots ask for their bytes with the dense weights' hint, not this CPU's hint for bytes "
+        "read once (no bit changes; Zen 4 decode ~20% slower)"),
+    Mutant(
+        "stream_locality_zen4_nontemporal", "pymoe/quant/qact.py",
+        'return 2 if cpu == "znver4" else 0 if cpu.startswith("znver") else 3',
+        'return 0 if cpu.startswith("znver") else 3',
+        ("tests/test_repack.py::test_prefetch_hints_follow_the_cpu_and_the_environment",),
+        "Zen 4 gets the non-temporal expert hint of other Zen CPUs (measured slower than none there)"),
+    Mutant(
         "attention_weighted_first_heads_total", "pymoe/backends/attention_simd.py",
         "pv = _splat(builder, builder.fdiv(builder.load(builder.gep(pa.data, [at])), tots[i]))",
         "pv = _splat(builder, builder.fdiv(builder.load(builder.gep(pa.data, [at])), tots[0]))",
