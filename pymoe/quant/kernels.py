@@ -606,8 +606,8 @@ _ACT_KERNELS: dict = {}
 # mix 242 / 457, Q4_K_M 359 / 745. The 2-core Zen 4 VM of rounds eighteen and nineteen wants neither: there both
 # made the kernel slower than no hints at all, and the hint into L2 (prefetcht1, or prefetcht2: the same there) made
 # it much faster (bench/stream_ahead.py --localities 0,1,2,3, Q4_K_M, 2 threads, median / p20 us, 8 KiB ahead: none
-# 317 / 217, prefetchnta 324 / 265, prefetcht0 323 / 274, prefetcht1 200 / 177, prefetcht2 193 / 173; a second run
-# 329 / 236 none, 228 / 189 prefetcht1 at 8 KiB, 238 / 204 at 4 KiB, 236 / 193 at 16 KiB).
+# 317 / 217, prefetchnta 324 / 265, prefetcht0 323 / 274, prefetcht1 200 / 177, prefetcht2 193 / 173; a second run:
+# none 329 / 236, prefetcht1 228 / 189 at 8 KiB and 238 / 204 at 4 KiB, prefetcht2 234 / 193 at 16 KiB).
 # The distance stays PREFETCH_AHEAD (4096 best with either hint on Zen 5: bench/prefetch_ahead.py).
 # PYMOE_DECODE=0: prefill reads the IQ1-IQ3 experts' raw rows (the multi-row dots), not decoded scratch tiles (the
 # same bits either way; to compare them)
