@@ -234,7 +234,8 @@ def host_cpu_name() -> str:
 def _stream_locality() -> int:
     """The hint for the bytes a decode step reads once (the routed experts, kernels._moe_kernel): 0, non-temporal
     (prefetchnta), on AMD Zen; 2 (prefetcht1: into L2, not L1) on Zen 4; 3 (prefetcht0, every level) elsewhere.
-    PYMOE_STREAM_LOCALITY=0..3 chooses; PYMOE_NT=1 / 0 is 0 / 3. The measurements are in kernels (_NT's comment)."""
+    PYMOE_STREAM_LOCALITY=0..3 chooses; PYMOE_NT=1 / 0 is 0 / 3. The measurements: kernels.py, the comment
+    below `_ACT_KERNELS`."""
     if os.environ.get("PYMOE_STREAM_LOCALITY"):
         return int(os.environ["PYMOE_STREAM_LOCALITY"])
     if os.environ.get("PYMOE_NT"):
