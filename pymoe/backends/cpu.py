@@ -70,17 +70,18 @@ def attention_rows(q, k, kt, v, p0, window, sinks, out, threads, in_place):
     # the value rows the output loop will read (hints only; 37 -> 32 us a layer at 160 positions, measured in one
     # process, alternated call by call). The f32 cache's tiles need none of it: its keys are read where they are.
     row_k, row_v = G * Dh * 4, G * Dv * 4  # bytes from one position to the next (k, v C-contiguous float32)
-    for g in prange(0 if in_place else G):
-        k_at, v_at = k.ctypes.data + g * Dh * 4, v.ctypes.data + g * Dv * 4  # head g of position 0
-        for s in range(S):
-            for c in range(0, Dv * 4, 64):
-                prefetch_line(v_at + s * row_v + c)
-            if s + 16 < S:
-                for c in range(0, Dh * 4, 64):
-                    prefetch_line(k_at + (s + 16) * row_k + c)
-            tile = kt[g, s // TILE_KEYS]
-            for d in range(Dh):
-                tile[d, s % TILE_KEYS] = k[s, g, d]
+    if not in_place:  # (a parallel region costs a few us even with no iterations)
+        for g in prange(G):
+            k_at, v_at = k.ctypes.data + g * Dh * 4, v.ctypes.data + g * Dv * 4  # head g of position 0
+            for s in range(S):
+                for c in range(0, Dv * 4, 64):
+                    prefetch_line(v_at + s * row_v + c)
+                if s + 16 < S:
+                    for c in range(0, Dh * 4, 64):
+                        prefetch_line(k_at + (s + 16) * row_k + c)
+                tile = kt[g, s // TILE_KEYS]
+                for d in range(Dh):
+                    tile[d, s % TILE_KEYS] = k[s, g, d]
     # A task: one query and `hpt` of the heads that read one KV head (scores_into and weighted_into load each key and
     # value row once for up to 4 heads). All of a KV head's heads per task unless that leaves fewer than two tasks a
     # thread (decode: T = 1), then halved until it does not.

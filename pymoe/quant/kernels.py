@@ -355,7 +355,14 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     # row: one parallel region); a prefill chunk each token's row once, then copies it to its pairs (K times less
     # quantizing, one more region). The same function on the same row: the same bits either way.
     T, P = x.shape[0], tok.shape[0]
-    if T == 1 or P <= T:
+    if T == 1:  # decode: the one row quantized once, here, and copied to its K pairs (a parallel region to quantize
+        # K copies of one row cost ~3 us of launch a layer)
+        quantize_act(x[0], xq[0], xd[0], xbs[0], qmax)
+        for p in range(1, P):
+            xq[p] = xq[0]
+            xd[p] = xd[0]
+            xbs[p] = xbs[0]
+    elif P <= T:
         for p in prange(P):
             quantize_act(x[tok[p]], xq[p], xd[p], xbs[p], qmax)
     else:
