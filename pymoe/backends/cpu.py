@@ -16,7 +16,9 @@ Two paths for quantized weights, chosen once by `act_bits`:
 Repacked weights (act_bits 8): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
 (quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
 with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
-(`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read).
+(`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read). The copies are
+cut from chunks of 2 MiB pages (backends/arena.py: a decoded token reads ~100 MiB of them; in 4 KiB pages each
+page is a TLB miss).
 `CPUBackend(repack=False)` or PYMOE_REPACK=0 turns it off.
 It implements every primitive of backends/protocol.py; rmsnorm and rope give the NumPy reference's bits exactly,
 route the same experts (weights within exp's rounding), attention and F32 products the reference's math in an
@@ -36,6 +38,7 @@ from numba import njit, prange
 
 from pymoe import quant
 from pymoe.gguf.loader import Tensor
+from .arena import HugeArena
 from .attention_simd import MAX_DV, TILE_KEYS, KeyBlocks, scores_into, weighted_into
 from .pool import HostPool
 from .reference import DenseWeight, HostArrays, experts_one_by_one, host_dense
@@ -358,6 +361,7 @@ class CPUBackend(HostArrays):
                                               else bool(repack))
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
+        self._arena = HugeArena()  # the repacked copies, in 2 MiB pages (~100 MiB of them read a decoded token)
 
     def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
         """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels)."""
@@ -414,7 +418,8 @@ class CPUBackend(HostArrays):
     def dense(self, t: Tensor) -> DenseWeight:
         w = host_dense(t)  # a view into the memory map
         if self.repack and repack.fits(w.qtype, *w.shape):
-            w = replace(w, tiles=repack.repack(w.raw, w.qtype))  # [R / 8, row_tiles]: one-token products (decode)
+            w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token
+            # products (decode)
         return w
 
     def expert_row(self, ex, qtypes: tuple, D: int):
@@ -439,7 +444,7 @@ class CPUBackend(HostArrays):
             return (*raw, *NO_TILES)
         fits = [self.repack and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
                 for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]
-        mats = [repack.repack(m, q) if f else None
+        mats = [repack.repack(m, q, self._arena.empty) if f else None
                 for q, m, f in zip(qtypes, (ex.gate, ex.up, ex.down), fits)]  # [rows / 8, row_tiles] or None
         row = (*raw, *(0 if m is None else m.ctypes.data for m in mats))
         self._rows[id(ex)] = (ex, mats, row)  # ex kept alive: its id stays its own

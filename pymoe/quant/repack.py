@@ -432,11 +432,13 @@ _REPACK_INTO = {QType.Q2_K: _repack_q2_k_into, QType.Q3_K: _repack_q3_k_into, QT
                 QType.Q8_0: _repack_q8_0_into, QType.IQ4_XS: _repack_iq4_xs_into}
 
 
-def repack(raw: np.ndarray, qtype) -> np.ndarray:
-    """Raw rows uint8 [R, nb * RAW] -> tiles uint8 [R / 8, nb * TILE_BYTES]: repack_ref's bytes, compiled."""
+def repack(raw: np.ndarray, qtype, empty=None) -> np.ndarray:
+    """Raw rows uint8 [R, nb * RAW] -> tiles uint8 [R / 8, nb * TILE_BYTES]: repack_ref's bytes, compiled.
+    empty(shape): where the tiles go (the CPU backend's backends/arena.HugeArena.empty; default a new NumPy array)."""
     qtype = QType(qtype)
     _, nb = _blocks(raw, qtype)  # checks the shape
-    out = np.empty((raw.shape[0] // ROWS, nb * TILE_BYTES[qtype]), dtype=np.uint8)
+    shape = (raw.shape[0] // ROWS, nb * TILE_BYTES[qtype])
+    out = np.empty(shape, dtype=np.uint8) if empty is None else empty(shape)
     _REPACK_INTO[qtype](raw, out)
     return out
 

@@ -300,6 +300,19 @@ MUTANTS: list[Mutant] = [
         "the experts' one-token dots ask for their bytes with the dense weights' hint, not this CPU's hint for bytes "
         "read once (no bit changes; Zen 4 decode ~20% slower)"),
     Mutant(
+        "arena_not_advised_huge", "pymoe/backends/arena.py",
+        "        m.madvise(mmap.MADV_HUGEPAGE)",
+        "        pass",
+        ("tests/test_arena.py::test_a_chunk_starts_on_a_huge_page_and_is_advised_as_huge_pages",),
+        "the arena's chunks are never advised as huge pages: the repacked experts back in 4 KiB pages (no bit "
+        "changes; decode a few % slower)"),
+    Mutant(
+        "expert_tiles_outside_arena", "pymoe/backends/cpu.py",
+        "mats = [repack.repack(m, q, self._arena.empty) if f else None",
+        "mats = [repack.repack(m, q) if f else None",
+        ("tests/test_arena.py::test_cpu_backend_repacked_copies_live_in_its_arena",),
+        "a routed expert's repacked copies are plain NumPy arrays, in 4 KiB pages (no bit changes)"),
+    Mutant(
         "stream_locality_zen4_nontemporal", "pymoe/quant/qact.py",
         'return 2 if cpu == "znver4" else 0 if cpu.startswith("znver") else 3',
         'return 0 if cpu.startswith("znver") else 3',
