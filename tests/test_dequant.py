@@ -65,6 +65,25 @@ def test_decode_block_is_bit_exact_with_reference(fmt):
         assert np.array_equal(one, ref[b * fmt.block_size:(b + 1) * fmt.block_size])
 
 
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_embedding_rows_are_the_references_bits(fmt):
+    """Model.embed (the rows of the tokens asked for, through the compiled decode_block) == gguf-py's dequantization
+    of those rows, bit for bit, for an embedding table of every type."""
+    from types import SimpleNamespace
+
+    from pymoe.engine.model import Model
+
+    rng = np.random.default_rng(3)
+    raw = random_blocks(fmt.qtype, n_blocks_for(fmt), rng).reshape(7, -1)  # [rows, row_bytes]: the table
+    data = raw.view(np.float32) if fmt.qtype == QType.F32 else raw
+    table = SimpleNamespace(qtype=fmt.qtype, data=data, rows=lambda: raw)  # what embed reads of a loader Tensor
+    tokens = np.array([6, 0, 3, 3])
+    got = Model.embed(None, tokens, table)  # [4, cols]
+    want = np.asarray(oracle_dequantize(raw, fmt), np.float32)[tokens]
+    assert got.dtype == np.float32 and got.shape == want.shape
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+
 def test_f16_to_f32_is_exact_for_every_half():
     bits = np.arange(1 << 16, dtype=np.uint16)  # [65536] every fp16 pattern
     expected = bits.view(np.float16).astype(np.float32)  # NumPy's (exact) widening

@@ -300,6 +300,12 @@ MUTANTS: list[Mutant] = [
         "the experts' one-token dots ask for their bytes with the dense weights' hint, not this CPU's hint for bytes "
         "read once (no bit changes; Zen 4 decode ~20% slower)"),
     Mutant(
+        "embed_first_row_only", "pymoe/engine/model.py",
+        "fmt.decode_block(rows.reshape(-1), x.reshape(-1))",
+        "fmt.decode_block(rows[0], x[0])",
+        ("tests/test_dequant.py::test_embedding_rows_are_the_references_bits[*]",),
+        "the compiled embedding lookup decodes only the first token's row (a prefill's other rows: garbage)"),
+    Mutant(
         "arena_not_advised_huge", "pymoe/backends/arena.py",
         "        m.madvise(mmap.MADV_HUGEPAGE)",
         "        pass",
