@@ -43,7 +43,9 @@ def test_arena_arrays_are_aligned_disjoint_and_keep_their_bytes():
         x[...] = i + 1
     for i, x in enumerate(arrays):
         assert (x == i + 1).all()
+        assert a.holds(x)
     assert a.nbytes == sum(x.nbytes for x in arrays)
+    assert not a.holds(np.empty(100, np.uint8))
 
 
 def test_a_chunk_starts_on_a_huge_page_and_is_advised_as_huge_pages():
@@ -73,16 +75,10 @@ def test_disabled_arena_gives_plain_arrays(monkeypatch):
         importlib.reload(arena_mod)
 
 
-def _chunk_of(a: np.ndarray):
-    """The array at the bottom of a's chain of views, and what it views: an arena chunk's is an mmap."""
-    while isinstance(a.base, np.ndarray):
-        a = a.base
-    return a.base.obj if isinstance(a.base, memoryview) else a.base  # (np.frombuffer: a memoryview of it)
-
-
 def test_cpu_backend_repacked_copies_live_in_its_arena(tiny_model, monkeypatch):
-    """The dense weights' tiles (repacked at load) and a routed expert's (on first use) are arena arrays, and the
-    model computes the same logits as with each copy a plain NumPy array."""
+    """The dense weights' tiles (repacked at load), a routed expert's (on first use) and the rows of a dense weight
+    without tiles (the F32 router) are arena arrays, and the model computes the same logits as with the tiles plain
+    NumPy arrays and the router read in the memory map."""
     import pymoe
     import pymoe.backends.cpu as cpu
 
@@ -90,20 +86,24 @@ def test_cpu_backend_repacked_copies_live_in_its_arena(tiny_model, monkeypatch):
     eng = pymoe.load(path, backend="cpu", backend_options={"act_bits": 8})
     b, layer = eng.model.backend, eng.model.layers[0]
     assert b._arena.enabled and b._arena.nbytes > 0
-    assert layer.attn_q.tiles is not None and isinstance(_chunk_of(layer.attn_q.tiles), mmap.mmap)
+    assert layer.attn_q.tiles is not None and b._arena.holds(layer.attn_q.tiles)
     ex = eng.model.cache.expert(0, 0)
     row = b.expert_row(ex, tuple(layer.expert_types[p] for p in ("gate", "up", "down")), eng.config.n_embd)
     mats = b._rows[id(ex)][1]  # its repacked gate, up, down (None: a type without a layout)
     assert any(m is not None for m in mats)
     for m, address in zip(mats, row[3:]):
         if m is not None:
-            assert isinstance(_chunk_of(m), mmap.mmap) and m.ctypes.data == address
+            assert b._arena.holds(m) and m.ctypes.data == address
+    router = layer.ffn_gate_inp  # F32, no tiles: its rows copied into the arena
+    assert router.tiles is None and b._arena.holds(router.raw)
+    assert router.raw.dtype == np.float32 and router.raw.shape == router.shape
     got = eng.model.prefill([1, 2, 3, 4, 5], eng.model.new_kv(64))  # [5, V]
     got_decode = eng.model.decode_one_token(6, eng.model.new_kv(64))
 
     monkeypatch.setattr(cpu, "HugeArena", lambda: HugeArena(enabled=False))
     plain = pymoe.load(path, backend="cpu", backend_options={"act_bits": 8})
     assert plain.model.layers[0].attn_q.tiles.base is None  # its own NumPy array
+    assert not b._arena.holds(plain.model.layers[0].ffn_gate_inp.raw)  # a view of the memory map
     want = plain.model.prefill([1, 2, 3, 4, 5], plain.model.new_kv(64))
     np.testing.assert_array_equal(got, want)  # the same bytes, wherever they live: the same bits
     np.testing.assert_array_equal(got_decode, plain.model.decode_one_token(6, plain.model.new_kv(64)))

@@ -224,3 +224,24 @@ def test_unknown_policy_is_a_one_line_error(tiny_model):
     assert all(name in lines[0] for name in ("static", "lru", "lfu", "pinned-lru")) and "'foo'" in lines[0]
     with pytest.raises(PymoeError, match="--policy"):  # the library says the same, pool or not
         pymoe.load(tiny_model("qwen3moe", "f32"), policy="foo")
+
+
+@pytest.mark.parametrize("slots", [0, 3])
+def test_heat_counts_each_decode_lookup_of_each_expert(tiny_model, slots):
+    """cache.heat [L, E]: every (token, expert) pair of a decode lookup counted at its expert, repeats across rows
+    (a batched step) counted each time; prefill and the MTP block's layers (index >= L) left out."""
+    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"), cache_slots=slots or None, policy="lru")
+    cache, cfg = engine.cache, engine.config
+    E, L = cfg.n_expert, cfg.n_layers
+    rng = np.random.default_rng(0)
+    want = np.zeros((L, E), np.int64)
+    for step in range(20):
+        layer = int(rng.integers(0, L))
+        ids = np.stack([rng.permutation(E)[:cfg.n_expert_used] for _ in range(int(rng.integers(1, 4)))])  # [T, K]
+        phase = "prefill" if step % 5 == 0 else "decode"
+        cache.lookup(layer, ids, phase)
+        if phase == "decode":
+            np.add.at(want[layer], ids.ravel(), 1)
+    if not slots:  # (a slot cache sizes its tables for the MTP block's layers when the file has one)
+        cache.lookup(L, ids, "decode")  # an MTP block's layer: not in the map
+    np.testing.assert_array_equal(cache.heat, want)

@@ -39,6 +39,7 @@ class HugeArena:
         self.chunk, self.enabled = chunk, enabled
         self._buf, self._off = None, 0  # the current chunk (uint8 [n], starting on a huge-page boundary), its fill
         self.nbytes = 0  # bytes handed out (the arrays' sizes, not counting alignment)
+        self.spans = []  # [(first address, end address)] of the chunks made
 
     def empty(self, shape: tuple) -> np.ndarray:
         """An uninitialised C-contiguous uint8 array of this shape, from the arena (or NumPy's, when disabled)."""
@@ -47,10 +48,22 @@ class HugeArena:
             return np.empty(shape, dtype=np.uint8)
         if self._buf is None or self._off + n > self._buf.size:
             self._buf, self._off = _huge_chunk(max(self.chunk, n)), 0
+            self.spans.append((self._buf.ctypes.data, self._buf.ctypes.data + self._buf.size))
         a = self._buf[self._off:self._off + n].reshape(shape)
         self._off += (n + ALIGN - 1) // ALIGN * ALIGN
         self.nbytes += n
         return a
+
+    def holds(self, a: np.ndarray) -> bool:
+        """Whether the bytes of array `a` lie in one of this arena's chunks."""
+        lo = a.ctypes.data
+        return any(c0 <= lo and lo + a.nbytes <= c1 for c0, c1 in self.spans)
+
+    def copy(self, a: np.ndarray) -> np.ndarray:
+        """A C-contiguous copy of `a` (any dtype) in the arena."""
+        out = self.empty((a.nbytes,)).view(a.dtype).reshape(a.shape)
+        out[...] = a
+        return out
 
 
 def _huge_chunk(n: int) -> np.ndarray:

@@ -361,6 +361,7 @@ class CPUBackend(HostArrays):
                                               else bool(repack))
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
+        self._eps = {}  # rmsnorm's eps -> np.float32(eps)
         self._arena = HugeArena()  # the repacked copies, in 2 MiB pages (~100 MiB of them read a decoded token)
 
     def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
@@ -420,6 +421,8 @@ class CPUBackend(HostArrays):
         if self.repack and repack.fits(w.qtype, *w.shape):
             w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token
             # products (decode)
+        elif self.repack and self._arena.enabled:
+            w = replace(w, raw=self._arena.copy(w.raw))
         return w
 
     def expert_row(self, ex, qtypes: tuple, D: int):
@@ -474,7 +477,8 @@ class CPUBackend(HostArrays):
             k = np.ascontiguousarray(k, f32)
         q, v = np.ascontiguousarray(q, f32), np.ascontiguousarray(v, f32)
         sinks = _NO_SINKS if sinks is None else np.ascontiguousarray(sinks, f32)
-        attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads(), in_place)
+        attention_rows(q, k, kt, v, p0, int(window), sinks, out, self.threads, in_place)  # (how the work is split:
+        # the same bits for any count)
         return out
 
     def kv_read(self, kv, layer: int, S: int) -> tuple:
@@ -495,7 +499,10 @@ class CPUBackend(HostArrays):
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # [N, n]
         out = np.empty(x2.shape, np.float32)
         fn = rmsnorm_rows_parallel if x2.shape[0] >= RMSNORM_PARALLEL_ROWS else rmsnorm_rows
-        fn(x2, np.ascontiguousarray(w, dtype=np.float32), np.float32(eps), out)
+        eps32 = self._eps.get(eps)
+        if eps32 is None:
+            eps32 = self._eps[eps] = np.float32(eps)  # (a NumPy scalar made once: 49 calls a decode step)
+        fn(x2, np.ascontiguousarray(w, dtype=np.float32), eps32, out)
         return out.reshape(x.shape)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
@@ -560,10 +567,12 @@ class CPUBackend(HostArrays):
         if len(used) != len(experts):
             raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
         ex = [experts[e] for e in used]
-        rows = [self.expert_row(e, qtypes, D) for e in ex]
+        known = self._rows
+        rows = [hit[2] if (hit := known.get(id(e))) is not None and hit[0] is e else self.expert_row(e, qtypes, D)
+                for e in ex]  # (expert_row's first lines, inline: 8 calls a layer)
         if None not in rows:  # every expert checked: the kernel straight away
             return kernels.moe_act_table(np.array(rows, dtype=np.int64), qtypes, F, x, start, tok, weight,
-                                         self.act_bits)
+                                         self.act_bits, self.threads)
         return kernels.moe_act_grouped([(e.gate, e.up, e.down) for e in ex], qtypes, x, start, tok, weight,
                                        self.act_bits)  # copies made contiguous, shapes checked (and no tiles)
 

@@ -764,12 +764,14 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
 
 
 def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.ndarray, tok: np.ndarray,
-                  weight: np.ndarray, bits: int = 16) -> np.ndarray:
+                  weight: np.ndarray, bits: int = 16, threads: int = 0) -> np.ndarray:
     """The fused kernel's own call: moe_act_grouped with the experts given as addr int64 [S, 6], per expert the
     addresses of its (gate, up, down) raw rows (uint8 [F, row_bytes(D)], [F, row_bytes(D)], [D, row_bytes(F)],
     C-contiguous), then of their repacked copies (0: none; nonzero only at 8 bits). Nothing here checks them: the
     caller made them from checked arrays (moe_act_grouped; the CPU backend's `expert_row`, once per expert) and
-    keeps those alive. A decode step's short path: no Python per expert."""
+    keeps those alive. A decode step's short path: no Python per expert. threads: Numba's thread count, how the
+    down rows are split (0: asked of Numba, ~1 us of interpreter and a lock each time; any value gives the same
+    bits)."""
     T, D = x.shape
     P = tok.shape[0]
     dtype = qact.ACT_DTYPES[bits]
@@ -781,6 +783,6 @@ def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.nda
     hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
     y = np.zeros((T, D), dtype=np.float32)  # [T, D]
     act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, np.ascontiguousarray(x, dtype=np.float32), xq, xd,
-                                     xbs, hq, hd, hbs, qact.qmax_of(xq.dtype), y, get_num_threads(),
+                                     xbs, hq, hd, hbs, qact.qmax_of(xq.dtype), y, threads or get_num_threads(),
                                      PREFETCH_AHEAD)
     return y

@@ -306,6 +306,19 @@ MUTANTS: list[Mutant] = [
         ("tests/test_dequant.py::test_embedding_rows_are_the_references_bits[*]",),
         "the compiled embedding lookup decodes only the first token's row (a prefill's other rows: garbage)"),
     Mutant(
+        "dense_rows_left_in_file_pages", "pymoe/backends/cpu.py",
+        "        elif self.repack and self._arena.enabled:",
+        "        elif False:",
+        ("tests/test_arena.py::test_cpu_backend_repacked_copies_live_in_its_arena",),
+        "a dense weight without tiles (the F32 router, the output head) is read in the memory map's 4 KiB pages "
+        "(no bit changes)"),
+    Mutant(
+        "heat_counts_an_expert_once", "pymoe/experts/cache.py",
+        "        counts[e] += 1",
+        "        counts[e] = max(counts[e], 1)",
+        ("tests/test_cache.py::test_heat_counts_each_decode_lookup_of_each_expert[*]",),
+        "the monitor's heat map marks an expert looked up instead of counting its lookups"),
+    Mutant(
         "arena_not_advised_huge", "pymoe/backends/arena.py",
         "        m.madvise(mmap.MADV_HUGEPAGE)",
         "        pass",
