@@ -263,6 +263,8 @@ def pairwise_sum(a, n):
     partial sums added as ((r0 + r1) + (r2 + r3)) + ((r4 + r5) + (r6 + r7)), then the rest in sequence; longer runs
     split in two (the first part n // 2 rounded down to a multiple of 8), each summed so, then added. NumPy
     recurses; here an explicit stack does (Numba cannot load a cached self-recursive function back)."""
+    if n <= 128:  # one block: no stack (a head's 64 or 128 values: rmsnorm of q and k, per head)
+        return _pairwise_block(a, 0, n)
     seg_lo = np.empty(64, dtype=np.int64)  # pending segments (lo, n), or a marker n = -1: add the last two values
     seg_n = np.empty(64, dtype=np.int64)
     vals = np.empty(64, dtype=np.float32)  # finished partial sums, in order
