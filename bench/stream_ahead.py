@@ -14,6 +14,7 @@ the first). Every variant's y is the same bits (checked on the first call of eac
 What this is not: a whole decode step (bench/compare_llamacpp.py, `--feed random` for the same kind of routing).
 
     PYTHONPATH=. python bench/stream_ahead.py /work/bigm/mid-Q4_K_M.gguf --threads 2 --localities 0,1,2,3
+    PYTHONPATH=. python bench/stream_ahead.py /work/bigm/mid-Q4_K_M.gguf --distances 8192 --by-expert both
 """
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ import pymoe
 from pymoe.quant import QType, kernels, qact, repack
 
 
-def build(qtypes, distance: int, locality: int):
+def build(qtypes, distance: int, locality: int, by_expert: bool = kernels.BY_EXPERT):
     """The MoE kernel for these expert types, its one-token tile dots asking for the bytes `distance` ahead at
-    prefetch `locality` (0: prefetchnta, 1: prefetcht2, 2: prefetcht1, 3: prefetcht0)."""
+    prefetch `locality` (0: prefetchnta, 1: prefetcht2, 2: prefetcht1, 3: prefetcht0); by_expert: a decode call's
+    tasks one per expert (kernels.BY_EXPERT), else the gate/up row blocks then the down row ranges."""
     dots = {QType(q): repack._make_tile_dot(QType(q), locality=locality, ahead=distance) for q in qtypes}
-    name = (f"bench{distance}_l{locality}_" + "_".join(QType(q).name for q in qtypes) + "_"
-            + kernels._act_fingerprint())
-    return kernels._compile(kernels._moe_kernel, name, kernels.moe_constants(qtypes, dots))
+    name = (f"bench{distance}_l{locality}_{'e' if by_expert else 'r'}_" + "_".join(QType(q).name for q in qtypes)
+            + "_" + kernels._act_fingerprint())
+    return kernels._compile(kernels._moe_kernel, name, dict(kernels.moe_constants(qtypes, dots), BY_EXPERT=by_expert))
 
 
 def main():
@@ -44,6 +46,9 @@ def main():
                     help="prefetch localities, comma-separated (default this CPU's for the experts, "
                          f"qact.STREAM_LOCALITY = {qact.STREAM_LOCALITY})")
     ap.add_argument("--rounds", type=int, default=30, help="rounds over the layers (default 30)")
+    ap.add_argument("--by-expert", choices=("on", "off", "both"), default="on" if kernels.BY_EXPERT else "off",
+                    help="decode's tasks one per expert (on; kernels.BY_EXPERT, this process's default), the row "
+                         "tasks (off), or each variant both ways")
     args = ap.parse_args()
 
     engine = pymoe.load(args.model, threads=args.threads, n_ctx=256, backend_options=dict(act_bits=8))
@@ -59,8 +64,11 @@ def main():
                          "include one without a tile layout")
     distances = [int(d) for d in args.distances.split(",")]
     localities = [int(v) for v in args.localities.split(",")]
-    variants = [(f"{d} B ahead" + (f", locality {loc}" if d else ""), {qt: build(qt, d, loc) for qt in kinds})
-                for d in distances for loc in (localities if d else localities[:1])]
+    forms = {"on": [True], "off": [False], "both": [True, False]}[args.by_expert]
+    variants = [(f"{d} B ahead" + (f", locality {loc}" if d else "") + ("" if len(forms) == 1 else
+                                                                        ", by expert" if e else ", row tasks"),
+                 {qt: build(qt, d, loc, e) for qt in kinds})
+                for d in distances for loc in (localities if d else localities[:1]) for e in forms]
     for layer in layers:  # every expert's tiles made (the first use of an expert repacks it)
         for e0 in range(0, E, K):
             ids = np.arange(e0, min(E, e0 + K))[None]

@@ -433,3 +433,37 @@ def test_repacking_is_off_at_16_bits_and_by_request(monkeypatch):
     assert not CPUBackend(act_bits=8, repack=False).repack
     monkeypatch.setenv("PYMOE_REPACK", "0")
     assert not CPUBackend(act_bits=8).repack
+
+
+def test_decode_one_task_per_expert_has_the_bits_of_the_row_tasks():
+    """Decode's MoE kernel with one task per expert (kernels.BY_EXPERT: gate, up and down of an expert in one task,
+    the experts' outputs added in order afterwards) gives the bits of the row tasks (gate/up row blocks, then down
+    row ranges), on 1 and 2 threads' splits and on 4 and 6 experts; with a count the threads do not divide, the
+    row tasks run."""
+    types = (QType.Q4_K, QType.Q4_K, QType.Q6_K)
+    rng = np.random.default_rng(11)
+    D, F = 512, 512
+    rows_form = kernels._compile(kernels._moe_kernel, "test_rows_" + "_".join(q.name for q in types) + "_"
+                                 + kernels._act_fingerprint(), dict(kernels.moe_constants(types), BY_EXPERT=False))
+    by_expert = kernels.act_kernel(kernels._moe_kernel, *types)
+    assert kernels.BY_EXPERT
+    for S in (4, 6):
+        experts = [tuple(random_rows(q, *shape, rng) for q, shape in zip(types, ((F, D), (F, D), (D, F))))
+                   for _ in range(S)]
+        mats = [tuple(repack.repack(m, q) for q, m in zip(types, ex)) for ex in experts]
+        addr = np.array([tuple(m.ctypes.data for m in ex) + _addresses(ms) for ex, ms in zip(experts, mats)],
+                        np.int64)  # [S, 6]
+        x = rng.standard_normal((1, D)).astype(np.float32)
+        start, tok = np.arange(S + 1, dtype=np.int64), np.zeros(S, np.int64)
+        weight = rng.uniform(0.1, 1, S).astype(np.float32)
+        for threads in (1, 2, 4):
+            got = {}
+            for name, fn in (("rows", rows_form), ("experts", by_expert)):
+                saved = kernels._ACT_KERNELS.get(("_moe_kernel",) + types)
+                kernels._ACT_KERNELS[("_moe_kernel",) + types] = fn
+                try:
+                    got[name] = kernels.moe_act_table(addr, types, F, x, start, tok, weight, 8, threads)
+                finally:
+                    kernels._ACT_KERNELS[("_moe_kernel",) + types] = saved
+            assert np.array_equal(got["rows"], got["experts"]), (S, threads)
+            assert np.abs(got["rows"]).max() > 0

@@ -245,6 +245,7 @@ ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (q
 # 4096 / 8192, 2 threads, 8-bit: p20 6.40 / 5.87 / 5.85 / 6.10 ms a token, median 8.34 / 6.38 / 6.39 / 7.51; 1 thread
 # median 12.6 / 10.5 / 10.4 / 12.1; 16-bit (raw rows) median 8.25 / 7.11 / 7.42 (Zen 5; bench/prefetch_ahead.py).
 PREFETCH_AHEAD = 4096
+BY_EXPERT = os.environ.get("PYMOE_BY_EXPERT", "1") != "0"  # decode's MoE kernel one task per expert (_moe_kernel)
 # Rows of F per gate/up task of the MoE kernel: one quantization block of h (QK_K), so that a task turns its own
 # rows of silu(gate x) * up x into 8-bit (or 16-bit) values while they are in cache: h never exists as float32
 # (P x F x 4 bytes, 8 MiB for a 512-token chunk of the mid preset) and needs no parallel phase of its own. Time:
@@ -386,6 +387,39 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     for k in range(n_exp):
         n_max = max(n_max, start[k + 1] - start[k])
     blocks_f = F // MOE_ROWS_PER_TASK  # (F: whole 256-blocks, or no integer path: qact.has_int_dot)
+    # Decode (one token, every matrix repacked, the experts shared evenly by the threads): one task per expert, its
+    # gate, up and down one after another, into its own row of `o`, then added into y here in expert order, the
+    # sums of the row tasks below (the same products, added in the same order: the same bits). One parallel region
+    # instead of two, no wait between them, and each thread reads its experts as one stream.
+    by_expert = BY_EXPERT and T == 1 and threads > 0 and n_exp % threads == 0
+    for k in range(n_exp):
+        by_expert = by_expert and tiles[k, 0] != 0 and tiles[k, 1] != 0 and tiles[k, 2] != 0
+    if by_expert:
+        o = np.empty((n_exp, D), dtype=np.float32)  # [S, D] each expert's down(h), before its routing weight
+        for k in prange(n_exp):
+            a = start[k]  # its one pair
+            gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
+            ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
+            dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
+            g = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # [rows] one block of gate x, up x, h
+            u = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
+            hb = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
+            for r0 in range(0, F, MOE_ROWS_PER_TASK):
+                for q in range(r0 // TILE_ROWS, (r0 + MOE_ROWS_PER_TASK) // TILE_ROWS):
+                    c = q * TILE_ROWS - r0
+                    TILE_GATE(gt[q], xq[a], xd[a], xbs[a], g[c:c + TILE_ROWS])
+                    TILE_UP(ut[q], xq[a], xd[a], xbs[a], u[c:c + TILE_ROWS])
+                for j in range(MOE_ROWS_PER_TASK):  # (as in the gate/up tasks below)
+                    hb[j] = g[j] / (np.float32(1.0) + exp_f32(-g[j])) * u[j]
+                r1 = r0 + MOE_ROWS_PER_TASK
+                quantize_act(hb, hq[a, r0:r1], hd[a, r0 // QK_K:r0 // QK_K + 1], hbs[a, r0 // SUB:r1 // SUB], qmax)
+            for q in range(D // TILE_ROWS):
+                TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
+        for k in range(n_exp):  # y += weight * o[k], expert by expert (the down tasks' order)
+            wk = weight[start[k]]
+            for r in range(D):
+                y[0, r] += wk * o[k, r]
+        return
     for task in prange(n_exp * blocks_f):
         k = task // blocks_f
         a, b = start[k], start[k + 1]
@@ -626,7 +660,7 @@ def _act_fingerprint() -> str:
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
             + ("p" if repack.PAIRS else "") + f"n{qact.STREAM_LOCALITY}" + ("d" if _DECODE else "")
-            + f"s{repack.STREAM_AHEAD}")  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which instructions and forms the
+            + f"s{repack.STREAM_AHEAD}" + ("e" if BY_EXPERT else ""))  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which instructions and forms the
     # tile dots use; PYMOE_STREAM_LOCALITY (PYMOE_NT): the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token
     # tile dots' distance
 

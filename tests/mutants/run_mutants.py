@@ -319,6 +319,13 @@ MUTANTS: list[Mutant] = [
         ("tests/test_cache.py::test_heat_counts_each_decode_lookup_of_each_expert[*]",),
         "the monitor's heat map marks an expert looked up instead of counting its lookups"),
     Mutant(
+        "by_expert_first_weight", "pymoe/quant/kernels.py",
+        "            wk = weight[start[k]]",
+        "            wk = weight[0]",
+        ("tests/test_repack.py::test_decode_one_task_per_expert_has_the_bits_of_the_row_tasks",
+         "tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[*]"),
+        "decode's one-task-per-expert MoE kernel weighs every expert with the first one's routing weight"),
+    Mutant(
         "arena_not_advised_huge", "pymoe/backends/arena.py",
         "        m.madvise(mmap.MADV_HUGEPAGE)",
         "        pass",
@@ -346,8 +353,8 @@ MUTANTS: list[Mutant] = [
         "CPU attention's output loop divides every head's weights by the first head's softmax sum"),
     Mutant(
         "gpt_oss_sinks_dropped_on_cpu", "pymoe/backends/cpu.py",
-        "attention_rows(q, k, kt, v, p0, int(window), sinks, out, numba.get_num_threads(), in_place)",
-        "attention_rows(q, k, kt, v, p0, int(window), _NO_SINKS, out, numba.get_num_threads(), in_place)  # MUTANT",
+        "attention_rows(q, k, kt, v, p0, int(window), sinks, out, self.threads, in_place)",
+        "attention_rows(q, k, kt, v, p0, int(window), _NO_SINKS, out, self.threads, in_place)  # MUTANT",
         (LLAMACPP_LOGITS + "[*gpt-oss*]",),
         "gpt-oss: the CPU backend's attention ignores the per-head sinks"),
     Mutant(
