@@ -245,7 +245,9 @@ ROWS_LANES = 16  # the float32 lanes of a multi-row dot's accumulator per row (q
 # 4096 / 8192, 2 threads, 8-bit: p20 6.40 / 5.87 / 5.85 / 6.10 ms a token, median 8.34 / 6.38 / 6.39 / 7.51; 1 thread
 # median 12.6 / 10.5 / 10.4 / 12.1; 16-bit (raw rows) median 8.25 / 7.11 / 7.42 (Zen 5; bench/prefetch_ahead.py).
 PREFETCH_AHEAD = 4096
-BY_EXPERT = os.environ.get("PYMOE_BY_EXPERT", "1") != "0"  # decode's MoE kernel one task per expert (_moe_kernel)
+BY_EXPERT = os.environ.get("PYMOE_BY_EXPERT", "1") != "0"  # decode's MoE kernel one task per expert (_moe_kernel;
+# the MoE kernel on 8 cold experts, 2 threads, bench/stream_ahead.py --by-expert both: Q4_K_M mid 230 / 239, 185 / 199,
+# 246 / 254 us, Q2_K mix 163 / 187, 162 / 184 us, by expert / row tasks). PYMOE_BY_EXPERT=0: the row tasks
 # Rows of F per gate/up task of the MoE kernel: one quantization block of h (QK_K), so that a task turns its own
 # rows of silu(gate x) * up x into 8-bit (or 16-bit) values while they are in cache: h never exists as float32
 # (P x F x 4 bytes, 8 MiB for a 512-token chunk of the mid preset) and needs no parallel phase of its own. Time:
@@ -343,7 +345,10 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); hq
     [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype). y float32
-    [T, D] (accumulated into). Two parallel phases (three in prefill): quantize x per pair; gate+up+SwiGLU over
+    [T, D] (accumulated into). Decode (T = 1, every matrix repacked, the experts a multiple of the threads:
+    BY_EXPERT): one parallel phase, a task per expert (its gate, up, SwiGLU and down, one stream of its bytes), the
+    experts' outputs then added into y in order. Otherwise two parallel phases (three in prefill): quantize x per
+    pair; gate+up+SwiGLU over
     (expert, block of QK_K rows of F: the task quantizes its block of h, which is never stored as float32); down
     over `threads` ranges of D rows (each task owns its rows of y, so the pairs of one token never race), experts
     in order. Each task asks for the weight bytes `ahead` of the ones it reads (PREFETCH_WEIGHTS:
@@ -660,9 +665,9 @@ def _act_fingerprint() -> str:
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
             + ("p" if repack.PAIRS else "") + f"n{qact.STREAM_LOCALITY}" + ("d" if _DECODE else "")
-            + f"s{repack.STREAM_AHEAD}" + ("e" if BY_EXPERT else ""))  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which instructions and forms the
-    # tile dots use; PYMOE_STREAM_LOCALITY (PYMOE_NT): the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token
-    # tile dots' distance
+            + f"s{repack.STREAM_AHEAD}" + ("e" if BY_EXPERT else ""))  # PYMOE_VNNI, PYMOE_WIDE, PYMOE_PAIR: which
+    # instructions and forms the tile dots use; PYMOE_STREAM_LOCALITY (PYMOE_NT): the MoE kernel's hint;
+    # PYMOE_STREAM_AHEAD: the one-token tile dots' distance; PYMOE_BY_EXPERT: decode's tasks
 
 
 def rows_dot(qtype):
