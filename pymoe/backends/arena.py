@@ -10,8 +10,9 @@ core covers 12 MiB) and a page-table walk, which in a virtual machine walks two 
 prefetchers stop at every 4 KiB boundary too. In 2 MiB pages the same bytes are ~54 pages. Each repacked matrix
 is small (an expert's gate of the mid file: 288 KiB), so allocated on its own (NumPy: `malloc`) it would get 4
 KiB pages; NumPy asks for huge pages only for arrays of 4 MiB and more. So the copies are cut from 64 MiB chunks.
-Measured (docs/performance.md, round twenty): decode of the mid Q4_K_M file on the 2-core Zen 4 VM, 8-bit, 2
-threads, processes alternated: faster in 7 of 7 pairs, +2-7%.
+Measured (docs/performance.md, round twenty; bench/huge_pages.py: two engines in one process, alternated): decode
+of the mid Q4_K_M file on a 2-core Zen 4 VM, 8-bit, 2 threads, 178 / 166 tok/s, the MoE kernel 255 / 261 us a
+layer, the arena faster in 15 of 24 rounds.
 Where the system does not give huge pages (THP off, `never`; another OS) the chunks are ordinary memory: the same
 results, only the speed-up is lost. `PYMOE_HUGE=0`: no arena (each copy its own NumPy array), to compare.
 What this is not: the expert cache's slot pool (backends/pool.py), or the model's memory map (the file's own pages,

@@ -419,6 +419,8 @@ class CPUBackend(HostArrays):
         kernels.moe_act([ex], qtypes, x, [(np.zeros(1, np.int64), np.ones(1, np.float32))], self.act_bits)
 
     def dense(self, t: Tensor) -> DenseWeight:
+        """With repacking: tiles for a weight of a type with a layout; else (the F32 router, a Q6_K head of rows not
+        a multiple of 8, an IQ type) its rows copied, so that every product of a decode step reads 2 MiB pages."""
         w = host_dense(t)  # a view into the memory map
         if self.repack and repack.fits(w.qtype, *w.shape):
             w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token

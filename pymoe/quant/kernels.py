@@ -348,8 +348,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     [T, D] (accumulated into). Decode (T = 1, every matrix repacked, the experts a multiple of the threads:
     BY_EXPERT): one parallel phase, a task per expert (its gate, up, SwiGLU and down, one stream of its bytes), the
     experts' outputs then added into y in order. Otherwise two parallel phases (three in prefill): quantize x per
-    pair; gate+up+SwiGLU over
-    (expert, block of QK_K rows of F: the task quantizes its block of h, which is never stored as float32); down
+    pair; gate+up+SwiGLU over (expert, block of QK_K rows of F: the task quantizes its block of h, which is never
+    stored as float32); down
     over `threads` ranges of D rows (each task owns its rows of y, so the pairs of one token never race), experts
     in order. Each task asks for the weight bytes `ahead` of the ones it reads (PREFETCH_WEIGHTS:
     qact.prefetch_ahead_stream, at this CPU's hint for bytes read once; ahead 0: no hints), a row (group) at a time,
