@@ -571,9 +571,7 @@ class CPUBackend(HostArrays):
         if len(used) != len(experts):
             raise ValueError(f"moe_experts: got experts {sorted(experts)} for routed ids {used}")
         ex = [experts[e] for e in used]
-        known = self._rows
-        rows = [hit[2] if (hit := known.get(id(e))) is not None and hit[0] is e else self.expert_row(e, qtypes, D)
-                for e in ex]  # (expert_row's first lines, inline: 8 calls a layer)
+        rows = [self.expert_row(e, qtypes, D) for e in ex]
         if None not in rows:  # every expert checked: the kernel straight away
             return kernels.moe_act_table(np.array(rows, dtype=np.int64), qtypes, F, x, start, tok, weight,
                                          self.act_bits, self.threads)
