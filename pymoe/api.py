@@ -97,6 +97,8 @@ class Engine:
             for types in triples.values():  # (layers may differ: llama.cpp's Q4_K_M has ffn_down Q4_K or Q6_K)
                 self.backend.warm_up_experts(types)
         self.tokenizer = Tokenizer(self.file)
+        for warning in self.tokenizer.warnings:
+            log(f"warning: {warning}")
         if self.tokenizer.n_vocab != self.config.n_vocab:  # llama.cpp: "token_embd.weight has wrong shape"
             raise PymoeError(f"{path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} tokens but the model has "
                              f"{self.config.n_vocab} (token_embd.weight rows)")
@@ -152,12 +154,13 @@ class Engine:
         self.tokenizer.chat_template = open(source, encoding="utf-8").read() if os.path.isfile(source) else source
 
     def record_trace(self, meta_extra: Optional[dict] = None):
-        """Start recording routing (every token, every layer) -> the TraceRecorder; save it with .save(path)."""
+        """Start recording routing (every token, every MoE layer) -> the TraceRecorder; save it with .save(path)."""
         from .experts.trace import TraceRecorder
 
         cfg = self.config
-        meta = dict(model=cfg.name or self.file.path, arch=cfg.arch, n_layers=cfg.n_layers, n_experts=cfg.n_expert,
-                    k=cfg.n_expert_used, **(meta_extra or {}))
+        meta = dict(model=cfg.name or self.file.path, arch=cfg.arch, n_layers=len(cfg.moe_layers),
+                    first_moe_layer=cfg.moe_layers.start, n_experts=cfg.n_expert, k=cfg.n_expert_used,
+                    **(meta_extra or {}))
         self.model.trace = TraceRecorder(meta)
         return self.model.trace
 

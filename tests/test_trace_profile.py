@@ -78,10 +78,26 @@ def test_recorder_misuse():
     rec.record(0, np.zeros((1, 2)), np.zeros((1, 2)), "decode")
     with pytest.raises(ValueError, match="expected"):
         rec.record(1, np.zeros((2, 2)), np.zeros((2, 2)), "decode")  # T changed within a forward
-    with pytest.raises(ValueError, match="1 of 2 layers"):
+    with pytest.raises(ValueError, match="1 of 2 MoE layers"):
         rec.end_forward()
     with pytest.raises(ValueError, match="lacks"):
         TraceRecorder({"n_layers": 2})
+
+
+def test_recorder_holds_the_moe_layers_after_the_dense_ones():
+    """glm4moe / deepseek2 lead with dense layers: the trace's layer 0 is the model's first MoE layer."""
+    rec = TraceRecorder(dict(META, first_moe_layer=1))
+    with pytest.raises(ValueError, match="out of order"):
+        rec.record(0, np.zeros((1, 2)), np.zeros((1, 2)), "decode")  # a dense layer routes nothing
+    rec.record(1, np.array([[3, 1]]), np.ones((1, 2)), "decode")
+    rec.predict(2, [4, 3], 2)
+    rec.record(2, np.array([[0, 2]]), np.ones((1, 2)), "decode")
+    rec.end_forward()
+    t = rec.trace()
+    assert (t.n_layers, t.first_moe_layer) == (2, 1)
+    assert t.experts[0].tolist() == [[3, 1], [0, 2]] and t.prefetches(0, 1) == ([4, 3], 2)
+    E = META["n_experts"]
+    assert t.keys().tolist() == [3, 1, E + 0, E + 2]  # trace layer * n_experts + expert
 
 
 @pytest.mark.parametrize("make, expected", [

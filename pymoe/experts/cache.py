@@ -190,7 +190,8 @@ class SlotCache:
         self.policy_name = policy
         self.pcie_frac = pcie_frac
         self.profile = profile
-        profile_keys = list(profile.keys()) if profile is not None else None
+        self.first_moe = cfg.moe_layers.start  # a profile's layer 0 (profiles and traces hold the MoE layers only)
+        profile_keys = self.profile_keys(profile) if profile is not None else None
         self.admission = admission or Admission()
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
                                self.admission)
@@ -339,6 +340,15 @@ class SlotCache:
         return "cpu"
 
     # --- start-up ----------------------------------------------------------------------------------------------
+    def profile_keys(self, profile) -> list[int]:
+        """A profile's (layer, expert) pairs, hottest first, as this cache's keys layer * E + expert: a profile's
+        layers are the model's MoE layers (experts/trace.py), so its layer 0 is the model's first MoE layer."""
+        n_moe = self.model.config.n_layers - self.first_moe
+        if (profile.n_layers, profile.n_experts) != (n_moe, self.n_experts):
+            raise PymoeError(f"profile is for {profile.n_layers} MoE layers x {profile.n_experts} experts, the model "
+                             f"has {n_moe} x {self.n_experts}")
+        return [int(k) + self.first_moe * self.n_experts for k in profile.keys()]
+
     def prefill_from_profile(self, profile=None) -> str:
         """Fill the slots with the profile's hottest (layer, expert) pairs, in rank order; verify slot 0.
 
@@ -347,12 +357,10 @@ class SlotCache:
         profile = profile if profile is not None else self.profile
         if profile is None:
             raise PymoeError("no profile to pre-fill the expert cache from")
-        if (profile.n_layers, profile.n_experts) != (self.n_layers, self.n_experts):
-            raise PymoeError(f"profile is for {profile.n_layers} layers x {profile.n_experts} experts, the model has "
-                             f"{self.n_layers} x {self.n_experts}")
         t0 = time.perf_counter()
-        self.table.prefill([int(k) for k in profile.keys()])  # the hottest keys, in rank order, until full
-        placed = [(k, self.table.resident(int(k))) for k in profile.keys()[: self.n_slots]]
+        keys = self.profile_keys(profile)  # the hottest first, as this cache's keys
+        self.table.prefill(keys)  # in rank order, until full
+        placed = [(k, self.table.resident(k)) for k in keys[: self.n_slots]]
         placed = [(k, s) for k, s in placed if s is not None]  # [(key, slot)] in rank order
         for key, slot in placed:
             self._copy_in(slot, *divmod(int(key), self.n_experts))

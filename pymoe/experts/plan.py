@@ -146,7 +146,7 @@ class ModelFacts:
     dense_resident_bytes: int = 0  # every non-expert tensor: what sits in VRAM beside the cache
     dense_bytes_per_token: int = 0  # what one decoded token reads of them (one embedding row, not the whole table)
     kv_bytes_per_ctx_token: int = 0  # KV cache bytes per context position, all layers
-    n_dense: int = 0  # leading dense layers (no experts): n_layers counts them, as trace and profile keys do
+    n_dense: int = 0  # leading dense layers (no experts): n_layers counts them; traces and profiles hold MoE layers
 
     @property
     def n_moe_layers(self) -> int:
@@ -516,10 +516,11 @@ def load_hit_model(facts: ModelFacts, trace_path: Optional[str] = None, profile_
 
 
 def check_shape(path, n_layers: int, n_experts: int, facts: ModelFacts) -> None:
-    """A profile or trace of another model would predict nonsense: its keys are another model's experts."""
-    if (n_layers, n_experts) != (facts.n_layers, facts.n_expert):
-        raise PymoeError(f"{path}: made for {n_layers} layers x {n_experts} experts, but the model has "
-                         f"{facts.n_layers} x {facts.n_expert}")
+    """A profile or trace of another model would predict nonsense: its keys are another model's experts. Both hold
+    the MoE layers only (experts/trace.py)."""
+    if (n_layers, n_experts) != (facts.n_moe_layers, facts.n_expert):
+        raise PymoeError(f"{path}: made for {n_layers} MoE layers x {n_experts} experts, but the model has "
+                         f"{facts.n_moe_layers} x {facts.n_expert}")
 
 
 def plot_plan(path, facts: ModelFacts, overhead: int, reserve: int, hit_model: HitModel, cost: CostModel,

@@ -41,6 +41,9 @@ FORMAT = "pymoe-trace"
 VERSION = 1
 PHASES = {"prefill": 0, "decode": 1, "verify": 2}  # verify rows are decode rows too (`rows("decode")`)
 SHAPE_KEYS = ("n_layers", "n_experts", "k")  # meta fields that must agree to append
+# A trace's layers are the model's MoE layers only: trace layer l is model layer first_moe_layer + l (the optional
+# meta field, 0 when absent; glm4moe and deepseek2 lead with dense layers, which route nothing). So L * E is the
+# number of experts that exist, and keys, profiles and the simulator need no notion of dense layers.
 ARRAYS = ("experts", "weights", "phase", "request", "forward")
 PREDICTION_ARRAYS = ("predicted", "predicted_limit")  # optional: only when a lookahead ran
 
@@ -83,6 +86,11 @@ class Trace:
     @property
     def n_experts(self) -> int:
         return int(self.meta["n_experts"])
+
+    @property
+    def first_moe_layer(self) -> int:
+        """The model layer of trace layer 0 (the leading dense layers are not in the trace)."""
+        return int(self.meta.get("first_moe_layer", 0))
 
     @property
     def k(self) -> int:
@@ -213,8 +221,9 @@ def write_npz(path, trace: Trace) -> None:
 
 def concatenate(first: Trace, second: Trace, where="trace") -> Trace:
     """`second`'s rows after `first`'s; request and forward numbers of `second` are shifted to follow on."""
-    for key in ("model", "arch", *SHAPE_KEYS):
-        if first.meta.get(key) != second.meta.get(key):
+    for key in ("model", "arch", *SHAPE_KEYS, "first_moe_layer"):
+        if first.meta.get(key, 0 if key == "first_moe_layer" else None) != second.meta.get(
+                key, 0 if key == "first_moe_layer" else None):
             raise file_error(where, f"cannot append: {key} is {first.meta.get(key)!r} in the file, "
                                     f"{second.meta.get(key)!r} in this run")
     n_req = int(first.meta.get("n_requests", 0))
@@ -238,8 +247,10 @@ def concatenate(first: Trace, second: Trace, where="trace") -> Trace:
 
 
 class TraceRecorder:
-    """Collects routing decisions while the engine runs. `meta` needs n_layers, n_experts, k (and should name
-    model and arch). Per forward: record(layer, ...) for layers 0..L-1 in order, then end_forward()."""
+    """Collects routing decisions while the engine runs. `meta` needs n_layers (the MoE layers), n_experts, k (and
+    should name model and arch; first_moe_layer when the model leads with dense layers). Per forward:
+    record(layer, ...) for the model layers first_moe_layer .. first_moe_layer + L - 1 in order, then
+    end_forward()."""
 
     def __init__(self, meta: dict):
         missing = [k for k in SHAPE_KEYS if k not in meta]
@@ -247,6 +258,7 @@ class TraceRecorder:
             raise ValueError(f"TraceRecorder meta lacks {', '.join(missing)}")
         self.meta = dict(meta)
         self.n_layers, self.n_experts, self.k = (int(meta[k]) for k in SHAPE_KEYS)
+        self.first = int(meta.get("first_moe_layer", 0))  # model layer of trace layer 0
         if self.n_experts > 65536:
             raise ValueError(f"{self.n_experts} experts do not fit the trace's uint16 expert ids")
         self.prompt_lengths: list[int] = []
@@ -266,9 +278,10 @@ class TraceRecorder:
         self.prompt_lengths.append(int(prompt_len))
 
     def record(self, layer: int, ids, weights, phase: str) -> None:
-        """The router's choice in `layer` for the T tokens of this forward: ids int [T, K], weights float [T, K]."""
-        if layer != len(self._pending):
-            raise ValueError(f"trace: layer {layer} recorded out of order (expected {len(self._pending)})")
+        """The router's choice in model layer `layer` for the T tokens of this forward: ids int [T, K], weights
+        float [T, K]."""
+        if layer != self.first + len(self._pending):
+            raise ValueError(f"trace: layer {layer} recorded out of order (expected {self.first + len(self._pending)})")
         if phase not in PHASES or (self._phase is not None and phase != self._phase):
             raise ValueError(f"trace: bad phase {phase!r} in layer {layer}")
         ids, weights = np.asarray(ids), np.asarray(weights)
@@ -282,15 +295,15 @@ class TraceRecorder:
     def predict(self, layer: int, experts, limit: int) -> None:
         """The router lookahead asked the slot cache to prefetch `experts` (ints, most wanted first; at most `limit`
         placed, 0: no limit) for `layer`'s lookup in this forward (experts/prefetch.py, SlotCache.prefetch)."""
-        self._predicted[int(layer)] = ([int(e) for e in experts], int(limit))
+        self._predicted[int(layer) - self.first] = ([int(e) for e in experts], int(limit))
 
     def end_forward(self) -> None:
-        """Commit the forward's T tokens as T rows (all L layers must have been recorded)."""
+        """Commit the forward's T tokens as T rows (all L MoE layers must have been recorded)."""
         if not self._pending:
             self._predicted = {}  # a forward that was not traced (nothing routed): its predictions go too
             return
         if len(self._pending) != self.n_layers:
-            raise ValueError(f"trace: forward ended after {len(self._pending)} of {self.n_layers} layers")
+            raise ValueError(f"trace: forward ended after {len(self._pending)} of {self.n_layers} MoE layers")
         if not self.prompt_lengths:  # record() before any start_request(): one request of unknown prompt length
             self.prompt_lengths.append(-1)
         experts = np.stack([ids for ids, _ in self._pending], axis=1)  # [T, L, K]
