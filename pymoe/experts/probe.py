@@ -73,12 +73,13 @@ def pcie_bandwidth(cuda, nbytes: int = 64 * MiB, repeats: int = 4) -> list:
 
 
 def cpu_expert_rate(file, cpu_backend, repeats: int = 4, layers: int = 4) -> float:
-    """GB/s of expert weights the CPU path computes: the first K experts of up to `layers` layers, one token."""
+    """GB/s of expert weights the CPU path computes: the first K experts of up to `layers` MoE layers (the first
+    ones: glm4moe and deepseek2 lead with dense layers, which have none), one token."""
     from pymoe.backends.reference import swiglu_expert
 
     cfg = file.config
     x = np.random.default_rng(0).standard_normal((1, cfg.n_embd)).astype(np.float32)  # [1, D]
-    chosen = [file.expert(i, e) for i in range(min(layers, cfg.n_layers)) for e in range(cfg.n_expert_used)]
+    chosen = [file.expert(i, e) for i in cfg.moe_layers[:layers] for e in range(cfg.n_expert_used)]
     types = [file.expert_types(ex.layer) for ex in chosen]
     nbytes = sum(ex.nbytes for ex in chosen)
     best = float("inf")
