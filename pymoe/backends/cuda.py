@@ -441,6 +441,11 @@ class CUDABackend:
     def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> DevicePool:
         return DevicePool(self, n_slots, slot_bytes, layouts)
 
+    def share_cpu(self) -> None:
+        """The CPU side's team (its share of the misses, host attention): backends/threads.py."""
+        self.cpu.share_cpu()
+        self.threads = self.cpu.threads
+
     def warm_up(self, qtypes, progress: bool = False) -> None:
         """Compile the kernels of these types now (one launch on a 1-row matrix each), not in the first request."""
         from tqdm import tqdm
@@ -662,8 +667,9 @@ class CUDABackend:
             if experts[e].where == "cpu":
                 out[a:b] = weight[a:b, None] * swiglu_expert(self.cpu, experts[e], expert_types, x[tok[a:b]])
         if on_gpu:
-            out += yg.copy_to_host(stream=self.compute)  # the GPU's rows; its rows of cpu experts are zero
-            self.compute.synchronize()
+            gpu_rows = yg.copy_to_host(stream=self.compute)  # the GPU's rows; its rows of cpu experts are zero
+            self.compute.synchronize()  # the copy is asynchronous on the stream: its bytes are there only now
+            out += gpu_rows
         y = np.zeros((T, D), dtype=np.float32)  # [T, D]
         np.add.at(y, tok, out)  # pairs in ascending expert order: each token's experts added in that order
         return y
