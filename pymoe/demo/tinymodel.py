@@ -111,7 +111,9 @@ ARCH_TWEAKS = {
     "qwen35moe": dict(n_layers=4),
     "deepseek2": dict(n_layers=3),  # one dense layer, then two MLA + MoE layers
 }
-MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2)}  # no GQA, as above (the tiny tweaks are for the tiny shapes)
+# no GQA for olmoe, as above (the tiny tweaks are for the tiny shapes); glm4moe and deepseek2 lead with a dense
+# layer, so their micro files have two: the dense one, then one MoE layer
+MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2), "glm4moe": dict(n_layers=2), "deepseek2": dict(n_layers=2)}
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
                "gpt-oss": False, "qwen3next": False, "qwen35moe": False, "deepseek2": False}  # llama.cpp
 #                                                                                  requires olmoe's output
