@@ -13,6 +13,16 @@ from .errors import PymoeError
 from .experts.policies import DEFAULT_POLICY, ENGINE_POLICIES
 
 
+class Ints(click.IntRange):
+    """An integer option with its range checked when parsed: a bad value is one line naming the option."""
+    name = "integer"  # click's own says "integer range" in "'x' is not a valid ..."
+
+
+class Floats(click.FloatRange):
+    """A number option with its range checked when parsed (as Ints)."""
+    name = "number"
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="pymoe")
 def cli():
@@ -32,8 +42,9 @@ def inspect_cmd(model, show_tensors):
 @cli.command("probe")
 @click.argument("model")
 @click.option("--backend", default="auto", show_default=True, help="cuda, cpu, or auto (cuda when present).")
-@click.option("--threads", default=None, type=int, help="CPU threads (default: all cores).")
-@click.option("--repeats", default=4, show_default=True, help="Measurements of each rate; the best is used.")
+@click.option("--threads", default=None, type=Ints(min=1), help="CPU threads (default: all cores).")
+@click.option("--repeats", default=4, show_default=True, type=Ints(min=1),
+              help="Measurements of each rate; the best is used.")
 def probe_cmd(model, backend, threads, repeats):
     """Measure host->device (PCIe) bandwidth and the CPU's expert rate on MODEL; print the pcie_frac that
     balances them (the share of cache misses to read over PCIe; the rest are computed on the CPU)."""
@@ -41,8 +52,6 @@ def probe_cmd(model, backend, threads, repeats):
     from .gguf.loader import load_gguf
     from .experts.probe import probe
 
-    if repeats < 1:
-        raise PymoeError(f"--repeats must be >= 1, got {repeats}")
     file = load_gguf(model)
     result = probe(file, get_backend(backend, threads=threads), repeats=repeats)
     click.echo(result.cpu_line())
@@ -52,30 +61,33 @@ def probe_cmd(model, backend, threads, repeats):
 def engine_options(f):
     """Options of the engine every model-running command shares (run, serve, bench): threads, backend, cache."""
     options = [
-        click.option("-t", "--threads", default=None, type=int, help="CPU threads for the kernels (default: all cores)."),
+        click.option("-t", "--threads", default=None, type=Ints(min=1),
+                     help="CPU threads for the kernels (default: all cores)."),
         click.option("--backend", default="auto", show_default=True,
                      help="Where to compute: cpu, cuda, auto (cuda when a CUDA GPU is present, else cpu), or reference "
                           "(plain NumPy: slow, the readable twin the others are tested against)."),
         click.option("--cache", "cache", default="auto", show_default=True, type=click.Choice(["auto", "none"]),
                      help="Expert slot pool: auto sizes it from the GPU's free memory (on the CPU backend: no pool, "
                           "every expert read in place from the memory map); none: no pool."),
-        click.option("--cache-slots", default=None, type=int, help="Expert slot pool of exactly N slots."),
-        click.option("--cache-gib", default=None, type=float, help="Expert slot pool of this many GiB."),
-        click.option("--reserve-mib", default=700.0, show_default=True,
+        click.option("--cache-slots", default=None, type=Ints(min=1),
+                     help="Expert slot pool of exactly N slots."),
+        click.option("--cache-gib", default=None, type=Floats(min=0, min_open=True),
+                     help="Expert slot pool of this many GiB."),
+        click.option("--reserve-mib", default=700.0, show_default=True, type=Floats(min=0),
                      help="Device memory left free by --cache auto, besides the KV cache and activations."),
         click.option("--policy", default=DEFAULT_POLICY, show_default=True,
                      help=f"Slot cache policy: {', '.join(ENGINE_POLICIES)}."),
         click.option("--profile", default=None, help="Expert profile to pre-fill the slot pool from."),
         click.option("--admit", default="all", show_default=True, type=click.Choice(["all", "second-miss"]),
                      help="Slot pool admission: every decode miss may take a slot, or only a key's second miss."),
-        click.option("--max-inserts", default=0, show_default=True,
+        click.option("--max-inserts", default=0, show_default=True, type=Ints(min=0),
                      help="Slot insertions per layer per decode step (0: no cap)."),
-        click.option("--warm-set", default=0, show_default=True,
+        click.option("--warm-set", default=0, show_default=True, type=Ints(min=0),
                      help="Warm decode set: once a prompt is read, copy the experts of its last N tokens into the "
                           "slot pool (0: off; prefill otherwise inserts nothing)."),
-        click.option("--warm-inserts", default=0, show_default=True,
+        click.option("--warm-inserts", default=0, show_default=True, type=Ints(min=0),
                      help="At most this many warm-set copies per prompt (0: as many as the pool holds)."),
-        click.option("--pcie-frac", default=None, type=float,
+        click.option("--pcie-frac", default=None, type=Floats(0, 1),
                      help="Share of decode cache misses read over PCIe (spill); the rest are computed on the CPU "
                           "[default: measured by the PCIe probe on cuda; 0 on cpu, as the probe says with no GPU]."),
         click.option("--act-bits", default=None, type=click.Choice(["8", "16", "0"]),
@@ -83,7 +95,7 @@ def engine_options(f):
                           "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K, Q3_K, Q4_K, "
                           "Q6_K, MXFP4 weights repacked 8 rows at a time, unless PYMOE_REPACK=0; coarser), 0 (float "
                           "kernels)."),
-        click.option("--chunk", default=512, show_default=True,
+        click.option("--chunk", default=512, show_default=True, type=Ints(min=1),
                      help="Prompt tokens per forward call; each expert missing from the cache is streamed once "
                           "per chunk."),
     ]
@@ -108,7 +120,7 @@ def model_options(f):
     """The model and context options of run, chat and serve, with llama.cpp's names as aliases."""
     options = [
         click.option("-m", "--model", "model_opt", default=None, help="MODEL as an option (llama.cpp's -m)."),
-        click.option("-c", "--ctx", "--ctx-size", "ctx", default=None, type=int,
+        click.option("-c", "--ctx", "--ctx-size", "ctx", default=None, type=Ints(min=1),
                      help="Context size in tokens (default: the model's)."),
         click.option("--chat-template", default=None,
                      help="A Jinja chat template (a file, or the template text) instead of the model's own."),
@@ -120,11 +132,15 @@ def model_options(f):
 
 def sampling_options(f):
     options = [
-        click.option("--temp", default=None, type=float, help="Temperature; 0 is greedy [default: 0; demo: 0.7]."),
-        click.option("--top-k", default=40, show_default=True, help="Top-k filter (0: off)."),
-        click.option("--top-p", default=0.95, show_default=True, help="Top-p (nucleus) filter (1: off)."),
-        click.option("--min-p", default=0.05, show_default=True, help="Min-p filter (0: off)."),
-        click.option("--repeat-penalty", default=None, type=float,
+        click.option("--temp", default=None, type=Floats(min=0),
+                     help="Temperature; 0 is greedy [default: 0; demo: 0.7]."),
+        click.option("--top-k", default=40, show_default=True, type=Ints(min=0),
+                     help="Top-k filter (0: off)."),
+        click.option("--top-p", default=0.95, show_default=True, type=Floats(0, 1, min_open=True),
+                     help="Top-p (nucleus) filter (1: off)."),
+        click.option("--min-p", default=0.05, show_default=True, type=Floats(0, 1),
+                     help="Min-p filter (0: off)."),
+        click.option("--repeat-penalty", default=None, type=Floats(min=0, min_open=True),
                      help="Repetition penalty, 1 is off [default: 1; demo: 1.1]."),
         click.option("--seed", default=None, type=int, help="Random seed for sampling [default: random; demo: 0]."),
     ]
@@ -160,9 +176,15 @@ def _stdin_prompt(wait_s: float = 1.0):
 
 
 def _pick_model(model, model_opt):
+    """MODEL or -m MODEL (not two different ones); a missing file is named before anything else is read."""
+    import os
+
     if model is not None and model_opt is not None and model != model_opt:
         raise PymoeError(f"two models given: {model} and -m {model_opt}")
-    return model if model is not None else model_opt
+    path = model if model is not None else model_opt
+    if path is not None and not os.path.exists(path):
+        raise PymoeError(f"{path}: no such file")
+    return path
 
 
 def _demo_sampling(temp, repeat_penalty, seed, engine_opts):
@@ -214,7 +236,8 @@ def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
 @click.option("-p", "--prompt", default=None,
               help="The prompt text [default: -f FILE, or standard input when it is not a terminal].")
 @click.option("-f", "--file", "prompt_file", default=None, help="Read the prompt from this file.")
-@click.option("-n", "--n-predict", default=128, show_default=True, help="Tokens to generate at most.")
+@click.option("-n", "--n-predict", default=128, show_default=True, type=Ints(min=0),
+              help="Tokens to generate at most.")
 @click.option("--chat", is_flag=True, help="Wrap the prompt as a user message in the model's chat template.")
 @click.option("-i", "--interactive", is_flag=True, help="Chat in turns instead (the same as `pymoe chat`).")
 @sampling_options
@@ -227,8 +250,9 @@ def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
                    "companion MODEL.mtp.gguf beside it), mtp:FILE (the block from a companion GGUF) or "
                    "draft:FILE (a smaller GGUF with the same vocabulary, run on the CPU); same output when greedy, "
                    "same distribution when sampling.")
-@click.option("--spec-k", default=4, show_default=True, help="Tokens drafted per verification step.")
-@click.option("--lookahead", default=0, show_default=True,
+@click.option("--spec-k", default=4, show_default=True, type=Ints(min=1),
+              help="Tokens drafted per verification step.")
+@click.option("--lookahead", default=0, show_default=True, type=Ints(min=0),
               help="Router lookahead: predict N experts per token of each next MoE layer one layer early, report "
                    "precision/recall, madvise them WILLNEED, and with a slot pool copy up to N of them into slots "
                    "before the layer runs (decode; --max-inserts caps it too) (0: off).")
@@ -322,7 +346,8 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
 @cli.command("chat")
 @click.argument("model", required=False)
 @click.option("-s", "--system", default=None, help="A system message to start the conversation with.")
-@click.option("-n", "--n-predict", default=512, show_default=True, help="Tokens per reply at most.")
+@click.option("-n", "--n-predict", default=512, show_default=True, type=Ints(min=1),
+              help="Tokens per reply at most.")
 @sampling_options
 @model_options
 @engine_options
@@ -486,11 +511,11 @@ def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, pl
 def serve_options(f):
     """The options of the server `pymoe serve` runs (shared with `pymoe bench`, which starts one)."""
     options = [
-        click.option("-c", "--ctx", "--ctx-size", "ctx", default=None, type=int,
+        click.option("-c", "--ctx", "--ctx-size", "ctx", default=None, type=Ints(min=1),
                      help="Context size per slot in tokens (default: the model's)."),
         click.option("--kv", default="f16", show_default=True, type=click.Choice(["f32", "f16", "int8"]),
                      help="KV cache storage: f32 (exact), f16, or int8 with a float16 scale per 32 values."),
-        click.option("-np", "--parallel", default=1, show_default=True,
+        click.option("-np", "--parallel", default=1, show_default=True, type=Ints(min=1),
                      help="Slots: sequences decoded together per step."),
         click.option("--max-queue", default=16, show_default=True,
                      help="Requests that may wait for a slot; beyond that the server answers 429."),
@@ -585,15 +610,23 @@ def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout
           stall_streams=stall_streams, stall_only=stall_only)
 
 
+def usage_line(e: click.ClickException) -> str:
+    """Click's message for a usage error as one line (click itself prints the usage block, a hint and the
+    message), with the command's help named."""
+    message = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)
+    return f"{message} (see '{ctx.command_path} --help')" if ctx is not None else message
+
+
 def main(argv=None):
     try:
         cli.main(args=argv, prog_name="pymoe", standalone_mode=False)
     except click.exceptions.Abort:
         click.echo("pymoe: aborted", err=True)
         sys.exit(130)
-    except click.ClickException as e:
-        e.show()
-        sys.exit(e.exit_code)
+    except click.ClickException as e:  # a usage error (a bad value, an unknown option): one line naming it
+        click.echo(f"pymoe: error: {usage_line(e)}", err=True)
+        sys.exit(2 if isinstance(e, click.UsageError) else e.exit_code)
     except PymoeError as e:
         click.echo(f"pymoe: error: {e}", err=True)
         sys.exit(2)

@@ -69,7 +69,7 @@ def _simulator_on_one_core(request):
         os.sched_setaffinity(0, before)
 
 
-def run_pymoe_here(*args):
+def run_pymoe_here(*args, input=None):
     """`pymoe ARGS` in this process -> an object with returncode, stdout, stderr, like run_pymoe's: pymoe.cli.main
     itself (its one-line errors and exit statuses) with the streams captured by click's CliRunner, but no interpreter
     start and no kernel loading per call (~3 s each), for tests that run the command many times."""
@@ -79,7 +79,7 @@ def run_pymoe_here(*args):
 
     from pymoe.cli import main
 
-    with CliRunner().isolation() as (out, err, _):
+    with CliRunner().isolation(input=input) as (out, err, _):
         try:
             main(list(args))
             code = 0
