@@ -169,9 +169,20 @@ class Tokenizer:
         self.n_vocab = len(self.tokens)
         self.id_of = {t: i for i, t in enumerate(self.tokens)}  # duplicates: the last id wins, as in llama.cpp
 
+        self.warnings: list[str] = []  # what the loader prints as "warning: ..." lines (api.load)
+
         def special_id(key):
             i = get(f"tokenizer.ggml.{key}_token_id", None, "int")
-            return int(i) if i is not None and 0 <= int(i) < self.n_vocab else None  # out of range: disabled
+            if i is not None and not 0 <= int(i) < self.n_vocab:  # llama.cpp: "bad special token", then ignored
+                self.warnings.append(f"{where}tokenizer.ggml.{key}_token_id {int(i)} is not a token of the "
+                                     f"{self.n_vocab}-token vocabulary: ignored, as llama.cpp does"
+                                     + (" (generation then stops only at -n, a stop string or another "
+                                        "end-of-generation token)" if key == "eos" else ""))
+                return None
+            return None if i is None else int(i)
+
+        for key in ("padding", "unknown", "seperator", "cls", "mask"):  # not used here, but named when broken
+            special_id(key)
 
         if self.model == "gpt2":
             pre_name = get("tokenizer.ggml.pre", None, "text") or "default"

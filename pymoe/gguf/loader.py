@@ -249,7 +249,9 @@ class GGUFModel:
     # --- tensors --------------------------------------------------------------------------------------------
     def _validate_tensors(self, where: str) -> None:
         file_size = os.path.getsize(self.path)
-        for name, shape in expected_tensors(self.config).items():
+        expected = expected_tensors(self.config)
+        self._refuse_unknown_tensors(where, expected)
+        for name, shape in expected.items():
             t = self.tensors.get(name)
             if t is None:
                 raise PymoeError(f"{where}missing tensor {name}")
@@ -265,6 +267,26 @@ class GGUFModel:
             if t.data_offset + t.n_bytes > file_size:
                 raise PymoeError(f"{where}truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
                                  f"but the file has {file_size} bytes")
+
+    def _refuse_unknown_tensors(self, where: str, expected: dict) -> None:
+        """Every tensor in the file must be one the metadata accounts for, as llama.cpp's loader demands ("wrong
+        number of tensors"): a block beyond block_count, or a tensor under a name this architecture does not have
+        (a renamed output.weight would otherwise leave the model silently on its tied embedding), is refused in one
+        line. The NextN/MTP blocks after the trunk are checked where they are used (engine/mtp.py)."""
+        cfg, arch = self.config, self.config.arch
+        n_blocks = cfg.n_layers + cfg.n_nextn  # what {arch}.block_count says
+        for name in self.tensors:
+            if name in expected:
+                continue
+            parts = name.split(".")
+            block = int(parts[1]) if len(parts) > 2 and parts[0] == "blk" and parts[1].isdigit() else None
+            if block is not None and cfg.n_layers <= block < n_blocks:
+                continue  # an MTP block
+            if block is not None and block >= n_blocks:
+                raise PymoeError(f"{where}tensor {name} is in block {block}, but {arch}.block_count is {n_blocks} "
+                                 f"(blocks 0..{n_blocks - 1}): the metadata and the tensors disagree")
+            raise PymoeError(f"{where}tensor {name} is not one that this {arch} model has (by its metadata); "
+                             "llama.cpp refuses such a file too (wrong number of tensors)")
 
     def tensor(self, name: str) -> Tensor:
         return self.tensors[name]
