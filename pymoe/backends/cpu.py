@@ -29,6 +29,7 @@ What this is not: a cache. Experts reach this backend as raw bytes chosen by the
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import replace
 from typing import Optional
 
@@ -41,6 +42,7 @@ from pymoe.gguf.loader import Tensor
 from .arena import HugeArena
 from .attention_simd import MAX_DV, TILE_KEYS, KeyBlocks, scores_into, weighted_into
 from .pool import HostPool
+from .threads import ThreadGovernor, adaptive
 from .reference import DenseWeight, HostArrays, experts_one_by_one, host_dense
 from pymoe.quant import kernels, qact, repack
 from pymoe.quant.kernels import dot, exp_f32
@@ -355,7 +357,9 @@ class CPUBackend(HostArrays):
         at 8 bits (default: yes, unless PYMOE_REPACK=0)."""
         if threads:
             numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
-        self.threads = numba.get_num_threads()
+        self.threads = self.most = numba.get_num_threads()  # this forward call's team / the team on a quiet machine
+        self.governor = ThreadGovernor(self.most) if adaptive(threads) else None  # backends/threads.py
+        self._team = {}  # calling thread's ident -> the team size set there (Numba's count is per calling thread)
         self.act_bits = int(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", 16))
         if self.act_bits not in (0, *ACT_DTYPES):
             raise ValueError(f"act_bits must be 0 (float), 8 or 16, got {self.act_bits}")
@@ -365,6 +369,16 @@ class CPUBackend(HostArrays):
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
         self._eps = {}  # rmsnorm's eps -> np.float32(eps)
         self._arena = HugeArena()  # the repacked copies, in 2 MiB pages (~100 MiB of them read a decoded token)
+
+    def share_cpu(self) -> None:
+        """Before a forward call: its team of threads, the cores other processes leave free (backends/threads.py),
+        or the count given with -t. Set in the calling thread (the server computes in its scheduler's thread)."""
+        n = self.governor.threads() if self.governor is not None else self.most
+        me = threading.get_ident()
+        if self._team.get(me) != n:
+            numba.set_num_threads(n)
+            self._team[me] = n
+        self.threads = n
 
     def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
         """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels)."""

@@ -31,6 +31,10 @@ class Backend(Protocol):
     def warm_up_experts(self, expert_types: dict) -> None:
         """The same for the expert kernel of one {gate, up, down: qtype} combination (one per distinct layout)."""
 
+    def share_cpu(self) -> None:
+        """Before each forward call: how many threads it may use (the CPU backend: the cores other processes leave
+        free, backends/threads.py; the others: nothing to do)."""
+
     def dense(self, t) -> object:
         """A 2-D GGUF tensor (gguf/loader.Tensor) -> a weight `linear` can multiply with (the backend's own form:
         a view into the memory map on the host, raw rows in device memory on a GPU)."""

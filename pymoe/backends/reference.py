@@ -284,6 +284,9 @@ class ReferenceBackend(HostArrays):
     def warm_up(self, qtypes, progress: bool = False) -> None:
         pass  # nothing is compiled
 
+    def share_cpu(self) -> None:
+        pass  # NumPy's BLAS picks its own threads
+
     def warm_up_experts(self, expert_types: dict) -> None:
         pass
 

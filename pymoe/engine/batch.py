@@ -91,6 +91,7 @@ def forward_batch(model, token_lists: Sequence[Sequence[int]], kvs: Sequence[KVC
         raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
     cache = RowCounts(model.cache, tokens.size) if row_counts is not None else model.cache
 
+    model.backend.share_cpu()  # this call's threads (backends/threads.py)
     seqs = Seqs(kvs, counts)
     rows = [r for _, r in segments(seqs, tokens.size)]  # sequence j's rows of every [T, .] array below
     x = model.embed(tokens)  # [T, D]

@@ -183,6 +183,7 @@ class Model:
             raise PymoeError(f"context full: {kv.n} + {tokens.size} tokens exceed the context of {kv.n_ctx}")
         if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
             raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
+        self.backend.share_cpu()  # this call's threads: a fair share of a busy machine (backends/threads.py)
         x = self.embed(tokens)  # [T, D]
         norm = self.backend.rmsnorm
         rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size))  # for all layers
