@@ -249,7 +249,7 @@ class HostMapping:
 
 
 class DevicePool(HostPool):
-    """The expert cache's slots in device memory: uint8 [N, slot_bytes], the slot layout of cache.HostPool (each
+    """The expert cache's slots in device memory: uint8 [N, slot_bytes], the slot layout of pool.HostPool (each
     expert laid out with its own layer's types); copies on the copy stream, ordered by events."""
 
     def __init__(self, backend: "CUDABackend", n_slots: int, slot_bytes: int, layouts: list):
