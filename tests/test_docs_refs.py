@@ -20,12 +20,15 @@ counts as a reference, and what it must resolve to:
                  where it lives.
   Class.member   a chain whose first part is a class defined in pymoe (`SlotCache.lookup`): the member is a
                  method, class attribute, dataclass field or `self.` attribute of the class or of its pymoe bases.
+  `ClassName`    on a page, a code span holding one CamelCase name: a name pymoe defines, a Python builtin, or one
+                 of the few other libraries' names the pages use (EXTERNAL_NAMES).
 
 Not references (left alone): GGUF metadata keys (`tokenizer.ggml.pre`, `{arch}.attention.head_count`), file names
 with a data extension (`model.gguf`), chains through other libraries (`np.float32`, `numba.cuda`), and the files of
 other projects that the docs name on purpose (EXTERNAL_FILES).
 """
 import ast
+import builtins
 import configparser
 import importlib
 import os
@@ -41,6 +44,9 @@ TOP_DIRS = ("pymoe", "cuda_kernels", "tests", "bench", "tools", "scripts", "docs
 # File names of other projects that pages cite as the definition of something (llama.cpp, gguf-py, llm.c, ...).
 EXTERNAL_FILES = {"convert_hf_to_gguf.py", "base.py", "quants.py", "ggml-quants.c", "run.c", "train_gpt2.c",
                   "expert_cache.py", "gpt2.py"}
+# CamelCase names of other libraries and formats that pages put in code spans.
+EXTERNAL_NAMES = {"GGUFReader": "gguf", "GGUFWriter": "gguf", "ImmutableSandboxedEnvironment": "jinja2.sandbox",
+                  "Allow": "an HTTP header", "Infinity": "JSON", "NaN": "JSON"}
 # pymoe modules named like a library they use: `gguf.dequantize` may be gguf-py's, `cuda.jit` Numba's. Such a chain
 # resolves in pymoe or in the library.
 NAMESAKES = {"gguf": "gguf", "cuda": "numba.cuda"}
@@ -275,6 +281,7 @@ BARE_FILE_RE = re.compile(r"(?<![\w./-])([\w-]+\.(?:py|md))\b(?![\w/-]|\.\w)")
 CHAIN_RE = re.compile(r"(?<![\w./{}-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 LINK_RE = re.compile(r"\]\(([^()\s]+)\)")
 CAMEL_RE = re.compile(r"^[a-z]+[A-Z]")
+CLASS_SPAN_RE = re.compile(r"`([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)`")
 # GGUF metadata keys look like chains: `tokenizer.ggml.pre`, `qwen3moe.attention.head_count`, `{arch}.rope.*`.
 GGUF_KEY_RE = re.compile(r"^(tokenizer\.(ggml|chat_template|huggingface)|general\.|attention\.[a-z_]+$|rope\.)")
 
@@ -353,6 +360,11 @@ class Refs:
             if why:
                 self.fail(where, chain, why)
         if page:
+            for m in CLASS_SPAN_RE.finditer(text):
+                name = m.group(1)
+                if not (name in self.index.classes or name in EXTERNAL_NAMES or hasattr(builtins, name)
+                        or any(name in d for d in self.index.defs.values())):
+                    self.fail(where, name, "pymoe defines no such name")
             for m in LINK_RE.finditer(text):
                 target = m.group(1).split("#")[0]
                 if not target or re.match(r"^[a-z]+:", target):
@@ -406,13 +418,14 @@ def test_the_checker_catches_what_it_should(index):
     live = ["`pymoe/engine/kv.py`", "backends/cpu.py", "`cache.expert`", "SlotCache.lookup", "experts/cache.lookup",
             "pymoe.backends.pool.HostPool", "`repack.py`", "tokenizer.ggml.pre", "model.gguf", "np.float32",
             "pymoe/experts/cache.py:SlotCache", "cache.py:10", "see e.g. the docs", "8 experts/step",
-            "`qact.row_dot_*`", "`pymoe.apiKey`", "gguf.dequantize", "engine/model.Model.new_kv", "bz2.py"]
+            "`qact.row_dot_*`", "`pymoe.apiKey`", "gguf.dequantize", "engine/model.Model.new_kv", "bz2.py",
+            "`SlotCache`", "`GGUFReader`", "`MemoryError`", "[a link](README.md)"]
     for text in live:
-        refs.check_text("live", text)
+        refs.check_text("live", text, page=os.path.join(ROOT, "docs", "x.md"))
     assert refs.problems == []
-    stale = ["`pymoe/engine/kvcache.py`", "moe.route", "cache.HostPool", "model.rmsnorm", "SlotCache.lookups",
-             "experts/cache.lookup_all", "nosuchfile.py", "pymoe/experts/cache.py:HostPool", "cache.py:100000"]
+    stale = ["`pymoe/engine/kvcache.py`", "`SlotTables`", "moe.route", "cache.HostPool", "model.rmsnorm", "SlotCache.lookups",
+             "experts/cache.lookup_all", "nosuchfile.py", "pymoe/experts/cache.py:HostPool", "cache.py:100000", "[a link](nowhere/)"]
     for text in stale:
         before = len(refs.problems)
-        refs.check_text("stale", text)
+        refs.check_text("stale", text, page=os.path.join(ROOT, "docs", "x.md"))
         assert len(refs.problems) == before + 1, text
