@@ -80,9 +80,9 @@ def engine_options(f):
                           "[default: measured by the PCIe probe on cuda; 0 on cpu, as the probe says with no GPU]."),
         click.option("--act-bits", default=None, type=click.Choice(["8", "16", "0"]),
                      help="CPU backend: the activations' width on its integer path: 16 (default: within ~1e-4 of "
-                          "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K, Q3_K, Q4_K, "
-                          "Q6_K, MXFP4 weights repacked 8 rows at a time, unless PYMOE_REPACK=0; coarser), 0 (float "
-                          "kernels)."),
+                          "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K-Q6_K, Q8_0, "
+                          "MXFP4 and IQ4_XS weights repacked 8 rows at a time, unless PYMOE_REPACK=0; IQ1-IQ3 experts "
+                          "decoded into 8-row tiles in prefill, unless PYMOE_DECODE=0; coarser), 0 (float kernels)."),
         click.option("--chunk", default=512, show_default=True,
                      help="Prompt tokens per forward call; each expert missing from the cache is streamed once "
                           "per chunk."),
