@@ -10,7 +10,7 @@ import click
 
 from .experts import plan as plan_defaults  # the planner's defaults, shown in `pymoe plan --help`
 from .errors import PymoeError
-from .experts.policies import DEFAULT_POLICY, ENGINE_POLICIES
+from .experts.policies import DEFAULT_POLICY, ENGINE_POLICIES, POLICIES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -449,7 +449,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 
 @cli.command("simulate")
 @click.argument("trace")
-@click.option("--policy", "policies", default="static,lru,lfu,lfru,pinned-lru,belady", show_default=True,
+@click.option("--policy", "policies", default=",".join(POLICIES), show_default=True,
               help="Cache policies to replay, comma-separated (belady: the offline optimum, simulation only).")
 @click.option("--slots", default=None, help="Slot counts to simulate, comma-separated (instead of --coverage).")
 @click.option("--coverage", default=None,

@@ -423,8 +423,9 @@ def test_the_checker_catches_what_it_should(index):
     for text in live:
         refs.check_text("live", text, page=os.path.join(ROOT, "docs", "x.md"))
     assert refs.problems == []
-    stale = ["`pymoe/engine/kvcache.py`", "`SlotTables`", "moe.route", "cache.HostPool", "model.rmsnorm", "SlotCache.lookups",
-             "experts/cache.lookup_all", "nosuchfile.py", "pymoe/experts/cache.py:HostPool", "cache.py:100000", "[a link](nowhere/)"]
+    stale = ["`pymoe/engine/kvcache.py`", "`SlotTables`", "moe.route", "cache.HostPool", "model.rmsnorm",
+             "SlotCache.lookups", "experts/cache.lookup_all", "nosuchfile.py", "pymoe/experts/cache.py:HostPool",
+             "cache.py:100000", "[a link](nowhere/)"]
     for text in stale:
         before = len(refs.problems)
         refs.check_text("stale", text, page=os.path.join(ROOT, "docs", "x.md"))
