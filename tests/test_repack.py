@@ -7,7 +7,7 @@ change a result: its numerics are qact's `exact_blocks`), and against float math
 (tests/test_kernels_qact.py); its other forms (portable IR, AVX2, VNNI) against it; the fused MoE kernel and the dense
 products with and without repacked copies, bit for bit, with a check that the copies are what was read; a Q4_K_M file
 made by llama.cpp's quantizer decoded with and without repacking, bit for bit, and one MXFP4_MOE file likewise.
-What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Round seven").
+What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Repacked 8-row tiles").
 """
 import re
 
