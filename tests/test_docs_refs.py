@@ -6,26 +6,31 @@ counts as a reference, and what it must resolve to:
 
   file paths     `pymoe/engine/kv.py`, `tests/test_cache.py`, `tools/train-demo-model`, `docs/formats.md` (from the
                  repository root); `backends/cpu.py`, `engine/grammar.py` (from inside a package root such as
-                 pymoe/); a bare `qact.py` or `formats.md` (some file of that name in the repository); a Markdown
-                 link's target (from the page's folder). It must exist. A path ending in `.name` that is not a
-                 file (`experts/cache.lookup`) is a module and a name, checked as below.
+                 pymoe/; only with a dot or a trailing slash, since prose has `experts/step`); a bare `qact.py`
+                 or `formats.md` (some file of that name in the repository, or in Python's standard library); a
+                 Markdown link's target (from the page's folder). It must exist. A path ending in `.name` that is
+                 not a file (`experts/cache.lookup`, `engine/model.Model.new_kv`) is a module and names in it,
+                 checked as below.
   path:NAME      `pymoe/quant/repack.py:tile_matmul` or `repack.py:120`: the file exists and defines NAME, or has
                  that many lines.
   module.name    a dotted chain whose first part is `pymoe`, the last part of a pymoe module's dotted name
                  (`cache`, `repack`, `quant`; a short name shared by several modules matches any of them) or a
                  few trailing parts of it (`backends.reference.rmsnorm`): the next part must be *defined* in that
                  module: a function, class or assignment at its top level, a submodule, a name a package's
-                 __init__ imports, or, as shorthand for a method, a member of a class the module defines
-                 (`cache.lookup`). A name the module only imports (`cache.HostPool`) does not count: that is not
-                 where it lives.
+                 __init__ imports, a dunder (`pymoe.__file__`), or, as shorthand, a member of a class the module
+                 defines (`cache.lookup`) or a function nested anywhere in it (`qact.group_scales_at`). A name the
+                 module only imports (`cache.HostPool`) does not count: that is not where it lives. Two pymoe
+                 modules share their names with libraries (NAMESAKES): `gguf.dequantize` may be gguf-py's.
   Class.member   a chain whose first part is a class defined in pymoe (`SlotCache.lookup`): the member is a
                  method, class attribute, dataclass field or `self.` attribute of the class or of its pymoe bases.
   `ClassName`    on a page, a code span holding one CamelCase name: a name pymoe defines, a Python builtin, or one
                  of the few other libraries' names the pages use (EXTERNAL_NAMES).
 
-Not references (left alone): GGUF metadata keys (`tokenizer.ggml.pre`, `{arch}.attention.head_count`), file names
-with a data extension (`model.gguf`), chains through other libraries (`np.float32`, `numba.cuda`), and the files of
-other projects that the docs name on purpose (EXTERNAL_FILES).
+Not references (left alone): GGUF metadata keys that do not resolve as code (`tokenizer.ggml.pre`,
+`{arch}.attention.head_count`: a key gguf-py's Keys name or a string pymoe's code spells), file names
+with a data extension (`model.gguf`), chains through other libraries (`np.float32`, `numba.cuda`), patterns
+(`qact.row_dot_*`), JavaScript names (`pymoe.apiKey`: camelCase), and the files of other projects that the docs name
+on purpose (EXTERNAL_FILES).
 """
 import ast
 import builtins
@@ -128,19 +133,26 @@ def _defined(body, with_imports: bool) -> set:
     return names
 
 
+def defined_anywhere(src: str) -> set:
+    """Every function and class name in a module's source, at any depth, and its top-level assignments."""
+    tree = ast.parse(src)
+    names = _defined(tree.body, with_imports=False)
+    names.update(n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
+    return names
+
+
 class Index:
     def __init__(self):
         self.files = python_files()                 # dotted -> path
         self.defs = {}                              # dotted -> names defined at top level (+ submodules)
         self.class_members = {}                     # dotted -> members of its classes, functions nested anywhere
         self.classes = {}                           # class name -> [(members, base names)]
-        self.lines = {}                             # path -> number of lines
-        self.trees = {}
+        self.literals = set()                       # every string constant in pymoe (GGUF keys among them)
+        self.gguf_keys = None                       # built on first use (is_gguf_key)
         for dotted, path in self.files.items():
             with open(path, encoding="utf-8") as f:
                 src = f.read()
-            self.lines[path] = src.count("\n") + 1
-            tree = self.trees[dotted] = ast.parse(src, path)
+            tree = ast.parse(src, path)
             is_pkg = path.endswith("__init__.py")
             self.defs[dotted] = _defined(tree.body, with_imports=is_pkg)
             members = self.class_members[dotted] = set()
@@ -156,6 +168,8 @@ class Index:
                     members |= own
                 elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                     members.add(node.name)
+                elif isinstance(node, ast.Constant) and isinstance(node.value, str) and len(node.value) < 80:
+                    self.literals.add(node.value)
         for dotted in self.files:
             parent, _, leaf = dotted.rpartition(".")
             if parent in self.defs:
@@ -211,6 +225,25 @@ class Index:
         if len(parts) > n + 1 and any(name in self.defs[m] for m in mods):
             return f"{name} in {where} has no member {parts[n + 1]!r}"
         return f"{where} defines no {name!r}"
+
+    def is_gguf_key(self, chain: str) -> bool:
+        """`tokenizer.ggml.pre`, `attention.key_length` (`{arch}.` left out), or the start of one (`tokenizer.ggml`): a
+        key gguf-py's Keys name, or one pymoe's code spells (a string literal, `f"{arch}.attention.recurrent_layers"`
+        included)."""
+        if self.gguf_keys is None:
+            self.gguf_keys = {s.lstrip(".") for s in self.literals if "." in s}
+            try:
+                from gguf.constants import Keys
+            except ImportError:
+                Keys = None
+            stack = [Keys] if Keys is not None else []
+            while stack:
+                for v in vars(stack.pop()).values():
+                    if isinstance(v, str) and "." in v:
+                        self.gguf_keys.add(v.replace("{arch}.", ""))
+                    elif isinstance(v, type):
+                        stack.append(v)
+        return any(k == chain or k.startswith(chain + ".") for k in self.gguf_keys)
 
     def module_for_path(self, rel: str):
         """'pymoe/experts/cache' or 'cuda_kernels/moe' (no extension) -> dotted module name, or None."""
@@ -284,8 +317,6 @@ CHAIN_RE = re.compile(r"(?<![\w./{}-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 LINK_RE = re.compile(r"\]\(([^()\s]+)\)")
 CAMEL_RE = re.compile(r"^[a-z]+[A-Z]")
 CLASS_SPAN_RE = re.compile(r"`([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)`")
-# GGUF metadata keys look like chains: `tokenizer.ggml.pre`, `qwen3moe.attention.head_count`, `{arch}.rope.*`.
-GGUF_KEY_RE = re.compile(r"^(tokenizer\.(ggml|chat_template|huggingface)|general\.|attention\.[a-z_]+$|rope\.)")
 
 
 class Refs:
@@ -326,20 +357,20 @@ class Refs:
         self.fail(where, rel, "no such file or folder")
 
     def check_location(self, where: str, file: str, what: str):
-        paths = ([file] if "/" in file else self.all_files.get(file, []))
-        paths = [p for p in paths if any(os.path.exists(os.path.join(ROOT, b, p)) for b in ["", "pymoe"])]
-        if not paths:
-            return  # the path itself is reported by check_path / check_bare
-        for p in paths:
-            full = next(os.path.join(ROOT, b, p) for b in ["", "pymoe"] if os.path.exists(os.path.join(ROOT, b, p)))
+        """`path.py:NAME` (a function, class or assignment anywhere in the file) or `path.py:LINE` (within it)."""
+        bases = ["", *package_roots().values()]
+        rels = [file] if "/" in file else self.all_files.get(file, [])
+        found = [os.path.join(ROOT, b, r) for r in rels for b in bases if os.path.isfile(os.path.join(ROOT, b, r))]
+        for full in found:  # (a file that is not there is reported as a path)
+            with open(full, encoding="utf-8") as f:
+                src = f.read()
             if what.isdigit():
-                if int(what) <= self.index.lines.get(full, 0):
+                if int(what) <= src.count("\n") + 1:
                     return
-            else:
-                dotted = next((d for d, f in self.index.files.items() if f == full), None)
-                if dotted is None or not self.index.resolve_chain(dotted + "." + what):
-                    return
-        self.fail(where, f"{file}:{what}", "not in that file")
+            elif what in defined_anywhere(src):
+                return
+        if found:
+            self.fail(where, f"{file}:{what}", "not in that file")
 
     def check_text(self, where: str, text: str, page: str = None):
         for m in LOCATION_RE.finditer(text):
@@ -353,13 +384,13 @@ class Refs:
                 self.fail(where, name, "no file of that name in the repository")
         for m in CHAIN_RE.finditer(text):
             chain = m.group(1)
-            if text[m.end():m.end() + 1] in ("/", "*") or GGUF_KEY_RE.match(chain):
-                continue  # a path (`experts/cache.py/`), a pattern (`qact.row_dot_*`), a GGUF key
+            if text[m.end():m.end() + 1] in ("/", "*"):
+                continue  # a path (`experts/cache.py/`), a pattern (`qact.row_dot_*`)
             parts = chain.split(".")
             if parts[1] in FILE_EXTS or any(CAMEL_RE.match(p) for p in parts):
                 continue  # a file name (`model.gguf`); JavaScript (`pymoe.apiKey`, the monitor page's)
             why = self.index.resolve_chain(chain)
-            if why:
+            if why and not self.index.is_gguf_key(chain):
                 self.fail(where, chain, why)
         if page:
             for m in CLASS_SPAN_RE.finditer(text):
@@ -419,7 +450,8 @@ def test_the_checker_catches_what_it_should(index):
     refs = Refs(index, repository_files())
     live = ["`pymoe/engine/kv.py`", "backends/cpu.py", "`cache.expert`", "SlotCache.lookup", "experts/cache.lookup",
             "pymoe.backends.pool.HostPool", "`repack.py`", "tokenizer.ggml.pre", "model.gguf", "np.float32",
-            "pymoe/experts/cache.py:SlotCache", "cache.py:10", "see e.g. the docs", "8 experts/step",
+            "pymoe/experts/cache.py:SlotCache", "cache.py:10", "tests/test_cache.py:reference_tokens",
+            "backends/cpu.py:attention_rows", "see e.g. the docs", "8 experts/step",
             "`qact.row_dot_*`", "`pymoe.apiKey`", "gguf.dequantize", "engine/model.Model.new_kv", "bz2.py",
             "`SlotCache`", "`GGUFReader`", "`MemoryError`", "[a link](README.md)"]
     for text in live:
@@ -427,7 +459,7 @@ def test_the_checker_catches_what_it_should(index):
     assert refs.problems == []
     stale = ["`pymoe/engine/kvcache.py`", "`SlotTables`", "moe.route", "cache.HostPool", "model.rmsnorm",
              "SlotCache.lookups", "experts/cache.lookup_all", "nosuchfile.py", "pymoe/experts/cache.py:HostPool",
-             "cache.py:100000", "[a link](nowhere/)"]
+             "cache.py:100000", "[a link](nowhere/)", "attention.gqa_blokc", "`tokenizer.ggml.nonsense_key`"]
     for text in stale:
         before = len(refs.problems)
         refs.check_text("stale", text, page=os.path.join(ROOT, "docs", "x.md"))
