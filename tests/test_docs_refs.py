@@ -23,6 +23,8 @@ counts as a reference, and what it must resolve to:
                  modules share their names with libraries (NAMESAKES): `gguf.dequantize` may be gguf-py's.
   Class.member   a chain whose first part is a class defined in pymoe (`SlotCache.lookup`): the member is a
                  method, class attribute, dataclass field or `self.` attribute of the class or of its pymoe bases.
+  page "Section" `docs/expert-cache.md, "Which default"`: the page exists and has a heading that holds the quoted
+                 words (case aside).
   `ClassName`    on a page, a code span holding one CamelCase name: a name pymoe defines, a Python builtin, or one
                  of the few other libraries' names the pages use (EXTERNAL_NAMES).
 
@@ -316,6 +318,7 @@ BARE_FILE_RE = re.compile(r"(?<![\w./-])([\w-]+\.(?:py|md))\b(?![\w/-]|\.\w)")
 CHAIN_RE = re.compile(r"(?<![\w./{}-])([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)")
 LINK_RE = re.compile(r"\]\(([^()\s]+)\)")
 CAMEL_RE = re.compile(r"^[a-z]+[A-Z]")
+SECTION_RE = re.compile(r"(?<![\w/.-])([\w/.-]+\.md),? \"([^\"]{3,80})\"")
 CLASS_SPAN_RE = re.compile(r"`([A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*)`")
 
 
@@ -372,11 +375,24 @@ class Refs:
         if found:
             self.fail(where, f"{file}:{what}", "not in that file")
 
+    def check_section(self, where: str, page: str, section: str):
+        """`docs/server.md, "Limits"`: a heading of that page holds the quoted words."""
+        rels = [page] if "/" in page else self.all_files.get(page, [])
+        found = [os.path.join(ROOT, r) for r in rels if os.path.isfile(os.path.join(ROOT, r))]
+        for full in found:  # (a page that is not there is reported as a path)
+            with open(full, encoding="utf-8") as f:
+                if any(line.startswith("#") and section.lower() in line.lower() for line in f):
+                    return
+        if found:
+            self.fail(where, f'{page} "{section}"', "no heading of that page holds these words")
+
     def check_text(self, where: str, text: str, page: str = None):
         for m in LOCATION_RE.finditer(text):
             self.check_location(where, m.group(1), m.group(2))
         for m in PATH_RE.finditer(text):
             self.check_path(where, m.group(1))
+        for m in SECTION_RE.finditer(text):
+            self.check_section(where, m.group(1), m.group(2))
         for m in BARE_FILE_RE.finditer(text):
             name = m.group(1)
             if (name not in self.all_files and name not in EXTERNAL_FILES
@@ -453,13 +469,15 @@ def test_the_checker_catches_what_it_should(index):
             "pymoe/experts/cache.py:SlotCache", "cache.py:10", "tests/test_cache.py:reference_tokens",
             "backends/cpu.py:attention_rows", "see e.g. the docs", "8 experts/step",
             "`qact.row_dot_*`", "`pymoe.apiKey`", "gguf.dequantize", "engine/model.Model.new_kv", "bz2.py",
-            "`SlotCache`", "`GGUFReader`", "`MemoryError`", "[a link](README.md)"]
+            "`SlotCache`", "`GGUFReader`", "`MemoryError`", "[a link](README.md)",
+            'docs/server.md, "Limits"', 'expert-cache.md "which default"']
     for text in live:
         refs.check_text("live", text, page=os.path.join(ROOT, "docs", "x.md"))
     assert refs.problems == []
     stale = ["`pymoe/engine/kvcache.py`", "`SlotTables`", "moe.route", "cache.HostPool", "model.rmsnorm",
              "SlotCache.lookups", "experts/cache.lookup_all", "nosuchfile.py", "pymoe/experts/cache.py:HostPool",
-             "cache.py:100000", "[a link](nowhere/)", "attention.gqa_blokc", "`tokenizer.ggml.nonsense_key`"]
+             "cache.py:100000", "[a link](nowhere/)", "attention.gqa_blokc", "`tokenizer.ggml.nonsense_key`",
+             'docs/server.md, "Round twelve"']
     for text in stale:
         before = len(refs.problems)
         refs.check_text("stale", text, page=os.path.join(ROOT, "docs", "x.md"))
