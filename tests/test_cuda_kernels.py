@@ -2,8 +2,8 @@
 
 What this is: every kernel on small odd shapes -- quantized matvec (versions 1 and 2) and matmul for every format in
 pymoe.quant.FORMATS, the MoE expert block, RMSNorm, RoPE (NEOX and normal), decode attention with GQA -- compared
-with pymoe.quant.dequantize(w) @ x, pymoe.engine.moe, pymoe.engine.model.rmsnorm / apply_rope / attention; plus the CPU twin of
-the device decoders bit-exact against `dequantize`, and (when a CUDA toolkit's NVVM is installed, no GPU needed)
+with pymoe.quant.dequantize(w) @ x and the NumPy forms of pymoe.backends.reference (rmsnorm, apply_rope, attention,
+silu); plus the CPU twin of the device decoders bit-exact against `dequantize`, and (when a CUDA toolkit's NVVM is installed, no GPU needed)
 every kernel compiled to PTX for a real GPU, which the simulator cannot check: it runs the kernels as plain Python,
 so a construct Numba's CUDA target cannot type (e.g. the builtin min() in numba 0.68) would pass it unnoticed.
 What this is not: a benchmark (python -m pymoe.cuda_kernels.quant_matvec on a GPU), nor a test of the backend.

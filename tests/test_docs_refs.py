@@ -1,4 +1,5 @@
-"""Every code reference in the docs resolves: docs/*.md, README.md, and the docstrings and comments of pymoe/.
+"""Every code reference in the docs resolves: docs/*.md, README.md, and the docstrings and comments of pymoe/,
+cuda_kernels/, tests/ and bench/ (this file's own examples aside).
 
 A reader who follows `cache.HostPool` or `pymoe/engine/kv.py` from a page or a comment must land on something that
 exists. The code is read, never imported (no Numba, no GPU): each module's names come from its syntax tree. What
@@ -286,10 +287,10 @@ def markdown_pages():
 
 
 def python_texts():
-    """(path, line, text) for every comment and docstring under the package roots."""
-    for rel in package_roots().values():
+    """(path, line, text) for every comment and docstring of the packages, the tests and the benchmarks."""
+    for rel in [*package_roots().values(), "tests", "bench"]:
         for path in walk_files(os.path.join(ROOT, rel)):
-            if not path.endswith(".py"):
+            if not path.endswith(".py") or os.path.samefile(path, __file__):
                 continue
             with open(path, encoding="utf-8") as f:
                 src = f.read()
@@ -458,7 +459,7 @@ def test_markdown_references_resolve(index):
 
 def test_docstring_and_comment_references_resolve(index):
     problems = _python_problems(index)
-    assert not problems, "stale references in pymoe's docstrings and comments:\n" + "\n".join(problems)
+    assert not problems, "stale references in docstrings and comments:\n" + "\n".join(problems)
 
 
 def test_the_checker_catches_what_it_should(index):

@@ -355,7 +355,7 @@ def _addresses(mats):
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     """Decode (one token, 4 experts), a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
     many-token call and one single) and a longer one (70 tokens: an expert with all of them, read in two chunks of
-    kernels.TILE_TOKENS = 64 and 6, the second with a single at its end):
+    repack.TOKENS = 64 and 6, the second with a single at its end):
     the kernel's result with repacked copies (of every matrix of a tiled type) is the result without, bit for bit;
     with the copies zeroed it changes (so they are what the kernel reads)."""
     rng = np.random.default_rng(7)
