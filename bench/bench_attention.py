@@ -4,8 +4,8 @@ What this is: `CPUBackend.attention` on random q, k, v of the `mid` preset's sha
 heads, head size 64), for a 512-token and a 128-token prompt (p0 = 0, causal), and one decoded token at 170 and
 2000 positions. Prints the median time of --runs calls after one warm-up. The inputs stay in cache between calls
 (a decode step's keys and values usually come from DRAM: bench/decode_breakdown.py measures them in a model).
-What this is not: a comparison. Run it on the commit before a change for the "before" figure (docs/performance.md
-gives both for round twelve's register-blocked loops).
+What this is not: a comparison. Run it on the commit before a change for the "before" figure (docs/performance.md,
+"Attention", gives both for round twelve's register-blocked loops).
 
     PYTHONPATH=. python bench/bench_attention.py --threads 2
 """

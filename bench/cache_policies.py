@@ -31,13 +31,13 @@ import time
 import numpy as np
 
 from pymoe import demo
-from pymoe.experts.policies import DEFAULT_POLICY, Admission, WarmRule
+from pymoe.experts.policies import DEFAULT_POLICY, ENGINE_POLICIES, Admission, WarmRule
 from pymoe.experts.profile import Profile
 from pymoe.experts.simulate import slots_for_coverage, sweep
 from pymoe.experts.trace import Trace, fitted_trace, top_share
 
 COVERAGES = (10, 25, 50)
-ONLINE = ("static", "lru", "lfu", "lfru", "pinned-lru")
+ONLINE = ENGINE_POLICIES  # every registered policy the engine can run (policies.POLICIES); belady is the bound
 ADMISSIONS = {"none": Admission(), "second-miss": Admission(second_miss=True), "max 2": Admission(max_inserts=2)}
 WARM = {"off": WarmRule(), "4": WarmRule(tokens=4)}  # on: the last 4 prompt tokens' experts, up to the pool's size
 HEAT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "routing-heat",

@@ -1,6 +1,6 @@
 """Benchmark: where one decoded token's time goes, per backend call, on one model file (pymoe alone).
 
-What this is: the table of docs/performance.md "Round five / Where the time goes". It loads the model, prefills a
+What this is: where docs/performance.md's roofline gets the split of a decode step. It loads the model, prefills a
 --context-token prompt (default 128), decodes a few tokens to warm up, then times --tokens greedy tokens with a wrapper around every
 backend primitive (linear, linear_many, attention, rmsnorm, rope, route, moe_experts, kv_write, kv_read, ...), the
 expert cache's lookup / expert / finish, the fused MoE kernel call, and each attention and FFN block. Prints ms per

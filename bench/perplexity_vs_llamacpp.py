@@ -9,7 +9,7 @@ served by the top 10/25/50% of experts per layer) and can save those counts (`--
 What this is not: a speed benchmark (bench/compare_llamacpp.py).
 
     PYTHONPATH=. python bench/perplexity_vs_llamacpp.py pymoe/demo/data/demo-moe.gguf --heldout --chunks 40
-    PYTHONPATH=. python bench/perplexity_vs_llamacpp.py model.gguf --text some.py --n-ctx 512
+    PYTHONPATH=. python bench/perplexity_vs_llamacpp.py model.gguf --text TEXT_FILE --n-ctx 512
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ import click
 
 from .experts import plan as plan_defaults  # the planner's defaults, shown in `pymoe plan --help`
 from .errors import PymoeError
-from .experts.policies import DEFAULT_POLICY, ENGINE_POLICIES
+from .experts.policies import DEFAULT_POLICY, ENGINE_POLICIES, POLICIES
 
 
 class Ints(click.IntRange):
@@ -92,9 +92,9 @@ def engine_options(f):
                           "[default: measured by the PCIe probe on cuda; 0 on cpu, as the probe says with no GPU]."),
         click.option("--act-bits", default=None, type=click.Choice(["8", "16", "0"]),
                      help="CPU backend: the activations' width on its integer path: 16 (default: within ~1e-4 of "
-                          "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K, Q3_K, Q4_K, "
-                          "Q6_K, MXFP4 weights repacked 8 rows at a time, unless PYMOE_REPACK=0; coarser), 0 (float "
-                          "kernels)."),
+                          "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K-Q6_K, Q8_0, "
+                          "MXFP4 and IQ4_XS weights repacked 8 rows at a time, unless PYMOE_REPACK=0; IQ1-IQ3 experts "
+                          "decoded into 8-row tiles in prefill, unless PYMOE_DECODE=0; coarser), 0 (float kernels)."),
         click.option("--chunk", default=512, show_default=True, type=Ints(min=1),
                      help="Prompt tokens per forward call; each expert missing from the cache is streamed once "
                           "per chunk."),
@@ -474,7 +474,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 
 @cli.command("simulate")
 @click.argument("trace")
-@click.option("--policy", "policies", default="static,lru,lfu,lfru,pinned-lru,belady", show_default=True,
+@click.option("--policy", "policies", default=",".join(POLICIES), show_default=True,
               help="Cache policies to replay, comma-separated (belady: the offline optimum, simulation only).")
 @click.option("--slots", default=None, help="Slot counts to simulate, comma-separated (instead of --coverage).")
 @click.option("--coverage", default=None,

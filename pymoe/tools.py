@@ -22,7 +22,7 @@ BUILD_PROFILE_DOC = """Rank (layer, expert) pairs by routed frequency into an ex
     profile expert-profile.bin: 24576 ranked pairs, built for 5784 slots
 
 Inputs are routing traces from `pymoe run --trace` (.npz), counted together, or routing-heat JSONs
-(`{"heat": [[count per expert] per layer]}`). The file format is in docs/formats.md; `pymoe run --profile FILE`
+(`{"heat": [[count per expert] per layer]}`). The file format is in docs/trace-files.md; `pymoe run --profile FILE`
 pre-fills its slots from it, hottest first. --plot draws the layer x expert heat map (needs matplotlib).
 What this is not: the ranking itself (pymoe/experts/profile.py) or a simulator (`pymoe simulate`)."""
 

@@ -2,7 +2,7 @@
 
 `check_ftype(f32_path, ftype, folder)` quantizes the F32 tiny model with llama.cpp's quantizer and measures:
   - `exact_rel`: pymoe's reference backend (NumPy float) on the quantized file vs llama.cpp on an F32 copy of it:
-    the same weights in float math (design.md's oracle for quantized files), relative to max |logit|;
+    the same weights in float math (docs/testing.md's oracle for quantized files), relative to max |logit|;
   - `llama_rel`, `top1`: pymoe's default CPU backend vs llama.cpp, both on the quantized file (each with its own
     activation quantization), relative error and the share of positions with the same argmax;
   - `pool_equal`: greedy tokens through a 6-slot expert pool == without a pool (CPU backend).

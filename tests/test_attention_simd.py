@@ -6,7 +6,7 @@ float32 multiplies and adds in the same order, one head at a time): every head c
 16-key vectors and the 8-vector blocks, every supported value-row width class, strided value rows (a KV head's rows
 of [S, G, Dv]). The whole attention (backends/cpu.py `attention_rows`, which calls them) is held to einsum and to
 T-independence in tests/test_kernels_cpu_backend.py and to llama.cpp's logits in tests/test_model_vs_llamacpp.py.
-What this is not: a speed test (docs/performance.md, "Round twelve").
+What this is not: a speed test (docs/performance.md, "Attention").
 """
 import numpy as np
 import pytest

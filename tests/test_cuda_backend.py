@@ -138,7 +138,7 @@ def test_no_slots_reads_every_expert_over_pcie(tiny_model, float_tokens):
 def test_prefill_stages_experts_with_many_tokens_and_reads_the_rest_in_place(tiny_model, monkeypatch):
     """An expert given more than TOKEN_TILE tokens of a chunk is copied into a staging buffer (the two alternate);
     one with fewer is read in place over PCIe (every expert, with --chunk 3). The chunking changes no logits."""
-    from pymoe.backends.cuda_kernels.quant_matvec import TOKEN_TILE
+    from pymoe.cuda_kernels.quant_matvec import TOKEN_TILE
 
     path = tiny_model("qwen3moe", "q2_k")
     prompt = list(range(3, 500, 13))  # 39 tokens

@@ -1,12 +1,12 @@
-"""The Numba CUDA kernels (pymoe/backends/cuda_kernels/) against their NumPy references, in Numba's CUDA simulator (no GPU needed).
+"""The Numba CUDA kernels (cuda_kernels/) against their NumPy references, in Numba's CUDA simulator (no GPU needed).
 
 What this is: every kernel on small odd shapes -- quantized matvec (versions 1 and 2) and matmul for every format in
 pymoe.quant.FORMATS, the MoE expert block, RMSNorm, RoPE (NEOX and normal), decode attention with GQA -- compared
-with pymoe.quant.dequantize(w) @ x, pymoe.engine.moe, pymoe.engine.model.rmsnorm / apply_rope / attention; plus the CPU twin of
-the device decoders bit-exact against `dequantize`, and (when a CUDA toolkit's NVVM is installed, no GPU needed)
+with pymoe.quant.dequantize(w) @ x and the NumPy forms of pymoe.backends.reference (rmsnorm, apply_rope, attention,
+silu); plus the CPU twin of the device decoders bit-exact against `dequantize`, and (when a CUDA toolkit's NVVM is installed, no GPU needed)
 every kernel compiled to PTX for a real GPU, which the simulator cannot check: it runs the kernels as plain Python,
 so a construct Numba's CUDA target cannot type (e.g. the builtin min() in numba 0.68) would pass it unnoticed.
-What this is not: a benchmark (python -m cuda_kernels.quant_matvec on a GPU), nor a test of the backend.
+What this is not: a benchmark (python -m pymoe.cuda_kernels.quant_matvec on a GPU), nor a test of the backend.
 
 How the simulator is switched on: tests/cuda_sim.py (imported first).
 All tests carry the `cuda` marker: `pytest -m cuda` selects them, `-m "not cuda"` leaves them out.
@@ -29,8 +29,8 @@ from pymoe.backends.reference import apply_rope, attention, rmsnorm, silu  # noq
 from pymoe.quant import QType  # noqa: E402
 from quant_helpers import random_rows  # noqa: E402
 
-import pymoe.backends.cuda_kernels as K  # noqa: E402
-from pymoe.backends.cuda_kernels import quant_matvec  # noqa: E402
+import pymoe.cuda_kernels as K  # noqa: E402
+from pymoe.cuda_kernels import quant_matvec  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -250,7 +250,7 @@ def compile_every_kernel_to_ptx():
 
     # Device functions are compiled for the current device's compute capability; there is no device here.
     dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(7, 5))
-    from pymoe.backends.cuda_kernels import attention as A, moe as M, norm_rope as N
+    from pymoe.cuda_kernels import attention as A, moe as M, norm_rope as N
 
     u8, f1 = nt.Array(nt.uint8, 2, "C"), nt.Array(nt.float32, 1, "C")
     f2, f3 = nt.Array(nt.float32, 2, "C"), nt.Array(nt.float32, 3, "C")

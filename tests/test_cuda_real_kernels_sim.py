@@ -1,4 +1,4 @@
-"""The CUDA backend with its real kernels (pymoe/backends/cuda_kernels/), end to end in Numba's CUDA simulator, on the micro model.
+"""The CUDA backend with its real kernels (cuda_kernels/), end to end in Numba's CUDA simulator, on the micro model.
 
 What this is: the one CI test where the real Numba CUDA kernels meet the backend's plumbing -- scratch buffers and
 their shapes, the kernels' argument order, device views (`shaped` slices of scratch, slot parts of the pool, mapped

@@ -4,10 +4,10 @@ What this is: the fast pieces that replaced NumPy code in the forward pass, each
 replaced or a float reference:
   - the row_dot forms (every K type with one): the multi-row dot gives, per row, exactly the bits of the one-row
     dot (decode = prefill), and the kernels give the same bits for 1 or T tokens;
-  - rmsnorm / rope hooks: bit for bit model.rmsnorm / model.apply_rope (NumPy);
+  - rmsnorm / rope hooks: bit for bit reference.rmsnorm / reference.apply_rope (NumPy);
   - exp_f32 against np.exp (float64): within 2 ulp;
-  - attention_rows against model.attention (einsum, float32 rounding bound), and T-independent bits;
-  - f32_matmul against x @ w.T, T-independent bits; the compiled router against moe.route;
+  - attention_rows against reference.attention (einsum, float32 rounding bound), and T-independent bits;
+  - f32_matmul against x @ w.T, T-independent bits; the compiled router against reference.route;
   - group_by_expert against np.nonzero per expert; moe_act_grouped with non-contiguous experts (the copy path).
 What this is not: the integer path's accuracy against float math (tests/test_kernels_qact.py).
 """

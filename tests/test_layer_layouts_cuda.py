@@ -1,5 +1,5 @@
 """Expert types that change from layer to layer on the CUDA backend (Numba's simulator, reference kernels): the
-DevicePool lays out and reads back each expert with its own layer's types, like cache.HostPool (the CPU side of
+DevicePool lays out and reads back each expert with its own layer's types, like pool.HostPool (the CPU side of
 this is tests/test_layer_layouts.py)."""
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 

@@ -5,7 +5,7 @@ type of every tensor is llama.cpp's choice, not pymoe's), then for each file typ
   - the types llama.cpp chose for the experts, pinned (the _M mixes change ffn_down from layer to layer);
   - greedy tokens with a small slot pool equal those with none (each layer's experts in slots with their own types);
   - pymoe's reference backend (float NumPy) on the file against llama.cpp on an F32 copy of it (same weights, float math, F32
-    KV cache: llama.cpp quantizes activations to 8 bits for K-quant weights, design.md "Oracles").
+    KV cache: llama.cpp quantizes activations to 8 bits for K-quant weights, docs/testing.md, "The oracles").
 The tiny preset's rows are all multiples of 256, so no K-quant falls back to another type; it has 2 layers and 8
 experts, which is enough for llama.cpp's per-layer rules: for Q4_K_M / Q5_K_M, ffn_down takes Q6_K where
 use_more_bits(i, n) = i < n/8 || i >= 7n/8 || (i - n/8) % 3 == 2 holds, i.e. in layer 1 of 2 (and with 8 experts,

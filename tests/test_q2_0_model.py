@@ -6,7 +6,7 @@ What this is, on the tiny qwen3moe (2 layers, 8 experts, every row a multiple of
     Q4_K token_embd, Q6_K output, F32 norms and router) with the same bytes (pymoe's Q2_0, Q4_K, Q6_K and Q8_0
     quantizers against llama.cpp's, whole tensors at once);
   - pymoe's reference backend (float NumPy) on the Q2_0 file against llama.cpp on an F32 copy of it (same weights,
-    float math, F32 KV cache: the design.md oracle for quantized files);
+    float math, F32 KV cache: the oracle for quantized files in docs/testing.md);
   - llama.cpp on the Q2_0 file itself: logits within 3% of their scale and the same top-1 token wherever the
     difference cannot flip it (its Q2_0 kernel multiplies with Q8_0 activations, so logits move by ~1% of the scale);
   - greedy tokens with a small slot pool equal those without (Q2_0 experts through the expert cache).

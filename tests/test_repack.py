@@ -7,7 +7,7 @@ change a result: its numerics are qact's `exact_blocks`), and against float math
 (tests/test_kernels_qact.py); its other forms (portable IR, AVX2, VNNI) against it; the fused MoE kernel and the dense
 products with and without repacked copies, bit for bit, with a check that the copies are what was read; a Q4_K_M file
 made by llama.cpp's quantizer decoded with and without repacking, bit for bit, and one MXFP4_MOE file likewise.
-What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Round seven").
+What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Repacked 8-row tiles").
 """
 import re
 
@@ -355,7 +355,7 @@ def _addresses(mats):
 def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     """Decode (one token, 4 experts), a prefill chunk (6 tokens: experts with one token, with 2, and with 5: one
     many-token call and one single) and a longer one (70 tokens: an expert with all of them, read in two chunks of
-    kernels.TILE_TOKENS = 64 and 6, the second with a single at its end):
+    repack.TOKENS = 64 and 6, the second with a single at its end):
     the kernel's result with repacked copies (of every matrix of a tiled type) is the result without, bit for bit;
     with the copies zeroed it changes (so they are what the kernel reads)."""
     rng = np.random.default_rng(7)

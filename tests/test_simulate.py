@@ -249,3 +249,25 @@ def test_fitted_trace_follows_the_heat_and_its_locality_knob():
     q0 = in_window(trace, 4)
     q = in_window(fitted_trace(heat, 2, 8, 400, locality=0.6, window=4, seed=1, k=4), 4)
     assert abs(q - (0.6 + 0.4 * q0)) < 0.05, (q, q0)
+
+
+def test_every_registered_policy_is_replayed_by_default():
+    """`pymoe simulate`'s default list and bench/cache_policies.py's come from the registry (policies.POLICIES), so
+    a policy added there is replayed with no other edit; every registered policy builds and replays a trace."""
+    import importlib.util
+    import os
+
+    from conftest import ROOT
+    from pymoe.cli import cli
+    from pymoe.experts.policies import ENGINE_POLICIES, OFFLINE_POLICIES, POLICIES
+
+    option = next(p for p in cli.commands["simulate"].params if p.name == "policies")
+    assert option.default.split(",") == list(POLICIES)
+    assert set(ENGINE_POLICIES) == set(POLICIES) - set(OFFLINE_POLICIES)
+    spec = importlib.util.spec_from_file_location("cache_policies", os.path.join(ROOT, "bench", "cache_policies.py"))
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert tuple(bench.ONLINE) == ENGINE_POLICIES
+    trace = synthetic_trace(60, 2, 8, 2, seed=0)
+    results = sweep(trace, list(POLICIES), [4], ["per-layer"], profile=Profile.from_trace(trace))
+    assert [r.policy for r in results] == list(POLICIES)

@@ -55,7 +55,7 @@ def attention_rows(q, k, kt, v, p0, window, sinks, out, threads, in_place):
     kt [G, nb, Dh, 64] (nb * 64 >= S) the keys in tiles of 64 positions -> out float32 [T, H * Dv] (written);
     threads: Numba's thread count. in_place: kt already holds the keys (the f32 KV cache's own plane, engine/kv.py
     `KeyTiles`; k is not read), else it is scratch, filled here from k.
-    The math of model.attention, in an order that depends only on the query's position, not on T: query t gives the
+    The math of reference.attention, in an order that depends only on the query's position, not on T: query t gives the
     same bits in a prefill of T tokens as alone in decode_one_token. The integer path needs that: it rounds
     activations, which would turn float-order noise (~1e-7) into rounding flips (~1e-4 in the logits of the tiny
     test models).
@@ -158,9 +158,9 @@ def f32_matmul(w, x, y):
 
 @njit(cache=True)
 def route_rows(logits, k, norm_topk, ids, w):
-    """moe.route compiled: logits float32 [T, E] -> ids int64 [T, K] (written), the K most probable experts, highest
+    """reference.route compiled: logits float32 [T, E] -> ids int64 [T, K] (written), the K most probable experts, highest
     first, ties to the lower id (a stable sort of -probs), and w float32 [T, K] (written) their softmax
-    probabilities, divided by their sum if norm_topk. The float32 operations of moe.route, sums in NumPy's
+    probabilities, divided by their sum if norm_topk. The float32 operations of reference.route, sums in NumPy's
     pairwise order; exp is libm's expf where NumPy has its own SIMD one (they may differ in the last bit)."""
     T, E = logits.shape
     p = np.empty(E, dtype=np.float32)
@@ -293,7 +293,7 @@ def pairwise_sum(a, n):
 
 @njit(cache=True)
 def rmsnorm_rows(x, w, eps, out):
-    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for each row t of x float32 [N, n] (w float32 [n]): model.rmsnorm
+    """out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w for each row t of x float32 [N, n] (w float32 [n]): reference.rmsnorm
     in one compiled call (the NumPy form costs ~15 us of interpreter per call, 4 calls per layer and token), bit
     for bit: the same float32 operations, the mean's sum in NumPy's pairwise order. Row by row, so the bits of a
     row do not depend on N either."""
@@ -329,7 +329,7 @@ def rmsnorm_rows_parallel(x, w, eps, out):
 
 @njit(cache=True)
 def rope_rows(x, cos, sin, neox):
-    """model.apply_rope in place: x float32 [T, heads, Dh], cos/sin float32 [T, n] (n = rope_dim / 2). The same
+    """reference.apply_rope in place: x float32 [T, heads, Dh], cos/sin float32 [T, n] (n = rope_dim / 2). The same
     float32 expressions as the NumPy form (a c - b s, b c + a s; no fused multiply-add), so the same bits."""
     T, H, _ = x.shape
     n = cos.shape[1]
@@ -513,7 +513,7 @@ class CPUBackend(HostArrays):
         return ids, w
 
     def rmsnorm(self, x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
-        """model.rmsnorm's contract (x [..., n] normalised over its last axis, times w [n]), bit for bit."""
+        """reference.rmsnorm's contract (x [..., n] normalised over its last axis, times w [n]), bit for bit."""
         x2 = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, x.shape[-1])  # [N, n]
         out = np.empty(x2.shape, np.float32)
         fn = rmsnorm_rows_parallel if x2.shape[0] >= RMSNORM_PARALLEL_ROWS else rmsnorm_rows
@@ -524,7 +524,7 @@ class CPUBackend(HostArrays):
         return out.reshape(x.shape)
 
     def rope(self, x: np.ndarray, cos: np.ndarray, sin: np.ndarray, neox: bool) -> np.ndarray:
-        """model.apply_rope's contract (x [T, heads, Dh], cos/sin [T, rope_dim / 2]), bit for bit."""
+        """reference.apply_rope's contract (x [T, heads, Dh], cos/sin [T, rope_dim / 2]), bit for bit."""
         out = np.array(x, dtype=np.float32, order="C")  # [T, heads, Dh], a copy, rotated in place
         rope_rows(out, np.ascontiguousarray(cos, dtype=np.float32), np.ascontiguousarray(sin, dtype=np.float32),
                   bool(neox))

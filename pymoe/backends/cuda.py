@@ -5,7 +5,7 @@ What this is:
     moves its input to the device once (`to_device`), and its projections, biases, q/k norms, RoPE, the KV write
     into the device KV cache (`DeviceKVCache`, lent to one sequence at a time by `new_kv`) and attention run there
     until `to_host`. Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any supported
-    type, F32 included) and are multiplied by the Numba CUDA kernels of pymoe/backends/cuda_kernels/
+    type, F32 included) and are multiplied by the Numba CUDA kernels of cuda_kernels/
     (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly. Given host
     arrays (the residual stream, the router, the output projection stay on the host for now), a primitive answers
     with host arrays; the norms and RoPE of host arrays run on the CPU backend it holds (`self.cpu`, float path).
@@ -92,40 +92,40 @@ def shaped(buf, shape: tuple):
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Kernels: the real ones (pymoe/backends/cuda_kernels/) and their NumPy references, with one signature
+# Kernels: the real ones (cuda_kernels/) and their NumPy references, with one signature
 # --------------------------------------------------------------------------------------------------------------
 class DeviceKernels:
-    """pymoe/backends/cuda_kernels/: quantized matmul and the fused SwiGLU expert block (Numba CUDA)."""
+    """cuda_kernels/: quantized matmul and the fused SwiGLU expert block (Numba CUDA)."""
 
     name = "cuda_kernels"
 
     def matmul(self, w, qtype, X, out, stream):
-        from pymoe.backends.cuda_kernels import quant_matvec
+        from pymoe.cuda_kernels import quant_matvec
 
         return quant_matvec.matmul(w, qtype, X, out=out, stream=stream)
 
     def expert_block(self, gate, up, down, types, X, wt, Y, H, stream):
-        from pymoe.backends.cuda_kernels import moe
+        from pymoe.cuda_kernels import moe
 
         return moe.expert_block(gate, up, down, types, X, wt, Y, H=H, stream=stream)
 
     def rmsnorm(self, X, w, eps, out, stream):
-        from pymoe.backends.cuda_kernels import norm_rope
+        from pymoe.cuda_kernels import norm_rope
 
         return norm_rope.rmsnorm(X, w, eps, out=out, stream=stream)
 
     def rope(self, x, cos, sin, neox, p0, stream):
-        from pymoe.backends.cuda_kernels import norm_rope
+        from pymoe.cuda_kernels import norm_rope
 
         return norm_rope.rope(x, cos, sin, neox, p0=p0, stream=stream)
 
     def add_bias(self, Y, b, stream):
-        from pymoe.backends.cuda_kernels import norm_rope
+        from pymoe.cuda_kernels import norm_rope
 
         return norm_rope.add_bias(Y, b, stream=stream)
 
     def decode_attention(self, q, k_cache, v_cache, pos, out, scores, stream):
-        from pymoe.backends.cuda_kernels import attention
+        from pymoe.cuda_kernels import attention
 
         return attention.decode_attention(q, k_cache, v_cache, pos, out=out, scores=scores, stream=stream)
 
@@ -249,7 +249,7 @@ class HostMapping:
 
 
 class DevicePool(HostPool):
-    """The expert cache's slots in device memory: uint8 [N, slot_bytes], the slot layout of cache.HostPool (each
+    """The expert cache's slots in device memory: uint8 [N, slot_bytes], the slot layout of pool.HostPool (each
     expert laid out with its own layer's types); copies on the copy stream, ordered by events."""
 
     def __init__(self, backend: "CUDABackend", n_slots: int, slot_bytes: int, layouts: list):
@@ -339,7 +339,7 @@ class CUDABackend:
         self.host_backend = self.cpu  # where attention kinds without device kernels run (attention.HOST_ATTENTION)
         self.threads = self.cpu.threads
         self.compute, self.copy = cuda.stream(), cuda.stream()
-        from pymoe.backends.cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
+        from pymoe.cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
 
         self._token_tile = TOKEN_TILE  # tokens one kernel block serves: below it, staging an expert gains nothing
         if free_bytes is None:

@@ -4,8 +4,8 @@ What this is: `Model(gguf_model, backend, cache)` with
     prefill(tokens, kv)          T prompt tokens at once (mat-mat kernels), fills the KV cache, returns logits [T, V]
     decode_one_token(token, kv)  one token (mat-vec kernels), returns logits [V]
 both built on one `forward(tokens, kv, phase)`, which applies the file's layer plan (gguf/config.LayerPlan):
-    x = x + ATTENTION[plan.attention]( rmsnorm(x) * attn_norm )     engine/attention.py
-    x = x + FFN[plan.ffn]( rmsnorm(x) * ffn_norm )                   engine/moe.py (MoE, or a dense MLP)
+    x = x + ATTENTION[layer.plan.attention]( rmsnorm(x) * attn_norm )     engine/attention.py
+    x = x + FFN[layer.plan.ffn]( rmsnorm(x) * ffn_norm )                   engine/moe.py (MoE, or a dense MLP)
 What this is not: the arithmetic (the backend's primitives: backends/protocol.py, backends/reference.py holds the
 math in NumPy), a tokenizer, sampler or generation loop (generate.py), or a cache (experts/cache.py).
 

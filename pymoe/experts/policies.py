@@ -335,6 +335,9 @@ DEFAULT_POLICY = "lfru"  # what `pymoe run` and the planner use unless told othe
 # docs/expert-cache.md, "Which default" (the demo model's trace and a synthetic 512-expert one: LFRU above LFU, the
 # previous default, at 10, 25 and 50% coverage on both, and above every online policy on the demo trace)
 
+# The registry: every name here is replayed by `pymoe simulate` (by default) and bench/cache_policies.py, and, unless
+# it is offline, offered to `pymoe run --policy`. Adding a policy is a class above and one line here
+# (docs/expert-cache.md, "Adding a cache policy").
 POLICIES = {
     "static": StaticPolicy,
     "lru": LRUPolicy,
@@ -343,17 +346,19 @@ POLICIES = {
     "pinned-lru": PinnedLRUPolicy,
     "belady": BeladyPolicy,
 }
+PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
+OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
 
 
-ENGINE_POLICIES = tuple(name for name in POLICIES if name != "belady")  # belady needs the future: simulation only
+ENGINE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the engine can run
 
 
 def check_engine_policy(name: str) -> str:
     """`name` if the engine's slot cache can run it, else a one-line PymoeError naming --policy and the choices."""
     from pymoe.errors import PymoeError
 
-    if name == "belady":
-        raise PymoeError("--policy belady needs the future: it exists in `pymoe simulate` only (choose from "
+    if name in OFFLINE_POLICIES:
+        raise PymoeError(f"--policy {name} needs the future: it exists in `pymoe simulate` only (choose from "
                          f"{', '.join(ENGINE_POLICIES)})")
     if name not in ENGINE_POLICIES:
         raise PymoeError(f"--policy must be one of {', '.join(ENGINE_POLICIES)}, got {name!r}")
@@ -366,14 +371,14 @@ def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] 
     `future` (the whole access sequence as keys, or a NextUse built from it)."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
-    if name in ("static", "pinned-lru"):
+    if name in PROFILE_POLICIES:
         if profile_keys is None:
             raise ValueError(f"the {name} policy needs an expert profile")
         return POLICIES[name](capacity, profile_keys, **({"pinned_frac": pinned_frac} if name == "pinned-lru" else {}))
-    if name == "belady":
+    if name in OFFLINE_POLICIES:
         if future is None:
-            raise ValueError("the belady policy needs the future access sequence (simulation only)")
-        return BeladyPolicy(capacity, future)
+            raise ValueError(f"the {name} policy needs the future access sequence (simulation only)")
+        return POLICIES[name](capacity, future)
     return POLICIES[name](capacity)
 
 

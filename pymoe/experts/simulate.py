@@ -48,8 +48,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from pymoe.errors import PymoeError
-from .policies import (DEFAULT_POLICY, POLICIES, Admission, NextUse, SlotTable,  # noqa: F401 (DEFAULT_POLICY: plan.py)
-                       WarmRule, WarmSet, make_policy, prefetch_ranked)
+from .policies import (DEFAULT_POLICY, POLICIES, PROFILE_POLICIES, Admission,  # noqa: F401 (DEFAULT_POLICY: plan.py)
+                       NextUse, SlotTable, WarmRule, WarmSet, make_policy, prefetch_ranked)
 from .profile import Profile
 
 POOLS = ("per-layer", "global")
@@ -86,7 +86,7 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
     """One SlotTable (global) or one per layer, each with its policy and, if asked, pre-filled from the profile."""
     if pool not in POOLS:
         raise PymoeError(f"unknown pool {pool!r} (choose from {', '.join(POOLS)})")
-    if policy in ("static", "pinned-lru") and profile is None:
+    if policy in PROFILE_POLICIES and profile is None:
         raise PymoeError(f"the {policy} policy needs a profile")
     ranked = profile.keys() if profile is not None else None  # int64 [n_pairs], hottest first
     if pool == "global":

@@ -69,12 +69,6 @@ from . import floats, legacy, kquants, q2_0, mxfp4, ternary, iquants  # noqa: E4
 from .kernels import matmul, matvec  # noqa: E402,F401
 
 
-def as_rows(raw: np.ndarray) -> np.ndarray:
-    """A tensor's data from GGUFReader (any dtype, any rank) -> uint8 [rows, row_bytes] view, no copy."""
-    raw = np.ascontiguousarray(raw)
-    return raw.view(np.uint8).reshape(-1, raw.view(np.uint8).shape[-1])
-
-
 def dequantize(raw: np.ndarray, qtype) -> np.ndarray:
     """Reference dequantization of raw rows: uint8 [..., row_bytes] -> float32 [..., cols] (NumPy, readable, slow)."""
     fmt = get_format(qtype)

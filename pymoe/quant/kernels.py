@@ -7,7 +7,7 @@ the chunk is dotted with the matching slice of x (or of every token's row of X: 
 call, whatever T). Rows are spread over Numba's threads with `prange`; callers choose the count with
 `numba.set_num_threads`, this module never sets it.
 What this is not: the reference. The reference of `matvec(w, q, x)` is `dequantize(w, q) @ x` (NumPy, in
-`pymoe.quant`); tests/test_kernels.py compares the two for every format. Nor is it a CUDA kernel (pymoe/backends/cuda_kernels/).
+`pymoe.quant`); tests/test_kernels.py compares the two for every format. Nor is it a CUDA kernel (cuda_kernels/).
 The second half of this file is the integer path (the CPU backend's default for K-quants): `matmul_act` and the
 fused MoE kernel `moe_act`, built on quant/qact.py; the float kernels above stay its reference.
 

@@ -13,7 +13,7 @@ helpers below and global lookup tables, never `if` on data, so the *same source*
     (tests/test_iquants.py);
   - compiled by `numba.njit` on scalars: `decoder(layout)`, the `decode_block` the fused CPU kernels in kernels.py
     inline;
-  - compiled by `numba.cuda.jit(device=True)`: the GPU kernels in backends/cuda_kernels/quant_matvec.py take the
+  - compiled by `numba.cuda.jit(device=True)`: the GPU kernels in cuda_kernels/quant_matvec.py take the
     pair as they are (their `DeviceFormat`).
 So the bit layout of these formats is written in exactly one place, and the three targets cannot drift apart. The
 older formats (floats.py, legacy.py, kquants.py, q2_0.py) keep their hand-vectorised NumPy references and byte-loop

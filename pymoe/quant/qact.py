@@ -438,7 +438,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         time where each row is one byte of 4 consecutive ones plus a high part from one 1-, 2- or 4-byte word at
         increasing bit offsets (IQ1_S, IQ1_M, IQ2_S, IQ3_S): pdep spreads the 4 bytes to bits 16 l, another pdep the
         high parts to bits 16 l + pos, one OR, then a shift and mask per row; the same indices (llama.cpp builds
-        IQ1_M's so). Measured IQ1_M, 1 thread, one token, Zen 4: docs/performance.md round seventeen."""
+        IQ1_M's so). Measured IQ1_M, 1 thread, one token, Zen 4: round seventeen's write-up
+        (`git show cdf1b2c:docs/performance.md`)."""
         def word(off, n):  # the n-byte little-endian word at byte s + off, as int64
             ptr = at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * n))
             return builder.zext(builder.load(ptr, align=1), i64)
@@ -497,8 +498,8 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             lanes = builder.shuffle_vector(raw, ir.Constant(raw.type, ir.Undefined),
                                            vec(i32, 32, [offs[k // 8] - lo for k in range(32)]))
             # each lane's bit tested in place (vptestmb, then a blend of -1 and +1 on AVX-512): measured IQ1_M, 1
-            # thread, one token, Zen 4, G MACs/s in docs/performance.md round seventeen, against shifting each lane
-            # by its run's shift (bytes have no variable shift: widen, vpsrlvw, narrow)
+            # thread, one token, Zen 4, G MACs/s in round seventeen's write-up (git show cdf1b2c:docs/performance.md),
+            # against shifting each lane by its run's shift (bytes have no variable shift: widen, vpsrlvw, narrow)
             bit = vec(i8, 32, [1 << shifts[k // 8] for k in range(32)])
             set_ = builder.icmp_unsigned("!=", builder.and_(lanes, bit), vec(i8, 32, [0] * 32))
             v = builder.add(v, builder.select(set_, vec(i8, 32, [-1] * 32), vec(i8, 32, [1] * 32)))
@@ -639,7 +640,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         per pair lane, or None), int8 [32] x -> int32 [8], lane i = sum of weights 4i..4i+3 times x (times scale).
         As llama.cpp does it on AVX2: |v| against x with v's sign moved onto x (vpsignb), then vpmaddubsw; a Grid
         group's signs (+-1, v its magnitudes) go onto x directly (the same products: IQ3_XXS, 1 thread, one token,
-        G MACs/s in docs/performance.md round seventeen)."""
+        G MACs/s in round seventeen's write-up, `git show cdf1b2c:docs/performance.md`)."""
         if signs is not None:
             if avx2:
                 xv = x86(builder, "llvm.x86.avx2.psign.b", xv.type, [xv, signs])

@@ -325,7 +325,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                prefill_chunk: int = PREFILL_CHUNK, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
                sampling_defaults: Optional[dict] = None):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
-    (app.state.scheduler). sampling_defaults: SamplingParams fields for requests that leave them out.
+    (the Scheduler in its `state.scheduler`). sampling_defaults: SamplingParams fields for requests that leave them out.
     request_timeout: seconds from a request's arrival after which its generation ends as if at max_tokens, and
     reading its body gives up (408); None: no limit."""
     from fastapi import Depends, FastAPI, Request

@@ -33,14 +33,14 @@ Versions (llm.c dev/cuda style, naive -> fast), all computing Y[T, R] (matvec is
   2. `matmul_kernel_2`: one block of THREADS threads per (row, token tile). The row is cut into units of one
      scale group (n_blocks * QK / GROUP units); thread i takes units i, i + THREADS, ...: decodes the group's
      (dl, ml) once, then each weight once, in registers, and applies it to every token of the tile; the THREADS
-     partial sums per token are added with a shared-memory tree (pymoe/backends/cuda_kernels/reduce.py). Each weight block is
+     partial sums per token are added with a shared-memory tree (cuda_kernels/reduce.py). Each weight block is
      decoded once per token tile, so prefill (T tokens) decodes the matrix ceil(T / TOKEN_TILE) times, decode once.
   Not done (next versions): int8 dot products on pre-quantized activations (llama.cpp mmvq, dp4a), vectorised
   32-bit loads, warp shuffles, several rows per block.
 
 Test (CPU, simulator): NUMBA_ENABLE_CUDASIM=1 pytest -m cuda tests/test_cuda_kernels.py
 Test on a GPU:        NUMBA_ENABLE_CUDASIM=0 pytest -m cuda tests/test_cuda_kernels.py
-Bench on a GPU:       python -m cuda_kernels.quant_matvec Q4_K 2048 2048 [T]    (rows, cols, tokens; GB/s of weights)
+Bench on a GPU:       python -m pymoe.cuda_kernels.quant_matvec Q4_K 2048 2048 [T]    (rows, cols, tokens; GB/s of weights)
 
 Shape legend: R rows (output features), C cols (input features) = n_blocks * QK, T tokens, S bytes per row.
 """
@@ -285,7 +285,7 @@ def device_format(qtype) -> DeviceFormat:
     """The device decoder of a GGML type, or KeyError naming it (same message as pymoe.quant.get_format)."""
     qtype = get_format(qtype).qtype
     if qtype not in DEVICE_FORMATS:
-        raise KeyError(f"tensor type {qtype.name} has no CUDA decoder (pymoe/backends/cuda_kernels/quant_matvec.py)")
+        raise KeyError(f"tensor type {qtype.name} has no CUDA decoder (cuda_kernels/quant_matvec.py)")
     return DEVICE_FORMATS[qtype]
 
 
@@ -496,7 +496,7 @@ def matvec(w, qtype, x, out=None, version: int = 2, stream=0):
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Bench (a real GPU): python -m cuda_kernels.quant_matvec QTYPE ROWS COLS [TOKENS]
+# Bench (a real GPU): python -m pymoe.cuda_kernels.quant_matvec QTYPE ROWS COLS [TOKENS]
 # ----------------------------------------------------------------------------------------------------------------
 def bench(qtype, rows: int, cols: int, tokens: int = 1, repeats: int = 20) -> None:
     from pymoe.quant import quantize
@@ -523,5 +523,5 @@ if __name__ == "__main__":
 
     args = sys.argv[1:]
     if len(args) not in (3, 4):
-        raise SystemExit("usage: python -m cuda_kernels.quant_matvec QTYPE ROWS COLS [TOKENS]")
+        raise SystemExit("usage: python -m pymoe.cuda_kernels.quant_matvec QTYPE ROWS COLS [TOKENS]")
     bench(QType[args[0]], int(args[1]), int(args[2]), *(int(a) for a in args[3:]))

@@ -11,8 +11,8 @@ wrapped without a copy; CuPy is never imported here):
   reduce.py        block-wide sum / max (shared-memory trees) used by the kernels above
 
 What this is not: memory management or streams (pymoe/backends), routing (pymoe/engine/moe.py), the references. Every
-kernel has a NumPy reference in pymoe (quant.dequantize(w) @ x, model.rmsnorm, model.apply_rope, model.attention,
-moe.swiglu_expert) and tests/test_cuda_kernels.py compares each kernel with it.
+kernel has a NumPy reference in pymoe (quant.dequantize(w) @ x; reference.rmsnorm, reference.apply_rope,
+reference.attention, reference.swiglu_expert in pymoe/backends/reference.py) and tests/test_cuda_kernels.py compares each kernel with it.
 
 Running without a GPU: set NUMBA_ENABLE_CUDASIM=1 before Numba is imported and every kernel runs in Numba's CUDA
 simulator (pure Python, one Python thread per CUDA thread: use small shapes). That is what CI does. Kernels compile
