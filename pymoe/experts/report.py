@@ -277,7 +277,7 @@ def _bucket_section(rep, title, rows, what, key):
         return
     a, b, drop, steep = c
     rep.figures[key] = dict(frm=a[0], to=b[0], drop=drop, per_point=steep, tok_s=(a[2], b[2]), n=(a[1], b[1]))
-    others = [f"{x[0][0]} -> {x[1][0]} {-100 * x[2]:+.1f}%" for x in drops(rows) if x is not c]
+    others = [f"{x[0][0]} -> {x[1][0]} {-100 * x[2]:+.1f}%" for x in drops(rows) if x[:2] != c[:2]]
     rep.p(f"**Cliff** ({title}): the steepest fall is {a[0]} -> {b[0]}: {a[2]:.1f} -> {b[2]:.1f} tok/s "
           f"(-{100 * drop:.1f}%, {steep:.1f} tok/s per percentage point; means of {a[1]} and {b[1]} requests). Its "
           "position is known to the bucket edges, no finer." + (f" Other steps: {'; '.join(others)}." if others else ""))
