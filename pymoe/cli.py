@@ -601,9 +601,16 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
                    "and p99 inter-token gap while it is read, against a stretch without it (0: skip).")
 @click.option("--stall-streams", default=4, show_default=True, help="Streaming clients of the stall measurement.")
 @click.option("--stall-only", is_flag=True, help="Run only the stall measurement (with --stall-prompt).")
+@click.option("--protocol", default="default", show_default=True, type=click.Choice(["default", "article"]),
+              help="article: the protocol once per slot pool of --pools, each server writing telemetry, then "
+                   "`pymoe report` of them all (docs/telemetry.md).")
+@click.option("--pools", default="10,25,50,100", show_default=True,
+              help="--protocol article: slot pools, in percent of the model's experts.")
+@click.option("--out-dir", default="bench-article", show_default=True,
+              help="--protocol article: where the telemetry, the JSON reports and report.md go.")
 @serve_options
 def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout, out, stall_prompt, stall_streams,
-              stall_only, ctx, **server_options):
+              stall_only, protocol, pools, out_dir, ctx, **server_options):
     """Run the load protocol (short / ~4K / ~16K prompts, concurrency sweep, overload; optionally the long-prompt
     stall) against MODEL's server (with no MODEL: the demo model)."""
     from . import demo
@@ -620,6 +627,14 @@ def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout
         raise PymoeError(f"--concurrency must be comma-separated integers, got '{concurrency}'") from None
     serve_args = [f"--{k.replace('_', '-')}={v}" for k, v in server_options.items() if v is not None]
     serve_args += [f"--ctx={ctx}"] if ctx else []
+    if protocol == "article":
+        from .serve.benchmark import bench_article
+
+        if url or stall_prompt:
+            raise PymoeError("--protocol article starts its own servers, one per slot pool: no --url, no --stall-prompt")
+        bench_article(model, out_dir, pools, serve_args=serve_args, n_ctx=ctx, log=click.echo, gen=gen,
+                      requests=requests, concurrency=levels, overload=overload, api_key=api_key, timeout=timeout)
+        return
     bench(model, url=url, serve_args=serve_args, n_ctx=ctx, out=out, log=click.echo, gen=gen, requests=requests,
           concurrency=levels, overload=overload, api_key=api_key, timeout=timeout, stall_prompt=stall_prompt,
           stall_streams=stall_streams, stall_only=stall_only)

@@ -41,7 +41,7 @@ from pymoe.errors import PymoeError
 from . import plan as planner
 from .telemetry import load
 
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 # Bucket edges, in percent. Hit rate: the article's section 4.2 names 90-95% and 95-99%; the rest widen toward 0.
 # Spill share: section 4.1's 0, 0.5%, 3% and 5% marks, with 1% between (its cliff is between 0 and 0.5%).
 HIT_EDGES = (0.0, 50.0, 80.0, 90.0, 95.0, 99.0, 100.0)
@@ -129,6 +129,17 @@ class Round:
     requests: list = field(default_factory=list)  # every request line (any status)
     rejected: list = field(default_factory=list)
     samples: list = field(default_factory=list)
+    unit: int = GiB  # bytes of the unit cache sizes are shown and fitted in (MiB when every pool is under 1 GiB)
+
+    @property
+    def unit_name(self) -> str:
+        return "GiB" if self.unit == GiB else "MiB"
+
+    @property
+    def cache(self) -> Optional[float]:
+        """The round's cache in `unit`s (GiB, or MiB for small pools)."""
+        v = self.values("cache_bytes")
+        return float(np.mean(v)) / self.unit if v else None
 
     @property
     def ok(self) -> list:
@@ -190,6 +201,9 @@ def group_rounds(paths: Sequence[str], group_by: str = "file") -> tuple[list, li
     if not any(r.requests for r in rounds.values()):
         raise PymoeError(f"no request lines in {', '.join(paths)}: write some with `pymoe run/serve --telemetry FILE`")
     order = sorted(rounds.values(), key=lambda r: (r.cache_gib is None, r.cache_gib or 0.0, r.name))
+    unit = GiB if max((r.cache_gib or 0.0) for r in order) >= 1 else MiB
+    for r in order:
+        r.unit = unit
     return order, notes
 
 
@@ -226,8 +240,8 @@ def _num(v, digits=1) -> str:
 
 
 def _gib(v) -> str:
-    """GiB with two decimals, or four significant digits below 1 GiB (the demo model's pools are a few MiB)."""
-    return "-" if v is None else f"{v:.2f}" if v >= 1 else f"{v:.4g}"
+    """A size or a rate per size: two decimals, or four significant digits below 1."""
+    return "-" if v is None else f"{v:.2f}" if abs(v) >= 1 else f"{v:.4g}"
 
 
 def buckets(values, tok_s, edges, zero_bucket=False) -> list:
@@ -317,12 +331,13 @@ def rounds_section(rep: Report, rounds: list):
         first = r.requests[0]
         free = r.values("free_bytes_at_sizing")
         rows.append([r.name, f"{len(r.ok)} / {len(r.requests)}", first.get("backend"), first.get("slots"),
-                     _gib(r.cache_gib), _pct(first.get("coverage")),
+                     _gib(r.cache), _pct(first.get("coverage")),
                      planner.fmt_size(free[0]) if free else "-", f"{_pct(r.hit)} ({len(r.pooled)})",
                      _pct(r.spill, 2), _num(r.tok_s),
                      _num(float(np.median([x["decode_tok_s"] for x in r.ok])) if r.ok else None),
                      _num(float(np.median([x["prefill_tok_s"] for x in r.ok])) if r.ok else None)])
-    rep.table(["round", "requests (ok / all)", "backend", "slots", "cache GiB", "coverage", "free at sizing",
+    rep.table(["round", "requests (ok / all)", "backend", "slots", f"cache {rounds[0].unit_name}", "coverage",
+               "free at sizing",
                "hit rate (pooled requests)", "spill share", "decode tok/s mean", "median", "prefill tok/s median"], rows)
     rep.p("Hit rate and spill share are pooled over a round's requests with a slot pool (Σ hits / Σ lookups: each "
           "lookup weighs the same); tok/s are over its requests that finished ok and decoded at least one token. "
@@ -377,46 +392,48 @@ def bucket_sections(rep: Report, rounds: list):
 
 
 def fit_section(rep: Report, rounds: list) -> Optional[Fit]:
-    rep.h("Decode tok/s on cache GiB across rounds (linear fit)")
-    pts = [(r.cache_gib, r.tok_s, len(r.ok)) for r in rounds if r.cache_gib is not None and r.tok_s is not None]
+    u = rounds[0].unit_name
+    rep.h(f"Decode tok/s on cache {u} across rounds (linear fit)")
+    pts = [(r.cache, r.tok_s, len(r.ok)) for r in rounds if r.cache is not None and r.tok_s is not None]
     fit = linear_fit([p[0] for p in pts], [p[1] for p in pts])
     if fit is None:
         rep.p(f"Needs rounds at two or more cache sizes; these have {len({p[0] for p in pts})}.")
         return None
-    rep.figures["fit"] = fit
+    rep.figures["fit"], rep.figures["unit"] = fit, u
     se = lambda v: "" if v is None else f" ± {v:.2f} (standard error)"  # noqa: E731
     lo = min(p[0] for p in pts)
     rep.p(f"From {fit.n} rounds ({sum(p[2] for p in pts)} requests; each round's mean decode tok/s against its cache "
-          f"GiB):\n\n- slope: **{_gib(fit.slope)} tok/s per GiB** of cache{se(fit.slope_se)}\n"
-          f"- intercept: **{fit.intercept:.1f} tok/s** at 0 GiB{se(fit.intercept_se)}"
+          f"{u}):\n\n- slope: **{_gib(fit.slope)} tok/s per {u}** of cache{se(fit.slope_se)}\n"
+          f"- intercept: **{fit.intercept:.1f} tok/s** at 0 {u}{se(fit.intercept_se)}"
           + (" — an extrapolation below the smallest measured cache "
-             f"({lo:.2f} GiB), not a measurement" if lo > 0 else "")
+             f"({_gib(lo)} {u}), not a measurement" if lo > 0 else "")
           + ("" if fit.r2 is None else f"\n- R² {fit.r2:.3f}")
           + ("\n\nWith two rounds the line passes through both: nothing tests it being a line." if fit.n == 2 else ""))
     return fit
 
 
 def efficiency_section(rep: Report, rounds: list):
-    rep.h("Efficiency: per GiB, marginal, per joule")
+    u = rounds[0].unit_name
+    rep.h(f"Efficiency: per {u}, marginal, per joule")
     rows, prev = [], None
     for r in rounds:
         e = energy(r)
         marg = None
-        if prev is not None and r.cache_gib is not None and prev.cache_gib is not None and r.tok_s and prev.tok_s \
-                and r.cache_gib != prev.cache_gib:
-            marg = (r.tok_s - prev.tok_s) / (r.cache_gib - prev.cache_gib)
-        per_gib = r.tok_s / r.cache_gib if r.tok_s and r.cache_gib else None
+        if prev is not None and r.cache is not None and prev.cache is not None and r.tok_s and prev.tok_s \
+                and r.cache != prev.cache:
+            marg = (r.tok_s - prev.tok_s) / (r.cache - prev.cache)
+        per_gib = r.tok_s / r.cache if r.tok_s and r.cache else None
         rows.append([r.name, _gib(per_gib), _gib(marg),
                      "-" if e is None else f"{e['power_w']:.0f} W ({e['n_samples']} samples)",
                      "-" if e is None or e["util_pct"] is None else f"{e['util_pct']:.1f}%",
                      "-" if e is None or e["j_per_token"] is None else f"{e['j_per_token']:.3f}"])
         if e is not None:
             rep.figures.setdefault("energy", {})[r.name] = e
-        if r.cache_gib is not None:
+        if r.cache is not None:
             prev = r
-    rep.table(["round", "tok/s per GiB of cache", "marginal tok/s per GiB (from the previous round)",
+    rep.table(["round", f"tok/s per {u} of cache", f"marginal tok/s per {u} (from the previous round)",
                "GPU power, mean", "GPU utilisation", "J per token"], rows)
-    rep.p("tok/s per GiB divides by the cache alone (not the dense weights' fixed VRAM: the article's 6.1 shows why "
+    rep.p(f"tok/s per {u} divides by the cache alone (not the dense weights' fixed VRAM: the article's 6.1 shows why "
           "that denominator misleads); J per token = mean sampled power over the round's busy span x the span / the "
           "tokens generated in it ('-': no power samples, e.g. no NVML or no GPU).")
     cpu = [s for r in rounds for s in r.samples if s.get("cpu_pct") is not None]
@@ -462,14 +479,15 @@ def overload_section(rep: Report, rounds: list):
 
 
 def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gbs: float):
-    rep.h("Capacity: cache GiB -> slots -> decode tok/s")
+    unit, u = rounds[0].unit, rounds[0].unit_name
+    rep.h(f"Capacity: cache {u} -> slots -> decode tok/s")
     if fit is None:
         rep.p("Needs the fit above (rounds at two or more cache sizes).")
         return
     first = rounds[0].requests[0]
     slot_bytes, n_total = first.get("slot_bytes"), first.get("experts")
     lookups_per_token = first.get("n_moe_layers", 0) * first.get("k", 0)
-    pts = sorted((r.cache_gib, r.hit, r.tok_s) for r in rounds if r.cache_gib is not None and r.tok_s is not None)
+    pts = sorted((r.cache, r.hit, r.tok_s) for r in rounds if r.cache is not None and r.tok_s is not None)
     measured = [p for p in pts if p[1] is not None]
     cost = None
     if len(measured) >= 2 and slot_bytes and lookups_per_token:
@@ -479,22 +497,22 @@ def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gb
                                                 device_bw_gbs * planner.GB)
         except (PymoeError, ZeroDivisionError):
             cost = None
-    full = n_total * slot_bytes / GiB if slot_bytes and n_total else None
+    full = n_total * slot_bytes / unit if slot_bytes and n_total else None
     lo, hi = pts[0][0], pts[-1][0]
-    sizes = {round(p[0], 4) for p in pts}  # the measured rounds, then full coverage and a step toward it
-    if full:
-        sizes |= {round(full, 4)} | ({round((hi + full) / 2, 4)} if hi < full else set())
-    else:
-        sizes |= {round(1.5 * hi, 4), round(2 * hi, 4)}
-    sizes = sorted(sizes)
+    same = lambda a, b: abs(a - b) <= 1e-6 * max(abs(a), abs(b))  # noqa: E731  (sizes from float arithmetic)
+    sizes = [p[0] for p in pts]  # the measured rounds, then full coverage and a step toward it (or past the last)
+    for extra in ([full] + ([(hi + full) / 2] if hi < full else [])) if full else [1.5 * hi, 2 * hi]:
+        if not any(same(extra, x) for x in sizes):
+            sizes.append(extra)
+    sizes.sort()
     cov_pts = [(0.0, 0.0)] + [(p[0] / full, p[1]) for p in measured] + [(1.0, 1.0)] if full else []
     rows = []
     for gib in sizes:
-        slots = int(gib * GiB // slot_bytes) if slot_bytes else None
+        slots = int(gib * unit // slot_bytes) if slot_bytes else None
         cov = min(1.0, gib / full) if full else None
-        where = "measured" if any(abs(gib - p[0]) < 1e-3 for p in pts) else (
+        where = "measured" if any(same(gib, p[0]) for p in pts) else (
             "interpolated" if lo <= gib <= hi else "extrapolated")
-        hit = next((p[1] for p in measured if abs(gib - p[0]) < 1e-3), None)
+        hit = next((p[1] for p in measured if same(gib, p[0])), None)
         hit_note = ""
         if hit is None and cov_pts:
             xs, ys = zip(*sorted(cov_pts))
@@ -508,7 +526,7 @@ def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gb
                      where])
         rep.figures.setdefault("capacity", []).append(dict(gib=gib, slots=slots, fit=float(fit(gib)),
                                                            plan=plan_tok, where=where))
-    rep.table(["cache GiB", "slots", "coverage", "hit rate", "tok/s, linear fit", "tok/s, plan's cost model",
+    rep.table([f"cache {u}", "slots", "coverage", "hit rate", "tok/s, linear fit", "tok/s, plan's cost model",
                "row"], rows)
     note = ("The fit's column is the line above: past the measured range it is an extrapolation, and past 100% "
             "coverage more VRAM buys nothing it can see. ")
@@ -554,16 +572,17 @@ def plots(rounds: list, fit: Optional[Fit]) -> list:
         ax.set_ylabel("decode tok/s")
         ax.legend(fontsize=7)
         save(fig, f"decode tok/s against hit rate, {len(pooled)} requests")
-    pts = [(r.cache_gib, r.tok_s) for r in rounds if r.cache_gib is not None and r.tok_s is not None]
+    pts = [(r.cache, r.tok_s) for r in rounds if r.cache is not None and r.tok_s is not None]
+    u = rounds[0].unit_name
     if fit is not None:
         fig, ax = plt.subplots(figsize=(6, 4))
         xs = np.linspace(0, max(p[0] for p in pts) * 1.2, 50)
-        ax.plot(xs, fit(xs), "--", label=f"{fit.intercept:.1f} + {fit.slope:.2f} x GiB")
+        ax.plot(xs, fit(xs), "--", label=f"{fit.intercept:.1f} + {fit.slope:.2f} x {u}")
         ax.scatter(*zip(*pts), color="k", zorder=3, label="round means")
-        ax.set_xlabel("expert cache, GiB")
+        ax.set_xlabel(f"expert cache, {u}")
         ax.set_ylabel("decode tok/s")
         ax.legend(fontsize=7)
-        save(fig, f"round mean decode tok/s against cache GiB, {len(pts)} rounds")
+        save(fig, f"round mean decode tok/s against cache {u}, {len(pts)} rounds")
     return out
 
 
