@@ -251,3 +251,25 @@ def test_the_scheduler_writes_request_and_rejected_lines(tiny_model, tmp_path):
     assert a["generated_tokens"] == 60 and b["generated_tokens"] == 5 and a["slots"] == 8
     assert all(r["hits"] + sum(r["misses"].values()) == r["lookups"] > 0 for r in (a, b))
     assert t.samples and all(s["rss_bytes"] > 0 for s in t.samples)
+
+
+def test_outputs_with_and_without_matplotlib_and_group_by(tmp_path, monkeypatch):
+    """-o .html puts the plots inside, -o .md beside it; without matplotlib the report is text only; --group-by
+    slots makes a round per slot count out of one file."""
+    pytest.importorskip("matplotlib")
+    paths = article.rounds(tmp_path)
+    assert rp.report(paths, out=str(tmp_path / "r.html")).endswith("and 2 plot(s)")
+    page = (tmp_path / "r.html").read_text()
+    assert page.count("data:image/png;base64,") == 2 and "<h1>pymoe report</h1>" in page
+    rp.report(paths, out=str(tmp_path / "r.md"))
+    assert (tmp_path / "r-1.png").exists() and "![" in (tmp_path / "r.md").read_text()
+    monkeypatch.setitem(__import__("sys").modules, "matplotlib", None)  # as if not installed
+    line = rp.report(paths, out=str(tmp_path / "t.md"))
+    assert "no plots" in line and "![" not in (tmp_path / "t.md").read_text()
+    both = article.write(tmp_path / "both.jsonl", [json.loads(open(p).read()) for p in paths])
+    rep, rounds, fit = rp.build([both], group_by="slots")
+    assert [r.name for r in rounds] == ["slots=5784", "slots=19530"] and round(fit.slope, 2) == 6.53
+    with pytest.raises(PymoeError, match="no field 'nope'"):
+        rp.build([both], group_by="nope")
+    with pytest.raises(PymoeError, match="give a .md or .html file"):
+        rp.report(paths, out=str(tmp_path / "r.txt"))

@@ -210,7 +210,7 @@ def group_rounds(paths: Sequence[str], group_by: str = "file") -> tuple[list, li
 # --- the report as blocks (rendered to Markdown or HTML) ---------------------------------------------------------
 @dataclass
 class Report:
-    blocks: list = field(default_factory=list)  # ("h", text) | ("p", text) | ("table", header, rows) | ("img", png, alt)
+    blocks: list = field(default_factory=list)  # ("title", text) | ("h", text) | ("p", text) | ("table", header, rows)
     figures: dict = field(default_factory=dict)  # numbers the tests read: name -> value
 
     def h(self, text):
@@ -591,7 +591,9 @@ def to_markdown(rep: Report, images: Sequence[tuple] = ()) -> str:
     """images: [(relative path, caption)] placed at the end."""
     out = []
     for b in rep.blocks:
-        if b[0] == "h":
+        if b[0] == "title":
+            out.append(f"# {b[1]}\n")
+        elif b[0] == "h":
             out.append(f"## {b[1]}\n")
         elif b[0] == "p":
             out.append(b[1] + "\n")
@@ -612,7 +614,9 @@ def to_html(rep: Report, pngs: Sequence[tuple] = ()) -> str:
            "<style>body{font-family:sans-serif;max-width:70em;margin:auto}table{border-collapse:collapse}"
            "td,th{border:1px solid #ccc;padding:2px 6px;text-align:right}</style>"]
     for b in rep.blocks:
-        if b[0] == "h":
+        if b[0] == "title":
+            out.append(f"<h1>{esc(b[1])}</h1>")
+        elif b[0] == "h":
             out.append(f"<h2>{esc(b[1])}</h2>")
         elif b[0] == "p":
             out.append("<p>" + esc(b[1]).replace("\n\n", "</p><p>").replace("\n- ", "<br>• ")
@@ -634,7 +638,8 @@ def build(paths: Sequence[str], group_by: str = "file", device_bw_gbs: float = p
     rounds, notes = group_rounds(paths, group_by)
     rep = Report()
     n_req = sum(len(r.requests) for r in rounds)
-    rep.p(f"# pymoe report\n\n{n_req} requests in {len(rounds)} round(s) from {len(paths)} telemetry file(s) "
+    rep.blocks.append(("title", "pymoe report"))
+    rep.p(f"{n_req} requests in {len(rounds)} round(s) from {len(paths)} telemetry file(s) "
           f"({', '.join(os.path.basename(p) for p in paths)}), rounds by {group_by}."
           + "".join(f"\n\nNote: {n}" for n in notes))
     rounds_section(rep, rounds)
