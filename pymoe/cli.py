@@ -98,7 +98,8 @@ def engine_options(f):
 def telemetry_options(f):
     """run's and serve's --telemetry FILE: a JSON line per request (experts/telemetry.py, docs/telemetry.md)."""
     f = click.option("--telemetry-interval", default=10.0, show_default=True,
-                     help="Seconds between the resource samples (CPU %, RSS, GPU through NVML) in --telemetry (0: none).")(f)
+                     help="Seconds between the resource samples (CPU %, RSS, GPU through NVML) in --telemetry "
+                          "(0: none).")(f)
     return click.option("--telemetry", default=None,
                         help="Append a JSON line per request (tokens, tok/s, TTFT, hits, misses by path, slots) to "
                              "this file, for `pymoe report`.")(f)

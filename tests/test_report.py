@@ -59,7 +59,8 @@ def synthetic(path, cache_gib, tok_s, spill=None, hit=0.9, slots=100):
 def test_synthetic_slope_and_intercept_come_back_within_four_standard_errors(tmp_path):
     """tok/s = 50 + 6 x GiB + N(0, 10²), 40 requests at each of 2, 4, 8, 12 GiB, a file per round. The fit runs on
     round means, each with standard error sigma/sqrt(40), so the slope's standard error is
-    (sigma/sqrt(n)) / sqrt(Σ(x - x̄)²) = 0.206 and the intercept's (sigma/sqrt(n)) sqrt(1/R + x̄²/Σ(x - x̄)²) = 1.55;
+    (sigma/sqrt(n)) / sqrt(Σ(x - x̄)²) = 0.206 and the intercept's (sigma/sqrt(n)) sqrt(1/R + x̄²/Σ(x - x̄)²)
+    = 1.55;
     the bounds are 4 of them (a 6e-5 chance of failing by noise, and the seed is fixed)."""
     a, b, sigma, n, xs = 50.0, 6.0, 10.0, 40, np.array([2.0, 4.0, 8.0, 12.0])
     rng = np.random.default_rng(1)

@@ -294,7 +294,8 @@ def _bucket_section(rep, title, rows, what, key):
     others = [f"{x[0][0]} -> {x[1][0]} {-100 * x[2]:+.1f}%" for x in drops(rows) if x[:2] != c[:2]]
     rep.p(f"**Cliff** ({title}): the steepest fall is {a[0]} -> {b[0]}: {a[2]:.1f} -> {b[2]:.1f} tok/s "
           f"(-{100 * drop:.1f}%, {steep:.1f} tok/s per percentage point; means of {a[1]} and {b[1]} requests). Its "
-          "position is known to the bucket edges, no finer." + (f" Other steps: {'; '.join(others)}." if others else ""))
+          "position is known to the bucket edges, no finer."
+          + (f" Other steps: {'; '.join(others)}." if others else ""))
 
 
 def _span(reqs) -> tuple:
@@ -338,7 +339,8 @@ def rounds_section(rep: Report, rounds: list):
                      _num(float(np.median([x["prefill_tok_s"] for x in r.ok])) if r.ok else None)])
     rep.table(["round", "requests (ok / all)", "backend", "slots", f"cache {rounds[0].unit_name}", "coverage",
                "free at sizing",
-               "hit rate (pooled requests)", "spill share", "decode tok/s mean", "median", "prefill tok/s median"], rows)
+               "hit rate (pooled requests)", "spill share", "decode tok/s mean", "median", "prefill tok/s median"],
+              rows)
     rep.p("Hit rate and spill share are pooled over a round's requests with a slot pool (Σ hits / Σ lookups: each "
           "lookup weighs the same); tok/s are over its requests that finished ok and decoded at least one token. "
           "\"free at sizing\" is the device memory `--cache auto` sized the pool from (CUDA only).")

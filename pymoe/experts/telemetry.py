@@ -252,11 +252,13 @@ def load(path: str) -> Telemetry:
                 continue
             raise PymoeError(f"{where}: not a JSON line") from None
         if not isinstance(rec, dict) or rec.get("format") != FORMAT:
-            raise PymoeError(f"{where}: not a {FORMAT} line (format {rec.get('format') if isinstance(rec, dict) else None!r})")
+            got = rec.get("format") if isinstance(rec, dict) else None
+            raise PymoeError(f"{where}: not a {FORMAT} line (format {got!r})")
         rec = upgrade(rec, where)
         kind = rec.get("kind")
         if kind not in KINDS:
             raise PymoeError(f"{where}: unknown kind {kind!r} (expected one of {', '.join(KINDS)})")
-        {"start": out.starts, "request": out.requests, "rejected": out.rejected, "sample": out.samples}[kind].append(rec)
+        by_kind = {"start": out.starts, "request": out.requests, "rejected": out.rejected, "sample": out.samples}
+        by_kind[kind].append(rec)
         out.lines.append(rec)
     return out

@@ -703,7 +703,8 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           sampling_defaults: Optional[dict] = None, telemetry: Optional[str] = None,
           telemetry_interval: float = 10.0, **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
-    telemetry: append a line per request and a resource sample per `telemetry_interval` s there (experts/telemetry.py)."""
+    telemetry: append a line per request, and a resource sample every `telemetry_interval` s, to that file
+    (experts/telemetry.py)."""
     import uvicorn
 
     from pymoe.api import load
