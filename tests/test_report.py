@@ -274,3 +274,17 @@ def test_outputs_with_and_without_matplotlib_and_group_by(tmp_path, monkeypatch)
         rp.build([both], group_by="nope")
     with pytest.raises(PymoeError, match="give a .md or .html file"):
         rp.report(paths, out=str(tmp_path / "r.txt"))
+
+
+def test_busy_seconds_and_concurrency_levels():
+    assert rp.busy_seconds([(0, 2), (1, 3), (5, 6), (5.5, 5.7)]) == pytest.approx(4.0)  # [0, 3] and [5, 6]
+    levels = [rp.concurrency_level({"concurrency_mean": c}) for c in (0.4, 1.4, 1.5, 2.9, 3.0, 11.0, 12.0, 17.0)]
+    assert levels == [1, 1, 2, 4, 4, 8, 16, 16]  # nearest power of two in log scale: the split is at c·√2
+
+
+def test_tokens_within_spreads_a_request_over_its_decode_phase():
+    r = {"t_end": 10.0, "decode_s": 4.0, "generated_tokens": 100}  # decodes over [6, 10]
+    assert rp.tokens_within([r], [[0.0, 7.0]]) == pytest.approx(25.0)
+    assert rp.tokens_within([r], [[0.0, 7.0], [9.0, 20.0]]) == pytest.approx(50.0)
+    assert rp.tokens_within([{**r, "decode_s": 0.0}], [[9.0, 10.0]]) == 100
+    assert rp.union([(0, 2), (1, 3), (5, 6)]) == [[0, 3], [5, 6]]

@@ -14,8 +14,8 @@ as Markdown (text only) or HTML, with plots when matplotlib is importable (the `
                          line through them), the intercept marked as an extrapolation                (section 6.2)
     efficiency           tok/s per GiB of cache, marginal tok/s per GiB between rounds, joules per token where
                          power was sampled                                                           (section 6)
-    concurrency          per round and mean in-flight requests: per-request decode tok/s, TTFT, aggregate
-                         throughput by Little's law (c x tokens / request-seconds)                  (section 9.2)
+    concurrency          per round and in-flight level: per-request decode tok/s, TTFT, aggregate throughput
+                         (the server's tokens per second while the level's requests were in flight)  (section 9.2)
     overload             requests turned away (429) and outcomes                                    (section 9.3)
     capacity             cache GiB -> slots -> tok/s from the fit, beside `pymoe plan`'s cost model calibrated on
                          the two rounds furthest apart in miss rate (plan.calibrate_two_points)     (section 10.2)
@@ -320,8 +320,42 @@ def energy(rnd: Round) -> Optional[dict]:
 
 
 def concurrency_level(r: dict) -> int:
+    """A request's load level: its mean in-flight count (else the count at its arrival) to the nearest power of two,
+    the levels of a sweep (c = 1, 2, 4, 8, 16, 32), so the ramp-up and tail of each step join their step."""
     c = r.get("concurrency_mean")
-    return max(1, int(round(c if c is not None else r.get("concurrency_at_start", 1))))
+    c = max(1.0, c if c is not None else r.get("concurrency_at_start", 1))
+    return 2 ** int(round(math.log2(c)))
+
+
+def union(intervals) -> list:
+    """[start, end] intervals -> their union as disjoint sorted intervals."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def busy_seconds(intervals) -> float:
+    """The length of the union of [start, end] intervals: the time at least one of them was running."""
+    return sum(b - a for a, b in union(intervals))
+
+
+def tokens_within(requests, spans) -> float:
+    """Tokens the requests generated inside `spans` (disjoint intervals), each request's tokens spread evenly over
+    its decode phase [t_end - decode_s, t_end] (a one-token request's at t_end)."""
+    total = 0.0
+    for r in requests:
+        d1 = r["t_end"]
+        d0 = d1 - r.get("decode_s", 0.0)
+        if d1 <= d0:
+            total += r["generated_tokens"] * any(a <= d1 <= b for a, b in spans)
+            continue
+        inside = sum(max(0.0, min(b, d1) - max(a, d0)) for a, b in spans)
+        total += r["generated_tokens"] * inside / (d1 - d0)
+    return total
 
 
 # --- the sections ------------------------------------------------------------------------------------------------
@@ -451,19 +485,21 @@ def concurrency_section(rep: Report, rounds: list):
         levels = sorted({concurrency_level(r) for r in rnd.ok})
         for c in levels:
             reqs = [r for r in rnd.ok if concurrency_level(r) == c]
-            life = sum(r["t_end"] - r["t_start"] for r in reqs)
-            cm = float(np.mean([r.get("concurrency_mean") or r.get("concurrency_at_start", 1) for r in reqs]))
-            agg = cm * sum(r["generated_tokens"] for r in reqs) / life if life > 0 else None
+            spans = union([(r["t_start"], r["t_end"]) for r in reqs])
+            busy = sum(b - a for a, b in spans)
+            agg = tokens_within(rnd.ok, spans) / busy if busy > 0 else None
             ttft = [r["ttft_s"] for r in reqs]
             rows.append([rnd.name, c, len(reqs), _num(agg), _num(float(np.mean([r["decode_tok_s"] for r in reqs]))),
                          _num(float(np.percentile(ttft, 50)), 2), _num(float(np.percentile(ttft, 95)), 2)])
             rep.figures.setdefault("concurrency", {})[(rnd.name, c)] = dict(n=len(reqs), aggregate=agg,
                                                                             ttft_p50=float(np.percentile(ttft, 50)))
-    rep.table(["round", "in flight (mean over each request's life, rounded)", "requests", "aggregate tok/s",
+    rep.table(["round", "in flight (~c)", "requests", "aggregate tok/s",
                "decode tok/s per request", "TTFT p50 s", "TTFT p95 s"], rows)
-    rep.p("A request's concurrency is the mean number of requests in the engine (queued or in a slot, itself "
-          "included) over its lifetime. Aggregate throughput is Little's law: c x Σ tokens / Σ request lifetimes "
-          "(closed-loop clients). TTFT is the engine's: queue wait + prompt read, without HTTP.")
+    rep.p("A request's level c is the mean number of requests in the engine (queued or in a slot, itself included) "
+          "over its lifetime, to the nearest power of two. Aggregate throughput is the server's while the level's "
+          "requests were in flight: the tokens all requests generated in the union of their lifetimes (each "
+          "request's tokens spread evenly over its decode phase) over that time; for a sweep step, its tokens over "
+          "its duration. TTFT is the engine's: queue wait + prompt read, without HTTP.")
 
 
 def overload_section(rep: Report, rounds: list):
