@@ -619,6 +619,8 @@ def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout
 
     if model is None:
         model = demo.demo_model()
+        if protocol == "article" and server_options.get("profile") is None:  # as `pymoe run` pre-fills its pools
+            server_options["profile"] = demo.demo_profile()
     if stall_only and not stall_prompt:
         raise PymoeError("--stall-only needs --stall-prompt N")
 

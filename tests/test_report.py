@@ -135,6 +135,9 @@ def test_article_rounds_calibrate_plans_cost_model_as_planning_md_does(tmp_path)
     assert round(full["gib"], 2) == 31.63 and round(full["plan"], 1) == 261.1
     assert full["fit"] == pytest.approx(fit.intercept + fit.slope * full["gib"])
     assert abs(full["fit"] - (92 + 6.53 * 31.63)) < 0.2  # planning.md rounds the slope and intercept it uses
+    # kept beside the cache: (8.31 - 7.45 + 26.01 - 25.14) / 2 = 0.865 GiB (the article's 700 + 184 MiB = 0.863);
+    # full coverage then needs 31.632 + 0.865 = 32.50 GiB free
+    assert round(full["free"] / 2**30, 2) == 32.50
 
 
 def test_article_buckets_and_cliff(tmp_path):
@@ -288,3 +291,24 @@ def test_tokens_within_spreads_a_request_over_its_decode_phase():
     assert rp.tokens_within([r], [[0.0, 7.0], [9.0, 20.0]]) == pytest.approx(50.0)
     assert rp.tokens_within([{**r, "decode_s": 0.0}], [[9.0, 10.0]]) == 100
     assert rp.union([(0, 2), (1, 3), (5, 6)]) == [[0, 3], [5, 6]]
+
+
+def test_bench_protocol_article_end_to_end(tiny_model, tmp_path):
+    """`pymoe bench --protocol article` on a tiny model, scaled down: a server per pool, its telemetry (every request
+    the client sent, the 429s of the overload), and report.md over them."""
+    model = tiny_model("qwen3moe", "f32")
+    out = tmp_path / "art"
+    r = run_pymoe_here("bench", model, "--protocol", "article", "--pools", "50,100", "--gen", "4", "--requests", "1",
+                       "--concurrency", "1,2", "--overload", "4", "--max-queue", "1", "--out-dir", str(out))
+    assert r.returncode == 0, r.stderr + r.stdout
+    files = sorted(out.glob("telemetry-slots*.jsonl"))
+    assert len(files) == 2
+    for f in files:
+        t = tm.load(str(f))
+        # 3 single-stream + 1 + 2 sweep + 4 overload requests; the overload's 4 meet 1 slot + a queue of 1
+        assert len(t.requests) + len(t.rejected) == 10 and len(t.rejected) >= 1
+        assert all(q["generated_tokens"] == 4 for q in t.requests)
+    text = (out / "report.md").read_text()
+    assert "2 round(s)" in text and "## Capacity" in text
+    r = run_pymoe_here("bench", model, "--protocol", "article", "--cache-slots", "4", "--out-dir", str(out))
+    assert r.returncode == 2 and "sets --cache-slots and --telemetry itself" in r.stderr

@@ -537,6 +537,11 @@ def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gb
             cost = None
     full = n_total * slot_bytes / unit if slot_bytes and n_total else None
     lo, hi = pts[0][0], pts[-1][0]
+    # the device memory kept beside the cache when --cache auto sized it: free at sizing - cache, over the requests
+    # that know it (CUDA); the article's 700 MiB + 184 MiB
+    reserve = [r["free_bytes_at_sizing"] - r["cache_bytes"] for rnd in rounds for r in rnd.requests
+               if r.get("free_bytes_at_sizing") is not None and r.get("cache_bytes") is not None]
+    reserve = float(np.mean(reserve)) if reserve else None
     same = lambda a, b: abs(a - b) <= 1e-6 * max(abs(a), abs(b))  # noqa: E731  (sizes from float arithmetic)
     sizes = [p[0] for p in pts]  # the measured rounds, then full coverage and a step toward it (or past the last)
     for extra in ([full] + ([(hi + full) / 2] if hi < full else [])) if full else [1.5 * hi, 2 * hi]:
@@ -560,14 +565,20 @@ def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gb
             fixed, pcie = cost
             t = fixed + lookups_per_token * slot_bytes * (hit / (device_bw_gbs * planner.GB) + (1 - hit) / pcie)
             plan_tok = 1 / t if t > 0 else None
-        rows.append([_gib(gib), slots, _pct(cov), f"{_pct(hit)}{hit_note}", _num(float(fit(gib))), _num(plan_tok),
+        rows.append([_gib(gib), "-" if reserve is None else planner.fmt_size(gib * unit + reserve), slots, _pct(cov), f"{_pct(hit)}{hit_note}", _num(float(fit(gib))), _num(plan_tok),
                      where])
         rep.figures.setdefault("capacity", []).append(dict(gib=gib, slots=slots, fit=float(fit(gib)),
-                                                           plan=plan_tok, where=where))
-    rep.table([f"cache {u}", "slots", "coverage", "hit rate", "tok/s, linear fit", "tok/s, plan's cost model",
+                                                           plan=plan_tok, where=where,
+                                                           free=None if reserve is None else gib * unit + reserve))
+    rep.table([f"cache {u}", "free memory needed at sizing", "slots", "coverage", "hit rate", "tok/s, linear fit",
+               "tok/s, plan's cost model",
                "row"], rows)
     note = ("The fit's column is the line above: past the measured range it is an extrapolation, and past 100% "
             "coverage more VRAM buys nothing it can see. ")
+    if reserve is not None:
+        note += (f"Free memory needed = cache + {planner.fmt_size(reserve)}, what the measured rounds kept beside "
+                 "their caches when `--cache auto` sized them (free at sizing - cache); add the model's dense "
+                 "weights, KV cache and runtime for a card size (`pymoe plan`). ")
     if cost is not None:
         fixed, pcie = cost
         rep.figures["calibration"] = dict(fixed_ms=fixed * 1e3, pcie_gbs=pcie / planner.GB)
