@@ -312,3 +312,16 @@ def test_bench_protocol_article_end_to_end(tiny_model, tmp_path):
     assert "2 round(s)" in text and "## Capacity" in text
     r = run_pymoe_here("bench", model, "--protocol", "article", "--cache-slots", "4", "--out-dir", str(out))
     assert r.returncode == 2 and "sets --cache-slots and --telemetry itself" in r.stderr
+
+
+def test_round_hit_rate_is_pooled_over_lookups(tmp_path):
+    """A round's hit rate weighs every lookup the same: 90/100 and 10/1000 hits pool to 100/1100 = 9.1%, where the
+    mean of the two requests' rates would say 45.5%."""
+    reqs = []
+    for hits, lookups in ((90, 100), (10, 1000)):
+        r = article.request(8, 1.0, 0.5, 0.0, 100.0)
+        r.update(hits=hits, lookups=lookups, misses=dict(spill=0, cpu=lookups - hits, host=0))
+        reqs.append(r)
+    rep, rounds, _ = rp.build([article.write(tmp_path / "p.jsonl", reqs)])
+    assert rounds[0].hit == pytest.approx(100 / 1100)
+    assert "| 9.1% (2) |" in rp.to_markdown(rep)
