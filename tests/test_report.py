@@ -96,6 +96,10 @@ def test_synthetic_cliff_is_located_at_its_bucket_edge_and_its_depth_recovered(t
     n1, n2 = c["n"]
     se = (120 / 200) * math.sqrt((sigma / 200) ** 2 / n1 + (sigma / 120) ** 2 / n2)
     assert abs(c["drop"] - 0.4) < 4 * se, (c["drop"], se)
+    # the report's own standard error of the fall, from the buckets' spreads, against sigma sqrt(1/n1 + 1/n2): a
+    # standard deviation from n draws is off by about 1/sqrt(2(n - 1)) of itself, 10% for the smaller bucket
+    # (n1 ~ 400 x 0.5/4 = 50, which dominates the sum); the bound is 4 of those
+    assert n1 >= 30 and c["se"] == pytest.approx(sigma * math.sqrt(1 / n1 + 1 / n2), rel=4 / math.sqrt(2 * (n1 - 1)))
     # with the cliff moved to 3% the report moves with it
     tok = np.where(spill <= 0.03, 200.0, 120.0) + rng.normal(0, sigma, n)
     rep, _, _ = rp.build([synthetic(tmp_path / "cliff3.jsonl", [4.0] * n, tok, spill=spill)])
@@ -145,14 +149,14 @@ def test_article_buckets_and_cliff(tmp_path):
     spill = article.write(tmp_path / "spill.jsonl", [article.request(19530, 25.14, 1 - s, s, t)
                                                       for s, t in article.SPILL_BUCKETS])
     rep, _, _ = rp.build([spill])
-    means = {label: mean for label, n, mean, _, _ in rep.figures["spill_buckets"] if n}
+    means = {label: mean for label, n, mean, *_ in rep.figures["spill_buckets"] if n}
     assert means == {"0%": 231.8, "0-0.5%": 141.4, "1-3%": 137.7, "5-100%": 72.0}
     c = rep.figures["spill_cliff"]
     assert (c["frm"], c["to"]) == ("0%", "0-0.5%") and round(100 * c["drop"]) == 39
     hits = article.write(tmp_path / "hits.jsonl", [article.request(5784, 7.45, h, 0.0, t)
                                                    for h, t in article.HIT_BUCKETS])
     rep, _, _ = rp.build([hits])
-    means = {label: mean for label, n, mean, _, _ in rep.figures["hit_buckets"] if n}
+    means = {label: mean for label, n, mean, *_ in rep.figures["hit_buckets"] if n}
     assert means == {"90-95%": 143.0, "95-99%": 280.0}
 
 

@@ -245,8 +245,8 @@ def _gib(v) -> str:
 
 
 def buckets(values, tok_s, edges, zero_bucket=False) -> list:
-    """[(label, n, mean tok/s, median tok/s, mean share)] of `tok_s` by `values` (shares in [0, 1]) in `edges`
-    (percent).
+    """[(label, n, mean tok/s, median tok/s, mean share, standard error of the mean tok/s)] of `tok_s` by `values`
+    (shares in [0, 1]) in `edges` (percent); the standard error is None below 2 requests.
     zero_bucket: the first bucket holds exactly 0, the others (a, b]; else [a, b) and the last [a, b]."""
     v, t = np.asarray(values, float) * 100, np.asarray(tok_s, float)
     out = []
@@ -259,7 +259,8 @@ def buckets(values, tok_s, edges, zero_bucket=False) -> list:
         label = "0%" if zero_bucket and i == 0 else (f"{lo:g}-{hi:g}%" if lo or not zero_bucket else f"0-{hi:g}%")
         n = int(m.sum())
         out.append((label, n, float(t[m].mean()) if n else None, float(np.median(t[m])) if n else None,
-                    float(v[m].mean()) / 100 if n else None))
+                    float(v[m].mean()) / 100 if n else None,
+                    float(t[m].std(ddof=1) / math.sqrt(n)) if n > 1 else None))
     return out
 
 
@@ -283,18 +284,21 @@ def cliff(rows: list) -> Optional[tuple]:
 
 
 def _bucket_section(rep, title, rows, what, key):
-    rep.table([what, "requests", "decode tok/s, mean", "median", "mean share"],
-              [[label, n, mean, med, _pct(x, 2)] for label, n, mean, med, x in rows])
+    rep.table([what, "requests", "decode tok/s, mean", "± (standard error)", "median", "mean share"],
+              [[label, n, mean, se, med, _pct(x, 2)] for label, n, mean, med, x, se in rows])
     c = cliff(rows)
     if c is None:
         rep.p(f"{title}: no fall between neighbouring buckets (fewer than two non-empty buckets, or none falls).")
         return
     a, b, drop, steep = c
-    rep.figures[key] = dict(frm=a[0], to=b[0], drop=drop, per_point=steep, tok_s=(a[2], b[2]), n=(a[1], b[1]))
+    se = math.hypot(a[5], b[5]) if a[5] is not None and b[5] is not None else None
+    rep.figures[key] = dict(frm=a[0], to=b[0], drop=drop, per_point=steep, tok_s=(a[2], b[2]), n=(a[1], b[1]), se=se)
     others = [f"{x[0][0]} -> {x[1][0]} {-100 * x[2]:+.1f}%" for x in drops(rows) if x[:2] != c[:2]]
     rep.p(f"**Cliff** ({title}): the steepest fall is {a[0]} -> {b[0]}: {a[2]:.1f} -> {b[2]:.1f} tok/s "
-          f"(-{100 * drop:.1f}%, {steep:.1f} tok/s per percentage point; means of {a[1]} and {b[1]} requests). Its "
-          "position is known to the bucket edges, no finer."
+          f"(-{100 * drop:.1f}%, {steep:.1f} tok/s per percentage point; means of {a[1]} and {b[1]} requests; the "
+          + (f"fall {a[2] - b[2]:.1f} ± {se:.1f} tok/s, one standard error from the buckets' spreads"
+             if se is not None else "fall's standard error needs two requests in each bucket")
+          + "). Its position is known to the bucket edges, no finer."
           + (f" Other steps: {'; '.join(others)}." if others else ""))
 
 
@@ -401,7 +405,8 @@ def bucket_sections(rep: Report, rounds: list):
     rep.p(f"{len(pooled)} requests with a slot pool, from {len(rounds)} round(s).")
     rows = buckets(hits, tok, HIT_EDGES)
     rep.figures["hit_buckets"] = rows
-    rep.table(["hit rate", "requests", "decode tok/s, mean", "median"], [list(r[:4]) for r in rows])
+    rep.table(["hit rate", "requests", "decode tok/s, mean", "± (standard error)", "median"],
+              [[r[0], r[1], r[2], r[5], r[3]] for r in rows])
     rep.h("Spill share -> decode tok/s (the cliff)")
     if any(s > 0 for s in spills):
         rows = buckets(spills, tok, SPILL_EDGES, zero_bucket=True)
