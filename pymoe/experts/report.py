@@ -566,12 +566,14 @@ def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gb
             xs, ys = zip(*sorted(cov_pts))
             hit, hit_note = float(np.interp(cov, xs, ys)), " (interp.)"
         plan_tok = None
-        if cost is not None and hit is not None:
-            fixed, pcie = cost
-            t = fixed + lookups_per_token * slot_bytes * (hit / (device_bw_gbs * planner.GB) + (1 - hit) / pcie)
-            plan_tok = 1 / t if t > 0 else None
-        rows.append([_gib(gib), "-" if reserve is None else planner.fmt_size(gib * unit + reserve), slots, _pct(cov), f"{_pct(hit)}{hit_note}", _num(float(fit(gib))), _num(plan_tok),
-                     where])
+        if cost is not None and hit is not None:  # plan.py's own cost model (its dense term inside `fixed`)
+            facts = planner.ModelFacts("telemetry", first["n_layers"], first["n_expert"], first["k"], slot_bytes,
+                                       n_dense=first["n_layers"] - first["n_moe_layers"])
+            model = planner.CostModel(device_bw_gbs * planner.GB, cost[1], cost[0])
+            plan_tok = planner.decode_time_per_token(hit, facts, model).tok_s
+        free = "-" if reserve is None else planner.fmt_size(gib * unit + reserve)
+        rows.append([_gib(gib), free, slots, _pct(cov), f"{_pct(hit)}{hit_note}", _num(float(fit(gib))),
+                     _num(plan_tok), where])
         rep.figures.setdefault("capacity", []).append(dict(gib=gib, slots=slots, fit=float(fit(gib)),
                                                            plan=plan_tok, where=where,
                                                            free=None if reserve is None else gib * unit + reserve))
