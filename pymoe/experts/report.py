@@ -46,6 +46,7 @@ GiB, MiB = 2**30, 2**20
 # Spill share: section 4.1's 0, 0.5%, 3% and 5% marks, with 1% between (its cliff is between 0 and 0.5%).
 HIT_EDGES = (0.0, 50.0, 80.0, 90.0, 95.0, 99.0, 100.0)
 SPILL_EDGES = (0.0, 0.5, 1.0, 3.0, 5.0, 100.0)  # the first bucket is exactly 0; then (a, b]
+THIN_BUCKET = 10  # a cliff next to a bucket of fewer requests is flagged: its mean (and spread) rests on a handful
 
 
 # --- statistics --------------------------------------------------------------------------------------------------
@@ -299,6 +300,8 @@ def _bucket_section(rep, title, rows, what, key):
           + (f"fall {a[2] - b[2]:.1f} ± {se:.1f} tok/s, one standard error from the buckets' spreads"
              if se is not None else "fall's standard error needs two requests in each bucket")
           + "). Its position is known to the bucket edges, no finer."
+          + (f" A bucket of {min(a[1], b[1])} request(s) is thin: read this as a hint, not a finding."
+             if min(a[1], b[1]) < THIN_BUCKET else "")
           + (f" Other steps: {'; '.join(others)}." if others else ""))
 
 
@@ -532,14 +535,14 @@ def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gb
     lookups_per_token = first.get("n_moe_layers", 0) * first.get("k", 0)
     pts = sorted((r.cache, r.hit, r.tok_s) for r in rounds if r.cache is not None and r.tok_s is not None)
     measured = [p for p in pts if p[1] is not None]
-    cost = None
+    cost, why = None, "it needs two rounds with a slot pool and different miss rates"
     if len(measured) >= 2 and slot_bytes and lookups_per_token:
         a, b = max(measured, key=lambda p: 1 - p[1]), min(measured, key=lambda p: 1 - p[1])
         try:
             cost = planner.calibrate_two_points((1 - a[1], a[2]), (1 - b[1], b[2]), lookups_per_token, slot_bytes,
                                                 device_bw_gbs * planner.GB)
-        except (PymoeError, ZeroDivisionError):
-            cost = None
+        except PymoeError as e:  # e.g. the rounds with more misses were faster: no PCIe cost to fit
+            why = str(e)
     full = n_total * slot_bytes / unit if slot_bytes and n_total else None
     lo, hi = pts[0][0], pts[-1][0]
     # the device memory kept beside the cache when --cache auto sized it: free at sizing - cache, over the requests
@@ -595,7 +598,7 @@ def capacity_section(rep: Report, rounds: list, fit: Optional[Fit], device_bw_gb
                  "rows take a hit rate interpolated over (coverage, hit rate) between the measured rounds, (0, 0) and "
                  "(100%, 100%). It is linear in misses, so it has no cliff.")
     else:
-        note += "The cost model column needs two rounds with hit rates (a slot pool) and different miss rates."
+        note += f"No cost model column: {why}."
     rep.p(note)
 
 

@@ -197,7 +197,9 @@ class Scheduler:
 
     What it counts (read under `lock` by metrics.py): `outcomes` (requests by outcome: ok, cancelled, error, and
     what the HTTP side adds with `count`), `totals` (prompt / reused / generated tokens, prefill / decode
-    seconds), `last` (the last step's rates and batch size), `max_batch`, `recent` (the last finished jobs)."""
+    seconds), `last` (the last step's rates and batch size), `max_batch`, `recent` (the last finished jobs),
+    `in_flight` and `load_area` (requests in the engine, and their integral over time: the telemetry's concurrency).
+    With `telemetry` (experts/telemetry.TelemetryWriter) each job that ends, and each 429, writes a line."""
 
     def __init__(self, engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", log=lambda line: None,
                  spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK, telemetry=None):
