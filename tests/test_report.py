@@ -329,3 +329,12 @@ def test_round_hit_rate_is_pooled_over_lookups(tmp_path):
     rep, rounds, _ = rp.build([article.write(tmp_path / "p.jsonl", reqs)])
     assert rounds[0].hit == pytest.approx(100 / 1100)
     assert "| 9.1% (2) |" in rp.to_markdown(rep)
+
+
+def test_speculative_acceptance_is_pooled_per_round(tmp_path):
+    """Drafted 100 and 300 tokens, accepted 80 and 120: 200 / 400 = 50.0% (not the 60% mean of 80% and 40%)."""
+    reqs = [{**article.request(8, 1.0, 0.9, 0.0, 100.0), "spec_drafted": d, "spec_accepted": a}
+            for d, a in ((100, 80), (300, 120))]
+    rep, _, _ = rp.build([article.write(tmp_path / "s.jsonl", reqs)])
+    assert rep.figures["acceptance"]["s.jsonl"] == pytest.approx(0.5)
+    assert "200 of 400 drafted tokens accepted (50.0%, 2 requests)" in rp.to_markdown(rep)

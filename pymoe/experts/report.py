@@ -385,6 +385,13 @@ def rounds_section(rep: Report, rounds: list):
     rep.p("Hit rate and spill share are pooled over a round's requests with a slot pool (Σ hits / Σ lookups: each "
           "lookup weighs the same); tok/s are over its requests that finished ok and decoded at least one token. "
           "\"free at sizing\" is the device memory `--cache auto` sized the pool from (CUDA only).")
+    for r in rounds:  # speculative decoding: pooled acceptance (the article's MTP: 63.5%-64.0% per round)
+        spec = [x for x in r.ok if x.get("spec_drafted")]
+        if spec:
+            drafted, accepted = sum(x["spec_drafted"] for x in spec), sum(x["spec_accepted"] for x in spec)
+            rep.figures.setdefault("acceptance", {})[r.name] = accepted / drafted
+            rep.p(f"Speculative decoding in {r.name}: {accepted} of {drafted} drafted tokens accepted "
+                  f"({_pct(accepted / drafted)}, {len(spec)} requests).")
     if len(rounds) == 2 and all(r.tok_s and r.hit is not None for r in rounds):
         a, b = rounds
         rep.figures["round_ratio"] = b.tok_s / a.tok_s
