@@ -86,6 +86,7 @@ class Engine:
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
             self.backend.prepare(chunk, self.n_ctx, device_kv=not self.model.host_attention)
             log(self.backend.memory_line())
+        self.free_at_sizing = None  # device bytes free when --cache auto sized the pool (telemetry), if it did
         if pcie_frac is None:  # measured on a GPU; with none, the probe's answer without one (every miss on the CPU)
             pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else NO_GPU_PCIE_FRAC
         self.cache = self._make_cache(cache, cache_slots, cache_gib, policy, pcie_frac, log)
@@ -120,6 +121,7 @@ class Engine:
             from .experts.plan import auto_line, slots_for
 
             free, reserve = self.backend.free_for_cache(), self.backend.reserve
+            self.free_at_sizing = free
             cache_slots = slots_for(free, reserve, self.file.slot_bytes, cap=n_total)
             log(auto_line(free, reserve, cache_slots))
             if cache_slots == 0:

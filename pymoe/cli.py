@@ -107,6 +107,23 @@ def engine_options(f):
     return f
 
 
+def telemetry_options(f):
+    """run's and serve's --telemetry FILE: a JSON line per request (experts/telemetry.py, docs/telemetry.md)."""
+    f = click.option("--telemetry-interval", default=10.0, show_default=True,
+                     help="Seconds between the resource samples (CPU %, RSS, GPU through NVML) in --telemetry "
+                          "(0: none).")(f)
+    return click.option("--telemetry", default=None,
+                        help="Append a JSON line per request (tokens, tok/s, TTFT, hits, misses by path, slots) to "
+                             "this file, for `pymoe report`.")(f)
+
+
+def _telemetry(engine, path, interval, source):
+    """The telemetry writer of --telemetry PATH, or None."""
+    from .experts.telemetry import TelemetryWriter, engine_facts
+
+    return TelemetryWriter(path, engine_facts(engine, source), interval=interval) if path else None
+
+
 def _offload_flag(ctx, param, value):
     """llama.cpp's layer and tensor offload flags: pymoe places weights by another rule, and says which one."""
     if value is not None:
@@ -260,14 +277,16 @@ def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
 @click.option("--grammar-file", default=None, help="... read from this file.")
 @click.option("-j", "--json-schema", default=None, help="Constrain the output to JSON following this JSON schema.")
 @click.option("--json-schema-file", default=None, help="... read from this file.")
+@telemetry_options
 @engine_options
 def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_k, top_p, min_p, repeat_penalty, seed,
             stop, model_opt, ctx, chat_template, trace_path, spec, spec_k, lookahead, grammar, grammar_file,
-            json_schema, json_schema_file, **engine_opts):
+            json_schema, json_schema_file, telemetry, telemetry_interval, **engine_opts):
     """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
 
     With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
     import os
+    import time
 
     from . import demo
 
@@ -317,6 +336,7 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
 
         engine.model.lookahead = Lookahead(engine.model, k=lookahead)
     recorder = engine.record_trace() if trace_path else None
+    writer, t_start = _telemetry(engine, telemetry, telemetry_interval, "run"), time.time()
     pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
                            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, spec=speculator,
                            grammar=output_grammar)
@@ -327,6 +347,9 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         sys.stdout.flush()
     click.echo()
     stats = engine.last_stats
+    if writer is not None:
+        writer.request(stats, t_start=t_start, t_end=time.time(), spec=speculator.stats if speculator else None)
+        writer.close()
     log(stats.prompt_line())
     log(stats.cache_line())
     if getattr(engine.cache, "warm", None) is not None:
@@ -508,6 +531,23 @@ def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, pl
                       warm_set=warm_set, warm_inserts=warm_inserts, prefetch=prefetch), nl=False)
 
 
+@cli.command("report")
+@click.argument("files", nargs=-1, required=True)
+@click.option("-o", "--out", default=None, help="Write to this .md (plots beside it as PNG) or .html (plots inside) "
+              "file [default: Markdown on stdout, no plots].")
+@click.option("--group-by", default="file", show_default=True,
+              help="What a round is: a file, or a request field (slots, cache_bytes, backend, model, source...).")
+@click.option("--device-bw", default=plan_defaults.DEFAULT_DEVICE_BW_GBS, show_default=True,
+              help="Device memory bandwidth, GB/s, for the capacity table's calibrated cost model.")
+def report_cmd(files, out, group_by, device_bw):
+    """The reference article's analysis of telemetry FILES (`pymoe run/serve --telemetry`): hit-rate and spill
+    buckets with the cliff, correlation, tok/s on cache GiB across rounds, efficiency, concurrency, overload,
+    capacity. Definitions: docs/telemetry.md."""
+    from .experts.report import report
+
+    click.echo(report(list(files), out=out, group_by=group_by, device_bw_gbs=device_bw))
+
+
 def serve_options(f):
     """The options of the server `pymoe serve` runs (shared with `pymoe bench`, which starts one)."""
     options = [
@@ -546,9 +586,10 @@ def serve_options(f):
               help="Seconds from a request's arrival to its end: a generation still running then stops as if at "
                    "max_tokens (finish_reason length); a body not received by then is a 408.")
 @server_sampling_options
+@telemetry_options
 @serve_options
 def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, request_timeout, ctx, kv, parallel,
-              max_queue, spec, spec_k, prefill_chunk, **engine_options):
+              max_queue, spec, spec_k, prefill_chunk, telemetry, telemetry_interval, **engine_options):
     """Serve MODEL (a GGUF file) over OpenAI- and Anthropic-compatible HTTP APIs: /v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health, and the monitor page at /.
     With no MODEL, serves the embedded demo model (trained on Python's standard library)."""
@@ -566,8 +607,8 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
           max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,
           prefill_chunk=prefill_chunk, chat_template=chat_template, request_timeout=request_timeout,
-          sampling_defaults={k: v for k, v in defaults.items() if v is not None},
-          **engine_options)
+          sampling_defaults={k: v for k, v in defaults.items() if v is not None}, telemetry=telemetry,
+          telemetry_interval=telemetry_interval, **engine_options)
 
 
 @cli.command("bench")
@@ -586,9 +627,16 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
                    "and p99 inter-token gap while it is read, against a stretch without it (0: skip).")
 @click.option("--stall-streams", default=4, show_default=True, help="Streaming clients of the stall measurement.")
 @click.option("--stall-only", is_flag=True, help="Run only the stall measurement (with --stall-prompt).")
+@click.option("--protocol", default="default", show_default=True, type=click.Choice(["default", "article"]),
+              help="article: the protocol once per slot pool of --pools, each server writing telemetry, then "
+                   "`pymoe report` of them all (docs/telemetry.md).")
+@click.option("--pools", default="10,25,50,100", show_default=True,
+              help="--protocol article: slot pools, in percent of the model's experts.")
+@click.option("--out-dir", default="bench-article", show_default=True,
+              help="--protocol article: where the telemetry, the JSON reports and report.md go.")
 @serve_options
 def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout, out, stall_prompt, stall_streams,
-              stall_only, ctx, **server_options):
+              stall_only, protocol, pools, out_dir, ctx, **server_options):
     """Run the load protocol (short / ~4K / ~16K prompts, concurrency sweep, overload; optionally the long-prompt
     stall) against MODEL's server (with no MODEL: the demo model)."""
     from . import demo
@@ -596,6 +644,8 @@ def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout
 
     if model is None:
         model = demo.demo_model()
+        if protocol == "article" and server_options.get("profile") is None:  # as `pymoe run` pre-fills its pools
+            server_options["profile"] = demo.demo_profile()
     if stall_only and not stall_prompt:
         raise PymoeError("--stall-only needs --stall-prompt N")
 
@@ -605,6 +655,14 @@ def bench_cmd(model, url, api_key, gen, requests, concurrency, overload, timeout
         raise PymoeError(f"--concurrency must be comma-separated integers, got '{concurrency}'") from None
     serve_args = [f"--{k.replace('_', '-')}={v}" for k, v in server_options.items() if v is not None]
     serve_args += [f"--ctx={ctx}"] if ctx else []
+    if protocol == "article":
+        from .serve.benchmark import bench_article
+
+        if url or stall_prompt:
+            raise PymoeError("--protocol article starts its own servers, one per slot pool: no --url, no --stall-prompt")
+        bench_article(model, out_dir, pools, serve_args=serve_args, n_ctx=ctx, log=click.echo, gen=gen,
+                      requests=requests, concurrency=levels, overload=overload, api_key=api_key, timeout=timeout)
+        return
     bench(model, url=url, serve_args=serve_args, n_ctx=ctx, out=out, log=click.echo, gen=gen, requests=requests,
           concurrency=levels, overload=overload, api_key=api_key, timeout=timeout, stall_prompt=stall_prompt,
           stall_streams=stall_streams, stall_only=stall_only)

@@ -323,7 +323,7 @@ def sse(obj) -> str:
 def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
                max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4,
                prefill_chunk: int = PREFILL_CHUNK, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
-               sampling_defaults: Optional[dict] = None):
+               sampling_defaults: Optional[dict] = None, telemetry=None):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
     (the Scheduler in its `state.scheduler`). sampling_defaults: SamplingParams fields for requests that leave them out.
     request_timeout: seconds from a request's arrival after which its generation ends as if at max_tokens, and
@@ -339,7 +339,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         raise PymoeError(f"the request time limit must be > 0 seconds, got {request_timeout}")
 
     scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k,
-                          prefill_chunk=prefill_chunk)
+                          prefill_chunk=prefill_chunk, telemetry=telemetry)
     registry = registry_for(scheduler)
     name = model_id(engine)
 
@@ -700,8 +700,11 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
           log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
-          sampling_defaults: Optional[dict] = None, **engine_options) -> None:
-    """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
+          sampling_defaults: Optional[dict] = None, telemetry: Optional[str] = None,
+          telemetry_interval: float = 10.0, **engine_options) -> None:
+    """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
+    telemetry: append a line per request, and a resource sample every `telemetry_interval` s, to that file
+    (experts/telemetry.py)."""
     import uvicorn
 
     from pymoe.api import load
@@ -715,12 +718,23 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
     engine = load(model, progress=True, log=log, **engine_options)
     if chat_template is not None:
         engine.use_chat_template(chat_template)
+    writer = None
+    if telemetry:
+        from pymoe.experts.telemetry import TelemetryWriter, engine_facts
+
+        writer = TelemetryWriter(telemetry, engine_facts(engine, "serve"), interval=telemetry_interval)
+        log(f"telemetry: a line per request to {telemetry}"
+            + (f", a resource sample every {telemetry_interval:g} s" if telemetry_interval else ""))
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
                      max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k, prefill_chunk=prefill_chunk,
-                     request_timeout=request_timeout, sampling_defaults=sampling_defaults)
+                     request_timeout=request_timeout, sampling_defaults=sampling_defaults, telemetry=writer)
     sock = listening_socket(host, port)
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics, the monitor page at /)")
-    uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+    try:
+        uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
+    finally:
+        if writer is not None:
+            writer.close()
 
 
 class BackgroundServer:

@@ -417,3 +417,47 @@ class _Given:
 
     def __exit__(self, *exc):
         pass
+
+
+# --- the article protocol: the load protocol at several slot-pool sizes, with telemetry ----------------------------
+ARTICLE_POOLS = "10,25,50,100"  # slot pools in percent of the model's experts (the article's rounds: 23.5%, 79.5%)
+
+
+def pool_sizes(model: str, pools: str) -> list:
+    """--pools "10,25,50,100" -> slot counts: that percentage of the model's experts (layers x experts), at least 1."""
+    from pymoe.gguf.loader import load_gguf
+
+    try:
+        shares = [float(p) for p in pools.split(",") if p.strip()]
+    except ValueError:
+        raise PymoeError(f"--pools must be comma-separated percentages, got '{pools}'") from None
+    if not shares or any(not 0 < p <= 100 for p in shares):
+        raise PymoeError(f"--pools: each percentage must be in (0, 100], got '{pools}'")
+    cfg = load_gguf(model).config
+    n_total = cfg.n_layers * cfg.n_expert
+    return sorted({max(1, round(p / 100 * n_total)) for p in shares})
+
+
+def bench_article(model: str, out_dir: str, pools: str = ARTICLE_POOLS, serve_args: tuple = (), log=print,
+                  telemetry_interval: float = 2.0, **bench_options) -> list:
+    """`pymoe bench --protocol article`: for each slot pool of --pools, start `pymoe serve --cache-slots N
+    --telemetry OUT_DIR/telemetry-slotsN.jsonl`, run the load protocol against it (short, ~4K, ~16K prompts, the
+    concurrency sweep, the overload; every prompt a cold prefix), then write `pymoe report` of all of them to
+    OUT_DIR/report.md. -> the telemetry files. Each pool is one round of the report (a file each)."""
+    from pymoe.experts.report import report
+
+    if any(a.startswith(("--cache-slots", "--cache-gib", "--telemetry")) for a in serve_args):
+        raise PymoeError("--protocol article sets --cache-slots and --telemetry itself, one server per --pools entry")
+    os.makedirs(out_dir, exist_ok=True)
+    files = []
+    for slots in pool_sizes(model, pools):
+        path = os.path.join(out_dir, f"telemetry-slots{slots}.jsonl")
+        if os.path.exists(path):
+            os.remove(path)  # a round is one run: a file left from an earlier one would mix two
+        log(f"bench: round of {slots} slots -> {path}")
+        bench(model, serve_args=[*serve_args, f"--cache-slots={slots}", f"--telemetry={path}",
+                                 f"--telemetry-interval={telemetry_interval:g}"],
+              out=os.path.join(out_dir, f"bench-slots{slots}.json"), log=log, **bench_options)
+        files.append(path)
+    log(report(files, out=os.path.join(out_dir, "report.md")))
+    return files

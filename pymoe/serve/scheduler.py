@@ -116,6 +116,7 @@ class Job:
     sink: Optional[Callable[[tuple], None]] = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_submit: float = 0.0
+    load_mark: tuple = (0, 0.0)  # (requests in the engine when it came, itself included; Scheduler.load_area then)
     deadline: float = math.inf  # perf_counter() time past which the job ends as if at max_tokens ("length")
     queue_s: float = 0.0
     done: bool = False
@@ -196,10 +197,12 @@ class Scheduler:
 
     What it counts (read under `lock` by metrics.py): `outcomes` (requests by outcome: ok, cancelled, error, and
     what the HTTP side adds with `count`), `totals` (prompt / reused / generated tokens, prefill / decode
-    seconds), `last` (the last step's rates and batch size), `max_batch`, `recent` (the last finished jobs)."""
+    seconds), `last` (the last step's rates and batch size), `max_batch`, `recent` (the last finished jobs),
+    `in_flight` and `load_area` (requests in the engine, and their integral over time: the telemetry's concurrency).
+    With `telemetry` (experts/telemetry.TelemetryWriter) each job that ends, and each 429, writes a line."""
 
     def __init__(self, engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", log=lambda line: None,
-                 spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK):
+                 spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK, telemetry=None):
         if parallel < 1:
             raise PymoeError(f"--parallel must be >= 1, got {parallel}")
         if prefill_chunk < 0:
@@ -226,6 +229,10 @@ class Scheduler:
         self.max_batch = 0
         self.recent: deque = deque(maxlen=32)  # summaries of the last finished requests (/v1/status)
         self.avg_request_s = 1.0  # running mean of a request's engine time: the retry estimate
+        # Load, for the telemetry lines (experts/telemetry.py): requests in the engine (queued or in a slot) and its
+        # integral over time, so a job's mean concurrency over its lifetime is (area at its end - at its start) / age
+        self.telemetry = telemetry
+        self.in_flight, self.load_area, self._load_t = 0, 0.0, time.perf_counter()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="pymoe-engine", daemon=True)
 
@@ -235,9 +242,13 @@ class Scheduler:
         if not self.running():
             raise EngineStopped("the engine is not running")
         job.t_submit = time.perf_counter()
+        job.load_mark = self._load(+1)
         try:
             self.queue.put_nowait(job)
         except queue.Full:
+            self._load(-1)
+            if self.telemetry is not None:
+                self.telemetry.rejected(self.queue.qsize(), self.max_queue)
             wait = self.retry_after()
             raise QueueFull(f"server busy: {self.max_queue} requests queued (--max-queue) and all "
                             f"{len(self.slots)} slots busy; retry in about {wait} s", wait) from None
@@ -247,6 +258,14 @@ class Scheduler:
         """Seconds until a queue place is likely free: queued requests x mean request time / slots, in [1, 60]."""
         est = (self.queue.qsize() + 1) * self.avg_request_s / len(self.slots)
         return int(min(60, max(1, math.ceil(est))))
+
+    def _load(self, delta: int) -> tuple:
+        """Requests in the engine change by `delta` -> (requests now, load area now: request-seconds so far)."""
+        with self.lock:
+            now = time.perf_counter()
+            self.load_area += self.in_flight * (now - self._load_t)
+            self._load_t, self.in_flight = now, self.in_flight + delta
+            return self.in_flight, self.load_area
 
     def count(self, outcome: str, n: int = 1) -> None:
         with self.lock:
@@ -337,6 +356,7 @@ class Scheduler:
             idle = False
             if job.cancelled:  # cancelled while it waited: it never reaches a slot
                 self._placed(job.share)
+                self._load(-1)
                 job.done = True
                 job.emit("done", "cancelled")
                 self.count("cancelled")
@@ -623,3 +643,17 @@ class Scheduler:
         entry["line"] = f"slot {slot.index} {st.stop_reason}: {st.prompt_line()}; {st.cache_line()}{spec}"
         self.recent.append(entry)
         self.log(entry["line"])
+        self._account_end(job, slot, reason)
+
+    def _account_end(self, job: Job, slot: Slot, reason: str) -> None:
+        """The job leaves the engine: the load falls by one, and its telemetry line is written (with --telemetry)."""
+        _, area = self._load(-1)
+        if self.telemetry is None:
+            return
+        age = time.perf_counter() - job.t_submit
+        n0, area0 = job.load_mark
+        spec = slot.spec.stats if slot.spec is not None and slot.spec.stats.steps else None
+        status = {"stop": "ok", "length": "ok"}.get(reason, reason)
+        self.telemetry.request(job.stats, t_start=time.time() - age, t_end=time.time(), queue_s=job.queue_s,
+                               concurrency_at_start=n0, concurrency_mean=(area - area0) / age if age > 0 else n0,
+                               spec=spec, status=status)

@@ -236,6 +236,24 @@ MUTANTS: list[Mutant] = [
         ("tests/test_plan.py::*",),
         "planner cost model: spilled (missed) expert bytes priced at device bandwidth instead of PCIe"),
     Mutant(
+        "report_cliff_largest_relative_drop", "pymoe/experts/report.py",
+        "return max(falling, key=lambda d: d[3]) if falling else None",
+        "return max(falling, key=lambda d: d[2]) if falling else None",
+        ("tests/test_report.py::*",),
+        "report: the cliff taken as the largest relative drop, not the steepest fall per point of share"),
+    Mutant(
+        "report_ranks_without_ties", "pymoe/experts/report.py",
+        "    return sums[inv] / counts[inv]",
+        "    return r",
+        ("tests/test_report.py::*",),
+        "report: Spearman's ranks without the average rank for ties"),
+    Mutant(
+        "report_pooled_hit_rate_per_request_mean", "pymoe/experts/report.py",
+        "        return sum(counter(r) for r in p) / n if n else None",
+        "        return float(np.mean([counter(r) / r['lookups'] for r in p])) if n else None",
+        ("tests/test_report.py::*",),
+        "report: a round's hit rate as the mean of its requests' rates, not pooled over lookups"),
+    Mutant(
         "rmsnorm_eps_outside_sqrt", "pymoe/backends/cpu.py",
         "denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n) + eps)",
         "denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n)) + eps",
