@@ -250,7 +250,6 @@ class GGUFModel:
     def _validate_tensors(self, where: str) -> None:
         file_size = os.path.getsize(self.path)
         expected = expected_tensors(self.config)
-        self._refuse_unknown_tensors(where, expected)
         for name, shape in expected.items():
             t = self.tensors.get(name)
             if t is None:
@@ -263,6 +262,7 @@ class GGUFModel:
             if t.qtype not in quant.FORMATS:
                 raise PymoeError(f"{where}tensor {name} has type {t.qtype.name}, which pymoe does not support "
                                  f"(supported: {', '.join(q.name for q in quant.FORMATS)})")
+        self._refuse_unknown_tensors(where, expected)  # after the missing ones: a renamed tensor is named missing
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > file_size:
                 raise PymoeError(f"{where}truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
