@@ -33,6 +33,7 @@ import math
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -43,6 +44,7 @@ from pymoe.engine.kv import kv_nbytes
 from pymoe.errors import PymoeError
 from pymoe.serve import anthropic, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
+from pymoe.serve.middleware import JOBS_KEY, LOCALHOST, AccessLog, Cors
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
 from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
                                  TokenizeRequest, parse)
@@ -323,11 +325,13 @@ def sse(obj) -> str:
 def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
                max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4,
                prefill_chunk: int = PREFILL_CHUNK, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
-               sampling_defaults: Optional[dict] = None):
+               sampling_defaults: Optional[dict] = None, cors_origins: tuple = (), access_log=None,
+               log_format: str = "text"):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
     (app.state.scheduler). sampling_defaults: SamplingParams fields for requests that leave them out.
     request_timeout: seconds from a request's arrival after which its generation ends as if at max_tokens, and
-    reading its body gives up (408); None: no limit."""
+    reading its body gives up (408); None: no limit. cors_origins: middleware.parse_origins' (): no CORS headers.
+    access_log: a function taking each request's line (middleware.AccessLog, `log_format` text or json); None: none."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
@@ -337,6 +341,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     if request_timeout is not None and not request_timeout > 0:
         raise PymoeError(f"the request time limit must be > 0 seconds, got {request_timeout}")
+    if log_format not in ("text", "json"):
+        raise PymoeError(f"--log-format must be text or json, got {log_format!r}")
 
     scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k,
                           prefill_chunk=prefill_chunk)
@@ -353,6 +359,9 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     app = FastAPI(title="pymoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
+    app.add_middleware(Cors, origins=tuple(cors_origins))  # the last added is the outermost: the log sees all
+    if access_log is not None:
+        app.add_middleware(AccessLog, write=access_log, fmt=log_format)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
@@ -462,6 +471,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             j.deadline = deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
         submit_all(jobs, events)
+        request.scope[JOBS_KEY] = jobs  # the access log's token counts
         reply = Reply(kind, name, engine.tokenizer)
         fmt = tools.tool_format(engine.tokenizer.chat_template) if kind == "chat" else None
         if choice is not None or fmt == "harmony":  # answers are read for tool calls (harmony: for its channels too)
@@ -559,6 +569,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         job.deadline = deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
         submit_all([job], events)
+        request.scope[JOBS_KEY] = [job]
         reply = anthropic.MessageReply(name)
         fmt = tools.tool_format(engine.tokenizer.chat_template)
         calls = None if choice is None and fmt != "harmony" else ("all" if req.parallel_tool_calls else "first")
@@ -700,11 +711,16 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
           log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
-          sampling_defaults: Optional[dict] = None, **engine_options) -> None:
-    """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...)."""
+          sampling_defaults: Optional[dict] = None, cors_origins: tuple = (LOCALHOST,), log_format: str = "text",
+          **engine_options) -> None:
+    """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
+    The access log (one line per request) goes to stderr."""
     import uvicorn
 
     from pymoe.api import load
+
+    def access_log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     if not is_loopback(host) and not api_key:
         log(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model")
@@ -717,8 +733,10 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
         engine.use_chat_template(chat_template)
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
                      max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k, prefill_chunk=prefill_chunk,
-                     request_timeout=request_timeout, sampling_defaults=sampling_defaults)
+                     request_timeout=request_timeout, sampling_defaults=sampling_defaults, cors_origins=cors_origins,
+                     access_log=access_log, log_format=log_format)
     sock = listening_socket(host, port)
+    log(f"CORS: Access-Control-Allow-Origin for {', '.join(cors_origins)}" if cors_origins else "CORS: off")
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics, the monitor page at /)")
     uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])
 
