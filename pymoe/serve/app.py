@@ -37,17 +37,19 @@ import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Optional
 
 from pymoe.engine.generate import RequestStats
 from pymoe.engine.kv import kv_nbytes
+from pymoe.engine.sampler import dry_breaker_sequences
 from pymoe.errors import PymoeError
 from pymoe.serve import anthropic, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.middleware import JOBS_KEY, LOCALHOST, AccessLog, Cors
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
-from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest, parse)
+from pymoe.serve.schemas import (DRY_BREAKERS, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest,
+                                 DetokenizeRequest, TokenizeRequest, parse)
 
 OUTCOMES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "bad_method", 408: "timeout",
             413: "too_large", 429: "rejected"}  # /metrics labels
@@ -174,10 +176,19 @@ def forced_call_grammar(req, choice: Optional[str], job: Job, tokenizer=None):
         raise ApiError(400, f"'tools': {e}", code="invalid_value", param="tools") from None
 
 
-def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None) -> Job:
-    """Check the prompt against the context and the vocabulary -> a Job (400 on what is wrong)."""
+def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None, tokenizer=None,
+             parallel: int = 1) -> Job:
+    """Check the prompt against the context and the vocabulary, the sampling fields against each other, id_slot
+    against the slots -> a Job (400 on what is wrong). tokenizer: for DRY's breakers (their token ids)."""
     param = getattr(req, "PROMPT_PARAM", "messages" if isinstance(req, ChatRequest) else "prompt")
     req.check_logit_bias(n_vocab)
+    req.check_sampling()
+    if not -1 <= req.id_slot < parallel:
+        raise ApiError(400, f"'id_slot' must be -1 (any slot) or a slot index 0..{parallel - 1} (--parallel "
+                            f"{parallel}), got {req.id_slot}", code="invalid_value", param="id_slot")
+    if req.id_slot >= 0 and getattr(req, "n", 1) > 1:
+        raise ApiError(400, "'id_slot' names one slot, and 'n' > 1 choices run in several: give one of them",
+                       code="invalid_value", param="id_slot")
     if not prompt:
         raise ApiError(400, "the prompt is empty", code="invalid_value", param=param)
     if min(prompt) < 0 or max(prompt) >= n_vocab:
@@ -186,9 +197,13 @@ def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dic
         raise ApiError(400, f"the prompt of {len(prompt)} tokens does not fit the context of {n_ctx} tokens "
                             "(room is needed for at least one generated token)", code="context_length_exceeded",
                        param=param)
-    return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=req.sampling(defaults),
+    sampling = req.sampling(defaults)
+    if sampling.dry_multiplier and tokenizer is not None:
+        breakers = req.dry_sequence_breakers or DRY_BREAKERS  # Anthropic's request has none: llama.cpp's default
+        sampling = replace(sampling, dry_breakers=dry_breaker_sequences(tokenizer, breakers))
+    return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=sampling,
                stop=req.stop_strings(), ignore_eos=req.ignore_eos, grammar=req.output_grammar(),
-               top_logprobs=req.top_logprobs_n())
+               top_logprobs=req.top_logprobs_n(), cache_prompt=req.cache_prompt, id_slot=req.id_slot)
 
 
 def asyncio_sink(queue: asyncio.Queue, index: int = 0):
@@ -454,7 +469,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
         choice = tool_mode(req, engine.tokenizer)
-        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
+        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults,
+                       engine.tokenizer, parallel)
         job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
         job.preserved = preserved_markers(choice, engine.tokenizer) if kind == "chat" else frozenset()
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
@@ -560,7 +576,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         def prepare():
             choice = tool_mode(req, engine.tokenizer)
             job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab,
-                           sampling_defaults)
+                           sampling_defaults, engine.tokenizer, parallel)
             job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
             job.preserved = preserved_markers(choice, engine.tokenizer)
             return job, choice
