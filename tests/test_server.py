@@ -1054,3 +1054,27 @@ def test_langchain_bind_tools(tools_client):
                      seed=3, max_retries=0, timeout=60)
     msg = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("weather in Paris?")
     assert [c["name"] for c in msg.tool_calls] == ["GetWeather"] and isinstance(msg.tool_calls[0]["args"]["city"], str)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}}, "response_format"),
+    ({"json_schema": {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                                      "required": ["a"]}}, "$ref": "#/$defs/a"}}, "json_schema")])
+def test_a_schema_that_admits_no_value_is_a_400_without_engine_internals(server, fields, param):
+    """A $ref recursion with no base case was a 500 carrying the grammar engine's state dump, after the first token."""
+    r = post(server, "chat", fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "admits no value" in err["message"]
+    assert "\n" not in err["message"] and "<state>" not in err["message"] and "Parser" not in err["message"]
+
+
+def test_a_forced_tool_whose_parameters_admit_no_value_is_a_400(tools_server):
+    loop = {"type": "object", "properties": {"again": {"$ref": "#"}}, "required": ["again"]}
+    r = httpx.post(tools_server.url + "/v1/chat/completions", headers=auth(), timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "loop", "parameters": loop}}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "admit no value" in err["message"] and "\n" not in err["message"]

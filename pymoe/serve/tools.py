@@ -69,7 +69,8 @@ from typing import Optional
 
 from gguf import TokenType
 
-from pymoe.engine.grammar import JSON_OPTIONS, Grammar
+from pymoe.engine.grammar import JSON_OPTIONS, Grammar, admits_a_value
+from pymoe.errors import PymoeError
 
 JSON_TYPES = {"number", "integer", "boolean", "null", "object", "array"}  # bare-text values read as JSON
 
@@ -423,7 +424,12 @@ def parse_calls(text: str, fmt: str = "hermes", specs: Optional[list] = None) ->
 
 
 def call_grammar(specs: list, fmt: str = "hermes", tokenizer=None) -> Grammar:
-    """A forced call of one of `specs` ([{name, parameters}]) in format `fmt` (see Format.grammar)."""
+    """A forced call of one of `specs` ([{name, parameters}]) in format `fmt` (see Format.grammar). A tool whose
+    parameters admit no finite value (grammar.admits_a_value) is refused here, before the grammar engine meets it."""
+    for spec in specs:
+        if isinstance(spec["parameters"], dict) and not admits_a_value(spec["parameters"]):
+            raise PymoeError(f"the parameters of {spec['name']!r} admit no value (a part every value must have has "
+                             "none: a $ref recursion with no base case, or a false schema)")
     return FORMATS[fmt].grammar(specs, tokenizer)
 
 
