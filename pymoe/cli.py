@@ -525,10 +525,14 @@ def serve_options(f):
                    "'localhost' (any port on this machine), '*' (any: llama.cpp's default), or 'none'.")
 @click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
               help="The access log's lines on stderr (one per request): text or JSON.")
+@click.option("--reasoning-format", default="deepseek", show_default=True, type=click.Choice(["none", "deepseek"]),
+              help="deepseek: a chat answer's <think> block (gpt-oss: its analysis channel) goes to reasoning_content; "
+                   "none: left in the content.")
 @server_sampling_options
 @serve_options
 def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, request_timeout, cors_origins,
-              log_format, ctx, kv, parallel, max_queue, spec, spec_k, prefill_chunk, **engine_options):
+              log_format, reasoning_format, ctx, kv, parallel, max_queue, spec, spec_k, prefill_chunk,
+              **engine_options):
     """Serve MODEL (a GGUF file) over OpenAI- and Anthropic-compatible HTTP APIs: /v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health, and the monitor page at /.
     With no MODEL, serves the embedded demo model (trained on Python's standard library)."""
@@ -548,7 +552,8 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
           max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,
           prefill_chunk=prefill_chunk, chat_template=chat_template, request_timeout=request_timeout,
           sampling_defaults={k: v for k, v in defaults.items() if v is not None},
-          cors_origins=parse_origins(cors_origins), log_format=log_format, **engine_options)
+          cors_origins=parse_origins(cors_origins), log_format=log_format, reasoning_format=reasoning_format,
+          **engine_options)
 
 
 @cli.command("bench")

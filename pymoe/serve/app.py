@@ -44,7 +44,7 @@ from pymoe.engine.generate import RequestStats
 from pymoe.engine.kv import kv_nbytes
 from pymoe.engine.sampler import dry_breaker_sequences
 from pymoe.errors import PymoeError
-from pymoe.serve import anthropic, tools
+from pymoe.serve import anthropic, reasoning, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.middleware import JOBS_KEY, LOCALHOST, AccessLog, Cors
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
@@ -275,6 +275,9 @@ class Reply:
         self.text_offset = {}  # completions' logprobs: choice index -> where its next token's text starts
         self.calls = None  # chat with tools in play: "all" or "first" (parallel_tool_calls false) calls are kept
         self.fmt, self.specs = "hermes", []  # then: the template's tool format (serve/tools.py), the tools in play
+        # chat with --reasoning-format deepseek: "think" (a leading <think> block, serve/reasoning.py) or "harmony"
+        # (gpt-oss' analysis channel) becomes reasoning_content; think_open: the prompt ends inside <think>
+        self.reasoning, self.think_open = None, False
 
     def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False,
                logprobs: Optional[list] = None, index: int = 0) -> dict:
@@ -285,16 +288,27 @@ class Reply:
         if self.kind == "completion":
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         msg = {"role": "assistant"} if role or not stream else {}
-        calls = []
+        calls, thought = [], None
+        if self.reasoning == "think" and text is not None and not stream:
+            thought, text = reasoning.split(text, self.think_open)
+        elif self.reasoning == "harmony" and text is not None and not stream:
+            thought = tools.FORMATS["harmony"].reasoning(text) or None
         if self.calls is not None and text is not None and not stream:
             text, calls = tools.parse_calls(text, self.fmt, self.specs)
             calls = calls[:1] if self.calls == "first" else calls
         if text is not None or calls:
             msg["content"] = text
+        if thought is not None:
+            msg["reasoning_content"] = thought
         if calls:
             msg["tool_calls"] = calls
             reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "delta" if stream else "message": msg, "logprobs": lp, "finish_reason": reason}
+
+    def reasoning_delta(self, text: str, index: int = 0) -> list:
+        """Streamed reasoning, as llama.cpp streams it: a chunk whose delta is {"reasoning_content": text}."""
+        return [self.envelope([{"index": index, "delta": {"reasoning_content": text}, "logprobs": None,
+                                "finish_reason": None}], stream=True)] if text else []
 
     def call_deltas(self, calls: list, first: int, index: int = 0) -> list:
         """Streamed tool calls, numbered from `first`, in OpenAI's chunk shape: per call, a delta with its index, id,
@@ -341,12 +355,14 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4,
                prefill_chunk: int = PREFILL_CHUNK, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
                sampling_defaults: Optional[dict] = None, cors_origins: tuple = (), access_log=None,
-               log_format: str = "text"):
+               log_format: str = "text", reasoning_format: str = "deepseek"):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
     (app.state.scheduler). sampling_defaults: SamplingParams fields for requests that leave them out.
     request_timeout: seconds from a request's arrival after which its generation ends as if at max_tokens, and
     reading its body gives up (408); None: no limit. cors_origins: middleware.parse_origins' (): no CORS headers.
-    access_log: a function taking each request's line (middleware.AccessLog, `log_format` text or json); None: none."""
+    access_log: a function taking each request's line (middleware.AccessLog, `log_format` text or json); None: none.
+    reasoning_format: "deepseek" (a chat answer's <think> block, or gpt-oss' analysis channel, is reasoning_content)
+    or "none" (kept in the content; gpt-oss' analysis left out); a request's own reasoning_format wins."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
@@ -356,6 +372,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     if request_timeout is not None and not request_timeout > 0:
         raise PymoeError(f"the request time limit must be > 0 seconds, got {request_timeout}")
+    if reasoning_format not in reasoning.FORMATS:
+        raise PymoeError(f"--reasoning-format must be one of {', '.join(reasoning.FORMATS)}, got {reasoning_format!r}")
     if log_format not in ("text", "json"):
         raise PymoeError(f"--log-format must be text or json, got {log_format!r}")
 
@@ -469,19 +487,25 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
         choice = tool_mode(req, engine.tokenizer)
-        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults,
-                       engine.tokenizer, parallel)
+        text = chat_prompt(req, engine.tokenizer) if kind == "chat" else None
+        ids = engine.tokenizer.encode(text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
+        job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
         job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
         job.preserved = preserved_markers(choice, engine.tokenizer) if kind == "chat" else frozenset()
+        thinking = kind == "chat" and (req.reasoning_format or reasoning_format) == "deepseek"
+        if thinking and tools.tool_format(engine.tokenizer.chat_template) != "harmony":
+            job.preserved |= reasoning.think_markers(engine.tokenizer)  # <think> as text, where it is a control token
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
         # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
         echo = "" if kind == "chat" or not req.echo else (
             req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
-        return req, jobs, choice, echo
+        # a prompt that opens <think> starts the answer in the reasoning, unless a grammar (a forced call, a format)
+        # decides the answer from its first token
+        return req, jobs, choice, echo, thinking and job.grammar is None and reasoning.opens_thinking(text)
 
     async def complete(request: Request, kind: str):
         arrived = time.perf_counter()
-        req, jobs, choice, echo = await asyncio.to_thread(prepare, kind, await read_body(request))
+        req, jobs, choice, echo, think_open = await asyncio.to_thread(prepare, kind, await read_body(request))
         job = jobs[0]
         for j in jobs:
             j.deadline = deadline(arrived)
@@ -493,6 +517,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         if choice is not None or fmt == "harmony":  # answers are read for tool calls (harmony: for its channels too)
             reply.calls = "first" if not req.parallel_tool_calls else "all"
             reply.fmt, reply.specs = fmt, tool_specs(req) if choice is not None else []
+        if kind == "chat" and (req.reasoning_format or reasoning_format) == "deepseek":
+            reply.reasoning, reply.think_open = "harmony" if fmt == "harmony" else "think", think_open
         reply.text_offset = dict.fromkeys(range(req.n), len(echo))
         if req.stream:
             return StreamingResponse(stream_reply(jobs, events, reply, req.stream_options.include_usage, echo),
@@ -528,6 +554,26 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls)
                    for _ in jobs]
         n_calls = [0] * len(jobs)
+        # with reasoning split out: a leading <think> block read off first (reasoning.ThinkStream), or gpt-oss'
+        # analysis channel re-read from the answer so far (`thought`: what was sent of it)
+        thinking = [reasoning.ThinkStream(reply.think_open) if reply.reasoning == "think" else None for _ in jobs]
+        thought = [""] * len(jobs)
+
+        def answer(index: int, piece: str, final: bool = False) -> list:
+            """A piece of the answer (final: its end) -> its chunks: reasoning, content, calls."""
+            out = []
+            if thinking[index] is not None:
+                thought_piece, piece = thinking[index].feed(piece, final)
+                out += [sse(c) for c in reply.reasoning_delta(thought_piece, index)]
+            if reading[index] is None:
+                return out + deltas(index, piece, [])
+            text, calls = reading[index].feed(piece, final)
+            if reply.reasoning == "harmony":
+                so_far = tools.FORMATS["harmony"].reasoning(reading[index].text, final)
+                new = so_far[len(thought[index]):] if so_far.startswith(thought[index]) else ""
+                thought[index] += new
+                out += [sse(c) for c in reply.reasoning_delta(new, index)]
+            return out + deltas(index, text, calls)
 
         def deltas(index: int, text: str, calls: list) -> list:
             out = []
@@ -543,13 +589,13 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             if ev == "logprobs":
                 logprobs[index].append(value)
             elif ev == "piece":
-                for chunk in deltas(index, *((value, []) if reading[index] is None else reading[index].feed(value))):
+                for chunk in answer(index, value):
                     yield chunk
             elif ev == "error":
                 yield sse(ApiError(500, value).body())
             else:
-                if reading[index] is not None:
-                    for chunk in deltas(index, *reading[index].close()):
+                if reading[index] is not None or thinking[index] is not None:
+                    for chunk in answer(index, "", final=True):
                         yield chunk
                     value = "tool_calls" if n_calls[index] and value == "stop" else value
                 yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs[index] or None,
@@ -728,7 +774,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
           sampling_defaults: Optional[dict] = None, cors_origins: tuple = (LOCALHOST,), log_format: str = "text",
-          **engine_options) -> None:
+          reasoning_format: str = "deepseek", **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
     The access log (one line per request) goes to stderr."""
     import uvicorn
@@ -750,7 +796,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
                      max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k, prefill_chunk=prefill_chunk,
                      request_timeout=request_timeout, sampling_defaults=sampling_defaults, cors_origins=cors_origins,
-                     access_log=access_log, log_format=log_format)
+                     access_log=access_log, log_format=log_format, reasoning_format=reasoning_format)
     sock = listening_socket(host, port)
     log(f"CORS: Access-Control-Allow-Origin for {', '.join(cors_origins)}" if cors_origins else "CORS: off")
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics, the monitor page at /)")

@@ -319,6 +319,8 @@ class ChatRequest(Common):
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
         None, description="'none', 'auto', 'required' or {type: function, function: {name}}")
     parallel_tool_calls: bool = Field(True, description="a boolean (false: the first call only)")
+    reasoning_format: Optional[Literal["none", "deepseek"]] = Field(
+        None, description="'none' or 'deepseek' (llama.cpp's: <think> blocks in reasoning_content)")
     functions: unsupported([]) = None
     function_call: unsupported("none") = None
     modalities: unsupported(["text"]) = None

@@ -366,7 +366,8 @@ class Harmony(Format):
 
     def parse(self, text, specs=None, final=True):
         """Content: the final channel's text (and a commentary message to no one: a preamble); calls: the messages
-        to functions.NAME; analysis: dropped. Text with no harmony header at all is content as it stands."""
+        to functions.NAME; analysis: left out (`reasoning` reads it). Text with no harmony header at all is content
+        as it stands."""
         kept, calls = [], []
         segments = text.split("<|start|>")
         for k, seg in enumerate(segments):
@@ -391,6 +392,24 @@ class Harmony(Format):
             elif channel is None or channel.group(1) != "analysis":
                 kept.append(body if closed else body[:held_prefix(body, self.ends)])
         return finish(kept, calls, final)
+
+    def reasoning(self, text: str, final: bool = True) -> str:
+        """The analysis channel's text (gpt-oss' reasoning), its messages joined, as far as it is written (while
+        streaming, a suffix that may be the start of an end marker is held back)."""
+        out = []
+        segments = text.split("<|start|>")
+        for k, seg in enumerate(segments):
+            header, sep, body = seg.partition("<|message|>")
+            channel = self.channel.search(header)
+            if not sep or channel is None or channel.group(1) != "analysis" or self.recipient.search(header):
+                continue
+            end = min([i for i in (body.find(e) for e in self.ends) if i >= 0], default=-1)
+            if end >= 0:
+                body = body[:end]
+            elif not final and k == len(segments) - 1:
+                body = body[:held_prefix(body, self.ends)]
+            out.append(body)
+        return "".join(out)
 
     def call_rule(self, spec, tokenizer):
         return " ".join([lark_text(f"<|channel|>commentary to=functions.{spec['name']} <|constrain|>json<|message|>",
