@@ -105,7 +105,8 @@ def top_n_sigma(logits: np.ndarray, n: float) -> np.ndarray:
     finite = logits[np.isfinite(logits)].astype(np.float64)
     if finite.size == 0:
         return logits
-    cut = finite.max() - n * finite.std()  # std: sqrt(mean of squared deviations), llama.cpp's (not n - 1)
+    with np.errstate(over="ignore"):  # n * std past the float range: -inf, nothing cut
+        cut = finite.max() - n * finite.std()  # std: sqrt(mean of squared deviations), llama.cpp's (not n - 1)
     return np.where(logits < cut, np.float32(-np.inf), logits)
 
 
@@ -159,16 +160,19 @@ def filter_candidates(logits: np.ndarray, top_k: int, top_p: float, min_p: float
 DRY_MAX_BREAKER_BYTES = 40  # llama.cpp's MAX_CHAR_LEN: a longer breaker is refused here (llama.cpp cuts it)
 DRY_MAX_TAIL = 20  # llama.cpp's MAX_SEQ_LEN: a breaker's tail tokens kept
 DRY_FLOAT_MAX_LOG = 88.7228391  # log(float32 max): base ** exponent is kept below it, as llama.cpp does
+DRY_KEPT = 16  # breaker sets whose token sequences a tokenizer keeps (each costs a pass over the vocabulary)
 
 
 def dry_breaker_sequences(tokenizer, breakers) -> tuple:
     """Breaker strings -> ((head id, tail ids), ...), llama.cpp's get_overlapping_token_sequences: every token whose
     text holds a breaker is a head with no tail (a one-token breaker); a token whose text ends with the start of a
     breaker is a head whose tail is the tokenization of the rest of it. A pass over the vocabulary per breaker, kept on
-    the tokenizer per set of breakers."""
+    the tokenizer per set of breakers (the last DRY_KEPT sets: the server's requests may each send their own)."""
     cache = tokenizer.__dict__.setdefault("_dry_breakers", {})
     key = tuple(breakers)
     if key not in cache:
+        while len(cache) >= DRY_KEPT:
+            cache.pop(next(iter(cache)))  # the oldest
         out = {}
         for text in key:
             b = text.encode("utf-8")
@@ -258,8 +262,8 @@ def mirostat_v1(ids: np.ndarray, probs: np.ndarray, mu: float, n_vocab: int) -> 
         return 1
     s_hat = float((t * b).sum() / (t * t).sum())
     eps = s_hat - 1
-    with np.errstate(all="ignore"):
-        k = (eps * 2.0 ** mu / (1 - float(n_vocab) ** -eps)) ** (1 / s_hat)
+    with np.errstate(all="ignore"):  # numpy floats: a large mu gives inf (Python's float power would raise)
+        k = (eps * np.exp2(np.float64(mu)) / (1 - np.power(np.float64(n_vocab), -eps))) ** (1 / s_hat)
     return int(min(max(k, 1), len(ids))) if np.isfinite(k) else (len(ids) if k > 0 else 1)
 
 
@@ -344,7 +348,10 @@ class Sampler:
                                 p.dry_breakers)
             if dry:
                 logits = logits.copy()
-                logits[list(dry)] -= np.asarray(list(dry.values()), dtype=np.float32)
+                # multiplier * base^exp may pass float32's range (100 * 100^19): kept finite, so a token the grammar
+                # leaves alone is still drawable
+                penalty = np.minimum(np.asarray(list(dry.values())), np.finfo(np.float32).max)
+                logits[list(dry)] -= penalty.astype(np.float32)
         if self.n_drawn < p.min_tokens and self.end_ids.size:
             ended = logits.copy()
             ended[self.end_ids] = -np.inf
