@@ -5,7 +5,10 @@ cap, /v1/models, /v1/status, /metrics; 429 under overload, a disconnect cancelli
 giving the same greedy text as one-at-a-time generation, prefix reuse telemetry; `pymoe bench` end to end.
 The request schemas: every OpenAI field pymoe does not implement is a 400 naming it (`param`), neutral values of
 those fields and the openai client's own requests pass, unknown fields are a 400 naming them. The scheduler on its
-own, without HTTP: batched jobs give one-at-a-time tokens; the bounded queue; cancellation.
+own, without HTTP: batched jobs give one-at-a-time tokens; the bounded queue; cancellation; a job pinned to a
+busy slot (id_slot). llama.cpp's sampling and slot fields (typical_p ... id_slot): they reach the job, DRY matches
+the reference engine, min_tokens and cache_prompt show in usage, bad values are 400s naming them. A JSON schema
+that admits no value is a 400 without the grammar engine's internals.
 Every request has a timeout; every loop is bounded.
 """
 import asyncio
