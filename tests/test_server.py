@@ -436,6 +436,7 @@ def test_a_job_pinned_to_a_busy_slot_waits_for_it(model_path, reference):
         gone = sched.submit(greedy([4, 5], 5, ignore_eos=True, id_slot=0))
         while len(sched.pinned) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
+        assert sched.waiting() == 2  # /v1/status's queue_depth: the pinned jobs wait too
         with pytest.raises(QueueFull):  # two pinned jobs wait: the bound of 2 is reached
             sched.submit(greedy([7], 2))
         gone.cancel()

@@ -240,7 +240,7 @@ class Scheduler:
             raise EngineStopped("the engine is not running")
         job.t_submit = time.perf_counter()
         try:
-            if self.queue.qsize() + len(self.pinned) >= self.max_queue:  # a pinned job still waits: it counts
+            if self.waiting() >= self.max_queue:  # a pinned job still waits: it counts
                 raise queue.Full
             self.queue.put_nowait(job)
         except queue.Full:
@@ -251,8 +251,12 @@ class Scheduler:
 
     def retry_after(self) -> int:
         """Seconds until a queue place is likely free: queued requests x mean request time / slots, in [1, 60]."""
-        est = (self.queue.qsize() + 1) * self.avg_request_s / len(self.slots)
+        est = (self.waiting() + 1) * self.avg_request_s / len(self.slots)
         return int(min(60, max(1, math.ceil(est))))
+
+    def waiting(self) -> int:
+        """Jobs waiting for a slot: queued, or off the queue waiting for the busy slot their id_slot names."""
+        return self.queue.qsize() + len(self.pinned)
 
     def count(self, outcome: str, n: int = 1) -> None:
         with self.lock:
