@@ -8,7 +8,7 @@ import pytest
 
 from pymoe.errors import PymoeError
 from pymoe.engine.sampler import (Sampler, SamplingParams, apply_repetition_penalty, dry_breaker_sequences,
-                                  dry_penalties, filter_candidates, mirostat_v1, softmax, top_n_sigma, xtc, z_function)
+                                  dry_penalties, filter_candidates, mirostat_v1, top_n_sigma, xtc, z_function)
 
 LOGITS = np.log(np.array([0.5, 0.25, 0.15, 0.07, 0.03], dtype=np.float32))
 
