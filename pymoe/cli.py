@@ -585,16 +585,26 @@ def serve_options(f):
 @click.option("--request-timeout", default=600.0, show_default=True,
               help="Seconds from a request's arrival to its end: a generation still running then stops as if at "
                    "max_tokens (finish_reason length); a body not received by then is a 408.")
+@click.option("--cors-origin", "cors_origins", multiple=True, default=("localhost",), show_default=True,
+              help="Origins whose pages may read the answers (repeat, or a comma list): scheme://host[:port], "
+                   "'localhost' (any port on this machine), '*' (any: llama.cpp's default), or 'none'.")
+@click.option("--log-format", default="text", show_default=True, type=click.Choice(["text", "json"]),
+              help="The access log's lines on stderr (one per request): text or JSON.")
+@click.option("--reasoning-format", default="deepseek", show_default=True, type=click.Choice(["none", "deepseek"]),
+              help="deepseek: a chat answer's <think> block (gpt-oss: its analysis channel) goes to reasoning_content; "
+                   "none: left in the content.")
 @server_sampling_options
 @telemetry_options
 @serve_options
-def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, request_timeout, ctx, kv, parallel,
-              max_queue, spec, spec_k, prefill_chunk, telemetry, telemetry_interval, **engine_options):
+def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, request_timeout, cors_origins,
+              log_format, reasoning_format, ctx, kv, parallel, max_queue, spec, spec_k, prefill_chunk, telemetry,
+              telemetry_interval, **engine_options):
     """Serve MODEL (a GGUF file) over OpenAI- and Anthropic-compatible HTTP APIs: /v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health, and the monitor page at /.
     With no MODEL, serves the embedded demo model (trained on Python's standard library)."""
     from . import demo
     from .serve.app import serve
+    from .serve.middleware import parse_origins
 
     def log(line):
         click.echo(f"pymoe serve: {line}", err=True)
@@ -607,8 +617,9 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
     serve(model, host=host, port=port, api_key=api_key, parallel=parallel, max_queue=max_queue, kv=kv,
           max_body_bytes=int(max_body_mib * 2**20), n_ctx=ctx, log=log, spec=spec, spec_k=spec_k,
           prefill_chunk=prefill_chunk, chat_template=chat_template, request_timeout=request_timeout,
-          sampling_defaults={k: v for k, v in defaults.items() if v is not None}, telemetry=telemetry,
-          telemetry_interval=telemetry_interval, **engine_options)
+          sampling_defaults={k: v for k, v in defaults.items() if v is not None},
+          cors_origins=parse_origins(cors_origins), log_format=log_format, reasoning_format=reasoning_format,
+          telemetry=telemetry, telemetry_interval=telemetry_interval, **engine_options)
 
 
 @cli.command("bench")

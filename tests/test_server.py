@@ -5,7 +5,10 @@ cap, /v1/models, /v1/status, /metrics; 429 under overload, a disconnect cancelli
 giving the same greedy text as one-at-a-time generation, prefix reuse telemetry; `pymoe bench` end to end.
 The request schemas: every OpenAI field pymoe does not implement is a 400 naming it (`param`), neutral values of
 those fields and the openai client's own requests pass, unknown fields are a 400 naming them. The scheduler on its
-own, without HTTP: batched jobs give one-at-a-time tokens; the bounded queue; cancellation.
+own, without HTTP: batched jobs give one-at-a-time tokens; the bounded queue; cancellation; a job pinned to a
+busy slot (id_slot). llama.cpp's sampling and slot fields (typical_p ... id_slot): they reach the job, DRY matches
+the reference engine, min_tokens and cache_prompt show in usage, bad values are 400s naming them. A JSON schema
+that admits no value is a 400 without the grammar engine's internals.
 Every request has a timeout; every loop is bounded.
 """
 import asyncio
@@ -419,6 +422,36 @@ def test_the_scheduler_queue_is_bounded_and_a_cancelled_job_frees_its_slot(model
         assert list(after.events(timeout=30))[-1] == ("done", "length") and len(after.generated) == 3
 
 
+def test_a_job_pinned_to_a_busy_slot_waits_for_it(model_path, reference):
+    """id_slot: with slot 0 busy and slot 1 free, a second job for slot 0 waits (beside the queue, counted against
+    its bound) instead of taking slot 1, then runs there with the one-at-a-time tokens; a third, unpinned, takes
+    slot 1 meanwhile; a pinned job cancelled while it waits ends as "cancelled"."""
+    sched = Scheduler(pymoe.load(model_path, n_ctx=CTX), parallel=2, max_queue=2, kv="f32")
+    with sched:
+        first = sched.submit(greedy([1, 2, 3], 60, ignore_eos=True, id_slot=0))
+        deadline = time.monotonic() + 30
+        while not sched.busy() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pinned = sched.submit(greedy([4, 5, 6], 5, ignore_eos=True, id_slot=0))
+        gone = sched.submit(greedy([4, 5], 5, ignore_eos=True, id_slot=0))
+        while len(sched.pinned) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert sched.waiting() == 2  # /v1/status's queue_depth: the pinned jobs wait too
+        with pytest.raises(QueueFull):  # two pinned jobs wait: the bound of 2 is reached
+            sched.submit(greedy([7], 2))
+        gone.cancel()
+        assert list(gone.events(timeout=30)) == [("done", "cancelled")]
+        free = sched.submit(greedy([7, 8, 9], 3, ignore_eos=True))
+        assert list(free.events(timeout=60))[-1] == ("done", "length")
+        assert not first.done  # slot 1 served the unpinned job while slot 0 was still busy
+        list(first.events(timeout=60))
+        list(pinned.events(timeout=60))
+    slots = [e["slot"] for e in sched.recent]
+    assert slots == [1, 0, 0], slots  # free (slot 1), then first and pinned (slot 0)
+    want = [t for t in reference.generate([4, 5, 6], max_tokens=5, temperature=0, stop_at_eos=False)]
+    assert pinned.generated == want
+
+
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])  # softmax KV; hybrid: Gated DeltaNet states + gated KV
 @pytest.mark.parametrize("parallel,chunk", [(3, 5), (3, 0), (1, 5)])
 def test_n_choices_share_one_prefill_and_equal_separate_requests(tiny_model, arch, parallel, chunk):
@@ -504,6 +537,106 @@ def test_logit_bias_and_penalties(server, reference):
                           ({"logit_bias": {"99999999": 1}}, "logit_bias"), ({"logit_bias": {"15": 500}}, "logit_bias")):
         r = post(server, "chat", fields)
         assert r.status_code == 400 and r.json()["error"]["param"].startswith(param), (fields, r.text)
+
+
+# --- llama.cpp's sampling fields (engine/sampler.py has the hand-worked tests of each) ------------------------------
+
+LLAMACPP_FIELDS = {"typical_p": 0.9, "top_n_sigma": 2.0, "xtc_probability": 0.5, "xtc_threshold": 0.2,
+                   "dry_multiplier": 0.8, "dry_base": 1.5, "dry_allowed_length": 1, "dry_penalty_last_n": 32,
+                   "dry_sequence_breakers": ["\n", "#"], "min_tokens": 1, "cache_prompt": False, "id_slot": 1}
+
+
+def test_llamacpp_sampling_fields_reach_the_job(reference):
+    """Each field of a request lands in the job's SamplingParams (or the job) with its value; DRY's breakers become
+    token ids of this vocabulary; the rest keep their "off" defaults."""
+    from pymoe.serve.app import make_job
+    from pymoe.serve.schemas import ChatRequest, CompletionRequest, parse
+    from pymoe.engine.sampler import dry_breaker_sequences
+
+    req = parse(ChatRequest, {"messages": [{"role": "user", "content": "hi"}], **LLAMACPP_FIELDS, "n_probs": 3})
+    job = make_job(req, [1, 2, 3], CTX, reference.config.n_vocab, tokenizer=reference.tokenizer, parallel=2)
+    for name, value in LLAMACPP_FIELDS.items():
+        where = job if name in ("cache_prompt", "id_slot") else job.sampling
+        if name != "dry_sequence_breakers":
+            assert getattr(where, name) == value, name
+    assert job.sampling.dry_breakers == dry_breaker_sequences(reference.tokenizer, ["\n", "#"])
+    assert any(not tail for _, tail in job.sampling.dry_breakers)  # the vocabulary has tokens holding them
+    assert job.top_logprobs == 3  # n_probs: top_logprobs with logprobs on
+    mirostat = parse(CompletionRequest, {"prompt": "hi", "mirostat": 2, "mirostat_tau": 3.0, "mirostat_eta": 0.2,
+                                         "n_probs": 2}).sampling()
+    assert (mirostat.mirostat, mirostat.mirostat_tau, mirostat.mirostat_eta) == (2, 3.0, 0.2)
+    plain = make_job(parse(ChatRequest, {"messages": [{"role": "user", "content": "hi"}]}), [1, 2], CTX,
+                     reference.config.n_vocab, tokenizer=reference.tokenizer, parallel=2)
+    assert plain.sampling.dry_multiplier == 0 and plain.sampling.dry_breakers == () and plain.cache_prompt
+    assert (plain.id_slot, plain.sampling.mirostat, plain.sampling.min_tokens, plain.top_logprobs) == (-1, 0, 0, None)
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_llamacpp_sampling_fields_are_accepted(server, kind):
+    for fields in (LLAMACPP_FIELDS, {"mirostat": 1, "mirostat_tau": 4.0, "mirostat_eta": 0.2, "top_k": 0},
+                   {"mirostat": 2, "n_probs": 2, "temperature": 0.7, "seed": 3}):
+        r = post(server, kind, fields)
+        assert r.status_code == 200, (fields, r.text)
+
+
+def test_dry_and_min_tokens_change_the_answer_as_the_reference_sampler_does(server, reference):
+    """Greedy with DRY equals the reference engine's greedy with the same DRY settings (the breakers' ids from
+    dry_breaker_sequences) and differs from plain greedy on a repetitive prompt; min_tokens keeps the end token out:
+    with a +100 bias on it the answer is that token alone, and with min_tokens 3 it comes fourth."""
+    from pymoe.engine.sampler import dry_breaker_sequences
+
+    prompt = "a b c a b c a b c a b"
+    dry = {"dry_multiplier": 2.0, "dry_base": 1.75, "dry_allowed_length": 1, "dry_penalty_last_n": 64}
+    want = "".join(reference.stream(prompt, max_tokens=12, temperature=0, **dry,
+                                    dry_breakers=dry_breaker_sequences(reference.tokenizer, ["\n", ":", '"', "*"])))
+    plain = "".join(reference.stream(prompt, max_tokens=12, temperature=0))
+    assert want != plain, "DRY changes nothing on this prompt: pick another"
+    r = post(server, "completion", {"prompt": prompt, "temperature": 0, "max_tokens": 12, **dry})
+    assert r.json()["choices"][0]["text"] == want
+    eos = reference.tokenizer.eos_id
+    for min_tokens, n in ((0, 1), (3, 4)):
+        r = post(server, "completion", {"prompt": prompt, "temperature": 0, "max_tokens": 8, "min_tokens": min_tokens,
+                                        "logit_bias": {str(eos): 100}})
+        assert (r.json()["usage"]["completion_tokens"], r.json()["choices"][0]["finish_reason"]) == (n, "stop"), r.text
+
+
+def test_cache_prompt_and_id_slot(server):
+    """cache_prompt false reads the whole prompt again (cached_tokens 0 where the default reuses it); id_slot runs the
+    request in that slot (the request line in /v1/status names it)."""
+    prompt = "The expert cache holds the experts a token needs"
+    post(server, "completion", {"prompt": prompt})
+    again = post(server, "completion", {"prompt": prompt}).json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert again > 0
+    fresh = post(server, "completion", {"prompt": prompt, "cache_prompt": False}).json()
+    assert fresh["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    for slot in (1, 0, 1):
+        assert post(server, "completion", {"prompt": f"slot {slot}", "id_slot": slot}).status_code == 200
+        assert status(server)["recent"][-1]["slot"] == slot
+
+
+@pytest.mark.parametrize("kind, fields, param", [
+    ("chat", {"mirostat": 2, "top_p": 0.9}, "top_p"), ("completion", {"mirostat": 1, "top_k": 40}, "top_k"),
+    ("chat", {"mirostat": 1, "min_p": 0.1}, "min_p"), ("chat", {"mirostat": 2, "typical_p": 0.5}, "typical_p"),
+    ("chat", {"mirostat": 2, "xtc_probability": 0.5}, "xtc_probability"),
+    ("chat", {"mirostat": 2, "top_n_sigma": 1.0}, "top_n_sigma"), ("chat", {"mirostat": 3}, "mirostat"),
+    ("chat", {"dry_base": 0.5}, "dry_base"), ("chat", {"dry_sequence_breakers": []}, "dry_sequence_breakers"),
+    ("chat", {"dry_sequence_breakers": ["x" * 41]}, "dry_sequence_breakers"), ("chat", {"typical_p": 1.5}, "typical_p"),
+    ("completion", {"id_slot": 2}, "id_slot"), ("completion", {"id_slot": 0, "n": 2}, "id_slot"),
+    ("chat", {"n_probs": 2, "logprobs": True, "top_logprobs": 3}, "n_probs"),
+    ("completion", {"n_probs": 2, "logprobs": 1}, "n_probs"), ("completion", {"n_probs": 6}, "n_probs"),
+    ("chat", {"min_tokens": -1}, "min_tokens"), ("chat", {"cache_prompt": 1}, "cache_prompt")])
+def test_a_bad_llamacpp_sampling_field_is_a_400_naming_it(server, kind, fields, param):
+    r = post(server, kind, fields)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_n_probs_is_logprobs(server):
+    chat = post(server, "chat", {"n_probs": 2, "temperature": 0}).json()["choices"][0]["logprobs"]["content"]
+    assert chat and all(len(entry["top_logprobs"]) == 2 for entry in chat)
+    done = post(server, "completion", {"n_probs": 3, "temperature": 0}).json()["choices"][0]["logprobs"]
+    assert done["top_logprobs"] and all(len(top) == 3 for top in done["top_logprobs"])
+    assert post(server, "chat", {"n_probs": 0}).json()["choices"][0]["logprobs"] is None  # 0: none, as llama.cpp's
 
 
 def test_completion_echo(client, reference):
@@ -925,3 +1058,27 @@ def test_langchain_bind_tools(tools_client):
                      seed=3, max_retries=0, timeout=60)
     msg = llm.bind_tools([GetWeather], tool_choice="GetWeather").invoke("weather in Paris?")
     assert [c["name"] for c in msg.tool_calls] == ["GetWeather"] and isinstance(msg.tool_calls[0]["args"]["city"], str)
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "loop", "schema": {
+        "type": "object", "properties": {"next": {"$ref": "#"}}, "required": ["next"]}}}}, "response_format"),
+    ({"json_schema": {"$defs": {"a": {"type": "object", "properties": {"a": {"$ref": "#/$defs/a"}},
+                                      "required": ["a"]}}, "$ref": "#/$defs/a"}}, "json_schema")])
+def test_a_schema_that_admits_no_value_is_a_400_without_engine_internals(server, fields, param):
+    """A $ref recursion with no base case was a 500 carrying the grammar engine's state dump, after the first token."""
+    r = post(server, "chat", fields)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and "admits no value" in err["message"]
+    assert "\n" not in err["message"] and "<state>" not in err["message"] and "Parser" not in err["message"]
+
+
+def test_a_forced_tool_whose_parameters_admit_no_value_is_a_400(tools_server):
+    loop = {"type": "object", "properties": {"again": {"$ref": "#"}}, "required": ["again"]}
+    r = httpx.post(tools_server.url + "/v1/chat/completions", headers=auth(), timeout=60, json={
+        "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "tool_choice": "required",
+        "tools": [{"type": "function", "function": {"name": "loop", "parameters": loop}}]})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "tools" and "admit no value" in err["message"] and "\n" not in err["message"]

@@ -295,7 +295,9 @@ HOSTILE = [-1, 2**64, 1e308, 5e-324, "x", [None], {"a": [1]}]
 FIELDS = ["max_tokens", "temperature", "top_p", "seed", "stop", "stream", "stream_options", "top_k", "min_p",
           "repeat_penalty", "ignore_eos", "response_format", "grammar", "json_schema", "n", "presence_penalty",
           "frequency_penalty", "logit_bias", "logprobs", "top_logprobs", "tools", "tool_choice", "parallel_tool_calls",
-          "user", "model", "messages"]
+          "user", "model", "messages", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat",
+          "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length", "dry_penalty_last_n",
+          "dry_sequence_breakers", "min_tokens", "n_probs", "cache_prompt", "id_slot", "reasoning_format"]
 
 
 def test_no_hostile_value_of_any_field_gives_a_5xx(server):

@@ -31,6 +31,93 @@ ANY_JSON_OBJECT = {"type": "object"}  # response_format json_object: any JSON ob
 JSON_OPTIONS = {"whitespace_flexible": False}
 
 
+# --- a JSON schema that no finite value satisfies --------------------------------------------------------------------
+
+def _pointer(schema: dict, ref: str):
+    """A local $ref ("#", "#/$defs/a", "#/definitions/a~1b") -> the node it names, or None (not local, or absent)."""
+    if not ref.startswith("#"):
+        return None
+    node = schema
+    for part in filter(None, ref[1:].split("/")):
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        elif isinstance(node, dict) and part in node:
+            node = node[part]
+        else:
+            return None
+    return node
+
+
+def _local_refs(node, out: set) -> set:
+    """Every local "$ref" string anywhere in the schema."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, dict):
+            ref = n.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                out.add(ref)
+            stack.extend(n.values())
+        elif isinstance(n, list):
+            stack.extend(n)
+    return out
+
+
+def admits_a_value(schema: dict) -> bool:
+    """Whether some finite JSON value can satisfy the schema, as far as its $refs decide it: the least fixpoint of
+    "this node has a finite value", a $ref being finite only once its target is shown to be. Every kind of value
+    counts as finite except an object with a required property that is not, an array that needs an item (minItems,
+    prefixItems) that is not, a $ref to a node that is not, allOf with a part that is not, and anyOf / oneOf with no
+    part that is. So {"properties": {"next": {"$ref": "#"}}, "required": ["next"], "type": "object"} admits none
+    (every value would hold another), and without "required" it does ({}). What this is not: a full satisfiability
+    check (contradicting keywords, enum against type, ...): those are the grammar compiler's."""
+    refs = sorted(_local_refs(schema, set()))
+    finite: dict = {}
+
+    def has_value(node) -> bool:
+        if isinstance(node, bool):
+            return node
+        if not isinstance(node, dict):
+            return True
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#") and not finite.get(ref, False):
+            return False
+        if any(not has_value(part) for part in node.get("allOf", ())):
+            return False
+        for key in ("anyOf", "oneOf"):
+            if isinstance(node.get(key), list) and node[key] and not any(has_value(part) for part in node[key]):
+                return False
+        types = node.get("type")
+        types = [types] if isinstance(types, str) else types if isinstance(types, list) else None
+        if types is not None and not any(has_type(node, t) for t in types):
+            return False
+        return True
+
+    def has_type(node, kind) -> bool:
+        if kind == "object":
+            props = node.get("properties") if isinstance(node.get("properties"), dict) else {}
+            return all(has_value(props.get(name, True)) for name in node.get("required", ()) if isinstance(name, str))
+        if kind == "array":
+            prefix = node.get("prefixItems") if isinstance(node.get("prefixItems"), list) else []
+            need = node.get("minItems", 0) if isinstance(node.get("minItems"), int) else 0
+            if not all(has_value(p) for p in prefix[:need]):
+                return False
+            return need <= len(prefix) or has_value(node.get("items", True))
+        return True
+
+    for _ in range(len(refs) + 1):  # each round shows at least one more $ref finite, or nothing changes
+        changed = False
+        for ref in refs:
+            target = _pointer(schema, ref)
+            ok = True if target is None else has_value(target)  # a $ref that names nothing: the compiler's to say
+            if ok and not finite.get(ref, False):
+                finite[ref], changed = True, True
+        if not changed:
+            break
+    return has_value(schema)
+
+
 def _llguidance():
     try:
         import llguidance
@@ -58,6 +145,9 @@ class Grammar:
                 schema = json.loads(source) if isinstance(source, str) else source
                 if not isinstance(schema, dict):
                     raise PymoeError(f"invalid {kind}: a JSON schema is an object")
+                if not admits_a_value(schema):
+                    raise PymoeError(f"invalid {kind}: the schema admits no value (a part every value must have "
+                                     "has none: a $ref recursion with no base case, or a false schema)")
                 text = llg.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
             elif kind == "gbnf":
                 text = llg.grammar_from("lark", llg.gbnf_to_lark.gbnf_to_lark(source))
@@ -70,10 +160,10 @@ class Grammar:
         except PymoeError:
             raise
         except Exception as e:  # noqa: BLE001  the user's text met the compilers (json, gbnf_to_lark: plain Exception)
-            raise PymoeError(f"invalid {kind}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+            raise PymoeError(f"invalid {kind}: {first_line(str(e)) or type(e).__name__}") from None
         error = llg.LLMatcher.validate_grammar(text)
         if error and not error.startswith("WARNING"):
-            raise PymoeError(f"invalid {kind}: {error.splitlines()[0]}")
+            raise PymoeError(f"invalid {kind}: {first_line(error)}")
         return cls(kind, text)
 
     def constraint(self, tokenizer) -> "Constraint":
@@ -106,6 +196,11 @@ def ll_tokenizer(tokenizer):
     return tokenizer._ll_tokenizer
 
 
+def first_line(error: str) -> str:
+    """A compiler's message about the user's grammar, without the engine's state dump that may follow it."""
+    return error.split("<state>")[0].strip().splitlines()[0] if error.strip() else ""
+
+
 class Constraint:
     """One sequence's position in a grammar: which tokens may come next, and the tokens taken so far."""
 
@@ -114,7 +209,7 @@ class Constraint:
         self.grammar, self.n_vocab = grammar, n_vocab
         self.matcher = llg.LLMatcher(ll_tok, grammar.text, log_level=0)
         if self.matcher.is_error():
-            raise PymoeError(f"invalid {grammar.kind}: {self.matcher.get_error()}")
+            raise PymoeError(f"invalid {grammar.kind}: {first_line(self.matcher.get_error())}")
         self._bits = llg.numpy.allocate_token_bitmask(1, n_vocab)  # int32 [1, ceil(V / 32)]
 
     def allowed(self) -> np.ndarray:
@@ -124,9 +219,12 @@ class Constraint:
         return ((bits[:, None] >> np.arange(32, dtype=np.uint32)) & 1).astype(bool).reshape(-1)[:self.n_vocab]
 
     def accept(self, token: int) -> None:
+        """Move on by one drawn token. The mask allowed it, so a refusal is the engine giving up (its item limit, on
+        a grammar too complex for it at this point): one line saying so, not the engine's state."""
         if not self.matcher.consume_token(int(token)):
-            raise PymoeError(f"token {token} is outside the {self.grammar.kind} grammar: "
-                             f"{self.matcher.get_error()}")
+            why = ("the grammar engine's work limit was reached (the grammar is too complex at this point)"
+                   if "too many items" in self.matcher.get_error().lower() else "the grammar engine refused it")
+            raise PymoeError(f"the {self.grammar.kind} grammar stopped at token {token}: {why}")
 
     @property
     def finished(self) -> bool:

@@ -190,6 +190,12 @@ class MessagesRequest(ToolsMixin, Strict):
 
     # what app.make_job asks of a request
     ignore_eos: ClassVar[bool] = False
+    cache_prompt: ClassVar[bool] = True
+    id_slot: ClassVar[int] = -1
+    dry_sequence_breakers: ClassVar[tuple] = ()
+
+    def check_sampling(self) -> None:
+        pass
 
     def template_messages(self) -> list:
         system = [{"role": "system", "content": _text(self.system)}] if self.system else []

@@ -33,19 +33,23 @@ import math
 import os
 import re
 import socket
+import sys
 import threading
 import time
 import uuid
+from dataclasses import replace
 from typing import Optional
 
 from pymoe.engine.generate import RequestStats
 from pymoe.engine.kv import kv_nbytes
+from pymoe.engine.sampler import dry_breaker_sequences
 from pymoe.errors import PymoeError
-from pymoe.serve import anthropic, tools
+from pymoe.serve import anthropic, reasoning, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
+from pymoe.serve.middleware import JOBS_KEY, LOCALHOST, AccessLog, Cors
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
-from pymoe.serve.schemas import (ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest, DetokenizeRequest,
-                                 TokenizeRequest, parse)
+from pymoe.serve.schemas import (DRY_BREAKERS, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest,
+                                 DetokenizeRequest, TokenizeRequest, parse)
 
 OUTCOMES = {400: "bad_request", 401: "unauthorized", 404: "not_found", 405: "bad_method", 408: "timeout",
             413: "too_large", 429: "rejected"}  # /metrics labels
@@ -172,10 +176,19 @@ def forced_call_grammar(req, choice: Optional[str], job: Job, tokenizer=None):
         raise ApiError(400, f"'tools': {e}", code="invalid_value", param="tools") from None
 
 
-def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None) -> Job:
-    """Check the prompt against the context and the vocabulary -> a Job (400 on what is wrong)."""
+def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dict] = None, tokenizer=None,
+             parallel: int = 1) -> Job:
+    """Check the prompt against the context and the vocabulary, the sampling fields against each other, id_slot
+    against the slots -> a Job (400 on what is wrong). tokenizer: for DRY's breakers (their token ids)."""
     param = getattr(req, "PROMPT_PARAM", "messages" if isinstance(req, ChatRequest) else "prompt")
     req.check_logit_bias(n_vocab)
+    req.check_sampling()
+    if not -1 <= req.id_slot < parallel:
+        raise ApiError(400, f"'id_slot' must be -1 (any slot) or a slot index 0..{parallel - 1} (--parallel "
+                            f"{parallel}), got {req.id_slot}", code="invalid_value", param="id_slot")
+    if req.id_slot >= 0 and getattr(req, "n", 1) > 1:
+        raise ApiError(400, "'id_slot' names one slot, and 'n' > 1 choices run in several: give one of them",
+                       code="invalid_value", param="id_slot")
     if not prompt:
         raise ApiError(400, "the prompt is empty", code="invalid_value", param=param)
     if min(prompt) < 0 or max(prompt) >= n_vocab:
@@ -184,9 +197,13 @@ def make_job(req, prompt: list, n_ctx: int, n_vocab: int, defaults: Optional[dic
         raise ApiError(400, f"the prompt of {len(prompt)} tokens does not fit the context of {n_ctx} tokens "
                             "(room is needed for at least one generated token)", code="context_length_exceeded",
                        param=param)
-    return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=req.sampling(defaults),
+    sampling = req.sampling(defaults)
+    if sampling.dry_multiplier and tokenizer is not None:
+        breakers = req.dry_sequence_breakers or DRY_BREAKERS  # Anthropic's request has none: llama.cpp's default
+        sampling = replace(sampling, dry_breakers=dry_breaker_sequences(tokenizer, breakers))
+    return Job(prompt_ids=prompt, max_tokens=req.max_new_tokens(n_ctx - len(prompt)), sampling=sampling,
                stop=req.stop_strings(), ignore_eos=req.ignore_eos, grammar=req.output_grammar(),
-               top_logprobs=req.top_logprobs_n())
+               top_logprobs=req.top_logprobs_n(), cache_prompt=req.cache_prompt, id_slot=req.id_slot)
 
 
 def asyncio_sink(queue: asyncio.Queue, index: int = 0):
@@ -258,6 +275,9 @@ class Reply:
         self.text_offset = {}  # completions' logprobs: choice index -> where its next token's text starts
         self.calls = None  # chat with tools in play: "all" or "first" (parallel_tool_calls false) calls are kept
         self.fmt, self.specs = "hermes", []  # then: the template's tool format (serve/tools.py), the tools in play
+        # chat with --reasoning-format deepseek: "think" (a leading <think> block, serve/reasoning.py) or "harmony"
+        # (gpt-oss' analysis channel) becomes reasoning_content; think_open: the prompt ends inside <think>
+        self.reasoning, self.think_open = None, False
 
     def choice(self, text: Optional[str], reason: Optional[str], stream: bool, role: bool = False,
                logprobs: Optional[list] = None, index: int = 0) -> dict:
@@ -268,16 +288,27 @@ class Reply:
         if self.kind == "completion":
             return {"index": index, "text": text or "", "logprobs": lp, "finish_reason": reason}
         msg = {"role": "assistant"} if role or not stream else {}
-        calls = []
+        calls, thought = [], None
+        if self.reasoning == "think" and text is not None and not stream:
+            thought, text = reasoning.split(text, self.think_open)
+        elif self.reasoning == "harmony" and text is not None and not stream:
+            thought = tools.FORMATS["harmony"].reasoning(text) or None
         if self.calls is not None and text is not None and not stream:
             text, calls = tools.parse_calls(text, self.fmt, self.specs)
             calls = calls[:1] if self.calls == "first" else calls
         if text is not None or calls:
             msg["content"] = text
+        if thought is not None:
+            msg["reasoning_content"] = thought
         if calls:
             msg["tool_calls"] = calls
             reason = "tool_calls" if reason == "stop" else reason
         return {"index": index, "delta" if stream else "message": msg, "logprobs": lp, "finish_reason": reason}
+
+    def reasoning_delta(self, text: str, index: int = 0) -> list:
+        """Streamed reasoning, as llama.cpp streams it: a chunk whose delta is {"reasoning_content": text}."""
+        return [self.envelope([{"index": index, "delta": {"reasoning_content": text}, "logprobs": None,
+                                "finish_reason": None}], stream=True)] if text else []
 
     def call_deltas(self, calls: list, first: int, index: int = 0) -> list:
         """Streamed tool calls, numbered from `first`, in OpenAI's chunk shape: per call, a delta with its index, id,
@@ -323,11 +354,15 @@ def sse(obj) -> str:
 def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", api_key: Optional[str] = None,
                max_body_bytes: int = 4 << 20, log=lambda line: None, spec: Optional[str] = None, spec_k: int = 4,
                prefill_chunk: int = PREFILL_CHUNK, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
-               sampling_defaults: Optional[dict] = None, telemetry=None):
+               sampling_defaults: Optional[dict] = None, cors_origins: tuple = (), access_log=None,
+               log_format: str = "text", reasoning_format: str = "deepseek", telemetry=None):
     """The FastAPI app and its Scheduler (started and stopped with the app's lifespan); -> app
     (the Scheduler in its `state.scheduler`). sampling_defaults: SamplingParams fields for requests that leave them out.
     request_timeout: seconds from a request's arrival after which its generation ends as if at max_tokens, and
-    reading its body gives up (408); None: no limit."""
+    reading its body gives up (408); None: no limit. cors_origins: middleware.parse_origins' (): no CORS headers.
+    access_log: a function taking each request's line (middleware.AccessLog, `log_format` text or json); None: none.
+    reasoning_format: "deepseek" (a chat answer's <think> block, or gpt-oss' analysis channel, is reasoning_content)
+    or "none" (kept in the content; gpt-oss' analysis left out); a request's own reasoning_format wins."""
     from fastapi import Depends, FastAPI, Request
     from fastapi.exceptions import RequestValidationError
     from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
@@ -337,6 +372,10 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     if request_timeout is not None and not request_timeout > 0:
         raise PymoeError(f"the request time limit must be > 0 seconds, got {request_timeout}")
+    if reasoning_format not in reasoning.FORMATS:
+        raise PymoeError(f"--reasoning-format must be one of {', '.join(reasoning.FORMATS)}, got {reasoning_format!r}")
+    if log_format not in ("text", "json"):
+        raise PymoeError(f"--log-format must be text or json, got {log_format!r}")
 
     scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k,
                           prefill_chunk=prefill_chunk, telemetry=telemetry)
@@ -353,6 +392,9 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     app = FastAPI(title="pymoe", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.scheduler = scheduler
+    app.add_middleware(Cors, origins=tuple(cors_origins))  # the last added is the outermost: the log sees all
+    if access_log is not None:
+        app.add_middleware(AccessLog, write=access_log, fmt=log_format)
 
     @app.exception_handler(ApiError)
     async def api_error(request, e: ApiError):
@@ -445,28 +487,38 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
         choice = tool_mode(req, engine.tokenizer)
-        job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab, sampling_defaults)
+        text = chat_prompt(req, engine.tokenizer) if kind == "chat" else None
+        ids = engine.tokenizer.encode(text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
+        job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
         job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
         job.preserved = preserved_markers(choice, engine.tokenizer) if kind == "chat" else frozenset()
+        thinking = kind == "chat" and (req.reasoning_format or reasoning_format) == "deepseek"
+        if thinking and tools.tool_format(engine.tokenizer.chat_template) != "harmony":
+            job.preserved |= reasoning.think_markers(engine.tokenizer)  # <think> as text, where it is a control token
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
         # completions' echo: the prompt's text before the continuation (a token-id prompt decoded)
         echo = "" if kind == "chat" or not req.echo else (
             req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
-        return req, jobs, choice, echo
+        # a prompt that opens <think> starts the answer in the reasoning, unless a grammar (a forced call, a format)
+        # decides the answer from its first token
+        return req, jobs, choice, echo, thinking and job.grammar is None and reasoning.opens_thinking(text)
 
     async def complete(request: Request, kind: str):
         arrived = time.perf_counter()
-        req, jobs, choice, echo = await asyncio.to_thread(prepare, kind, await read_body(request))
+        req, jobs, choice, echo, think_open = await asyncio.to_thread(prepare, kind, await read_body(request))
         job = jobs[0]
         for j in jobs:
             j.deadline = deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
         submit_all(jobs, events)
+        request.scope[JOBS_KEY] = jobs  # the access log's token counts
         reply = Reply(kind, name, engine.tokenizer)
         fmt = tools.tool_format(engine.tokenizer.chat_template) if kind == "chat" else None
         if choice is not None or fmt == "harmony":  # answers are read for tool calls (harmony: for its channels too)
             reply.calls = "first" if not req.parallel_tool_calls else "all"
             reply.fmt, reply.specs = fmt, tool_specs(req) if choice is not None else []
+        if kind == "chat" and (req.reasoning_format or reasoning_format) == "deepseek":
+            reply.reasoning, reply.think_open = "harmony" if fmt == "harmony" else "think", think_open
         reply.text_offset = dict.fromkeys(range(req.n), len(echo))
         if req.stream:
             return StreamingResponse(stream_reply(jobs, events, reply, req.stream_options.include_usage, echo),
@@ -502,6 +554,26 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls)
                    for _ in jobs]
         n_calls = [0] * len(jobs)
+        # with reasoning split out: a leading <think> block read off first (reasoning.ThinkStream), or gpt-oss'
+        # analysis channel re-read from the answer so far (`thought`: what was sent of it)
+        thinking = [reasoning.ThinkStream(reply.think_open) if reply.reasoning == "think" else None for _ in jobs]
+        thought = [""] * len(jobs)
+
+        def answer(index: int, piece: str, final: bool = False) -> list:
+            """A piece of the answer (final: its end) -> its chunks: reasoning, content, calls."""
+            out = []
+            if thinking[index] is not None:
+                thought_piece, piece = thinking[index].feed(piece, final)
+                out += [sse(c) for c in reply.reasoning_delta(thought_piece, index)]
+            if reading[index] is None:
+                return out + deltas(index, piece, [])
+            text, calls = reading[index].feed(piece, final)
+            if reply.reasoning == "harmony":
+                so_far = tools.FORMATS["harmony"].reasoning(reading[index].text, final)
+                new = so_far[len(thought[index]):] if so_far.startswith(thought[index]) else ""
+                thought[index] += new
+                out += [sse(c) for c in reply.reasoning_delta(new, index)]
+            return out + deltas(index, text, calls)
 
         def deltas(index: int, text: str, calls: list) -> list:
             out = []
@@ -517,13 +589,13 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             if ev == "logprobs":
                 logprobs[index].append(value)
             elif ev == "piece":
-                for chunk in deltas(index, *((value, []) if reading[index] is None else reading[index].feed(value))):
+                for chunk in answer(index, value):
                     yield chunk
             elif ev == "error":
                 yield sse(ApiError(500, value).body())
             else:
-                if reading[index] is not None:
-                    for chunk in deltas(index, *reading[index].close()):
+                if reading[index] is not None or thinking[index] is not None:
+                    for chunk in answer(index, "", final=True):
                         yield chunk
                     value = "tool_calls" if n_calls[index] and value == "stop" else value
                 yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs[index] or None,
@@ -550,7 +622,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         def prepare():
             choice = tool_mode(req, engine.tokenizer)
             job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab,
-                           sampling_defaults)
+                           sampling_defaults, engine.tokenizer, parallel)
             job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
             job.preserved = preserved_markers(choice, engine.tokenizer)
             return job, choice
@@ -559,6 +631,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         job.deadline = deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
         submit_all([job], events)
+        request.scope[JOBS_KEY] = [job]
         reply = anthropic.MessageReply(name)
         fmt = tools.tool_format(engine.tokenizer.chat_template)
         calls = None if choice is None and fmt != "harmony" else ("all" if req.parallel_tool_calls else "first")
@@ -700,14 +773,18 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
           log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
-          sampling_defaults: Optional[dict] = None, telemetry: Optional[str] = None,
-          telemetry_interval: float = 10.0, **engine_options) -> None:
+          sampling_defaults: Optional[dict] = None, cors_origins: tuple = (LOCALHOST,), log_format: str = "text",
+          reasoning_format: str = "deepseek", telemetry: Optional[str] = None, telemetry_interval: float = 10.0,
+          **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
-    telemetry: append a line per request, and a resource sample every `telemetry_interval` s, to that file
-    (experts/telemetry.py)."""
+    The access log (one line per request) goes to stderr. telemetry: append a line per request, and a resource
+    sample every `telemetry_interval` s, to that file (experts/telemetry.py)."""
     import uvicorn
 
     from pymoe.api import load
+
+    def access_log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     if not is_loopback(host) and not api_key:
         log(f"warning: listening on {host} without --api-key: anyone who can reach this port can use the model")
@@ -727,8 +804,10 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
             + (f", a resource sample every {telemetry_interval:g} s" if telemetry_interval else ""))
     app = create_app(engine, parallel=parallel, max_queue=max_queue, kv=kv, api_key=api_key,
                      max_body_bytes=max_body_bytes, log=log, spec=spec, spec_k=spec_k, prefill_chunk=prefill_chunk,
-                     request_timeout=request_timeout, sampling_defaults=sampling_defaults, telemetry=writer)
+                     request_timeout=request_timeout, sampling_defaults=sampling_defaults, cors_origins=cors_origins,
+                     access_log=access_log, log_format=log_format, reasoning_format=reasoning_format, telemetry=writer)
     sock = listening_socket(host, port)
+    log(f"CORS: Access-Control-Allow-Origin for {', '.join(cors_origins)}" if cors_origins else "CORS: off")
     log(f"listening on http://{host}:{port} (OpenAI API at /v1, metrics at /metrics, the monitor page at /)")
     try:
         uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False)).run(sockets=[sock])

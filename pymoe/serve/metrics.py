@@ -34,7 +34,7 @@ def status_of(scheduler, experts: bool = False) -> dict:
         status = dict(
             model=model_id(eng), arch=cfg.arch, backend=eng.backend.name, n_ctx=S.n_ctx,
             kv=S.kv_kind, kv_bytes_per_slot=kv_nbytes(S.slots[0].kv), parallel=len(S.slots),
-            max_queue=S.max_queue, prefill_chunk=S.prefill_chunk, queue_depth=S.queue.qsize(),
+            max_queue=S.max_queue, prefill_chunk=S.prefill_chunk, queue_depth=S.waiting(),
             max_batch=S.max_batch,
             slots=[slot_of(s) for s in S.slots],
             cache=dict(describe=cache.describe(), slots=cache.n_slots, experts=n_experts,
@@ -94,7 +94,7 @@ class ServerCollector:
         for outcome, n in sorted(outcomes.items()):
             req.add_metric([outcome], n)
         yield req
-        yield GaugeMetricFamily("pymoe_queue_depth", "Requests waiting for a slot.", value=S.queue.qsize())
+        yield GaugeMetricFamily("pymoe_queue_depth", "Requests waiting for a slot.", value=S.waiting())
         yield GaugeMetricFamily("pymoe_slots_busy", "Slots decoding a request.", value=S.busy())
         yield GaugeMetricFamily("pymoe_slots", "Parallel slots (--parallel).", value=len(S.slots))
         for name, doc in (("prompt_tokens", "Prompt tokens received."),

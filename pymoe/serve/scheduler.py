@@ -11,7 +11,8 @@ What this is, in the order a job meets it:
     submit: a bounded queue of jobs waiting for a slot; full -> QueueFull with a retry estimate (admission control)
     admit:  a free slot for each queued job; the slot whose cached tokens share the longest prefix with the prompt
             is chosen, and that prefix's KV is reused ("prompt 26 tokens = 20 reused + 6 read"); the rest is
-            pending
+            pending. A job with `id_slot` takes that slot, waiting beside the queue while it is busy; one with
+            `cache_prompt` False reuses nothing
     share:  the n choices of one request (n > 1: `Job.sibling`, seeds seed + i) share one prefill (`Share`): the
             first sibling placed reads the prompt, siblings placed meanwhile wait in their slots, and after its last
             chunk each gets a copy of that slot's KV (KVCache.copy_from: K/V, MLA latent, Gated DeltaNet states) and
@@ -113,6 +114,8 @@ class Job:
     preserved: frozenset = frozenset()  # control token ids shown in the text: a tool format's markers (tools.py)
     top_logprobs: Optional[int] = None  # None: no ("logprobs", ...) events; n: each token's and the n best's
     share: Optional[Share] = None  # the n > 1 choices of one request: their prompt is prefilled once (`sibling`)
+    cache_prompt: bool = True  # False: the whole prompt is prefilled, no prefix of a slot's cache reused
+    id_slot: int = -1  # >= 0: the job runs in that slot, waiting for it when busy (llama.cpp's id_slot)
     sink: Optional[Callable[[tuple], None]] = None
     stats: RequestStats = field(default_factory=RequestStats)
     t_submit: float = 0.0
@@ -140,7 +143,7 @@ class Job:
         self.share.waiting += 1
         return Job(prompt_ids=self.prompt_ids, max_tokens=self.max_tokens, sampling=replace(self.sampling, seed=seed),
                    stop=self.stop, ignore_eos=self.ignore_eos, grammar=self.grammar, top_logprobs=self.top_logprobs,
-                   share=self.share, preserved=self.preserved)
+                   share=self.share, preserved=self.preserved, cache_prompt=self.cache_prompt)
 
     def cancel(self) -> None:
         self._cancelled.set()
@@ -221,6 +224,7 @@ class Scheduler:
                 slot.spec = Speculator(drafter.fork() if hasattr(drafter, "fork") else drafter, spec_k)
             self.model.count_experts = True  # distinct experts per step, for the request line
         self.queue: queue.Queue = queue.Queue(maxsize=max_queue)  # jobs waiting for a slot
+        self.pinned: list = []  # jobs off the queue waiting for the busy slot their id_slot names (engine thread)
         self.max_queue = max_queue
         self.lock = threading.Lock()
         self.outcomes: Counter = Counter()
@@ -244,6 +248,8 @@ class Scheduler:
         job.t_submit = time.perf_counter()
         job.load_mark = self._load(+1)
         try:
+            if self.waiting() >= self.max_queue:  # a pinned job still waits: it counts
+                raise queue.Full
             self.queue.put_nowait(job)
         except queue.Full:
             self._load(-1)
@@ -256,7 +262,7 @@ class Scheduler:
 
     def retry_after(self) -> int:
         """Seconds until a queue place is likely free: queued requests x mean request time / slots, in [1, 60]."""
-        est = (self.queue.qsize() + 1) * self.avg_request_s / len(self.slots)
+        est = (self.waiting() + 1) * self.avg_request_s / len(self.slots)
         return int(min(60, max(1, math.ceil(est))))
 
     def _load(self, delta: int) -> tuple:
@@ -266,6 +272,10 @@ class Scheduler:
             self.load_area += self.in_flight * (now - self._load_t)
             self._load_t, self.in_flight = now, self.in_flight + delta
             return self.in_flight, self.load_area
+
+    def waiting(self) -> int:
+        """Jobs waiting for a slot: queued, or off the queue waiting for the busy slot their id_slot names."""
+        return self.queue.qsize() + len(self.pinned)
 
     def count(self, outcome: str, n: int = 1) -> None:
         with self.lock:
@@ -312,6 +322,8 @@ class Scheduler:
         for s in self.slots:  # shutting down: nobody will decode these
             if s.job is not None:
                 self._finish(s, "error", "server shutting down")
+        for job in self.pinned:
+            job.emit("error", "server shutting down")
         with contextlib.suppress(queue.Empty):
             while True:
                 self.queue.get_nowait().emit("error", "server shutting down")
@@ -339,6 +351,11 @@ class Scheduler:
     def _drop_ended(self) -> None:
         """Free the slots of cancelled jobs; end those past their deadline as if at max_tokens."""
         now = time.perf_counter()
+        for job in [j for j in self.pinned if j.cancelled]:
+            self.pinned.remove(job)
+            job.done = True
+            job.emit("done", "cancelled")
+            self.count("cancelled")
         for s in self.slots:
             if s.job is not None and s.job.cancelled:
                 self._finish(s, "cancelled")
@@ -346,7 +363,14 @@ class Scheduler:
                 self._finish(s, "timeout")
 
     def _admit(self) -> None:
-        """Move queued jobs into free slots (blocking briefly when there is nothing else to do)."""
+        """Move queued jobs into free slots (blocking briefly when there is nothing else to do). A job whose id_slot
+        names a busy slot waits beside the queue (`pinned`) and goes first once that slot is free."""
+        for job in list(self.pinned):
+            slot = self.slots[job.id_slot]
+            if slot.job is None:
+                self.pinned.remove(job)
+                slot.job = job
+                self._for_job(slot, self._start, slot, job)
         idle = not any(s.job is not None for s in self.slots)
         while any(s.job is None for s in self.slots):
             try:
@@ -361,7 +385,10 @@ class Scheduler:
                 job.emit("done", "cancelled")
                 self.count("cancelled")
                 continue
-            slot = self._pick_slot(job.prompt_ids)
+            if job.id_slot >= 0 and self.slots[job.id_slot].job is not None:
+                self.pinned.append(job)
+                continue
+            slot = self.slots[job.id_slot] if job.id_slot >= 0 else self._pick_slot(job.prompt_ids)
             slot.job = job  # before _start: a job that fails there is still answered
             self._for_job(slot, self._start, slot, job)
 
@@ -379,7 +406,8 @@ class Scheduler:
         if slot.spec is not None:
             slot.spec.stats = SpecStats()
         constraint = job.grammar.constraint(self.tokenizer) if job.grammar is not None else None
-        job.sampler = Sampler(job.sampling, constraint=constraint, top_logprobs=job.top_logprobs)
+        job.sampler = Sampler(job.sampling, constraint=constraint, top_logprobs=job.top_logprobs,
+                              end_ids=self.tokenizer.eog_ids)  # min_tokens masks them
         job.text, job.history = TextStream(self.tokenizer, job.stop, job.preserved), list(prompt)
         slot.job = job
         st.n_prompt, st.n_reused, st.stop_reason = len(prompt), 0, "length"
@@ -404,6 +432,8 @@ class Scheduler:
         """The prompt's tokens not in the slot's cache become its pending tokens (prefix reuse)."""
         prompt, st = slot.job.prompt_ids, slot.job.stats
         reused = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)  # at least one token to get logits from
+        if not slot.job.cache_prompt:  # the request asked for the whole prompt to be read
+            reused = 0
         if self.model.cfg.has_recurrent_state and reused < slot.kv.n:  # a recurrent state cannot be cut back
             reused = 0
         if reused == 0:

@@ -5,7 +5,8 @@ Every field of /v1/chat/completions and /v1/completions is declared below as one
                   max_completion_tokens, temperature, top_p, seed, stop, stream, stream_options.include_usage,
                   user, presence_penalty, frequency_penalty, logit_bias, echo, response_format (text,
                   json_object, json_schema), logprobs and top_logprobs, n; and llama.cpp's top_k, min_p,
-                  repeat_penalty, ignore_eos, grammar (GBNF) and json_schema
+                  repeat_penalty, ignore_eos, grammar (GBNF), json_schema, typical_p, top_n_sigma, xtc_*,
+                  mirostat*, dry_*, min_tokens, n_probs, cache_prompt and id_slot
     unsupported   `unsupported(neutral...)`: absent, null or a value that asks for nothing (best_of: 1, tools: [],
                   tool_choice: "none", ...), else a 400 naming it
 A field no model declares is a 400 naming it too (extra="forbid"): nothing is accepted and silently ignored.
@@ -22,7 +23,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticCustomError, PydanticUndefined
 
 from pymoe.engine.grammar import Grammar
-from pymoe.engine.sampler import SamplingParams
+from pymoe.engine.sampler import DRY_MAX_BREAKER_BYTES, SamplingParams
 from pymoe.errors import PymoeError
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -112,7 +113,12 @@ MAX_TOKENS = 2**31 - 1  # llama.cpp's n_predict is an int32; the context bounds 
 MAX_STOP_CHARS = 1024  # one stop string: the text stream holds back that much text, and looks for it every token
 MAX_SEED = 2**64 - 1  # numpy's generators take any non-negative integer; llama.cpp's seeds are 32 bits
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repeat_penalty", "seed", "presence_penalty",
-                   "frequency_penalty")  # SamplingParams' names
+                   "frequency_penalty", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold", "mirostat",
+                   "mirostat_tau", "mirostat_eta", "dry_multiplier", "dry_base", "dry_allowed_length",
+                   "dry_penalty_last_n", "min_tokens")  # SamplingParams' names
+# what mirostat replaces (llama.cpp's chain has none of them under mirostat), with the value that asks for nothing
+MIROSTAT_REPLACES = (("top_k", 0), ("top_p", 1.0), ("min_p", 0.0), ("typical_p", 1.0), ("xtc_probability", 0.0))
+DRY_BREAKERS = ["\n", ":", "\"", "*"]  # llama.cpp's default dry_sequence_breakers
 
 
 StopString = Annotated[str, Field(max_length=MAX_STOP_CHARS)]
@@ -148,6 +154,34 @@ class Common(Strict):
     frequency_penalty: float = Field(0.0, ge=-2, le=2, description="a number in [-2, 2]")
     logit_bias: dict[str, Annotated[float, Field(ge=-100, le=100)]] = Field(
         {}, max_length=1024, description="an object of at most 1024 token ids (as strings) -> a bias in [-100, 100]")
+    # llama.cpp's further samplers (engine/sampler.py; docs/server.md "Sampling"); each default is "off"
+    typical_p: float = Field(1.0, ge=0, le=1, description="a number in [0, 1] (1: off)")
+    top_n_sigma: float = Field(-1.0, description="a number (<= 0: off)")
+    xtc_probability: float = Field(0.0, ge=0, le=1, description="a number in [0, 1]")
+    xtc_threshold: float = Field(0.1, ge=0, le=1, description="a number in [0, 1]")
+    mirostat: int = Field(0, ge=0, le=2, description="0 (off), 1 or 2")
+    # tau is a surprise in bits: log2 of a vocabulary of 2^64 tokens is 64; eta 1 moves mu by the whole error
+    mirostat_tau: float = Field(5.0, ge=0, le=64, description="a number in [0, 64] (bits)")
+    mirostat_eta: float = Field(0.1, ge=0, le=1, description="a number in [0, 1]")
+    dry_multiplier: float = Field(0.0, ge=0, le=100, description="a number in [0, 100] (0: off)")
+    dry_base: float = Field(1.75, ge=1, le=100, description="a number in [1, 100]")
+    dry_allowed_length: int = Field(2, ge=0, le=MAX_TOKENS, description="an integer >= 0")
+    dry_penalty_last_n: int = Field(64, ge=0, le=MAX_TOKENS, description="an integer >= 0 (0: off)")
+    dry_sequence_breakers: list[Annotated[str, Field(min_length=1)]] = Field(
+        DRY_BREAKERS, min_length=1, max_length=64, description="a non-empty list of at most 64 non-empty strings of "
+        f"at most {DRY_MAX_BREAKER_BYTES} bytes of UTF-8")
+    min_tokens: int = Field(0, ge=0, le=MAX_TOKENS, description="an integer >= 0")
+    # llama.cpp's cache_prompt and id_slot (the scheduler's prefix reuse and slots)
+    cache_prompt: bool = Field(True, description="a boolean (false: the prompt is read whole, no cached prefix)")
+    id_slot: int = Field(-1, ge=-1, le=MAX_TOKENS, description="an integer: -1 (any slot) or a slot's index")
+
+    @field_validator("dry_sequence_breakers")
+    @classmethod
+    def _breakers_fit(cls, breakers):
+        if any(len(b.encode("utf-8")) > DRY_MAX_BREAKER_BYTES for b in breakers):
+            raise PydanticCustomError("invalid_value", "{param}: each breaker is at most "
+                                      f"{DRY_MAX_BREAKER_BYTES} bytes of UTF-8 (llama.cpp's limit)")
+        return breakers
 
     def sampling(self, defaults: Optional[dict] = None) -> SamplingParams:
         """The request's sampling; a field the request does not set takes the server's default (`pymoe serve --temp
@@ -157,7 +191,24 @@ class Common(Strict):
                  for name in SAMPLING_FIELDS}
         if value["seed"] == -1:  # llama.cpp's "random": no seed (n > 1 choices then draw independently too)
             value["seed"] = None
+        # dry_breakers (token ids) are the app's to fill in: the strings' tokens need the tokenizer
         return SamplingParams(**value, logit_bias=tuple((int(t), float(b)) for t, b in self.logit_bias.items()))
+
+    def check_sampling(self) -> None:
+        """Mirostat replaces top-k, top-p, min-p, typical-p and XTC (llama.cpp's chain has none of them under
+        mirostat): a request that sets one of them to a value that asks for something, with mirostat, is a 400 naming
+        it rather than a field silently ignored."""
+        if not self.mirostat:
+            return
+        for name, neutral in MIROSTAT_REPLACES:
+            if name in self.model_fields_set and getattr(self, name) != neutral:
+                raise ApiError(400, f"'{name}' does not combine with 'mirostat', which chooses its own candidates "
+                                    f"(as on llama.cpp): leave it out or set it to {neutral}",
+                               code="invalid_value", param=name)
+        if "top_n_sigma" in self.model_fields_set and self.top_n_sigma > 0:
+            raise ApiError(400, "'top_n_sigma' does not combine with 'mirostat', which chooses its own candidates "
+                                "(as on llama.cpp): leave it out or set it to -1", code="invalid_value",
+                           param="top_n_sigma")
 
     def check_logit_bias(self, n_vocab: int) -> None:
         """The keys of logit_bias are token ids of this model (a 400 naming logit_bias otherwise)."""
@@ -263,10 +314,13 @@ class ChatRequest(Common):
     messages: list[Message] = Field(min_length=1, description="a non-empty list of {role, content}")
     logprobs: bool = Field(False, description="a boolean")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="an integer in [0, 20]")
+    n_probs: Optional[int] = Field(None, ge=0, le=20, description="an integer in [0, 20] (llama.cpp's top_logprobs)")
     tools: list[Tool] = Field([], max_length=128, description="a list of {type: function, function: {name, ...}}")
     tool_choice: Union[Literal["none", "auto", "required"], NamedToolChoice, None] = Field(
         None, description="'none', 'auto', 'required' or {type: function, function: {name}}")
     parallel_tool_calls: bool = Field(True, description="a boolean (false: the first call only)")
+    reasoning_format: Optional[Literal["none", "deepseek"]] = Field(
+        None, description="'none' or 'deepseek' (llama.cpp's: <think> blocks in reasoning_content)")
     functions: unsupported([]) = None
     function_call: unsupported("none") = None
     modalities: unsupported(["text"]) = None
@@ -277,7 +331,13 @@ class ChatRequest(Common):
     metadata: unsupported({}) = None
 
     def top_logprobs_n(self) -> Optional[int]:
-        """None: no log-probabilities; else the number of alternatives per token."""
+        """None: no log-probabilities; else the number of alternatives per token. llama.cpp's n_probs N > 0 is
+        logprobs: true with top_logprobs N (0: none asked, as on llama.cpp)."""
+        if self.n_probs:
+            if self.top_logprobs is not None and self.top_logprobs != self.n_probs:
+                raise ApiError(400, f"'n_probs' ({self.n_probs}) and 'top_logprobs' ({self.top_logprobs}) are the "
+                                    "same setting: give one", code="invalid_value", param="n_probs")
+            return self.n_probs
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -342,10 +402,17 @@ class CompletionRequest(Common):
         description="a string or a list of token ids (one prompt per request)")
     echo: bool = Field(False, description="a boolean (the prompt's text before the completion)")
     logprobs: Optional[int] = Field(None, ge=0, le=5, description="an integer in [0, 5]")
+    n_probs: Optional[int] = Field(None, ge=0, le=5, description="an integer in [0, 5] (llama.cpp's logprobs)")
     best_of: unsupported(1) = None
     suffix: unsupported("") = None
 
     def top_logprobs_n(self) -> Optional[int]:
+        """llama.cpp's n_probs N > 0 is logprobs N (0: none asked, as on llama.cpp)."""
+        if self.n_probs:
+            if self.logprobs is not None and self.logprobs != self.n_probs:
+                raise ApiError(400, f"'n_probs' ({self.n_probs}) and 'logprobs' ({self.logprobs}) are the same "
+                                    "setting: give one", code="invalid_value", param="n_probs")
+            return self.n_probs
         return self.logprobs
 
 

@@ -69,7 +69,8 @@ from typing import Optional
 
 from gguf import TokenType
 
-from pymoe.engine.grammar import JSON_OPTIONS, Grammar
+from pymoe.engine.grammar import JSON_OPTIONS, Grammar, admits_a_value
+from pymoe.errors import PymoeError
 
 JSON_TYPES = {"number", "integer", "boolean", "null", "object", "array"}  # bare-text values read as JSON
 
@@ -365,7 +366,8 @@ class Harmony(Format):
 
     def parse(self, text, specs=None, final=True):
         """Content: the final channel's text (and a commentary message to no one: a preamble); calls: the messages
-        to functions.NAME; analysis: dropped. Text with no harmony header at all is content as it stands."""
+        to functions.NAME; analysis: left out (`reasoning` reads it). Text with no harmony header at all is content
+        as it stands."""
         kept, calls = [], []
         segments = text.split("<|start|>")
         for k, seg in enumerate(segments):
@@ -390,6 +392,24 @@ class Harmony(Format):
             elif channel is None or channel.group(1) != "analysis":
                 kept.append(body if closed else body[:held_prefix(body, self.ends)])
         return finish(kept, calls, final)
+
+    def reasoning(self, text: str, final: bool = True) -> str:
+        """The analysis channel's text (gpt-oss' reasoning), its messages joined, as far as it is written (while
+        streaming, a suffix that may be the start of an end marker is held back)."""
+        out = []
+        segments = text.split("<|start|>")
+        for k, seg in enumerate(segments):
+            header, sep, body = seg.partition("<|message|>")
+            channel = self.channel.search(header)
+            if not sep or channel is None or channel.group(1) != "analysis" or self.recipient.search(header):
+                continue
+            end = min([i for i in (body.find(e) for e in self.ends) if i >= 0], default=-1)
+            if end >= 0:
+                body = body[:end]
+            elif not final and k == len(segments) - 1:
+                body = body[:held_prefix(body, self.ends)]
+            out.append(body)
+        return "".join(out)
 
     def call_rule(self, spec, tokenizer):
         return " ".join([lark_text(f"<|channel|>commentary to=functions.{spec['name']} <|constrain|>json<|message|>",
@@ -423,7 +443,12 @@ def parse_calls(text: str, fmt: str = "hermes", specs: Optional[list] = None) ->
 
 
 def call_grammar(specs: list, fmt: str = "hermes", tokenizer=None) -> Grammar:
-    """A forced call of one of `specs` ([{name, parameters}]) in format `fmt` (see Format.grammar)."""
+    """A forced call of one of `specs` ([{name, parameters}]) in format `fmt` (see Format.grammar). A tool whose
+    parameters admit no finite value (grammar.admits_a_value) is refused here, before the grammar engine meets it."""
+    for spec in specs:
+        if isinstance(spec["parameters"], dict) and not admits_a_value(spec["parameters"]):
+            raise PymoeError(f"the parameters of {spec['name']!r} admit no value (a part every value must have has "
+                             "none: a $ref recursion with no base case, or a false schema)")
     return FORMATS[fmt].grammar(specs, tokenizer)
 
 
