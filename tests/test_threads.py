@@ -78,6 +78,7 @@ def test_governed_only_without_a_thread_count(monkeypatch):
 def test_the_count_is_set_in_the_calling_thread():
     """Numba's thread count belongs to the thread that sets it: the server computes in its scheduler's thread."""
     backend = CPUBackend(threads=1)
+    backend.share_cpu()  # in this thread first: the worker's count must still be set in the worker
     seen = []
 
     def worker():

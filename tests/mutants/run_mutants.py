@@ -739,6 +739,37 @@ MUTANTS: list[Mutant] = [
         "builder.extract_element(ddx, ir.Constant(i32, g ^ 1)), a0])",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[MXFP4-8]",),
         "8-bit MXFP4 (exact per-group sums): each group's sum scaled by its neighbour's scale"),
+    Mutant(
+        "probe_reads_dense_layers", "pymoe/experts/probe.py",
+        "for i in cfg.moe_layers[:layers] for e",
+        "for i in range(min(layers, cfg.n_layers)) for e",
+        ("tests/test_every_command.py::test_every_command_on_every_family[glm4moe]",),
+        "pymoe probe asks the leading dense layers for experts (KeyError on glm4moe / deepseek2)"),
+    Mutant(
+        "trace_profile_layers_unshifted", "pymoe/experts/cache.py",
+        "return [int(k) + self.first_moe * self.n_experts for k in profile.keys()]",
+        "return [int(k) for k in profile.keys()]",
+        ("tests/test_every_command.py::test_every_command_on_every_family[glm4moe]",),
+        "a profile's MoE layers taken as the model's layers: the slots pre-filled with a dense layer's (no) experts"),
+    Mutant(
+        "unknown_tensor_accepted", "pymoe/gguf/loader.py",
+        "            if block is not None and cfg.n_layers <= block < n_blocks:",
+        "            if True:",
+        ("tests/test_every_command.py::test_blocks_beyond_block_count_are_refused",
+         "tests/test_every_command.py::test_a_tensor_under_an_unknown_name_is_refused"),
+        "a tensor the metadata does not account for is loaded without a word (llama.cpp refuses the file)"),
+    Mutant(
+        "governor_counts_own_threads", "pymoe/backends/threads.py",
+        "self.others = max(0.0, busy_cores - own_cores)",
+        "self.others = max(0.0, busy_cores)",
+        ("tests/test_threads.py::test_the_team_is_the_cores_the_others_leave",),
+        "the governor counts this process's own threads as others': a quiet machine runs one thread"),
+    Mutant(
+        "team_set_once_for_all_threads", "pymoe/backends/cpu.py",
+        "        me = threading.get_ident()",
+        "        me = 0",
+        ("tests/test_threads.py::test_the_count_is_set_in_the_calling_thread",),
+        "the team size is set in one thread only: the server's scheduler thread keeps Numba's default"),
 ]
 
 
