@@ -459,8 +459,13 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
               help="Predict hit rates as this expert profile's static bound (.bin, heat .json, trace .npz).")
 @click.option("--plot", "plot_path", default=None,
               help="Draw hit rate and predicted tok/s against VRAM to this image, the --vram sizes marked.")
+@click.option("--devices", default=None,
+              help="Several cards in one box at once, in pipeline order (e.g. 24GiB,16GiB): layers split over them, "
+                   "one slot pool each; one line per card and the whole model (docs/planning.md).")
+@click.option("--hop-us", default=None, type=Floats(min=0),
+              help="With --devices: latency of one card-to-card hop of the residual stream, us [default: 10].")
 def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, device_bw, pcie, fixed_ms, targets,
-             trace_path, profile_path, plot_path):
+             trace_path, profile_path, plot_path, devices, hop_us):
     """Capacity plan for MODEL: VRAM -> slots -> coverage -> hit rate -> spill -> predicted decode tok/s, and back.
 
     Formulas and the reference article's numbers worked through: docs/planning.md."""
@@ -469,7 +474,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
     click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
                            device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
                            runtime=runtime, n_ctx=n_ctx, targets=targets, trace_path=trace_path,
-                           profile_path=profile_path, plot_path=plot_path))
+                           profile_path=profile_path, plot_path=plot_path, devices=devices, hop_us=hop_us))
 
 
 @cli.command("simulate")
@@ -496,13 +501,22 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 @click.option("--prefetch", is_flag=True,
               help="Replay the router lookahead's prefetch the trace recorded (`pymoe run --lookahead N --trace`); "
                    "belady is left out.")
+@click.option("--devices", default=None,
+              help="One pool per card: N equal cards, or sizes (24GiB,16GiB) sharing layers and slots; per-card and "
+                   "total hit rates (--slots / --coverage are totals).")
 def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path, admit, max_inserts,
-                 warm_set, warm_inserts, prefetch):
+                 warm_set, warm_inserts, prefetch, devices):
     """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
 
     Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/trace-files.md."""
     from .experts.simulate import report
 
+    if devices is not None:
+        from .experts.multi import simulate_report
+
+        click.echo(simulate_report(trace, devices, policies=policies, slots=slots, coverage=coverage,
+                                   profile_path=profile_path, phase=phase), nl=False)
+        return
     click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,
                       phase=phase, plot_path=plot_path, progress=True, admit=admit, max_inserts=max_inserts,
                       warm_set=warm_set, warm_inserts=warm_inserts, prefetch=prefetch), nl=False)
