@@ -522,6 +522,34 @@ def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, pl
                       warm_set=warm_set, warm_inserts=warm_inserts, prefetch=prefetch), nl=False)
 
 
+@cli.command("placement")
+@click.argument("sources", nargs=-1, required=True)
+@click.option("--gpus", required=True, type=Ints(min=1), help="GPUs the experts are spread over (the EP size).")
+@click.option("--redundant", default=0, show_default=True, type=Ints(min=0),
+              help="Extra physical experts per layer, replicas of the hottest (SGLang's --ep-num-redundant-experts).")
+@click.option("--nodes", default=1, show_default=True, type=Ints(min=1), help="Machines the GPUs are in.")
+@click.option("--groups", default=1, show_default=True, type=Ints(min=1),
+              help="Expert groups (DeepSeek's n_group): with --nodes dividing it, groups stay on one node.")
+@click.option("-o", "--out", default=None, help="Write the placement to this JSON file (SGLang --init-expert-location).")
+@click.option("--format", "form", default="mapping", show_default=True, type=click.Choice(["mapping", "counts"]),
+              help="physical_to_logical_map (this placement), or logical_count (SGLang balances at start).")
+@click.option("--placement", "which", default="pymoe", show_default=True,
+              type=click.Choice(["pymoe", "eplb", "uniform"]), help="Which placement --format mapping writes.")
+@click.option("--batch", default=None, type=Ints(min=1),
+              help="Measure the imbalance per batch of this many consecutive tokens (traces only).")
+@click.option("--phase", default="decode", show_default=True, type=click.Choice(["all", "decode", "prefill"]),
+              help="Which traced tokens count.")
+def placement_cmd(sources, gpus, redundant, nodes, groups, out, form, which, batch, phase):
+    """Expert placement over GPUs for expert parallelism (vLLM / SGLang), from routing TRACEs, profiles or heat.
+
+    Prints the predicted load imbalance of a uniform placement, DeepSeek's EPLB and pymoe's (EPLB + swaps);
+    docs/planning.md, "When you outgrow one machine"."""
+    from .experts.placement import report
+
+    click.echo(report(sources, gpus, redundant, out=out, groups=groups, nodes=nodes, form=form, batch=batch,
+                      phase=phase, which=which))
+
+
 def serve_options(f):
     """The options of the server `pymoe serve` runs (shared with `pymoe bench`, which starts one)."""
     options = [
