@@ -1,5 +1,5 @@
 """Prediction: decode tok/s when a model's experts are spread over 1, 2, 4, 8 nodes (expert parallelism), for the
-reference article's model and a DeepSeek-V3-sized one: the table of docs/planning.md, "When you outgrow one machine".
+reference article's model and a DeepSeek-V3-sized one: the table of docs/scaling-out.md, "When you outgrow one machine".
 
 What this is: experts/scale.ep_scale on hand-written ModelFacts (neither model is a file here) with every input
 printed; a prediction, not a measurement (pymoe runs one device).

@@ -1,7 +1,7 @@
 """Benchmark: predicted expert-parallel load imbalance of three placements (uniform, DeepSeek's EPLB, pymoe's EPLB +
 swaps) on the synthetic 512-expert top-10 trace fitted to Qwen3-Next-80B's measured routing counts, at 8 and 16 GPUs.
 
-What this is: the numbers behind docs/planning.md's "When you outgrow one machine" table.
+What this is: the numbers behind docs/scaling-out.md's "When you outgrow one machine" table.
   trace      trace.fitted_trace on ../shared/data/routing-heat/qwen3-next-80b-a3b.json, all 48 layers, the locality
              docs/expert-cache.md calibrated (0.6, window 4), REQUESTS requests of TOKENS decode tokens each, rows
              reordered step-major (decode position, then request), so that REQUESTS consecutive rows are one decode

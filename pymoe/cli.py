@@ -461,7 +461,7 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
               help="Draw hit rate and predicted tok/s against VRAM to this image, the --vram sizes marked.")
 @click.option("--devices", default=None,
               help="Several cards in one box at once, in pipeline order (e.g. 24GiB,16GiB): layers split over them, "
-                   "one slot pool each; one line per card and the whole model (docs/planning.md).")
+                   "one slot pool each; one line per card and the whole model (docs/scaling-out.md).")
 @click.option("--hop-us", default=None, type=Floats(min=0),
               help="With --devices: latency of one card-to-card hop of the residual stream, us [default: 10].")
 def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, device_bw, pcie, fixed_ms, targets,
@@ -543,7 +543,7 @@ def placement_cmd(sources, gpus, redundant, nodes, groups, out, form, which, bat
     """Expert placement over GPUs for expert parallelism (vLLM / SGLang), from routing TRACEs, profiles or heat.
 
     Prints the predicted load imbalance of a uniform placement, DeepSeek's EPLB and pymoe's (EPLB + swaps);
-    docs/planning.md, "When you outgrow one machine"."""
+    docs/scaling-out.md, "When you outgrow one machine"."""
     from .experts.placement import report
 
     click.echo(report(sources, gpus, redundant, out=out, groups=groups, nodes=nodes, form=form, batch=batch,

@@ -112,11 +112,18 @@ def test_one_card_replay_is_the_global_pool():
     assert (one.hits, one.lookups) == (whole.hits, whole.lookups)
 
 
-def test_cli_plan_devices(tiny_model):
-    r = run_pymoe_here("plan", tiny_model("qwen3moe", "q2_k"), "--devices", "0.52,0.6GiB", "--reserve", "1MiB")
+@pytest.mark.parametrize("arch", ["qwen3moe", "deepseek2"])  # deepseek2 leads with a dense layer
+def test_cli_plan_devices(tiny_model, arch):
+    from pymoe.experts.plan import facts_from_gguf
+
+    path = tiny_model(arch, "q2_k")
+    r = run_pymoe_here("plan", path, "--devices", "0.52,0.6GiB", "--reserve", "1MiB")
     assert r.returncode == 0, r.stderr
     lines = r.stdout.splitlines()
-    assert sum(ln.lstrip().startswith("cuda:") for ln in lines) == 2
+    cards = [ln.split("|") for ln in lines if ln.lstrip().startswith("cuda:")]
+    assert len(cards) == 2
+    facts = facts_from_gguf(path)
+    assert sum(int(c[3]) for c in cards) == facts.n_moe_layers  # the MoE layers column adds up, dense lead aside
     assert any(ln.startswith("hops: 1 x") for ln in lines) and any(ln.startswith("whole model:") for ln in lines)
 
 

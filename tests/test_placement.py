@@ -101,8 +101,9 @@ def test_batched_loads_by_hand():
 
 
 def sglang_load(path, num_hidden_layers, num_logical, ep_size, redundant):
-    """What SGLang's loader requires of the file (expert_location.py): the dict's keys become keyword arguments of
-    init_by_mapping(server_args, model_config, physical_to_logical_map), so that must be the only key; the tensor is
+    """What SGLang's loader requires of the file (python/sglang/srt/eplb/expert_location.py): the dict's keys become
+    keyword arguments of init_by_mapping(server_args, model_config, physical_to_logical_map), so that must be the only
+    key; the tensor is
     [num_layers, num_logical + redundant] (num_layers = num_hidden_layers, dense layers included), divisible by the
     EP size; _compute_logical_to_all_physical_map indexes every value as a logical expert."""
     data = json.loads(open(path).read())

@@ -3,7 +3,7 @@
 What this is: `ep_scale(model, node, network, nodes)`, a prediction of decode speed when a model's routed experts are
 spread over N nodes and every MoE layer exchanges tokens over the network (all-to-all dispatch and combine), next to
 one node that holds what it can and reads the rest over PCIe (pymoe's single-box case, plan.py). `bench/ep_scale.py`
-prints docs/planning.md's table with it (the article's model and a DeepSeek-V3-sized one).
+prints docs/scaling-out.md's table with it (the article's model and a DeepSeek-V3-sized one).
 What this is not: a measurement, nor a runtime (pymoe runs one device; vLLM and SGLang run EP). Every number is a
 prediction from the inputs written in each row.
 
