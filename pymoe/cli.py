@@ -514,6 +514,11 @@ def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, pl
     if devices is not None:
         from .experts.multi import simulate_report
 
+        if (pool, admit, max_inserts, warm_set, warm_inserts, prefetch, plot_path) != ("both", "all", 0, 0, 0, False,
+                                                                                       None):
+            raise PymoeError("--devices replays one global pool per card with the default admission; leave out "
+                             "--pool, --admit, --max-inserts, --warm-set, --warm-inserts, --prefetch and --plot")
+
         click.echo(simulate_report(trace, devices, policies=policies, slots=slots, coverage=coverage,
                                    profile_path=profile_path, phase=phase), nl=False)
         return

@@ -144,5 +144,7 @@ def test_cli_simulate_devices(tmp_path):
     assert "cuda:0 layers 0-0: 1 slots, coverage 50.0%, hit 25.0% (1/4)" in r.stdout
     assert "cuda:1 layers 1-1: 1 slots, coverage 50.0%, hit 100.0% (4/4)" in r.stdout
     assert "total: hit 62.5% (5/8)" in r.stdout
-    r = run_pymoe_here("simulate", str(path), "--devices", "3", "--slots", "2")
-    assert r.returncode == 2 and r.stderr.startswith("pymoe: error: --devices")
+    for args in (("--devices", "3", "--slots", "2"), ("--devices", "2", "--pool", "global")):
+        r = run_pymoe_here("simulate", str(path), *args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("pymoe: error: --devices")
