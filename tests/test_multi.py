@@ -148,3 +148,24 @@ def test_cli_simulate_devices(tmp_path):
         r = run_pymoe_here("simulate", str(path), *args)
         lines = r.stderr.strip().splitlines()
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("pymoe: error: --devices")
+
+
+def test_cli_plan_devices_with_a_trace(tiny_model, tmp_path):
+    """--trace with --devices: each card's hit rate is the replay of its own layers (plumbing: the planner calls
+    simulate_devices with the card's layers and slots, as printed)."""
+    from pymoe.experts.plan import facts_from_gguf
+    from pymoe.experts.policies import DEFAULT_POLICY
+    from pymoe.experts.trace import synthetic_trace
+
+    path = tiny_model("qwen3moe", "q2_k")
+    facts = facts_from_gguf(path)
+    trace = synthetic_trace(60, facts.n_moe_layers, facts.n_expert, facts.k, seed=4, prompt_len=5)
+    trace.save(tmp_path / "t.npz")
+    r = run_pymoe_here("plan", path, "--devices", "0.52,0.53GiB", "--reserve", "1MiB", "--trace",
+                       str(tmp_path / "t.npz"))
+    assert r.returncode == 0, r.stderr
+    cards = [[c.strip() for c in ln.split("|")] for ln in r.stdout.splitlines() if ln.lstrip().startswith("cuda:")]
+    for c in cards:
+        lo, hi = (int(x) for x in c[2].split("-"))
+        got = simulate_devices(trace, [(lo, hi + 1)], [int(c[6])], DEFAULT_POLICY)[0].hit_rate
+        assert c[8] == f"{100 * got:.1f}%"

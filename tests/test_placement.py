@@ -143,3 +143,15 @@ def test_cli_placement_table_and_errors(tmp_path):
         assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("pymoe: error:")
     with pytest.raises(PymoeError):
         placements(np.ones((1, 8)), gpus=3)
+
+
+def test_placement_from_a_heat_file(tmp_path):
+    """A routing-heat JSON (no order): in-sample only. W8's heat on 4 GPUs: uniform 1.200, EPLB and pymoe 1.000."""
+    path = tmp_path / "heat.json"
+    path.write_text(json.dumps({"heat": W8.astype(int).tolist()}))
+    r = run_pymoe_here("placement", str(path), "--gpus", "4")
+    assert r.returncode == 0, r.stderr
+    row = next(ln for ln in r.stdout.splitlines() if ln.strip().startswith("in-sample")).split()
+    assert row[1:] == ["1.200", "1.000", "1.000"] and "held-out" not in r.stdout
+    r = run_pymoe_here("placement", str(path), "--gpus", "4", "--batch", "2")
+    assert r.returncode == 2 and "--batch" in r.stderr
