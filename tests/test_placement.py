@@ -132,11 +132,22 @@ def _save(trace, tmp_path):
     return path
 
 
+def rows_of(out):
+    return {ln.split()[0]: ln.split()[1:4] for ln in out.splitlines() if ln.strip().startswith(("in-", "held-"))}
+
+
 def test_cli_placement_table_and_errors(tmp_path):
+    """The hand trace (expert 0, 0, 1, 0) on 2 GPUs, one expert each: 3 : 1 -> max 3 / mean 2 = 1.500 whatever the
+    placement. Held out: placed on tokens 0 0, measured on 1 0 -> 1 : 1 = 1.000. With 2 redundant: expert 0 gets two
+    more replicas (3 -> 1.5 -> 1 per replica), four physical experts of load 1, two per GPU: 1.000; the uniform
+    placement (0 1 0 1) gives each GPU one replica of each: 1.5 + 0.5 = 2 each, 1.000 too."""
     path = _save(hand_trace(), tmp_path)
     r = run_pymoe_here("placement", str(path), "--gpus", "2")
     assert r.returncode == 0, r.stderr
-    assert "uniform" in r.stdout and "eplb" in r.stdout and "pymoe" in r.stdout and "held-out" in r.stdout
+    assert "uniform" in r.stdout and "eplb" in r.stdout and "pymoe" in r.stdout
+    assert rows_of(r.stdout) == {"in-sample": ["1.500"] * 3, "held-out": ["1.000"] * 3}
+    r = run_pymoe_here("placement", str(path), "--gpus", "2", "--redundant", "2")
+    assert rows_of(r.stdout)["in-sample"] == ["1.000"] * 3
     for args in (("--gpus", "3"), ("--gpus", "2", "--nodes", "4")):
         r = run_pymoe_here("placement", str(path), *args)
         lines = r.stderr.strip().splitlines()
