@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from conftest import run_pymoe_here
-from pymoe.errors import PymoeError
 from pymoe.experts.multi import (plan_devices, simulate_devices, split_count, split_layers, uniform_device_hits)
 from pymoe.experts.plan import CostModel, ModelFacts, plan_row, uniform_hit_model
 from pymoe.experts.trace import Trace

@@ -14,7 +14,7 @@ import pytest
 from conftest import run_pymoe_here
 from pymoe.errors import PymoeError
 from pymoe.experts.placement import (Placement, balanced_packing, gpu_loads, imbalance, placements, rebalance,
-                                     refine, replicate, trace_counts, write_sglang)
+                                     replicate, trace_counts, write_sglang)
 from pymoe.experts.trace import Trace
 
 W8 = np.array([[90, 10, 30, 70, 20, 60, 40, 80]], dtype=float)  # one layer, 8 experts, 400 tokens

@@ -25,7 +25,8 @@ def test_two_and_four_nodes_by_hand():
     8 / 2 x (1 - (6/8)^4) = 4 x 0.68359 = 2.734 experts -> 2.734e6 B / 1e11 = 27.34 us; x 2 layers = 54.69 us.
     Network per layer: each node sends 4 / 2 tokens x 2 copies x 1/2 off-node x 1000 x 2 B = 4000 B: 4 us + 5 us
     latency, twice (dispatch, combine) = 18 us; x 2 layers = 36 us. Dense 1e6 / 1e11 = 10 us; fixed 1 ms.
-    Four nodes: 8 / 4 x 0.68359 = 1.367 experts per layer per node -> 13.67 us, 27.34 us for 2 layers; sent 1 x 2 x 3/4 x 2000 B = 3000 B:
+    Four nodes: 8 / 4 x 0.68359 = 1.367 experts per layer per node -> 13.67 us, 27.34 us for 2 layers;
+    sent 1 x 2 x 3/4 x 2000 B = 3000 B:
     2 x (5 + 3) us x 2 layers = 32 us."""
     two = ep_row(MODEL, NODE, NET, 2, 4, fixed_s=1e-3)
     assert two.coverage == 1.0 and two.hit_rate == 1.0

@@ -39,7 +39,7 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from pymoe.errors import PymoeError
-from .plan import (GB, CostModel, ModelFacts, fmt_size, parse_size, parse_size_list, slots_for)
+from .plan import GB, CostModel, ModelFacts, fmt_size, parse_size_list, slots_for
 
 DEFAULT_HOP_US = 10.0  # assumed: one small device-to-device copy + the event the next card waits on, over PCIe
 RESIDUAL_BYTES = 4  # the residual stream is float32 (one n_embd row per token)

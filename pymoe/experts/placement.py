@@ -337,9 +337,9 @@ def report(paths: Sequence[str], gpus: int, redundant: int = 0, out: Optional[st
         if chosen is None:
             raise PymoeError(f"--placement {which!r}: uniform, eplb or pymoe")
         write_sglang(out, chosen, counts, first, form)
-        key = "physical_to_logical_map" if form == "mapping" else "logical_count"
-        lines.append(f"wrote {out}: SGLang --init-expert-location, {{\"{key}\": {first + L} layers x "
-                     f"{E + redundant if form == 'mapping' else E}}} ({'the ' + which + ' placement' if form == 'mapping' else 'SGLang balances them'})")
+        key, width = ("physical_to_logical_map", E + redundant) if form == "mapping" else ("logical_count", E)
+        what = f"the {which} placement" if form == "mapping" else "SGLang balances them at start"
+        lines.append(f"wrote {out}: SGLang --init-expert-location, {{\"{key}\": {first + L} layers x {width}}} ({what})")
     return "\n".join(lines)
 
 
