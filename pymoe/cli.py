@@ -482,8 +482,13 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
               help="Predict hit rates as this expert profile's static bound (.bin, heat .json, trace .npz).")
 @click.option("--plot", "plot_path", default=None,
               help="Draw hit rate and predicted tok/s against VRAM to this image, the --vram sizes marked.")
+@click.option("--devices", default=None,
+              help="Several cards in one box at once, in pipeline order (e.g. 24GiB,16GiB): layers split over them, "
+                   "one slot pool each; one line per card and the whole model (docs/scaling-out.md).")
+@click.option("--hop-us", default=None, type=Floats(min=0),
+              help="With --devices: latency of one card-to-card hop of the residual stream, us [default: 10].")
 def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, device_bw, pcie, fixed_ms, targets,
-             trace_path, profile_path, plot_path):
+             trace_path, profile_path, plot_path, devices, hop_us):
     """Capacity plan for MODEL: VRAM -> slots -> coverage -> hit rate -> spill -> predicted decode tok/s, and back.
 
     Formulas and the reference article's numbers worked through: docs/planning.md."""
@@ -492,7 +497,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
     click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
                            device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
                            runtime=runtime, n_ctx=n_ctx, targets=targets, trace_path=trace_path,
-                           profile_path=profile_path, plot_path=plot_path))
+                           profile_path=profile_path, plot_path=plot_path, devices=devices, hop_us=hop_us))
 
 
 @cli.command("simulate")
@@ -519,13 +524,27 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
 @click.option("--prefetch", is_flag=True,
               help="Replay the router lookahead's prefetch the trace recorded (`pymoe run --lookahead N --trace`); "
                    "belady is left out.")
+@click.option("--devices", default=None,
+              help="One pool per card: N equal cards, or sizes (24GiB,16GiB) sharing layers and slots; per-card and "
+                   "total hit rates (--slots / --coverage are totals).")
 def simulate_cmd(trace, policies, slots, coverage, pool, profile_path, phase, plot_path, admit, max_inserts,
-                 warm_set, warm_inserts, prefetch):
+                 warm_set, warm_inserts, prefetch, devices):
     """Replay a routing TRACE (from `pymoe run --trace`) through the cache policies: hit rate and misses per token.
 
     Definitions (pools, coverage, knee, pre-fill): pymoe/experts/simulate.py and docs/trace-files.md."""
     from .experts.simulate import report
 
+    if devices is not None:
+        from .experts.multi import simulate_report
+
+        if (pool, admit, max_inserts, warm_set, warm_inserts, prefetch, plot_path) != ("both", "all", 0, 0, 0, False,
+                                                                                       None):
+            raise PymoeError("--devices replays one global pool per card with the default admission; leave out "
+                             "--pool, --admit, --max-inserts, --warm-set, --warm-inserts, --prefetch and --plot")
+
+        click.echo(simulate_report(trace, devices, policies=policies, slots=slots, coverage=coverage,
+                                   profile_path=profile_path, phase=phase), nl=False)
+        return
     click.echo(report(trace, policies=policies, slots=slots, coverage=coverage, pool=pool, profile_path=profile_path,
                       phase=phase, plot_path=plot_path, progress=True, admit=admit, max_inserts=max_inserts,
                       warm_set=warm_set, warm_inserts=warm_inserts, prefetch=prefetch), nl=False)
@@ -546,6 +565,34 @@ def report_cmd(files, out, group_by, device_bw):
     from .experts.report import report
 
     click.echo(report(list(files), out=out, group_by=group_by, device_bw_gbs=device_bw))
+
+
+@cli.command("placement")
+@click.argument("sources", nargs=-1, required=True)
+@click.option("--gpus", required=True, type=Ints(min=1), help="GPUs the experts are spread over (the EP size).")
+@click.option("--redundant", default=0, show_default=True, type=Ints(min=0),
+              help="Extra physical experts per layer, replicas of the hottest (SGLang's --ep-num-redundant-experts).")
+@click.option("--nodes", default=1, show_default=True, type=Ints(min=1), help="Machines the GPUs are in.")
+@click.option("--groups", default=1, show_default=True, type=Ints(min=1),
+              help="Expert groups (DeepSeek's n_group): with --nodes dividing it, groups stay on one node.")
+@click.option("-o", "--out", default=None, help="Write the placement to this JSON file (SGLang --init-expert-location).")
+@click.option("--format", "form", default="mapping", show_default=True, type=click.Choice(["mapping", "counts"]),
+              help="physical_to_logical_map (this placement), or logical_count (SGLang balances at start).")
+@click.option("--placement", "which", default="pymoe", show_default=True,
+              type=click.Choice(["pymoe", "eplb", "uniform"]), help="Which placement --format mapping writes.")
+@click.option("--batch", default=None, type=Ints(min=1),
+              help="Measure the imbalance per batch of this many consecutive tokens (traces only).")
+@click.option("--phase", default="decode", show_default=True, type=click.Choice(["all", "decode", "prefill"]),
+              help="Which traced tokens count.")
+def placement_cmd(sources, gpus, redundant, nodes, groups, out, form, which, batch, phase):
+    """Expert placement over GPUs for expert parallelism (vLLM / SGLang), from routing TRACEs, profiles or heat.
+
+    Prints the predicted load imbalance of a uniform placement, DeepSeek's EPLB and pymoe's (EPLB + swaps);
+    docs/scaling-out.md, "When you outgrow one machine"."""
+    from .experts.placement import report
+
+    click.echo(report(sources, gpus, redundant, out=out, groups=groups, nodes=nodes, form=form, batch=batch,
+                      phase=phase, which=which))
 
 
 def serve_options(f):

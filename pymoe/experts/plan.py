@@ -147,6 +147,7 @@ class ModelFacts:
     dense_bytes_per_token: int = 0  # what one decoded token reads of them (one embedding row, not the whole table)
     kv_bytes_per_ctx_token: int = 0  # KV cache bytes per context position, all layers
     n_dense: int = 0  # leading dense layers (no experts): n_layers counts them; traces and profiles hold MoE layers
+    n_embd: int = 0  # the residual width: what crosses from one card to the next (experts/multi.py)
 
     @property
     def n_moe_layers(self) -> int:
@@ -193,7 +194,8 @@ def facts_from_gguf(path) -> ModelFacts:
     resident, per_token = dense_bytes(m)
     return ModelFacts(name=str(path), n_layers=cfg.n_layers, n_expert=cfg.n_expert, k=cfg.n_expert_used,
                       slot_bytes=m.slot_bytes, dense_resident_bytes=resident, dense_bytes_per_token=per_token,
-                      kv_bytes_per_ctx_token=kv_bytes_per_ctx_token(cfg), n_dense=cfg.n_dense_lead)
+                      kv_bytes_per_ctx_token=kv_bytes_per_ctx_token(cfg), n_dense=cfg.n_dense_lead,
+                      n_embd=cfg.n_embd)
 
 
 @dataclass(frozen=True)
@@ -560,8 +562,9 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
                 pcie_gbs: float = DEFAULT_PCIE_GBS, fixed_ms: float = DEFAULT_FIXED_MS, overhead: str = "auto",
                 runtime: str = DEFAULT_RUNTIME, n_ctx: int = DEFAULT_CTX, targets: Sequence[float] = (),
                 trace_path: Optional[str] = None, profile_path: Optional[str] = None,
-                plot_path: Optional[str] = None) -> str:
-    """Everything `pymoe plan` prints, as text: the inputs, the cost model, the table, the auto line, the inverse."""
+                plot_path: Optional[str] = None, devices: Optional[str] = None, hop_us: Optional[float] = None) -> str:
+    """Everything `pymoe plan` prints, as text: the inputs, the cost model, the table, the auto line, the inverse.
+    With `devices` (several cards in one box, experts/multi.py): one line per card and the whole model instead."""
     reserve_b = parse_size(reserve, what="--reserve")
     extra_b = parse_size(extra_reserve, what="--extra-reserve")
     vrams = parse_size_list(vram, what="--vram")
@@ -578,6 +581,17 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
     else:
         overhead_b = parse_size(overhead, what="--overhead")
         overhead_text = f"{fmt_size(overhead_b)} (--overhead)"
+    if devices is not None:
+        from . import multi
+
+        if free is not None or targets or plot_path is not None:
+            raise PymoeError("--devices plans the cards given; leave out --free, --target and --plot")
+        hits = multi.load_device_hits(facts, trace_path, profile_path)
+        runtime_b = parse_size(runtime, what="--runtime")
+        total = None if str(overhead).lower() == "auto" else overhead_b
+        return "\n".join([f"model: {facts.name}"] + multi.devices_report(
+            facts, devices, total, n_ctx, runtime_b, reserve_b, extra_b, cost, hits,
+            multi.DEFAULT_HOP_US if hop_us is None else hop_us))
     hit_model = load_hit_model(facts, trace_path, profile_path)
 
     lines = format_header(facts, cost, hit_model, reserve_b, extra_b, None if free_b is not None else overhead_text)

@@ -254,6 +254,30 @@ MUTANTS: list[Mutant] = [
         ("tests/test_report.py::*",),
         "report: a round's hit rate as the mean of its requests' rates, not pooled over lookups"),
     Mutant(
+        "multi_hops_not_counted", "pymoe/experts/multi.py",
+        "return self.fixed_s + sum(r.time_s for r in self.rows) + self.n_hops * self.hop_s",
+        "return self.fixed_s + sum(r.time_s for r in self.rows)",
+        ("tests/test_multi.py::*",),
+        "several cards: the residual stream's hop between cards left out of the time per token"),
+    Mutant(
+        "eplb_replica_to_the_heaviest_expert", "pymoe/experts/placement.py",
+        "e = np.argmax(weight / count, axis=1)  # [X]",
+        "e = np.argmax(weight, axis=1)  # [X]",
+        ("tests/test_placement.py::*",),
+        "EPLB replication: every replica to the heaviest expert, not to the largest load per replica"),
+    Mutant(
+        "eplb_pack_lightest_first", "pymoe/experts/placement.py",
+        "for i in np.argsort(-weight[x], kind=\"stable\"):",
+        "for i in np.argsort(weight[x], kind=\"stable\"):",
+        ("tests/test_placement.py::*",),
+        "EPLB packing: lightest item first instead of heaviest"),
+    Mutant(
+        "scale_all_copies_off_node", "pymoe/experts/scale.py",
+        "sent = batch / n_nodes * k * (n_nodes - 1) / n_nodes * model.n_embd * net.act_bytes",
+        "sent = batch / n_nodes * k * model.n_embd * net.act_bytes",
+        ("tests/test_scale.py::*",),
+        "expert parallelism: every expert copy sent over the network, also those whose expert is on the same node"),
+    Mutant(
         "rmsnorm_eps_outside_sqrt", "pymoe/backends/cpu.py",
         "denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n) + eps)",
         "denom = np.sqrt(pairwise_sum(sq, n) / np.float32(n)) + eps",
