@@ -54,7 +54,10 @@ EXTERNAL_FILES = {"convert_hf_to_gguf.py", "base.py", "quants.py", "ggml-quants.
                   "expert_cache.py", "gpt2.py"}
 # CamelCase names of other libraries and formats that pages put in code spans.
 EXTERNAL_NAMES = {"GGUFReader": "gguf", "GGUFWriter": "gguf", "ImmutableSandboxedEnvironment": "jinja2.sandbox",
-                  "Allow": "an HTTP header", "Infinity": "JSON", "NaN": "JSON"}
+                  "Allow": "an HTTP header", "Origin": "an HTTP header", "Authorization": "an HTTP header",
+                  "Infinity": "JSON", "NaN": "JSON"}
+# Files pymoe's commands write, named in pages as what a command produces (`pymoe report -o report.md`).
+OUTPUT_FILES = {"report.md"}
 # pymoe modules named like a library they use: `gguf.dequantize` may be gguf-py's, `cuda.jit` Numba's. Such a chain
 # resolves in pymoe or in the library. None: the library is not imported here, so its chains go unchecked (importing
 # numba.cuda fixes simulator or driver for the whole process, which the CUDA tests choose: tests/cuda_sim.py).
@@ -396,7 +399,7 @@ class Refs:
             self.check_section(where, m.group(1), m.group(2))
         for m in BARE_FILE_RE.finditer(text):
             name = m.group(1)
-            if (name not in self.all_files and name not in EXTERNAL_FILES
+            if (name not in self.all_files and name not in EXTERNAL_FILES and name not in OUTPUT_FILES
                     and not os.path.exists(os.path.join(STDLIB, name))):
                 self.fail(where, name, "no file of that name in the repository")
         for m in CHAIN_RE.finditer(text):

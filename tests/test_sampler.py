@@ -1,6 +1,6 @@
 """Sampling: greedy, filters, temperature, repetition penalty, seeds; stop strings in the text stream; llama.cpp's
 typical-p, top-n-sigma, XTC, mirostat v1/v2, DRY and min_tokens on small distributions worked out by hand (the
-same cases as llama.cpp's tests/test-sampling.cpp where it has them, whose expected values agree)."""
+same cases as llama.cpp's test-sampling.cpp (in its tests folder) where it has them, whose expected values agree)."""
 import math
 
 import numpy as np
