@@ -93,6 +93,28 @@ def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model):
 
 
 @in_process
+def test_the_server_status_gives_the_counts_by_name(micro_model):
+    """/v1/status (serve/metrics.status_of): the decode counts per decoded token since start. The server's slots
+    keep their own KV caches (the attention may run on the host), so only what does not depend on that is held to
+    SLOT_TOKEN's numbers: the router's and the experts' bytes, and the tokens counted."""
+    from pymoe.engine.sampler import SamplingParams
+    from pymoe.serve.metrics import status_of
+    from pymoe.serve.scheduler import Job, Scheduler
+
+    profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
+                        backend_options=SIM, n_ctx=64)
+    with Scheduler(engine, parallel=1, kv="f32") as sched:
+        job = sched.submit(Job(prompt_ids=PROMPT, max_tokens=N_NEW, ignore_eos=True,
+                               sampling=SamplingParams(temperature=0)))
+        list(job.events(timeout=120))
+        m = status_of(sched)["device"]["decode_per_token"]
+    assert m["tokens"] == N_NEW - 1 and m["launches"] > 0 and m["synchronisations"] > 0
+    for name in ("router: output to host", "expert inputs to device", "expert outputs to host"):
+        assert m["bytes_by_name"][name] == SLOT_TOKEN["bytes_by_name"][name], name
+
+
+@in_process
 def test_pymoe_run_in_the_simulator(micro_model):
     """`NUMBA_ENABLE_CUDASIM=1 pymoe run FILE --backend cuda`, the real kernels (cuda_kernels/), a subprocess: the
     stated device size, then the device line last. --pcie-frac 1 (no probe): the decode step's 2 experts both miss
