@@ -132,5 +132,32 @@ def test_pymoe_run_in_the_simulator(micro_model):
                          f"host<->device bytes, {SLOT_TOKEN['synchronisations']:.1f} synchronisations"), lines[-4:]
 
 
+def test_gpu_check_dry_run_in_the_simulator():
+    """scripts/gpu-check --dry-run: bench/gpu_check.py's code path in the simulator (reference kernels, the micro
+    preset, 3 decode steps per request, caches of 1, 2, 4 slots), --pcie-frac 1 (no probe; every miss read over
+    PCIe, so every expert launches). Its table: every row SLOT_TOKEN's launches and syncs; the bytes SLOT_TOKEN's plus
+    whole experts (spill reads and promotion copies) over the 3 decoded tokens. (Runs in its own process: no
+    in_process mark needed.)"""
+    import os
+    import subprocess
+    import sys
+
+    from cuda_sim import ROOT
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(["bash", "scripts/gpu-check", "--dry-run", "--pcie-frac", "1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["cache", "slots"])
+    rows = [line.split() for line in lines[head + 1:head + 4]]
+    assert [r[:2] for r in rows] == [["25%", "1"], ["50%", "2"], ["100%", "4"]], lines[head:]
+    base = sum(SLOT_TOKEN["bytes_by_name"].values())
+    for r in rows:
+        launches, syncs, nbytes = float(r[-3]), float(r[-2]), int(r[-1])
+        assert (launches, syncs) == (SLOT_TOKEN["launches"], SLOT_TOKEN["synchronisations"]), r
+        assert nbytes >= base and (nbytes - base) * (N_NEW - 1) % EXPERT_BYTES == 0, r
+
+
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
