@@ -2,13 +2,14 @@
 
 What this is: `DeviceCounts`, a few integers the CUDA backend (backends/cuda.py) adds to at each launch, copy and
 synchronisation site, kept per phase of the forward call under way ("prefill", "decode"; "load" before the first
-one: weights, RoPE tables, kernel warm-up, the PCIe probe's own copies are not counted). The engine names the
-phase at the start of each forward (`forward`). Counting is exact in Numba's CUDA simulator, which is how the cost
-of the GPU path is measured without a GPU (docs/expert-cache.md, "The GPU path's cost, counted").
+one: weights, RoPE tables, kernel warm-up, the slots' pre-fill; the PCIe probe's own copies, experts/probe.py, are
+not counted). The engine names the phase at the start of each forward (`forward`). Counting is exact in Numba's
+CUDA simulator, which is how the cost of the GPU path is measured without a GPU (docs/expert-cache.md, "The GPU
+path's cost, counted").
 
 Byte names say what crosses and which way ("... to device", "... to host"); bytes a kernel reads from pinned,
-mapped host memory (the spill path) are PCIe bytes too, named "... read over PCIe". Device-to-device copies (the
-KV write of the attention block) do not cross PCIe and are not counted.
+mapped host memory (the spill path) are PCIe bytes too, named "expert spill reads over PCIe". Device-to-device
+copies (the KV write of the attention block) do not cross PCIe and are not counted.
 What this is not: timing (no clock here), or the expert cache's own counters (experts/cache.py).
 """
 from __future__ import annotations
