@@ -132,6 +132,20 @@ def test_pymoe_run_in_the_simulator(micro_model):
                          f"host<->device bytes, {SLOT_TOKEN['synchronisations']:.1f} synchronisations"), lines[-4:]
 
 
+@in_process
+@pytest.mark.parametrize("value, gib", [("", 8.0), ("0.5", 0.5), ("abc", None), ("0", None), ("inf", None)])
+def test_the_simulated_device_size(monkeypatch, value, gib):
+    from pymoe.backends.cuda import simulated_device_gib
+    from pymoe.errors import PymoeError
+
+    monkeypatch.setenv("PYMOE_SIM_DEVICE_GIB", value)
+    if gib is not None:
+        assert simulated_device_gib() == gib
+    else:
+        with pytest.raises(PymoeError, match=r"^PYMOE_SIM_DEVICE_GIB must be a positive number of GiB, got '.*'$"):
+            simulated_device_gib()
+
+
 def test_gpu_check_dry_run_in_the_simulator():
     """scripts/gpu-check --dry-run: bench/gpu_check.py's code path in the simulator (reference kernels, the micro
     preset, 3 decode steps per request, caches of 1, 2, 4 slots), --pcie-frac 1 (no probe; every miss read over
