@@ -24,9 +24,10 @@ read in place over "PCIe" (the mapped model file: `HostMapping.device_view`, the
 decode attention on the device KV cache; in the decode step one expert hits its slot and the other misses, is
 computed on the CPU (pcie_frac 0.5: the first miss goes to the CPU) and is promoted into the free slot (a copy on the
 copy stream; its bytes on the device are checked). The launches the backend counts (backends/device_counts.py, by
-backends/cuda.py's LAUNCHES table) equal the kernel launches the simulator saw, warm-up included. Not covered here: staging (an expert given more than TOKEN_TILE
-tokens of a chunk: a longer prompt, twice the cost) -- tests/test_cuda_backend.py covers it with the reference
-kernels, and tests/test_cuda_kernels.py holds every kernel to its reference on its own.
+backends/cuda.py's LAUNCHES table) equal the kernel launches the simulator saw, warm-up included. Not covered
+here: staging (an expert given more than TOKEN_TILE tokens of a chunk: a longer prompt, twice the cost) --
+tests/test_cuda_backend.py covers it with the reference kernels, and tests/test_cuda_kernels.py holds every kernel
+to its reference on its own.
 
 Tolerance: the measured max |logit difference| from the reference (then the CPU float path) is 1.07e-6 with this 2-token
 prompt (7.15e-7 with the 3-token one before; the same in every run:

@@ -726,7 +726,7 @@ class CUDABackend:
         spans = [(int(used[i]), int(start[i]), int(start[i + 1])) for i in range(used.size)]
         on_gpu = [(e, a, b) for e, a, b in spans if experts[e].where != "cpu"]
         if on_gpu:
-            xg = self._put("xg", x[tok], "expert inputs to device")  # [P, D] the pairs' inputs (rows of cpu experts unused here)
+            xg = self._put("xg", x[tok], "expert inputs to device")  # [P, D] the pairs' inputs (cpu experts' unused)
             wg = self._put("wg", weight, "expert weights to device")  # [P] the router's weights of the pairs
             yg = self._put("yg", out, "expert output zeros to device")  # [P, D] zeros, accumulated into by each expert
             hg = shaped(self.scratch["h"], (P, self._moe[2]))  # [P, F]

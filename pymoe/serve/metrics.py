@@ -24,8 +24,9 @@ def model_id(engine) -> str:
 
 def status_of(scheduler, experts: bool = False) -> dict:
     """/v1/status: model, backend, KV, slots (state, cached tokens), queue depth, expert cache, request outcomes,
-    recent jobs (each with its log line), on a device backend its launches, bytes by name and syncs per decoded token. experts: add the per-expert map (`expert_map`; /v1/status?experts=1,
-    what the monitor page polls: L x E numbers, too many to send unasked for a 48 x 512 model)."""
+    recent jobs (each with its log line), on a device backend its launches, bytes by name and syncs per decoded
+    token (`device`). experts: add the per-expert map (`expert_map`; /v1/status?experts=1, what the monitor page
+    polls: L x E numbers, too many to send unasked for a 48 x 512 model)."""
     eng, cfg, cache = scheduler.engine, scheduler.engine.config, scheduler.engine.cache
     n_experts = len(cfg.moe_layers) * cfg.n_expert
     counts = {p: dict(c) for p, c in cache.stats.counts.items()}
