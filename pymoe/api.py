@@ -59,6 +59,8 @@ class Engine:
         self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
                                    **(backend_options or {}))
         log(f"backend {self.backend.name}")
+        if getattr(self.backend, "note", None):  # CUDA in the simulator: the device size it stands for
+            log(self.backend.note)
         if getattr(self.backend, "repack", False):  # CPU, 8-bit activations (backends/cpu.py, quant/repack.py)
             from .quant.repack import TILE_BYTES
             tiled = ", ".join(q.name for q in TILE_BYTES)

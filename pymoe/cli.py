@@ -360,6 +360,8 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         log(speculator.stats.line(spec, spec_k))
     if engine.model.lookahead is not None:
         log(engine.model.lookahead.line())
+    if stats.device is not None:  # last: the device's cost per decoded token (CUDA)
+        log(stats.device_line())
     if recorder is not None:
         appended = os.path.exists(trace_path)
         recorder.save(trace_path, append=appended)

@@ -32,6 +32,7 @@ class RequestStats:
     stop_reason: str = ""
     pool: bool = True  # the engine has an expert slot pool (False: none; every expert read in place or over PCIe)
     gpu: bool = False  # the experts are computed on a GPU: what it reads from host memory crosses PCIe
+    device: dict | None = None  # a device backend's decode counts of this request (backends/device_counts.py)
 
     def note_cache(self, cache) -> None:
         """Record what the cache line must know about the engine's expert cache: is there a pool, is it a GPU's."""
@@ -81,6 +82,13 @@ class RequestStats:
                      "on them")
         return line
 
+    def device_line(self) -> str:
+        """`decode device per token: L launches, B host<->device bytes, S synchronisations`: means over the
+        request's decoded tokens (speculation: per token kept, drafts and verification included)."""
+        from pymoe.backends.device_counts import line
+
+        return "decode " + line({**self.device, "tokens": self.n_decoded})
+
 
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: Sampler, is_stop=lambda t: False,
                     n_ctx: int | None = None, stats: RequestStats | None = None, spec=None) -> Iterator[int]:
@@ -121,6 +129,8 @@ def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec) 
     stats.prompt_s = time.perf_counter() - t0
     history = list(prompt_ids)
     before = cache_stats.snapshot("decode")
+    counts = getattr(model.backend, "counts", None)  # a device backend's launches, bytes, syncs
+    device_before = counts.snapshot("decode") if counts is not None else None
     stats.stop_reason = "length"
     pending = [sampler(logits, history)] if max_tokens > 0 else []  # sampled, not yet yielded
     while pending:
@@ -141,6 +151,10 @@ def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec) 
             pending = [sampler(model.decode_one_token(history[-1], kv), history)]
         stats.decode_s += time.perf_counter() - t1
         stats.decode = {k: v - before[k] for k, v in cache_stats.snapshot("decode").items()}
+        if counts is not None:
+            from pymoe.backends.device_counts import difference
+
+            stats.device = difference(counts.snapshot("decode"), device_before)
 
 
 class TextStream:

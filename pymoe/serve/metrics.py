@@ -24,8 +24,9 @@ def model_id(engine) -> str:
 
 def status_of(scheduler, experts: bool = False) -> dict:
     """/v1/status: model, backend, KV, slots (state, cached tokens), queue depth, expert cache, request outcomes,
-    recent jobs (each with its log line). experts: add the per-expert map (`expert_map`; /v1/status?experts=1,
-    what the monitor page polls: L x E numbers, too many to send unasked for a 48 x 512 model)."""
+    recent jobs (each with its log line), on a device backend its launches, bytes by name and syncs per decoded
+    token (`device`). experts: add the per-expert map (`expert_map`; /v1/status?experts=1, what the monitor page
+    polls: L x E numbers, too many to send unasked for a 48 x 512 model)."""
     eng, cfg, cache = scheduler.engine, scheduler.engine.config, scheduler.engine.cache
     n_experts = len(cfg.moe_layers) * cfg.n_expert
     counts = {p: dict(c) for p, c in cache.stats.counts.items()}
@@ -44,6 +45,11 @@ def status_of(scheduler, experts: bool = False) -> dict:
             requests=dict(S.outcomes), tokens=dict(S.totals), last=dict(S.last),
             recent=list(S.recent),
         )
+    device_counts = getattr(eng.backend, "counts", None)
+    if device_counts is not None:  # CUDA: the device's cost per decoded token since start (backends/device_counts.py)
+        from pymoe.backends.device_counts import per_token
+
+        status["device"] = dict(decode_per_token=per_token(device_counts.snapshot("decode")))
     if experts:
         status["expert_map"] = expert_map(cache, cfg)
     return status
