@@ -199,3 +199,59 @@ def test_belady_beats_every_policy(data, n_experts, n_layers, slots, pool, prefi
     best = run("belady").hits
     for name in POLICIES:
         assert best >= run(name).hits, name
+
+
+class BruteLFU(LFUPolicy):
+    """LFU's victim by a scan of the residents, (count, last use) smallest: the heap's reference."""
+
+    def victim(self, t):
+        return min(self.last, key=lambda k: (self.count.get(k, 0), self.last[k]))
+
+
+def brute_lfru(capacity):
+    from pymoe.experts.policies import LFRUPolicy
+
+    class BruteLFRU(LFRUPolicy):
+        """LFRU's victim by a scan of the residents, (v, key) smallest: the heap's reference."""
+
+        def victim(self, t):
+            return min(self.resident, key=lambda k: (self.v[k], k))
+
+    return BruteLFRU(capacity)
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_lfu_lfru_heaps_decide_as_a_scan_of_the_residents(name):
+    """The lazy-deletion heaps, compacted as they go (policies.HEAP_SLACK), evict what a scan of the residents picks:
+    6000 skewed lookups of 24 keys into 8 slots (hundreds of compactions), prefilled, with refused
+    misses (insert=False) mixed in (LFU evicts 797 times, LFRU more)."""
+    rng = np.random.default_rng(0)
+    seq = np.minimum(rng.zipf(1.3, 6000), 24).tolist()
+    staged = (rng.random(6000) < 0.1).tolist()
+    got, want = (SlotTable(8, p) for p in (make_policy(name, 8), BruteLFU(8) if name == "lfu" else brute_lfru(8)))
+    for table in (got, want):
+        table.prefill([3, 1, 4])
+    steps = [[table.access(k, t, insert=not s) for t, (k, s) in enumerate(zip(seq, staged))] for table in (got, want)]
+    assert steps[0] == steps[1] and got.evictions > 500
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_lfu_lfru_memory_stays_bounded_when_the_pool_rarely_evicts(name):
+    """A pool of 60 slots for 64 keys, 1,000,000 skewed lookups (a few thousand evictions: nearly every lookup a
+    hit): the policy's heap stays within 4 x (slots + 1) entries (4: policies.HEAP_SLACK, the slack its compaction
+    allows), its dicts within slots + keys. Before the heaps were compacted, each hit pushed an entry that only an
+    eviction could pop: LFU's heap reached 944,587 entries here, LFRU's 5,608 (its evictions pop the stale entries,
+    which sink to the top as scores grow)."""
+    slots, n_keys = 60, 64
+    policy = make_policy(name, slots)
+    table = SlotTable(slots, policy)
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        if len(policy.heap) > longest:
+            longest = len(policy.heap)
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)  # a pool that rarely evicts
+    assert longest <= 4 * (slots + 1)  # the bound _compact keeps, at every lookup
+    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
+    assert state and all(len(d) <= slots + n_keys for d in state)

@@ -30,7 +30,9 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
                 policy from the same starting contents; `BeladyPolicy(..., bypass=False)` is classic demand-paging
                 MIN, optimal among policies that always admit (lru, lfu).
 Each access costs O(1) (OrderedDict) or O(log n) amortised (heaps with lazy deletion): traces have 10^5..10^6
-lookups.
+lookups. Memory is O(slots + keys seen): LFU's and LFRU's heaps are rebuilt from their residents once stale entries
+make them longer than HEAP_SLACK x the residents (`_compact`), so a pool that rarely evicts does not grow them by one
+entry per hit.
 """
 from __future__ import annotations
 
@@ -41,6 +43,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+
+
+HEAP_SLACK = 4  # a lazy-deletion heap is rebuilt from its live entries when longer than this x (residents + 1):
+# the rebuild costs O(residents) and comes after at least (HEAP_SLACK - 1) x residents pushes, so each push pays O(1)
+# amortised for it, and the heap never holds more than HEAP_SLACK x (residents + 1) entries.
 
 
 class Policy:
@@ -119,7 +126,8 @@ class LFUPolicy(Policy):
     """Least frequently used, ties to the least recently used; counts of every key ever seen (never reset).
 
     A min-heap of (count, last_use, key) over residents; entries go stale when a key is used again (its count and
-    last use change) or evicted, and are skipped when they reach the top (lazy deletion). `last_use` is an internal
+    last use change) or evicted, and are skipped when they reach the top (lazy deletion) or dropped when the heap is
+    rebuilt from the residents (`_compact`, once it is HEAP_SLACK x longer than they are). `last_use` is an internal
     clock of events, so prefilled keys (t=None) are ordered too: the first prefilled is the oldest.
     """
 
@@ -136,6 +144,13 @@ class LFUPolicy(Policy):
         self.clock += 1
         self.last[key] = self.clock
         heapq.heappush(self.heap, (self.count.get(key, 0), self.clock, key))
+        if len(self.heap) > HEAP_SLACK * (self.size + 1):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries: one (count, last use, key) per resident, the entries victim() would accept."""
+        self.heap = [(self.count.get(k, 0), last, k) for k, last in self.last.items()]
+        heapq.heapify(self.heap)
 
     def on_hit(self, key: int, t: int) -> None:
         self.count[key] = self.count.get(key, 0) + 1
@@ -176,7 +191,7 @@ class LFRUPolicy(Policy):
 
     The score changes with `now`, but the order of two keys does not: score(k, now) = 2^(v_k - now / H) with
     v_k = log2(score at k's last use) + t_last / H, which changes only when k is used. So residents sit in a min-heap
-    of v with lazy deletion, like LFU's counts. A use at time t: v = t / H + log2(2^(v_old - t / H) + 1).
+    of v with lazy deletion (compacted, HEAP_SLACK), like LFU's counts. A use at time t: v = t / H + log2(2^(v_old - t / H) + 1).
     """
 
     name = "lfru"
@@ -195,9 +210,15 @@ class LFRUPolicy(Policy):
         old = self.v.get(key)
         self.v[key] = now + (math.log2(2.0 ** (old - now) + 1.0) if old is not None else 0.0)
 
+    def _push(self, key: int) -> None:
+        heapq.heappush(self.heap, (self.v[key], key))
+        if len(self.heap) > HEAP_SLACK * (self.size + 1):  # rebuilt: one (v, key) per resident (LFUPolicy._compact)
+            self.heap = [(self.v[k], k) for k in self.resident]
+            heapq.heapify(self.heap)
+
     def on_hit(self, key: int, t: int) -> None:
         self._use(key)
-        heapq.heappush(self.heap, (self.v[key], key))
+        self._push(key)
 
     def admit(self, key: int, t: int) -> bool:
         self._use(key)  # the miss is a use too, admitted or not
@@ -215,7 +236,7 @@ class LFRUPolicy(Policy):
         self.resident.add(key)
         if t is None:  # placed from a profile, not looked up: counts as one use now
             self._use(key)
-        heapq.heappush(self.heap, (self.v[key], key))
+        self._push(key)
 
     def on_evict(self, key: int) -> None:
         super().on_evict(key)
