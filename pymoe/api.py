@@ -113,7 +113,7 @@ class Engine:
         from .experts.cache import SlotCache
 
         cuda = self.backend.name == "cuda"
-        n_total = self.config.n_layers * self.config.n_expert
+        n_total = len(self.config.moe_layers) * self.config.n_expert  # leading dense layers have no experts
         if cache_slots is None and cache_gib is None and mode == "auto" and cuda:
             from .experts.plan import auto_line, slots_for
 

@@ -245,3 +245,23 @@ def test_heat_counts_each_decode_lookup_of_each_expert(tiny_model, slots):
     if not slots:  # (a slot cache sizes its tables for the MTP block's layers when the file has one)
         cache.lookup(L, ids, "decode")  # an MTP block's layer: not in the map
     np.testing.assert_array_equal(cache.heat, want)
+
+
+def test_slot_limits_count_the_experts_of_moe_layers_only(tiny_model):
+    """glm4moe leads with a dense layer (no experts): the pool's limit and coverage are len(moe_layers) x n_expert
+    experts, not n_layers x n_expert, which counted the dense layer's nonexistent experts (the tiny file: 3 layers,
+    2 of them MoE, 8 experts each; a pool of all 16 was logged as '66.7% of 24 experts', and 24 slots allowed)."""
+    path = tiny_model("glm4moe", "f32")
+    cfg = pymoe.load(path).config
+    n = len(cfg.moe_layers) * cfg.n_expert
+    assert cfg.n_dense_lead > 0 and n < cfg.n_layers * cfg.n_expert  # the file this test is about
+    lines = []
+    engine = pymoe.load(path, cache_slots=n, log=lines.append)
+    assert any(f"expert cache: {n} slots of " in x and f"(100.0% of {n} experts)" in x for x in lines), lines
+    with pytest.raises(PymoeError, match=f"cache slots must be in 1..{n} "):
+        pymoe.load(path, cache_slots=n + 1)
+    assert pymoe.load(path, cache_gib=1024).cache.n_slots == n  # --cache-gib: capped at the experts there are
+    r = run_pymoe_here("run", path, "-p", "hi", "-n", "2", "--cache-slots", str(n))
+    assert r.returncode == 0 and f"(100.0% of {n} experts)" in r.stderr, r.stderr
+    greedy(engine)
+    assert engine.cache.stats.counts["decode"]["evicted"] == 0  # every expert fits: nothing is ever evicted

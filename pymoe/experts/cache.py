@@ -179,8 +179,9 @@ class SlotCache:
 
         cfg = model.config
         self.model = model
-        self.n_layers, self.n_experts = cfg.n_layers, cfg.n_expert
-        n_total = self.n_layers * self.n_experts
+        self.n_layers, self.n_experts = cfg.n_layers, cfg.n_expert  # keys and tables span every layer, dense too
+        self.n_total = n_total = len(cfg.moe_layers) * self.n_experts  # the experts there are: the MoE layers'
+        # (leading dense layers have none; the MTP block's are read in place, outside the pool: engine/mtp.py)
         if not 1 <= n_slots <= n_total:
             raise PymoeError(f"cache slots must be in 1..{n_total} (the model's experts), got {n_slots}")
         if not 0.0 <= pcie_frac <= 1.0:
@@ -371,7 +372,7 @@ class SlotCache:
                 f"{verified}")
 
     def describe(self) -> str:
-        n_total = self.n_layers * self.n_experts
+        n_total = self.n_total
         return (f"expert cache: {self.n_slots} slots of {self.slot_bytes} bytes ({100 * self.n_slots / n_total:.1f}% "
                 f"of {n_total} experts), policy {self.policy_name}, admission: {self.admission}, "
                 f"warm decode set: {self.warm_rule}, pcie_frac {self.pcie_frac:g}")
