@@ -265,3 +265,19 @@ def test_slot_limits_count_the_experts_of_moe_layers_only(tiny_model):
     assert r.returncode == 0 and f"(100.0% of {n} experts)" in r.stderr, r.stderr
     greedy(engine)
     assert engine.cache.stats.counts["decode"]["evicted"] == 0  # every expert fits: nothing is ever evicted
+
+
+def test_every_lookup_reaches_the_policys_count(tiny_model):
+    """LFU counts every lookup as a use: prefill misses (served without a slot), misses refused by `--admit
+    second-miss` and by `--max-inserts`, admitted misses and hits. Its counts after a request equal the number of
+    times each (layer, expert) was looked up, which the trace records (before, only hits and admitted-or-asked
+    misses counted: prefill and refused misses were lost)."""
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lfu", admit="second-miss",
+                        max_inserts=1)
+    rec = engine.record_trace()
+    greedy(engine)
+    keys = rec.trace().keys()
+    want = dict(zip(*(a.tolist() for a in np.unique(keys, return_counts=True))))
+    assert engine.cache.table.policy.count == want
+    c = engine.cache.stats.counts
+    assert c["prefill"]["staged"] > 0 and c["decode"]["spill"] + c["decode"]["cpu"] > c["decode"]["promoted"]  # refused

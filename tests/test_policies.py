@@ -130,12 +130,34 @@ def test_prefill_rank_order_and_lru_recency():
     assert table.access(6, 0) == (False, 2, 7)  # the coldest prefilled key is the least recently used
 
 
-def test_insert_false_serves_a_miss_without_touching_the_policy():
+def test_insert_false_serves_a_miss_without_a_slot_but_counts_the_use():
     policy = LFUPolicy(1)
     table = SlotTable(1, policy)
     assert table.access(4, 0, insert=False) == (False, None, None)
-    assert policy.count == {} and table.n_resident == 0
+    assert policy.count == {4: 1} and table.n_resident == 0  # a prefill miss is a use: LFU counts it
     assert table.access(4, 1) == (False, 0, None)
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_every_lookup_is_a_use(name):
+    """Hits, admitted misses, misses refused by admission control (second-miss, the per-step cap) and misses served
+    without a slot (insert=False: prefill) all reach the policy's record of use. By hand, 2 slots, second-miss, at
+    most 1 insert per step: t0 5 refused (first miss) | t1 5 admitted, slot 0 | t2 5 hit | t3 6 insert=False |
+    t4 7, t5 8 refused (first misses) | t6 7 admitted, slot 1 | t7 8 (same step) refused by the cap.
+    LFU counts every one (5: 3, 6: 1, 7: 2, 8: 2); LFRU's clock is the 8 uses. Before, only hits and the misses
+    that reached admit() counted (5: 2, 7: 1)."""
+    from pymoe.experts.policies import Admission
+
+    policy = make_policy(name, 2)
+    table = SlotTable(2, policy, Admission(second_miss=True, max_inserts=1))
+    seq = [(5, True, 0), (5, True, 1), (5, True, 1), (6, False, 2), (7, True, 3), (8, True, 3), (7, True, 4),
+           (8, True, 4)]
+    got = [table.access(k, t, insert=ins, step=step) for t, (k, ins, step) in enumerate(seq)]
+    assert [s for _, s, _ in got] == [None, 0, 0, None, None, None, 1, None]
+    if name == "lfu":
+        assert policy.count == {5: 3, 6: 1, 7: 2, 8: 2}
+    else:
+        assert policy.clock == len(seq) and set(policy.v) == {5, 6, 7, 8}
 
 
 def test_zero_capacity_and_bad_names():
