@@ -25,9 +25,15 @@ Definitions
                 less than 1 point of hit rate per +10% coverage (the slope between neighbouring points)
     counted     the lookups that count (e.g. decode only); the cache still sees every lookup in time order, as
                 the engine's does.
+    call        the lookups of one layer-step (one layer of one forward) are one lookup call in the engine
+                (SlotCache.lookup), which serves each expert by one path, decided at its first (row, expert) pair:
+                a key looked up again by a later row of the call (a speculative verification forward, a batched
+                decode step) counts as that first lookup did, hit or miss, although the table may have promoted or
+                evicted it in between (a promotion's bytes land after the call's experts are computed). Every
+                lookup still goes through the table. promoted counts the misses that took a slot, as the engine's.
     prefill     as in the engine (cache.py), a prefill lookup that misses is "staged": served without a slot and
-                without asking the policy, so a long prompt cannot flush the decode working set; prefill hits
-                refresh the policy. sweep() applies this rule to the trace's prefill rows.
+                without asking the policy for one, so a long prompt cannot flush the decode working set; it is a
+                use all the same (LFU / LFRU count it), and prefill hits refresh the policy. sweep() applies this rule to the trace's prefill rows.
     warm set    with a WarmRule (`--warm-set N`), at each prompt's end (prompt_ends: a request's last prefill row)
                 the experts of its last N prompt tokens are placed (policies.WarmSet), as the engine's
                 SlotCache.end_prefill() does.
@@ -68,6 +74,7 @@ class SimResult:
     misses_per_token: float
     prefetched: int = 0  # keys the replayed lookahead placed ahead of counted lookups (sweep(prefetch=True))
     prefetch_hits: int = 0  # counted hits on keys placed for their own layer-step (part of hits)
+    promoted: int = 0  # counted misses that took a slot (the engine's "promoted")
 
 
 def split_slots(slots: int, n_layers: int) -> list[int]:
@@ -115,8 +122,9 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     that count (None: all). future: a NextUse of `keys` to share between runs (belady; built here if None).
     prefill: start with the slots pre-filled from `profile`. staged: bool [n], lookups whose misses do not enter
     the cache (SlotTable.access(insert=False): the engine's rule for prefill lookups); None: every miss may.
-    admission: the tables' admission control; steps: int [n], the layer-step of each lookup (its insert cap), as
-    the engine's lookup calls number them (None: one step).
+    admission: the tables' admission control; steps: int [n], the layer-step of each lookup (its insert cap, and
+    its lookup call: a key's first lookup in a step decides how its later ones there count), as the engine's lookup
+    calls number them (None: one step for the insert cap, each lookup its own call).
     warm: the warm decode set (policies.WarmSet, as the engine's SlotCache.end_prefill): the staged lookups feed it,
     rows int [n] names each lookup's token (trace row), and after each lookup with warm_after[t] (bool [n]: the
     end of a prompt) the set is placed.
@@ -150,22 +158,25 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     def table_of(k: int) -> SlotTable:
         return tables[k // group]
 
+    promoted = np.zeros(keys.size, dtype=bool)  # [n]: a miss that took a slot
+    served: dict = {}  # key -> hit, as the first lookup of the current layer-step decided (one path per call)
     placed = np.zeros(keys.size, dtype=np.int64)  # [n]: keys the lookahead placed just before lookup t
     pf_hit = np.zeros(keys.size, dtype=bool)  # [n]: a hit on a key placed for this lookup's layer-step
     for_step: set = set()  # keys placed for the current layer-step (the engine's SlotCache._prefetched[layer])
     prev_step = None
     for t, (key, insert, step) in enumerate(zip(keys.tolist(), inserts, step_of)):
-        if step != prev_step:  # a new layer-step: what was placed for the last one is no longer counted
-            for_step, prev_step = set(), step
+        if step != prev_step or step is None:  # a new layer-step: what was placed for the last one is no longer
+            for_step, served, prev_step = set(), {}, step  # counted, and its experts are decided afresh
         if t in prefetch:  # the engine's SlotCache.prefetch for this step, one layer early; the policies the
             want, limit = prefetch[t]  # engine runs ignore the clock's value, so every candidate is asked at t
             for k, _slot, evicted in prefetch_ranked(table_of, want, step, lambda: t, limit):
                 for_step.discard(evicted)  # a later candidate evicted an earlier one (SlotCache.prefetch too)
                 for_step.add(k)
                 placed[t] += 1
-        if access[key // group](key, t, insert, step)[0]:
-            hit[t] = True
-            pf_hit[t] = key in for_step
+        table_hit, slot, _ = access[key // group](key, t, insert, step)
+        promoted[t] = slot is not None and not table_hit
+        hit[t] = served.setdefault(key, table_hit)  # the engine's rule: the first lookup of a key in a call decides
+        pf_hit[t] = hit[t] and key in for_step
         if warm_set is not None:
             if not insert:  # a prefill lookup
                 warm_set.see(key, row_of[t], t)
@@ -173,12 +184,12 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
                 warm_set.apply(lambda k: tables[k // group])
     if counted is not None:
         mask = np.asarray(counted, dtype=bool)  # [n]
-        hit, placed, pf_hit = hit[mask], placed[mask], pf_hit[mask]
+        hit, placed, pf_hit, promoted = hit[mask], placed[mask], pf_hit[mask], promoted[mask]
     lookups, hits = int(hit.size), int(hit.sum())
     return SimResult(policy=policy, slots=int(slots), coverage=slots / (n_layers * n_experts), pool=pool,
                      lookups=lookups, hits=hits, hit_rate=hits / lookups if lookups else 0.0,
                      misses_per_token=(lookups - hits) / tokens if tokens else float("nan"),
-                     prefetched=int(placed.sum()), prefetch_hits=int(pf_hit.sum()))
+                     prefetched=int(placed.sum()), prefetch_hits=int(pf_hit.sum()), promoted=int(promoted.sum()))
 
 
 def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequence[str] = POOLS,
