@@ -141,8 +141,7 @@ class Engine:
                           warm=self.warm)
         self.backend.cache_pool = cache.pool
         log(cache.describe())
-        if self.profile is not None:
-            log(cache.prefill_from_profile())
+        log(cache.fill())  # every slot, from the profile and then in a stated order: slots never sit empty
         return cache
 
     def use_chat_template(self, source: str) -> None:

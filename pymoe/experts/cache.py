@@ -54,7 +54,7 @@ from numba import njit
 from pymoe.errors import PymoeError
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, GGUFModel
 from pymoe.backends.pool import HostPool
-from .policies import DEFAULT_POLICY, check_engine_policy, prefetch_ranked
+from .policies import DEFAULT_POLICY, check_engine_policy, prefetch_ranked, start_keys
 
 PHASES = ("prefill", "decode")
 # What each lookup was served by (ExpertBytes.where -> counter: slot -> hits; spill, cpu, staged, host), and what it
@@ -340,23 +340,32 @@ class SlotCache:
         return "cpu"
 
     # --- start-up ----------------------------------------------------------------------------------------------
-    def prefill_from_profile(self, profile=None) -> str:
-        """Fill the slots with the profile's hottest (layer, expert) pairs, in rank order; verify slot 0.
+    def fill(self, profile=None) -> str:
+        """Fill every slot at start-up (slots never sit empty): the profile's hottest (layer, expert) pairs in rank
+        order, then, for the slots left (all of them without a profile), the MoE layers' experts in
+        policies.fill_order (layer-interleaved by expert index); copy their bytes in and verify slot 0 byte for byte.
+        The simulator starts its tables by the same rule (policies.start_keys), so its counts stay the engine's.
 
-        -> the log line: `pre-filled 5784 of 5784 slots from the profile in 0.6 s (12647 MB/s); slot 0 verified`.
+        -> the log line: `pre-filled 5784 of 5784 slots from the profile in 0.6 s (12647 MB/s); slot 0 verified`,
+        with `, N of them in expert order` when the profile ran out, or `pre-filled N of N slots in expert order (no
+        profile) ...` without one.
         """
         profile = profile if profile is not None else self.profile
-        if profile is None:
-            raise PymoeError("no profile to pre-fill the expert cache from")
-        if (profile.n_layers, profile.n_experts) != (self.n_layers, self.n_experts):
+        if profile is not None and (profile.n_layers, profile.n_experts) != (self.n_layers, self.n_experts):
             raise PymoeError(f"profile is for {profile.n_layers} layers x {profile.n_experts} experts, the model has "
                              f"{self.n_layers} x {self.n_experts}")
         t0 = time.perf_counter()
-        self.table.prefill([int(k) for k in profile.keys()])  # the hottest keys, in rank order, until full
-        placed = [(k, self.table.resident(int(k))) for k in profile.keys()[: self.n_slots]]
-        placed = [(k, s) for k, s in placed if s is not None]  # [(key, slot)] in rank order
+        ranked = [int(k) for k in profile.keys()] if profile is not None else []
+        keys = start_keys(ranked, self.model.config.moe_layers, self.n_experts)
+        self.table.prefill(keys)  # the hottest keys first, until full
+        placed, seen = [], set()  # [(key, slot)] in the order filled
+        for key in keys:
+            slot = self.table.resident(key)
+            if slot is not None and key not in seen:
+                seen.add(key)
+                placed.append((key, slot))
         for key, slot in placed:
-            self._copy_in(slot, *divmod(int(key), self.n_experts))
+            self._copy_in(slot, *divmod(key, self.n_experts))
         self.pool.synchronize()  # a GPU pool copies asynchronously: time the copies, not their launches
         dt = time.perf_counter() - t0
         verified = ""
@@ -368,8 +377,10 @@ class SlotCache:
                 raise PymoeError(f"expert cache: slot {slot} does not hold the bytes of expert {e} of layer {layer}")
             verified = f"; slot {slot} verified"
         mbs = len(placed) * self.slot_bytes / dt / 1e6 if dt > 0 else float("inf")
-        return (f"pre-filled {len(placed)} of {self.n_slots} slots from the profile in {dt:.1f} s ({mbs:.0f} MB/s)"
-                f"{verified}")
+        rest = len(placed) - len(set(ranked) & seen)  # placed by fill_order
+        source = "in expert order (no profile)" if profile is None else "from the profile" + (
+            f", {rest} of them in expert order" if rest else "")
+        return f"pre-filled {len(placed)} of {self.n_slots} slots {source} in {dt:.1f} s ({mbs:.0f} MB/s){verified}"
 
     def describe(self) -> str:
         n_total = self.n_total

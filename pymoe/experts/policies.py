@@ -561,6 +561,25 @@ class SlotTable:
         return slot, evicted
 
 
+def fill_order(layers: Sequence[int], n_experts: int) -> list[int]:
+    """The keys a pool is filled with at start-up after a profile's (all of them without one), in this order:
+    layer-interleaved by expert index, expert 0 of each of `layers` (the MoE layers), then expert 1, and so on. So
+    slots never sit empty: with room for every expert the pool holds them all, and a smaller pool holds the same
+    number of experts of every layer (within one), the lowest-numbered first (an arbitrary but stated choice: without
+    a profile nothing says which experts are hot). The engine (SlotCache.fill) and the simulator (simulate.make_tables)
+    both fill by `start_keys`."""
+    return [layer * n_experts + e for e in range(n_experts) for layer in layers]
+
+
+def start_keys(profile_keys: Optional[Sequence[int]], layers: Sequence[int], n_experts: int) -> list[int]:
+    """What SlotTable.prefill is given at start-up, hottest first: the profile's keys of `layers` in rank order (none
+    without a profile; a profile may rank pairs of dense layers, which have no experts), then fill_order's; prefill
+    skips those already placed and stops when the pool is full."""
+    moe = set(layers)
+    head = [int(k) for k in profile_keys if int(k) // n_experts in moe] if profile_keys is not None else []
+    return head + fill_order(layers, n_experts)
+
+
 def prefetch_ranked(table_of, keys, step, tick, limit: int = 0):
     """The router lookahead's prefetch, the one copy the engine's slot cache (SlotCache.prefetch) and the simulator
     both run: for keys predicted for the lookup at layer-step `step`, most wanted first, in that order, until
