@@ -30,6 +30,8 @@ Both also keep `heat` int64 [n_layers, n_experts]: decode lookups per expert sin
 heat map shows (/v1/status?experts=1, serve/metrics.py) next to the residency table.
 Prefill lookups never promote: a prompt chunk touches nearly every expert, so letting it through the policy would
 flush the decode working set. Prefill misses are "staged" (streamed once per chunk), hits refresh the policy.
+Slots never sit empty: `fill()` (called by the engine at start-up) places the profile's hottest experts, then the
+MoE layers' experts in policies.fill_order, until every slot is taken; the simulator starts from the same keys.
 With a warm rule (`--warm-set N`), `end_prefill()`, called once a request's prompt is read, places the experts of
 the prompt's last N tokens (policies.WarmSet, the rule the simulator replays), so decode starts warm.
 The router lookahead (experts/prefetch.py, `--lookahead N`) calls `prefetch(layer, experts)` in decode, one layer
