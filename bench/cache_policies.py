@@ -146,7 +146,7 @@ def fit_report(heat: np.ndarray, trace: Trace) -> str:
     lines += [f"| {name} | " + " | ".join(f"{100 * v:.1f}" for v in vals) + " |" for name, vals in rows.items()]
     empty = Profile(L, trace.n_experts, np.zeros((0, 2)), [])  # no pre-fill: LRU from cold, as the PR measured
     slots = [int(c / 100 * trace.n_experts) * L for c in PR_LRU]
-    lru = sweep(trace, ["lru"], slots, ["per-layer"], profile=empty, phase="decode")
+    lru = sweep(trace, ["lru"], slots, ["per-layer"], profile=empty, phase="decode", prefill=False)
     pr = ", ".join(f"{c:g}%: {100 * r.hit_rate:.1f}% (PR ~{v:g}%)" for (c, v), r in zip(PR_LRU.items(), lru))
     return ("share of a layer's lookups taken by its top 10% experts (%):\n" + "\n".join(lines) +
             f"\nper-layer LRU from cold: {pr}")

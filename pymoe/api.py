@@ -118,7 +118,7 @@ class Engine:
         from .experts.cache import SlotCache
 
         cuda = self.backend.name == "cuda"
-        n_total = self.config.n_layers * self.config.n_expert
+        n_total = len(self.config.moe_layers) * self.config.n_expert  # leading dense layers have no experts
         if cache_slots is None and cache_gib is None and mode == "auto" and cuda:
             from .experts.plan import auto_line, slots_for
 
@@ -147,8 +147,7 @@ class Engine:
                           warm=self.warm)
         self.backend.cache_pool = cache.pool
         log(cache.describe())
-        if self.profile is not None:
-            log(cache.prefill_from_profile())
+        log(cache.fill())  # every slot, from the profile and then in a stated order: slots never sit empty
         return cache
 
     def use_chat_template(self, source: str) -> None:

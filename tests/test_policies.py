@@ -130,12 +130,34 @@ def test_prefill_rank_order_and_lru_recency():
     assert table.access(6, 0) == (False, 2, 7)  # the coldest prefilled key is the least recently used
 
 
-def test_insert_false_serves_a_miss_without_touching_the_policy():
+def test_insert_false_serves_a_miss_without_a_slot_but_counts_the_use():
     policy = LFUPolicy(1)
     table = SlotTable(1, policy)
     assert table.access(4, 0, insert=False) == (False, None, None)
-    assert policy.count == {} and table.n_resident == 0
+    assert policy.count == {4: 1} and table.n_resident == 0  # a prefill miss is a use: LFU counts it
     assert table.access(4, 1) == (False, 0, None)
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_every_lookup_is_a_use(name):
+    """Hits, admitted misses, misses refused by admission control (second-miss, the per-step cap) and misses served
+    without a slot (insert=False: prefill) all reach the policy's record of use. By hand, 2 slots, second-miss, at
+    most 1 insert per step: t0 5 refused (first miss) | t1 5 admitted, slot 0 | t2 5 hit | t3 6 insert=False |
+    t4 7, t5 8 refused (first misses) | t6 7 admitted, slot 1 | t7 8 (same step) refused by the cap.
+    LFU counts every one (5: 3, 6: 1, 7: 2, 8: 2); LFRU's clock is the 8 uses. Before, only hits and the misses
+    that reached admit() counted (5: 2, 7: 1)."""
+    from pymoe.experts.policies import Admission
+
+    policy = make_policy(name, 2)
+    table = SlotTable(2, policy, Admission(second_miss=True, max_inserts=1))
+    seq = [(5, True, 0), (5, True, 1), (5, True, 1), (6, False, 2), (7, True, 3), (8, True, 3), (7, True, 4),
+           (8, True, 4)]
+    got = [table.access(k, t, insert=ins, step=step) for t, (k, ins, step) in enumerate(seq)]
+    assert [s for _, s, _ in got] == [None, 0, 0, None, None, None, 1, None]
+    if name == "lfu":
+        assert policy.count == {5: 3, 6: 1, 7: 2, 8: 2}
+    else:
+        assert policy.clock == len(seq) and set(policy.v) == {5, 6, 7, 8}
 
 
 def test_zero_capacity_and_bad_names():
@@ -199,3 +221,59 @@ def test_belady_beats_every_policy(data, n_experts, n_layers, slots, pool, prefi
     best = run("belady").hits
     for name in POLICIES:
         assert best >= run(name).hits, name
+
+
+class BruteLFU(LFUPolicy):
+    """LFU's victim by a scan of the residents, (count, last use) smallest: the heap's reference."""
+
+    def victim(self, t):
+        return min(self.last, key=lambda k: (self.count.get(k, 0), self.last[k]))
+
+
+def brute_lfru(capacity):
+    from pymoe.experts.policies import LFRUPolicy
+
+    class BruteLFRU(LFRUPolicy):
+        """LFRU's victim by a scan of the residents, (v, key) smallest: the heap's reference."""
+
+        def victim(self, t):
+            return min(self.resident, key=lambda k: (self.v[k], k))
+
+    return BruteLFRU(capacity)
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_lfu_lfru_heaps_decide_as_a_scan_of_the_residents(name):
+    """The lazy-deletion heaps, compacted as they go (policies.HEAP_SLACK), evict what a scan of the residents picks:
+    6000 skewed lookups of 24 keys into 8 slots (hundreds of compactions), prefilled, with refused
+    misses (insert=False) mixed in (LFU evicts 797 times, LFRU more)."""
+    rng = np.random.default_rng(0)
+    seq = np.minimum(rng.zipf(1.3, 6000), 24).tolist()
+    staged = (rng.random(6000) < 0.1).tolist()
+    got, want = (SlotTable(8, p) for p in (make_policy(name, 8), BruteLFU(8) if name == "lfu" else brute_lfru(8)))
+    for table in (got, want):
+        table.prefill([3, 1, 4])
+    steps = [[table.access(k, t, insert=not s) for t, (k, s) in enumerate(zip(seq, staged))] for table in (got, want)]
+    assert steps[0] == steps[1] and got.evictions > 500
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_lfu_lfru_memory_stays_bounded_when_the_pool_rarely_evicts(name):
+    """A pool of 60 slots for 64 keys, 1,000,000 skewed lookups (a few thousand evictions: nearly every lookup a
+    hit): the policy's heap stays within 4 x (slots + 1) entries (4: policies.HEAP_SLACK, the slack its compaction
+    allows), its dicts within slots + keys. Before the heaps were compacted, each hit pushed an entry that only an
+    eviction could pop: LFU's heap reached 944,587 entries here, LFRU's 5,608 (its evictions pop the stale entries,
+    which sink to the top as scores grow)."""
+    slots, n_keys = 60, 64
+    policy = make_policy(name, slots)
+    table = SlotTable(slots, policy)
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        if len(policy.heap) > longest:
+            longest = len(policy.heap)
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)  # a pool that rarely evicts
+    assert longest <= 4 * (slots + 1)  # the bound _compact keeps, at every lookup
+    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
+    assert state and all(len(d) <= slots + n_keys for d in state)

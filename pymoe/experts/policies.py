@@ -6,9 +6,12 @@ the simulator (pymoe/experts/simulate.py), so a simulated hit rate is the engine
     t    = position of this lookup in the access sequence (0, 1, 2, ...; only Belady reads it)
 `SlotTable(capacity, policy).access(key, t) -> (hit, slot, evicted)` is one lookup:
     hit   -> the policy hears `on_hit`; the key stays in its slot
-    miss  -> the policy is asked `admit(key, t)`; if it refuses, the miss is served without a slot (slot None);
+    miss  -> the policy hears `on_use` (every miss is a use, whether it takes a slot or not: a prefill lookup, one
+             refused by admission control); then, if the lookup may insert and admission control lets it, the
+             policy is asked `admit(key, t)`; if it refuses, the miss is served without a slot (slot None);
              otherwise the key takes a free slot, or the slot of `victim(t)` (which is evicted: `on_evict`),
              and the policy hears `on_insert`.
+So every lookup reaches the policy's record of use (on_hit or on_use): LFU's counts and LFRU's scores count them all.
 `WarmSet(WarmRule(n, m), n_experts)` is the warm decode set: at the end of a prompt, the experts of its last n
 tokens are placed in slots (`SlotTable.place`), at most m of them, so decode starts warm.
 What this is not: memory. Slots are numbers; copying expert bytes into slot `s` is the cache's job (cache.py).
@@ -30,7 +33,9 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
                 policy from the same starting contents; `BeladyPolicy(..., bypass=False)` is classic demand-paging
                 MIN, optimal among policies that always admit (lru, lfu).
 Each access costs O(1) (OrderedDict) or O(log n) amortised (heaps with lazy deletion): traces have 10^5..10^6
-lookups.
+lookups. Memory is O(slots + keys seen): LFU's and LFRU's heaps are rebuilt from their residents once stale entries
+make them longer than HEAP_SLACK x the residents (`_compact`), so a pool that rarely evicts does not grow them by one
+entry per hit.
 """
 from __future__ import annotations
 
@@ -41,6 +46,11 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+
+
+HEAP_SLACK = 4  # a lazy-deletion heap is rebuilt from its live entries when longer than this x (residents + 1):
+# the rebuild costs O(residents) and comes after at least (HEAP_SLACK - 1) x residents pushes, so each push pays O(1)
+# amortised for it, and the heap never holds more than HEAP_SLACK x (residents + 1) entries.
 
 
 class Policy:
@@ -59,8 +69,12 @@ class Policy:
     def on_hit(self, key: int, t: int) -> None:
         pass
 
+    def on_use(self, key: int, t: int) -> None:
+        """A use of a key that is not resident: every miss (before admission control and admit()), and a placement
+        outside a lookup (SlotTable.place, SlotTable.prefetch: just before their admit())."""
+
     def admit(self, key: int, t: int) -> bool:
-        """Called once per miss, before any eviction: may the key take a slot?"""
+        """Called once per miss that may take a slot, before any eviction: may the key take a slot?"""
         return True
 
     def victim(self, t: int) -> int:
@@ -119,7 +133,8 @@ class LFUPolicy(Policy):
     """Least frequently used, ties to the least recently used; counts of every key ever seen (never reset).
 
     A min-heap of (count, last_use, key) over residents; entries go stale when a key is used again (its count and
-    last use change) or evicted, and are skipped when they reach the top (lazy deletion). `last_use` is an internal
+    last use change) or evicted, and are skipped when they reach the top (lazy deletion) or dropped when the heap is
+    rebuilt from the residents (`_compact`, once it is HEAP_SLACK x longer than they are). `last_use` is an internal
     clock of events, so prefilled keys (t=None) are ordered too: the first prefilled is the oldest.
     """
 
@@ -136,14 +151,20 @@ class LFUPolicy(Policy):
         self.clock += 1
         self.last[key] = self.clock
         heapq.heappush(self.heap, (self.count.get(key, 0), self.clock, key))
+        if len(self.heap) > HEAP_SLACK * (self.size + 1):
+            self._compact()
+
+    def _compact(self) -> None:
+        """Drop the stale entries: one (count, last use, key) per resident, the entries victim() would accept."""
+        self.heap = [(self.count.get(k, 0), last, k) for k, last in self.last.items()]
+        heapq.heapify(self.heap)
 
     def on_hit(self, key: int, t: int) -> None:
         self.count[key] = self.count.get(key, 0) + 1
         self._touch(key)
 
-    def admit(self, key: int, t: int) -> bool:
+    def on_use(self, key: int, t: int) -> None:
         self.count[key] = self.count.get(key, 0) + 1  # the miss is a use too, admitted or not
-        return True
 
     def victim(self, t: int) -> int:
         while True:
@@ -169,14 +190,15 @@ LFRU_HALF_LIFE = 4  # x the capacity, in lookups. Measured (docs/expert-cache.md
 class LFRUPolicy(Policy):
     """Frequency with a half-life (LFRU): evict the resident key whose decayed use count is lowest,
         score(k, now) = sum over the uses u of k of 2^(-(now - t_u) / H)
-    with time counted in lookups (uses that reach the policy) and H = `half_life` (default LFRU_HALF_LIFE x the
-    capacity). H -> 0 is LRU, H -> infinity is LFU; in between, a once-hot expert fades instead of squatting (LFU's
-    weakness) and a burst of one-off experts does not flush the hot set (LRU's).
+    with time counted in uses (every lookup, and each placement outside one) and H = `half_life` (default
+    LFRU_HALF_LIFE x the capacity). H -> 0 is LRU, H -> infinity is LFU; in between, a once-hot expert fades
+    instead of squatting (LFU's weakness) and a burst of one-off experts does not flush the hot set (LRU's).
     Scores of every key ever seen are kept, as LFU keeps its counts.
 
     The score changes with `now`, but the order of two keys does not: score(k, now) = 2^(v_k - now / H) with
     v_k = log2(score at k's last use) + t_last / H, which changes only when k is used. So residents sit in a min-heap
-    of v with lazy deletion, like LFU's counts. A use at time t: v = t / H + log2(2^(v_old - t / H) + 1).
+    of v with lazy deletion (compacted, HEAP_SLACK), like LFU's counts. A use at time t:
+    v = t / H + log2(2^(v_old - t / H) + 1).
     """
 
     name = "lfru"
@@ -187,7 +209,7 @@ class LFRUPolicy(Policy):
         self.v: dict[int, float] = {}  # key -> log2(decayed count at its last use) + (last use) / H
         self.heap: list[tuple[float, int]] = []  # (v, key) of residents, stale entries skipped
         self.resident: set[int] = set()
-        self.clock = 0  # uses seen (hits and misses): the lookup count when every lookup reaches the policy
+        self.clock = 0  # uses seen: every lookup (hit or miss), every placement from a profile, warm set or prefetch
 
     def _use(self, key: int) -> None:
         self.clock += 1
@@ -195,13 +217,18 @@ class LFRUPolicy(Policy):
         old = self.v.get(key)
         self.v[key] = now + (math.log2(2.0 ** (old - now) + 1.0) if old is not None else 0.0)
 
+    def _push(self, key: int) -> None:
+        heapq.heappush(self.heap, (self.v[key], key))
+        if len(self.heap) > HEAP_SLACK * (self.size + 1):  # rebuilt: one (v, key) per resident (LFUPolicy._compact)
+            self.heap = [(self.v[k], k) for k in self.resident]
+            heapq.heapify(self.heap)
+
     def on_hit(self, key: int, t: int) -> None:
         self._use(key)
-        heapq.heappush(self.heap, (self.v[key], key))
+        self._push(key)
 
-    def admit(self, key: int, t: int) -> bool:
+    def on_use(self, key: int, t: int) -> None:
         self._use(key)  # the miss is a use too, admitted or not
-        return True
 
     def victim(self, t: int) -> int:
         while True:
@@ -215,7 +242,7 @@ class LFRUPolicy(Policy):
         self.resident.add(key)
         if t is None:  # placed from a profile, not looked up: counts as one use now
             self._use(key)
-        heapq.heappush(self.heap, (self.v[key], key))
+        self._push(key)
 
     def on_evict(self, key: int) -> None:
         super().on_evict(key)
@@ -475,8 +502,9 @@ class SlotTable:
     def access(self, key: int, t: int, insert: bool = True, step=None) -> tuple[bool, Optional[int], Optional[int]]:
         """One lookup of `key` at position t -> (hit, slot the key now occupies or None, evicted key or None).
 
-        insert=False: a miss is served without a slot and the policy is not asked (the engine's rule for prefill
-        lookups, which would otherwise flush the decode working set; a hit still refreshes the policy).
+        insert=False: a miss is served without a slot and the policy is not asked for one (the engine's rule for
+        prefill lookups, which would otherwise flush the decode working set); it still hears the use (on_use), as a
+        hit refreshes it.
         step: the layer-step of the lookup (any hashable; a new value starts a new insert count)."""
         self.lookups += 1
         slot = self.slot_of.get(key)
@@ -484,6 +512,7 @@ class SlotTable:
             self.hits += 1
             self.policy.on_hit(key, t)
             return True, slot, None
+        self.policy.on_use(key, t)  # a miss is a use, whether it takes a slot or not
         if not insert or self.capacity == 0 or not self._admitted(key, step) or not self.policy.admit(key, t):
             return False, None, None
         self._inserts += 1
@@ -494,7 +523,10 @@ class SlotTable:
         it is resident already or the policy refuses it (`admit`, asked as for a miss at position t: static keeps its
         set, Belady its optimum). Admission control is not applied (the warm set has its own budget), and nothing
         is counted as a lookup."""
-        if key in self.slot_of or self.capacity == 0 or not self.policy.admit(key, t):
+        if key in self.slot_of or self.capacity == 0:
+            return None
+        self.policy.on_use(key, t)
+        if not self.policy.admit(key, t):
             return None
         return self._insert(key, t)
 
@@ -512,6 +544,7 @@ class SlotTable:
             self._step, self._inserts = step, 0
         if (a.max_inserts and self._inserts >= a.max_inserts) or (a.second_miss and key not in self.missed):
             return None
+        self.policy.on_use(key, t)
         if not self.policy.admit(key, t):
             return None
         self.missed.pop(key, None)
@@ -531,6 +564,25 @@ class SlotTable:
         self.slot_of[key] = slot
         self.policy.on_insert(key, t)
         return slot, evicted
+
+
+def fill_order(layers: Sequence[int], n_experts: int) -> list[int]:
+    """The keys a pool is filled with at start-up after a profile's (all of them without one), in this order:
+    layer-interleaved by expert index, expert 0 of each of `layers` (the MoE layers), then expert 1, and so on. So
+    slots never sit empty: with room for every expert the pool holds them all, and a smaller pool holds the same
+    number of experts of every layer (within one), the lowest-numbered first (an arbitrary but stated choice: without
+    a profile nothing says which experts are hot). The engine (SlotCache.fill) and the simulator (simulate.make_tables)
+    both fill by `start_keys`."""
+    return [layer * n_experts + e for e in range(n_experts) for layer in layers]
+
+
+def start_keys(profile_keys: Optional[Sequence[int]], layers: Sequence[int], n_experts: int) -> list[int]:
+    """What SlotTable.prefill is given at start-up, hottest first: the profile's keys of `layers` in rank order (none
+    without a profile; a profile may rank pairs of dense layers, which have no experts), then fill_order's; prefill
+    skips those already placed and stops when the pool is full."""
+    moe = set(layers)
+    head = [int(k) for k in profile_keys if int(k) // n_experts in moe] if profile_keys is not None else []
+    return head + fill_order(layers, n_experts)
 
 
 def prefetch_ranked(table_of, keys, step, tick, limit: int = 0):
