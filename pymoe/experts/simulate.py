@@ -369,6 +369,18 @@ def parse_numbers(text: str, what: str, kind=float) -> list:
     return values
 
 
+def slot_counts(slots: Optional[str], coverage: Optional[str], n_layers: int, n_experts: int) -> list[int]:
+    """--slots N,... (totals) or --coverage P,... (percent of the n_layers x n_experts experts; default 10..90)."""
+    if slots is not None and coverage is not None:
+        raise PymoeError("give --slots or --coverage, not both")
+    if slots is not None:
+        return parse_numbers(slots, "slots", int)
+    pcts = parse_numbers(coverage or "10,20,30,40,50,60,70,80,90", "coverage")
+    if max(pcts) > 100:
+        raise PymoeError(f"--coverage is in percent (0..100), got {coverage!r}")
+    return [slots_for_coverage(c, n_layers, n_experts) for c in pcts]
+
+
 def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] = None,
            coverage: Optional[str] = None, pool: str = "both", profile_path=None, phase: str = "all",
            plot_path=None, progress: bool = False, admit: str = "all", max_inserts: int = 0, warm_set: int = 0,
@@ -381,17 +393,7 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
     admission = make_admission(admit, max_inserts)
     warm = make_warm_rule(warm_set, warm_inserts)
     trace = Trace.load(trace_path)
-    L, E = trace.n_layers, trace.n_experts
-    if slots is not None and coverage is not None:
-        raise PymoeError("give --slots or --coverage, not both")
-    if slots is not None:
-        slots_list = parse_numbers(slots, "slots", int)
-    else:
-        pcts = parse_numbers(coverage or "10,20,30,40,50,60,70,80,90", "coverage")
-        if max(pcts) > 100:
-            raise PymoeError(f"--coverage is in percent (0..100), got {coverage!r}")
-        slots_list = [slots_for_coverage(c, L, E) for c in pcts]
-    slots_list = sorted(set(slots_list))
+    slots_list = sorted(set(slot_counts(slots, coverage, trace.n_layers, trace.n_experts)))
     names = [p.strip() for p in policies.split(",") if p.strip()]
     left_out = ""
     if prefetch and "belady" in names:  # it cannot replay a prefetch (simulate()): the others still can
