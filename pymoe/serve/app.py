@@ -115,14 +115,18 @@ def _is_unicode(text: str) -> bool:
 def chat_prompt(req, tokenizer) -> str:
     """messages (and the tools in play) -> the model's chat template (sandboxed) -> the prompt text (400 naming
     `messages` on a failure)."""
-    extra = {}
-    if getattr(req, "tools", None) and req.tool_choice_value() is not None:
+    extra, messages = {}, req.template_messages()
+    choice = req.tool_choice_value() if getattr(req, "tools", None) else None
+    if choice is not None:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.function_tools()]  # as transformers does
-        if tools.tool_format(tokenizer.chat_template) == "harmony":  # gpt-oss's template adds "// " + description
+        fmt = tools.call_format(tokenizer.chat_template)
+        if fmt == "harmony":  # gpt-oss's template adds "// " + description
             for t in extra["tools"]:
                 t["function"].setdefault("description", "")
+        elif fmt == "generic":  # the template knows no tools: they go in the system prompt, calls as JSON text
+            messages, extra = tools.Generic.rewrite(messages, extra["tools"], forced=choice != "auto"), {}
     try:
-        return tokenizer.apply_chat_template(req.template_messages(), **extra)
+        return tokenizer.apply_chat_template(messages, **extra)
     except PymoeError as e:
         raise ApiError(400, str(e), code="invalid_value", param="messages") from None
 
@@ -142,16 +146,10 @@ def preserved_markers(choice: Optional[str], tokenizer) -> frozenset:
     return tools.preserved_tokens(fmt, tokenizer) if choice is not None or fmt == "harmony" else frozenset()
 
 
-def tool_mode(req, tokenizer) -> Optional[str]:
-    """A chat request's tool choice: None (no tools in play), "auto", "required" or a function's name; checks that
-    the model's template has a tool format pymoe parses (serve/tools.py), else a 400 naming `tools`."""
-    choice = req.tool_choice_value() if hasattr(req, "tool_choice_value") else None  # chat: OpenAI's, Anthropic's
-    if choice is not None and tools.tool_format(tokenizer.chat_template) is None:
-        raise ApiError(400, "'tools' is not supported for this model: its chat template has no tool-call format "
-                            "pymoe can parse (pymoe parses Hermes' <tool_call> JSON (Qwen2.5/Qwen3), Qwen3.5's XML, "
-                            "GLM-4.5's, DeepSeek-V3.1's and gpt-oss' harmony)",
-                       code="unsupported_parameter", param="tools")
-    return choice
+def tool_mode(req, tokenizer=None) -> Optional[str]:
+    """A chat request's tool choice: None (no tools in play), "auto", "required" or a function's name. Every template
+    takes tools: one without a format of its own gets the generic one (serve/tools.py)."""
+    return req.tool_choice_value() if hasattr(req, "tool_choice_value") else None  # chat: OpenAI's, Anthropic's
 
 
 def tool_specs(req) -> list:
@@ -161,15 +159,20 @@ def tool_specs(req) -> list:
 
 def forced_call_grammar(req, choice: Optional[str], job: Job, tokenizer=None):
     """tool_choice "required" or a named function -> the grammar of such a call in the template's format (the answer
-    always parses; the format's markers as the vocabulary's special tokens where it has them). tokenizer None:
-    Hermes' format, its markers as text."""
-    if choice in (None, "auto"):
+    always parses; the format's markers as the vocabulary's special tokens where it has them). The generic format
+    (a template without one of its own) has a grammar for tool_choice auto too: a call or {"response": text}.
+    tokenizer None: Hermes' format, its markers as text."""
+    fmt = "hermes" if tokenizer is None else tools.call_format(tokenizer.chat_template)
+    if choice is None or (choice == "auto" and fmt != "generic"):
         return job.grammar
     if job.grammar is not None:
         raise ApiError(400, "'tool_choice' forces a tool call: it does not combine with response_format or "
-                            "grammar", code="invalid_value", param="tool_choice")
+                            "grammar" if choice != "auto" else "'tools' on this model's template (no tool-call format "
+                            "of its own: the generic JSON one) do not combine with response_format or grammar",
+                       code="invalid_value", param="tool_choice" if choice != "auto" else "tools")
     try:
-        fmt = "hermes" if tokenizer is None else tools.tool_format(tokenizer.chat_template)
+        if choice == "auto":
+            return tools.Generic().auto_grammar(tool_specs(req))
         return tools.call_grammar([s for s in tool_specs(req) if choice == "required" or s["name"] == choice],
                                   fmt, tokenizer)
     except PymoeError as e:  # a tool's `parameters` that is no JSON schema the grammar compiler takes
@@ -501,7 +504,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
         # a prompt that opens <think> starts the answer in the reasoning, unless a grammar (a forced call, a format)
         # decides the answer from its first token
-        return req, jobs, choice, echo, thinking and job.grammar is None and reasoning.opens_thinking(text)
+        return jobs, choice, echo, thinking and job.grammar is None and reasoning.opens_thinking(text)
 
     async def complete(request: Request, kind: str):
         arrived = time.perf_counter()
@@ -513,7 +516,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         submit_all(jobs, events)
         request.scope[JOBS_KEY] = jobs  # the access log's token counts
         reply = Reply(kind, name, engine.tokenizer)
-        fmt = tools.tool_format(engine.tokenizer.chat_template) if kind == "chat" else None
+        fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template) \
+            if kind == "chat" else None
         if choice is not None or fmt == "harmony":  # answers are read for tool calls (harmony: for its channels too)
             reply.calls = "first" if not req.parallel_tool_calls else "all"
             reply.fmt, reply.specs = fmt, tool_specs(req) if choice is not None else []
@@ -633,7 +637,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         submit_all([job], events)
         request.scope[JOBS_KEY] = [job]
         reply = anthropic.MessageReply(name)
-        fmt = tools.tool_format(engine.tokenizer.chat_template)
+        fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template)
         calls = None if choice is None and fmt != "harmony" else ("all" if req.parallel_tool_calls else "first")
         # with tools in play (or gpt-oss' channels), the answer is read for calls: tools.CallStream
         reading = None if calls is None else tools.CallStream(fmt, tool_specs(req) if choice else [], calls)

@@ -1,0 +1,147 @@
+"""Tools on a template with no tool-call format of its own (serve/tools.py `Generic`, llama.cpp's generic format):
+the demo model with its own ChatML-like template, through the official openai client and LangChain.
+
+Covered: a forced call (a named function, and tool_choice required) parses and follows its tool's schema, streamed
+the same; tool_choice auto answers with a call or text, never with the format's JSON showing; history (an assistant's
+call, the tool's answer) is rewritten into JSON turns the template renders; LangChain's
+with_structured_output(method="function_calling") at max_tokens 64; the parser and its streaming on their own.
+"""
+import json
+
+import httpx
+import openai
+import pytest
+
+import pymoe
+from pymoe.demo import demo_model
+from pymoe.serve import tools
+from pymoe.serve.app import BackgroundServer, create_app
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                          "required": ["city"], "additionalProperties": False}}}
+BOUNDED = {"type": "integer", "minimum": -999, "maximum": 999}  # unbounded, the model can write digits to max_tokens
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+       "type": "object", "properties": {"a": BOUNDED, "b": BOUNDED}, "required": ["a", "b"]}}}
+ASK = [{"role": "user", "content": "weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    engine = pymoe.load(demo_model(), n_ctx=1024)
+    assert tools.tool_format(engine.tokenizer.chat_template) is None  # the point: no format of its own
+    with BackgroundServer(create_app(engine, kv="f32")) as srv:
+        srv.engine = engine
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+
+def arguments(call, tool):
+    """A call's arguments: they parse and follow the tool's schema (required keys, types, maxLength)."""
+    args = json.loads(call.function.arguments)
+    spec = tool["function"]["parameters"]
+    assert call.type == "function" and call.id.startswith("call_") and set(args) == set(spec["required"]), args
+    for key, prop in spec["properties"].items():
+        assert isinstance(args[key], {"string": str, "integer": int}[prop["type"]]), args
+        assert len(args[key]) <= prop.get("maxLength", 10**9) if prop["type"] == "string" else True
+    return args
+
+
+@pytest.mark.parametrize("choice, names", [({"type": "function", "function": {"name": "add"}}, {"add"}),
+                                           ("required", {"get_weather", "add"})])
+def test_a_forced_call_parses_on_the_demo_template(client, choice, names):
+    for seed in (1, 2):
+        r = client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
+                                           max_tokens=64, temperature=1, seed=seed)
+        c = r.choices[0]
+        assert c.finish_reason == "tool_calls" and c.message.content is None and len(c.message.tool_calls) == 1, c
+        call = c.message.tool_calls[0]
+        assert call.function.name in names
+        args = arguments(call, {"add": ADD, "get_weather": WEATHER}[call.function.name])
+    chunks = list(client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER, ADD], tool_choice=choice,
+                                                 max_tokens=64, temperature=1, seed=2, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert deltas[0].function.name == call.function.name
+    assert json.loads("".join(d.function.arguments or "" for d in deltas)) == args
+    assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)  # no JSON shows as text
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
+        "tool_calls"]
+
+
+def test_auto_answers_with_a_call_or_text_and_the_json_never_shows(client):
+    for seed in range(1, 4):
+        r = client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER], max_tokens=64,
+                                           temperature=1, seed=seed)
+        c = r.choices[0]
+        if c.message.tool_calls:
+            assert c.finish_reason == "tool_calls" and c.message.content is None
+            arguments(c.message.tool_calls[0], WEATHER)
+        elif c.finish_reason == "stop":  # {"response": ...} complete: its text is the content
+            assert not (c.message.content or "").startswith('{"response"'), c
+        streamed = list(client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER], max_tokens=64,
+                                                       temperature=1, seed=seed, stream=True))
+        text = "".join(ch.choices[0].delta.content or "" for ch in streamed if ch.choices)
+        assert text == (c.message.content or "") if c.finish_reason != "length" else True
+
+
+def test_history_is_rewritten_into_json_turns(server):
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function",
+                      "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                     {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    tok = server.engine.tokenizer
+    req = pymoe.serve.schemas.ChatRequest.model_validate({"messages": history, "tools": [WEATHER]})
+    from pymoe.serve.app import chat_prompt
+
+    prompt = chat_prompt(req, tok)
+    assert '"name": "get_weather"' in prompt and "Answer in JSON" in prompt  # the tools' system section
+    assert '{"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}' in prompt
+    assert '<|im_start|>user\n{"tool_response": {"tool": "get_weather", "content": "sunny, 21 C"}}' in prompt
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": history, "tools": [WEATHER], "max_tokens": 8, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] in ("stop", "length", "tool_calls")
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+        "messages": ASK, "tools": [WEATHER], "max_tokens": 8, "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+
+
+def test_langchain_structured_output_by_function_calling(server):
+    from langchain_openai import ChatOpenAI
+    from pydantic import BaseModel, Field
+
+    class Person(BaseModel):
+        """A person."""
+        name: str = Field(max_length=8)
+        age: int = Field(ge=0, le=120)
+
+    llm = ChatOpenAI(base_url=server.url + "/v1", api_key="none", model="demo", max_tokens=64, temperature=1, seed=3,
+                     max_retries=0, timeout=120)
+    person = llm.with_structured_output(Person, method="function_calling").invoke("a person")
+    assert isinstance(person, Person) and len(person.name) <= 8 and 0 <= person.age <= 120
+
+
+def test_generic_parser_and_its_stream():
+    g = tools.FORMATS["generic"]
+    call = '{"tool_call":{"name":"add","arguments":{"a":1,"b":2}}}'
+    content, calls = g.parse(call)
+    assert content is None and [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == [
+        ("add", {"a": 1, "b": 2})]
+    assert g.parse('{"response":"Hi \\"you\\"\\n"}') == ('Hi "you"', [])
+    assert g.parse("plain text") == ("plain text", [])
+    assert g.parse('{"other": 1}') == ('{"other": 1}', [])
+    answer = '{"response":"caf\\u00e9 \\\\ ok"}'
+    stream, sent = tools.CallStream("generic"), ""
+    for i in range(len(answer)):
+        piece, found = stream.feed(answer[i])
+        assert not found and '{' not in piece
+        sent += piece
+    piece, found = stream.close()
+    assert sent + piece == "café \\ ok" and not found
+    stream = tools.CallStream("generic")
+    assert stream.feed(call[:20]) == ("", []) and [c["function"]["name"] for c in stream.close()[1]] == []
+    stream = tools.CallStream("generic")
+    stream.feed(call[:20])
+    assert [c["function"]["name"] for c in stream.feed(call[20:])[1] + stream.close()[1]] == ["add"]
