@@ -44,7 +44,7 @@ from pymoe.engine.generate import RequestStats
 from pymoe.engine.kv import kv_nbytes
 from pymoe.engine.sampler import dry_breaker_sequences
 from pymoe.errors import PymoeError
-from pymoe.serve import anthropic, reasoning, tools
+from pymoe.serve import anthropic, reasoning, responses, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.middleware import JOBS_KEY, LOCALHOST, AccessLog, Cors
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
@@ -489,6 +489,11 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         """A chat or completion body -> (request, its jobs, tool choice, echo): the JSON, the schema, the template,
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
+        return (req, *jobs_for(req, kind))
+
+    def jobs_for(req, kind: str) -> tuple:
+        """A parsed chat or completion request -> (its jobs, tool choice, echo, whether the answer starts inside
+        <think>)."""
         choice = tool_mode(req, engine.tokenizer)
         text = chat_prompt(req, engine.tokenizer) if kind == "chat" else None
         ids = engine.tokenizer.encode(text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
@@ -696,6 +701,83 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     async def count_tokens(request: Request):
         req = await read_request(request, anthropic.CountTokensRequest)
         return {"input_tokens": len(await asyncio.to_thread(prompt_ids, req, engine.tokenizer))}
+
+    store = responses.ResponseStore()
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def create_response(request: Request):
+        """OpenAI's Responses API (responses.py): the request runs as a chat completion; its answer is read through
+        the same pipeline whether streamed or not (the events of a whole answer are dropped)."""
+        arrived = time.perf_counter()
+        req = await read_request(request, responses.ResponsesRequest)
+
+        def prepare_response():
+            previous = store.conversation(req.previous_response_id)
+            chat = req.to_chat(previous)
+            jobs, choice, _, think_open = jobs_for(chat, "chat")
+            return chat, req.messages(previous), jobs[0], choice, think_open
+
+        chat, conversation, job, choice, think_open = await asyncio.to_thread(prepare_response)
+        job.deadline = deadline(arrived)
+        events: asyncio.Queue = asyncio.Queue()
+        submit_all([job], events)
+        request.scope[JOBS_KEY] = [job]
+        reply = responses.ResponseReply(name, req)
+        fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template)
+        reading = None if choice is None and fmt != "harmony" else tools.CallStream(
+            fmt, tool_specs(chat) if choice is not None else [], "all" if req.parallel_tool_calls else "first")
+        thinking = reasoning.ThinkStream(think_open) if reasoning_format == "deepseek" and fmt != "harmony" else None
+
+        def answer(piece: str, final: bool = False) -> list:
+            """A piece of the answer (final: its end) -> its events: reasoning, text, calls."""
+            out = []
+            if thinking is not None:
+                thought, piece = thinking.feed(piece, final)
+                out += reply.text_events(thought, "reasoning_text")
+            text, calls = (piece, []) if reading is None else reading.feed(piece, final)
+            return out + reply.text_events(text) + reply.call_events(calls)
+
+        async def run():
+            for event in reply.start():
+                yield event
+            async for _, ev, value in job_events([job], events, None if req.stream else request):
+                if ev == "piece":
+                    for event in answer(value):
+                        yield event
+                elif ev == "error":
+                    raise ApiError(500, value)
+                elif ev == "done":
+                    for event in answer("", final=True):
+                        yield event
+                    st = job.stats
+                    closing, final = reply.end(value, responses.usage(st.n_prompt, st.n_generated, st.n_reused))
+                    if req.store:
+                        store.put(reply.id, conversation + responses.chat_turn(final["output"]), final)
+                    reply.final = final
+                    for event in closing:
+                        yield event
+
+        if req.stream:
+            async def stream():
+                try:
+                    async for event in run():
+                        yield event
+                except ApiError as e:
+                    yield reply.event("error", code=e.code or "server_error", message=e.message, param=e.param)
+            return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        reply.final = None
+        async for _ in run():
+            pass
+        if reply.final is None:  # the client went away; nobody reads this
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(reply.final)
+
+    @app.get("/v1/responses/{rid}", dependencies=guarded)
+    async def get_response(rid: str):
+        found = store.get(rid)
+        if found is None:
+            raise ApiError(404, f"no stored response {rid!r}", code="not_found", param="response_id")
+        return found[1]
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
