@@ -145,3 +145,59 @@ def test_generic_parser_and_its_stream():
     stream = tools.CallStream("generic")
     stream.feed(call[:20])
     assert [c["function"]["name"] for c in stream.feed(call[20:])[1] + stream.close()[1]] == ["add"]
+
+
+def test_forced_tokens_are_taken_without_sampling_and_greedy_still_holds(server):
+    """serve/scheduler.py's fast-forward: a forced call samples only the free parts (the arguments' values); the
+    fixed ones (JSON keys, the name) are taken as the grammar forces them and read in one forward with the token
+    before them. Oracle: the reference engine reads prompt + the answer in one prefill, and at every sampled
+    position the answer's token is the argmax of the grammar-masked logits (temperature 0), at every other the
+    grammar forces exactly the answer's tokens."""
+    import numpy as np
+
+    from pymoe.engine.kv import new_kv
+    from pymoe.engine.sampler import SamplingParams
+    from pymoe.serve.app import chat_prompt
+    from pymoe.serve.scheduler import Job, Scheduler
+    from pymoe.serve.schemas import ChatRequest
+
+    engine = pymoe.load(demo_model(), n_ctx=1024)
+    tok = engine.tokenizer
+    req = ChatRequest.model_validate({"messages": ASK, "tools": [WEATHER, ADD], "tool_choice": "required"})
+    prompt = tok.encode(chat_prompt(req, tok))
+    grammar = tools.call_grammar([{"name": t["function"]["name"], "parameters": t["function"]["parameters"]}
+                                  for t in (WEATHER, ADD)], "generic", tok)
+    stats = {}
+    for fast in (True, False):
+        with Scheduler(engine, kv="f32", fast_forward=fast) as sched:
+            job = sched.submit(Job(prompt_ids=prompt, max_tokens=64, grammar=grammar,
+                                   sampling=SamplingParams(temperature=0)))
+            text = "".join(v for kind, v in job.events(timeout=300) if kind == "piece")
+        stats[fast] = (job.stats.n_generated, job.stats.n_forced, job.history[len(prompt):], text)
+    # beside a speculating slot (--spec ngram: the step is a speculative one, where the grammar's slot reads its
+    # forced tokens in the verifying forward): the same tokens
+    with Scheduler(engine, parallel=2, kv="f32", spec="ngram", spec_k=3) as sched:
+        plain = sched.submit(Job(prompt_ids=tok.encode("import os\nimport os\nimport"), max_tokens=40,
+                                 sampling=SamplingParams(temperature=0)))
+        job = sched.submit(Job(prompt_ids=prompt, max_tokens=64, grammar=grammar,
+                               sampling=SamplingParams(temperature=0)))
+        list(job.events(timeout=300)), list(plain.events(timeout=300))
+    assert job.history[len(prompt):] == stats[True][2] and sched.max_batch == 2
+    n, n_forced, answer, text = stats[True]
+    assert job.stats.stop_reason == "stop" and tools.parse_calls(text, "generic")[1], text
+    assert stats[False][1] == 0 and n_forced >= n // 2, stats  # most of a call is fixed text
+    kv = new_kv(engine.config, 1024, "f32")
+    logits = engine.model.prefill(np.asarray(prompt + answer[:-1]), kv)[len(prompt) - 1:]  # [len(answer), V]
+    c = grammar.constraint(tok)
+    i, sampled = 0, 0
+    while i < len(answer):
+        masked = np.where(c.allowed(), logits[i], -np.inf)
+        assert int(np.argmax(masked)) == answer[i], i
+        c.accept(answer[i])
+        sampled, i = sampled + 1, i + 1
+        forced = c.forced()
+        assert answer[i:i + len(forced)] == forced[:len(answer) - i], i
+        for t in forced[:len(answer) - i]:
+            c.accept(t)
+        i += len(forced)
+    assert sampled == n - n_forced and c.finished
