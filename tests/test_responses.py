@@ -1,11 +1,11 @@
-"""POST /v1/responses (serve/responses.py) against the official openai client's responses.create / .stream /
-.parse, on the demo model with its own template (tools: the generic format, serve/tools.py).
+"""POST /v1/responses (serve/responses.py) against the official openai client's client.responses.create,
+.stream and .parse, on the demo model with its own template (tools: the generic format, serve/tools.py).
 
 Covered: a plain answer equals the chat endpoint's greedy answer for the same conversation (instructions as the
 system message), with its usage; streamed, the deltas assemble to the whole answer and the client's stream state
 accepts every event; max_output_tokens gives status incomplete; a tool round trip (function_call out,
 function_call_output back in, streamed and not); structured output (text.format json_schema through
-responses.parse); previous_response_id continues the stored conversation (the prompt is the whole conversation:
+client.responses.parse); previous_response_id continues the stored conversation (the prompt is the whole conversation:
 its tokens are counted, and reused from the slot), an unknown id is a 400 naming it; GET of a stored response;
 unsupported fields are 400s naming them.
 """
@@ -107,7 +107,7 @@ def test_a_tool_round_trip(client):
 
 
 def test_structured_output(client):
-    """text.format json_schema (responses.parse sends a pydantic class's schema): the answer follows it and ends,
+    """text.format json_schema (client.responses.parse sends a pydantic class's schema): the answer follows it and ends,
     streamed (responses.stream's final response, which wants response.completed) and not."""
     class Person(BaseModel):
         name: str = Field(max_length=8)

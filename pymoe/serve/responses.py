@@ -1,5 +1,5 @@
 """OpenAI's Responses API on `pymoe serve`: POST /v1/responses and GET /v1/responses/{id}, as the official `openai`
-client's `responses.create`, `responses.stream` and `responses.parse` call them.
+client's `client.responses.create`, `.stream` and `.parse` call them.
 
     request   ResponsesRequest: input (a string, or items: messages {role, content: a string or input_text /
               output_text parts}, function_call {call_id, name, arguments}, function_call_output {call_id,
