@@ -67,6 +67,7 @@ def test_a_forced_call_parses_on_the_demo_template(client, choice, names):
     deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
     assert deltas[0].function.name == call.function.name
     assert json.loads("".join(d.function.arguments or "" for d in deltas)) == args
+    assert len([d for d in deltas if d.function.arguments]) > 1  # the arguments streamed as they were written
     assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)  # no JSON shows as text
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
         "tool_calls"]

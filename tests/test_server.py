@@ -950,6 +950,7 @@ def test_forced_tool_choice_gives_a_call_that_parses(tools_client, seed):
     deltas = [d for ch in chunks for d in (ch.choices[0].delta.tool_calls or []) if ch.choices]
     assert {d.index for d in deltas} == {0} and deltas[0].function.name == "add" and deltas[0].id.startswith("call_")
     assert json.loads("".join(d.function.arguments or "" for d in deltas)) == args  # name first, then arguments
+    assert len([d for d in deltas if d.function.arguments]) > 1  # in pieces, as they were generated
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == [
         "tool_calls"]
 

@@ -313,17 +313,26 @@ class Reply:
         return [self.envelope([{"index": index, "delta": {"reasoning_content": text}, "logprobs": None,
                                 "finish_reason": None}], stream=True)] if text else []
 
-    def call_deltas(self, calls: list, first: int, index: int = 0) -> list:
+    def call_deltas(self, calls: list, first: int, index: int = 0, progress: tuple = ()) -> list:
         """Streamed tool calls, numbered from `first`, in OpenAI's chunk shape: per call, a delta with its index, id,
-        type and name (arguments ""), then one with its arguments, which clients append to that index's."""
-        out = []
+        type and name (arguments ""), then ones with its arguments' text, which clients append to that index's. A
+        call announced while it was written (tools.CallStream live: `progress`, [(number, id, name or None, text)])
+        has had its head and part of its arguments sent: only the rest of them go out when it is complete."""
+        deltas = []
         for k, c in enumerate(calls, first):
-            head = {"index": k, "id": c["id"], "type": "function",
-                    "function": {"name": c["function"]["name"], "arguments": ""}}
-            for delta in (head, {"index": k, "function": {"arguments": c["function"]["arguments"]}}):
-                out.append(self.envelope([{"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
-                                           "finish_reason": None}], stream=True))
-        return out
+            args = c["function"]["arguments"]
+            if "streamed" not in c:
+                deltas.append({"index": k, "id": c["id"], "type": "function",
+                               "function": {"name": c["function"]["name"], "arguments": ""}})
+            elif args.startswith(c["streamed"]):
+                args = args[len(c["streamed"]):]
+            if args:
+                deltas.append({"index": k, "function": {"arguments": args}})
+        for k, cid, name, text in progress:
+            deltas.append({"index": k, "id": cid, "type": "function", "function": {"name": name, "arguments": ""}}
+                          if name is not None else {"index": k, "function": {"arguments": text}})
+        return [self.envelope([{"index": index, "delta": {"tool_calls": [d]}, "logprobs": None,
+                                "finish_reason": None}], stream=True) for d in deltas]
 
     def logprobs(self, entries: list, index: int = 0) -> dict:
         """[(id, logp, [(id, logp)])] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or
@@ -560,7 +569,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         logprobs = [[] if job.top_logprobs is not None else None for job in jobs]
         # with tools in play: each answer read as it streams (tools.CallStream): its content goes out as soon as it
         # cannot be the start of a call, each call as soon as its closing marker is in
-        reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls)
+        reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls, live=True)
                    for _ in jobs]
         n_calls = [0] * len(jobs)
         # with reasoning split out: a leading <think> block read off first (reasoning.ThinkStream), or gpt-oss'
@@ -590,7 +599,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                 out.append(sse(reply.envelope([reply.choice(text, None, stream=True, logprobs=logprobs[index],
                                                              index=index)], stream=True)))
                 logprobs[index] = [] if logprobs[index] is not None else None
-            out += [sse(chunk) for chunk in reply.call_deltas(calls, n_calls[index], index)]
+            progress = reading[index].progress if reading[index] is not None else ()
+            out += [sse(chunk) for chunk in reply.call_deltas(calls, n_calls[index], index, progress)]
             n_calls[index] += len(calls)
             return out
 

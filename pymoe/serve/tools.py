@@ -180,6 +180,8 @@ def one_of(rules: list) -> str:
 class Format:
     """One tool-call format. Subclasses set `name` and `opener`, and write `detect`, `read_block` (or `parse`) and
     `call_rule`."""
+    head: Optional[re.Pattern] = None  # a call's text up to its JSON arguments (group 1: the name), where the
+    #                                    format writes them as JSON: they can be streamed as they are written
     name = ""
     opener = ""  # the text that starts a call: what a stream holds back a prefix of
     markers: tuple = ()  # the marker strings of a call: where the vocabulary has them as control tokens, they are
@@ -255,6 +257,7 @@ def bare_params_rule(spec: dict, tokenizer, before: str, between: str, after: st
 
 class Hermes(Format):
     name, opener = "hermes", "<tool_call>"
+    head = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*')
     markers = ("<tool_call>", "</tool_call>")
     block = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -323,6 +326,7 @@ class Glm(Format):
 
 class DeepSeekV31(Format):
     name, opener = "deepseek-v3.1", "<｜tool▁calls▁begin｜>"
+    head = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*")
     calls_end = "<｜tool▁calls▁end｜>"
     markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                "<｜tool▁calls▁end｜>")
@@ -360,6 +364,7 @@ class Harmony(Format):
     """gpt-oss: messages `[<|start|>assistant]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>json]<|message|>BODY`
     ended by <|end|>, <|call|> or <|return|> (the last two end the generation, so an answer's text lacks them)."""
     name, opener = "harmony", "<|channel|>"
+    head = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|(?:channel|constrain)\|>[^<]*)*<\|message\|>")
     ends = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
     markers = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>", "<|end|>")
     recipient = re.compile(r"to=functions\.([^\s<]+)")
@@ -430,6 +435,7 @@ class Generic(Format):
     History: an assistant's calls are written as that object (several: {"tool_calls": [...], "content": "..."}); a
     tool's answer as a user turn {"tool_response": {"tool": NAME, "content": "..."}}."""
     name, opener = "generic", "{"
+    head = re.compile(r'^\s*\{\s*"tool_call"\s*:\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*')
     block = re.compile(r"(?!)")  # parse() reads the whole answer itself
     reply = '{"response":"'  # the start of an answer's text, in the compact JSON the grammar writes
 
@@ -574,13 +580,41 @@ def call_grammar(specs: list, fmt: str = "hermes", tokenizer=None) -> Grammar:
     return FORMATS[fmt].grammar(specs, tokenizer)
 
 
+def json_value_end(text: str, start: int) -> Optional[int]:
+    """Where the JSON object or array that starts at text[start] ends (the index after it), or None: not closed
+    yet, or not an object or array."""
+    if start >= len(text) or text[start] not in "{[":
+        return None
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            escaped, in_string = (not escaped and c == "\\"), in_string and (escaped or c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 class CallStream:
     """An answer read as it streams: feed(piece) -> (new content text, [new complete calls]); close() -> the rest.
-    keep: "all" calls, or "first" (parallel_tool_calls false)."""
+    keep: "all" calls, or "first" (parallel_tool_calls false).
+    live (formats whose arguments are JSON: `Format.head`): a call is announced as soon as its name is written, and
+    its arguments go out as they are written: after each feed, `progress` holds [(call number, id, name or None,
+    arguments text)] (the name only with a call's first entry); a complete call that was announced keeps its id, its
+    `arguments` are the text as written, and its `streamed` says how much of that went out already."""
 
-    def __init__(self, fmt: str, specs: Optional[list] = None, keep: str = "all"):
+    def __init__(self, fmt: str, specs: Optional[list] = None, keep: str = "all", live: bool = False):
         self.fmt, self.specs, self.keep = FORMATS[fmt], specs, keep
+        self.live = live and self.fmt.head is not None
         self.text, self.sent, self.n_calls = "", "", 0
+        self.heads: list = []  # live: the calls announced, in order: [start, id, name, arguments sent]
+        self.progress: list = []
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, list]:
         self.text += piece
@@ -590,7 +624,47 @@ class CallStream:
         self.sent += new
         calls = calls[:1] if self.keep == "first" else calls
         fresh, self.n_calls = calls[self.n_calls:], max(self.n_calls, len(calls))
+        self.progress = []
+        if self.live:
+            fresh = [self._complete(k, c) for k, c in enumerate(fresh, self.n_calls - len(fresh))]
+            if not final:
+                self._follow()
         return new, fresh
+
+    def _complete(self, k: int, call: dict) -> dict:
+        """Call number k, complete: the announced one's id and its arguments as written (when they are the same
+        JSON), with how much of them was sent."""
+        if k >= len(self.heads) or self.heads[k][2] != call["function"]["name"]:
+            return call
+        start, cid, name, sent = self.heads[k]
+        m = self.fmt.head.match(self.text, start)
+        end = json_value_end(self.text, m.end()) if m else None
+        raw = self.text[m.end():end] if end else None
+        try:
+            same = raw is not None and json.loads(raw) == json.loads(call["function"]["arguments"])
+        except ValueError:
+            same = False
+        if not same or not raw.startswith(sent):
+            return {**call, "id": cid, "streamed": sent}  # sent text the final one does not continue: shown anyway
+        return {**call, "id": cid, "function": {"name": name, "arguments": raw}, "streamed": sent}
+
+    def _follow(self) -> None:
+        """The calls written so far beyond the complete ones: announce new ones, send their arguments' new text."""
+        limit = 1 if self.keep == "first" else None
+        for k, m in enumerate(self.fmt.head.finditer(self.text)):
+            if limit is not None and k >= limit:
+                break
+            if k == len(self.heads):
+                self.heads.append([m.start(), "call_" + uuid.uuid4().hex[:24], m.group(1).strip(), ""])
+                self.progress.append((k, self.heads[k][1], self.heads[k][2], ""))
+            if k < self.n_calls:  # complete already
+                continue
+            end = json_value_end(self.text, m.end())
+            raw = self.text[m.end():end] if end else self.text[m.end():]
+            head = self.heads[k]
+            if raw.startswith(head[3]) and len(raw) > len(head[3]) and raw[:1] in "{[":
+                self.progress.append((k, head[1], None, raw[len(head[3]):]))
+                head[3] = raw
 
     def close(self) -> tuple[str, list]:
         return self.feed("", final=True)
