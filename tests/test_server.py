@@ -12,6 +12,7 @@ that admits no value is a 400 without the grammar engine's internals.
 Every request has a timeout; every loop is bounded.
 """
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -1080,3 +1081,20 @@ def test_a_forced_tool_whose_parameters_admit_no_value_is_a_400(tools_server):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "tools" and "admit no value" in err["message"] and "\n" not in err["message"]
+
+
+def test_the_default_context_rule(model_path):
+    """pymoe serve without -c (engine/kv.py default_ctx): the trained context where the slots' KV fits a quarter of
+    memory; else cut to fit, in steps of 256; never below min(4096, trained). Worked out from the KV bytes per token."""
+    from pymoe.engine.kv import default_ctx, kv_bytes
+
+    cfg = pymoe.load(model_path, n_ctx=lambda cfg: 64).config  # a rule for n_ctx: Engine calls it with the config
+    per_token = kv_bytes(cfg, 1, "f16", 2)
+    assert default_ctx(cfg, "f16", 2, memory=4 * per_token * cfg.n_ctx_train) == (cfg.n_ctx_train,
+                                                                                 "the model's trained context")
+    big = dataclasses.replace(cfg, n_ctx_train=1 << 20)
+    n, why = default_ctx(big, "f16", 2, memory=4 * per_token * 10_000)
+    assert n == 10_000 // 256 * 256 and "cut to 0.25" in why
+    assert kv_bytes(big, n, "f16", 2) <= per_token * 10_000
+    assert default_ctx(big, "f16", 2, memory=4 * per_token * 100)[0] == 4096  # the floor
+    assert pymoe.load(model_path, n_ctx=lambda cfg: 64).n_ctx == 64

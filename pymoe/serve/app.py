@@ -41,7 +41,7 @@ from dataclasses import replace
 from typing import Optional
 
 from pymoe.engine.generate import RequestStats
-from pymoe.engine.kv import kv_nbytes
+from pymoe.engine.kv import default_ctx, kv_bytes, kv_nbytes
 from pymoe.engine.sampler import dry_breaker_sequences
 from pymoe.errors import PymoeError
 from pymoe.serve import anthropic, reasoning, responses, tools
@@ -888,7 +888,17 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
         from pymoe.engine.speculative import parse_spec
 
         parse_spec(spec)  # a bad --spec is refused before the model loads
+    rule = []
+    if not engine_options.get("n_ctx"):  # no -c: the default context rule (engine/kv.py default_ctx)
+        def fitted(cfg):
+            n, why = default_ctx(cfg, kv, parallel)
+            rule.append(why)
+            return n
+
+        engine_options["n_ctx"] = fitted
     engine = load(model, progress=True, log=log, **engine_options)
+    log(f"context: {engine.n_ctx} tokens per slot ({rule[0] + '; -c overrides' if rule else '-c'}): {parallel} x "
+        f"{kv_bytes(engine.config, engine.n_ctx, kv) / 2**20:,.1f} MiB of {kv} KV cache")
     if chat_template is not None:
         engine.use_chat_template(chat_template)
     writer = None
