@@ -73,6 +73,18 @@ def test_a_forced_call_parses_on_the_demo_template(client, choice, names):
         "tool_calls"]
 
 
+def test_a_streamed_call_cut_by_max_tokens_stays_a_call(client):
+    """Streamed, a call is announced once its name is written: cut by max_tokens, it stays that call with the
+    arguments written so far (finish_reason length), and its JSON never shows as content (28 tokens: past the
+    name, short of the end)."""
+    chunks = list(client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER], tool_choice="required",
+                                                 max_tokens=28, temperature=0, stream=True))
+    deltas = [d for ch in chunks if ch.choices for d in ch.choices[0].delta.tool_calls or []]
+    assert deltas and deltas[0].function.name == "get_weather" and {d.index for d in deltas} == {0}
+    assert not any(ch.choices[0].delta.content for ch in chunks if ch.choices)
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason] == ["length"]
+
+
 def test_auto_answers_with_a_call_or_text_and_the_json_never_shows(client):
     for seed in range(1, 4):
         r = client.chat.completions.create(model="demo", messages=ASK, tools=[WEATHER], max_tokens=64,

@@ -92,6 +92,7 @@ def test_a_tool_round_trip(client):
         streamed = stream.get_final_response()
     assert [(o.name, o.arguments) for o in streamed.output if o.type == "function_call"] == [
         ("get_weather", calls[0].arguments)] and "".join(argument_deltas) == calls[0].arguments
+    assert len(argument_deltas) > 1  # the arguments streamed as they were written
     back = ask + [{"type": "function_call", "call_id": calls[0].call_id, "name": "get_weather",
                    "arguments": calls[0].arguments},
                   {"type": "function_call_output", "call_id": calls[0].call_id, "output": "sunny, 21 C"}]
@@ -174,3 +175,35 @@ def test_unsupported_fields_are_a_400_naming_them(server, fields, param):
     err = r.json()["error"]
     assert err["param"] is not None and err["param"].startswith(param.split("[")[0]), err
     assert "\n" not in err["message"]
+
+
+def test_an_open_think_block_is_a_reasoning_item():
+    """A template whose prompt opens <think> (as DeepSeek-R1's does): the demo model never closes it, so the whole
+    answer is reasoning: one reasoning item (reasoning_text), no message, streamed and not, with the same text."""
+    engine = pymoe.load(demo_model(), n_ctx=512)
+    engine.use_chat_template("{% for m in messages %}{{ m.content }}{% endfor %}<think>\n")
+    with BackgroundServer(create_app(engine, kv="f32")) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0, timeout=120)
+        r = client.responses.create(model="demo", input="import os", max_output_tokens=12, temperature=0)
+        with client.responses.stream(model="demo", input="import os", max_output_tokens=12, temperature=0) as s:
+            events = list(s)
+    assert [o.type for o in r.output] == ["reasoning"] and r.output_text == "", r.output
+    thought = r.output[0].content[0].text
+    assert thought and "<think>" not in thought
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == thought
+    assert [o.type for o in events[-1].response.output] == ["reasoning"]
+
+
+def test_a_call_cut_by_max_output_tokens_stays_a_call(client):
+    """A forced call cut short after its name (28 tokens of the demo's small vocabulary: 20 reach the arguments): a
+    function_call item with the arguments written so far, status incomplete, and no message holding its text;
+    streamed the same."""
+    kw = dict(model="demo", input="weather in Paris?", tools=[WEATHER], tool_choice="required", max_output_tokens=28,
+              temperature=0)
+    r = client.responses.create(**kw)
+    assert r.status == "incomplete" and [(o.type, o.status) for o in r.output] == [("function_call", "incomplete")]
+    assert r.output[0].name == "get_weather" and '{"tool_call"' not in r.output[0].arguments
+    with client.responses.stream(**kw) as stream:
+        events = list(stream)
+    assert events[-1].type == "response.incomplete"
+    assert [(o.type, o.arguments) for o in events[-1].response.output] == [("function_call", r.output[0].arguments)]

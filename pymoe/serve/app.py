@@ -735,7 +735,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         reply = responses.ResponseReply(name, req)
         fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template)
         reading = None if choice is None and fmt != "harmony" else tools.CallStream(
-            fmt, tool_specs(chat) if choice is not None else [], "all" if req.parallel_tool_calls else "first")
+            fmt, tool_specs(chat) if choice is not None else [], "all" if req.parallel_tool_calls else "first",
+            live=True)
         thinking = reasoning.ThinkStream(think_open) if reasoning_format == "deepseek" and fmt != "harmony" else None
 
         def answer(piece: str, final: bool = False) -> list:
@@ -745,7 +746,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                 thought, piece = thinking.feed(piece, final)
                 out += reply.text_events(thought, "reasoning_text")
             text, calls = (piece, []) if reading is None else reading.feed(piece, final)
-            return out + reply.text_events(text) + reply.call_events(calls)
+            return out + reply.text_events(text) + reply.call_events(calls, () if reading is None else reading.progress)
 
         async def run():
             for event in reply.start():

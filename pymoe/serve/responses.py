@@ -13,10 +13,12 @@ client's `client.responses.create`, `.stream` and `.parse` call them.
               previous_response_id, then `input`) as chat messages, and the same template, tool formats, grammar
               and scheduler as /v1/chat/completions
     answer    a response {id: resp_..., object: "response", status: completed | incomplete (max_output_tokens),
-              output: [message {content: [output_text]}, function_call {call_id, name, arguments}...], usage:
+              output: [reasoning {content: [reasoning_text]} (a leading <think> block), message {content:
+              [output_text]}, function_call {call_id, name, arguments}...], usage:
               {input_tokens, input_tokens_details.cached_tokens, output_tokens, total_tokens}}; streamed, the
               events response.created, response.in_progress, response.output_item.added,
               response.content_part.added, response.output_text.delta*, response.output_text.done,
+              response.reasoning_text.delta* / .done,
               response.content_part.done, response.function_call_arguments.delta / .done,
               response.output_item.done, then response.completed (or response.incomplete), numbered by
               sequence_number
@@ -273,6 +275,7 @@ class ResponseReply:
         self.output: list = []  # the items so far
         self.open_text: Optional[str] = None  # the text of the item still open (None: none) ...
         self.open_kind = "output_text"  # ... a message (output_text) or a reasoning item (reasoning_text)
+        self.calls: dict = {}  # call id -> output index of a function_call item added and not done yet
 
     def response(self, status: str, usage: Optional[dict] = None, reason: Optional[str] = None) -> dict:
         return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
@@ -333,24 +336,50 @@ class ResponseReply:
                            part=part),
                 self.event("response.output_item.done", output_index=index, item=self.output[-1])]
 
-    def call_events(self, calls: list) -> list:
-        out = self.close_text() if calls else []
+    def call_events(self, calls: list, progress: tuple = ()) -> list:
+        """Complete calls (tools.CallStream's), then the calls in progress (its live `progress`: [(number, id, name
+        or None, arguments text)]): a function_call item is added when a call is announced (or, not announced, when
+        it is complete), its arguments go out as they come, and it is done when complete."""
+        out = self.close_text() if calls or progress else []
         for call in calls:
             item = output_call(call)
-            self.output.append({**item, "arguments": "", "status": "in_progress"})
-            index = len(self.output) - 1
-            out.append(self.event("response.output_item.added", output_index=index, item=self.output[-1]))
-            out.append(self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                                  delta=item["arguments"]))
+            streamed = call.get("streamed")
+            if streamed is None:
+                self.output.append({**item, "arguments": "", "status": "in_progress"})
+                self.calls[call["id"]] = len(self.output) - 1
+                out.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                      item=self.output[-1]))
+            index = self.calls.pop(call["id"])
+            rest = item["arguments"][len(streamed or ""):]
+            if rest:
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=index, delta=rest))
             out.append(self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   name=item["name"], arguments=item["arguments"]))
-            self.output[-1] = item
+            self.output[index] = item
             out.append(self.event("response.output_item.done", output_index=index, item=item))
+        for _, cid, name, text in progress:
+            if name is not None:
+                item = output_call({"id": cid, "function": {"name": name, "arguments": ""}}, "in_progress")
+                self.output.append(item)
+                self.calls[cid] = len(self.output) - 1
+                out.append(self.event("response.output_item.added", output_index=len(self.output) - 1, item=item))
+            else:
+                index = self.calls[cid]
+                self.output[index] = {**self.output[index],
+                                      "arguments": self.output[index]["arguments"] + text}
+                out.append(self.event("response.function_call_arguments.delta", item_id=self.output[index]["id"],
+                                      output_index=index, delta=text))
         return out
 
     def end(self, reason: str, usage: dict) -> tuple:
-        """-> (the events that close the response, the final response)."""
+        """-> (the events that close the response, the final response). A call announced and never completed (cut
+        by max_output_tokens) is done as it stands, status incomplete."""
         out = self.close_text()
+        for index in self.calls.values():
+            self.output[index] = {**self.output[index], "status": "incomplete"}
+            out.append(self.event("response.output_item.done", output_index=index, item=self.output[index]))
+        self.calls = {}
         status, why = self.finish(reason)
         final = self.response(status, usage, why)
         out.append(self.event("response.completed" if status == "completed" else "response.incomplete",

@@ -607,7 +607,8 @@ class CallStream:
     live (formats whose arguments are JSON: `Format.head`): a call is announced as soon as its name is written, and
     its arguments go out as they are written: after each feed, `progress` holds [(call number, id, name or None,
     arguments text)] (the name only with a call's first entry); a complete call that was announced keeps its id, its
-    `arguments` are the text as written, and its `streamed` says how much of that went out already."""
+    `arguments` are the text as written, and its `streamed` says how much of that went out already. A call announced
+    but never closed (the answer cut by max_tokens) stays what was sent of it: its text is not content."""
 
     def __init__(self, fmt: str, specs: Optional[list] = None, keep: str = "all", live: bool = False):
         self.fmt, self.specs, self.keep = FORMATS[fmt], specs, keep
@@ -619,10 +620,12 @@ class CallStream:
     def feed(self, piece: str, final: bool = False) -> tuple[str, list]:
         self.text += piece
         content, calls = self.fmt.parse(self.text, self.specs, final)
+        calls = calls[:1] if self.keep == "first" else calls
+        if final and self.live and len(self.heads) > len(calls):  # announced, never closed (max_tokens): it stays
+            content = self.fmt.parse(self.text[:self.heads[len(calls)][0]], self.specs, final)[0]  # a call, not text
         content = content or ""
         new = content[len(self.sent):] if content.startswith(self.sent) else ""  # always a prefix (see parse)
         self.sent += new
-        calls = calls[:1] if self.keep == "first" else calls
         fresh, self.n_calls = calls[self.n_calls:], max(self.n_calls, len(calls))
         self.progress = []
         if self.live:
