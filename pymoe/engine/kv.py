@@ -278,7 +278,8 @@ def kv_bytes(cfg: ModelConfig, n_ctx: int, kind: str = "f32", sequences: int = 1
 
 SERVE_KV_SHARE = 0.25  # pymoe serve's default context: the slots' KV caches take at most this share of memory_limit()
 #                        (a choice: the rest is for the model's mapped weights, the expert pool and the OS)
-SERVE_CTX_FLOOR = 4096  # ... and never fewer positions than this (llama.cpp's common default n_ctx), nor than trained
+SERVE_CTX_FLOOR = 4096  # ... and never fewer positions than this (llama.cpp's common_params n_ctx before it became
+#                         0, "the context the model was trained with"), unless the model was trained on fewer
 CTX_STEP = 256  # the default context is a multiple of this
 
 

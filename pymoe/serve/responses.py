@@ -289,7 +289,8 @@ class ResponseReply:
     # streaming
     def event(self, kind: str, **fields) -> str:
         self.seq += 1
-        return f"event: {kind}\ndata: {json.dumps({'type': kind, 'sequence_number': self.seq - 1, **fields}, ensure_ascii=False)}\n\n"
+        data = json.dumps({"type": kind, "sequence_number": self.seq - 1, **fields}, ensure_ascii=False)
+        return f"event: {kind}\ndata: {data}\n\n"
 
     def start(self) -> list:
         return [self.event("response.created", response=self.response("in_progress")),

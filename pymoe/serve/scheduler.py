@@ -527,7 +527,8 @@ class Scheduler:
         if all(len(t) == 1 for t in lists):
             logits = decode_batch(self.model, [t[0] for t in lists], [s.kv for s in active], counts)
         else:  # a grammar's forced tokens read in the same forward; each slot samples from its last row
-            logits = forward_batch(self.model, lists, [s.kv for s in active], counts)[np.cumsum([len(t) for t in lists]) - 1]
+            last = np.cumsum([len(t) for t in lists]) - 1  # each slot's last row
+            logits = forward_batch(self.model, lists, [s.kv for s in active], counts)[last]
         dt = time.perf_counter() - t0
         self._account_step(dt, sum(map(len, lists)), len(active))
         for s, row, tokens in zip(active, logits, lists):
