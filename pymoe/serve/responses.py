@@ -195,8 +195,7 @@ class ResponsesRequest(Strict):
     def echo(self) -> dict:
         """The request's settings, as a response object repeats them."""
         return {"instructions": self.instructions, "max_output_tokens": self.max_output_tokens,
-                "temperature": 1.0 if self.temperature is None else self.temperature,
-                "top_p": 1.0 if self.top_p is None else self.top_p,
+                "temperature": self.temperature, "top_p": self.top_p,  # None: the server's default was used
                 "tools": [t.model_dump(exclude_none=True) for t in self.tools],
                 "tool_choice": (self.tool_choice.model_dump() if isinstance(self.tool_choice, NamedFunction) else
                                 self.tool_choice or "auto"),
