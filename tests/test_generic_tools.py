@@ -4,7 +4,9 @@ the demo model with its own ChatML-like template, through the official openai cl
 Covered: a forced call (a named function, and tool_choice required) parses and follows its tool's schema, streamed
 the same; tool_choice auto answers with a call or text, never with the format's JSON showing; history (an assistant's
 call, the tool's answer) is rewritten into JSON turns the template renders; LangChain's
-with_structured_output(method="function_calling") at max_tokens 64; the parser and its streaming on their own.
+with_structured_output(method="function_calling") at max_tokens 64; Anthropic's tool_use on the same format; a
+call cut by max_tokens in a stream; forced tokens (serve/scheduler.py) against the reference engine; the parser and
+its streaming on their own.
 """
 import json
 
@@ -214,3 +216,16 @@ def test_forced_tokens_are_taken_without_sampling_and_greedy_still_holds(server)
             c.accept(t)
         i += len(forced)
     assert sampled == n - n_forced and c.finished
+
+
+def test_anthropic_tools_on_the_generic_format(server):
+    """/v1/messages on the same machinery: tool_choice any gives a tool_use block whose input follows the schema."""
+    anthropic = pytest.importorskip("anthropic", reason="anthropic is in the test extra")
+    claude = anthropic.Anthropic(base_url=server.url, api_key="none", max_retries=0, timeout=120)
+    m = claude.messages.create(model="demo", max_tokens=64, messages=ASK, tool_choice={"type": "any"},
+                               tools=[{"name": "add", "input_schema": ADD["function"]["parameters"]}],
+                               extra_body={"temperature": 0})
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and [u.name for u in uses] == ["add"], m.content
+    assert set(uses[0].input) == {"a", "b"} and all(isinstance(v, int) for v in uses[0].input.values())
+    assert not [b for b in m.content if b.type == "text"]
