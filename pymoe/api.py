@@ -74,7 +74,8 @@ class Engine:
 
             self.profile = Profile.load(profile)
             log(self.profile.log_line(profile))
-        self.n_ctx = int(n_ctx or self.config.n_ctx_train)
+        # n_ctx: a number, a rule (a function of the config: pymoe serve's default_ctx), or None (the trained context)
+        self.n_ctx = int(n_ctx(self.config) if callable(n_ctx) else n_ctx or self.config.n_ctx_train)
         if self.n_ctx <= 0:
             raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
         check_kv_fits(self.config, self.n_ctx)  # before anything is allocated for it (a corrupt context_length)

@@ -28,6 +28,7 @@ class RequestStats:
     n_generated: int = 0
     decode_s: float = 0.0  # time of the decode forward passes (the first new token comes from the prefill)
     n_decoded: int = 0  # tokens that came from decode steps (all but the first): decode tok/s counts these
+    n_forced: int = 0  # of n_generated: tokens a grammar forced, taken without sampling (serve/scheduler.py)
     decode: dict = field(default_factory=dict)  # the expert cache's decode counters of this request
     stop_reason: str = ""
     pool: bool = True  # the engine has an expert slot pool (False: none; every expert read in place or over PCIe)
