@@ -196,6 +196,7 @@ class SlotCache:
         self.first_moe = cfg.moe_layers.start  # a profile's layer 0 (profiles and traces hold the MoE layers only)
         profile_keys = self.profile_keys(profile) if profile is not None else None
         self.admission = admission or Admission()
+        policy_args.setdefault("lookups_per_token", cfg.n_expert_used * len(cfg.moe_layers))  # one token's lookups
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
                                self.admission)
         self.warm_rule = warm or WarmRule()

@@ -278,6 +278,241 @@ class PinnedLRUPolicy(LRUPolicy):
         super().on_evict(key)  # victim() only returns unpinned keys
 
 
+LLAMACPP_HALF_LIFE_TOKENS = 128  # the half-life of llamacpp's decayed frequency, in tokens (the policy it follows)
+
+
+class LlamaCppPolicy(LFRUPolicy):
+    """The GPU expert cache policy of llama.cpp's expert-cache work as its description states it (docs/expert-cache.md,
+    "Baselines" cites what was read): two classes and a CPU share of the misses.
+      recency class   a resident used within the last token (the last `lookups_per_token` uses) is never evicted;
+      frequency class the others, ranked by their use count decayed with a half-life of 128 tokens (LFRUPolicy's
+                      score with H = 128 x lookups_per_token uses); the lowest goes (ties: lowest key).
+      CPU share       a miss is admitted only if its own decayed count (this use included) is at least the victim's;
+                      otherwise it is served without a slot (on the GPU engine: computed on the CPU).
+    `lookups_per_token`: lookups one token makes into this pool (top-k x MoE layers for a global pool, top-k for one
+    layer's); without it, the capacity stands in (one token of 16 lookups into 16 slots fills them)."""
+
+    name = "llamacpp"
+
+    def __init__(self, capacity: int, lookups_per_token: Optional[int] = None):
+        self.per_token = max(1, int(lookups_per_token or capacity or 1))
+        super().__init__(capacity, half_life=LLAMACPP_HALF_LIFE_TOKENS * self.per_token)
+        self.last: dict[int, int] = {}  # key -> clock of its last use
+
+    def _use(self, key: int) -> None:
+        super()._use(key)
+        self.last[key] = self.clock
+
+    def _victim(self) -> Optional[int]:
+        """The lowest-scored resident outside the recency class, or None if every resident is in it."""
+        held, found = [], None
+        while self.heap:
+            v, key = self.heap[0]
+            if key not in self.resident or self.v[key] != v:
+                heapq.heappop(self.heap)  # stale
+            elif self.clock - self.last.get(key, -self.per_token) < self.per_token:
+                held.append(heapq.heappop(self.heap))  # used within the last token: protected
+            else:
+                found = key
+                break
+        for item in held:
+            heapq.heappush(self.heap, item)
+        return found
+
+    def admit(self, key: int, t: int) -> bool:
+        if not self.full:
+            return True
+        victim = self._victim()
+        return victim is not None and self.v[key] >= self.v[victim]
+
+    def victim(self, t: int) -> int:
+        return self._victim()
+
+
+class ARCPolicy(Policy):
+    """ARC (Megiddo & Modha, FAST 2003): residents in T1 (seen once lately) and T2 (seen at least twice), ghosts of
+    the recently evicted in B1 and B2 (keys only, at most `capacity` each), and a target size p for T1 that a ghost
+    hit moves: a hit in B1 (evicted from T1 too early) grows p by max(1, |B2| / |B1|), a hit in B2 shrinks it by
+    max(1, |B1| / |B2|). Victim: T1's oldest if |T1| > p (or = p and the miss was a B2 ghost), else T2's oldest.
+    A miss refused a slot still moves p (it is a use: on_use)."""
+
+    name = "arc"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.t1: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.t2: OrderedDict[int, None] = OrderedDict()
+        self.b1: OrderedDict[int, None] = OrderedDict()
+        self.b2: OrderedDict[int, None] = OrderedDict()
+        self.p = 0.0
+        self.pending: Optional[int] = None  # the missing key on_use saw last, and which ghost list held it
+        self.ghost = 0  # 1: B1, 2: B2, 0: neither
+
+    def on_hit(self, key: int, t: int) -> None:
+        if key in self.t1:
+            del self.t1[key]
+        else:
+            del self.t2[key]
+        self.t2[key] = None
+
+    def on_use(self, key: int, t: int) -> None:
+        self.pending, self.ghost = key, 0
+        if key in self.b1:
+            self.p = min(float(self.capacity), self.p + max(1.0, len(self.b2) / len(self.b1)))
+            self.ghost = 1
+        elif key in self.b2:
+            self.p = max(0.0, self.p - max(1.0, len(self.b1) / len(self.b2)))
+            self.ghost = 2
+
+    def victim(self, t: int) -> int:
+        in_b2 = self.pending is not None and self.ghost == 2
+        if self.t1 and (len(self.t1) > self.p or (in_b2 and len(self.t1) == self.p) or not self.t2):
+            return next(iter(self.t1))
+        return next(iter(self.t2))
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        ghost = self.ghost if key == self.pending else 0
+        if ghost:
+            (self.b1 if ghost == 1 else self.b2).pop(key, None)
+            self.t2[key] = None
+        else:
+            self.t1[key] = None
+        self.pending, self.ghost = None, 0
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        if key in self.t1:
+            del self.t1[key]
+            ghosts = self.b1
+        else:
+            del self.t2[key]
+            ghosts = self.b2
+        ghosts[key] = None
+        while len(ghosts) > self.capacity:
+            ghosts.popitem(last=False)
+
+
+S3FIFO_SMALL = 0.1  # the small queue's share of the slots: the S3-FIFO paper's default (Yang et al., SOSP 2023)
+
+
+class S3FIFOPolicy(Policy):
+    """S3-FIFO (Yang et al., SOSP 2023): three FIFO queues. New keys enter the small queue S (10% of the slots),
+    keys in the ghost queue G (recently evicted from S, keys only, at most `capacity`) enter the main queue M.
+    A hit sets the key's counter to min(counter + 1, 3) and moves nothing. To free a slot: if S holds at least its
+    share, its oldest key moves to M if it was hit while in S (counter > 0, reset to 0), else is evicted into G;
+    otherwise M's oldest is reinserted at M's head with its counter decremented while it is > 0, else evicted."""
+
+    name = "s3fifo"
+
+    def __init__(self, capacity: int, small: float = S3FIFO_SMALL):
+        super().__init__(capacity)
+        self.small_cap = max(1, int(round(small * capacity)))
+        self.s: OrderedDict[int, None] = OrderedDict()  # oldest first
+        self.m: OrderedDict[int, None] = OrderedDict()
+        self.g: OrderedDict[int, None] = OrderedDict()
+        self.freq: dict[int, int] = {}  # resident key -> counter (0..3)
+
+    def on_hit(self, key: int, t: int) -> None:
+        self.freq[key] = min(self.freq[key] + 1, 3)
+
+    def victim(self, t: int) -> int:
+        while True:
+            if self.s and (len(self.s) >= self.small_cap or not self.m):
+                key = next(iter(self.s))
+                if self.freq[key] > 0:
+                    del self.s[key]
+                    self.freq[key] = 0
+                    self.m[key] = None
+                    continue
+                return key
+            key = next(iter(self.m))
+            if self.freq[key] > 0:
+                self.freq[key] -= 1
+                self.m.move_to_end(key)
+                continue
+            return key
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        self.freq[key] = 0
+        if self.g.pop(key, False) is None or t is None:  # a ghost, or placed from a profile (presumed hot)
+            self.m[key] = None
+        else:
+            self.s[key] = None
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        del self.freq[key]
+        if key in self.s:
+            del self.s[key]
+            self.g[key] = None
+            if len(self.g) > self.capacity:
+                self.g.popitem(last=False)
+        else:
+            del self.m[key]
+
+
+class LIRSPolicy(Policy):
+    """A LIRS-style reuse-distance policy (after Jiang & Zhang, SIGMETRICS 2002): each key's reuse distance is
+    estimated as max(its recency, its last inter-reference recency (IRR)), both counted in uses (every lookup and
+    placement), and the resident with the largest estimate is evicted. A key used once so far has IRR infinity
+    (LIRS's HIR class: evicted first, oldest first); a key's IRR is remembered after it is evicted, as LIRS's
+    stack keeps non-resident keys. Since max over keys of max(a, b) = max(max a, max b), the victim is the LRU key
+    if its recency is at least the largest IRR among residents, else the resident with the largest IRR (a heap with
+    lazy deletion, compacted as LFU's is). Not LIRS itself: no LIR/HIR split of the slots, no stack pruning."""
+
+    name = "lirs"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity)
+        self.order: OrderedDict[int, None] = OrderedDict()  # residents, least recently used first
+        self.last: dict[int, int] = {}  # key -> clock of its last use (every key seen)
+        self.irr: dict[int, float] = {}  # key -> uses between its last two uses (inf: used once)
+        self.heap: list[tuple[float, int]] = []  # (-irr, key) of residents, stale entries skipped
+        self.clock = 0
+
+    def _use(self, key: int) -> None:
+        self.clock += 1
+        prev = self.last.get(key)
+        self.irr[key] = math.inf if prev is None else float(self.clock - prev)
+        self.last[key] = self.clock
+
+    def _push(self, key: int) -> None:
+        heapq.heappush(self.heap, (-self.irr[key], key))
+        if len(self.heap) > HEAP_SLACK * (self.size + 1):
+            self.heap = [(-self.irr[k], k) for k in self.order]
+            heapq.heapify(self.heap)
+
+    def on_hit(self, key: int, t: int) -> None:
+        self._use(key)
+        self.order.move_to_end(key)
+        self._push(key)
+
+    def on_use(self, key: int, t: int) -> None:
+        self._use(key)
+
+    def victim(self, t: int) -> int:
+        while True:
+            neg, key = self.heap[0]
+            if key in self.order and self.irr[key] == -neg:
+                break
+            heapq.heappop(self.heap)  # stale
+        oldest = next(iter(self.order))
+        return oldest if self.clock - self.last[oldest] >= -neg else key
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        if t is None:  # placed from a profile: one use now
+            self._use(key)
+        self.order[key] = None
+        self._push(key)
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        del self.order[key]
+
+
 class NextUse:
     """For an access sequence keys [N]: next[t] = the next position after t with the same key (N if none), and the
     first position of each key. Built once per trace, shared by every Belady table (one per layer in a per-layer
@@ -371,10 +606,15 @@ POLICIES = {
     "lfu": LFUPolicy,
     "lfru": LFRUPolicy,
     "pinned-lru": PinnedLRUPolicy,
+    "llamacpp": LlamaCppPolicy,
+    "arc": ARCPolicy,
+    "s3fifo": S3FIFOPolicy,
+    "lirs": LIRSPolicy,
     "belady": BeladyPolicy,
 }
 PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
 OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
+TOKEN_CLOCK_POLICIES = ("llamacpp",)  # count time in tokens: built with the pool's lookups per token
 
 
 ENGINE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the engine can run
@@ -393,9 +633,10 @@ def check_engine_policy(name: str) -> str:
 
 
 def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] = None, future=None,
-                pinned_frac: float = 0.5) -> Policy:
+                pinned_frac: float = 0.5, lookups_per_token: Optional[int] = None) -> Policy:
     """Build a policy by name. static and pinned-lru need `profile_keys` (global keys, hottest first); belady needs
-    `future` (the whole access sequence as keys, or a NextUse built from it)."""
+    `future` (the whole access sequence as keys, or a NextUse built from it); the policies that count in tokens
+    (TOKEN_CLOCK_POLICIES) take `lookups_per_token`, the lookups one token makes into this pool."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
     if name in PROFILE_POLICIES:
@@ -406,6 +647,8 @@ def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] 
         if future is None:
             raise ValueError(f"the {name} policy needs the future access sequence (simulation only)")
         return POLICIES[name](capacity, future)
+    if name in TOKEN_CLOCK_POLICIES:
+        return POLICIES[name](capacity, lookups_per_token=lookups_per_token)
     return POLICIES[name](capacity)
 
 

@@ -93,10 +93,11 @@ def slots_for_coverage(coverage_pct: float, n_layers: int, n_experts: int) -> in
 
 def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: int, profile: Optional[Profile],
                 future: Optional[NextUse], prefill: bool, admission: Admission = Admission(),
-                layers: Optional[Sequence[int]] = None) -> list[SlotTable]:
+                layers: Optional[Sequence[int]] = None, k: Optional[int] = None) -> list[SlotTable]:
     """One SlotTable (global) or one per layer, each with its policy and, if asked (prefill), filled as the engine
     fills its pool (policies.start_keys: the profile's keys, then the experts of `layers`, the MoE layers, default
-    all, in policies.fill_order) until full."""
+    all, in policies.fill_order) until full. k: experts per token per layer, which gives the policies that count in
+    tokens (policies.TOKEN_CLOCK_POLICIES) their pool's lookups per token (k x the MoE layers, or k per layer)."""
     if pool not in POOLS:
         raise PymoeError(f"unknown pool {pool!r} (choose from {', '.join(POOLS)})")
     if policy in PROFILE_POLICIES and profile is None:
@@ -108,9 +109,11 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
         parts = [(n, None if ranked is None else ranked[ranked // n_experts == layer])
                  for layer, n in enumerate(split_slots(slots, n_layers))]
     layers = range(n_layers) if layers is None else layers
+    per_token = None if k is None else (k * len(layers) if pool == "global" else k)
     tables = []
     for i, (capacity, keys) in enumerate(parts):
-        table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future), admission)
+        table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future,
+                                                lookups_per_token=per_token), admission)
         if prefill:
             table.prefill(start_keys(keys, layers if pool == "global" else [i], n_experts))
         tables.append(table)
@@ -122,7 +125,8 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
              future: Optional[NextUse] = None, prefill: bool = True, staged: Optional[np.ndarray] = None,
              admission: Admission = Admission(), steps: Optional[np.ndarray] = None, warm: WarmRule = WarmRule(),
              rows: Optional[np.ndarray] = None, warm_after: Optional[np.ndarray] = None,
-             prefetch: Optional[dict] = None, layers: Optional[Sequence[int]] = None) -> SimResult:
+             prefetch: Optional[dict] = None, layers: Optional[Sequence[int]] = None,
+             k: Optional[int] = None) -> SimResult:
     """Replay the access sequence keys int64 [n] (time order) through `policy` with `slots` slots.
 
     tokens: how many tokens the counted lookups belong to (for misses per token). counted: bool [n], the lookups
@@ -139,6 +143,7 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     end of a prompt) the set is placed.
     prefetch: {t: (keys, limit)}: before lookup t (the first of its layer-step), the router lookahead's prefetch of
     `keys` (most wanted first, at most `limit` placed, 0: no limit) into the step steps[t] (prefetch_plan()).
+    k: experts per token per layer (make_tables: the lookups per token of the policies that count in tokens).
     """
     keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [n]
     if keys.size and (keys.min() < 0 or keys.max() >= n_layers * n_experts):
@@ -148,7 +153,7 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     if prefetch and policy == "belady":
         raise PymoeError("belady cannot replay the lookahead's prefetch (its admit needs a lookup position); "
                          "leave it out of --policy")
-    tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill, admission, layers)
+    tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill, admission, layers, k)
     group = n_experts if pool == "per-layer" else n_layers * n_experts  # key // group = the key's table
     access = [table.access for table in tables]
     inserts = itertools.repeat(True) if staged is None else (~np.asarray(staged, dtype=bool)).tolist()
@@ -237,7 +242,7 @@ def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequ
     plan = prefetch_plan(trace, steps) if prefetch else None
     return [simulate(keys, L, E, name, n, pool, profile, tokens=int(rows.sum()), counted=counted, future=future,
                      staged=staged if staged.any() else None, admission=admission, steps=steps, warm=warm, rows=row,
-                     warm_after=warm_after, prefetch=plan, layers=layers, prefill=prefill)
+                     warm_after=warm_after, prefetch=plan, layers=layers, prefill=prefill, k=trace.experts.shape[2])
             for pool, name, n in bar]
 
 
