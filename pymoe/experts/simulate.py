@@ -242,7 +242,7 @@ def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequ
     plan = prefetch_plan(trace, steps) if prefetch else None
     return [simulate(keys, L, E, name, n, pool, profile, tokens=int(rows.sum()), counted=counted, future=future,
                      staged=staged if staged.any() else None, admission=admission, steps=steps, warm=warm, rows=row,
-                     warm_after=warm_after, prefetch=plan, layers=layers, prefill=prefill, k=trace.experts.shape[2])
+                     warm_after=warm_after, prefetch=plan, layers=layers, prefill=prefill, k=trace.k)
             for pool, name, n in bar]
 
 
@@ -418,7 +418,7 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
                     admission=admission, warm=warm, prefetch=prefetch)
     n_tok = int(trace.rows(phase).sum())
     head = [f"trace {trace_path}: {trace.summary()}",
-            f"counted: {phase or 'all'} lookups ({n_tok} tokens x {L} layers x {trace.k}); {origin}; "
+            f"counted: {phase or 'all'} lookups ({n_tok} tokens x {trace.n_layers} layers x {trace.k}); {origin}; "
             f"admission: {admission}; warm decode set: {warm}; lookahead prefetch: "
             f"{'replayed' + left_out if prefetch else 'off'}", ""]
     if plot_path is not None:
