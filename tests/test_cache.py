@@ -24,7 +24,8 @@ def reference_tokens(tiny_model):
 @pytest.mark.parametrize("mix", ["f32", "q2_k"])
 @pytest.mark.parametrize("policy, pcie_frac", [("lru", 1.0), ("lru", 0.0), ("lru", 0.4), ("lfu", 0.4), ("lfru", 0.4),
                                                ("pinned-lru", 0.4), ("static", 0.4),
-                                               ("llamacpp", 0.4), ("arc", 0.4), ("s3fifo", 0.4), ("lirs", 0.4)])
+                                               ("llamacpp", 0.4), ("arc", 0.4), ("s3fifo", 0.4), ("s3fifo-c7", 0.4),
+                                               ("lirs", 0.4)])
 def test_cache_never_changes_results(tiny_model, reference_tokens, mix, policy, pcie_frac):
     path = tiny_model("qwen3moe", mix)
     cfg = pymoe.load(path).config

@@ -338,6 +338,11 @@ def test_s3fifo_by_hand():
     hits, evicted, _ = replay(q, [7, 8, 9], 2, prefill=[7, 8])
     assert (hits, evicted) == (2, [8])
     assert list(q.m) == [7] and list(q.s) == [9] and q.freq == {7: 0, 9: 0}
+    # counters: capped at 3 (the paper's), at 7 for s3fifo-c7
+    for name, cap in (("s3fifo", 3), ("s3fifo-c7", 7)):
+        r = make_policy(name, 2)
+        replay(r, [8] * 5 + [7], 2, prefill=[7, 8])
+        assert r.freq == {7: 1, 8: min(5, cap)}, name
 
 
 def test_lirs_by_hand():

@@ -394,27 +394,32 @@ class ARCPolicy(Policy):
 
 
 S3FIFO_SMALL = 0.1  # the small queue's share of the slots: the S3-FIFO paper's default (Yang et al., SOSP 2023)
+S3FIFO_MAX_FREQ = 3  # the paper's 2-bit counters
+S3FIFO_TUNED_MAX_FREQ = 7  # s3fifo-c7: chosen on the tune traces (docs/expert-cache.md, "Against Belady": small share
+# 0.05 / 0.1 / 0.2 / 0.3 / 0.5 x counter cap 1 / 3 / 7 x ghost 1x / 4x the slots; 0.1, 7, 1x had the lowest mean
+# misses / Belady's there, 1.875 against the paper's 1.898)
 
 
 class S3FIFOPolicy(Policy):
     """S3-FIFO (Yang et al., SOSP 2023): three FIFO queues. New keys enter the small queue S (10% of the slots),
     keys in the ghost queue G (recently evicted from S, keys only, at most `capacity`) enter the main queue M.
-    A hit sets the key's counter to min(counter + 1, 3) and moves nothing. To free a slot: if S holds at least its
+    A hit sets the key's counter to min(counter + 1, max_freq) (3, the paper's) and moves nothing. To free a slot: if S holds at least its
     share, its oldest key moves to M if it was hit while in S (counter > 0, reset to 0), else is evicted into G;
     otherwise M's oldest is reinserted at M's head with its counter decremented while it is > 0, else evicted."""
 
     name = "s3fifo"
 
-    def __init__(self, capacity: int, small: float = S3FIFO_SMALL):
+    def __init__(self, capacity: int, small: float = S3FIFO_SMALL, max_freq: int = S3FIFO_MAX_FREQ):
         super().__init__(capacity)
         self.small_cap = max(1, int(round(small * capacity)))
+        self.max_freq = int(max_freq)
         self.s: OrderedDict[int, None] = OrderedDict()  # oldest first
         self.m: OrderedDict[int, None] = OrderedDict()
         self.g: OrderedDict[int, None] = OrderedDict()
         self.freq: dict[int, int] = {}  # resident key -> counter (0..3)
 
     def on_hit(self, key: int, t: int) -> None:
-        self.freq[key] = min(self.freq[key] + 1, 3)
+        self.freq[key] = min(self.freq[key] + 1, self.max_freq)
 
     def victim(self, t: int) -> int:
         while True:
@@ -451,6 +456,17 @@ class S3FIFOPolicy(Policy):
                 self.g.popitem(last=False)
         else:
             del self.m[key]
+
+
+class S3FIFOC7Policy(S3FIFOPolicy):
+    """S3-FIFO with counters capped at 7 instead of 3 (S3FIFO_TUNED_MAX_FREQ): a key hit often survives more passes
+    of the main queue's second chance. The one setting the tune traces chose (docs/expert-cache.md, "Against
+    Belady")."""
+
+    name = "s3fifo-c7"
+
+    def __init__(self, capacity: int):
+        super().__init__(capacity, max_freq=S3FIFO_TUNED_MAX_FREQ)
 
 
 class LIRSPolicy(Policy):
@@ -609,6 +625,7 @@ POLICIES = {
     "llamacpp": LlamaCppPolicy,
     "arc": ARCPolicy,
     "s3fifo": S3FIFOPolicy,
+    "s3fifo-c7": S3FIFOC7Policy,
     "lirs": LIRSPolicy,
     "belady": BeladyPolicy,
 }
