@@ -162,8 +162,11 @@ def requests_of(trace: Trace, keep_requests) -> Trace:
     """The rows of the trace's requests numbered in `keep_requests` (the demo trace: request r = sampling seed r)."""
     ids = np.unique(trace.request)
     keep = np.isin(trace.request, ids[list(keep_requests)])
+    meta = dict(trace.meta, n_requests=len(keep_requests))
+    if len(trace.meta.get("prompt_lengths", ())) == ids.size:
+        meta["prompt_lengths"] = [trace.meta["prompt_lengths"][i] for i in keep_requests]
     return Trace(trace.experts[keep], trace.weights[keep], trace.phase[keep], trace.request[keep],
-                 trace.forward[keep], trace.meta)
+                 trace.forward[keep], meta)
 
 
 def split_traces(demo_trace: Trace) -> list:
