@@ -610,8 +610,8 @@ class BeladyPolicy(Policy):
 
 
 DEFAULT_POLICY = "lfru"  # what `pymoe run` and the planner use unless told otherwise; chosen by measurement:
-# docs/expert-cache.md, "Which default" (the demo model's trace and a synthetic 512-expert one: LFRU above LFU, the
-# previous default, at 10, 25 and 50% coverage on both, and above every online policy on the demo trace)
+# docs/expert-cache.md, "Against Belady" (misses / Belady's on a fixed tune / held-out split: s3fifo-c7 has fewer on
+# the held-out fitted and synthetic traces, more on the held-out demo requests at 25 and 50%, so LFRU stays)
 
 # The registry: every name here is replayed by `pymoe simulate` (by default) and bench/cache_policies.py, and, unless
 # it is offline, offered to `pymoe run --policy`. Adding a policy is a class above and one line here
