@@ -2,7 +2,11 @@
 per-layer pools, with Belady as the bound, on two traces: the demo model's (recorded here, or a trace file given)
 and a synthetic 512-expert top-10 trace fitted to Qwen3-Next-80B's measured routing counts.
 
-What this is: the measurement behind docs/expert-cache.md's tables ("Which default", "The whole table").
+What this is: the measurement behind docs/expert-cache.md's tables ("Against Belady", "The whole table").
+  ratios     first, every engine policy's decode misses over Belady's (global pool, admission none, no warm set) at
+             10/25/50% coverage on the fixed tune / held-out split (split_traces): the demo trace's requests 0-3 /
+             4-7, traces fitted to Qwen3-30B-A3B / Qwen3-Next-80B routing counts, synthetic_trace seeds 1 / 2.
+             --ratios stops after it.
   demo       without --trace it records one: the demo model samples --requests requests of --tokens tokens
              (temperature 0.7, repeat penalty 1.1, seeds 0 .. n - 1, the demo prompt), traced as `pymoe run --trace`
              does. Pools are pre-filled from the demo's packaged profile.
@@ -19,7 +23,7 @@ Not replayed here: the router-lookahead prefetch (this trace is recorded without
 shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
-    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256]
+    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios]
 """
 from __future__ import annotations
 
