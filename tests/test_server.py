@@ -144,6 +144,7 @@ def test_models_status_and_metrics(client, server):
     assert (s["parallel"], s["n_ctx"], s["kv"], s["backend"]) == (2, CTX, "f32", "cpu")
     assert s["cache"]["policy"] == "none" and not s["cache"]["pool"] and s["cache"]["coverage"] == 0.0  # no pool
     assert s["cache"]["counts"]["decode"]["lookups"] > 0
+    assert s["cache"]["gap"] is None  # no pool: no live gap to Belady (experts/gap.py)
     text = httpx.get(server.url + "/metrics", headers=auth(), timeout=10).text
     for name in ("pymoe_requests_total{outcome=\"ok\"}", "pymoe_queue_depth", "pymoe_prompt_tokens_total",
                  "pymoe_generated_tokens_total", "pymoe_decode_tokens_per_second", "pymoe_expert_lookups_total",

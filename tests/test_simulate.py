@@ -289,3 +289,38 @@ def test_slots_start_full_as_the_engines_do():
     assert simulate(np.array([7, 0, 4, 1]), 2, 4, "lfu", 3, pool="global", profile=profile).hits == 3
     # per-layer, 2 slots each: layer 0 holds 0 1, layer 1 holds 4 5
     assert simulate(np.array([0, 1, 4, 5, 2, 6]), 2, 4, "lru", 4, pool="per-layer").hits == 4
+
+
+def test_live_gap_by_hand_and_in_the_engine(tiny_model):
+    """experts/gap.py. By hand: LRU, 1 slot, keys 1 2 1 from empty: LRU hits none; Belady (bypass) keeps 1 and serves
+    2 without a slot: 1 hit. A window of 2 closes after 2 lookups, from the contents it opened with ({1} after t0's
+    insert is not yet there: it opened empty), and the third opens a new one holding 2 (LRU evicted 1 for it).
+    In the engine: the request's gap counts exactly its decode lookups and hits, Belady's hits are no fewer, and the
+    cache line shows them."""
+    import pymoe
+    from pymoe.experts.gap import LiveGap
+    from pymoe.experts.policies import SlotTable, make_policy
+
+    for window, belady in ((10, 1), (2, 0)):
+        table = SlotTable(1, make_policy("lru", 1))
+        gap = LiveGap(table, window=window)
+        for t, key in enumerate([1, 2, 1]):
+            gap.before()
+            hit, _, _ = table.access(key, t)
+            gap.after(key, hit)
+        gap.close()
+        # window 2: [1 2] from {} -> Belady 0 hits (1 is not used again inside the window); [1] from {2}: 0
+        assert gap.totals() == {"lookups": 3, "hits": 0, "belady_hits": belady}, window
+
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lru")
+    list(engine.generate("a prompt", max_tokens=12, stop_at_eos=False))
+    st = engine.last_stats
+    assert st.gap["lookups"] == st.decode["lookups"] > 0 and st.gap["hits"] == st.decode["hits"]
+    assert st.gap["hits"] <= st.gap["belady_hits"] <= st.gap["lookups"]
+    assert st.gap["belady_hits"] > st.gap["hits"]  # 3 slots, LRU: Belady does better on the tiny model's routing
+    assert "Belady on the same lookups and slots" in st.cache_line()
+    from pymoe.serve.metrics import gap_of  # /v1/status's cache.gap and /metrics' two gauges: the cache's totals
+
+    g = gap_of(engine.cache)
+    assert (g["lookups"], g["hits"], g["belady_hits"]) == (st.gap["lookups"], st.gap["hits"], st.gap["belady_hits"])
+    assert g["belady_hit_rate"] == st.gap["belady_hits"] / st.gap["lookups"] > g["hit_rate"]

@@ -3,7 +3,7 @@
 What this is: `generate_tokens(...)`, a generator over new token ids, and `stream_text(...)`, the same turned into
 text pieces with stop strings applied, both recording a `RequestStats` (the reference article's per-request lines:
     prompt 26 tokens = 0 reused + 26 read in 43 ms, 192 generated in 1367 ms (140.5 tok/s)
-    decode expert cache hit rate: 86.3% (23414 hits / 27131 lookups)
+    decode expert cache hit rate: 86.3% (23414 hits / 27131 lookups); ...; Belady on the same lookups and slots: ...
 ), or, with no slot pool, `decode expert cache: none (...)`: no hit rate for a cache that does not exist. Timings
 are wall-clock around the model calls (on a GPU backend the model call syncs before returning).
 What this is not: the model (model.py) or the sampler (sampler.py).
@@ -34,6 +34,8 @@ class RequestStats:
     pool: bool = True  # the engine has an expert slot pool (False: none; every expert read in place or over PCIe)
     gpu: bool = False  # the experts are computed on a GPU: what it reads from host memory crosses PCIe
     device: dict | None = None  # a device backend's decode counts of this request (backends/device_counts.py)
+    gap: dict = field(default_factory=dict)  # this request's decode lookups replayed through Belady (experts/gap.py):
+    # lookups, hits (the engine's), belady_hits; empty with no slot pool
 
     def note_cache(self, cache) -> None:
         """Record what the cache line must know about the engine's expert cache: is there a pool, is it a GPU's."""
@@ -81,6 +83,10 @@ class RequestStats:
         if c.get("prefetched", 0):  # the router lookahead's copies (experts/prefetch.py)
             line += (f"; {c['prefetched']} prefetched by the router lookahead, {c.get('prefetch_hits', 0)} of the hits "
                      "on them")
+        g = self.gap
+        if g.get("lookups"):
+            line += (f"; Belady on the same lookups and slots: {100.0 * g['belady_hits'] / g['lookups']:.1f}% "
+                     f"({g['belady_hits']} hits / {g['lookups']})")
         return line
 
     def device_line(self) -> str:
@@ -123,11 +129,22 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
 
 
 def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec) -> Iterator[int]:
-    cache_stats = model.cache.stats
     t0 = time.perf_counter()
     logits = model.prefill(np.asarray(prompt_ids), kv)[-1]  # [V] of the last prompt position
     model.cache.end_prefill()  # the warm decode set, if one is asked for (experts/cache.py)
     stats.prompt_s = time.perf_counter() - t0
+    gap = getattr(model.cache, "gap", None)  # experts/gap.py: Belady on this request's decode lookups
+    gap_before = gap.totals() if gap is not None else None
+    try:
+        yield from _decode(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, logits)
+    finally:
+        if gap is not None:
+            gap.close()  # the request's last window
+            stats.gap = {k: v - gap_before[k] for k, v in gap.totals().items()}
+
+
+def _decode(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, logits) -> Iterator[int]:
+    cache_stats = model.cache.stats
     history = list(prompt_ids)
     before = cache_stats.snapshot("decode")
     counts = getattr(model.backend, "counts", None)  # a device backend's launches, bytes, syncs

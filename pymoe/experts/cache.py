@@ -199,6 +199,9 @@ class SlotCache:
         policy_args.setdefault("lookups_per_token", cfg.n_expert_used * len(cfg.moe_layers))  # one token's lookups
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
                                self.admission)
+        from .gap import LiveGap
+
+        self.gap = LiveGap(self.table)  # Belady's hits on the recent decode lookups, for the telemetry (gap.py)
         self.warm_rule = warm or WarmRule()
         self.warm = WarmSet(self.warm_rule, self.n_experts) if self.warm_rule else None
         self.warmed = {"copied": 0, "evicted": 0}  # what end_prefill() did since start
@@ -268,6 +271,8 @@ class SlotCache:
             for e in row.tolist():
                 key = self.key(layer, e)
                 self.clock += 1
+                if phase == "decode":
+                    self.gap.before()
                 hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode", step=self.steps)
                 if self.warm is not None and phase == "prefill":
                     self.warm.see(key, (self.steps, t), self.clock)  # (lookup call, row) names the prompt token
@@ -278,6 +283,8 @@ class SlotCache:
                     self._served[layer, e] = served
                 _count(counts, "lookups")
                 _count(counts, "hits" if served[0] == "slot" else served[0])
+                if phase == "decode":
+                    self.gap.after(key, served[0] == "slot")
                 if served[0] == "slot" and e in prefetched:
                     _count(counts, "prefetch_hits")
                 if evicted is not None:
@@ -291,7 +298,9 @@ class SlotCache:
     def end_prefill(self) -> None:
         """A request's prompt has been read (generate.py, the server's scheduler): place the warm decode set
         (policies.WarmSet: the experts of the last prompt tokens, within the copy budget), copying their bytes in
-        now, so the first decode tokens hit. Without a warm rule, nothing."""
+        now, so the first decode tokens hit. Without a warm rule, nothing. The live gap's open window closes first
+        (gap.py: a window never spans a placement outside a lookup)."""
+        self.gap.close()
         if self.warm is None:
             return
         self.finish(-1)  # nothing is pending after prefill; if it were, it lands before slots change hands
