@@ -323,9 +323,13 @@ class LlamaCppPolicy(LFRUPolicy):
         if not self.full:
             return True
         victim = self._victim()
+        self._chosen = (self.clock, victim)  # victim() follows at once (SlotTable._insert): no second search
         return victim is not None and self.v[key] >= self.v[victim]
 
     def victim(self, t: int) -> int:
+        chosen = getattr(self, "_chosen", None)
+        if chosen is not None and chosen[0] == self.clock and chosen[1] in self.resident:
+            return chosen[1]
         return self._victim()
 
 
