@@ -26,6 +26,11 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
                 keeps its history. Counts never decay, so LFU adapts slowly when the hot set drifts.
     pinned-lru  the profile's top `pinned_frac * capacity` keys (default half) are pinned once resident (never
                 evicted); the other slots run LRU.
+    llamacpp    llama.cpp's expert cache as issue 48 describes it: a recency class (used within the last token) is
+                kept; the rest by a use count decayed with a 128-token half-life; a miss below the victim's count is
+                served without a slot (the CPU's share). Counts time in tokens (TOKEN_CLOCK_POLICIES).
+    arc, s3fifo, s3fifo-c7, lirs   ARC; S3-FIFO (s3fifo-c7: counters capped at 7, tuned); a LIRS-style
+                reuse-distance policy. docs/expert-cache.md, "Baselines" and "Against Belady".
     belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
                 *bypass* variant: on a miss with a full pool, the incoming key is admitted only if its next use is
                 sooner than the furthest next use among residents (which is then evicted); otherwise it is served
