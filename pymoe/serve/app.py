@@ -48,6 +48,7 @@ from pymoe.serve import anthropic, reasoning, responses, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.middleware import JOBS_KEY, LOCALHOST, AccessLog, Cors
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
+from pymoe.serve.slots import coverage as slot_coverage, default_parallel
 from pymoe.serve.schemas import (DRY_BREAKERS, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeRequest, parse)
 
@@ -867,13 +868,14 @@ def listening_socket(host: str, port: int, client_stall_s: float = CLIENT_STALL_
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
-          parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
+          parallel: Optional[int] = None, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
           log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
           sampling_defaults: Optional[dict] = None, cors_origins: tuple = (LOCALHOST,), log_format: str = "text",
           reasoning_format: str = "deepseek", telemetry: Optional[str] = None, telemetry_interval: float = 10.0,
           **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
+    parallel None: the default slot rule (serve/slots.py default_parallel), printed with its reason.
     The access log (one line per request) goes to stderr. telemetry: append a line per request, and a resource
     sample every `telemetry_interval` s, to that file (experts/telemetry.py)."""
     import uvicorn
@@ -889,15 +891,19 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
         from pymoe.engine.speculative import parse_spec
 
         parse_spec(spec)  # a bad --spec is refused before the model loads
-    rule = []
-    if not engine_options.get("n_ctx"):  # no -c: the default context rule (engine/kv.py default_ctx)
-        def fitted(cfg):
-            n, why = default_ctx(cfg, kv, parallel)
+    rule, given_ctx = [], engine_options.get("n_ctx")
+    if not given_ctx:  # no -c: the default context rule (engine/kv.py default_ctx), for the slots there will be
+        def fitted(cfg):  # (-np not given: the most the slot rule gives before it knows the backend and the cache)
+            slots = parallel or default_parallel(cfg, "cpu", None, kv)[0]
+            n, why = default_ctx(cfg, kv, slots)
             rule.append(why)
             return n
 
         engine_options["n_ctx"] = fitted
     engine = load(model, progress=True, log=log, **engine_options)
+    if parallel is None:
+        parallel, why = default_parallel(engine.config, engine.backend.name, slot_coverage(engine), kv, given_ctx)
+        log(f"{parallel} slot(s): {why}; -np overrides")
     log(f"context: {engine.n_ctx} tokens per slot ({rule[0] + '; -c overrides' if rule else '-c'}): {parallel} x "
         f"{kv_bytes(engine.config, engine.n_ctx, kv) / 2**20:,.1f} MiB of {kv} KV cache")
     if chat_template is not None:
