@@ -303,16 +303,16 @@ def test_slots_never_sit_empty(tiny_model):
     list(e.generate(demo.DEMO_PROMPT, max_tokens=32, stop_at_eos=False))
     c = e.cache.stats.counts["decode"]
     assert c["lookups"] == 31 * 4 * 4 and c["hits"] / c["lookups"] >= 0.99 and c["promoted"] == 0
-    # a smaller pool, a profile of 2 pairs: those first, then the stated order (glm4moe: layer 0 is dense, and a
-    # profile ranking its pairs, as Profile.from_heat does with zero counts, places none of them)
+    # a smaller pool, a profile of 2 pairs: those first, then the stated order (glm4moe: layer 0 is dense; a
+    # profile's layers are the MoE layers, experts/trace.py, so its layer 1 is the model's layer 2)
     path = tiny_model("glm4moe", "f32")
     cfg = pymoe.load(path).config
     assert fill_order([1, 2], 8)[:5] == [8, 16, 9, 17, 10]  # (layer 1, 0), (2, 0), (1, 1), (2, 1), (1, 2)
-    profile = Profile(3, 8, np.array([[2, 7], [2, 3]]), [9, 5])  # ranks two pairs: (2, 7), then (2, 3)
+    profile = Profile(2, 8, np.array([[1, 7], [1, 3]]), [9, 5])  # ranks two pairs: (2, 7), then (2, 3)
     lines = []
     e = pymoe.load(path, cache_slots=5, profile=profile, log=lines.append)
     assert sorted(map(tuple, np.argwhere(e.cache.residency >= 0).tolist())) == [(1, 0), (1, 1), (2, 0), (2, 3),
                                                                                  (2, 7)], cfg.moe_layers
     assert any(x.startswith("pre-filled 5 of 5 slots from the profile, 3 of them in expert order") for x in lines)
-    e = pymoe.load(path, cache_slots=16, profile=Profile.from_heat(np.arange(24)[::-1].reshape(3, 8)))  # layer 0 first
+    e = pymoe.load(path, cache_slots=16, profile=Profile.from_heat(np.arange(16)[::-1].reshape(2, 8)))  # all MoE
     assert (e.cache.residency[1:] >= 0).all() and (e.cache.residency[0] < 0).all()
