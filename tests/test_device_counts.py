@@ -76,17 +76,19 @@ def test_one_decode_token_with_every_expert_in_a_slot(micro_model):
 
 @in_process
 def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model):
-    """One slot, pcie_frac 0.5: each decode step's K = 2 experts both miss (the slot holds the previous step's last
-    promotion, and each step here routes elsewhere: asserted), one is read over PCIe by its kernels (one token: one
-    token tile, so its bytes once), the other computed on the CPU (no launch); both are promoted into the one slot,
-    which keeps the last (experts/cache.py: one copy per slot per call)."""
+    """One slot, pcie_frac 0.5: the slot starts with the first expert of the start-up fill (experts/cache.py
+    SlotCache.fill), so a step may hit it once, and at least one of a step's K = 2 experts misses (one slot serves one
+    of them). The misses alternate between a read over PCIe by the expert's kernels (one token: one token tile, so
+    its bytes once) and the CPU (no launch; the error diffusion of pcie_frac 0.5 keeps the two within one); every
+    miss is promoted into the one slot, which keeps the last (one copy per slot per call)."""
     engine = pymoe.load(micro_model, backend="cuda", cache_slots=1, policy="lru", pcie_frac=0.5, backend_options=SIM)
     st = decode(engine)
     c, dev, steps = st.decode, st.device, N_NEW - 1
-    assert (c["hits"], c["spill"], c["cpu"], c["promoted"]) == (0, steps, steps, K * steps), c
-    assert dev["bytes"]["expert spill reads over PCIe"] == steps * EXPERT_BYTES
+    assert c["hits"] + c["spill"] + c["cpu"] == c["lookups"] == K * steps and abs(c["spill"] - c["cpu"]) <= 1, c
+    assert c["promoted"] == c["spill"] + c["cpu"] and c["cpu"] >= steps - 1, c
+    assert dev["bytes"]["expert spill reads over PCIe"] == c["spill"] * EXPERT_BYTES
     assert dev["bytes"]["slot copies (promotions, prefetches) to device"] == steps * EXPERT_BYTES
-    assert dev["launches"] == steps * (SLOT_TOKEN["launches"] - 2)  # the CPU expert's expert_block is not launched
+    assert dev["launches"] == steps * SLOT_TOKEN["launches"] - 2 * c["cpu"]  # a CPU expert's expert_block: none
     assert dev["synchronisations"] == steps * SLOT_TOKEN["synchronisations"]
     others = {w: b for w, b in dev["bytes"].items() if not w.startswith(("expert spill", "slot copies"))}
     assert others == {w: steps * b for w, b in SLOT_TOKEN["bytes_by_name"].items()}  # the CPU expert's rows too
@@ -117,9 +119,9 @@ def test_the_server_status_gives_the_counts_by_name(micro_model):
 @in_process
 def test_pymoe_run_in_the_simulator(micro_model):
     """`NUMBA_ENABLE_CUDASIM=1 pymoe run FILE --backend cuda`, the real kernels (cuda_kernels/), a subprocess: the
-    stated device size, then the device line last. --pcie-frac 1 (no probe): the decode step's 2 experts both miss
-    the empty auto-sized pool (prefill never promotes), are read over PCIe and promoted. ~2 min on a busy 2-core
-    machine (the simulator runs each kernel block as Python threads)."""
+    stated device size, then the device line last. --pcie-frac 1 (no probe): the auto-sized pool holds every expert
+    from the start (slots never sit empty), so the decode step's 2 experts hit and only SLOT_TOKEN's bytes move.
+    ~2 min on a busy 2-core machine (the simulator runs each kernel block as Python threads)."""
     from conftest import run_pymoe
 
     p = run_pymoe("run", micro_model, "--backend", "cuda", "-n", "2", "-p", "hi", "--pcie-frac", "1", "--temp", "0",
@@ -127,7 +129,7 @@ def test_pymoe_run_in_the_simulator(micro_model):
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stderr.strip().splitlines()
     assert "pymoe run: simulated device: 8 GiB (NUMBA_ENABLE_CUDASIM=1; times are not a GPU's)" in lines
-    total = sum(SLOT_TOKEN["bytes_by_name"].values()) + 2 * EXPERT_BYTES + 2 * EXPERT_BYTES  # + spill + promotions
+    total = sum(SLOT_TOKEN["bytes_by_name"].values())  # every expert in a slot: no spill, no promotion
     assert lines[-1] == (f"pymoe run: decode device per token: {SLOT_TOKEN['launches']:.1f} launches, {total:,} "
                          f"host<->device bytes, {SLOT_TOKEN['synchronisations']:.1f} synchronisations"), lines[-4:]
 
