@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 
-def test_image(width: int, height: int) -> np.ndarray:
+def picture(width: int, height: int) -> np.ndarray:
     """uint8 [height, width, 3]."""
     y, x = np.mgrid[0:height, 0:width].astype(np.float64)
     r = 255 * x / max(1, width - 1)
@@ -22,5 +22,5 @@ def png_bytes(width: int, height: int) -> bytes:
     import io
     from PIL import Image
     buf = io.BytesIO()
-    Image.fromarray(test_image(width, height)).save(buf, format="PNG")
+    Image.fromarray(picture(width, height)).save(buf, format="PNG")
     return buf.getvalue()
