@@ -277,11 +277,16 @@ def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
 @click.option("--grammar-file", default=None, help="... read from this file.")
 @click.option("-j", "--json-schema", default=None, help="Constrain the output to JSON following this JSON schema.")
 @click.option("--json-schema-file", default=None, help="... read from this file.")
+@click.option("--image", "images", multiple=True,
+              help="An image file (PNG, JPEG...) for the prompt (repeatable): placed at each <__media__> in the "
+                   "prompt, else before it. Needs the model's mmproj file.")
+@click.option("--mmproj", default=None,
+              help="The model's multimodal projector GGUF (default: the one mmproj*.gguf beside the model).")
 @telemetry_options
 @engine_options
 def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_k, top_p, min_p, repeat_penalty, seed,
             stop, model_opt, ctx, chat_template, trace_path, spec, spec_k, lookahead, grammar, grammar_file,
-            json_schema, json_schema_file, telemetry, telemetry_interval, **engine_opts):
+            json_schema, json_schema_file, images, mmproj, telemetry, telemetry_interval, **engine_opts):
     """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
 
     With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
@@ -324,7 +329,16 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         parse_spec(spec)  # a bad --spec is refused before the model loads
         if spec_k < 1:
             raise PymoeError(f"--spec-k must be >= 1, got {spec_k}")
+    image_bytes = [_read_image(path) for path in images]  # before the model loads: a bad path fails fast
+    if image_bytes and spec:
+        raise PymoeError("--spec does not take images (its drafter reads token ids only): use one of them")
     engine = _load(model, ctx, chat_template, log, **engine_opts)
+    if image_bytes or mmproj:
+        engine.attach_mmproj(mmproj, log)
+        for path, data in zip(images, image_bytes):
+            t0 = time.perf_counter()
+            img = engine.encode_image(data, path)
+            log(f"image {path}: {img.rows} x {img.cols} tokens, encoded in {(time.perf_counter() - t0) * 1e3:.0f} ms")
     speculator = None
     if spec:
         speculator = engine.speculator(spec, spec_k, threads=engine_opts.get("threads"),
@@ -339,7 +353,7 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
     writer, t_start = _telemetry(engine, telemetry, telemetry_interval, "run"), time.time()
     pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
                            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, spec=speculator,
-                           grammar=output_grammar)
+                           grammar=output_grammar, images=image_bytes)
     if not chat:
         click.echo(prompt, nl=False)  # like llama.cpp: the continuation reads on from the prompt
     for piece in pieces:
@@ -364,6 +378,14 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         appended = os.path.exists(trace_path)
         recorder.save(trace_path, append=appended)
         log(f"trace {trace_path}: {recorder.n_tokens} tokens {'appended' if appended else 'written'}")
+
+
+def _read_image(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise PymoeError(f"--image {path}: {e.strerror}") from None
 
 
 @cli.command("chat")

@@ -97,3 +97,62 @@ def test_find_mmproj(tmp_path):
     (tmp_path / "mmproj-Model-F32.gguf").write_bytes(b"")
     with pytest.raises(PymoeError, match="2 mmproj.*gguf files beside the model.*--mmproj"):
         find_mmproj(model)
+
+
+@pytest.fixture(scope="module")
+def pair_dir(tiny_model, tmp_path_factory):
+    """A folder as users have it: the model and mmproj-*.gguf side by side, and a picture."""
+    import shutil
+    d = tmp_path_factory.mktemp("pair")
+    shutil.copy(tiny_model("qwen35moe", "f32"), d / "Tiny-Qwen35MoE.gguf")
+    write_mmproj(str(d / "mmproj-Tiny-Qwen35MoE-F32.gguf"))
+    (d / "pic.png").write_bytes(png_bytes(160, 96))
+    return d
+
+
+def test_run_with_an_image_finds_the_mmproj_beside_the_model(pair_dir):
+    from click.testing import CliRunner
+    from pymoe.cli import cli
+    r = CliRunner().invoke(cli, ["run", str(pair_dir / "Tiny-Qwen35MoE.gguf"), "-p", "look: <__media__> ok", "-n", "3",
+                                 "--image", str(pair_dir / "pic.png"), "--threads", "1"])
+    assert r.exit_code == 0, r.output
+    assert "mmproj-Tiny-Qwen35MoE-F32.gguf: qwen3vl_merger" in r.output
+    assert "pic.png: 3 x 5 tokens" in r.output
+    from pymoe.engine.tokenizer import Tokenizer
+    tok = Tokenizer.from_file(str(pair_dir / "Tiny-Qwen35MoE.gguf"))
+    n = sum(len(tok.encode(t, add_bos=False)) for t in ("<|vision_start|>", "<|vision_end|>", " ok"))
+    n += len(tok.encode("look: ")) + 15  # the vision markers are text in the tiny vocabulary; 3 x 5 image tokens
+    assert f"prompt {n} tokens" in r.output
+
+
+def _pymoe(capsys, *argv):
+    from pymoe.cli import main
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    return e.value.code, capsys.readouterr().err
+
+
+def test_run_image_errors_are_one_line(pair_dir, tiny_model, capsys):
+    code, err = _pymoe(capsys, "run", str(pair_dir / "Tiny-Qwen35MoE.gguf"), "-p", "x", "-n", "1",
+                       "--image", str(pair_dir / "nope.png"))
+    assert code == 2 and err.strip().endswith("nope.png: No such file or directory") and err.count("\n") == 1
+    code, err = _pymoe(capsys, "run", tiny_model("qwen35moe", "f32"), "-p", "x", "-n", "1",
+                       "--image", str(pair_dir / "pic.png"))
+    assert code == 2 and "images need the model's mmproj file: pass --mmproj FILE" in err
+    code, err = _pymoe(capsys, "run", tiny_model("qwen3moe", "f32"), "-p", "x", "-n", "1",
+                       "--mmproj", str(pair_dir / "mmproj-Tiny-Qwen35MoE-F32.gguf"), "--image", str(pair_dir / "pic.png"))
+    assert code == 2 and "has no rope.dimension_sections (M-RoPE)" in err
+
+
+def test_generate_with_images_is_the_prefill_with_media(pair_dir):
+    # The Engine path (template-free prompt, markers, encoder) gives the same first token as the model's prefill
+    # over the same ids and media, and an image prompt's ids carry its images.
+    import pymoe
+    eng = pymoe.load(str(pair_dir / "Tiny-Qwen35MoE.gguf"), backend="cpu", n_ctx=256)
+    eng.attach_mmproj()
+    data = (pair_dir / "pic.png").read_bytes()
+    ids = eng.encode_prompt("a <__media__> b", images=[data])
+    assert len(ids.media.images) == 1 and ids.media.images[0].key == __import__("hashlib").sha256(data).hexdigest()
+    first = next(iter(eng.generate("a <__media__> b", max_tokens=1, images=[data])))
+    logits = eng.model.prefill(np.asarray(ids), eng.model.new_kv(256), ids.media)[-1]
+    assert first == int(np.argmax(logits))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 
@@ -38,8 +39,46 @@ class ImageEmbeddings:
         return self.rows * self.cols
 
 
+MEDIA_MARKER = "<__media__>"  # where an image goes in a prompt's text (llama.cpp's mtmd_default_marker)
+VISION_START, VISION_END, IMAGE_PAD = "<|vision_start|>", "<|vision_end|>", "<|image_pad|>"  # Qwen-VL's
+
+
+class ImagePrompt(list):
+    """Token ids (a list, usable wherever ids are) that carry their images: `.media` (a PromptMedia)."""
+
+    def __init__(self, ids, media: "PromptMedia"):
+        super().__init__(ids)
+        self.media = media
+
+
+def tokens_with_images(tokenizer, text: str, images: list) -> ImagePrompt:
+    """A rendered prompt whose text holds one MEDIA_MARKER per image -> ids with, at each marker,
+    <|vision_start|> + one <|image_pad|> per image token + <|vision_end|> (what mtmd_tokenize makes for a
+    Qwen-VL projector; the markers are read as special tokens when the vocabulary has them, as text otherwise)."""
+    pieces = text.split(MEDIA_MARKER)
+    if len(pieces) - 1 != len(images):
+        raise PymoeError(f"{len(images)} images but the prompt has {len(pieces) - 1} image places ({MEDIA_MARKER})")
+    pad = tokenizer.encode(IMAGE_PAD, add_bos=False)
+    pad_id = pad[0] if len(pad) == 1 else 0  # a placeholder: its embedding row is replaced
+    ids, starts = list(tokenizer.encode(pieces[0])), []
+    for img, piece in zip(images, pieces[1:]):
+        ids += tokenizer.encode(VISION_START, add_bos=False)
+        starts.append(len(ids))
+        ids += [pad_id] * img.n_tokens
+        ids += tokenizer.encode(VISION_END, add_bos=False)
+        if piece:
+            ids += tokenizer.encode(piece, add_bos=False)
+    return ImagePrompt(ids, PromptMedia(np.asarray(ids), pad_id, list(images), starts))
+
+
 def image_key(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def pad_runs(tokens: np.ndarray, pad_id: int) -> list:
+    """Start index of each run of pad_id in tokens."""
+    is_pad = tokens == pad_id
+    return [int(i) for i in np.flatnonzero(is_pad & ~np.concatenate([[False], is_pad[:-1]]))]
 
 
 def expand_pads(tokens, pad_id: int, images) -> list:
@@ -60,11 +99,12 @@ def expand_pads(tokens, pad_id: int, images) -> list:
 
 @dataclass
 class PromptMedia:
-    """tokens [T] with runs of `pad_id` (one run per image, as many pads as its tokens) and the images, in order."""
+    """tokens [T] with one run of pad tokens per image (as many as its tokens) and the images, in order."""
 
     tokens: np.ndarray
-    pad_id: int
+    pad_id: int  # the image pad token (where `starts` is not given, runs of it mark the images)
     images: list
+    starts: Optional[list] = None  # index of each image's first token; None: the runs of pad_id
     rows: np.ndarray = field(init=False)  # indices of the pad tokens in `tokens`
     embeddings: np.ndarray = field(init=False)  # [len(rows), D]
     relative: np.ndarray = field(init=False)  # [T, 3] positions from 0; add where the cache stands
@@ -73,33 +113,28 @@ class PromptMedia:
     def __post_init__(self):
         tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
         self.tokens = tokens
+        starts = self.starts if self.starts is not None else pad_runs(tokens, self.pad_id)
+        if len(starts) != len(self.images):
+            raise PymoeError(f"{len(self.images)} images but the prompt has {len(starts)} image places")
         pos = np.zeros((tokens.size, 3), dtype=np.int64)
-        rows, p, i, k = [], 0, 0, 0
-        while k < tokens.size:
-            if tokens[k] != self.pad_id:
-                pos[k] = p
-                p, k = p + 1, k + 1
-                continue
-            if i >= len(self.images):
-                raise PymoeError(f"the prompt has more image places than the {len(self.images)} images given")
-            img = self.images[i]
-            end = k + img.n_tokens
-            if end > tokens.size or not np.all(tokens[k:end] == self.pad_id) or (
-                    end < tokens.size and tokens[end] == self.pad_id):
-                raise PymoeError(f"image {i + 1}: the prompt's run of image pad tokens is not its {img.n_tokens} "
-                                 "tokens")
+        rows, p, k = [], 0, 0
+        for i, (start, img) in enumerate(zip(starts, self.images)):
+            end = start + img.n_tokens
+            if start < k or end > tokens.size:
+                raise PymoeError(f"image {i + 1}: its {img.n_tokens} tokens do not fit the prompt where it is")
+            pos[k:start] = (p + np.arange(start - k))[:, None]  # the text before it
+            p += start - k
             j = np.arange(img.n_tokens)
-            pos[k:end, 0] = p
-            pos[k:end, 1] = p + j // img.cols
-            pos[k:end, 2] = p + j % img.cols
-            rows.extend(range(k, end))
-            p, k, i = p + max(img.rows, img.cols), end, i + 1
-        if i != len(self.images):
-            raise PymoeError(f"{len(self.images)} images but the prompt has {i} image places")
+            pos[start:end, 0] = p
+            pos[start:end, 1] = p + j // img.cols
+            pos[start:end, 2] = p + j % img.cols
+            rows.extend(range(start, end))
+            p, k = p + max(img.rows, img.cols), end
+        pos[k:] = (p + np.arange(tokens.size - k))[:, None]
         self.rows = np.asarray(rows, dtype=np.int64)
         self.embeddings = (np.concatenate([im.embeddings for im in self.images]) if self.images
                            else np.zeros((0, 0), np.float32))
-        self.relative, self.next_relative = pos, p
+        self.relative, self.next_relative = pos, p + tokens.size - k
 
     def at(self, kv) -> "MediaSlice":
         """Positions for a prompt appended where `kv` stands (its storage index plus its rope shift)."""
