@@ -156,3 +156,13 @@ def test_generate_with_images_is_the_prefill_with_media(pair_dir):
     first = next(iter(eng.generate("a <__media__> b", max_tokens=1, images=[data])))
     logits = eng.model.prefill(np.asarray(ids), eng.model.new_kv(256), ids.media)[-1]
     assert first == int(np.argmax(logits))
+
+
+def test_chat_image_command(pair_dir):
+    from click.testing import CliRunner
+    from pymoe.cli import cli
+    r = CliRunner().invoke(cli, ["chat", str(pair_dir / "Tiny-Qwen35MoE.gguf"), "-n", "2", "--threads", "1"],
+                           input=f"/image {pair_dir / 'nope.png'}\n/image {pair_dir / 'pic.png'}\nwhat is it\n/quit\n")
+    assert r.exit_code == 0, r.output
+    assert "nope.png: No such file or directory" in r.output  # an error in the chat keeps the chat
+    assert "pic.png: 3 x 5 tokens, for your next message" in r.output

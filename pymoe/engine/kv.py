@@ -85,12 +85,12 @@ class KVCache:
     def clear(self) -> None:
         self.n = 0
         self.shifts = []
+        self.__dict__.pop("_recurrent", None)
 
     def pos_delta(self, n: Optional[int] = None) -> int:
         """rope position - storage index at storage index n (default self.n): 0 until an image (M-RoPE)."""
         n = self.n if n is None else n
         return next((d for i, d in reversed(self.shifts) if i <= n), 0)
-        self.__dict__.pop("_recurrent", None)
 
     def recurrent(self, layer: int, **shapes) -> dict:
         """The state a recurrent layer carries from call to call (Gated DeltaNet: conv [K - 1, C] and ssm

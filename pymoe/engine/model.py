@@ -251,8 +251,8 @@ class Model:
         the unit of prefill's expert traffic (each expert missing from the cache is streamed once per chunk) and
         bounds the activation buffers. Each query's result does not depend on how the prompt is cut."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if media is not None:
-            media = media.at(kv)  # positions from where this cache stands
+        if hasattr(media, "at"):  # a whole prompt's PromptMedia: positions from where this cache stands
+            media = media.at(kv)
         if tokens.size <= self.chunk:
             return self.forward(tokens, kv, "prefill", media)
         if kv.n + tokens.size > kv.n_ctx:  # checked for the whole prompt before any chunk fills the cache

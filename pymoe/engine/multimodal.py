@@ -136,6 +136,19 @@ class PromptMedia:
                            else np.zeros((0, 0), np.float32))
         self.relative, self.next_relative = pos, p + tokens.size - k
 
+    @property
+    def start_rows(self) -> list:
+        """Index of each image's first token."""
+        out, k = [], 0
+        for img in self.images:
+            out.append(int(self.rows[k]))
+            k += img.n_tokens
+        return out
+
+    def from_start(self) -> "MediaSlice":
+        """Positions for the prompt at the start of a sequence (position 0)."""
+        return MediaSlice(self.rows, self.embeddings, self.relative, self.next_relative)
+
     def at(self, kv) -> "MediaSlice":
         """Positions for a prompt appended where `kv` stands (its storage index plus its rope shift)."""
         get = getattr(kv, "pos_delta", None)

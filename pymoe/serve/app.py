@@ -482,13 +482,30 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                     submitted.cancel()
                 raise
 
+    def chat_ids(req, text: str) -> list:
+        """A rendered chat prompt -> token ids; with images (image_url parts, image blocks), ids that carry their
+        encoded images (engine/multimodal.ImagePrompt) for the scheduler's prefill."""
+        images = req.images()
+        if not images:
+            return engine.tokenizer.encode(text)
+        if engine.vision is None:
+            raise ApiError(400, "this server's model takes no images (start it with --mmproj FILE)",
+                           code="invalid_value", param="messages")
+        if spec:
+            raise ApiError(400, "images do not go with speculative decoding (--spec): its drafter reads token ids",
+                           code="invalid_value", param="messages")
+        try:
+            return engine.prompt_with_images(text, images)
+        except PymoeError as e:
+            raise ApiError(400, str(e), code="invalid_value", param="messages") from None
+
     def prepare(kind: str, data: bytes) -> tuple:
         """A chat or completion body -> (request, its jobs, tool choice, echo): the JSON, the schema, the template,
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
         choice = tool_mode(req, engine.tokenizer)
         text = chat_prompt(req, engine.tokenizer) if kind == "chat" else None
-        ids = engine.tokenizer.encode(text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
+        ids = chat_ids(req, text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
         job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
         job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
         job.preserved = preserved_markers(choice, engine.tokenizer) if kind == "chat" else frozenset()
@@ -621,8 +638,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
         def prepare():
             choice = tool_mode(req, engine.tokenizer)
-            job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab,
-                           sampling_defaults, engine.tokenizer, parallel)
+            ids = chat_ids(req, chat_prompt(req, engine.tokenizer))
+            job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
             job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
             job.preserved = preserved_markers(choice, engine.tokenizer)
             return job, choice
@@ -691,7 +708,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @app.post("/v1/messages/count_tokens", dependencies=guarded)
     async def count_tokens(request: Request):
         req = await read_request(request, anthropic.CountTokensRequest)
-        return {"input_tokens": len(await asyncio.to_thread(prompt_ids, req, engine.tokenizer))}
+        ids = await asyncio.to_thread(lambda: chat_ids(req, chat_prompt(req, engine.tokenizer)))
+        return {"input_tokens": len(ids)}
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -775,6 +793,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
           sampling_defaults: Optional[dict] = None, cors_origins: tuple = (LOCALHOST,), log_format: str = "text",
           reasoning_format: str = "deepseek", telemetry: Optional[str] = None, telemetry_interval: float = 10.0,
+          mmproj: Optional[str] = None,
           **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
     The access log (one line per request) goes to stderr. telemetry: append a line per request, and a resource
@@ -795,6 +814,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
     engine = load(model, progress=True, log=log, **engine_options)
     if chat_template is not None:
         engine.use_chat_template(chat_template)
+    from pymoe.vision.mmproj import find_mmproj
+    if mmproj or (engine.config.rope_sections and find_mmproj(model)):  # images: --mmproj, or the one beside
+        engine.attach_mmproj(mmproj, log)
     writer = None
     if telemetry:
         from pymoe.experts.telemetry import TelemetryWriter, engine_facts

@@ -1,7 +1,7 @@
 """The qwen3vl vision tower in NumPy: normalised pixels -> one embedding per merged 2x2 patch group, in the
 language model's width. The readable reference (float32 throughout).
 
-What this is: clip.cpp's `clip_graph_qwen3vl::build` (tools/mtmd/models/qwen3vl.cpp), which is transformers'
+What this is: clip.cpp's `clip_graph_qwen3vl::build` (qwen3vl.cpp in llama.cpp's mtmd models), which is transformers'
 `Qwen3VLVisionModel` (Qwen3-VL, Qwen3.5), step by step:
   1. patches: the [3, H, W] grid cut into P x P squares, ordered in merge groups (row of groups, column of groups,
      then dy, dx inside a group), as clip.cpp's spatial-merge permute and HF's processor order them

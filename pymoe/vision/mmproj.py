@@ -7,9 +7,9 @@ one-line error), checks that the projector is one pymoe runs, that every tensor 
 metadata implies, and that the projector's output width is the model's embedding width.
 What this is not: the encoder (encoder.py) or image preprocessing (preprocess.py).
 
-Projector types run here (clip.cpp's PROJECTOR_TYPE_*): `qwen3vl_merger` (PROJECTOR_TYPE_QWEN3VL) (Qwen3-VL and Qwen3.5 vision towers, the
-converter's `Qwen3VLVisionModel`), without deepstack layers (Qwen3.5; Qwen3-VL's deepstack features feed a text
-model pymoe does not run).
+Projector types run here (clip.cpp's PROJECTOR_TYPE_*): `qwen3vl_merger` (PROJECTOR_TYPE_QWEN3VL: Qwen3-VL and
+Qwen3.5 vision towers, the converter's `Qwen3VLVisionModel`), without deepstack layers (Qwen3.5; Qwen3-VL's
+deepstack features feed a text model pymoe does not run).
 
 Finding the file: `--mmproj FILE` names it. Without it, `find_mmproj(model)` takes the one `mmproj*.gguf` in the
 model's folder: llama.cpp picks an mmproj file by that name pattern when it fetches a model repository (`-hf`),
