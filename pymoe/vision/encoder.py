@@ -101,11 +101,12 @@ def attention(x: np.ndarray, m: MMProj, i: int, pos: np.ndarray) -> np.ndarray:
     f = lambda n: m.floats(f"v.blk.{i}.{n}")  # noqa: E731
     N, H, hd = x.shape[0], c.n_head, c.head_dim
     qkv = (x @ f("attn_qkv.weight").T + f("attn_qkv.bias")).reshape(N, 3, H, hd)  # [N, 3, H, hd]
-    q, k, v = rope_2d(qkv[:, 0], pos), rope_2d(qkv[:, 1], pos), qkv[:, 2]  # [N, H, hd]
-    s = np.einsum("nhd,mhd->hnm", q, k) / np.float32(np.sqrt(hd))  # [H, N, N]
-    s = np.exp(s - s.max(-1, keepdims=True))
-    p = s / s.sum(-1, keepdims=True)
-    o = np.einsum("hnm,mhd->nhd", p, v).reshape(N, c.n_embd)  # [N, D]
+    q, k, v = (a.transpose(1, 0, 2) for a in (rope_2d(qkv[:, 0], pos), rope_2d(qkv[:, 1], pos), qkv[:, 2]))
+    s = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))  # [H, N, N] (matmul: BLAS; einsum is not)
+    s -= s.max(-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(-1, keepdims=True)
+    o = (s @ v).transpose(1, 0, 2).reshape(N, c.n_embd)  # [H, N, hd] -> [N, D]
     return o @ f("attn_out.weight").T + f("attn_out.bias")
 
 
