@@ -166,3 +166,10 @@ def test_chat_image_command(pair_dir):
     assert r.exit_code == 0, r.output
     assert "nope.png: No such file or directory" in r.output  # an error in the chat keeps the chat
     assert "pic.png: 3 x 5 tokens, for your next message" in r.output
+
+
+def test_an_mmproj_given_as_the_model_is_named(mmproj):
+    from pymoe.gguf.loader import load_gguf
+    with pytest.raises(PymoeError, match=r"mmproj-tiny.gguf: an mmproj file \(a multimodal model's vision tower\), "
+                                         r"not a model: pass the model, and this file as --mmproj"):
+        load_gguf(mmproj.path)
