@@ -814,9 +814,15 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
     engine = load(model, progress=True, log=log, **engine_options)
     if chat_template is not None:
         engine.use_chat_template(chat_template)
-    from pymoe.vision.mmproj import find_mmproj
-    if mmproj or (engine.config.rope_sections and find_mmproj(model)):  # images: --mmproj, or the one beside
-        engine.attach_mmproj(mmproj, log)
+    if mmproj or engine.config.rope_sections:  # images: --mmproj, or the one mmproj*.gguf beside the model
+        from pymoe.vision.mmproj import find_mmproj
+        try:
+            found = mmproj or find_mmproj(model)
+        except PymoeError as e:  # two candidates: serve text, say why
+            found = None
+            log(f"images off: {e}")
+        if found:
+            engine.attach_mmproj(found, log)
     writer = None
     if telemetry:
         from pymoe.experts.telemetry import TelemetryWriter, engine_facts
