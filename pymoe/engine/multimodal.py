@@ -1,9 +1,9 @@
 """Images in a prompt: where their embeddings go and at which M-RoPE positions.
 
-What this is: `PromptMedia(tokens, pad_id, images)`: the chat template writes an image as
-`<|vision_start|>` + one `<|image_pad|>` per image token + `<|vision_end|>` (engine/multimodal.expand_pads puts
-as many pads as the encoder gives tokens); each run of pad tokens takes, in order, one image's projected
-embeddings (pymoe/vision/encoder.py) in place of the pad token's embedding row. Positions are llama.cpp's
+What this is: `tokens_with_images` writes each image where the rendered prompt has a <__media__> marker, as
+`<|vision_start|>` + one `<|image_pad|>` per image token + `<|vision_end|>` (what llama.cpp's mtmd_tokenize
+makes); `PromptMedia(tokens, pad_id, images, starts)` gives each run of pad tokens, in order, one image's
+projected embeddings (pymoe/vision/encoder.py) in place of the pad token's embedding row. Positions are llama.cpp's
 (mtmd_image_tokens_get_decoder_pos, mtmd_helper_eval_chunks), which are transformers' Qwen3-VL get_rope_index:
     text token at position p:                 (t, h, w) = (p, p, p), the next is p + 1
     image of rows x cols tokens starting at p: token k is (p, p + k // cols, p + k % cols),
@@ -79,22 +79,6 @@ def pad_runs(tokens: np.ndarray, pad_id: int) -> list:
     """Start index of each run of pad_id in tokens."""
     is_pad = tokens == pad_id
     return [int(i) for i in np.flatnonzero(is_pad & ~np.concatenate([[False], is_pad[:-1]]))]
-
-
-def expand_pads(tokens, pad_id: int, images) -> list:
-    """A rendered prompt with one pad token per image -> the same with image i's pad repeated n_tokens times."""
-    out, i = [], 0
-    for t in tokens:
-        if t == pad_id:
-            if i >= len(images):
-                raise PymoeError(f"the prompt has more image places than the {len(images)} images given")
-            out.extend([pad_id] * images[i].n_tokens)
-            i += 1
-        else:
-            out.append(int(t))
-    if i != len(images):
-        raise PymoeError(f"{len(images)} images but the prompt has {i} image places")
-    return out
 
 
 @dataclass
