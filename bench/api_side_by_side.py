@@ -5,8 +5,10 @@ What this is: one script that starts both servers on the same GGUF file, on loop
     pymoe:             python -m pymoe serve COPY --port P -np 2 --kv f32 -c CTX -t THREADS
     llama-cpp-python:  python -m llama_cpp.server --model COPY --port Q --n_ctx CTX --type_k 0 --type_v 0 ...
 (COPY is the model with --chat-template written into its GGUF metadata, so both servers read the same template
-from the same file), then sends every feature's request to each with the official `openai` client (`anthropic`
-for /v1/messages, httpx for the routes neither client knows) and judges the answer by its *effect*:
+from the same file; on a CPU that reports AMX, or with --llama-plain, llama-cpp-python's models load without ggml's
+extra CPU buffer types, as tests/oracle.py loads the oracle: its AMX kernels die of SIGILL in this project's VMs),
+then sends every feature's request to each with the official `openai` client (`anthropic` for /v1/messages, httpx
+for the routes neither client knows) and judges the answer by its *effect*:
     works      200 and the effect is there (the JSON parses, the schema holds, the named tool was called, ...)
     ignored    200 and no effect: the field was dropped on the floor (what issue 18 is about)
     wrong      200 and an effect, but not the one asked for (e.g. the wrong number of top log-probabilities)
@@ -551,6 +553,29 @@ def markdown(report: dict) -> str:
     return "\n".join(lines)
 
 
+# llama_cpp.server with every model loaded without ggml's extra CPU buffer types (llama.cpp's --no-repack), as
+# tests/oracle.py loads the oracle: on a CPU that reports AMX inside a VM that does not enable the AMX tile state,
+# ggml's AMX matmul dies of SIGILL (`tilezero`) at the first request. The server's own options follow.
+PLAIN_LLAMA_SERVER = """
+import runpy, llama_cpp.llama_cpp as lib
+default = lib.llama_model_default_params
+def plain():
+    params = default()
+    params.use_extra_bufts = False
+    return params
+lib.llama_model_default_params = plain
+runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
+"""
+
+
+def cpu_reports_amx() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_tile" in f.read()
+    except OSError:
+        return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -563,6 +588,9 @@ def main(argv=None) -> int:
     ap.add_argument("--long-tokens", type=int, default=1500,
                     help="max_tokens of the abandoned requests of the disconnect check, at most --ctx - 64 "
                          "(default 1500)")
+    ap.add_argument("--llama-plain", action="store_true",
+                    help="llama.cpp without its extra CPU buffer types (AMX, repacked layouts); the default on a CPU "
+                         "that reports AMX, whose kernels die of SIGILL in this project's VMs (tests/oracle.py)")
     ap.add_argument("--out", help="also write the results as JSON to this file")
     ap.add_argument("--log-dir", help="keep the model copy and the servers' logs here (default: a temporary folder)")
     args = ap.parse_args(argv)
@@ -578,10 +606,12 @@ def main(argv=None) -> int:
         ids = token_ids(model, (BIASED_TEXT,) + END_TOKENS)
         py = sys.executable
         p, q = free_port(), free_port()
+        plain = args.llama_plain or cpu_reports_amx()
         servers = [
             Server("pymoe", [py, "-m", "pymoe", "serve", model, "--port", str(p), "-np", "2", "--kv", "f32",
                              "-c", str(args.ctx), "-t", str(args.threads)], p, os.path.join(work, "pymoe.log"), kept),
-            Server("llama-cpp-python", [py, "-m", "llama_cpp.server", "--model", model, "--port", str(q),
+            Server("llama-cpp-python", [py, *(["-c", PLAIN_LLAMA_SERVER] if plain else ["-m", "llama_cpp.server"]),
+                                        "--model", model, "--port", str(q),
                                         "--n_ctx", str(args.ctx), "--type_k", "0", "--type_v", "0",  # 0: GGML F32
                                         "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
                                         "--verbose", "False"], q, os.path.join(work, "llama-cpp-python.log"), kept),
@@ -602,8 +632,10 @@ def main(argv=None) -> int:
                 s.stop()
 
     def shown_command(command):  # the copy's name, not its temporary folder; PORT, not this run's port
-        return shlex.join(os.path.basename(a) if a in (py, model) else "PORT" if a in (str(p), str(q)) else a
-                          for a in command)
+        shown = shlex.join(os.path.basename(a) if a in (py, model) else "PORT" if a in (str(p), str(q)) else a
+                           for a in command)
+        return shown.replace(f"-c {shlex.quote(PLAIN_LLAMA_SERVER)}", "-m llama_cpp.server") + (
+            " (ggml's extra CPU buffer types off: --llama-plain)" if PLAIN_LLAMA_SERVER in command else "")
     report = {
         "date": time.strftime("%Y-%m-%d"), "command": shlex.join(["python", "bench/api_side_by_side.py"]
                                                                  + (argv if argv is not None else sys.argv[1:])),

@@ -2,7 +2,11 @@
 per-layer pools, with Belady as the bound, on two traces: the demo model's (recorded here, or a trace file given)
 and a synthetic 512-expert top-10 trace fitted to Qwen3-Next-80B's measured routing counts.
 
-What this is: the measurement behind docs/expert-cache.md's tables ("Which default", "The whole table").
+What this is: the measurement behind docs/expert-cache.md's tables ("Against Belady", "The whole table").
+  ratios     first, every engine policy's decode misses over Belady's (global pool, admission none, no warm set) at
+             10/25/50% coverage on the fixed tune / held-out split (split_traces): the demo trace's requests 0-3 /
+             4-7, traces fitted to Qwen3-30B-A3B / Qwen3-Next-80B routing counts, synthetic_trace seeds 1 / 2.
+             --ratios stops after it.
   demo       without --trace it records one: the demo model samples --requests requests of --tokens tokens
              (temperature 0.7, repeat penalty 1.1, seeds 0 .. n - 1, the demo prompt), traced as `pymoe run --trace`
              does. Pools are pre-filled from the demo's packaged profile.
@@ -19,7 +23,7 @@ Not replayed here: the router-lookahead prefetch (this trace is recorded without
 shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
-    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256]
+    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios]
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from pymoe import demo
 from pymoe.experts.policies import DEFAULT_POLICY, ENGINE_POLICIES, Admission, WarmRule
 from pymoe.experts.profile import Profile
 from pymoe.experts.simulate import slots_for_coverage, sweep
-from pymoe.experts.trace import Trace, fitted_trace, top_share
+from pymoe.experts.trace import Trace, fitted_trace, synthetic_trace, top_share
 
 COVERAGES = (10, 25, 50)
 ONLINE = ENGINE_POLICIES  # every registered policy the engine can run (policies.POLICIES); belady is the bound
@@ -146,10 +150,73 @@ def fit_report(heat: np.ndarray, trace: Trace) -> str:
     lines += [f"| {name} | " + " | ".join(f"{100 * v:.1f}" for v in vals) + " |" for name, vals in rows.items()]
     empty = Profile(L, trace.n_experts, np.zeros((0, 2)), [])  # no pre-fill: LRU from cold, as the PR measured
     slots = [int(c / 100 * trace.n_experts) * L for c in PR_LRU]
-    lru = sweep(trace, ["lru"], slots, ["per-layer"], profile=empty, phase="decode")
+    lru = sweep(trace, ["lru"], slots, ["per-layer"], profile=empty, phase="decode", prefill=False)
     pr = ", ".join(f"{c:g}%: {100 * r.hit_rate:.1f}% (PR ~{v:g}%)" for (c, v), r in zip(PR_LRU.items(), lru))
     return ("share of a layer's lookups taken by its top 10% experts (%):\n" + "\n".join(lines) +
             f"\nper-layer LRU from cold: {pr}")
+
+
+HEAT_30B = os.path.join(os.path.dirname(HEAT), "qwen3-30b-a3b.json")
+SYN_SHAPE = dict(n_tokens=600, n_layers=8, n_experts=512, k=10, zipf=1.1, locality=0.5, prompt_len=32)
+TUNE_SEED, HELD_SEED = 1, 2  # synthetic_trace seeds: tuned on 1, held out 2
+DEMO_TUNE = (0, 1, 2, 3)  # the demo trace's requests (= sampling seeds) tuned on; 4..7 are held out
+
+
+def requests_of(trace: Trace, keep_requests) -> Trace:
+    """The rows of the trace's requests numbered in `keep_requests` (the demo trace: request r = sampling seed r)."""
+    ids = np.unique(trace.request)
+    keep = np.isin(trace.request, ids[list(keep_requests)])
+    meta = dict(trace.meta, n_requests=len(keep_requests))
+    if len(trace.meta.get("prompt_lengths", ())) == ids.size:
+        meta["prompt_lengths"] = [trace.meta["prompt_lengths"][i] for i in keep_requests]
+    return Trace(trace.experts[keep], trace.weights[keep], trace.phase[keep], trace.request[keep],
+                 trace.forward[keep], meta)
+
+
+def split_traces(demo_trace: Trace) -> list:
+    """[(name, held out?, trace, profile or None)] the fixed tune / held-out split of docs/expert-cache.md, "Against
+    Belady": demo requests 0-3 / 4-7 (packaged demo profile); a trace fitted to Qwen3-30B-A3B's measured routing
+    (128 experts, top-8; tuned on) / to Qwen3-Next-80B's (512, top-10; held out), both FIT_LAYERS, FIT_LOCALITY,
+    FIT_WINDOW, FIT_SHAPE, profiles from the measured counts; synthetic_trace(**SYN_SHAPE) seed TUNE_SEED /
+    HELD_SEED (profile in-sample)."""
+    prof = Profile.load(demo.demo_profile())
+    ids = range(len(np.unique(demo_trace.request)))
+    out = [("demo req 0-3", False, requests_of(demo_trace, DEMO_TUNE), prof),
+           ("demo req 4-7", True, requests_of(demo_trace, [i for i in ids if i not in DEMO_TUNE]), prof)]
+    for name, path, k, held in (("fitted 30B-A3B", HEAT_30B, 8, False), ("fitted Next-80B", HEAT, 10, True)):
+        heat = np.asarray(json.load(open(path))["heat"], dtype=np.int64)
+        tr = fitted_trace(heat, locality=FIT_LOCALITY, window=FIT_WINDOW, layers=FIT_LAYERS, k=k, model=name,
+                          **FIT_SHAPE)
+        out.append((name, held, tr, Profile.from_heat(heat[list(FIT_LAYERS)])))
+    for seed, held in ((TUNE_SEED, False), (HELD_SEED, True)):
+        out.append((f"synthetic seed {seed}", held, synthetic_trace(seed=seed, **SYN_SHAPE), None))
+    return out
+
+
+def belady_ratios(traces, policies=ONLINE, pool: str = "global") -> dict:
+    """{(trace name, policy): [decode misses / Belady's decode misses at each of COVERAGES]} (admission none, no
+    warm set, pools pre-filled as the engine fills them)."""
+    out = {}
+    for name, _held, tr, prof in traces:
+        slots = [slots_for_coverage(c, tr.n_layers, tr.n_experts) for c in COVERAGES]
+        res = sweep(tr, list(policies) + ["belady"], slots, [pool], profile=prof, phase="decode")
+        by = {(r.policy, r.slots): r.lookups - r.hits for r in res}
+        for pol in policies:
+            out[name, pol] = [by[pol, n] / max(by["belady", n], 1) for n in slots]
+    return out
+
+
+def ratio_markdown(traces, ratios: dict, policies=ONLINE) -> str:
+    """policy x trace x coverage, misses / Belady's; held-out traces marked *; per column the best in bold."""
+    cols = [(name, held) for name, held, _, _ in traces]
+    head = "| policy | " + " | ".join(f"{n}{' *' if h else ''} {c}%" for n, h in cols for c in COVERAGES) + " |"
+    lines = [head, "|" + " --- |" * (1 + len(cols) * len(COVERAGES))]
+    best = {(n, i): min(ratios[n, p][i] for p in policies) for n, _ in cols for i in range(len(COVERAGES))}
+    for pol in policies:
+        cells = [f"**{ratios[n, pol][i]:.2f}**" if ratios[n, pol][i] == best[n, i] else f"{ratios[n, pol][i]:.2f}"
+                 for n, _ in cols for i in range(len(COVERAGES))]
+        lines.append(f"| {pol} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def main():
@@ -158,11 +225,21 @@ def main():
     ap.add_argument("--out", default="demo-trace.npz", help="where a recorded trace goes (default demo-trace.npz)")
     ap.add_argument("--requests", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--ratios", action="store_true", help="only the misses / Belady table on the tune / held-out "
+                    "traces (docs/expert-cache.md, \"Against Belady\")")
     args = ap.parse_args()
     t0 = time.perf_counter()
     pools = ["global", "per-layer"]
 
     trace = Trace.load(args.trace) if args.trace else record(args.out, args.requests, args.tokens)
+    traces = split_traces(trace)
+    for name, held, tr, _ in traces:
+        print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
+    print("global pool, decode misses / Belady's decode misses (* held out):")
+    print(ratio_markdown(traces, belady_ratios(traces)))
+    if args.ratios:
+        print(f"\n{time.perf_counter() - t0:.0f} s")
+        return
     print(f"demo: {trace.summary()}; pools pre-filled from {os.path.basename(demo.demo_profile())}; decode hit rate %")
     res = grid(trace, Profile.load(demo.demo_profile()), pools)
     print(markdown(res, pools))

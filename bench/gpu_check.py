@@ -10,8 +10,18 @@ core: about a minute on 16 cores). For each cache size (a share of all experts) 
 and then the memory checks: pymoe's device allocations never above its budget, the driver's view of used device
 memory against pymoe's count, and host RAM: the anonymous (non-file) resident set must not grow by the experts'
 bytes (they stay in the file's page cache, pinned; the slots are on the device).
-`--backend cpu` runs the same on the CPU backend (a dry run of this script where there is no GPU); a fraction of 0
-means no slot pool (`--cache none`: on the CPU every expert is read in place, on CUDA over PCIe), and on the CPU
+
+Report: per cache size, the engine's start-up lines, then its request lines (`prompt ...`, `decode expert cache
+...`, on CUDA `decode device per token: L launches, B host<->device bytes, S synchronisations`: backends/
+device_counts.py) and the device and host memory lines, indented by two spaces; then one table, a row per size:
+    cache  slots  prefill tok/s  decode tok/s  hit %  spill %  cpu %  GB/s  launches/tok  syncs/tok  bytes/tok
+(the last three: CUDA's device counts per decoded token; 0 on the CPU backend), then the host RAM verdict line.
+Exit status 0, or 1 when the host RAM check fails.
+`--dry-run` (or `scripts/gpu-check --dry-run`; needs NUMBA_ENABLE_CUDASIM=1, which the script sets) runs the same
+code path in Numba's CUDA simulator with the NumPy reference kernels, on the `micro` preset (F32, written to /tmp),
+4-token prompt, 4 tokens: what CI runs (tests/test_device_counts.py), so the check cannot rot between GPU
+sessions; its speeds are the simulator's, not a GPU's. `--backend cpu` runs the same on the CPU backend; a fraction
+of 0 means no slot pool (`--cache none`: on the CPU every expert is read in place, on CUDA over PCIe), and on the CPU
 backend the RSS check applies to that run only (a CPU slot pool is host RAM by design).
 """
 from __future__ import annotations
@@ -47,8 +57,14 @@ def bytes_per_decoded_token(engine) -> int:
     return dense_bytes(engine.file)[1] + experts
 
 
-def ensure_model(path):
+def ensure_model(path, dry_run: bool = False):
     if path:
+        return path
+    if dry_run:  # the micro preset: the simulator runs it in seconds with the reference kernels
+        from pymoe.demo.tinymodel import write_model
+
+        path = "/tmp/pymoe-micro-qwen3moe-f32.gguf"
+        write_model(path, "qwen3moe", "micro", "f32", seed=0)
         return path
     path = "/tmp/pymoe-mid-q2_k.gguf"
     if not os.path.exists(path):
@@ -64,7 +80,8 @@ def check_size(path, slots: int, args, prompt) -> dict:
     anon0 = rss_kib("RssAnon")
     lines = []
     engine = pymoe.load(path, backend=args.backend, cache_slots=slots or None, cache="auto" if slots else "none",
-                        policy=args.policy, pcie_frac=args.pcie_frac, log=lines.append)
+                        policy=args.policy, pcie_frac=args.pcie_frac, log=lines.append,
+                        backend_options=dict(kernels=args.kernels) if args.backend == "cuda" else None)
     for line in lines:
         print(f"  {line}")
     list(engine.generate(prompt, max_tokens=args.tokens, stop_at_eos=False))  # warm-up request: the cache adapts
@@ -76,6 +93,13 @@ def check_size(path, slots: int, args, prompt) -> dict:
     out = dict(prefill=s.prefill_tok_s, decode=s.decode_tok_s, hit=100 * d.get("hits", 0) / n,
                spill=100 * d.get("spill", 0) / n, cpu=100 * d.get("cpu", 0) / n, gbs=gbs)
     print(f"  {s.prompt_line()}\n  {s.cache_line()}")
+    out["launches"] = out["syncs"] = out["bytes"] = 0.0
+    if s.device is not None:  # CUDA: launches, host<->device bytes, syncs per decoded token
+        from pymoe.backends.device_counts import per_token
+
+        print(f"  {s.device_line()}")
+        m = per_token({**s.device, "tokens": s.n_decoded})
+        out["launches"], out["syncs"], out["bytes"] = m["launches"], m["synchronisations"], m["bytes"]
     b = engine.backend
     if b.name == "cuda":
         assert b.mem.used <= b.mem.limit, "device budget exceeded"
@@ -102,11 +126,20 @@ def main(argv=None):
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--policy", default=DEFAULT_POLICY)
     ap.add_argument("--pcie-frac", type=float, default=None, help="default: the PCIe probe's (cuda), 0 (cpu)")
+    ap.add_argument("--kernels", default="cuda_kernels", help="cuda_kernels, or reference (NumPy, for the simulator)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="in the CUDA simulator (NUMBA_ENABLE_CUDASIM=1), reference kernels, the micro preset")
     args = ap.parse_args(argv)
     from numba import config
 
     args.simulated = bool(config.ENABLE_CUDASIM)
-    path = ensure_model(args.model)
+    if args.dry_run:
+        if not args.simulated:
+            print("gpu_check: --dry-run needs NUMBA_ENABLE_CUDASIM=1 (scripts/gpu-check --dry-run sets it)",
+                  file=sys.stderr)
+            return 2
+        args.kernels, args.tokens, args.prompt_tokens = "reference", 4, 4
+    path = ensure_model(args.model, args.dry_run)
     cfg = pymoe.load(path, backend="cpu").config
     n_total = cfg.n_layers * cfg.n_expert
     prompt = np.random.default_rng(0).integers(0, cfg.n_vocab, args.prompt_tokens)
@@ -116,10 +149,10 @@ def main(argv=None):
         print(f"cache {pct:g}% = {slots} of {n_total} experts", flush=True)
         rows.append((pct, slots, check_size(path, slots, args, prompt)))
     print(f"\n{'cache':>6} {'slots':>6} {'prefill tok/s':>14} {'decode tok/s':>13} {'hit %':>6} {'spill %':>8} "
-          f"{'cpu %':>6} {'GB/s':>7}")
+          f"{'cpu %':>6} {'GB/s':>7} {'launches/tok':>12} {'syncs/tok':>9} {'bytes/tok':>10}")
     for pct, slots, r in rows:
         print(f"{pct:>5g}% {slots:>6} {r['prefill']:>14.1f} {r['decode']:>13.1f} {r['hit']:>6.1f} {r['spill']:>8.2f} "
-              f"{r['cpu']:>6.2f} {r['gbs']:>7.2f}")
+              f"{r['cpu']:>6.2f} {r['gbs']:>7.2f} {r['launches']:>12.1f} {r['syncs']:>9.1f} {r['bytes']:>10.0f}")
     # The CPU backend's slot pool *is* host RAM: there the check applies to runs without a pool (--fractions 0).
     checked = [r for _, slots, r in rows if args.backend == "cuda" or slots == 0]
     if not checked:

@@ -60,6 +60,8 @@ class Engine:
         self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
                                    **(backend_options or {}))
         log(f"backend {self.backend.name}")
+        if getattr(self.backend, "note", None):  # CUDA in the simulator: the device size it stands for
+            log(self.backend.note)
         if getattr(self.backend, "repack", False):  # CPU, 8-bit activations (backends/cpu.py, quant/repack.py)
             from .quant.repack import TILE_BYTES
             tiled = ", ".join(q.name for q in TILE_BYTES)
@@ -73,7 +75,8 @@ class Engine:
 
             self.profile = Profile.load(profile)
             log(self.profile.log_line(profile))
-        self.n_ctx = int(n_ctx or self.config.n_ctx_train)
+        # n_ctx: a number, a rule (a function of the config: pymoe serve's default_ctx), or None (the trained context)
+        self.n_ctx = int(n_ctx(self.config) if callable(n_ctx) else n_ctx or self.config.n_ctx_train)
         if self.n_ctx <= 0:
             raise PymoeError(f"context size must be > 0, got {self.n_ctx}")
         check_kv_fits(self.config, self.n_ctx)  # before anything is allocated for it (a corrupt context_length)
@@ -117,7 +120,7 @@ class Engine:
         from .experts.cache import SlotCache
 
         cuda = self.backend.name == "cuda"
-        n_total = self.config.n_layers * self.config.n_expert
+        n_total = len(self.config.moe_layers) * self.config.n_expert  # leading dense layers have no experts
         if cache_slots is None and cache_gib is None and mode == "auto" and cuda:
             from .experts.plan import auto_line, slots_for
 
@@ -146,8 +149,7 @@ class Engine:
                           warm=self.warm)
         self.backend.cache_pool = cache.pool
         log(cache.describe())
-        if self.profile is not None:
-            log(cache.prefill_from_profile())
+        log(cache.fill())  # every slot, from the profile and then in a stated order: slots never sit empty
         return cache
 
     def use_chat_template(self, source: str) -> None:

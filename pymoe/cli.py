@@ -374,6 +374,8 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         log(speculator.stats.line(spec, spec_k))
     if engine.model.lookahead is not None:
         log(engine.model.lookahead.line())
+    if stats.device is not None:  # last: the device's cost per decoded token (CUDA)
+        log(stats.device_line())
     if recorder is not None:
         appended = os.path.exists(trace_path)
         recorder.save(trace_path, append=appended)
@@ -643,8 +645,10 @@ def serve_options(f):
                      help="Context size per slot in tokens (default: the model's)."),
         click.option("--kv", default="f16", show_default=True, type=click.Choice(["f32", "f16", "int8"]),
                      help="KV cache storage: f32 (exact), f16, or int8 with a float16 scale per 32 values."),
-        click.option("-np", "--parallel", default=1, show_default=True, type=Ints(min=1),
-                     help="Slots: sequences decoded together per step."),
+        click.option("-np", "--parallel", default=None, type=Ints(min=1),
+                     help="Slots: sequences decoded together per step (default: 4 on the cpu backend and on cuda "
+                          "with every expert in slots, 1 on cuda with a partial expert cache; fewer when their KV "
+                          "would not fit; printed at start with why)."),
         click.option("--max-queue", default=16, show_default=True,
                      help="Requests that may wait for a slot; beyond that the server answers 429."),
         click.option("--spec", default=None,

@@ -23,7 +23,9 @@ def reference_tokens(tiny_model):
 
 @pytest.mark.parametrize("mix", ["f32", "q2_k"])
 @pytest.mark.parametrize("policy, pcie_frac", [("lru", 1.0), ("lru", 0.0), ("lru", 0.4), ("lfu", 0.4), ("lfru", 0.4),
-                                               ("pinned-lru", 0.4), ("static", 0.4)])
+                                               ("pinned-lru", 0.4), ("static", 0.4),
+                                               ("llamacpp", 0.4), ("arc", 0.4), ("s3fifo", 0.4), ("s3fifo-c7", 0.4),
+                                               ("lirs", 0.4)])
 def test_cache_never_changes_results(tiny_model, reference_tokens, mix, policy, pcie_frac):
     path = tiny_model("qwen3moe", mix)
     cfg = pymoe.load(path).config
@@ -63,17 +65,18 @@ def test_slot_bytes_equal_host_bytes_after_promotion(tiny_model):
 
 def test_prefill_never_promotes(tiny_model):
     engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=4, policy="lru")
+    before = engine.cache.residency.copy()  # filled at start-up
     engine.logits(PROMPT)
     c = engine.cache.stats.counts["prefill"]
-    assert c["staged"] == c["lookups"] and c["promoted"] == 0
-    assert (engine.cache.residency < 0).all()
+    assert c["staged"] + c["hits"] == c["lookups"] and c["staged"] > 0 and c["promoted"] == c["evicted"] == 0
+    np.testing.assert_array_equal(engine.cache.residency, before)
 
 
 def test_lru_small_cache_evicts(tiny_model):
     engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=2, policy="lru")
     greedy(engine)
     c = engine.cache.stats.counts["decode"]
-    assert c["promoted"] > 2 and c["evicted"] == c["promoted"] - 2
+    assert c["promoted"] > 2 and c["evicted"] == c["promoted"]  # the pool starts full: each promotion evicts
     assert (engine.cache.residency >= 0).sum() == 2
 
 
@@ -245,3 +248,71 @@ def test_heat_counts_each_decode_lookup_of_each_expert(tiny_model, slots):
     if not slots:  # (a slot cache sizes its tables for the MTP block's layers when the file has one)
         cache.lookup(L, ids, "decode")  # an MTP block's layer: not in the map
     np.testing.assert_array_equal(cache.heat, want)
+
+
+def test_slot_limits_count_the_experts_of_moe_layers_only(tiny_model):
+    """glm4moe leads with a dense layer (no experts): the pool's limit and coverage are len(moe_layers) x n_expert
+    experts, not n_layers x n_expert, which counted the dense layer's nonexistent experts (the tiny file: 3 layers,
+    2 of them MoE, 8 experts each; a pool of all 16 was logged as '66.7% of 24 experts', and 24 slots allowed)."""
+    path = tiny_model("glm4moe", "f32")
+    cfg = pymoe.load(path).config
+    n = len(cfg.moe_layers) * cfg.n_expert
+    assert cfg.n_dense_lead > 0 and n < cfg.n_layers * cfg.n_expert  # the file this test is about
+    lines = []
+    engine = pymoe.load(path, cache_slots=n, log=lines.append)
+    assert any(f"expert cache: {n} slots of " in x and f"(100.0% of {n} experts)" in x for x in lines), lines
+    with pytest.raises(PymoeError, match=f"cache slots must be in 1..{n} "):
+        pymoe.load(path, cache_slots=n + 1)
+    assert pymoe.load(path, cache_gib=1024).cache.n_slots == n  # --cache-gib: capped at the experts there are
+    r = run_pymoe_here("run", path, "-p", "hi", "-n", "2", "--cache-slots", str(n))
+    assert r.returncode == 0 and f"(100.0% of {n} experts)" in r.stderr, r.stderr
+    greedy(engine)
+    assert engine.cache.stats.counts["decode"]["evicted"] == 0  # every expert fits: nothing is ever evicted
+
+
+def test_every_lookup_reaches_the_policys_count(tiny_model):
+    """LFU counts every lookup as a use: prefill misses (served without a slot), misses refused by `--admit
+    second-miss` and by `--max-inserts`, admitted misses and hits. Its counts after a request equal the number of
+    times each (layer, expert) was looked up, which the trace records (before, only hits and admitted-or-asked
+    misses counted: prefill and refused misses were lost)."""
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lfu", admit="second-miss",
+                        max_inserts=1)
+    rec = engine.record_trace()
+    greedy(engine)
+    keys = rec.trace().keys()
+    want = dict(zip(*(a.tolist() for a in np.unique(keys, return_counts=True))))
+    assert engine.cache.table.policy.count == want
+    c = engine.cache.stats.counts
+    assert c["prefill"]["staged"] > 0 and c["decode"]["spill"] + c["decode"]["cpu"] > c["decode"]["promoted"]  # refused
+
+
+def test_slots_never_sit_empty(tiny_model):
+    """Without a profile the pool is filled at start-up in policies.fill_order (expert 0 of every MoE layer, then
+    expert 1, ...); with a profile, from it, then in that order for the slots it leaves. On the demo model with a
+    slot for every expert a fresh run hits on every decode lookup (it hit 417 of 496, 84.1%: the experts' first uses
+    missed)."""
+    from pymoe import demo
+    from pymoe.experts.policies import fill_order
+    from pymoe.experts.profile import Profile
+
+    lines = []
+    e = pymoe.load(demo.DEMO_MODEL, cache_slots=128, log=lines.append)
+    assert len(e.config.moe_layers) * e.config.n_expert == 128 and (e.cache.residency >= 0).all()
+    assert any(x.startswith("pre-filled 128 of 128 slots in expert order (no profile)") and x.endswith("verified")
+               for x in lines), lines
+    list(e.generate(demo.DEMO_PROMPT, max_tokens=32, stop_at_eos=False))
+    c = e.cache.stats.counts["decode"]
+    assert c["lookups"] == 31 * 4 * 4 and c["hits"] / c["lookups"] >= 0.99 and c["promoted"] == 0
+    # a smaller pool, a profile of 2 pairs: those first, then the stated order (glm4moe: layer 0 is dense; a
+    # profile's layers are the MoE layers, experts/trace.py, so its layer 1 is the model's layer 2)
+    path = tiny_model("glm4moe", "f32")
+    cfg = pymoe.load(path).config
+    assert fill_order([1, 2], 8)[:5] == [8, 16, 9, 17, 10]  # (layer 1, 0), (2, 0), (1, 1), (2, 1), (1, 2)
+    profile = Profile(2, 8, np.array([[1, 7], [1, 3]]), [9, 5])  # ranks two pairs: (2, 7), then (2, 3)
+    lines = []
+    e = pymoe.load(path, cache_slots=5, profile=profile, log=lines.append)
+    assert sorted(map(tuple, np.argwhere(e.cache.residency >= 0).tolist())) == [(1, 0), (1, 1), (2, 0), (2, 3),
+                                                                                 (2, 7)], cfg.moe_layers
+    assert any(x.startswith("pre-filled 5 of 5 slots from the profile, 3 of them in expert order") for x in lines)
+    e = pymoe.load(path, cache_slots=16, profile=Profile.from_heat(np.arange(16)[::-1].reshape(2, 8)))  # all MoE
+    assert (e.cache.residency[1:] >= 0).all() and (e.cache.residency[0] < 0).all()

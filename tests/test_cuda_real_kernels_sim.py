@@ -23,9 +23,11 @@ Paths covered: prefill experts either hit the slot pre-filled from a profile (a 
 read in place over "PCIe" (the mapped model file: `HostMapping.device_view`, the spill path's view); prefill and
 decode attention on the device KV cache; in the decode step one expert hits its slot and the other misses, is
 computed on the CPU (pcie_frac 0.5: the first miss goes to the CPU) and is promoted into the free slot (a copy on the
-copy stream; its bytes on the device are checked). Not covered here: staging (an expert given more than TOKEN_TILE
-tokens of a chunk: a longer prompt, twice the cost) -- tests/test_cuda_backend.py covers it with the reference
-kernels, and tests/test_cuda_kernels.py holds every kernel to its reference on its own.
+copy stream; its bytes on the device are checked). The launches the backend counts (backends/device_counts.py, by
+backends/cuda.py's LAUNCHES table) equal the kernel launches the simulator saw, warm-up included. Not covered
+here: staging (an expert given more than TOKEN_TILE tokens of a chunk: a longer prompt, twice the cost) --
+tests/test_cuda_backend.py covers it with the reference kernels, and tests/test_cuda_kernels.py holds every kernel
+to its reference on its own.
 
 Tolerance: the measured max |logit difference| from the reference (then the CPU float path) is 1.07e-6 with this 2-token
 prompt (7.15e-7 with the 3-token one before; the same in every run:
@@ -79,8 +81,14 @@ def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
     t = trace.trace()
     hit, miss = (int(e) for e in t.experts[t.rows("decode")][0, 0])  # layer 0's experts for the decode step
     cfg = cpu.config
-    profile = Profile(cfg.n_layers, cfg.n_expert, pairs=[(0, hit)], counts=[1])  # pre-fills 1 of the 2 slots
+    other = min(set(range(cfg.n_expert)) - {hit, miss})  # the second slot holds an expert the step does not use
+    profile = Profile(cfg.n_layers, cfg.n_expert, pairs=[(0, hit), (0, other)], counts=[2, 1])  # fills both slots
 
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    launched = []  # every kernel launch the simulator sees (kernel[grid, block, stream]), against the backend's count
+    configure = FakeCUDAKernel.__getitem__
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", lambda k, c: launched.append(k) or configure(k, c))
     engine = pymoe.load(micro_model, backend="cuda", cache_slots=2, policy="lru", profile=profile,
                         pcie_frac=0.5, chunk=8, backend_options=dict(free_bytes=FREE))  # kernels: the real ones
     assert engine.backend.k.name == "cuda_kernels"
@@ -96,13 +104,15 @@ def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
     p, d = stats["prefill"], stats["decode"]
     assert p["lookups"] == p["hits"] + p["staged"] == len(PROMPT) * cfg.n_expert_used
     assert p["hits"] > 0 and p["staged"] > 0  # the staged ones read in place (2 tokens: <= TOKEN_TILE per expert)
-    assert (d["lookups"], d["hits"], d["cpu"], d["spill"], d["promoted"], d["evicted"]) == (2, 1, 1, 0, 1, 0), d
+    assert (d["lookups"], d["hits"], d["cpu"], d["spill"], d["promoted"], d["evicted"]) == (2, 1, 1, 0, 1, 1), d
     cache, b = engine.cache, engine.backend
     assert cache.residency[0, hit] >= 0 and cache.residency[0, miss] >= 0  # the miss was promoted
     host = engine.file.expert(0, miss)
     want = np.concatenate([getattr(host, name).reshape(-1) for name in EXPERT_PROJ])
     assert np.array_equal(cache.pool.read(int(cache.residency[0, miss]))[:want.size], want)
     assert b.mem.used <= b.mem.limit
+    # backends/cuda.py LAUNCHES (what backends/device_counts.py counts) = the launches the real kernels made
+    assert sum(c["launches"] for c in b.counts.phases.values()) == len(launched) > 0
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

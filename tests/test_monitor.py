@@ -8,10 +8,9 @@ What this is: the demo model served with an API key and a slot pool (so there is
     per MoE layer, its charts take samples and its numbers fill in after a completion sent with the openai client,
     the request's line shows up, and a chat round trip streams an answer into the chat box. A screenshot is saved
     (tmp_path and /tmp/pymoe-monitor.png) for a person to look at.
-The browser is Debian's chromium + chromium-driver (.ci/run installs them). Without them the browser test skips
-here, and FAILS in CI (CI=true): a missing browser must not turn into a green run.
+The browser is Debian's chromium + chromium-driver (tests/browser.py): without them the browser test skips here, and
+FAILS in CI (CI=true): a missing browser must not turn into a green run.
 """
-import os
 import re
 import shutil
 import time
@@ -22,14 +21,13 @@ import openai
 import pytest
 
 import pymoe
-from oracle import strict
+from browser import chromium, wait_for
 from pymoe.demo import DEMO_MODEL
 from pymoe.experts.cache import PassThroughCache
 from pymoe.serve.metrics import expert_map
 from pymoe.serve.app import BackgroundServer, create_app
 
 KEY = "monitor-key"
-CHROMIUM = ("chromium", "chromium-browser", "google-chrome")
 SCREENSHOT = "/tmp/pymoe-monitor.png"
 
 
@@ -117,45 +115,10 @@ def test_a_busy_slot_shows_its_state(server):
 
 # --- in a browser -----------------------------------------------------------------------------------------------
 
-def need_browser(why: str):
-    why = f"no headless browser for the monitor page test: {why} (apt-get install chromium chromium-driver)"
-    if strict():
-        pytest.fail(why, pytrace=False)
-    pytest.skip(why)
-
-
 @pytest.fixture(scope="module")
 def browser():
-    try:
-        from selenium import webdriver
-        from selenium.webdriver.chrome.service import Service
-    except ImportError as e:
-        need_browser(f"selenium is not importable ({e}; pip install -e '.[test]')")
-    binary = next((shutil.which(b) for b in CHROMIUM if shutil.which(b)), None)
-    driver_path = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-    if binary is None or not os.path.exists(driver_path):
-        need_browser("chromium or chromedriver not found")
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                "--window-size=1400,1000", "--force-device-scale-factor=1"):
-        options.add_argument(arg)  # --no-sandbox: CI runs as root, where Chromium's sandbox will not start
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
-
-
-def wait_for(what: str, predicate, timeout: float = 20.0):
-    """Poll predicate() until it is truthy -> its value; fail naming `what` after timeout seconds."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"the monitor page did not show {what} within {timeout:g} s")
-        time.sleep(0.1)
+    with chromium("the monitor page test") as driver:
+        yield driver
 
 
 def test_the_monitor_page_in_a_browser(browser, server, tmp_path):  # browser first: no browser, no wait

@@ -130,12 +130,34 @@ def test_prefill_rank_order_and_lru_recency():
     assert table.access(6, 0) == (False, 2, 7)  # the coldest prefilled key is the least recently used
 
 
-def test_insert_false_serves_a_miss_without_touching_the_policy():
+def test_insert_false_serves_a_miss_without_a_slot_but_counts_the_use():
     policy = LFUPolicy(1)
     table = SlotTable(1, policy)
     assert table.access(4, 0, insert=False) == (False, None, None)
-    assert policy.count == {} and table.n_resident == 0
+    assert policy.count == {4: 1} and table.n_resident == 0  # a prefill miss is a use: LFU counts it
     assert table.access(4, 1) == (False, 0, None)
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_every_lookup_is_a_use(name):
+    """Hits, admitted misses, misses refused by admission control (second-miss, the per-step cap) and misses served
+    without a slot (insert=False: prefill) all reach the policy's record of use. By hand, 2 slots, second-miss, at
+    most 1 insert per step: t0 5 refused (first miss) | t1 5 admitted, slot 0 | t2 5 hit | t3 6 insert=False |
+    t4 7, t5 8 refused (first misses) | t6 7 admitted, slot 1 | t7 8 (same step) refused by the cap.
+    LFU counts every one (5: 3, 6: 1, 7: 2, 8: 2); LFRU's clock is the 8 uses. Before, only hits and the misses
+    that reached admit() counted (5: 2, 7: 1)."""
+    from pymoe.experts.policies import Admission
+
+    policy = make_policy(name, 2)
+    table = SlotTable(2, policy, Admission(second_miss=True, max_inserts=1))
+    seq = [(5, True, 0), (5, True, 1), (5, True, 1), (6, False, 2), (7, True, 3), (8, True, 3), (7, True, 4),
+           (8, True, 4)]
+    got = [table.access(k, t, insert=ins, step=step) for t, (k, ins, step) in enumerate(seq)]
+    assert [s for _, s, _ in got] == [None, 0, 0, None, None, None, 1, None]
+    if name == "lfu":
+        assert policy.count == {5: 3, 6: 1, 7: 2, 8: 2}
+    else:
+        assert policy.clock == len(seq) and set(policy.v) == {5, 6, 7, 8}
 
 
 def test_zero_capacity_and_bad_names():
@@ -199,3 +221,140 @@ def test_belady_beats_every_policy(data, n_experts, n_layers, slots, pool, prefi
     best = run("belady").hits
     for name in POLICIES:
         assert best >= run(name).hits, name
+
+
+class BruteLFU(LFUPolicy):
+    """LFU's victim by a scan of the residents, (count, last use) smallest: the heap's reference."""
+
+    def victim(self, t):
+        return min(self.last, key=lambda k: (self.count.get(k, 0), self.last[k]))
+
+
+def brute_lfru(capacity):
+    from pymoe.experts.policies import LFRUPolicy
+
+    class BruteLFRU(LFRUPolicy):
+        """LFRU's victim by a scan of the residents, (v, key) smallest: the heap's reference."""
+
+        def victim(self, t):
+            return min(self.resident, key=lambda k: (self.v[k], k))
+
+    return BruteLFRU(capacity)
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_lfu_lfru_heaps_decide_as_a_scan_of_the_residents(name):
+    """The lazy-deletion heaps, compacted as they go (policies.HEAP_SLACK), evict what a scan of the residents picks:
+    6000 skewed lookups of 24 keys into 8 slots (hundreds of compactions), prefilled, with refused
+    misses (insert=False) mixed in (LFU evicts 797 times, LFRU more)."""
+    rng = np.random.default_rng(0)
+    seq = np.minimum(rng.zipf(1.3, 6000), 24).tolist()
+    staged = (rng.random(6000) < 0.1).tolist()
+    got, want = (SlotTable(8, p) for p in (make_policy(name, 8), BruteLFU(8) if name == "lfu" else brute_lfru(8)))
+    for table in (got, want):
+        table.prefill([3, 1, 4])
+    steps = [[table.access(k, t, insert=not s) for t, (k, s) in enumerate(zip(seq, staged))] for table in (got, want)]
+    assert steps[0] == steps[1] and got.evictions > 500
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfru"])
+def test_lfu_lfru_memory_stays_bounded_when_the_pool_rarely_evicts(name):
+    """A pool of 60 slots for 64 keys, 1,000,000 skewed lookups (a few thousand evictions: nearly every lookup a
+    hit): the policy's heap stays within 4 x (slots + 1) entries (4: policies.HEAP_SLACK, the slack its compaction
+    allows), its dicts within slots + keys. Before the heaps were compacted, each hit pushed an entry that only an
+    eviction could pop: LFU's heap reached 944,587 entries here, LFRU's 5,608 (its evictions pop the stale entries,
+    which sink to the top as scores grow)."""
+    slots, n_keys = 60, 64
+    policy = make_policy(name, slots)
+    table = SlotTable(slots, policy)
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        if len(policy.heap) > longest:
+            longest = len(policy.heap)
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)  # a pool that rarely evicts
+    assert longest <= 4 * (slots + 1)  # the bound _compact keeps, at every lookup
+    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
+    assert state and all(len(d) <= slots + n_keys for d in state)
+
+
+def test_llamacpp_by_hand_recency_class_and_cpu_share():
+    """Capacity 2, 2 lookups per token (so a key used at this use or the one before is in the recency class), half-life
+    128 tokens = 256 uses; seq 1 1 1 2 3 3, the clock = uses seen (1..6):
+      t3 (c4) 2 takes the free slot.
+      t4 (c5) 3 misses: 2 (last use c4) is in the recency class, so the only candidate is 1, whose decayed count
+              (3 uses, ~2.98) beats 3's (1): the miss is served without a slot (the CPU share). LFRU evicts 2.
+      t5 (c6) 3 misses again: its count is now 1 + 2^(-1/256) ~ 1.997; 2 (last c4) has left the recency class and
+              has the lowest count (~0.99 < 1's ~2.97): 2 is evicted and 3 admitted."""
+    from pymoe.experts.policies import LFRUPolicy, LlamaCppPolicy
+
+    seq = [1, 1, 1, 2, 3, 3]
+    p = LlamaCppPolicy(2, lookups_per_token=2)
+    assert p.h == 256
+    hits, evicted, steps = replay(p, seq, 2)
+    assert hits == 2 and steps[4] == (False, None, None) and steps[5][2] == 2 and evicted == [2]
+    assert replay(LFRUPolicy(2, half_life=256), seq, 2)[1] == [2]
+    assert replay(LFRUPolicy(2, half_life=256), seq, 2)[2][4][1] is not None  # LFRU admits at t4
+    # every resident in the recency class: nothing can be evicted, the miss is refused
+    q = LlamaCppPolicy(2, lookups_per_token=3)
+    assert replay(q, [1, 2, 3], 2)[2][2] == (False, None, None)
+    assert make_policy("llamacpp", 8, lookups_per_token=16).h == 128 * 16
+
+
+def test_arc_by_hand():
+    """Capacity 2, seq 1 1 2 3 1 2 4 2 (T1/T2 oldest first; p starts at 0):
+      t1 1 hits: T2 = [1].  t2 2: T1 = [2].  t3 3: |T1| = 1 > p = 0, T1's oldest 2 goes to ghost B1; T1 = [3].
+      t4 1 hits (LRU evicted 1 at t3: ARC kept the key seen twice).
+      t5 2 misses in B1: p = 0 + max(1, |B2| / |B1| = 0) = 1; |T1| = 1 is not > p: T2's oldest 1 goes to B2; 2 -> T2.
+      t6 4: |T1| = 1 not > p = 1: T2's oldest 2 goes to B2 (B2 = [1, 2]); 4 -> T1 = [3, 4].
+      t7 2 misses in B2: p = 1 - max(1, |B1| / |B2| = 0) = 0; |T1| = 2 > 0: 3 goes; 2 -> T2."""
+    from pymoe.experts.policies import ARCPolicy
+
+    seq = [1, 1, 2, 3, 1, 2, 4, 2]
+    p = ARCPolicy(2)
+    hits, evicted, _ = replay(p, seq, 2)
+    assert (hits, evicted, p.p) == (2, [2, 1, 2, 3], 0.0)
+    assert list(p.t1) == [4] and list(p.t2) == [2] and list(p.b1) == [3] and list(p.b2) == [1]
+    assert replay(LRUPolicy(2), seq[:5], 2)[0] == 1  # LRU: only t1 hits in the first five
+
+
+def test_s3fifo_by_hand():
+    """Capacity 4, so the small queue S holds 1 (10%, at least 1); seq 1 2 3 4 5 1 3 6 4:
+      t0-t3 fill S = [1, 2, 3, 4].  t4 5: S is over its share, its oldest 1 (never hit) goes to ghost G = [1].
+      t5 1 misses, in G: S's oldest 2 goes to G, 1 enters the main queue M = [1].  t6 3 hits (counter 1).
+      t7 6: S's oldest 3 was hit: moved to M = [1, 3], counter reset; then 4 goes to G = [2, 4].
+      t8 4 misses, in G: S's oldest 5 goes to G; 4 enters M = [1, 3, 4]; S = [6]."""
+    from pymoe.experts.policies import S3FIFOPolicy
+
+    p = S3FIFOPolicy(4)
+    hits, evicted, _ = replay(p, [1, 2, 3, 4, 5, 1, 3, 6, 4], 4)
+    assert (hits, evicted) == (1, [1, 2, 4, 5])
+    assert list(p.s) == [6] and list(p.m) == [1, 3, 4] and list(p.g) == [2, 5]
+    # M's second chance: capacity 2, prefilled 7 8 (prefilled keys enter M, presumed hot; the policy hears the
+    # coldest first: M = [8, 7]); both hit once; 9 misses with S empty: 8's counter 1 -> 0, to M's head; 7's too;
+    # 8 again, now 0: evicted. 9 enters S.
+    q = S3FIFOPolicy(2)
+    hits, evicted, _ = replay(q, [7, 8, 9], 2, prefill=[7, 8])
+    assert (hits, evicted) == (2, [8])
+    assert list(q.m) == [7] and list(q.s) == [9] and q.freq == {7: 0, 9: 0}
+    # counters: capped at 3 (the paper's), at 7 for s3fifo-c7
+    for name, cap in (("s3fifo", 3), ("s3fifo-c7", 7)):
+        r = make_policy(name, 2)
+        replay(r, [8] * 5 + [7], 2, prefill=[7, 8])
+        assert r.freq == {7: 1, 8: min(5, cap)}, name
+
+
+def test_lirs_by_hand():
+    """Capacity 2; the victim is the resident with the largest max(recency, IRR), uses counted 1, 2, ...:
+      seq 1 1 2 3 1: at t3 (use 4) 1 has IRR 1 (uses 1, 2) and recency 2, 2 has IRR infinity (used once): 2 goes
+      (LRU would drop 1), so t4 hits.
+      seq 1 2 1 2 3: at t4 (use 5) both have IRR 2; the LRU key 1 has recency 5 - 3 = 2 >= 2: 1 goes (as LRU)."""
+    from pymoe.experts.policies import LIRSPolicy
+
+    hits, evicted, _ = replay(LIRSPolicy(2), [1, 1, 2, 3, 1], 2)
+    assert (hits, evicted) == (2, [2])
+    assert replay(LRUPolicy(2), [1, 1, 2, 3, 1], 2)[:2] == (1, [1, 2])
+    p = LIRSPolicy(2)
+    assert replay(p, [1, 2, 1, 2, 3], 2)[1] == [1]
+    assert p.irr == {1: 2.0, 2: 2.0, 3: float("inf")}

@@ -13,6 +13,16 @@ from pymoe.experts.prefetch import Lookahead
 PROMPT = [5, 17, 42, 7, 99, 3, 250, 11]
 
 
+def empty_pool(e, slots, admit="all", max_inserts=0, policy="lru"):
+    """A slot pool for engine `e` that starts empty (the engine fills its own at start-up: SlotCache.fill), for the
+    by-hand tests below."""
+    from pymoe.experts.cache import SlotCache
+    from pymoe.experts.policies import make_admission
+
+    e.model.cache = SlotCache(e.file, slots, policy=policy, pcie_frac=1.0, admission=make_admission(admit, max_inserts))
+    return e.model.cache
+
+
 def test_scores_by_hand(tiny_model):
     """Two tokens, K = 2, K' = 3: token 0 predicted {1, 2, 3}, chose {2, 3}: 2 hits; token 1 predicted {4, 5, 6},
     chose {0, 6}: 1 hit. precision = 3 / 6, recall = 3 / 4."""
@@ -34,7 +44,7 @@ def test_lookahead_never_changes_results(tiny_model, arch):
     assert list(e.generate(PROMPT, max_tokens=8, stop_at_eos=False)) == want
     assert la.per_layer() and all(0.0 <= p <= 1.0 and 0.0 <= r <= 1.0 for _, p, r in la.per_layer())
     cfg = e.config  # the CPU backend's slot pool (a GPU's, emulated in RAM): the lookahead copies experts into it
-    e = pymoe.load(path, cache_slots=cfg.n_layers * cfg.n_expert // 2, pcie_frac=1.0)
+    e = pymoe.load(path, cache_slots=cfg.n_layers, pcie_frac=1.0)  # (filled at start-up: small, so some miss)
     e.model.lookahead = la = Lookahead(e.model)
     assert list(e.generate(PROMPT, max_tokens=8, stop_at_eos=False)) == want
     assert e.cache.stats.counts["decode"]["prefetched"] > 0
@@ -76,8 +86,8 @@ def test_slot_prefetch_by_hand(tiny_model):
     the next lookup's hit on 3 is a plain hit. Slot 0 holds expert 3's bytes exactly."""
     from pymoe.gguf.loader import EXPERT_PROJ
 
-    e = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lru", pcie_frac=1.0, max_inserts=1)
-    c = e.cache
+    e = pymoe.load(tiny_model("qwen3moe", "f32"))
+    c = empty_pool(e, 3, max_inserts=1)
     assert c.prefetch(1, [3, 5]) == 1
     assert (c.residency[1, 3], c.residency[1, 5]) == (0, -1)
     host = e.file.expert(1, 3)
@@ -99,8 +109,8 @@ def test_slot_prefetch_by_hand(tiny_model):
 def test_prefetch_admission_second_miss(tiny_model):
     """--admit second-miss: a prediction is taken only if its next miss would be (it missed lately), and a refused
     prediction is not remembered as a miss."""
-    e = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=4, policy="lru", pcie_frac=1.0, admit="second-miss")
-    c = e.cache
+    e = pymoe.load(tiny_model("qwen3moe", "f32"))
+    c = empty_pool(e, 4, admit="second-miss")
     assert c.prefetch(1, [3]) == 0 and c.key(1, 3) not in c.table.missed
     c.lookup(1, np.array([[3, 4]]), "decode")  # both miss for the first time: refused, remembered
     assert c.stats.counts["decode"]["promoted"] == 0 and c.key(1, 3) in c.table.missed
@@ -122,7 +132,8 @@ def test_no_slot_pool_no_prefetch(tiny_model):
 def test_prefill_never_prefetches(tiny_model):
     """A prompt's lookups never promote (they would flush the decode working set), nor does the lookahead then."""
     e = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=8, pcie_frac=1.0)
+    before = e.cache.residency.copy()  # filled at start-up
     e.model.lookahead = la = Lookahead(e.model)
     e.model.prefill(PROMPT, e.model.new_kv(64))
     assert la.per_layer()  # predicted and scored ...
-    assert (e.cache.residency == -1).all() and e.cache.stats.counts["decode"]["prefetched"] == 0  # ... not copied
+    assert (e.cache.residency == before).all() and e.cache.stats.counts["decode"]["prefetched"] == 0  # ... not copied

@@ -25,21 +25,21 @@ def test_per_layer_pool_vs_global_pool():
     # 2 layers x 4 experts; keys 0-3 are layer 0, 4-7 layer 1. Layer 0 cycles 0 1 0 1..., layer 1 always 4.
     keys = np.array([0, 4, 1, 4, 0, 4, 1, 4])
     # per-layer, 2 slots = 1 per layer: layer 0 thrashes (0 hits), layer 1 hits 3 times.
-    r = simulate(keys, 2, 4, "lru", 2, pool="per-layer", tokens=4)
+    r = simulate(keys, 2, 4, "lru", 2, pool="per-layer", tokens=4, prefill=False)  # from empty slots
     assert (r.lookups, r.hits, r.misses_per_token) == (8, 3, 5 / 4)
     # global, 2 slots under LRU: 0 4 | 1 evicts 0 | 4 hit | 0 evicts 1 | 4 hit | 1 evicts 0 | 4 hit.
-    r = simulate(keys, 2, 4, "lru", 2, pool="global", tokens=4)
+    r = simulate(keys, 2, 4, "lru", 2, pool="global", tokens=4, prefill=False)
     assert r.hits == 3 and r.coverage == 2 / 8 and r.hit_rate == 3 / 8
     # global, 3 slots: everything fits after the first use of each.
-    assert simulate(keys, 2, 4, "lru", 3, pool="global").hits == 5
+    assert simulate(keys, 2, 4, "lru", 3, pool="global", prefill=False).hits == 5
 
 
 def test_counted_and_staged():
     keys = np.array([0, 1, 0, 1])
     staged = np.array([True, True, False, False])  # the first two are prefill lookups: their misses stay out
-    r = simulate(keys, 1, 2, "lru", 2, pool="global", staged=staged)
+    r = simulate(keys, 1, 2, "lru", 2, pool="global", staged=staged, prefill=False)
     assert r.hits == 0  # nothing was let in during "prefill", so the decode lookups miss (and now enter)
-    r = simulate(keys, 1, 2, "lru", 2, pool="global", counted=~staged, tokens=2)
+    r = simulate(keys, 1, 2, "lru", 2, pool="global", counted=~staged, tokens=2, prefill=False)
     assert (r.lookups, r.hits) == (2, 2)
 
 
@@ -185,7 +185,7 @@ def test_warm_set_by_hand():
 
     def run(tokens, inserts=0, policy="lru"):
         staged = trace.rows("prefill")[row]
-        r = simulate(keys, 2, 4, policy, 3, pool="global", counted=~staged, staged=staged,
+        r = simulate(keys, 2, 4, policy, 3, pool="global", counted=~staged, staged=staged, prefill=False,
                      warm=make_warm_rule(tokens, inserts), rows=row, warm_after=prompt_ends(trace, row))
         return r.hits, r.lookups
 
@@ -208,9 +208,8 @@ def test_prompt_ends_are_where_the_engine_warms():
     keys, row = trace.lookups(order="engine")
     assert keys.size == 36
     assert np.flatnonzero(prompt_ends(trace, row)).tolist() == [11, 23, 31]
-    # sweep() replays the same rule (an empty profile: nothing pre-filled): warm, A's prompt experts are resident
-    # when its decode starts
-    no, yes = (sweep(trace, ["lru"], [8], ["global"], profile=Profile(2, 4, np.zeros((0, 2)), []), phase="decode",
+    # sweep() replays the same rule (from empty slots): warm, A's prompt experts are resident when its decode starts
+    no, yes = (sweep(trace, ["lru"], [8], ["global"], prefill=False, phase="decode",
                      warm=make_warm_rule(n))[0].hits for n in (0, 1))
     assert (no, yes) == (12 - 4, 12)  # cold: A's first decode token misses its 4 experts; warm: nothing misses
 
@@ -271,3 +270,57 @@ def test_every_registered_policy_is_replayed_by_default():
     trace = synthetic_trace(60, 2, 8, 2, seed=0)
     results = sweep(trace, list(POLICIES), [4], ["per-layer"], profile=Profile.from_trace(trace))
     assert [r.policy for r in results] == list(POLICIES)
+
+
+def test_slots_start_full_as_the_engines_do():
+    """By default the tables start as the engine's pool does (policies.start_keys): the profile's keys, then
+    policies.fill_order, expert 0 of every layer, then expert 1, ... 2 layers x 4 experts (layer 1's keys are 4-7)."""
+    from pymoe.experts.policies import fill_order, start_keys
+
+    assert fill_order(range(2), 4) == [0, 4, 1, 5, 2, 6, 3, 7]
+    assert start_keys([6, 2], range(2), 4)[:4] == [6, 2, 0, 4] and start_keys([6], [0], 4)[:2] == [0, 1]
+    every = np.arange(8)  # each expert once
+    for pool in ("global", "per-layer"):
+        assert simulate(every, 2, 4, "lru", 8, pool=pool).hits == 8  # room for all: all resident from the start
+        assert simulate(every, 2, 4, "lru", 8, pool=pool, prefill=False).hits == 0
+    # 3 slots, no profile: 0, 4, 1 resident; with a profile ranking 7 first: 7, 0, 4
+    assert simulate(np.array([0, 4, 1, 5, 7]), 2, 4, "lfu", 3, pool="global").hits == 3
+    profile = Profile(2, 4, np.array([[1, 3]]), [1])
+    assert simulate(np.array([7, 0, 4, 1]), 2, 4, "lfu", 3, pool="global", profile=profile).hits == 3
+    # per-layer, 2 slots each: layer 0 holds 0 1, layer 1 holds 4 5
+    assert simulate(np.array([0, 1, 4, 5, 2, 6]), 2, 4, "lru", 4, pool="per-layer").hits == 4
+
+
+def test_live_gap_by_hand_and_in_the_engine(tiny_model):
+    """experts/gap.py. By hand: LRU, 1 slot, keys 1 2 1 from empty: LRU hits none; Belady (bypass) keeps 1 and serves
+    2 without a slot: 1 hit. A window of 2 closes after 2 lookups, from the contents it opened with ({1} after t0's
+    insert is not yet there: it opened empty), and the third opens a new one holding 2 (LRU evicted 1 for it).
+    In the engine: the request's gap counts exactly its decode lookups and hits, Belady's hits are no fewer, and the
+    cache line shows them."""
+    import pymoe
+    from pymoe.experts.gap import LiveGap
+    from pymoe.experts.policies import SlotTable, make_policy
+
+    for window, belady in ((10, 1), (2, 0)):
+        table = SlotTable(1, make_policy("lru", 1))
+        gap = LiveGap(table, window=window)
+        for t, key in enumerate([1, 2, 1]):
+            gap.before()
+            hit, _, _ = table.access(key, t)
+            gap.after(key, hit)
+        gap.close()
+        # window 2: [1 2] from {} -> Belady 0 hits (1 is not used again inside the window); [1] from {2}: 0
+        assert gap.totals() == {"lookups": 3, "hits": 0, "belady_hits": belady}, window
+
+    engine = pymoe.load(tiny_model("qwen3moe", "f32"), cache_slots=3, policy="lru")
+    list(engine.generate("a prompt", max_tokens=12, stop_at_eos=False))
+    st = engine.last_stats
+    assert st.gap["lookups"] == st.decode["lookups"] > 0 and st.gap["hits"] == st.decode["hits"]
+    assert st.gap["hits"] <= st.gap["belady_hits"] <= st.gap["lookups"]
+    assert st.gap["belady_hits"] > st.gap["hits"]  # 3 slots, LRU: Belady does better on the tiny model's routing
+    assert "Belady on the same lookups and slots" in st.cache_line()
+    from pymoe.serve.metrics import gap_of  # /v1/status's cache.gap and /metrics' two gauges: the cache's totals
+
+    g = gap_of(engine.cache)
+    assert (g["lookups"], g["hits"], g["belady_hits"]) == (st.gap["lookups"], st.gap["hits"], st.gap["belady_hits"])
+    assert g["belady_hit_rate"] == st.gap["belady_hits"] / st.gap["lookups"] > g["hit_rate"]

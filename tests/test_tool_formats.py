@@ -105,6 +105,30 @@ def test_parser_recovers_the_calls_the_template_wrote(fmt):
     assert tools.parse_calls(plain, fmt, SPECS) == (plain, [])
 
 
+@pytest.mark.parametrize("fmt", [f for f in TEMPLATES if tools.FORMATS[f].head is not None])
+def test_live_stream_sends_each_call_as_it_is_written(fmt):
+    """CallStream(live=True), the formats whose arguments are JSON: the template's own two calls, fed in pieces of 3
+    characters, are announced (number, id, name) before their arguments are complete, their arguments go out in
+    several pieces, and the pieces with a complete call's rest assemble to its arguments (the same id): the calls
+    the parser reads from the whole text."""
+    text = assistant_turn(fmt, "", CALLS)
+    stream, args, ids, names, complete = tools.CallStream(fmt, SPECS, live=True), {}, {}, {}, []
+    for i in range(0, len(text) + 3, 3):
+        _, calls = stream.feed(text[i:i + 3]) if i < len(text) else stream.close()
+        for k, cid, name, piece in stream.progress:
+            if name is not None:
+                assert k not in ids and len(complete) == k  # announced before its own end
+                ids[k], names[k], args[k] = cid, name, []
+            else:
+                args[k].append(piece)
+        for c in calls:
+            k = len(complete)
+            assert c["id"] == ids[k] and len(args[k]) > 1 and c["streamed"] == "".join(args[k])
+            args[k].append(c["function"]["arguments"][len(c["streamed"]):])
+            complete.append(c)
+    assert [(names[k], json.loads("".join(args[k]))) for k in sorted(args)] == CALLS == recovered(complete)
+
+
 def test_parser_edge_cases():
     """Blocks that do not parse stay text; bare-text values follow their parameter's type; the first call only."""
     assert tools.parse_calls("<tool_call>\n{not json}\n</tool_call>") == ("<tool_call>\n{not json}\n</tool_call>", [])

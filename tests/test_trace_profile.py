@@ -249,7 +249,9 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
                                              ("lfru", "all", 0, (0, 0)), ("lfru", "second-miss", 0, (0, 0)),
                                              ("lru", "all", 1, (0, 0)), ("lfru", "second-miss", 1, (0, 0)),
                                              ("lru", "all", 1, (2, 0)), ("lfru", "second-miss", 1, (3, 2)),
-                                             ("lfu", "all", 0, (1, 0))):
+                                             ("lfru", "all", 0, (1, 0)), ("llamacpp", "all", 0, (0, 0)),
+                                             ("arc", "all", 0, (0, 0)), ("s3fifo", "all", 0, (0, 0)),
+                                             ("lirs", "all", 0, (0, 0))):
         trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}-{warm[0]}.npz"
         r = run_pymoe_here("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
                       "--cache-slots", "3", "--policy", policy, "--trace", str(trace2), "--admit", admit,
@@ -257,7 +259,7 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
         assert r.returncode == 0, r.stderr
         assert f"profile {profile_path}: {profile.n_pairs} ranked pairs, built for 3 slots" in r.stderr
         hits, lookups = decode_hits(r.stderr)
-        assert 0 < hits < lookups  # 3 slots are too few for the tiny model's routing: a real test of the policy
+        assert 0 < hits < lookups, (policy, admit, max_inserts, warm, hits, lookups)  # 3 slots are too few for the tiny model's routing: a real test of the policy
         replay = functools.partial(sweep, Trace.load(trace2), [policy], [3], ["global"], profile=profile,
                                    phase="decode", admission=make_admission(admit, max_inserts))
         (sim,) = replay(warm=make_warm_rule(*warm))

@@ -28,6 +28,9 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts
     staged -> prefill: the expert is copied once per chunk into one of two staging buffers on the copy stream,
               while the compute stream runs the previous expert (double buffering); with no more tokens than one
               kernel token tile it is read in place instead (one pass over its bytes either way).
+Cost: every kernel launch, host<->device copy and host synchronisation is counted in `self.counts`
+(backends/device_counts.py; per decoded token in `pymoe run`'s last line and /v1/status). In the simulator
+(NUMBA_ENABLE_CUDASIM=1) the device stands for PYMOE_SIM_DEVICE_GIB GiB (default 8).
 What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (the whole layer
 on the device, CUDA graphs, a KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
 with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
@@ -43,6 +46,7 @@ import numpy as np
 from pymoe import quant
 from pymoe.errors import PymoeError
 from .pool import HostPool
+from .device_counts import DeviceCounts
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, Tensor
 from .cpu import CPUBackend, group_by_expert
 from .reference import apply_rope, attention, rmsnorm, rope_tables, silu, swiglu_expert
@@ -65,6 +69,23 @@ def simulated() -> bool:
     from numba import config
 
     return bool(config.ENABLE_CUDASIM)
+
+
+SIM_DEVICE_GIB = 8.0  # the simulated device's memory, unless PYMOE_SIM_DEVICE_GIB says otherwise
+
+
+def simulated_device_gib() -> float:
+    """The device size the simulator stands for (it has no memory of its own to report): PYMOE_SIM_DEVICE_GIB."""
+    import os
+
+    raw = os.environ.get("PYMOE_SIM_DEVICE_GIB", "")
+    try:
+        gib = float(raw) if raw else SIM_DEVICE_GIB
+    except ValueError:
+        gib = -1.0
+    if not (gib > 0 and math.isfinite(gib)):
+        raise PymoeError(f"PYMOE_SIM_DEVICE_GIB must be a positive number of GiB, got {raw!r}")
+    return gib
 
 
 def cuda_available() -> bool:
@@ -94,6 +115,15 @@ def shaped(buf, shape: tuple):
 # --------------------------------------------------------------------------------------------------------------
 # Kernels: the real ones (cuda_kernels/) and their NumPy references, with one signature
 # --------------------------------------------------------------------------------------------------------------
+# Kernel launches each operation makes (cuda_kernels/, for a non-empty input): the backend counts these whichever
+# kernel set runs (the NumPy references stand in for the same launches); tests/test_cuda_real_kernels_sim.py checks
+# them against the launches the simulator sees.
+LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token tiles)
+            "expert_block": 2,  # moe.expert_block: gate_up, then down
+            "rmsnorm": 1, "rope": 1, "add_bias": 1,  # norm_rope: one each, grid (rows,)
+            "decode_attention": 1}  # attention.decode_attention: one per query token, grid (heads,)
+
+
 class DeviceKernels:
     """cuda_kernels/: quantized matmul and the fused SwiGLU expert block (Numba CUDA)."""
 
@@ -183,8 +213,9 @@ KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
 class DeviceMemory:
     """Every device allocation of pymoe, counted against `limit` bytes (asserted: never exceeded)."""
 
-    def __init__(self, cuda, limit: int):
+    def __init__(self, cuda, limit: int, counts: DeviceCounts):
         self.cuda = cuda
+        self.counts = counts
         self.limit = int(limit)
         self.used = 0
         self.by_what: dict[str, int] = {}
@@ -201,6 +232,7 @@ class DeviceMemory:
     def upload(self, host: np.ndarray, what: str):
         dev = self.alloc(host.shape, host.dtype, what)
         dev.copy_to_device(np.ascontiguousarray(host))
+        self.counts.copy(f"{what} to device", host.nbytes)
         return dev
 
 
@@ -269,6 +301,7 @@ class DevicePool(HostPool):
         for name, off, _ in self.layouts[ex.layer].parts:
             src = getattr(ex, name)  # a view into the pinned mmap: an asynchronous host -> device copy
             self.bytes[slot, off:off + src.nbytes].copy_to_device(src.reshape(-1), stream=b.copy)
+            b.counts.copy("slot copies (promotions, prefetches) to device", src.nbytes)
         ready = self._event()
         ready.record(b.copy)
         self.ready[slot] = ready
@@ -287,10 +320,13 @@ class DevicePool(HostPool):
 
     def read(self, slot: int) -> np.ndarray:
         self.synchronize()
+        self.backend.counts.copy("slot read back to host", self.bytes.shape[1])
+        self.backend.counts.sync()  # copy_to_host without a stream blocks
         return self.bytes[slot].copy_to_host()
 
     def synchronize(self) -> None:
         self.backend.copy.synchronize()
+        self.backend.counts.sync()
 
 
 class DeviceKVCache:
@@ -314,6 +350,20 @@ class DeviceWeight:
     qtype: quant.QType
     raw: object  # device array
     shape: tuple  # (R, C)
+    what: str = "host products"  # what its products carry over PCIe when its input is on the host (`carries`)
+
+
+def carries(tensor_name: str) -> str:
+    """What a dense weight's product moves when it runs on a host input (linear_raw): the names of DeviceCounts."""
+    if tensor_name in ("output.weight", "token_embd.weight"):
+        return "output projection"
+    if "ffn_gate_inp" in tensor_name:
+        return "router"
+    if "shexp" in tensor_name:
+        return "shared expert"
+    if ".ffn_" in tensor_name:
+        return "dense MLP"
+    return "host-side attention"  # an attention projection on a host input (gpt-oss: after attention on the CPU)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -342,6 +392,11 @@ class CUDABackend:
         from pymoe.cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
 
         self._token_tile = TOKEN_TILE  # tokens one kernel block serves: below it, staging an expert gains nothing
+        self.note = None  # a start-up line for the log, if any (the simulator's stated device size)
+        if free_bytes is None and simulated():  # the simulator reports infinite free memory: state a size
+            gib = simulated_device_gib()
+            free_bytes = int(gib * 2**30)
+            self.note = f"simulated device: {gib:g} GiB (NUMBA_ENABLE_CUDASIM=1; times are not a GPU's)"
         if free_bytes is None:
             free_bytes = cuda.current_context().get_memory_info()[0]
         if not math.isfinite(free_bytes):
@@ -349,7 +404,8 @@ class CUDABackend:
                              "free_bytes")
         self.free_at_start = int(free_bytes)
         self.reserve = int(reserve)
-        self.mem = DeviceMemory(cuda, self.free_at_start - self.reserve)
+        self.counts = DeviceCounts()  # launches, host<->device bytes, syncs: backends/device_counts.py
+        self.mem = DeviceMemory(cuda, self.free_at_start - self.reserve, self.counts)
         self.host: Optional[HostMapping] = None
         self.scratch: dict = {}
         self.chunk = 1
@@ -408,6 +464,7 @@ class CUDABackend:
         self.rope_dev = (shaped(self.scratch["rope_cos"], cos.shape), shaped(self.scratch["rope_sin"], sin.shape))
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
+        self.counts.copy("RoPE tables to device", 4 * (cos.size + sin.size))
         rows = {layer: r for r, layer in enumerate(c.kv_layers())} if device_kv else {}
         kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
         self._kv = DeviceKVCache(self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache"),
@@ -456,8 +513,10 @@ class CUDABackend:
             fmt = quant.get_format(qtype)
             w = self.cuda.to_device(np.zeros((1, fmt.type_size), np.uint8))
             x = self.cuda.to_device(np.zeros((1, fmt.block_size), np.float32))
-            self.k.matmul(w, qtype, x, self.cuda.device_array((1, 1), np.float32), 0)
+            self.counts.copy("kernel warm-up to device", w.nbytes + x.nbytes)
+            self._launch("matmul", w, qtype, x, self.cuda.device_array((1, 1), np.float32), 0)
         self.cuda.synchronize()
+        self.counts.sync()
 
     def warm_up_experts(self, expert_types: dict) -> None:
         """Compile the expert-block kernels of one gate/up/down type triple: one launch on the smallest expert of
@@ -470,23 +529,41 @@ class CUDABackend:
                 "down": (D, fmt["down"].row_bytes(F))}
         dev = {p: self.cuda.to_device(np.zeros(shape, np.uint8)) for p, shape in rows.items()}
         X, Y = self.cuda.to_device(np.zeros((1, D), np.float32)), self.cuda.to_device(np.zeros((1, D), np.float32))
-        self.k.expert_block(dev["gate"], dev["up"], dev["down"], expert_types, X,
-                            self.cuda.to_device(np.zeros(1, np.float32)), Y,
-                            self.cuda.to_device(np.zeros((1, F), np.float32)), 0)
+        wt, H = self.cuda.to_device(np.zeros(1, np.float32)), self.cuda.to_device(np.zeros((1, F), np.float32))
+        self.counts.copy("kernel warm-up to device", sum(a.nbytes for a in (*dev.values(), X, Y, wt, H)))
+        self._launch("expert_block", dev["gate"], dev["up"], dev["down"], expert_types, X, wt, Y, H, 0)
         self.cuda.synchronize()
+        self.counts.sync()
 
     # --- weights -----------------------------------------------------------------------------------------------
     def dense(self, t: Tensor) -> DeviceWeight:
-        return DeviceWeight(t.qtype, self.mem.upload(t.rows(), "dense weights"), t.shape)
+        return DeviceWeight(t.qtype, self.mem.upload(t.rows(), "dense weights"), t.shape, carries(t.name))
 
     def vector(self, t: Tensor) -> np.ndarray:
         return t.floats().reshape(-1)  # host: layer norms run there; `_vec` uploads the q/k norms and biases
 
     # --- compute -----------------------------------------------------------------------------------------------
-    def _put(self, name: str, host: np.ndarray):
+    # Every launch, host<->device copy and host synchronisation of a forward goes through `_launch`, `_put`,
+    # `_get` (or names its bytes to self.counts where it copies): backends/device_counts.py.
+    def _launch(self, op: str, *args):
+        """Run kernel-set operation `op` (LAUNCHES[op] kernel launches) on the compute stream's arguments."""
+        self.counts.launch(LAUNCHES[op])
+        return getattr(self.k, op)(*args)
+
+    def _put(self, name: str, host: np.ndarray, what: str):
         dev = shaped(self.scratch[name], host.shape)
-        dev.copy_to_device(np.ascontiguousarray(host, dtype=self.scratch[name].dtype), stream=self.compute)
+        data = np.ascontiguousarray(host, dtype=self.scratch[name].dtype)
+        dev.copy_to_device(data, stream=self.compute)
+        self.counts.copy(what, data.nbytes)
         return dev
+
+    def _get(self, dev, what: str) -> np.ndarray:
+        """dev's bytes on the host, once the compute stream has run up to here (one host synchronisation)."""
+        out = dev.copy_to_host(stream=self.compute)
+        self.compute.synchronize()  # the copy is asynchronous on the stream: its bytes are there only now
+        self.counts.copy(what, out.nbytes)
+        self.counts.sync()
+        return out
 
     def _check_tokens(self, T: int) -> None:
         if T > self.chunk:
@@ -503,15 +580,15 @@ class CUDABackend:
         self._check_tokens(x.shape[0])
         self._arena_top = 0
         dev = self._arena(x.shape)
-        dev.copy_to_device(np.ascontiguousarray(x, dtype=np.float32), stream=self.compute)
+        data = np.ascontiguousarray(x, dtype=np.float32)
+        dev.copy_to_device(data, stream=self.compute)
+        self.counts.copy("residual to device (attention block)", data.nbytes)
         return dev
 
     def to_host(self, a) -> np.ndarray:
         if isinstance(a, np.ndarray):
             return a
-        out = a.copy_to_host(stream=self.compute)
-        self.compute.synchronize()
-        return out
+        return self._get(a, "attention block to host")
 
     def _arena(self, shape: tuple):
         """A float32 device array of `shape` from scratch["arena"] (a bump allocator, reset by to_device)."""
@@ -531,21 +608,20 @@ class CUDABackend:
     # --- arithmetic -----------------------------------------------------------------------------------------------
     def linear(self, w: DeviceWeight, x):
         if isinstance(x, np.ndarray):
-            return self.linear_raw(w.raw, w.qtype, x)
+            return self.linear_raw(w.raw, w.qtype, x, w.what)
         y = self._arena((x.shape[0], w.shape[0]))  # [T, R] on the device
-        self.k.matmul(w.raw, w.qtype, x, y, self.compute)
+        self._launch("matmul", w.raw, w.qtype, x, y, self.compute)
         return y
 
-    def linear_raw(self, raw, qtype, x: np.ndarray) -> np.ndarray:
-        """x float32 [T, C] (host) @ W.T, W device rows uint8 [R, row_bytes] -> float32 [T, R] (host)."""
+    def linear_raw(self, raw, qtype, x: np.ndarray, what: str = "experts one at a time") -> np.ndarray:
+        """x float32 [T, C] (host) @ W.T, W device rows uint8 [R, row_bytes] -> float32 [T, R] (host). `what`:
+        the name its bytes are counted under (`carries`; the default: _experts_with_ffn's products)."""
         T, R = x.shape[0], raw.shape[0]
         self._check_tokens(T)
-        xd = self._put("x", x)  # [T, C]
+        xd = self._put("x", x, f"{what}: input to device")  # [T, C]
         yd = shaped(self.scratch["y"], (T, R))  # [T, R]
-        self.k.matmul(raw, qtype, xd, yd, self.compute)
-        y = yd.copy_to_host(stream=self.compute)
-        self.compute.synchronize()
-        return y
+        self._launch("matmul", raw, qtype, xd, yd, self.compute)
+        return self._get(yd, f"{what}: output to host")
 
     def linear_many(self, ws: list, x) -> list:
         return [self.linear(w, x) for w in ws]
@@ -554,7 +630,7 @@ class CUDABackend:
         """a [T, n] + vec [n]; on the device in place."""
         if isinstance(a, np.ndarray):
             return a + vec
-        self.k.add_bias(a, self._vec(vec), self.compute)
+        self._launch("add_bias", a, self._vec(vec), self.compute)
         return a
 
     def view(self, a, shape: tuple):
@@ -566,7 +642,7 @@ class CUDABackend:
             return self.cpu.rmsnorm(x, w, eps)
         shape = tuple(x.shape)  # (the simulator's shape object takes no negative index)
         rows = self._reshaped(x, (math.prod(shape[:-1]), shape[-1]))  # [N, n]
-        self.k.rmsnorm(rows, self._vec(w), eps, rows, self.compute)
+        self._launch("rmsnorm", rows, self._vec(w), eps, rows, self.compute)
         return x
 
     def rope(self, x, cos, sin, neox):
@@ -577,10 +653,11 @@ class CUDABackend:
         if self._rope_host is None or self._rope_host[0] is not cos:
             self._rope_host = (cos, sin)  # kept alive, so that `is` can recognise them
             for name, table in (("rope_cos", cos), ("rope_sin", sin)):
-                shaped(self.scratch[name], table.shape).copy_to_device(np.ascontiguousarray(table, np.float32),
-                                                                      stream=self.compute)
+                data = np.ascontiguousarray(table, np.float32)
+                shaped(self.scratch[name], table.shape).copy_to_device(data, stream=self.compute)
+                self.counts.copy("RoPE tables to device", data.nbytes)
         dcos, dsin = (shaped(self.scratch[name], cos.shape) for name in ("rope_cos", "rope_sin"))
-        self.k.rope(x, dcos, dsin, neox, 0, self.compute)
+        self._launch("rope", x, dcos, dsin, neox, 0, self.compute)
         return x
 
     def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
@@ -589,8 +666,11 @@ class CUDABackend:
         T = k.shape[0]
         if isinstance(kv, DeviceKVCache):
             r = kv.rows[layer]
-            kv.k[r, p0:p0 + T].copy_to_device(k, stream=self.compute)
+            kv.k[r, p0:p0 + T].copy_to_device(k, stream=self.compute)  # device to device: no PCIe, not counted
             kv.v[r, p0:p0 + T].copy_to_device(v, stream=self.compute)
+            for a in (k, v):
+                if isinstance(a, np.ndarray):  # (the attention block's k and v are device arrays)
+                    self.counts.copy("KV to device", a.nbytes)
         else:
             kv.write(layer, p0, self.to_host(k), None if v is None else self.to_host(v))
 
@@ -611,7 +691,7 @@ class CUDABackend:
         o3 = self._reshaped(o, (T, H, Dv))
         scores = shaped(self.scratch["scores"], (H, self.n_ctx))
         for t in range(T):
-            self.k.decode_attention(q[t], k, v, p0 + t, o3[t], scores, self.compute)
+            self._launch("decode_attention", q[t], k, v, p0 + t, o3[t], scores, self.compute)
         return o
 
     def route(self, logits, k, norm_topk):
@@ -646,16 +726,16 @@ class CUDABackend:
         spans = [(int(used[i]), int(start[i]), int(start[i + 1])) for i in range(used.size)]
         on_gpu = [(e, a, b) for e, a, b in spans if experts[e].where != "cpu"]
         if on_gpu:
-            xg = self._put("xg", x[tok])  # [P, D] the pairs' inputs (rows of cpu experts unused here)
-            wg = self._put("wg", weight)  # [P]
-            yg = self._put("yg", out)  # [P, D] zeros, accumulated into by each expert
+            xg = self._put("xg", x[tok], "expert inputs to device")  # [P, D] the pairs' inputs (cpu experts' unused)
+            wg = self._put("wg", weight, "expert weights to device")  # [P] the router's weights of the pairs
+            yg = self._put("yg", out, "expert output zeros to device")  # [P, D] zeros, accumulated into by each expert
             hg = shaped(self.scratch["h"], (P, self._moe[2]))  # [P, F]
             done = self.cuda.event()
             slots = []
             for n, (e, a, b) in enumerate(on_gpu):
                 ex = self._device_expert(experts[e], b - a, n)
-                self.k.expert_block(ex.gate, ex.up, ex.down, expert_types, xg[a:b], wg[a:b], yg[a:b], hg[a:b],
-                                    self.compute)
+                self._launch("expert_block", ex.gate, ex.up, ex.down, expert_types, xg[a:b], wg[a:b], yg[a:b],
+                             hg[a:b], self.compute)
                 if ex.where == "staged":
                     self._stage["free"][ex.slot].record(self.compute)
                 if ex.where == "slot":
@@ -667,9 +747,7 @@ class CUDABackend:
             if experts[e].where == "cpu":
                 out[a:b] = weight[a:b, None] * swiglu_expert(self.cpu, experts[e], expert_types, x[tok[a:b]])
         if on_gpu:
-            gpu_rows = yg.copy_to_host(stream=self.compute)  # the GPU's rows; its rows of cpu experts are zero
-            self.compute.synchronize()  # the copy is asynchronous on the stream: its bytes are there only now
-            out += gpu_rows
+            out += self._get(yg, "expert outputs to host")  # the GPU's rows; its rows of cpu experts are zero
         y = np.zeros((T, D), dtype=np.float32)  # [T, D]
         np.add.at(y, tok, out)  # pairs in ascending expert order: each token's experts added in that order
         return y
@@ -691,6 +769,7 @@ class CUDABackend:
                 else:  # spill or staged: read in place over PCIe
                     m = self.host.device_view
                     dev = ExpertBytes(ex.layer, ex.expert, m(ex.gate), m(ex.up), m(ex.down), where="spill")
+                    self._count_spill(ex, tok.size)
                 out = swiglu_expert(self, dev, expert_types, x[tok], ffn)  # linear_raw synchronises
                 if ex.where == "slot":
                     done.record(self.compute)
@@ -707,7 +786,14 @@ class CUDABackend:
         if ex.where == "staged" and n_tokens > self._token_tile:  # worth one copy: the kernels read it several times
             return self._stage_in(ex, i % 2)
         m = self.host.device_view  # spill (or a staged expert with few tokens): read in place over PCIe
+        self._count_spill(ex, n_tokens)
         return ExpertBytes(ex.layer, ex.expert, m(ex.gate), m(ex.up), m(ex.down), where="spill")
+
+    def _count_spill(self, ex: ExpertBytes, n_tokens: int) -> None:
+        """The PCIe bytes of a kernel reading the expert from mapped host memory: each launch's blocks read their
+        rows once per token tile (cuda_kernels/quant_matvec.py: grid (rows, token tiles))."""
+        tiles = -(-n_tokens // self._token_tile)
+        self.counts.copy("expert spill reads over PCIe", tiles * sum(getattr(ex, p).nbytes for p in EXPERT_PROJ))
 
     def _stage_in(self, ex: ExpertBytes, b: int) -> ExpertBytes:
         """Copy the expert into staging buffer b (0/1) on the copy stream; the compute stream waits for it."""
@@ -719,6 +805,7 @@ class CUDABackend:
             src = getattr(ex, name)
             dst = buf[off:off + src.nbytes]
             dst.copy_to_device(src.reshape(-1), stream=self.copy)
+            self.counts.copy("prefill staging to device", src.nbytes)
             views[name] = shaped(dst, src.shape)
             off += src.nbytes
         st["ready"][b].record(self.copy)

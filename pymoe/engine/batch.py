@@ -92,6 +92,8 @@ def forward_batch(model, token_lists: Sequence[Sequence[int]], kvs: Sequence[KVC
     cache = RowCounts(model.cache, tokens.size) if row_counts is not None else model.cache
 
     model.backend.share_cpu()  # this call's threads (backends/threads.py)
+    if getattr(model.backend, "counts", None) is not None:  # a device backend's cost (backends/device_counts.py)
+        model.backend.counts.forward("decode", tokens.size)
     seqs = Seqs(kvs, counts)
     rows = [r for _, r in segments(seqs, tokens.size)]  # sequence j's rows of every [T, .] array below
     x = model.embed(tokens)  # [T, D]

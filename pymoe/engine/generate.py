@@ -3,7 +3,7 @@
 What this is: `generate_tokens(...)`, a generator over new token ids, and `stream_text(...)`, the same turned into
 text pieces with stop strings applied, both recording a `RequestStats` (the reference article's per-request lines:
     prompt 26 tokens = 0 reused + 26 read in 43 ms, 192 generated in 1367 ms (140.5 tok/s)
-    decode expert cache hit rate: 86.3% (23414 hits / 27131 lookups)
+    decode expert cache hit rate: 86.3% (23414 hits / 27131 lookups); ...; Belady on the same lookups and slots: ...
 ), or, with no slot pool, `decode expert cache: none (...)`: no hit rate for a cache that does not exist. Timings
 are wall-clock around the model calls (on a GPU backend the model call syncs before returning).
 What this is not: the model (model.py) or the sampler (sampler.py).
@@ -28,10 +28,14 @@ class RequestStats:
     n_generated: int = 0
     decode_s: float = 0.0  # time of the decode forward passes (the first new token comes from the prefill)
     n_decoded: int = 0  # tokens that came from decode steps (all but the first): decode tok/s counts these
+    n_forced: int = 0  # of n_generated: tokens a grammar forced, taken without sampling (serve/scheduler.py)
     decode: dict = field(default_factory=dict)  # the expert cache's decode counters of this request
     stop_reason: str = ""
     pool: bool = True  # the engine has an expert slot pool (False: none; every expert read in place or over PCIe)
     gpu: bool = False  # the experts are computed on a GPU: what it reads from host memory crosses PCIe
+    device: dict | None = None  # a device backend's decode counts of this request (backends/device_counts.py)
+    gap: dict = field(default_factory=dict)  # this request's decode lookups replayed through Belady (experts/gap.py):
+    # lookups, hits (the engine's), belady_hits; empty with no slot pool
 
     def note_cache(self, cache) -> None:
         """Record what the cache line must know about the engine's expert cache: is there a pool, is it a GPU's."""
@@ -79,7 +83,18 @@ class RequestStats:
         if c.get("prefetched", 0):  # the router lookahead's copies (experts/prefetch.py)
             line += (f"; {c['prefetched']} prefetched by the router lookahead, {c.get('prefetch_hits', 0)} of the hits "
                      "on them")
+        g = self.gap
+        if g.get("lookups"):
+            line += (f"; Belady on the same lookups and slots: {100.0 * g['belady_hits'] / g['lookups']:.1f}% "
+                     f"({g['belady_hits']} hits / {g['lookups']})")
         return line
+
+    def device_line(self) -> str:
+        """`decode device per token: L launches, B host<->device bytes, S synchronisations`: means over the
+        request's decoded tokens (speculation: per token kept, drafts and verification included)."""
+        from pymoe.backends.device_counts import line
+
+        return "decode " + line({**self.device, "tokens": self.n_decoded})
 
 
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: Sampler, is_stop=lambda t: False,
@@ -117,14 +132,27 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
 
 
 def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, media=None) -> Iterator[int]:
-    cache_stats = model.cache.stats
     t0 = time.perf_counter()
     logits = (model.prefill(np.asarray(prompt_ids), kv) if media is None
               else model.prefill(np.asarray(prompt_ids), kv, media))[-1]  # [V] of the last prompt position
     model.cache.end_prefill()  # the warm decode set, if one is asked for (experts/cache.py)
     stats.prompt_s = time.perf_counter() - t0
+    gap = getattr(model.cache, "gap", None)  # experts/gap.py: Belady on this request's decode lookups
+    gap_before = gap.totals() if gap is not None else None
+    try:
+        yield from _decode(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, logits)
+    finally:
+        if gap is not None:
+            gap.close()  # the request's last window
+            stats.gap = {k: v - gap_before[k] for k, v in gap.totals().items()}
+
+
+def _decode(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, logits) -> Iterator[int]:
+    cache_stats = model.cache.stats
     history = list(prompt_ids)
     before = cache_stats.snapshot("decode")
+    counts = getattr(model.backend, "counts", None)  # a device backend's launches, bytes, syncs
+    device_before = counts.snapshot("decode") if counts is not None else None
     stats.stop_reason = "length"
     pending = [sampler(logits, history)] if max_tokens > 0 else []  # sampled, not yet yielded
     while pending:
@@ -145,6 +173,10 @@ def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, 
             pending = [sampler(model.decode_one_token(history[-1], kv), history)]
         stats.decode_s += time.perf_counter() - t1
         stats.decode = {k: v - before[k] for k, v in cache_stats.snapshot("decode").items()}
+        if counts is not None:
+            from pymoe.backends.device_counts import difference
+
+            stats.device = difference(counts.snapshot("decode"), device_before)
 
 
 class TextStream:

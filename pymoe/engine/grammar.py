@@ -226,6 +226,11 @@ class Constraint:
                    if "too many items" in self.matcher.get_error().lower() else "the grammar engine refused it")
             raise PymoeError(f"the {self.grammar.kind} grammar stopped at token {token}: {why}")
 
+    def forced(self) -> list:
+        """The tokens the grammar forces next, whatever is sampled (its fixed text: a JSON key, a tool call's marker;
+        llguidance's compute_ff_tokens, which stops where a longer token could still start): [] when none."""
+        return [] if self.matcher.is_stopped() else list(self.matcher.compute_ff_tokens())
+
     @property
     def finished(self) -> bool:
         """The grammar is complete and admits nothing more (the next token can only end the generation)."""

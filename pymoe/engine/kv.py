@@ -280,12 +280,39 @@ def memory_limit() -> int:
     return limit
 
 
+def kv_bytes(cfg: ModelConfig, n_ctx: int, kind: str = "f32", sequences: int = 1) -> int:
+    """Bytes of `sequences` KV caches of `n_ctx` positions stored as `kind`."""
+    per_value = {"f32": 4, "f16": 2, "int8": 1 + 2 / GROUP}[kind]
+    return int(cfg.kv_values_per_token() * n_ctx * per_value * sequences)
+
+
+SERVE_KV_SHARE = 0.25  # pymoe serve's default context: the slots' KV caches take at most this share of memory_limit()
+#                        (a choice: the rest is for the model's mapped weights, the expert pool and the OS)
+SERVE_CTX_FLOOR = 4096  # ... and never fewer positions than this (llama.cpp's common_params n_ctx before it became
+#                         0, "the context the model was trained with"), unless the model was trained on fewer
+CTX_STEP = 256  # the default context is a multiple of this
+
+
+def default_ctx(cfg: ModelConfig, kind: str = "f16", sequences: int = 1, memory: Optional[int] = None) -> tuple:
+    """pymoe serve's context per slot when -c is not given -> (n_ctx, why): the model's trained context, cut so
+    that `sequences` KV caches of `kind` take at most SERVE_KV_SHARE of the memory this process can use (`memory`,
+    default memory_limit()), in steps of CTX_STEP, and not below min(SERVE_CTX_FLOOR, the trained context)."""
+    memory = memory_limit() if memory is None else memory
+    trained = cfg.n_ctx_train
+    per_token = kv_bytes(cfg, 1, kind, sequences)
+    fit = int(SERVE_KV_SHARE * memory // max(per_token, 1)) // CTX_STEP * CTX_STEP
+    n = min(trained, max(fit, min(SERVE_CTX_FLOOR, trained)))
+    why = (f"the model's trained context" if n == trained else
+           f"the model's {trained} cut to {SERVE_KV_SHARE:g} of {memory / 2**30:.1f} GiB for {sequences} slot(s)' KV"
+           if n == fit else f"the floor of {SERVE_CTX_FLOOR}")
+    return n, why
+
+
 def check_kv_fits(cfg: ModelConfig, n_ctx: int, kind: str = "f32", sequences: int = 1) -> None:
     """A one-line error when `sequences` KV caches of `n_ctx` positions could never be held (the caches are
     allocated up front; an untouched page costs nothing, so a context that fits memory is fine even when most of it
     is never used). It names the bytes: a file whose context_length is 2**31 asks for terabytes."""
-    per_value = {"f32": 4, "f16": 2, "int8": 1 + 2 / GROUP}[kind]
-    need = int(cfg.kv_values_per_token() * n_ctx * per_value * sequences)
+    need = kv_bytes(cfg, n_ctx, kind, sequences)
     have = memory_limit()
     if need > have:
         raise PymoeError(f"a context of {n_ctx} tokens needs {need / 2**30:,.1f} GiB of KV cache"

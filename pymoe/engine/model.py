@@ -214,6 +214,8 @@ class Model:
         if tokens.min() < 0 or tokens.max() >= cfg.n_vocab:
             raise PymoeError(f"token id out of range 0..{cfg.n_vocab - 1}")
         self.backend.share_cpu()  # this call's threads: a fair share of a busy machine (backends/threads.py)
+        if getattr(self.backend, "counts", None) is not None:  # a device backend's cost (backends/device_counts.py)
+            self.backend.counts.forward(phase, tokens.size)
         x = self.embed(tokens)  # [T, D]
         norm = self.backend.rmsnorm
         if media is None:

@@ -30,6 +30,8 @@ Both also keep `heat` int64 [n_layers, n_experts]: decode lookups per expert sin
 heat map shows (/v1/status?experts=1, serve/metrics.py) next to the residency table.
 Prefill lookups never promote: a prompt chunk touches nearly every expert, so letting it through the policy would
 flush the decode working set. Prefill misses are "staged" (streamed once per chunk), hits refresh the policy.
+Slots never sit empty: `fill()` (called by the engine at start-up) places the profile's hottest experts, then the
+MoE layers' experts in policies.fill_order, until every slot is taken; the simulator starts from the same keys.
 With a warm rule (`--warm-set N`), `end_prefill()`, called once a request's prompt is read, places the experts of
 the prompt's last N tokens (policies.WarmSet, the rule the simulator replays), so decode starts warm.
 The router lookahead (experts/prefetch.py, `--lookahead N`) calls `prefetch(layer, experts)` in decode, one layer
@@ -54,7 +56,7 @@ from numba import njit
 from pymoe.errors import PymoeError
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, GGUFModel
 from pymoe.backends.pool import HostPool
-from .policies import DEFAULT_POLICY, check_engine_policy, prefetch_ranked
+from .policies import DEFAULT_POLICY, check_engine_policy, prefetch_ranked, start_keys
 
 PHASES = ("prefill", "decode")
 # What each lookup was served by (ExpertBytes.where -> counter: slot -> hits; spill, cpu, staged, host), and what it
@@ -179,8 +181,9 @@ class SlotCache:
 
         cfg = model.config
         self.model = model
-        self.n_layers, self.n_experts = cfg.n_layers, cfg.n_expert
-        n_total = self.n_layers * self.n_experts
+        self.n_layers, self.n_experts = cfg.n_layers, cfg.n_expert  # keys and tables span every layer, dense too
+        self.n_total = n_total = len(cfg.moe_layers) * self.n_experts  # the experts there are: the MoE layers'
+        # (leading dense layers have none; the MTP block's are read in place, outside the pool: engine/mtp.py)
         if not 1 <= n_slots <= n_total:
             raise PymoeError(f"cache slots must be in 1..{n_total} (the model's experts), got {n_slots}")
         if not 0.0 <= pcie_frac <= 1.0:
@@ -193,8 +196,12 @@ class SlotCache:
         self.first_moe = cfg.moe_layers.start  # a profile's layer 0 (profiles and traces hold the MoE layers only)
         profile_keys = self.profile_keys(profile) if profile is not None else None
         self.admission = admission or Admission()
+        policy_args.setdefault("lookups_per_token", cfg.n_expert_used * len(cfg.moe_layers))  # one token's lookups
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
                                self.admission)
+        from .gap import LiveGap
+
+        self.gap = LiveGap(self.table)  # Belady's hits on the recent decode lookups, for the telemetry (gap.py)
         self.warm_rule = warm or WarmRule()
         self.warm = WarmSet(self.warm_rule, self.n_experts) if self.warm_rule else None
         self.warmed = {"copied": 0, "evicted": 0}  # what end_prefill() did since start
@@ -264,6 +271,8 @@ class SlotCache:
             for e in row.tolist():
                 key = self.key(layer, e)
                 self.clock += 1
+                if phase == "decode":
+                    self.gap.before()
                 hit, slot, evicted = self.table.access(key, self.clock, insert=phase == "decode", step=self.steps)
                 if self.warm is not None and phase == "prefill":
                     self.warm.see(key, (self.steps, t), self.clock)  # (lookup call, row) names the prompt token
@@ -274,6 +283,8 @@ class SlotCache:
                     self._served[layer, e] = served
                 _count(counts, "lookups")
                 _count(counts, "hits" if served[0] == "slot" else served[0])
+                if phase == "decode":
+                    self.gap.after(key, served[0] == "slot")
                 if served[0] == "slot" and e in prefetched:
                     _count(counts, "prefetch_hits")
                 if evicted is not None:
@@ -287,7 +298,9 @@ class SlotCache:
     def end_prefill(self) -> None:
         """A request's prompt has been read (generate.py, the server's scheduler): place the warm decode set
         (policies.WarmSet: the experts of the last prompt tokens, within the copy budget), copying their bytes in
-        now, so the first decode tokens hit. Without a warm rule, nothing."""
+        now, so the first decode tokens hit. Without a warm rule, nothing. The live gap's open window closes first
+        (gap.py: a window never spans a placement outside a lookup)."""
+        self.gap.close()
         if self.warm is None:
             return
         self.finish(-1)  # nothing is pending after prefill; if it were, it lands before slots change hands
@@ -349,21 +362,29 @@ class SlotCache:
                              f"has {n_moe} x {self.n_experts}")
         return [int(k) + self.first_moe * self.n_experts for k in profile.keys()]
 
-    def prefill_from_profile(self, profile=None) -> str:
-        """Fill the slots with the profile's hottest (layer, expert) pairs, in rank order; verify slot 0.
+    def fill(self, profile=None) -> str:
+        """Fill every slot at start-up (slots never sit empty): the profile's hottest (layer, expert) pairs in rank
+        order, then, for the slots left (all of them without a profile), the MoE layers' experts in
+        policies.fill_order (layer-interleaved by expert index); copy their bytes in and verify slot 0 byte for byte.
+        The simulator starts its tables by the same rule (policies.start_keys), so its counts stay the engine's.
 
-        -> the log line: `pre-filled 5784 of 5784 slots from the profile in 0.6 s (12647 MB/s); slot 0 verified`.
+        -> the log line: `pre-filled 5784 of 5784 slots from the profile in 0.6 s (12647 MB/s); slot 0 verified`,
+        with `, N of them in expert order` when the profile ran out, or `pre-filled N of N slots in expert order (no
+        profile) ...` without one.
         """
         profile = profile if profile is not None else self.profile
-        if profile is None:
-            raise PymoeError("no profile to pre-fill the expert cache from")
         t0 = time.perf_counter()
-        keys = self.profile_keys(profile)  # the hottest first, as this cache's keys
-        self.table.prefill(keys)  # in rank order, until full
-        placed = [(k, self.table.resident(k)) for k in keys[: self.n_slots]]
-        placed = [(k, s) for k, s in placed if s is not None]  # [(key, slot)] in rank order
+        ranked = self.profile_keys(profile) if profile is not None else []  # the hottest first, as this cache's keys
+        keys = start_keys(ranked, self.model.config.moe_layers, self.n_experts)
+        self.table.prefill(keys)  # the hottest keys first, until full
+        placed, seen = [], set()  # [(key, slot)] in the order filled
+        for key in keys:
+            slot = self.table.resident(key)
+            if slot is not None and key not in seen:
+                seen.add(key)
+                placed.append((key, slot))
         for key, slot in placed:
-            self._copy_in(slot, *divmod(int(key), self.n_experts))
+            self._copy_in(slot, *divmod(key, self.n_experts))
         self.pool.synchronize()  # a GPU pool copies asynchronously: time the copies, not their launches
         dt = time.perf_counter() - t0
         verified = ""
@@ -375,11 +396,13 @@ class SlotCache:
                 raise PymoeError(f"expert cache: slot {slot} does not hold the bytes of expert {e} of layer {layer}")
             verified = f"; slot {slot} verified"
         mbs = len(placed) * self.slot_bytes / dt / 1e6 if dt > 0 else float("inf")
-        return (f"pre-filled {len(placed)} of {self.n_slots} slots from the profile in {dt:.1f} s ({mbs:.0f} MB/s)"
-                f"{verified}")
+        rest = len(placed) - len(set(ranked) & seen)  # placed by fill_order
+        source = "in expert order (no profile)" if profile is None else "from the profile" + (
+            f", {rest} of them in expert order" if rest else "")
+        return f"pre-filled {len(placed)} of {self.n_slots} slots {source} in {dt:.1f} s ({mbs:.0f} MB/s){verified}"
 
     def describe(self) -> str:
-        n_total = self.n_layers * self.n_experts
+        n_total = self.n_total
         return (f"expert cache: {self.n_slots} slots of {self.slot_bytes} bytes ({100 * self.n_slots / n_total:.1f}% "
                 f"of {n_total} experts), policy {self.policy_name}, admission: {self.admission}, "
                 f"warm decode set: {self.warm_rule}, pcie_frac {self.pcie_frac:g}")

@@ -342,20 +342,12 @@ def simulate_report(trace_path, devices: str, policies: str, slots: Optional[str
                     profile_path=None, phase: str = "all") -> str:
     """`pymoe simulate TRACE --devices ...`: the trace, then simulate_devices_report (slots as simulate.report
     reads them: --slots totals, or --coverage percentages of all experts)."""
-    from .simulate import parse_numbers, slots_for_coverage
+    from .simulate import slot_counts
     from .trace import Trace
 
     trace = Trace.load(trace_path)
     L, E = trace.n_layers, trace.n_experts
-    if slots is not None and coverage is not None:
-        raise PymoeError("give --slots or --coverage, not both")
-    if slots is not None:
-        slots_list = parse_numbers(slots, "slots", int)
-    else:
-        pcts = parse_numbers(coverage or "10,20,30,40,50,60,70,80,90", "coverage")
-        if max(pcts) > 100:
-            raise PymoeError(f"--coverage is in percent (0..100), got {coverage!r}")
-        slots_list = [slots_for_coverage(c, L, E) for c in pcts]
+    slots_list = slot_counts(slots, coverage, L, E)
     names = [p.strip() for p in policies.split(",") if p.strip()]
     profile = None
     if profile_path is not None:

@@ -16,18 +16,27 @@ Definitions
     coverage    slots / (n_layers * n_experts): the share of all experts that fit in the pool
     pool        "global": one SlotTable of `slots` slots for every layer (layers compete for slots);
                 "per-layer": slots split evenly across layers (the remainder to the first layers), one table each
-    start       when a profile is given, every policy starts with its slots pre-filled from the profile's ranking,
-                hottest first (as the engine does at load time); `static` and `pinned-lru` also rank by it.
-                Without --profile, the profile is built from the trace itself (in-sample): static is then an upper
-                bound for a static cache, and the others start warm with knowledge of the future (a small effect on
-                long traces). Belady is the optimum from the same starting contents (policies.py).
+    start       every policy starts with every slot filled as the engine fills its pool at load time
+                (policies.start_keys): the profile's ranking, hottest first, then the experts the profile left out
+                in policies.fill_order (layer-interleaved by expert index); `static` and `pinned-lru` also rank by
+                the profile. Without --profile, the profile is built from the trace itself (in-sample): static is
+                then an upper bound for a static cache, and the others start warm with knowledge of the future (a
+                small effect on long traces); an empty profile replays an engine run without --profile. Belady is
+                the optimum from the same starting contents (policies.py).
     knee        per (pool, policy), the smallest simulated coverage after which the next simulated coverage adds
                 less than 1 point of hit rate per +10% coverage (the slope between neighbouring points)
     counted     the lookups that count (e.g. decode only); the cache still sees every lookup in time order, as
                 the engine's does.
+    call        the lookups of one layer-step (one layer of one forward) are one lookup call in the engine
+                (SlotCache.lookup), which serves each expert by one path, decided at its first (row, expert) pair:
+                a key looked up again by a later row of the call (a speculative verification forward, a batched
+                decode step) counts as that first lookup did, hit or miss, although the table may have promoted or
+                evicted it in between (a promotion's bytes land after the call's experts are computed). Every
+                lookup still goes through the table. promoted counts the misses that took a slot, as the engine's.
     prefill     as in the engine (cache.py), a prefill lookup that misses is "staged": served without a slot and
-                without asking the policy, so a long prompt cannot flush the decode working set; prefill hits
-                refresh the policy. sweep() applies this rule to the trace's prefill rows.
+                without asking the policy for one, so a long prompt cannot flush the decode working set; it is a
+                use all the same (LFU / LFRU count it), and prefill hits refresh the policy. sweep() applies this
+                rule to the trace's prefill rows.
     warm set    with a WarmRule (`--warm-set N`), at each prompt's end (prompt_ends: a request's last prefill row)
                 the experts of its last N prompt tokens are placed (policies.WarmSet), as the engine's
                 SlotCache.end_prefill() does.
@@ -49,7 +58,7 @@ import numpy as np
 
 from pymoe.errors import PymoeError
 from .policies import (DEFAULT_POLICY, POLICIES, PROFILE_POLICIES, Admission,  # noqa: F401 (DEFAULT_POLICY: plan.py)
-                       NextUse, SlotTable, WarmRule, WarmSet, make_policy, prefetch_ranked)
+                       NextUse, SlotTable, WarmRule, WarmSet, make_policy, prefetch_ranked, start_keys)
 from .profile import Profile
 
 POOLS = ("per-layer", "global")
@@ -68,6 +77,7 @@ class SimResult:
     misses_per_token: float
     prefetched: int = 0  # keys the replayed lookahead placed ahead of counted lookups (sweep(prefetch=True))
     prefetch_hits: int = 0  # counted hits on keys placed for their own layer-step (part of hits)
+    promoted: int = 0  # counted misses that took a slot (the engine's "promoted")
 
 
 def split_slots(slots: int, n_layers: int) -> list[int]:
@@ -82,8 +92,12 @@ def slots_for_coverage(coverage_pct: float, n_layers: int, n_experts: int) -> in
 
 
 def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: int, profile: Optional[Profile],
-                future: Optional[NextUse], prefill: bool, admission: Admission = Admission()) -> list[SlotTable]:
-    """One SlotTable (global) or one per layer, each with its policy and, if asked, pre-filled from the profile."""
+                future: Optional[NextUse], prefill: bool, admission: Admission = Admission(),
+                layers: Optional[Sequence[int]] = None, k: Optional[int] = None) -> list[SlotTable]:
+    """One SlotTable (global) or one per layer, each with its policy and, if asked (prefill), filled as the engine
+    fills its pool (policies.start_keys: the profile's keys, then the experts of `layers`, the MoE layers, default
+    all, in policies.fill_order) until full. k: experts per token per layer, which gives the policies that count in
+    tokens (policies.TOKEN_CLOCK_POLICIES) their pool's lookups per token (k x the MoE layers, or k per layer)."""
     if pool not in POOLS:
         raise PymoeError(f"unknown pool {pool!r} (choose from {', '.join(POOLS)})")
     if policy in PROFILE_POLICIES and profile is None:
@@ -94,11 +108,14 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
     else:
         parts = [(n, None if ranked is None else ranked[ranked // n_experts == layer])
                  for layer, n in enumerate(split_slots(slots, n_layers))]
+    layers = range(n_layers) if layers is None else layers
+    per_token = None if k is None else (k * len(layers) if pool == "global" else k)
     tables = []
-    for capacity, keys in parts:
-        table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future), admission)
-        if prefill and keys is not None:
-            table.prefill(keys)
+    for i, (capacity, keys) in enumerate(parts):
+        table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future,
+                                                lookups_per_token=per_token), admission)
+        if prefill:
+            table.prefill(start_keys(keys, layers if pool == "global" else [i], n_experts))
         tables.append(table)
     return tables
 
@@ -108,20 +125,25 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
              future: Optional[NextUse] = None, prefill: bool = True, staged: Optional[np.ndarray] = None,
              admission: Admission = Admission(), steps: Optional[np.ndarray] = None, warm: WarmRule = WarmRule(),
              rows: Optional[np.ndarray] = None, warm_after: Optional[np.ndarray] = None,
-             prefetch: Optional[dict] = None) -> SimResult:
+             prefetch: Optional[dict] = None, layers: Optional[Sequence[int]] = None,
+             k: Optional[int] = None) -> SimResult:
     """Replay the access sequence keys int64 [n] (time order) through `policy` with `slots` slots.
 
     tokens: how many tokens the counted lookups belong to (for misses per token). counted: bool [n], the lookups
     that count (None: all). future: a NextUse of `keys` to share between runs (belady; built here if None).
-    prefill: start with the slots pre-filled from `profile`. staged: bool [n], lookups whose misses do not enter
-    the cache (SlotTable.access(insert=False): the engine's rule for prefill lookups); None: every miss may.
-    admission: the tables' admission control; steps: int [n], the layer-step of each lookup (its insert cap), as
-    the engine's lookup calls number them (None: one step).
+    prefill: start with every slot filled as the engine fills its pool: `profile`'s keys (if any), then the experts
+    of `layers` (the MoE layers; None: all n_layers) in policies.fill_order; False: start empty.
+    staged: bool [n], lookups whose misses do not enter the cache (SlotTable.access(insert=False): the engine's rule
+    for prefill lookups); None: every miss may.
+    admission: the tables' admission control; steps: int [n], the layer-step of each lookup (its insert cap, and
+    its lookup call: a key's first lookup in a step decides how its later ones there count), as the engine's lookup
+    calls number them (None: one step for the insert cap, each lookup its own call).
     warm: the warm decode set (policies.WarmSet, as the engine's SlotCache.end_prefill): the staged lookups feed it,
     rows int [n] names each lookup's token (trace row), and after each lookup with warm_after[t] (bool [n]: the
     end of a prompt) the set is placed.
     prefetch: {t: (keys, limit)}: before lookup t (the first of its layer-step), the router lookahead's prefetch of
     `keys` (most wanted first, at most `limit` placed, 0: no limit) into the step steps[t] (prefetch_plan()).
+    k: experts per token per layer (make_tables: the lookups per token of the policies that count in tokens).
     """
     keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [n]
     if keys.size and (keys.min() < 0 or keys.max() >= n_layers * n_experts):
@@ -131,7 +153,7 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     if prefetch and policy == "belady":
         raise PymoeError("belady cannot replay the lookahead's prefetch (its admit needs a lookup position); "
                          "leave it out of --policy")
-    tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill, admission)
+    tables = make_tables(policy, slots, pool, n_layers, n_experts, profile, future, prefill, admission, layers, k)
     group = n_experts if pool == "per-layer" else n_layers * n_experts  # key // group = the key's table
     access = [table.access for table in tables]
     inserts = itertools.repeat(True) if staged is None else (~np.asarray(staged, dtype=bool)).tolist()
@@ -150,22 +172,25 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
     def table_of(k: int) -> SlotTable:
         return tables[k // group]
 
+    promoted = np.zeros(keys.size, dtype=bool)  # [n]: a miss that took a slot
+    served: dict = {}  # key -> hit, as the first lookup of the current layer-step decided (one path per call)
     placed = np.zeros(keys.size, dtype=np.int64)  # [n]: keys the lookahead placed just before lookup t
     pf_hit = np.zeros(keys.size, dtype=bool)  # [n]: a hit on a key placed for this lookup's layer-step
     for_step: set = set()  # keys placed for the current layer-step (the engine's SlotCache._prefetched[layer])
     prev_step = None
     for t, (key, insert, step) in enumerate(zip(keys.tolist(), inserts, step_of)):
-        if step != prev_step:  # a new layer-step: what was placed for the last one is no longer counted
-            for_step, prev_step = set(), step
+        if step != prev_step or step is None:  # a new layer-step: what was placed for the last one is no longer
+            for_step, served, prev_step = set(), {}, step  # counted, and its experts are decided afresh
         if t in prefetch:  # the engine's SlotCache.prefetch for this step, one layer early; the policies the
             want, limit = prefetch[t]  # engine runs ignore the clock's value, so every candidate is asked at t
             for k, _slot, evicted in prefetch_ranked(table_of, want, step, lambda: t, limit):
                 for_step.discard(evicted)  # a later candidate evicted an earlier one (SlotCache.prefetch too)
                 for_step.add(k)
                 placed[t] += 1
-        if access[key // group](key, t, insert, step)[0]:
-            hit[t] = True
-            pf_hit[t] = key in for_step
+        table_hit, slot, _ = access[key // group](key, t, insert, step)
+        promoted[t] = slot is not None and not table_hit
+        hit[t] = served.setdefault(key, table_hit)  # the engine's rule: the first lookup of a key in a call decides
+        pf_hit[t] = hit[t] and key in for_step
         if warm_set is not None:
             if not insert:  # a prefill lookup
                 warm_set.see(key, row_of[t], t)
@@ -173,23 +198,25 @@ def simulate(keys: np.ndarray, n_layers: int, n_experts: int, policy: str, slots
                 warm_set.apply(lambda k: tables[k // group])
     if counted is not None:
         mask = np.asarray(counted, dtype=bool)  # [n]
-        hit, placed, pf_hit = hit[mask], placed[mask], pf_hit[mask]
+        hit, placed, pf_hit, promoted = hit[mask], placed[mask], pf_hit[mask], promoted[mask]
     lookups, hits = int(hit.size), int(hit.sum())
     return SimResult(policy=policy, slots=int(slots), coverage=slots / (n_layers * n_experts), pool=pool,
                      lookups=lookups, hits=hits, hit_rate=hits / lookups if lookups else 0.0,
                      misses_per_token=(lookups - hits) / tokens if tokens else float("nan"),
-                     prefetched=int(placed.sum()), prefetch_hits=int(pf_hit.sum()))
+                     prefetched=int(placed.sum()), prefetch_hits=int(pf_hit.sum()), promoted=int(promoted.sum()))
 
 
 def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequence[str] = POOLS,
           profile: Optional[Profile] = None, phase: Optional[str] = None, progress: bool = False,
           admission: Admission = Admission(), warm: WarmRule = WarmRule(),
-          prefetch: bool = False) -> list[SimResult]:
+          prefetch: bool = False, layers: Optional[Sequence[int]] = None, prefill: bool = True) -> list[SimResult]:
     """simulate() for every pool x policy x slot count on one trace; counts the lookups of `phase` (None: all).
     Without a profile, one is built from the trace (in-sample). admission: as the engine's `--admit` /
     `--max-inserts` (a layer-step is one layer of one forward, as in the engine). warm: as the engine's
     `--warm-set` / `--warm-inserts`, placed at each prompt's end (prompt_ends()). prefetch: replay the router
-    lookahead's prefetch requests the trace recorded (prefetch_plan())."""
+    lookahead's prefetch requests the trace recorded (prefetch_plan()). layers: the MoE layers, whose experts fill
+    the slots the profile leaves (None: every layer of the trace; a trace does not say which layers are dense).
+    prefill False: start with empty slots (hand-worked examples; the engine never does)."""
     for name in policies:
         if name not in POLICIES:
             raise PymoeError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
@@ -215,7 +242,7 @@ def sweep(trace, policies: Sequence[str], slots_list: Sequence[int], pools: Sequ
     plan = prefetch_plan(trace, steps) if prefetch else None
     return [simulate(keys, L, E, name, n, pool, profile, tokens=int(rows.sum()), counted=counted, future=future,
                      staged=staged if staged.any() else None, admission=admission, steps=steps, warm=warm, rows=row,
-                     warm_after=warm_after, prefetch=plan)
+                     warm_after=warm_after, prefetch=plan, layers=layers, prefill=prefill, k=trace.k)
             for pool, name, n in bar]
 
 
@@ -347,6 +374,18 @@ def parse_numbers(text: str, what: str, kind=float) -> list:
     return values
 
 
+def slot_counts(slots: Optional[str], coverage: Optional[str], n_layers: int, n_experts: int) -> list[int]:
+    """--slots N,... (totals) or --coverage P,... (percent of the n_layers x n_experts experts; default 10..90)."""
+    if slots is not None and coverage is not None:
+        raise PymoeError("give --slots or --coverage, not both")
+    if slots is not None:
+        return parse_numbers(slots, "slots", int)
+    pcts = parse_numbers(coverage or "10,20,30,40,50,60,70,80,90", "coverage")
+    if max(pcts) > 100:
+        raise PymoeError(f"--coverage is in percent (0..100), got {coverage!r}")
+    return [slots_for_coverage(c, n_layers, n_experts) for c in pcts]
+
+
 def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] = None,
            coverage: Optional[str] = None, pool: str = "both", profile_path=None, phase: str = "all",
            plot_path=None, progress: bool = False, admit: str = "all", max_inserts: int = 0, warm_set: int = 0,
@@ -359,17 +398,7 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
     admission = make_admission(admit, max_inserts)
     warm = make_warm_rule(warm_set, warm_inserts)
     trace = Trace.load(trace_path)
-    L, E = trace.n_layers, trace.n_experts
-    if slots is not None and coverage is not None:
-        raise PymoeError("give --slots or --coverage, not both")
-    if slots is not None:
-        slots_list = parse_numbers(slots, "slots", int)
-    else:
-        pcts = parse_numbers(coverage or "10,20,30,40,50,60,70,80,90", "coverage")
-        if max(pcts) > 100:
-            raise PymoeError(f"--coverage is in percent (0..100), got {coverage!r}")
-        slots_list = [slots_for_coverage(c, L, E) for c in pcts]
-    slots_list = sorted(set(slots_list))
+    slots_list = sorted(set(slot_counts(slots, coverage, trace.n_layers, trace.n_experts)))
     names = [p.strip() for p in policies.split(",") if p.strip()]
     left_out = ""
     if prefetch and "belady" in names:  # it cannot replay a prefetch (simulate()): the others still can
@@ -389,7 +418,7 @@ def report(trace_path, policies: str = ",".join(POLICIES), slots: Optional[str] 
                     admission=admission, warm=warm, prefetch=prefetch)
     n_tok = int(trace.rows(phase).sum())
     head = [f"trace {trace_path}: {trace.summary()}",
-            f"counted: {phase or 'all'} lookups ({n_tok} tokens x {L} layers x {trace.k}); {origin}; "
+            f"counted: {phase or 'all'} lookups ({n_tok} tokens x {trace.n_layers} layers x {trace.k}); {origin}; "
             f"admission: {admission}; warm decode set: {warm}; lookahead prefetch: "
             f"{'replayed' + left_out if prefetch else 'off'}", ""]
     if plot_path is not None:

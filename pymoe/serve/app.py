@@ -41,13 +41,14 @@ from dataclasses import replace
 from typing import Optional
 
 from pymoe.engine.generate import RequestStats
-from pymoe.engine.kv import kv_nbytes
+from pymoe.engine.kv import default_ctx, kv_bytes, kv_nbytes
 from pymoe.engine.sampler import dry_breaker_sequences
 from pymoe.errors import PymoeError
-from pymoe.serve import anthropic, reasoning, tools
+from pymoe.serve import anthropic, reasoning, responses, tools
 from pymoe.serve.metrics import model_id, registry_for, status_of
 from pymoe.serve.middleware import JOBS_KEY, LOCALHOST, AccessLog, Cors
 from pymoe.serve.scheduler import PREFILL_CHUNK, EngineStopped, Job, QueueFull, Scheduler
+from pymoe.serve.slots import coverage as slot_coverage, default_parallel
 from pymoe.serve.schemas import (DRY_BREAKERS, ApiError, ApplyTemplateRequest, ChatRequest, CompletionRequest,
                                  DetokenizeRequest, TokenizeRequest, parse)
 
@@ -115,14 +116,18 @@ def _is_unicode(text: str) -> bool:
 def chat_prompt(req, tokenizer) -> str:
     """messages (and the tools in play) -> the model's chat template (sandboxed) -> the prompt text (400 naming
     `messages` on a failure)."""
-    extra = {}
-    if getattr(req, "tools", None) and req.tool_choice_value() is not None:
+    extra, messages = {}, req.template_messages()
+    choice = req.tool_choice_value() if getattr(req, "tools", None) else None
+    if choice is not None:
         extra["tools"] = [t.model_dump(exclude_none=True) for t in req.function_tools()]  # as transformers does
-        if tools.tool_format(tokenizer.chat_template) == "harmony":  # gpt-oss's template adds "// " + description
+        fmt = tools.call_format(tokenizer.chat_template)
+        if fmt == "harmony":  # gpt-oss's template adds "// " + description
             for t in extra["tools"]:
                 t["function"].setdefault("description", "")
+        elif fmt == "generic":  # the template knows no tools: they go in the system prompt, calls as JSON text
+            messages, extra = tools.Generic.rewrite(messages, extra["tools"], forced=choice != "auto"), {}
     try:
-        return tokenizer.apply_chat_template(req.template_messages(), **extra)
+        return tokenizer.apply_chat_template(messages, **extra)
     except PymoeError as e:
         raise ApiError(400, str(e), code="invalid_value", param="messages") from None
 
@@ -142,16 +147,10 @@ def preserved_markers(choice: Optional[str], tokenizer) -> frozenset:
     return tools.preserved_tokens(fmt, tokenizer) if choice is not None or fmt == "harmony" else frozenset()
 
 
-def tool_mode(req, tokenizer) -> Optional[str]:
-    """A chat request's tool choice: None (no tools in play), "auto", "required" or a function's name; checks that
-    the model's template has a tool format pymoe parses (serve/tools.py), else a 400 naming `tools`."""
-    choice = req.tool_choice_value() if hasattr(req, "tool_choice_value") else None  # chat: OpenAI's, Anthropic's
-    if choice is not None and tools.tool_format(tokenizer.chat_template) is None:
-        raise ApiError(400, "'tools' is not supported for this model: its chat template has no tool-call format "
-                            "pymoe can parse (pymoe parses Hermes' <tool_call> JSON (Qwen2.5/Qwen3), Qwen3.5's XML, "
-                            "GLM-4.5's, DeepSeek-V3.1's and gpt-oss' harmony)",
-                       code="unsupported_parameter", param="tools")
-    return choice
+def tool_mode(req, tokenizer=None) -> Optional[str]:
+    """A chat request's tool choice: None (no tools in play), "auto", "required" or a function's name. Every template
+    takes tools: one without a format of its own gets the generic one (serve/tools.py)."""
+    return req.tool_choice_value() if hasattr(req, "tool_choice_value") else None  # chat: OpenAI's, Anthropic's
 
 
 def tool_specs(req) -> list:
@@ -161,15 +160,20 @@ def tool_specs(req) -> list:
 
 def forced_call_grammar(req, choice: Optional[str], job: Job, tokenizer=None):
     """tool_choice "required" or a named function -> the grammar of such a call in the template's format (the answer
-    always parses; the format's markers as the vocabulary's special tokens where it has them). tokenizer None:
-    Hermes' format, its markers as text."""
-    if choice in (None, "auto"):
+    always parses; the format's markers as the vocabulary's special tokens where it has them). The generic format
+    (a template without one of its own) has a grammar for tool_choice auto too: a call or {"response": text}.
+    tokenizer None: Hermes' format, its markers as text."""
+    fmt = "hermes" if tokenizer is None else tools.call_format(tokenizer.chat_template)
+    if choice is None or (choice == "auto" and fmt != "generic"):
         return job.grammar
     if job.grammar is not None:
         raise ApiError(400, "'tool_choice' forces a tool call: it does not combine with response_format or "
-                            "grammar", code="invalid_value", param="tool_choice")
+                            "grammar" if choice != "auto" else "'tools' on this model's template (no tool-call format "
+                            "of its own: the generic JSON one) do not combine with response_format or grammar",
+                       code="invalid_value", param="tool_choice" if choice != "auto" else "tools")
     try:
-        fmt = "hermes" if tokenizer is None else tools.tool_format(tokenizer.chat_template)
+        if choice == "auto":
+            return tools.Generic().auto_grammar(tool_specs(req))
         return tools.call_grammar([s for s in tool_specs(req) if choice == "required" or s["name"] == choice],
                                   fmt, tokenizer)
     except PymoeError as e:  # a tool's `parameters` that is no JSON schema the grammar compiler takes
@@ -310,17 +314,26 @@ class Reply:
         return [self.envelope([{"index": index, "delta": {"reasoning_content": text}, "logprobs": None,
                                 "finish_reason": None}], stream=True)] if text else []
 
-    def call_deltas(self, calls: list, first: int, index: int = 0) -> list:
+    def call_deltas(self, calls: list, first: int, index: int = 0, progress: tuple = ()) -> list:
         """Streamed tool calls, numbered from `first`, in OpenAI's chunk shape: per call, a delta with its index, id,
-        type and name (arguments ""), then one with its arguments, which clients append to that index's."""
-        out = []
+        type and name (arguments ""), then ones with its arguments' text, which clients append to that index's. A
+        call announced while it was written (tools.CallStream live: `progress`, [(number, id, name or None, text)])
+        has had its head and part of its arguments sent: only the rest of them go out when it is complete."""
+        deltas = []
         for k, c in enumerate(calls, first):
-            head = {"index": k, "id": c["id"], "type": "function",
-                    "function": {"name": c["function"]["name"], "arguments": ""}}
-            for delta in (head, {"index": k, "function": {"arguments": c["function"]["arguments"]}}):
-                out.append(self.envelope([{"index": index, "delta": {"tool_calls": [delta]}, "logprobs": None,
-                                           "finish_reason": None}], stream=True))
-        return out
+            args = c["function"]["arguments"]
+            if "streamed" not in c:
+                deltas.append({"index": k, "id": c["id"], "type": "function",
+                               "function": {"name": c["function"]["name"], "arguments": ""}})
+            elif args.startswith(c["streamed"]):
+                args = args[len(c["streamed"]):]
+            if args:
+                deltas.append({"index": k, "function": {"arguments": args}})
+        for k, cid, name, text in progress:
+            deltas.append({"index": k, "id": cid, "type": "function", "function": {"name": name, "arguments": ""}}
+                          if name is not None else {"index": k, "function": {"arguments": text}})
+        return [self.envelope([{"index": index, "delta": {"tool_calls": [d]}, "logprobs": None,
+                                "finish_reason": None}], stream=True) for d in deltas]
 
     def logprobs(self, entries: list, index: int = 0) -> dict:
         """[(id, logp, [(id, logp)])] -> chat's {"content": [{token, logprob, bytes, top_logprobs}]}, or
@@ -503,6 +516,11 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         """A chat or completion body -> (request, its jobs, tool choice, echo): the JSON, the schema, the template,
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
+        return (req, *jobs_for(req, kind))
+
+    def jobs_for(req, kind: str) -> tuple:
+        """A parsed chat or completion request -> (its jobs, tool choice, echo, whether the answer starts inside
+        <think>)."""
         choice = tool_mode(req, engine.tokenizer)
         text = chat_prompt(req, engine.tokenizer) if kind == "chat" else None
         ids = chat_ids(req, text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
@@ -518,7 +536,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             req.prompt if isinstance(req.prompt, str) else engine.tokenizer.decode(job.prompt_ids))
         # a prompt that opens <think> starts the answer in the reasoning, unless a grammar (a forced call, a format)
         # decides the answer from its first token
-        return req, jobs, choice, echo, thinking and job.grammar is None and reasoning.opens_thinking(text)
+        return jobs, choice, echo, thinking and job.grammar is None and reasoning.opens_thinking(text)
 
     async def complete(request: Request, kind: str):
         arrived = time.perf_counter()
@@ -530,7 +548,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         submit_all(jobs, events)
         request.scope[JOBS_KEY] = jobs  # the access log's token counts
         reply = Reply(kind, name, engine.tokenizer)
-        fmt = tools.tool_format(engine.tokenizer.chat_template) if kind == "chat" else None
+        fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template) \
+            if kind == "chat" else None
         if choice is not None or fmt == "harmony":  # answers are read for tool calls (harmony: for its channels too)
             reply.calls = "first" if not req.parallel_tool_calls else "all"
             reply.fmt, reply.specs = fmt, tool_specs(req) if choice is not None else []
@@ -568,7 +587,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         logprobs = [[] if job.top_logprobs is not None else None for job in jobs]
         # with tools in play: each answer read as it streams (tools.CallStream): its content goes out as soon as it
         # cannot be the start of a call, each call as soon as its closing marker is in
-        reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls)
+        reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls, live=True)
                    for _ in jobs]
         n_calls = [0] * len(jobs)
         # with reasoning split out: a leading <think> block read off first (reasoning.ThinkStream), or gpt-oss'
@@ -598,7 +617,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                 out.append(sse(reply.envelope([reply.choice(text, None, stream=True, logprobs=logprobs[index],
                                                              index=index)], stream=True)))
                 logprobs[index] = [] if logprobs[index] is not None else None
-            out += [sse(chunk) for chunk in reply.call_deltas(calls, n_calls[index], index)]
+            progress = reading[index].progress if reading[index] is not None else ()
+            out += [sse(chunk) for chunk in reply.call_deltas(calls, n_calls[index], index, progress)]
             n_calls[index] += len(calls)
             return out
 
@@ -650,7 +670,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         submit_all([job], events)
         request.scope[JOBS_KEY] = [job]
         reply = anthropic.MessageReply(name)
-        fmt = tools.tool_format(engine.tokenizer.chat_template)
+        fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template)
         calls = None if choice is None and fmt != "harmony" else ("all" if req.parallel_tool_calls else "first")
         # with tools in play (or gpt-oss' channels), the answer is read for calls: tools.CallStream
         reading = None if calls is None else tools.CallStream(fmt, tool_specs(req) if choice else [], calls)
@@ -710,6 +730,84 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         req = await read_request(request, anthropic.CountTokensRequest)
         ids = await asyncio.to_thread(lambda: chat_ids(req, chat_prompt(req, engine.tokenizer)))
         return {"input_tokens": len(ids)}
+
+    store = responses.ResponseStore()
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def create_response(request: Request):
+        """OpenAI's Responses API (responses.py): the request runs as a chat completion; its answer is read through
+        the same pipeline whether streamed or not (the events of a whole answer are dropped)."""
+        arrived = time.perf_counter()
+        req = await read_request(request, responses.ResponsesRequest)
+
+        def prepare_response():
+            previous = store.conversation(req.previous_response_id)
+            chat = req.to_chat(previous)
+            jobs, choice, _, think_open = jobs_for(chat, "chat")
+            return chat, req.messages(previous), jobs[0], choice, think_open
+
+        chat, conversation, job, choice, think_open = await asyncio.to_thread(prepare_response)
+        job.deadline = deadline(arrived)
+        events: asyncio.Queue = asyncio.Queue()
+        submit_all([job], events)
+        request.scope[JOBS_KEY] = [job]
+        reply = responses.ResponseReply(name, req)
+        fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template)
+        reading = None if choice is None and fmt != "harmony" else tools.CallStream(
+            fmt, tool_specs(chat) if choice is not None else [], "all" if req.parallel_tool_calls else "first",
+            live=True)
+        thinking = reasoning.ThinkStream(think_open) if reasoning_format == "deepseek" and fmt != "harmony" else None
+
+        def answer(piece: str, final: bool = False) -> list:
+            """A piece of the answer (final: its end) -> its events: reasoning, text, calls."""
+            out = []
+            if thinking is not None:
+                thought, piece = thinking.feed(piece, final)
+                out += reply.text_events(thought, "reasoning_text")
+            text, calls = (piece, []) if reading is None else reading.feed(piece, final)
+            return out + reply.text_events(text) + reply.call_events(calls, () if reading is None else reading.progress)
+
+        async def run():
+            for event in reply.start():
+                yield event
+            async for _, ev, value in job_events([job], events, None if req.stream else request):
+                if ev == "piece":
+                    for event in answer(value):
+                        yield event
+                elif ev == "error":
+                    raise ApiError(500, value)
+                elif ev == "done":
+                    for event in answer("", final=True):
+                        yield event
+                    st = job.stats
+                    closing, final = reply.end(value, responses.usage(st.n_prompt, st.n_generated, st.n_reused))
+                    if req.store:
+                        store.put(reply.id, conversation + responses.chat_turn(final["output"]), final)
+                    reply.final = final
+                    for event in closing:
+                        yield event
+
+        if req.stream:
+            async def stream():
+                try:
+                    async for event in run():
+                        yield event
+                except ApiError as e:
+                    yield reply.event("error", code=e.code or "server_error", message=e.message, param=e.param)
+            return StreamingResponse(stream(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        reply.final = None
+        async for _ in run():
+            pass
+        if reply.final is None:  # the client went away; nobody reads this
+            return JSONResponse({}, status_code=499)
+        return JSONResponse(reply.final)
+
+    @app.get("/v1/responses/{rid}", dependencies=guarded)
+    async def get_response(rid: str):
+        found = store.get(rid)
+        if found is None:
+            raise ApiError(404, f"no stored response {rid!r}", code="not_found", param="response_id")
+        return found[1]
 
     @app.get("/v1/models", dependencies=guarded)
     async def models():
@@ -788,7 +886,7 @@ def listening_socket(host: str, port: int, client_stall_s: float = CLIENT_STALL_
 
 
 def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Optional[str] = None,
-          parallel: int = 1, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
+          parallel: Optional[int] = None, max_queue: int = 16, kv: str = "f16", max_body_bytes: int = 4 << 20,
           log=print, spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK,
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
           sampling_defaults: Optional[dict] = None, cors_origins: tuple = (LOCALHOST,), log_format: str = "text",
@@ -796,6 +894,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           mmproj: Optional[str] = None,
           **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
+    parallel None: the default slot rule (serve/slots.py default_parallel), printed with its reason.
     The access log (one line per request) goes to stderr. telemetry: append a line per request, and a resource
     sample every `telemetry_interval` s, to that file (experts/telemetry.py)."""
     import uvicorn
@@ -811,7 +910,21 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
         from pymoe.engine.speculative import parse_spec
 
         parse_spec(spec)  # a bad --spec is refused before the model loads
+    rule, given_ctx = [], engine_options.get("n_ctx")
+    if not given_ctx:  # no -c: the default context rule (engine/kv.py default_ctx), for the slots there will be
+        def fitted(cfg):  # (-np not given: the most the slot rule gives before it knows the backend and the cache)
+            slots = parallel or default_parallel(cfg, "cpu", None, kv)[0]
+            n, why = default_ctx(cfg, kv, slots)
+            rule.append(why)
+            return n
+
+        engine_options["n_ctx"] = fitted
     engine = load(model, progress=True, log=log, **engine_options)
+    if parallel is None:
+        parallel, why = default_parallel(engine.config, engine.backend.name, slot_coverage(engine), kv, given_ctx)
+        log(f"{parallel} slot(s): {why}; -np overrides")
+    log(f"context: {engine.n_ctx} tokens per slot ({rule[0] + '; -c overrides' if rule else '-c'}): {parallel} x "
+        f"{kv_bytes(engine.config, engine.n_ctx, kv) / 2**20:,.1f} MiB of {kv} KV cache")
     if chat_template is not None:
         engine.use_chat_template(chat_template)
     if mmproj or engine.config.rope_sections:  # images: --mmproj, or the one mmproj*.gguf beside the model

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import Optional
 
 import numpy as np
 
@@ -24,8 +25,9 @@ def model_id(engine) -> str:
 
 def status_of(scheduler, experts: bool = False) -> dict:
     """/v1/status: model, backend, KV, slots (state, cached tokens), queue depth, expert cache, request outcomes,
-    recent jobs (each with its log line). experts: add the per-expert map (`expert_map`; /v1/status?experts=1,
-    what the monitor page polls: L x E numbers, too many to send unasked for a 48 x 512 model)."""
+    recent jobs (each with its log line), on a device backend its launches, bytes by name and syncs per decoded
+    token (`device`). experts: add the per-expert map (`expert_map`; /v1/status?experts=1, what the monitor page
+    polls: L x E numbers, too many to send unasked for a 48 x 512 model)."""
     eng, cfg, cache = scheduler.engine, scheduler.engine.config, scheduler.engine.cache
     n_experts = len(cfg.moe_layers) * cfg.n_expert
     counts = {p: dict(c) for p, c in cache.stats.counts.items()}
@@ -40,10 +42,15 @@ def status_of(scheduler, experts: bool = False) -> dict:
             cache=dict(describe=cache.describe(), slots=cache.n_slots, experts=n_experts,
                        policy=cache.policy_name, pool=cache.n_slots > 0,
                        coverage=cache.n_slots / n_experts,  # of the slot pool: 0 with none
-                       counts=counts),
+                       counts=counts, gap=gap_of(cache)),
             requests=dict(S.outcomes), tokens=dict(S.totals), last=dict(S.last),
             recent=list(S.recent),
         )
+    device_counts = getattr(eng.backend, "counts", None)
+    if device_counts is not None:  # CUDA: the device's cost per decoded token since start (backends/device_counts.py)
+        from pymoe.backends.device_counts import per_token
+
+        status["device"] = dict(decode_per_token=per_token(device_counts.snapshot("decode")))
     if experts:
         status["expert_map"] = expert_map(cache, cfg)
     return status
@@ -55,6 +62,17 @@ def slot_of(slot) -> dict:
     state = "idle" if job is None else "prefill" if slot.pending else "decode"
     return dict(index=slot.index, busy=job is not None, state=state, cached_tokens=len(slot.tokens),
                 generated=job.stats.n_generated if job is not None else 0)
+
+
+def gap_of(cache) -> Optional[dict]:
+    """The live gap (experts/gap.py): decode lookups in the closed windows since start, the engine's hits on them and
+    Belady's with the same slots from the same contents, and both rates; None with no slot pool."""
+    gap = getattr(cache, "gap", None)
+    if gap is None:
+        return None
+    g = gap.totals()
+    n = g["lookups"]
+    return dict(g, hit_rate=g["hits"] / n if n else 0.0, belady_hit_rate=g["belady_hits"] / n if n else 0.0)
 
 
 def expert_map(cache, cfg) -> dict:
@@ -123,6 +141,12 @@ class ServerCollector:
             value = (c["hits"] / c["lookups"] if c["lookups"] else 0.0) if pool else math.nan
             rate.add_metric([phase], value)
         yield rate
+        g = gap_of(cache)
+        if g is not None:
+            yield GaugeMetricFamily("pymoe_expert_decode_window_hit_rate", "Engine hits / decode lookups in the live "
+                                    "gap's closed windows (the lookups Belady was replayed on).", value=g["hit_rate"])
+            yield GaugeMetricFamily("pymoe_expert_decode_belady_hit_rate", "Belady's hits / the same decode lookups, "
+                                    "same slots and starting contents (experts/gap.py).", value=g["belady_hit_rate"])
         d = counts["decode"]
         for path in ("spill", "cpu"):
             yield GaugeMetricFamily(f"pymoe_expert_{path}_share", f"Share of decode expert lookups served by {path}.",

@@ -27,6 +27,10 @@ What this is, in the order a job meets it:
             numbers). With --spec the step is a speculative one for every busy slot at once: each slot drafts, one
             batch.forward_batch verifies all slots' tokens, each slot keeps what its sampler accepts
             (`_spec_step`)
+    forced: with a grammar, the tokens it forces after a sampled one (its fixed text: a tool call's markers, the
+            function's name, JSON keys; llguidance's compute_ff_tokens) are taken at once, without sampling, and
+            read with that token in the next step's forward (batch.forward_batch: [token, forced...] of that slot,
+            its last row sampled), not one step each. Not with logprobs asked (each token has its own there)
     cancel: a job cancelled by its consumer (an HTTP client that went away) is dropped at the next step; a job past
             its deadline (app.py: request_timeout after the request came in) ends at the next step with
             ("done", "length"), keeping the text it has (llama.cpp's t_max_predict_ms ends the same way)
@@ -129,6 +133,7 @@ class Job:
     text: Optional[TextStream] = None
     history: list = field(default_factory=list)  # prompt + generated token ids
     next_token: int = -1
+    forced: list = field(default_factory=list)  # the grammar's forced tokens after next_token, taken, not yet read
     _cancelled: threading.Event = field(default_factory=threading.Event, repr=False)
     _inbox: queue.Queue = field(default_factory=queue.Queue, repr=False)
 
@@ -218,12 +223,14 @@ class Scheduler:
     With `telemetry` (experts/telemetry.TelemetryWriter) each job that ends, and each 429, writes a line."""
 
     def __init__(self, engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", log=lambda line: None,
-                 spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK, telemetry=None):
+                 spec: Optional[str] = None, spec_k: int = 4, prefill_chunk: int = PREFILL_CHUNK, telemetry=None,
+                 fast_forward: bool = True):
         if parallel < 1:
             raise PymoeError(f"--parallel must be >= 1, got {parallel}")
         if prefill_chunk < 0:
             raise PymoeError(f"--prefill-chunk must be >= 0 (0: a whole prompt at once), got {prefill_chunk}")
         self.prefill_chunk = prefill_chunk
+        self.fast_forward = fast_forward  # a grammar's forced tokens taken without sampling (`_take`)
         if max_queue < 1:
             raise PymoeError(f"--max-queue must be >= 1, got {max_queue}")
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
@@ -535,14 +542,20 @@ class Scheduler:
         if any(s.spec is not None and s.job.grammar is None for s in active):
             return self._spec_step(active)
         counts = [s.job.stats.decode for s in active]
+        lists = [[s.job.next_token] + s.job.forced for s in active]
         t0 = time.perf_counter()
-        logits = decode_batch(self.model, [s.job.next_token for s in active], [s.kv for s in active], counts)
+        if all(len(t) == 1 for t in lists):
+            logits = decode_batch(self.model, [t[0] for t in lists], [s.kv for s in active], counts)
+        else:  # a grammar's forced tokens read in the same forward; each slot samples from its last row
+            last = np.cumsum([len(t) for t in lists]) - 1  # each slot's last row
+            logits = forward_batch(self.model, lists, [s.kv for s in active], counts)[last]
         dt = time.perf_counter() - t0
-        self._account_step(dt, len(active), len(active))
-        for s, row in zip(active, logits):
-            s.tokens.append(s.job.next_token)
+        self._account_step(dt, sum(map(len, lists)), len(active))
+        for s, row, tokens in zip(active, logits, lists):
+            s.tokens.extend(tokens)
+            s.job.forced = []
             s.job.stats.decode_s += dt
-            s.job.stats.n_decoded += 1
+            s.job.stats.n_decoded += len(tokens)
             self._for_job(s, self._advance, s, row)
 
     def _spec_step(self, active: list) -> None:
@@ -567,7 +580,7 @@ class Scheduler:
         alive = [(s, by_slot.get(s.index, [])) for s in active if s.job is not None]
         if not alive:
             return
-        lists = [[s.job.next_token] + d for s, d in alive]
+        lists = [[s.job.next_token] + (d or s.job.forced) for s, d in alive]  # no drafts with forced tokens
         p0 = [s.kv.n for s, _ in alive]
         saved = [s.kv.save_recurrent() if hybrid and d else None for s, d in alive]
         counts = [s.job.stats.decode for s, _ in alive]
@@ -577,7 +590,9 @@ class Scheduler:
         for j, (s, d) in enumerate(alive):
             rows, r = logits[r:r + len(lists[j])], r + len(lists[j])
             out: list = []
-            self._for_job(s, self._judge, s, d, rows, experts[j], out)
+            self._for_job(s, self._judge, s, d, rows if d else rows[-1:], experts[j], out)
+            if out and not d:  # one sampled token after [pending token, forced...]: all of those are kept
+                out[:0] = lists[j][1:]
             outs.append(out)
             if not out:
                 continue
@@ -599,7 +614,9 @@ class Scheduler:
             job.stats.decode_s += dt
             if s.spec is not None and job.grammar is None:
                 s.spec.timed("verify" if d else "single", out, t0)
-            for token in out:
+            n_forced, job.forced = (0 if d else len(lst) - 1), []
+            job.stats.n_decoded += n_forced  # taken already (`_take`): only the sampled token is passed on
+            for token in out[n_forced:]:
                 job.stats.n_decoded += 1
                 self._for_job(s, self._take, s, token)
                 if s.job is not job:  # finished (stop, length, error): the tokens after it are dropped
@@ -628,24 +645,46 @@ class Scheduler:
         self._take(slot, slot.job.sampler(logits, slot.job.history))
 
     def _take(self, slot: Slot, token: int) -> None:
-        """Pass a sampled token's text on; finish on end-of-generation, a stop string or length."""
+        """Pass a sampled token's text on; finish on end-of-generation, a stop string or length. Then, with a
+        grammar (and fast_forward), the tokens it forces next are taken too, without sampling: they wait in
+        `job.forced` for the next forward, which reads them with this token."""
+        if not self._pass_on(slot, token):
+            return
+        job = slot.job
+        job.next_token, job.forced = token, []
+        if not (self.fast_forward and job.grammar is not None and job.top_logprobs is None):
+            return
+        constraint = job.sampler.constraint
+        for forced in constraint.forced():
+            constraint.accept(forced)
+            job.stats.n_forced += 1
+            if not self._pass_on(slot, forced):
+                return
+            job.forced.append(forced)
+
+    def _pass_on(self, slot: Slot, token: int) -> bool:
+        """A token taken: its text passed on; False when that ends the job (end-of-generation, a stop string, the
+        grammar's end, length)."""
         job, st = slot.job, slot.job.stats
         job.history.append(token)
         st.n_generated += 1
         with self.lock:
             self.totals["generated_tokens"] += 1
         if self.tokenizer.is_eog(token) and not job.ignore_eos:
-            return self._finish(slot, "stop")
+            self._finish(slot, "stop")
+            return False
         if job.sampler.last_logprobs is not None:  # before the token's text, which may be held back (UTF-8, stop)
             job.emit("logprobs", (token, *job.sampler.last_logprobs))
         piece = job.text.put(token)
         if piece:
             job.emit("piece", piece)
         if job.text.stopped or (job.grammar is not None and job.sampler.constraint.finished):
-            return self._finish(slot, "stop")
+            self._finish(slot, "stop")
+            return False
         if st.n_generated >= job.max_tokens:
-            return self._finish(slot, "length")
-        job.next_token = token
+            self._finish(slot, "length")
+            return False
+        return True
 
     def _finish(self, slot: Slot, reason: str, error: str = "") -> None:
         """Free the slot (its KV cache and tokens stay, for prefix reuse) and tell the job how it ended."""

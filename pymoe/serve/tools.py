@@ -2,7 +2,7 @@
 OpenAI's `tool_calls` (Anthropic's `tool_use` blocks are made from these: anthropic.tool_use), and a forced choice is
 decoded under a grammar so that the call always parses.
 
-    name = tool_format(tokenizer.chat_template)   # "hermes", "qwen-xml", "glm", "deepseek-v3.1", "harmony" or None
+    name = call_format(tokenizer.chat_template)   # "hermes", "qwen-xml", "glm", "deepseek-v3.1", "harmony", "generic"
     fmt = FORMATS[name]
     prompt = template(messages, tools=[...])       # the template writes the tools into the prompt (jinja `tools`)
     grammar = fmt.grammar(specs, tokenizer)        # tool_choice required / a named function: the answer is a call
@@ -39,6 +39,11 @@ answer, and how to write the grammar of one call:
                      <|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}
                  (a call; the template writes history as `<|start|>assistant to=functions.NAME<|channel|>commentary
                  json<|message|>{...}<|call|>`: both orders are read). The analysis channel (reasoning) is dropped.
+  generic        Any other template (ChatML, the demo model's), as llama.cpp's generic format: the tools are listed in a
+                 system-prompt section, history is rewritten as JSON turns, and every answer is one JSON object
+                 that the grammar forces (tool_choice auto included):
+                     {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+                     {"response": "It is sunny."}
 
 Argument values in qwen-xml and glm are bare text. As llama.cpp does, a parameter whose schema type is number,
 integer, boolean, null, object or array is read as JSON when it parses (Qwen3.5's template writes Python's
@@ -175,6 +180,8 @@ def one_of(rules: list) -> str:
 class Format:
     """One tool-call format. Subclasses set `name` and `opener`, and write `detect`, `read_block` (or `parse`) and
     `call_rule`."""
+    head: Optional[re.Pattern] = None  # a call's text up to its JSON arguments (group 1: the name), where the
+    #                                    format writes them as JSON: they can be streamed as they are written
     name = ""
     opener = ""  # the text that starts a call: what a stream holds back a prefix of
     markers: tuple = ()  # the marker strings of a call: where the vocabulary has them as control tokens, they are
@@ -250,6 +257,7 @@ def bare_params_rule(spec: dict, tokenizer, before: str, between: str, after: st
 
 class Hermes(Format):
     name, opener = "hermes", "<tool_call>"
+    head = re.compile(r'<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*')
     markers = ("<tool_call>", "</tool_call>")
     block = re.compile(r"<tool_call>\s*(\{.*?\})\s*</tool_call>", re.DOTALL)
 
@@ -318,6 +326,7 @@ class Glm(Format):
 
 class DeepSeekV31(Format):
     name, opener = "deepseek-v3.1", "<｜tool▁calls▁begin｜>"
+    head = re.compile(r"<｜tool▁call▁begin｜>\s*([^<]+?)\s*<｜tool▁sep｜>\s*")
     calls_end = "<｜tool▁calls▁end｜>"
     markers = ("<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>", "<｜tool▁sep｜>", "<｜tool▁call▁end｜>",
                "<｜tool▁calls▁end｜>")
@@ -355,6 +364,7 @@ class Harmony(Format):
     """gpt-oss: messages `[<|start|>assistant]<|channel|>CHANNEL[ to=RECIPIENT][ <|constrain|>json]<|message|>BODY`
     ended by <|end|>, <|call|> or <|return|> (the last two end the generation, so an answer's text lacks them)."""
     name, opener = "harmony", "<|channel|>"
+    head = re.compile(r"to=functions\.([^\s<]+)[^<]*(?:<\|(?:channel|constrain)\|>[^<]*)*<\|message\|>")
     ends = ("<|end|>", "<|call|>", "<|return|>", "<|start|>")
     markers = ("<|channel|>", "<|message|>", "<|start|>", "<|constrain|>", "<|end|>")
     recipient = re.compile(r"to=functions\.([^\s<]+)")
@@ -416,7 +426,120 @@ class Harmony(Format):
                                    tokenizer), lark_json(spec.get("parameters"))])
 
 
-FORMATS = {f.name: f for f in (Harmony(), DeepSeekV31(), Glm(), QwenXml(), Hermes())}  # detection order
+class Generic(Format):
+    """Any template without a tool format of its own (the ChatML fallback, the demo model's): as llama.cpp's generic
+    format, the tools are shown in a system-prompt section (`system_section`), history is rewritten into JSON turns
+    (`rewrite`), and the whole answer is one JSON object the grammar forces, with or without a forced choice:
+        {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}     a call
+        {"response": "It is sunny."}                                              an answer (its text is the content)
+    History: an assistant's calls are written as that object (several: {"tool_calls": [...], "content": "..."}); a
+    tool's answer as a user turn {"tool_response": {"tool": NAME, "content": "..."}}."""
+    name, opener = "generic", "{"
+    head = re.compile(r'^\s*\{\s*"tool_call"\s*:\s*\{\s*"name"\s*:\s*"([^"\\]+)"\s*,\s*"arguments"\s*:\s*')
+    block = re.compile(r"(?!)")  # parse() reads the whole answer itself
+    reply = '{"response":"'  # the start of an answer's text, in the compact JSON the grammar writes
+
+    @staticmethod
+    def detect(template):
+        return False  # never detected: the fallback (call_format)
+
+    def parse(self, text, specs=None, final=True):
+        """A whole answer: its JSON object's call(s) or response; text that is not such an object stays content. While
+        streaming (final=False): an answer's `response` string as far as it decodes, a call only at the end."""
+        body = text.strip()
+        if not final:
+            if not body.startswith("{") and not self.reply.startswith(body):
+                return finish([text], [], final)  # plain text (no grammar: a client's own history, say)
+            if not body.startswith(self.reply):
+                return finish([], [], final)
+            return finish([partial_json_string(body[len(self.reply):])], [], final)
+        try:
+            obj = json.loads(body)
+        except (ValueError, RecursionError):
+            return finish([text], [], final)
+        if not isinstance(obj, dict):
+            return finish([text], [], final)
+        if isinstance(obj.get("response"), str) and len(obj) == 1:
+            return finish([obj["response"]], [], final)
+        found = [obj["tool_call"]] if "tool_call" in obj else obj.get("tool_calls")
+        calls = [new_call(c["name"], c.get("arguments", {})) for c in found or []
+                 if isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)]
+        if not calls or (found and len(calls) != len(found)):
+            return finish([text], [], final)
+        return finish([obj.get("content") or ""] if isinstance(obj.get("content"), str) else [], calls, final)
+
+    def call_schema(self, spec: dict) -> dict:
+        return {"type": "object", "additionalProperties": False, "required": ["tool_call"], "properties": {
+            "tool_call": {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                          "properties": {"name": {"const": spec["name"]},
+                                         "arguments": spec.get("parameters") or {"type": "object"}}}}}
+
+    def call_rule(self, spec, tokenizer):
+        return lark_json(self.call_schema(spec))
+
+    def auto_grammar(self, specs: list) -> Grammar:
+        """tool_choice auto: a call of one of `specs`, or {"response": text}."""
+        specs = [{**s, "parameters": closed(s.get("parameters"))} for s in specs]
+        answer = {"type": "object", "additionalProperties": False, "required": ["response"],
+                  "properties": {"response": {"type": "string"}}}
+        return Grammar.from_request("lark", one_of([self.call_rule(s, None) for s in specs] + [lark_json(answer)]))
+
+    @staticmethod
+    def system_section(tools: list, forced: bool) -> str:
+        """What the model is told (tools: OpenAI's [{type: function, function: {name, description, parameters}}])."""
+        listed = json.dumps([t["function"] for t in tools], ensure_ascii=False)
+        shape = '{"tool_call": {"name": "<a tool\'s name>", "arguments": {<its arguments>}}}'
+        return (f"You can call these tools (their parameters are JSON schemas):\n{listed}\n"
+                + (f"Answer with a call, in JSON: {shape}" if forced else
+                   f"Answer in JSON: {shape} to call a tool, or {{\"response\": \"<your answer>\"}} to answer "
+                   "the user"))
+
+    @staticmethod
+    def rewrite(messages: list, tools: list, forced: bool) -> list:
+        """Template messages ([{role, content, tool_calls?, tool_call_id?}]) -> ones a template without tools
+        renders: the tools' section in the system prompt, calls and tool answers as JSON text."""
+        section = Generic.system_section(tools, forced)
+        names = {c["id"]: c["function"]["name"] for m in messages for c in m.get("tool_calls", ())}
+        out = []
+        for m in messages:
+            if m.get("tool_calls"):
+                calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                         for c in m["tool_calls"]]
+                obj = {"tool_call": calls[0]} if len(calls) == 1 and not m["content"] else \
+                    {"tool_calls": calls, **({"content": m["content"]} if m["content"] else {})}
+                out.append({"role": "assistant", "content": json.dumps(obj, ensure_ascii=False)})
+            elif m["role"] == "tool":
+                tool = names.get(m.get("tool_call_id"), m.get("tool_call_id") or "")
+                out.append({"role": "user", "content": json.dumps(
+                    {"tool_response": {"tool": tool, "content": m["content"]}}, ensure_ascii=False)})
+            else:
+                out.append({"role": m["role"], "content": m["content"]})
+        if out and out[0]["role"] in ("system", "developer"):
+            out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + section}
+        else:
+            out.insert(0, {"role": "system", "content": section})
+        return out
+
+
+def partial_json_string(body: str) -> str:
+    """The text of a JSON string cut anywhere (its opening quote already off): as far as it decodes; an escape cut
+    in two waits for its rest, and the closing quote (and what follows it) ends it."""
+    for cut in range(len(body), max(-1, len(body) - 12), -1):
+        try:
+            return json.loads('"' + body[:cut] + '"')
+        except ValueError:
+            continue
+        except RecursionError:
+            break
+    # the closing quote is in: decode up to it
+    try:
+        return json.JSONDecoder().raw_decode('"' + body)[0]
+    except ValueError:
+        return ""
+
+
+FORMATS = {f.name: f for f in (Harmony(), DeepSeekV31(), Glm(), QwenXml(), Hermes(), Generic())}  # detection order;
+# Generic is never detected: the fallback of a template without a format (call_format)
 
 
 def tool_format(template: Optional[str]) -> Optional[str]:
@@ -425,6 +548,11 @@ def tool_format(template: Optional[str]) -> Optional[str]:
     if not template or "tool" not in template:  # DeepSeek-V3.1's writes tool_calls and results, but no tool list
         return None
     return next((name for name, f in FORMATS.items() if f.detect(template)), None)
+
+
+def call_format(template: Optional[str]) -> str:
+    """The format calls are written in with tools in play: the template's own (tool_format), else "generic"."""
+    return tool_format(template) or "generic"
 
 
 def preserved_tokens(fmt: Optional[str], tokenizer) -> frozenset:
@@ -452,23 +580,94 @@ def call_grammar(specs: list, fmt: str = "hermes", tokenizer=None) -> Grammar:
     return FORMATS[fmt].grammar(specs, tokenizer)
 
 
+def json_value_end(text: str, start: int) -> Optional[int]:
+    """Where the JSON object or array that starts at text[start] ends (the index after it), or None: not closed
+    yet, or not an object or array."""
+    if start >= len(text) or text[start] not in "{[":
+        return None
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        c = text[i]
+        if in_string:
+            escaped, in_string = (not escaped and c == "\\"), in_string and (escaped or c != '"')
+        elif c == '"':
+            in_string = True
+        elif c in "{[":
+            depth += 1
+        elif c in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
 class CallStream:
     """An answer read as it streams: feed(piece) -> (new content text, [new complete calls]); close() -> the rest.
-    keep: "all" calls, or "first" (parallel_tool_calls false)."""
+    keep: "all" calls, or "first" (parallel_tool_calls false).
+    live (formats whose arguments are JSON: `Format.head`): a call is announced as soon as its name is written, and
+    its arguments go out as they are written: after each feed, `progress` holds [(call number, id, name or None,
+    arguments text)] (the name only with a call's first entry); a complete call that was announced keeps its id, its
+    `arguments` are the text as written, and its `streamed` says how much of that went out already. A call announced
+    but never closed (the answer cut by max_tokens) stays what was sent of it: its text is not content."""
 
-    def __init__(self, fmt: str, specs: Optional[list] = None, keep: str = "all"):
+    def __init__(self, fmt: str, specs: Optional[list] = None, keep: str = "all", live: bool = False):
         self.fmt, self.specs, self.keep = FORMATS[fmt], specs, keep
+        self.live = live and self.fmt.head is not None
         self.text, self.sent, self.n_calls = "", "", 0
+        self.heads: list = []  # live: the calls announced, in order: [start, id, name, arguments sent]
+        self.progress: list = []
 
     def feed(self, piece: str, final: bool = False) -> tuple[str, list]:
         self.text += piece
         content, calls = self.fmt.parse(self.text, self.specs, final)
+        calls = calls[:1] if self.keep == "first" else calls
+        if final and self.live and len(self.heads) > len(calls):  # announced, never closed (max_tokens): it stays
+            content = self.fmt.parse(self.text[:self.heads[len(calls)][0]], self.specs, final)[0]  # a call, not text
         content = content or ""
         new = content[len(self.sent):] if content.startswith(self.sent) else ""  # always a prefix (see parse)
         self.sent += new
-        calls = calls[:1] if self.keep == "first" else calls
         fresh, self.n_calls = calls[self.n_calls:], max(self.n_calls, len(calls))
+        self.progress = []
+        if self.live:
+            fresh = [self._complete(k, c) for k, c in enumerate(fresh, self.n_calls - len(fresh))]
+            if not final:
+                self._follow()
         return new, fresh
+
+    def _complete(self, k: int, call: dict) -> dict:
+        """Call number k, complete: the announced one's id and its arguments as written (when they are the same
+        JSON), with how much of them was sent."""
+        if k >= len(self.heads) or self.heads[k][2] != call["function"]["name"]:
+            return call
+        start, cid, name, sent = self.heads[k]
+        m = self.fmt.head.match(self.text, start)
+        end = json_value_end(self.text, m.end()) if m else None
+        raw = self.text[m.end():end] if end else None
+        try:
+            same = raw is not None and json.loads(raw) == json.loads(call["function"]["arguments"])
+        except ValueError:
+            same = False
+        if not same or not raw.startswith(sent):
+            return {**call, "id": cid, "streamed": sent}  # sent text the final one does not continue: shown anyway
+        return {**call, "id": cid, "function": {"name": name, "arguments": raw}, "streamed": sent}
+
+    def _follow(self) -> None:
+        """The calls written so far beyond the complete ones: announce new ones, send their arguments' new text."""
+        limit = 1 if self.keep == "first" else None
+        for k, m in enumerate(self.fmt.head.finditer(self.text)):
+            if limit is not None and k >= limit:
+                break
+            if k == len(self.heads):
+                self.heads.append([m.start(), "call_" + uuid.uuid4().hex[:24], m.group(1).strip(), ""])
+                self.progress.append((k, self.heads[k][1], self.heads[k][2], ""))
+            if k < self.n_calls:  # complete already
+                continue
+            end = json_value_end(self.text, m.end())
+            raw = self.text[m.end():end] if end else self.text[m.end():]
+            head = self.heads[k]
+            if raw.startswith(head[3]) and len(raw) > len(head[3]) and raw[:1] in "{[":
+                self.progress.append((k, head[1], None, raw[len(head[3]):]))
+                head[3] = raw
 
     def close(self) -> tuple[str, list]:
         return self.feed("", final=True)

@@ -218,6 +218,39 @@ MUTANTS: list[Mutant] = [
          "tests/test_cache.py::test_cache_never_changes_results[*lfu-0.4*]"),
         "expert cache: a promotion marks the slot resident but never copies the expert's bytes into it"),
     Mutant(
+        "lfu_heap_never_compacted", "pymoe/experts/policies.py",
+        "        heapq.heappush(self.heap, (self.count.get(key, 0), self.clock, key))\n"
+        "        if len(self.heap) > HEAP_SLACK * (self.size + 1):\n            self._compact()",
+        "        heapq.heappush(self.heap, (self.count.get(key, 0), self.clock, key))",
+        ("tests/test_policies.py::test_lfu_lfru_memory_stays_bounded_when_the_pool_rarely_evicts[lfu]",),
+        "LFU's lazy-deletion heap grows by one entry per hit when the pool rarely evicts (issue 48)"),
+    Mutant(
+        "refused_miss_not_a_use", "pymoe/experts/policies.py",
+        "        self.policy.on_use(key, t)  # a miss is a use, whether it takes a slot or not\n",
+        "",
+        ("tests/test_policies.py::test_every_lookup_is_a_use[*]",
+         "tests/test_cache.py::test_every_lookup_reaches_the_policys_count"),
+        "a miss served without a slot (prefill, refused by admission) never reaches LFU's / LFRU's record of use"),
+    Mutant(
+        "sim_counts_the_tables_answer", "pymoe/experts/simulate.py",
+        "hit[t] = served.setdefault(key, table_hit)",
+        "hit[t] = table_hit",
+        ("tests/test_speculative.py::test_simulator_replays_a_speculative_run_with_the_engines_counts[*]",),
+        "the simulator counts a repeat of a key within one lookup call as the table answers, not as the engine "
+        "served it (a just-promoted expert counted a hit)"),
+    Mutant(
+        "slots_start_empty", "pymoe/api.py",
+        "        log(cache.fill())  # every slot, from the profile and then in a stated order: slots never sit empty",
+        "        pass  # MUTANT: no start-up fill",
+        ("tests/test_cache.py::test_slots_never_sit_empty",),
+        "the slot pool starts empty: every expert's first use misses"),
+    Mutant(
+        "slot_limit_counts_dense_layers", "pymoe/experts/cache.py",
+        "self.n_total = n_total = len(cfg.moe_layers) * self.n_experts",
+        "self.n_total = n_total = cfg.n_layers * self.n_experts",
+        ("tests/test_cache.py::test_slot_limits_count_the_experts_of_moe_layers_only",),
+        "slot limits and coverage count the leading dense layers' nonexistent experts (issue 49)"),
+    Mutant(
         "tokenizer_llama3_digit_groups_of_4", "pymoe/engine/tokenizer.py",
         '\\p{N}{1,3}"',
         '\\p{N}{1,4}"',

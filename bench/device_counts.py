@@ -1,0 +1,103 @@
+"""The CUDA backend's cost per decoded token, counted in Numba's CUDA simulator: kernel launches, host<->device bytes
+by what they carry, host synchronisations (backends/device_counts.py), for each family's micro model.
+
+    NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python bench/device_counts.py [--families qwen3moe,llama] [--tokens 4]
+
+Each family's `micro` preset (pymoe/demo/tinymodel.py, F32, seed 0) is written to a temporary folder and decoded
+greedily from the prompt [5, 17] for --tokens new tokens (the first from the prefill, the rest one decode step
+each), in two settings:
+  slots:  a slot for every expert, all pre-filled from a profile: every expert is served from a slot;
+  misses: one slot per MoE layer (LRU), pcie_frac 0.5: misses alternate between spill (read over PCIe) and the CPU,
+          and each is promoted.
+The counts are exact (the simulator runs the same launches, copies and syncs as a GPU would; the reference
+kernels stand in for the real ones, which the counts do not depend on: backends/cuda.py LAUNCHES). Prints one
+Markdown row per family and setting: the table of docs/expert-cache.md ("The GPU path's cost, counted"), the
+bytes grouped under short names (`SHORT`: "expert rows" = the pairs' inputs, router weights, zeroed outputs in
+and the outputs back; "residual in" = the attention block's input; "logits" = the output projection's input and
+output).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+import pymoe  # noqa: E402
+from pymoe.backends.device_counts import per_token  # noqa: E402
+from pymoe.experts.profile import Profile  # noqa: E402
+
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "deepseek2"]
+PROMPT = [5, 17]
+MiB = 2**20
+SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
+
+
+def load(path: str, setting: str):
+    """The engine of one setting (see the module docstring)."""
+    if setting == "slots":  # (a profile's layers are the MoE layers, numbered from 0: experts/trace.py)
+        cfg = pymoe.load(path, backend="reference").config
+        pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+        profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
+        return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
+                          backend_options=SIM)
+    cfg = pymoe.load(path, backend="reference").config
+    return pymoe.load(path, backend="cuda", cache_slots=len(cfg.moe_layers), policy="lru", pcie_frac=0.5,
+                      backend_options=SIM)
+
+
+def decode_counts(path: str, setting: str, tokens: int) -> tuple[dict, dict]:
+    """(per decoded token means, the decode cache counters) of one greedy request."""
+    engine = load(path, setting)
+    list(engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False))
+    st = engine.last_stats
+    return per_token({**st.device, "tokens": st.n_decoded}), st.decode
+
+
+# The table's short names for DeviceCounts' byte names (backends/cuda.py), by the start of the name.
+SHORT = [("residual to device", "residual in"), ("attention block to host", "attention out"), ("router:", "router"),
+         ("expert inputs", "expert rows"), ("expert weights", "expert rows"), ("expert output zeros", "expert rows"),
+         ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
+         ("prefill staging", "staging"), ("output projection:", "logits"), ("RoPE", "RoPE"), ("KV", "KV"),
+         ("shared expert:", "shared expert"), ("dense MLP:", "dense MLP"), ("host-side attention:", "host attention"),
+         ("experts one at a time:", "experts one by one")]
+
+
+def short(name: str) -> str:
+    return next((s for prefix, s in SHORT if name.startswith(prefix)), name)
+
+
+def row(arch: str, setting: str, m: dict, cache: dict) -> str:
+    grouped: dict = {}
+    for w, b in m["bytes_by_name"].items():
+        grouped[short(w)] = grouped.get(short(w), 0) + b
+    names = ", ".join(f"{w} {b:,.0f}" for w, b in grouped.items())
+    how = (f"{cache.get('hits', 0)} hits" if setting == "slots" else
+           f"{cache.get('hits', 0)} hits, {cache.get('spill', 0)} spill, {cache.get('cpu', 0)} cpu")
+    return (f"| {arch} | {setting} ({how}) | {m['launches']:g} | {m['synchronisations']:g} | {m['bytes']:,.0f} "
+            f"| {names} |")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated archs [default: all nine]")
+    ap.add_argument("--tokens", type=int, default=4, help="new tokens per request (decode steps: one less)")
+    args = ap.parse_args()
+    from pymoe.demo.tinymodel import write_model
+
+    print("| family | setting (decode lookups) | launches | syncs | host<->device bytes | bytes by name |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in args.families.split(","):
+            path = os.path.join(tmp, f"micro-{arch}-f32.gguf")
+            write_model(path, arch, "micro", "f32", seed=0)
+            for setting in ("slots", "misses"):
+                m, cache = decode_counts(path, setting, args.tokens)
+                print(row(arch, setting, m, cache), flush=True)
+
+
+if __name__ == "__main__":
+    main()

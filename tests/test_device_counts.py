@@ -1,0 +1,177 @@
+"""The CUDA backend's cost, counted (backends/device_counts.py) in Numba's CUDA simulator: launches, host<->device
+bytes by name and host synchronisations per decoded token, held to numbers worked out from the code's structure, so
+that the counters (and the design they measure) cannot drift unnoticed; and `pymoe run --backend cuda` end to end
+in the simulator.
+
+Model: the `micro` preset of qwen3moe (pymoe/demo/tinymodel.py: hidden D = 32, 1 layer, E = 4 experts, top K = 2,
+expert FFN F = 32, 2 query heads / 1 KV head of 16 with q/k norms, RoPE over 16 dims, vocabulary V = 264, F32). One
+expert is 3 matrices of 32 x 32 float32: 3 x 4096 = 12,288 bytes.
+"""
+from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: switches the simulator on
+
+import pytest  # noqa: E402
+
+import pymoe  # noqa: E402
+from pymoe.backends.device_counts import per_token  # noqa: E402
+from pymoe.experts.profile import Profile  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+PROMPT = [5, 17]
+N_NEW = 4  # 3 decode steps
+MiB = 2**20
+SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # the counts do not depend on the kernel set
+D, E, K, V, ROPE_PAIRS = 32, 4, 2, 264, 8
+EXPERT_BYTES = 3 * 32 * 32 * 4
+F32 = 4
+
+# One decode token of version 2, every expert in a slot, worked out from backends/cuda.py and engine/:
+#   attention block (engine/attention.py): to_device of the normed residual [1, D]; q, k, v projections (3 matmul
+#     launches); q and k norms (2 rmsnorm); RoPE on q and k (2 rope; the token's cos and sin rows uploaded once per
+#     forward, 8 + 8 floats); the KV write (device to device: not counted); 1 decode_attention; the output
+#     projection (1 matmul); to_host of [1, D] (1 sync)                              -> 9 launches, 1 sync
+#   router (engine/moe.py, ffn_gate_inp on the host residual): linear_raw: [1, D] in, 1 matmul, [1, E] out, 1 sync
+#   experts: the K pairs' inputs [K, D], router weights [K], zeroed outputs [K, D] in; expert_block per expert
+#     (gate_up + down: 2 launches each, K experts); outputs [K, D] back, 1 sync                -> 2K launches
+#   logits: the output projection on the host's normed residual: [1, D] in, 1 matmul, [1, V] out, 1 sync
+SLOT_TOKEN = dict(launches=9 + 1 + 2 * K + 1, synchronisations=4, bytes_by_name={
+    "residual to device (attention block)": D * F32,
+    "RoPE tables to device": 2 * ROPE_PAIRS * F32,
+    "attention block to host": D * F32,
+    "router: input to device": D * F32, "router: output to host": E * F32,
+    "expert inputs to device": K * D * F32, "expert weights to device": K * F32,
+    "expert output zeros to device": K * D * F32, "expert outputs to host": K * D * F32,
+    "output projection: input to device": D * F32, "output projection: output to host": V * F32})
+
+
+@pytest.fixture(scope="module")
+def micro_model(tmp_path_factory):
+    from pymoe.demo.tinymodel import write_model
+
+    path = str(tmp_path_factory.mktemp("micro") / "micro-qwen3moe-f32.gguf")
+    write_model(path, "qwen3moe", "micro", "f32", seed=0)
+    return path
+
+
+def decode(engine):
+    list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    return engine.last_stats
+
+
+@in_process
+def test_one_decode_token_with_every_expert_in_a_slot(micro_model):
+    profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)  # pre-fills all 4 slots
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
+                        backend_options=SIM)
+    st = decode(engine)
+    assert st.decode["hits"] == st.decode["lookups"] == (N_NEW - 1) * K
+    m = per_token({**st.device, "tokens": st.n_decoded})
+    assert st.device["forwards"] == st.device["tokens"] == N_NEW - 1
+    assert (m["launches"], m["synchronisations"]) == (SLOT_TOKEN["launches"], SLOT_TOKEN["synchronisations"])
+    assert m["bytes_by_name"] == SLOT_TOKEN["bytes_by_name"]
+    total = sum(SLOT_TOKEN["bytes_by_name"].values())  # 2,424
+    assert st.device_line() == (f"decode device per token: {SLOT_TOKEN['launches']:.1f} launches, {total:,} "
+                                f"host<->device bytes, {SLOT_TOKEN['synchronisations']:.1f} synchronisations")
+
+
+@in_process
+def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model):
+    """One slot, pcie_frac 0.5: each decode step's K = 2 experts both miss (the slot holds the previous step's last
+    promotion, and each step here routes elsewhere: asserted), one is read over PCIe by its kernels (one token: one
+    token tile, so its bytes once), the other computed on the CPU (no launch); both are promoted into the one slot,
+    which keeps the last (experts/cache.py: one copy per slot per call)."""
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=1, policy="lru", pcie_frac=0.5, backend_options=SIM)
+    st = decode(engine)
+    c, dev, steps = st.decode, st.device, N_NEW - 1
+    assert (c["hits"], c["spill"], c["cpu"], c["promoted"]) == (0, steps, steps, K * steps), c
+    assert dev["bytes"]["expert spill reads over PCIe"] == steps * EXPERT_BYTES
+    assert dev["bytes"]["slot copies (promotions, prefetches) to device"] == steps * EXPERT_BYTES
+    assert dev["launches"] == steps * (SLOT_TOKEN["launches"] - 2)  # the CPU expert's expert_block is not launched
+    assert dev["synchronisations"] == steps * SLOT_TOKEN["synchronisations"]
+    others = {w: b for w, b in dev["bytes"].items() if not w.startswith(("expert spill", "slot copies"))}
+    assert others == {w: steps * b for w, b in SLOT_TOKEN["bytes_by_name"].items()}  # the CPU expert's rows too
+
+
+@in_process
+def test_the_server_status_gives_the_counts_by_name(micro_model):
+    """/v1/status (serve/metrics.status_of): the decode counts per decoded token since start. The server's slots
+    keep their own KV caches (the attention may run on the host), so only what does not depend on that is held to
+    SLOT_TOKEN's numbers: the router's and the experts' bytes, and the tokens counted."""
+    from pymoe.engine.sampler import SamplingParams
+    from pymoe.serve.metrics import status_of
+    from pymoe.serve.scheduler import Job, Scheduler
+
+    profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
+                        backend_options=SIM, n_ctx=64)
+    with Scheduler(engine, parallel=1, kv="f32") as sched:
+        job = sched.submit(Job(prompt_ids=PROMPT, max_tokens=N_NEW, ignore_eos=True,
+                               sampling=SamplingParams(temperature=0)))
+        list(job.events(timeout=120))
+        m = status_of(sched)["device"]["decode_per_token"]
+    assert m["tokens"] == N_NEW - 1 and m["launches"] > 0 and m["synchronisations"] > 0
+    for name in ("router: output to host", "expert inputs to device", "expert outputs to host"):
+        assert m["bytes_by_name"][name] == SLOT_TOKEN["bytes_by_name"][name], name
+
+
+@in_process
+def test_pymoe_run_in_the_simulator(micro_model):
+    """`NUMBA_ENABLE_CUDASIM=1 pymoe run FILE --backend cuda`, the real kernels (cuda_kernels/), a subprocess: the
+    stated device size, then the device line last. --pcie-frac 1 (no probe): the decode step's 2 experts both miss
+    the empty auto-sized pool (prefill never promotes), are read over PCIe and promoted. ~2 min on a busy 2-core
+    machine (the simulator runs each kernel block as Python threads)."""
+    from conftest import run_pymoe
+
+    p = run_pymoe("run", micro_model, "--backend", "cuda", "-n", "2", "-p", "hi", "--pcie-frac", "1", "--temp", "0",
+                  timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    lines = p.stderr.strip().splitlines()
+    assert "pymoe run: simulated device: 8 GiB (NUMBA_ENABLE_CUDASIM=1; times are not a GPU's)" in lines
+    total = sum(SLOT_TOKEN["bytes_by_name"].values()) + 2 * EXPERT_BYTES + 2 * EXPERT_BYTES  # + spill + promotions
+    assert lines[-1] == (f"pymoe run: decode device per token: {SLOT_TOKEN['launches']:.1f} launches, {total:,} "
+                         f"host<->device bytes, {SLOT_TOKEN['synchronisations']:.1f} synchronisations"), lines[-4:]
+
+
+@in_process
+@pytest.mark.parametrize("value, gib", [("", 8.0), ("0.5", 0.5), ("abc", None), ("0", None), ("inf", None)])
+def test_the_simulated_device_size(monkeypatch, value, gib):
+    from pymoe.backends.cuda import simulated_device_gib
+    from pymoe.errors import PymoeError
+
+    monkeypatch.setenv("PYMOE_SIM_DEVICE_GIB", value)
+    if gib is not None:
+        assert simulated_device_gib() == gib
+    else:
+        with pytest.raises(PymoeError, match=r"^PYMOE_SIM_DEVICE_GIB must be a positive number of GiB, got '.*'$"):
+            simulated_device_gib()
+
+
+def test_gpu_check_dry_run_in_the_simulator():
+    """scripts/gpu-check --dry-run: bench/gpu_check.py's code path in the simulator (reference kernels, the micro
+    preset, 3 decode steps per request, caches of 1, 2, 4 slots), --pcie-frac 1 (no probe; every miss read over
+    PCIe, so every expert launches). Its table: every row SLOT_TOKEN's launches and syncs; the bytes SLOT_TOKEN's plus
+    whole experts (spill reads and promotion copies) over the 3 decoded tokens. (Runs in its own process: no
+    in_process mark needed.)"""
+    import os
+    import subprocess
+    import sys
+
+    from cuda_sim import ROOT
+
+    env = dict(os.environ, PYTHON=sys.executable)
+    p = subprocess.run(["bash", "scripts/gpu-check", "--dry-run", "--pcie-frac", "1"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    lines = p.stdout.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["cache", "slots"])
+    rows = [line.split() for line in lines[head + 1:head + 4]]
+    assert [r[:2] for r in rows] == [["25%", "1"], ["50%", "2"], ["100%", "4"]], lines[head:]
+    base = sum(SLOT_TOKEN["bytes_by_name"].values())
+    for r in rows:
+        launches, syncs, nbytes = float(r[-3]), float(r[-2]), int(r[-1])
+        assert (launches, syncs) == (SLOT_TOKEN["launches"], SLOT_TOKEN["synchronisations"]), r
+        assert nbytes >= base and (nbytes - base) * (N_NEW - 1) % EXPERT_BYTES == 0, r
+
+
+if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
+    test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
