@@ -19,6 +19,7 @@ from .backends import get_backend
 from .experts.cache import PassThroughCache
 from .errors import PymoeError
 from .engine.generate import RequestStats, generate_tokens, stream_text
+from .engine.multimodal import MEDIA_MARKER
 from .gguf.loader import EXPERT_PROJ, load_gguf
 from .engine.kv import check_kv_fits
 from .engine.model import Model
@@ -173,28 +174,87 @@ class Engine:
         ids = np.asarray(ids, dtype=np.int64).reshape(-1)
         return self.model.prefill(ids, self.model.new_kv(max(self.n_ctx, ids.size)))
 
-    def encode_prompt(self, prompt: Union[str, Sequence[int]], chat: bool = False) -> list[int]:
+    def encode_prompt(self, prompt: Union[str, Sequence[int]], chat: bool = False, images: Sequence = ()
+                      ) -> list[int]:
+        """Token ids of a prompt. images: bytes of image files (or encoded ImageEmbeddings), placed at the
+        prompt's <__media__> markers, or before the text when it has none; the ids then carry them (ImagePrompt)."""
         if isinstance(prompt, str):
+            if images and MEDIA_MARKER not in prompt:
+                prompt = MEDIA_MARKER * len(images) + prompt
             if chat:
                 prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}])
+            if images:
+                return self.prompt_with_images(prompt, images)
             return self.tokenizer.encode(prompt)
+        if images:
+            raise PymoeError("images go with a text prompt (token ids have no place marked for them)")
         return [int(t) for t in prompt]
 
+    # --- images (pymoe/vision/, engine/multimodal.py) --------------------------------------------------------
+    vision = None  # the loaded mmproj file (vision/mmproj.MMProj), after attach_mmproj
+
+    def attach_mmproj(self, path: Optional[str] = None, log=lambda line: None) -> None:
+        """Load the vision tower: `path`, else the one mmproj*.gguf beside the model (vision/mmproj.find_mmproj)."""
+        from .vision.mmproj import find_mmproj, load_mmproj
+
+        path = path or find_mmproj(self.file.path)
+        if path is None:
+            raise PymoeError(f"{self.file.path}: images need the model's mmproj file: pass --mmproj FILE (there is "
+                             "no mmproj*.gguf beside the model)")
+        if not self.config.rope_sections:
+            raise PymoeError(f"{self.file.path}: {self.config.arch} has no rope.dimension_sections (M-RoPE); "
+                             "pymoe places images in qwen35moe models")
+        if getattr(self.backend, "name", "").startswith("cuda"):
+            raise PymoeError("images run on the CPU backends for now (--backend cpu): the CUDA backend's rope "
+                             "tables are one position per row")
+        self.vision = load_mmproj(path, self.config.n_embd, self.file.path)
+        self._encoded: dict = {}  # sha256 of image bytes -> ImageEmbeddings (the last few)
+        log(f"mmproj {path}: {self.vision.config.projector}, {self.vision.config.n_layers} blocks")
+
+    def encode_image(self, data: bytes, where: str = "image"):
+        """Image file bytes -> engine/multimodal.ImageEmbeddings (kept by the bytes' sha256 for reuse)."""
+        from .engine.multimodal import ImageEmbeddings, image_key
+        from .vision.encoder import encode
+        from .vision.preprocess import preprocess
+
+        if self.vision is None:
+            raise PymoeError(f"{where}: this model was loaded without an mmproj file (--mmproj): it takes no images")
+        key = image_key(data)
+        if key not in self._encoded:
+            c = self.vision.config
+            pixels = preprocess(data, c, where)  # [3, H, W]
+            step = c.patch_size * c.merge
+            self._encoded[key] = ImageEmbeddings(encode(pixels, self.vision), pixels.shape[1] // step,
+                                                 pixels.shape[2] // step, key)
+            while len(self._encoded) > 16:
+                self._encoded.pop(next(iter(self._encoded)))
+        return self._encoded[key]
+
+    def prompt_with_images(self, text: str, images: Sequence) -> list[int]:
+        """A rendered prompt with one <__media__> per image -> ids that carry the images (ImagePrompt)."""
+        from .engine.multimodal import ImageEmbeddings, tokens_with_images
+
+        encoded = [im if isinstance(im, ImageEmbeddings) else self.encode_image(im, f"image {i + 1}")
+                   for i, im in enumerate(images)]
+        return tokens_with_images(self.tokenizer, text, encoded)
+
     def generate(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, chat: bool = False,
-                 stop_at_eos: bool = True, spec=None, grammar=None, **sampling) -> Iterator[int]:
+                 stop_at_eos: bool = True, spec=None, grammar=None, images: Sequence = (),
+                 **sampling) -> Iterator[int]:
         """New token ids after the prompt (text or ids). `sampling`: SamplingParams fields (temperature, seed...).
         spec: a Speculator (`speculator`), for speculative decoding. grammar: an engine/grammar.Grammar the output
         follows."""
         self.last_stats = RequestStats()
         is_stop = self.tokenizer.is_eog if stop_at_eos else (lambda t: False)
-        return generate_tokens(self.model, self.encode_prompt(prompt, chat), max_tokens,
+        return generate_tokens(self.model, self.encode_prompt(prompt, chat, images), max_tokens,
                                self._sampler(sampling, grammar, spec), is_stop, self.n_ctx, self.last_stats, spec)
 
     def stream(self, prompt: Union[str, Sequence[int]], max_tokens: int = 128, chat: bool = False,
-               stop: Sequence[str] = (), spec=None, grammar=None, **sampling) -> Iterator[str]:
+               stop: Sequence[str] = (), spec=None, grammar=None, images: Sequence = (), **sampling
+               ) -> Iterator[str]:
         """Text pieces of the answer, stop strings applied; telemetry in `last_stats`."""
         self.last_stats = RequestStats()
-        return stream_text(self.model, self.tokenizer, self.encode_prompt(prompt, chat), max_tokens,
+        return stream_text(self.model, self.tokenizer, self.encode_prompt(prompt, chat, images), max_tokens,
                            self._sampler(sampling, grammar, spec), stop, self.n_ctx, self.last_stats, spec)
 
     def _sampler(self, sampling: dict, grammar, spec) -> Sampler:

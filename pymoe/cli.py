@@ -277,11 +277,16 @@ def _output_grammar(grammar, grammar_file, json_schema, json_schema_file):
 @click.option("--grammar-file", default=None, help="... read from this file.")
 @click.option("-j", "--json-schema", default=None, help="Constrain the output to JSON following this JSON schema.")
 @click.option("--json-schema-file", default=None, help="... read from this file.")
+@click.option("--image", "images", multiple=True,
+              help="An image file (PNG, JPEG...) for the prompt (repeatable): placed at each <__media__> in the "
+                   "prompt, else before it. Needs the model's mmproj file.")
+@click.option("--mmproj", default=None,
+              help="The model's multimodal projector GGUF (default: the one mmproj*.gguf beside the model).")
 @telemetry_options
 @engine_options
 def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_k, top_p, min_p, repeat_penalty, seed,
             stop, model_opt, ctx, chat_template, trace_path, spec, spec_k, lookahead, grammar, grammar_file,
-            json_schema, json_schema_file, telemetry, telemetry_interval, **engine_opts):
+            json_schema, json_schema_file, images, mmproj, telemetry, telemetry_interval, **engine_opts):
     """Generate text from MODEL (a GGUF file) for a prompt; tokens stream to stdout, telemetry to stderr.
 
     With no MODEL, runs the embedded demo model (trained on Python's standard library) on a Python prompt."""
@@ -293,7 +298,7 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
     model = _pick_model(model, model_opt)
     if interactive:
         return _chat(model, None, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, ctx, chat_template,
-                     engine_opts, "pymoe run")
+                     engine_opts, "pymoe run", mmproj)
 
     def log(line):
         click.echo(f"pymoe run: {line}", err=True)
@@ -324,7 +329,16 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         parse_spec(spec)  # a bad --spec is refused before the model loads
         if spec_k < 1:
             raise PymoeError(f"--spec-k must be >= 1, got {spec_k}")
+    image_bytes = [_read_image(path) for path in images]  # before the model loads: a bad path fails fast
+    if image_bytes and spec:
+        raise PymoeError("--spec does not take images (its drafter reads token ids only): use one of them")
     engine = _load(model, ctx, chat_template, log, **engine_opts)
+    if image_bytes or mmproj:
+        engine.attach_mmproj(mmproj, log)
+        for path, data in zip(images, image_bytes):
+            t0 = time.perf_counter()
+            img = engine.encode_image(data, path)
+            log(f"image {path}: {img.rows} x {img.cols} tokens, encoded in {(time.perf_counter() - t0) * 1e3:.0f} ms")
     speculator = None
     if spec:
         speculator = engine.speculator(spec, spec_k, threads=engine_opts.get("threads"),
@@ -339,7 +353,7 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
     writer, t_start = _telemetry(engine, telemetry, telemetry_interval, "run"), time.time()
     pieces = engine.stream(prompt, max_tokens=n_predict, chat=chat, stop=stop, temperature=temp, top_k=top_k,
                            top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty, seed=seed, spec=speculator,
-                           grammar=output_grammar)
+                           grammar=output_grammar, images=image_bytes)
     if not chat:
         click.echo(prompt, nl=False)  # like llama.cpp: the continuation reads on from the prompt
     for piece in pieces:
@@ -368,31 +382,43 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
         log(f"trace {trace_path}: {recorder.n_tokens} tokens {'appended' if appended else 'written'}")
 
 
+def _read_image(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as e:
+        raise PymoeError(f"--image {path}: {e.strerror}") from None
+
+
 @cli.command("chat")
 @click.argument("model", required=False)
 @click.option("-s", "--system", default=None, help="A system message to start the conversation with.")
 @click.option("-n", "--n-predict", default=512, show_default=True, type=Ints(min=1),
               help="Tokens per reply at most.")
+@click.option("--mmproj", default=None,
+              help="The model's multimodal projector GGUF, for /image (default: the one mmproj*.gguf beside the model).")
 @sampling_options
 @model_options
 @engine_options
-def chat_cmd(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, model_opt, ctx, chat_template,
-             **engine_opts):
+def chat_cmd(model, system, n_predict, mmproj, temp, top_k, top_p, min_p, repeat_penalty, seed, model_opt, ctx,
+             chat_template, **engine_opts):
     """Chat with MODEL in turns on its chat template (with no MODEL: the demo model). Replies stream; Ctrl-C stops a
-    reply, Ctrl-D (or /quit) ends. Commands: /system TEXT, /reset, /stats, /help, /quit."""
+    reply, Ctrl-D (or /quit) ends. Commands: /system TEXT, /image FILE, /reset, /stats, /help, /quit."""
     _chat(_pick_model(model, model_opt), system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, ctx,
-          chat_template, engine_opts, "pymoe chat")
+          chat_template, engine_opts, "pymoe chat", mmproj)
 
 
-CHAT_HELP = ("commands: /system TEXT (set the system message and start over), /reset (forget the conversation), "
-             "/stats (the last reply's telemetry), /help, /quit; Ctrl-C stops a reply, Ctrl-D ends")
+CHAT_HELP = ("commands: /system TEXT (set the system message and start over), /image FILE (an image for your next "
+             "message), /reset (forget the conversation), /stats (the last reply's telemetry), /help, /quit; "
+             "Ctrl-C stops a reply, Ctrl-D ends")
 
 
 def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, seed, ctx, chat_template, engine_opts,
-          who):
+          who, mmproj=None):
     """The chat loop: each turn renders the whole conversation through the chat template and generates the reply
     (the conversation is read again each turn: no KV cache is kept between turns)."""
     from . import demo
+    from .engine.multimodal import MEDIA_MARKER
 
     def log(line):
         click.echo(f"{who}: {line}", err=True)
@@ -407,6 +433,7 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
     messages = [{"role": "system", "content": system}] if system else []
     log(CHAT_HELP)
     turn, last = 0, None
+    images, pending = [], []  # the conversation's images, in order; those for the next message
     while True:
         try:
             line = input("> ")
@@ -426,7 +453,18 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
                 return
             if cmd == "/reset":
                 messages = [m for m in messages if m["role"] == "system"]
+                images, pending = [], []
                 log("conversation forgotten")
+            elif cmd == "/image":
+                try:
+                    if engine.vision is None:
+                        engine.attach_mmproj(mmproj, log)
+                    data = _read_image(arg.strip())
+                    img = engine.encode_image(data, arg.strip())
+                    pending.append(data)
+                    log(f"image {arg.strip()}: {img.rows} x {img.cols} tokens, for your next message")
+                except PymoeError as e:
+                    log(f"error: {e}")
             elif cmd == "/system":
                 messages = [{"role": "system", "content": arg.strip()}] if arg.strip() else []
                 log("system message set; conversation started over" if arg.strip() else "system message removed")
@@ -435,10 +473,12 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
             else:
                 log(CHAT_HELP)
             continue
-        messages.append({"role": "user", "content": text})
+        messages.append({"role": "user", "content": MEDIA_MARKER * len(pending) + text})
+        n_new, images, pending = len(pending), images + pending, []
         reply, pieces = [], None
         try:
-            ids = engine.tokenizer.encode(engine.tokenizer.apply_chat_template(messages))
+            rendered = engine.tokenizer.apply_chat_template(messages)
+            ids = engine.prompt_with_images(rendered, images) if images else engine.tokenizer.encode(rendered)
             pieces = engine.stream(ids, max_tokens=n_predict, seed=None if seed is None else seed + turn, **sampling)
             for piece in pieces:
                 reply.append(piece)
@@ -450,6 +490,7 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
             click.echo(" [stopped]", nl=False)
         except PymoeError as e:  # e.g. the conversation outgrew the context: say so, keep the chat
             messages.pop()
+            images = images[:len(images) - n_new]
             click.echo()
             log(f"error: {e} (/reset starts over)")
             continue
@@ -644,12 +685,15 @@ def serve_options(f):
 @click.option("--reasoning-format", default="deepseek", show_default=True, type=click.Choice(["none", "deepseek"]),
               help="deepseek: a chat answer's <think> block (gpt-oss: its analysis channel) goes to reasoning_content; "
                    "none: left in the content.")
+@click.option("--mmproj", default=None,
+              help="The model's multimodal projector GGUF, for image inputs (default: the one mmproj*.gguf beside "
+                   "a model that can place images).")
 @server_sampling_options
 @telemetry_options
 @serve_options
 def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib, request_timeout, cors_origins,
-              log_format, reasoning_format, ctx, kv, parallel, max_queue, spec, spec_k, prefill_chunk, telemetry,
-              telemetry_interval, **engine_options):
+              log_format, reasoning_format, mmproj, ctx, kv, parallel, max_queue, spec, spec_k, prefill_chunk,
+              telemetry, telemetry_interval, **engine_options):
     """Serve MODEL (a GGUF file) over OpenAI- and Anthropic-compatible HTTP APIs: /v1/chat/completions,
     /v1/completions, /v1/messages, /v1/models, /v1/status, /metrics, /health, and the monitor page at /.
     With no MODEL, serves the embedded demo model (trained on Python's standard library)."""
@@ -670,7 +714,7 @@ def serve_cmd(model, model_opt, chat_template, host, port, api_key, max_body_mib
           prefill_chunk=prefill_chunk, chat_template=chat_template, request_timeout=request_timeout,
           sampling_defaults={k: v for k, v in defaults.items() if v is not None},
           cors_origins=parse_origins(cors_origins), log_format=log_format, reasoning_format=reasoning_format,
-          telemetry=telemetry, telemetry_interval=telemetry_interval, **engine_options)
+          telemetry=telemetry, telemetry_interval=telemetry_interval, mmproj=mmproj, **engine_options)
 
 
 @cli.command("bench")

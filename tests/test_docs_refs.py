@@ -51,11 +51,11 @@ SKIP_DIRS = {".git", ".venv", "build", "dist", "__pycache__", "node_modules", ".
 TOP_DIRS = ("pymoe", "cuda_kernels", "tests", "bench", "tools", "scripts", "docs", ".ci")
 # File names of other projects that pages cite as the definition of something (llama.cpp, gguf-py, llm.c, ...).
 EXTERNAL_FILES = {"convert_hf_to_gguf.py", "base.py", "quants.py", "ggml-quants.c", "run.c", "train_gpt2.c",
-                  "expert_cache.py", "gpt2.py"}
+                  "expert_cache.py", "gpt2.py", "qwen3vl.cpp", "clip.cpp"}
 # CamelCase names of other libraries and formats that pages put in code spans.
 EXTERNAL_NAMES = {"GGUFReader": "gguf", "GGUFWriter": "gguf", "ImmutableSandboxedEnvironment": "jinja2.sandbox",
                   "Allow": "an HTTP header", "Origin": "an HTTP header", "Authorization": "an HTTP header",
-                  "Infinity": "JSON", "NaN": "JSON"}
+                  "Infinity": "JSON", "NaN": "JSON", "Qwen2VLImageProcessor": "transformers"}
 # Files pymoe's commands write, named in pages as what a command produces (`pymoe report -o report.md`).
 OUTPUT_FILES = {"report.md"}
 # pymoe modules named like a library they use: `gguf.dequantize` may be gguf-py's, `cuda.jit` Numba's. Such a chain

@@ -180,6 +180,9 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512, variant: st
         n_ff=GLM["dense_ff_factor"] * p.n_ff_shexp if glm else 0,
         **({k: v for k, v in GPT_OSS.items()} if arch == "gpt-oss" else {}),
         **(qwen3next_fields(p) if arch in ("qwen3next", "qwen35moe") else {}),
+        # conversion/qwen.py _Qwen35MRopeMixin: the default [11, 11, 10, 0], scaled to the tiny rope's 8 pairs
+        # (every pair a text position)
+        rope_sections=(3, 3, 2, 0) if arch == "qwen35moe" else (),
     )
     if arch == "deepseek2":
         kw.update(DEEPSEEK2_CONFIG)
@@ -407,8 +410,8 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
     elif cfg.has_shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
-    if cfg.arch == "qwen35moe":  # conversion/qwen.py _Qwen35MRopeMixin: the default [11, 11, 10, 0], scaled to
-        w.add_rope_dimension_sections([3, 3, 2, 0])  # the tiny rope's 8 pairs (every pair a text position)
+    if cfg.rope_sections:  # qwen35moe (make_config)
+        w.add_rope_dimension_sections(list(cfg.rope_sections))
     if cfg.arch in ("qwen3next", "qwen35moe"):  # conversion/qwen.py Qwen3NextModel.set_gguf_parameters
         w.add_ssm_conv_kernel(cfg.ssm_conv)
         w.add_ssm_state_size(cfg.ssm_state)

@@ -103,6 +103,9 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
     spec: a speculative.Speculator: each decode step then drafts and verifies several tokens (same output when
     greedy, same distribution when sampling); its counters are in spec.stats."""
     stats = stats if stats is not None else RequestStats()
+    media = getattr(prompt_ids, "media", None)  # an ImagePrompt's images (engine/multimodal.py)
+    if media is not None and spec is not None:
+        raise PymoeError("speculative decoding does not take images (its drafter reads token ids only)")
     prompt_ids = [int(t) for t in prompt_ids]
     n_ctx = n_ctx or model.cfg.n_ctx_train
     if not prompt_ids:
@@ -122,15 +125,16 @@ def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: 
     if spec is not None:
         spec.begin(model, kv)
     try:
-        yield from _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec)
+        yield from _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, media)
     finally:
         if spec is not None:
             spec.end(model, kv)
 
 
-def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec) -> Iterator[int]:
+def _generate(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, media=None) -> Iterator[int]:
     t0 = time.perf_counter()
-    logits = model.prefill(np.asarray(prompt_ids), kv)[-1]  # [V] of the last prompt position
+    logits = (model.prefill(np.asarray(prompt_ids), kv) if media is None
+              else model.prefill(np.asarray(prompt_ids), kv, media))[-1]  # [V] of the last prompt position
     model.cache.end_prefill()  # the warm decode set, if one is asked for (experts/cache.py)
     stats.prompt_s = time.perf_counter() - t0
     gap = getattr(model.cache, "gap", None)  # experts/gap.py: Belady on this request's decode lookups

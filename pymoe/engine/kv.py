@@ -53,6 +53,9 @@ class KVCache:
     def __init__(self, cfg: ModelConfig, n_ctx: int, layers: Optional[tuple] = None):
         """layers: the layers to keep K/V for (default: ModelConfig.kv_layers(); the MTP block: its own one)."""
         self.n_ctx, self.n = n_ctx, 0
+        # M-RoPE after an image (engine/multimodal.py): an image of T tokens advances the rope position by
+        # max(rows, cols), not T; from storage index i on, position = index + d, for the last (i, d) with i <= index
+        self.shifts: list = []
         self.rows = {layer: r for r, layer in enumerate(cfg.kv_layers() if layers is None else layers)}
         shape = (len(self.rows), n_ctx, cfg.n_head_kv)
         self.k = self._plane((*shape, cfg.head_dim), keys=bool(cfg.kv_v_width))
@@ -81,7 +84,13 @@ class KVCache:
 
     def clear(self) -> None:
         self.n = 0
+        self.shifts = []
         self.__dict__.pop("_recurrent", None)
+
+    def pos_delta(self, n: Optional[int] = None) -> int:
+        """rope position - storage index at storage index n (default self.n): 0 until an image (M-RoPE)."""
+        n = self.n if n is None else n
+        return next((d for i, d in reversed(self.shifts) if i <= n), 0)
 
     def recurrent(self, layer: int, **shapes) -> dict:
         """The state a recurrent layer carries from call to call (Gated DeltaNet: conv [K - 1, C] and ssm
@@ -107,6 +116,7 @@ class KVCache:
             copy_positions(self.v, other.v, n)
         self.restore_recurrent(other.save_recurrent())
         self.n = n
+        self.shifts = [(i, d) for i, d in getattr(other, "shifts", []) if i <= n]
 
     def save_recurrent(self) -> dict:
         """A copy of every recurrent layer's state, to go back to with `restore_recurrent` (speculative decoding

@@ -28,6 +28,25 @@ from .kv import KVCache, segments
 from .moe import FFN
 
 
+def _delta(kv) -> int:
+    """rope position - storage index at the cache's end (nonzero after an image: engine/multimodal.py)."""
+    f = getattr(kv, "pos_delta", None)
+    return f() if f is not None else 0
+
+
+def imrope_axes(sections: tuple, n_pairs: int) -> np.ndarray:
+    """ggml's interleaved M-RoPE (GGML_ROPE_TYPE_IMROPE, ggml_mrope_cache_init): pair i is in sector
+    i % sum(sections); sector s turns by the h position when s % 3 == 1 and s < 3 sections[1], by w when
+    s % 3 == 2 and s < 3 sections[2], by t when s % 3 == 0 and s < 3 sections[0] (0, 1, 2 = t, h, w). Pairs that
+    would take the 4th (e) position are refused when the file is read (gguf/config.py)."""
+    total = max(1, sum(sections))
+    axes = np.zeros(n_pairs, dtype=np.int64)
+    for i in range(n_pairs):
+        s = i % total
+        axes[i] = 1 if s % 3 == 1 and s < 3 * sections[1] else 2 if s % 3 == 2 and s < 3 * sections[2] else 0
+    return axes
+
+
 @dataclass
 class Layer:
     """One transformer block's weights, prepared for a backend. Names are the GGUF tensor names."""
@@ -132,12 +151,20 @@ class Model:
 
     # --- the pieces -----------------------------------------------------------------------------------------
     def rope_tables(self, positions: np.ndarray) -> tuple:
-        """RoPE's cos, sin [T, rope_dim / 2] of these positions, with the file's context scaling (YaRN: gpt-oss)."""
+        """RoPE's cos, sin [T, rope_dim / 2] of these positions, with the file's context scaling (YaRN: gpt-oss).
+        positions [T], or [T, 3] (t, h, w) for M-RoPE: rows of an image prompt (engine/multimodal.py)."""
         c = self.cfg
         # DeepSeek's files carry a yarn_log_multiplier: llama.cpp's YaRN factor on cos/sin is then 1 (the mscale
         # moves into the attention scale, engine/mla.py)
         scaling = RopeScaling(c.rope_scaling, c.rope_scale, c.rope_ctx_orig, mscale=1.0 if c.yarn_log_mul else None)
-        return rope_tables(c.rope_dim, c.rope_freq_base, positions, scaling)
+        if positions.ndim == 1:
+            return rope_tables(c.rope_dim, c.rope_freq_base, positions, scaling)
+        if not c.rope_sections:
+            raise PymoeError(f"{c.arch}: multi-axis (image) positions need rope.dimension_sections (M-RoPE)")
+        tables = [rope_tables(c.rope_dim, c.rope_freq_base, positions[:, a], scaling) for a in range(3)]
+        axis = imrope_axes(c.rope_sections, c.rope_dim // 2)  # [rope_dim / 2] which of t, h, w turns pair i
+        pick = lambda k: np.stack([tables[a][k] for a in range(3)])[axis, :, np.arange(axis.size)].T  # noqa: E731
+        return pick(0), pick(1)
 
     def embed(self, tokens: np.ndarray, table=None) -> np.ndarray:
         """token ids [T] -> float32 [T, D]: only the rows used are dequantized (table: another embedding tensor of
@@ -169,12 +196,15 @@ class Model:
         """The positions of a block's T rows: kv.n .. kv.n + T - 1 for one cache, [kv_j.n] for N (one row each),
         kv_j.n .. kv_j.n + counts[j] - 1 for each of N (engine/kv.py `Seqs`)."""
         if len(kvs) == 1:
-            return np.arange(kvs[0].n, kvs[0].n + T)
-        return np.concatenate([np.arange(kv.n, kv.n + rows.stop - rows.start) for kv, rows in segments(kvs, T)])
+            return np.arange(kvs[0].n, kvs[0].n + T) + _delta(kvs[0])
+        return np.concatenate([np.arange(kv.n, kv.n + rows.stop - rows.start) + _delta(kv)
+                               for kv, rows in segments(kvs, T)])
 
     # --- the forward pass -------------------------------------------------------------------------------------
-    def forward(self, tokens, kv: KVCache, phase: str) -> np.ndarray:
-        """tokens [T] appended at kv.n -> logits float32 [T, V]; advances kv.n by T."""
+    def forward(self, tokens, kv: KVCache, phase: str, media=None) -> np.ndarray:
+        """tokens [T] appended at kv.n -> logits float32 [T, V]; advances kv.n by T. media: this call's slice of a
+        prompt's images (engine/multimodal.PromptMedia): embedding rows that replace the image pad tokens' rows and
+        each row's (t, h, w) M-RoPE position."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         cfg = self.cfg
         if tokens.size == 0:
@@ -188,7 +218,11 @@ class Model:
             self.backend.counts.forward(phase, tokens.size)
         x = self.embed(tokens)  # [T, D]
         norm = self.backend.rmsnorm
-        rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size))  # for all layers
+        if media is None:
+            rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size) + _delta(kv))  # for all layers
+        else:
+            x[media.rows] = media.embeddings  # image rows: the projector's output in place of the pad token's row
+            rope = self.rope_tables(media.positions)  # [T, 3] -> for all layers
         self.last_experts = 0
         for i, layer in enumerate(self.layers):
             x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
@@ -206,22 +240,27 @@ class Model:
         if self.trace is not None:
             self.trace.end_forward()
         kv.n += tokens.size
+        if media is not None and media.next_position - kv.n != _delta(kv):  # the text after an image goes on
+            kv.shifts.append((kv.n, int(media.next_position - kv.n)))  # from max(rows, cols) past its start
         x = norm(x, self.output_norm, cfg.rms_eps)
         tap = self.hidden_taps.get(id(kv))
         if tap is not None:  # an MTP drafter reads this sequence's normed last hidden states (engine/mtp.py)
             tap(kv.n - tokens.size, x)
         return self.backend.linear(self.output, x)  # [T, V]
 
-    def prefill(self, tokens, kv: KVCache) -> np.ndarray:
+    def prefill(self, tokens, kv: KVCache, media=None) -> np.ndarray:
         """tokens [T] -> logits [T, V], in forward calls of at most `self.chunk` tokens (`--chunk`): the chunk is
         the unit of prefill's expert traffic (each expert missing from the cache is streamed once per chunk) and
         bounds the activation buffers. Each query's result does not depend on how the prompt is cut."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
+        if hasattr(media, "at"):  # a whole prompt's PromptMedia: positions from where this cache stands
+            media = media.at(kv)
         if tokens.size <= self.chunk:
-            return self.forward(tokens, kv, "prefill")
+            return self.forward(tokens, kv, "prefill", media)
         if kv.n + tokens.size > kv.n_ctx:  # checked for the whole prompt before any chunk fills the cache
             raise PymoeError(f"context full: {kv.n} + {tokens.size} tokens exceed the context of {kv.n_ctx}")
-        return np.concatenate([self.forward(tokens[i:i + self.chunk], kv, "prefill")
+        return np.concatenate([self.forward(tokens[i:i + self.chunk], kv, "prefill",
+                                            None if media is None else media.slice(i, i + self.chunk))
                                for i in range(0, tokens.size, self.chunk)])  # [T, V]
 
     def decode_one_token(self, token: int, kv: KVCache) -> np.ndarray:

@@ -214,6 +214,7 @@ class ModelConfig:
     ssm_k_heads: int = 0
     ssm_v_heads: int = 0
     ssm_inner: int = 0
+    rope_sections: tuple = ()  # {arch}.rope.dimension_sections (t, h, w, e) where the arch has IMRoPE (qwen35moe)
     recurrent: tuple = ()  # per layer: True where the layer is Gated DeltaNet ({arch}.attention.recurrent_layers,
     #                        else every layer but each full_attention_interval-th)
     # MLA (deepseek2): attention.q_lora_rank (0: one q projection), attention.kv_lora_rank, the uncompressed head
@@ -353,7 +354,8 @@ class ModelConfig:
                            for p in (i % max(1, sum(sections)) for i in range(rope_pairs))):
                     raise PymoeError(f"{where}{arch}.rope.dimension_sections {sections} leave rotated pairs to the "
                                      "4th (image) position: not supported for text")
-            hybrid = dict(ssm_conv=count("ssm.conv_kernel"), ssm_state=count("ssm.state_size"),
+            hybrid = dict(rope_sections=tuple(sections) if t.rope_sections else (),
+                          ssm_conv=count("ssm.conv_kernel"), ssm_state=count("ssm.state_size"),
                           ssm_k_heads=count("ssm.group_count"), ssm_v_heads=count("ssm.time_step_rank"),
                           ssm_inner=count("ssm.inner_size"),
                           recurrent=tuple(bool(r) for r in recurrent)[:n_all - n_nextn])

@@ -217,6 +217,9 @@ class GGUFModel:
                                                                               self.tensors):
             raise PymoeError(f"{where}an MTP companion file (only an MTP block's tensors), not a model: pass the "
                              f"model, and this file as --spec mtp:{self.path}")
+        if embd is None and self.metadata("general.architecture") == "clip":
+            raise PymoeError(f"{where}an mmproj file (a multimodal model's vision tower), not a model: pass the "
+                             f"model, and this file as --mmproj {self.path}")
         if embd is None:
             raise PymoeError(f"{where}missing tensor token_embd.weight")
         self.config = ModelConfig.from_gguf(self.metadata_getter(where), n_vocab=embd.shape[0],

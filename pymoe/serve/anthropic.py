@@ -27,12 +27,14 @@ import json
 import uuid
 from typing import ClassVar, Literal, Optional, Union
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 from pymoe.engine.grammar import Grammar
+from pymoe.engine.multimodal import MEDIA_MARKER
 from pymoe.engine.sampler import SamplingParams
 from pymoe.serve.schemas import (MAX_STOP_CHARS, MAX_TOKENS, ApiError, FunctionDef, StopString, Strict, Tool,
-                                 grammar_or_400, unsupported)
+                                 base64_image, grammar_or_400, unsupported)
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
                405: "invalid_request_error", 408: "invalid_request_error", 413: "request_too_large",
@@ -72,17 +74,62 @@ class ToolResultBlock(Strict):
     cache_control: Optional[dict] = Field(None, description="an object (prefix reuse is automatic here)")
 
 
-Block = Union[TextBlock, ToolUseBlock, ToolResultBlock]  # told apart by `type` (each model allows its one value)
+class ImageSource(Strict):
+    type: Literal["base64", "url"] = Field(description="'base64' (a 'url' source is refused: pymoe fetches nothing)")
+    media_type: Optional[str] = Field(None, description="a string, e.g. 'image/png'")
+    data: Optional[str] = Field(None, description="base64 image data")
+    url: Optional[str] = Field(None, description="(refused)")
+
+    @model_validator(mode="after")
+    def _base64_only(self):
+        if self.type == "url":
+            raise PydanticCustomError("invalid_value", "{param}: pymoe does not fetch URLs; send the image as a "
+                                                       "base64 source")
+        if not self.data:
+            raise PydanticCustomError("invalid_value", "{param}: a base64 source needs 'data'")
+        return self
+
+
+class ImageBlock(Strict):
+    """An image in a user turn: a <__media__> marker where it stands in the turn's text (engine/multimodal.py)."""
+
+    type: Literal["image"] = Field(description="'image'")
+    source: ImageSource = Field(description="{type: base64, media_type, data}")
+    cache_control: Optional[dict] = Field(None, description="an object (prefix reuse is automatic here)")
+
+    def image(self) -> bytes:
+        return base64_image(self.source.data)
+
+
+Block = Union[TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock]  # told apart by `type` (each allows its one)
 
 
 def _text(content) -> str:
-    return content if isinstance(content, str) else "".join(b.text for b in content if b.type == "text")
+    if isinstance(content, str):
+        return content
+    return "".join(b.text if b.type == "text" else MEDIA_MARKER for b in content if b.type in ("text", "image"))
 
 
 class AnthropicMessage(Strict):
     role: Literal["user", "assistant"] = Field(description="'user' or 'assistant'")
-    content: Union[str, list[Block]] = Field(description="a string or a list of text, tool_use and tool_result "
-                                                         "blocks")
+    content: Union[str, list[Block]] = Field(description="a string or a list of text, image, tool_use and "
+                                                         "tool_result blocks")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_url_images(cls, m):
+        """An image by URL is named here (inside the block union its error would be the union's)."""
+        content = m.get("content") if isinstance(m, dict) else None
+        for b in content if isinstance(content, list) else []:
+            if isinstance(b, dict) and b.get("type") == "image" and isinstance(b.get("source"), dict) \
+                    and b["source"].get("type") == "url":
+                raise PydanticCustomError("invalid_value", "{param}: pymoe does not fetch URLs; send the image as a "
+                                                           "base64 source")
+        return m
+
+    def images(self) -> list:
+        """The bytes of this turn's image blocks, in order."""
+        return [] if isinstance(self.content, str) else [b.image() for b in self.content if b.type == "image"]
 
     def template_messages(self) -> list:
         """This turn as the chat template reads OpenAI's messages: tool_result blocks become role "tool" messages
@@ -197,6 +244,10 @@ class MessagesRequest(ToolsMixin, Strict):
     def check_sampling(self) -> None:
         pass
 
+    def images(self) -> list:
+        """The bytes of the turns' image blocks, in the order of their markers in the prompt."""
+        return [b for m in self.messages for b in m.images()]
+
     def template_messages(self) -> list:
         system = [{"role": "system", "content": _text(self.system)}] if self.system else []
         return system + [msg for m in self.messages for msg in m.template_messages()]
@@ -241,6 +292,7 @@ class CountTokensRequest(ToolsMixin, Strict):
     thinking: unsupported() = None
 
     template_messages = MessagesRequest.template_messages
+    images = MessagesRequest.images
 
 
 class MessageReply:

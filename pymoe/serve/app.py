@@ -495,6 +495,23 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                     submitted.cancel()
                 raise
 
+    def chat_ids(req, text: str) -> list:
+        """A rendered chat prompt -> token ids; with images (image_url parts, image blocks), ids that carry their
+        encoded images (engine/multimodal.ImagePrompt) for the scheduler's prefill."""
+        images = req.images()
+        if not images:
+            return engine.tokenizer.encode(text)
+        if engine.vision is None:
+            raise ApiError(400, "this server's model takes no images (start it with --mmproj FILE)",
+                           code="invalid_value", param="messages")
+        if spec:
+            raise ApiError(400, "images do not go with speculative decoding (--spec): its drafter reads token ids",
+                           code="invalid_value", param="messages")
+        try:
+            return engine.prompt_with_images(text, images)
+        except PymoeError as e:
+            raise ApiError(400, str(e), code="invalid_value", param="messages") from None
+
     def prepare(kind: str, data: bytes) -> tuple:
         """A chat or completion body -> (request, its jobs, tool choice, echo): the JSON, the schema, the template,
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
@@ -506,7 +523,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         <think>)."""
         choice = tool_mode(req, engine.tokenizer)
         text = chat_prompt(req, engine.tokenizer) if kind == "chat" else None
-        ids = engine.tokenizer.encode(text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
+        ids = chat_ids(req, text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
         job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
         job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
         job.preserved = preserved_markers(choice, engine.tokenizer) if kind == "chat" else frozenset()
@@ -641,8 +658,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
         def prepare():
             choice = tool_mode(req, engine.tokenizer)
-            job = make_job(req, prompt_ids(req, engine.tokenizer), engine.n_ctx, engine.config.n_vocab,
-                           sampling_defaults, engine.tokenizer, parallel)
+            ids = chat_ids(req, chat_prompt(req, engine.tokenizer))
+            job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
             job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
             job.preserved = preserved_markers(choice, engine.tokenizer)
             return job, choice
@@ -711,7 +728,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @app.post("/v1/messages/count_tokens", dependencies=guarded)
     async def count_tokens(request: Request):
         req = await read_request(request, anthropic.CountTokensRequest)
-        return {"input_tokens": len(await asyncio.to_thread(prompt_ids, req, engine.tokenizer))}
+        ids = await asyncio.to_thread(lambda: chat_ids(req, chat_prompt(req, engine.tokenizer)))
+        return {"input_tokens": len(ids)}
 
     store = responses.ResponseStore()
 
@@ -873,6 +891,7 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
           chat_template: Optional[str] = None, request_timeout: Optional[float] = REQUEST_TIMEOUT_S,
           sampling_defaults: Optional[dict] = None, cors_origins: tuple = (LOCALHOST,), log_format: str = "text",
           reasoning_format: str = "deepseek", telemetry: Optional[str] = None, telemetry_interval: float = 10.0,
+          mmproj: Optional[str] = None,
           **engine_options) -> None:
     """Load MODEL and serve it until interrupted (`pymoe serve`). engine_options: api.load's (n_ctx, cache_slots...).
     parallel None: the default slot rule (serve/slots.py default_parallel), printed with its reason.
@@ -908,6 +927,15 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
         f"{kv_bytes(engine.config, engine.n_ctx, kv) / 2**20:,.1f} MiB of {kv} KV cache")
     if chat_template is not None:
         engine.use_chat_template(chat_template)
+    if mmproj or engine.config.rope_sections:  # images: --mmproj, or the one mmproj*.gguf beside the model
+        from pymoe.vision.mmproj import find_mmproj
+        try:
+            found = mmproj or find_mmproj(model)
+        except PymoeError as e:  # two candidates: serve text, say why
+            found = None
+            log(f"images off: {e}")
+        if found:
+            engine.attach_mmproj(found, log)
     writer = None
     if telemetry:
         from pymoe.experts.telemetry import TelemetryWriter, engine_facts

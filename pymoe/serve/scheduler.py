@@ -194,6 +194,19 @@ class Slot:
     share: Optional[Share] = None  # set while the slot waits for a sibling's prefill of the same prompt
 
 
+def cache_keys(prompt) -> list:
+    """What prefix reuse compares: the token ids, where an image's pad tokens are replaced by a key of the image's
+    bytes (engine/multimodal.py): two prompts with different images at one place share only the text before it."""
+    media = getattr(prompt, "media", None)
+    if media is None or not media.images:
+        return list(prompt)
+    keys = list(prompt)
+    for start, img in zip(media.start_rows, media.images):
+        key = -1 - int(img.key[:15], 16)  # negative: never a token id
+        keys[start:start + img.n_tokens] = [key] * img.n_tokens
+    return keys
+
+
 def common_prefix(a: list, b: list) -> int:
     n = min(len(a), len(b))
     diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
@@ -402,7 +415,8 @@ class Scheduler:
     def _pick_slot(self, prompt: list) -> Slot:
         """The free slot sharing the longest prefix with the prompt; among equals, the least recently used."""
         free = [s for s in self.slots if s.job is None]
-        return max(free, key=lambda s: (common_prefix(s.tokens, prompt), -s.last_used))
+        keys = cache_keys(prompt)
+        return max(free, key=lambda s: (common_prefix(s.tokens, keys), -s.last_used))
 
     def _start(self, slot: Slot, job: Job) -> None:
         """Give the job the slot: reuse the cached prefix; the rest of the prompt is pending, prefilled a chunk per
@@ -438,7 +452,7 @@ class Scheduler:
     def _place_prompt(self, slot: Slot) -> None:
         """The prompt's tokens not in the slot's cache become its pending tokens (prefix reuse)."""
         prompt, st = slot.job.prompt_ids, slot.job.stats
-        reused = min(common_prefix(slot.tokens, prompt), len(prompt) - 1)  # at least one token to get logits from
+        reused = min(common_prefix(slot.tokens, cache_keys(prompt)), len(prompt) - 1)  # >= 1 token for logits
         if not slot.job.cache_prompt:  # the request asked for the whole prompt to be read
             reused = 0
         if self.model.cfg.has_recurrent_state and reused < slot.kv.n:  # a recurrent state cannot be cut back
@@ -446,6 +460,8 @@ class Scheduler:
         if reused == 0:
             slot.kv.clear()
         slot.kv.n, slot.tokens = reused, slot.tokens[:reused]
+        if hasattr(slot.kv, "shifts"):  # the rope shifts of images in the reused prefix only (engine/kv.py)
+            slot.kv.shifts = [(i, d) for i, d in slot.kv.shifts if i <= reused]
         st.n_reused = reused
         self._follow(slot, reused)
         slot.pending = list(prompt[reused:])
@@ -471,7 +487,7 @@ class Scheduler:
         sampled from the prompt's last logits with this job's own sampler."""
         job = slot.job
         slot.kv.copy_from(kv, kv.n)
-        slot.tokens, slot.pending, slot.share = list(job.prompt_ids), [], None
+        slot.tokens, slot.pending, slot.share = cache_keys(job.prompt_ids), [], None
         self._follow(slot, 0)  # the prompt's hidden states are the sibling's: an MTP drafter starts after them
         job.stats.n_reused = kv.n
         with self.lock:
@@ -502,10 +518,14 @@ class Scheduler:
         n = len(slot.pending) if not self.prefill_chunk else min(self.prefill_chunk, len(slot.pending))
         chunk, slot.pending = slot.pending[:n], slot.pending[n:]
         t0 = time.perf_counter()
-        logits = self.model.prefill(np.asarray(chunk), slot.kv)[-1]  # [V] the chunk's last position
+        media, start = getattr(slot.job.prompt_ids, "media", None), slot.kv.n  # the prompt starts at position 0
+        if media is None:
+            logits = self.model.prefill(np.asarray(chunk), slot.kv)[-1]  # [V] the chunk's last position
+        else:  # this chunk's rows of the prompt's images and M-RoPE positions (engine/multimodal.py)
+            logits = self.model.prefill(np.asarray(chunk), slot.kv, media.from_start().slice(start, start + n))[-1]
         dt = time.perf_counter() - t0
         st.prompt_s += dt
-        slot.tokens.extend(chunk)
+        slot.tokens.extend(chunk if media is None else cache_keys(slot.job.prompt_ids)[start:start + n])
         with self.lock:
             self.totals["prefill_seconds"] += dt
             self.totals["prefilled_tokens"] += n

@@ -16,6 +16,8 @@ What this is not: reading the body (app.py caps its size and parses the JSON), t
 (app.py), or anything the engine does (scheduler.py).
 """
 # No `from __future__ import annotations`: the `unsupported(...)` annotations are calls, evaluated here.
+import base64
+import binascii
 import json
 from typing import Annotated, Any, Literal, Optional, Union, get_args
 
@@ -23,6 +25,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 from pydantic_core import PydanticCustomError, PydanticUndefined
 
 from pymoe.engine.grammar import Grammar
+from pymoe.engine.multimodal import MEDIA_MARKER
 from pymoe.engine.sampler import DRY_MAX_BREAKER_BYTES, SamplingParams
 from pymoe.errors import PymoeError
 
@@ -257,12 +260,35 @@ class ToolCall(Strict):
     function: FunctionCall = Field(description="an object {name, arguments}")
 
 
+def image_bytes(url) -> bytes:
+    """An image part's URL -> the image's bytes. Only data: URLs (base64): the server fetches nothing."""
+    if not isinstance(url, str):
+        raise PydanticCustomError("invalid_value", "{param}: an image URL must be a string")
+    if url.startswith(("http://", "https://")):
+        raise PydanticCustomError("invalid_value", "{param}: pymoe does not fetch URLs; send the image inline as a "
+                                                   "data: URL (data:image/png;base64,...)")
+    head, comma, data = url.partition(",")
+    if not head.startswith("data:") or not head.endswith(";base64") or not comma:
+        raise PydanticCustomError("invalid_value", "{param}: an image must be a data: URL with base64 data "
+                                                   "(data:image/png;base64,...)")
+    return base64_image(data)
+
+
+def base64_image(data) -> bytes:
+    try:
+        return base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise PydanticCustomError("invalid_value", "{param}: the image data is not valid base64") from None
+
+
 class Message(Strict):
-    """One chat message: a role and its text (a string, or a list of text parts, joined); an assistant's tool calls,
-    a tool's answer to one (tool_call_id)."""
+    """One chat message: a role and its text (a string, or a list of text and image_url parts: each image becomes
+    a <__media__> marker in the text and its bytes go to `images`); an assistant's tool calls, a tool's answer to
+    one (tool_call_id)."""
 
     role: Role
-    content: Optional[str] = Field(None, description="a string or a list of text parts")
+    content: Optional[str] = Field(None, description="a string or a list of text and image_url parts")
+    images: list = Field([], exclude=True, description="(the images of image_url parts; not a request field)")
     name: unsupported() = None
     tool_calls: list[ToolCall] = Field([], description="a list of {id, type: function, function: {name, arguments}}")
     tool_call_id: Optional[str] = Field(None, description="a string (the call a tool message answers)")
@@ -276,6 +302,23 @@ class Message(Strict):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             raise PydanticCustomError("invalid_value", "{param} needs a 'role', one of {roles}",
                                       {"roles": ", ".join(ROLES)})
+        if "images" in m:
+            raise PydanticCustomError("invalid_value", "{param}: 'images' is not a message field (send image_url "
+                                                       "parts in 'content')")
+        content = m.get("content")
+        if isinstance(content, list) and any(isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            images, parts = [], []
+            for p in content:
+                if isinstance(p, dict) and p.get("type") == "image_url":
+                    if set(p) != {"type", "image_url"}:
+                        raise PydanticCustomError("invalid_value", "{param}: an image_url part is {type, image_url}")
+                    url = p["image_url"]
+                    url = url.get("url") if isinstance(url, dict) else url  # {"url", "detail"} or the URL
+                    images.append(image_bytes(url))
+                    parts.append({"type": "text", "text": MEDIA_MARKER})
+                else:
+                    parts.append(p)
+            m = {**m, "content": parts, "images": images}
         return m
 
     @field_validator("content", mode="before")
@@ -285,7 +328,7 @@ class Message(Strict):
             return content
         if not all(isinstance(p, dict) and p.keys() == {"type", "text"} and p["type"] == "text"
                    and isinstance(p["text"], str) for p in content):
-            raise PydanticCustomError("invalid_value", "{param}: only text parts are supported")
+            raise PydanticCustomError("invalid_value", "{param}: only text and image_url parts are supported")
         return "".join(p["text"] for p in content)
 
 
@@ -341,6 +384,10 @@ class ChatRequest(Common):
         if self.top_logprobs is not None and not self.logprobs:
             raise ApiError(400, "'top_logprobs' needs 'logprobs': true", code="invalid_value", param="top_logprobs")
         return (self.top_logprobs or 0) if self.logprobs else None
+
+    def images(self) -> list:
+        """The bytes of the messages' images, in the order of their <__media__> markers in the prompt."""
+        return [b for m in self.messages for b in m.images]
 
     def template_messages(self) -> list:
         """What the chat template reads: [{role, content}], an assistant's tool_calls with their arguments as

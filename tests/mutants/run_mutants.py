@@ -75,8 +75,8 @@ MUTANTS: list[Mutant] = [
         "RoPE tables built from half the file's rope.freq_base"),
     Mutant(
         "decode_position_off_by_one", "pymoe/engine/model.py",
-        "rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size))",
-        'rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size) + (phase == "decode"))',
+        "rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size) + _delta(kv))",
+        'rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size) + _delta(kv) + (phase == "decode"))',
         ("tests/test_model.py::test_kv_cache_decode_equals_full_forward[*f32*]",
          "tests/test_model_vs_llamacpp.py::test_greedy_tokens_match_llamacpp[*]"),
         "a decoded token is rotated (RoPE) as if it sat one position later than its KV slot"),
@@ -533,8 +533,8 @@ MUTANTS: list[Mutant] = [
         "server speculation over several slots: a hybrid slot's state keeps its rejected drafts"),
     Mutant(
         "ragged_batch_rows_all_at_the_first_position", "pymoe/engine/model.py",
-        "np.arange(kv.n, kv.n + rows.stop - rows.start) for kv, rows in segments(kvs, T)",
-        "np.full(rows.stop - rows.start, kv.n) for kv, rows in segments(kvs, T)",
+        "np.arange(kv.n, kv.n + rows.stop - rows.start) + _delta(kv)",
+        "np.full(rows.stop - rows.start, kv.n) + _delta(kv)",
         ("tests/test_batch.py::test_forward_batch_of_several_tokens_per_sequence_equals_separate_forwards[*]",),
         "forward_batch: every row of a sequence gets RoPE at the sequence's first new position"),
     Mutant(
@@ -827,6 +827,38 @@ MUTANTS: list[Mutant] = [
         "        me = 0",
         ("tests/test_threads.py::test_the_count_is_set_in_the_calling_thread",),
         "the team size is set in one thread only: the server's scheduler thread keeps Numba's default"),
+    # images (docs/vision.md)
+    Mutant(
+        "vision_rope_rows_cols_swapped", "pymoe/vision/encoder.py",
+        "ang = np.concatenate([pos[:, :1] * inv, pos[:, 1:] * inv], axis=1)",
+        "ang = np.concatenate([pos[:, 1:] * inv, pos[:, :1] * inv], axis=1)",
+        ("tests/test_vision.py::test_embeddings_match_transformers[*]",),
+        "the vision tower's 2-D RoPE turns the first quarter of a head by the column, the second by the row"),
+    Mutant(
+        "vision_patches_in_raster_order", "pymoe/vision/encoder.py",
+        "x = x.transpose(1, 4, 2, 5, 0, 3, 6)  # by, bx, dy, dx, c, py, px",
+        "x = x.transpose(1, 2, 4, 5, 0, 3, 6)  # by, dy, bx, dx, c, py, px",
+        ("tests/test_vision.py::test_pixels_equal_transformers_processor[*]",
+         "tests/test_vision.py::test_embeddings_match_transformers[*]"),
+        "patches in raster order within a row of groups: the 2 x 2 merge joins the wrong patches"),
+    Mutant(
+        "imrope_h_and_w_swapped", "pymoe/engine/model.py",
+        "axes[i] = 1 if s % 3 == 1 and s < 3 * sections[1] else 2 if s % 3 == 2 and s < 3 * sections[2] else 0",
+        "axes[i] = 2 if s % 3 == 1 and s < 3 * sections[1] else 1 if s % 3 == 2 and s < 3 * sections[2] else 0",
+        ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",),
+        "M-RoPE pairs of the h section turn by the image column, those of the w section by the row"),
+    Mutant(
+        "image_rope_shift_dropped", "pymoe/engine/model.py",
+        "            kv.shifts.append((kv.n, int(media.next_position - kv.n)))",
+        "            pass",
+        ("tests/test_vision_llamacpp.py::test_decode_after_an_image_goes_on_from_the_shifted_position",),
+        "decode after an image goes on at the storage index, not max(rows, cols) past the image's start"),
+    Mutant(
+        "image_rows_not_placed", "pymoe/engine/model.py",
+        "            x[media.rows] = media.embeddings",
+        "            pass",
+        ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",),
+        "the image pad tokens keep their own embedding rows: the picture never reaches the model"),
 ]
 
 
