@@ -581,7 +581,7 @@ MUTANTS: list[Mutant] = [
         "n > 1: every choice drawn with the request's seed (n copies of one answer)"),
     Mutant(
         "forced_tool_choice_not_constrained", "pymoe/serve/app.py",
-        "    if choice in (None, \"auto\"):\n        return job.grammar",
+        "    if choice is None or (choice == \"auto\" and fmt != \"generic\"):\n        return job.grammar",
         "    if True:  # MUTANT\n        return job.grammar",
         ("tests/test_server.py::test_forced_tool_choice_gives_a_call_that_parses[1]",),
         "tools: a forced tool choice decoded without the call's grammar (the answer need not be a call)"),
@@ -617,8 +617,9 @@ MUTANTS: list[Mutant] = [
         "a tool format's markers that are control tokens vanish from the answer: the call is never read back"),
     Mutant(
         "forced_call_schema_left_open", "pymoe/serve/tools.py",
-        "        specs = [{**s, \"parameters\": closed(s.get(\"parameters\"))} for s in specs]\n",
-        "",
+        "        specs = [{**s, \"parameters\": closed(s.get(\"parameters\"))} for s in specs]\n"
+        "        return Grammar.from_request(\"lark\", one_of(",
+        "        return Grammar.from_request(\"lark\", one_of(",
         ("tests/test_tool_formats.py::test_forced_grammar_accepts_the_template_text_and_generates_calls[*]",
          "tests/test_tool_formats.py::test_a_forced_call_closes_when_the_schema_leaves_other_keys_open"),
         "a forced call's arguments stay open to more keys: a weak model never closes the call"),
