@@ -537,10 +537,20 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
     Formulas and the reference article's numbers worked through: docs/planning.md."""
     from .experts.plan import plan_report
 
+    if devices is not None:  # several cards at once (experts/multi.py)
+        from .experts.multi import devices_plan_report
+
+        if free is not None or targets or plot_path is not None:
+            raise PymoeError("--devices plans the cards given; leave out --free, --target and --plot")
+        click.echo(devices_plan_report(model, devices, hop_us, reserve=reserve, extra_reserve=extra_reserve,
+                                       device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
+                                       runtime=runtime, n_ctx=n_ctx, trace_path=trace_path,
+                                       profile_path=profile_path))
+        return
     click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
                            device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
                            runtime=runtime, n_ctx=n_ctx, targets=targets, trace_path=trace_path,
-                           profile_path=profile_path, plot_path=plot_path, devices=devices, hop_us=hop_us))
+                           profile_path=profile_path, plot_path=plot_path))
 
 
 @cli.command("simulate")

@@ -39,7 +39,8 @@ from typing import Callable, Optional, Sequence
 import numpy as np
 
 from pymoe.errors import PymoeError
-from .plan import GB, CostModel, ModelFacts, fmt_size, parse_size_list, slots_for
+from .plan import (GB, CostModel, ModelFacts, facts_from_gguf, fmt_size, parse_size,
+                   parse_size_list, slots_for)
 
 DEFAULT_HOP_US = 10.0  # assumed: one small device-to-device copy + the event the next card waits on, over PCIe
 RESIDUAL_BYTES = 4  # the residual stream is float32 (one n_embd row per token)
@@ -360,3 +361,23 @@ def simulate_report(trace_path, devices: str, policies: str, slots: Optional[str
     phase = None if phase == "all" else phase
     head = f"trace {trace_path}: {trace.summary()}\ncounted: {phase or 'all'} lookups\n"
     return head + simulate_devices_report(trace, devices, names, sorted(set(slots_list)), phase, profile)
+
+
+def devices_plan_report(model_path, devices: str, hop_us: Optional[float] = None, reserve: str = "700MiB",
+                        extra_reserve: str = "0", device_bw_gbs: float = 0.0, pcie_gbs: float = 0.0,
+                        fixed_ms: float = 0.0, overhead: str = "auto", runtime: str = "0", n_ctx: int = 0,
+                        trace_path: Optional[str] = None, profile_path: Optional[str] = None) -> str:
+    """`pymoe plan MODEL --devices ...`: the model, then one line per card and the whole model (devices_report);
+    the options as plan.plan_report takes them (the CLI passes the planner's defaults)."""
+    reserve_b = parse_size(reserve, what="--reserve")
+    extra_b = parse_size(extra_reserve, what="--extra-reserve")
+    cost = CostModel.from_options(device_bw_gbs, pcie_gbs, fixed_ms)
+    if n_ctx < 0:
+        raise PymoeError(f"--ctx {n_ctx}: must be zero or positive")
+    facts = facts_from_gguf(model_path)
+    runtime_b = parse_size(runtime, what="--runtime")
+    total = None if str(overhead).lower() == "auto" else parse_size(overhead, what="--overhead")
+    hits = load_device_hits(facts, trace_path, profile_path)
+    return "\n".join([f"model: {facts.name}"] + devices_report(
+        facts, devices, total, n_ctx, runtime_b, reserve_b, extra_b, cost, hits,
+        DEFAULT_HOP_US if hop_us is None else hop_us))

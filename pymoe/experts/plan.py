@@ -562,9 +562,9 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
                 pcie_gbs: float = DEFAULT_PCIE_GBS, fixed_ms: float = DEFAULT_FIXED_MS, overhead: str = "auto",
                 runtime: str = DEFAULT_RUNTIME, n_ctx: int = DEFAULT_CTX, targets: Sequence[float] = (),
                 trace_path: Optional[str] = None, profile_path: Optional[str] = None,
-                plot_path: Optional[str] = None, devices: Optional[str] = None, hop_us: Optional[float] = None) -> str:
+                plot_path: Optional[str] = None) -> str:
     """Everything `pymoe plan` prints, as text: the inputs, the cost model, the table, the auto line, the inverse.
-    With `devices` (several cards in one box, experts/multi.py): one line per card and the whole model instead."""
+    (`pymoe plan --devices`, several cards at once: experts/multi.py devices_plan_report.)"""
     reserve_b = parse_size(reserve, what="--reserve")
     extra_b = parse_size(extra_reserve, what="--extra-reserve")
     vrams = parse_size_list(vram, what="--vram")
@@ -581,17 +581,6 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
     else:
         overhead_b = parse_size(overhead, what="--overhead")
         overhead_text = f"{fmt_size(overhead_b)} (--overhead)"
-    if devices is not None:
-        from . import multi
-
-        if free is not None or targets or plot_path is not None:
-            raise PymoeError("--devices plans the cards given; leave out --free, --target and --plot")
-        hits = multi.load_device_hits(facts, trace_path, profile_path)
-        runtime_b = parse_size(runtime, what="--runtime")
-        total = None if str(overhead).lower() == "auto" else overhead_b
-        return "\n".join([f"model: {facts.name}"] + multi.devices_report(
-            facts, devices, total, n_ctx, runtime_b, reserve_b, extra_b, cost, hits,
-            multi.DEFAULT_HOP_US if hop_us is None else hop_us))
     hit_model = load_hit_model(facts, trace_path, profile_path)
 
     lines = format_header(facts, cost, hit_model, reserve_b, extra_b, None if free_b is not None else overhead_text)
