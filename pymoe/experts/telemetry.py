@@ -190,9 +190,11 @@ class TelemetryWriter:
             self.write(self.sampler())
 
     def close(self) -> None:
+        """Stop sampling, with one last sample (a run shorter than the interval still has one), and close."""
         self._stop.set()
         if self.thread is not None:
             self.thread.join(5)
+            self.write(self.sampler())
         with self.lock:
             self.file.close()
 
