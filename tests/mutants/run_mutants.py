@@ -820,7 +820,7 @@ MUTANTS: list[Mutant] = [
         "governor_counts_own_threads", "pymoe/backends/threads.py",
         "self.others = max(0.0, busy_cores - own_cores)",
         "self.others = max(0.0, busy_cores)",
-        ("tests/test_threads.py::test_the_team_is_the_cores_the_others_leave",),
+        ("tests/test_threads.py::test_the_team_is_the_cores_the_others_leave[*]",),
         "the governor counts this process's own threads as others': a quiet machine runs one thread"),
     Mutant(
         "team_set_once_for_all_threads", "pymoe/backends/cpu.py",
