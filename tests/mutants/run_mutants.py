@@ -807,7 +807,8 @@ MUTANTS: list[Mutant] = [
         "trace_profile_layers_unshifted", "pymoe/experts/cache.py",
         "return [int(k) + self.first_moe * self.n_experts for k in profile.keys()]",
         "return [int(k) for k in profile.keys()]",
-        ("tests/test_every_command.py::test_every_command_on_every_family[glm4moe]",),
+        ("tests/test_every_command.py::test_every_command_on_every_family[glm4moe]",
+         "tests/test_cache.py::test_slots_never_sit_empty"),
         "a profile's MoE layers taken as the model's layers: the slots pre-filled with a dense layer's (no) experts"),
     Mutant(
         "unknown_tensor_accepted", "pymoe/gguf/loader.py",
