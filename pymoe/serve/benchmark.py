@@ -71,7 +71,9 @@ def free_port() -> int:
 class StartedServer:
     """`pymoe serve MODEL` in a subprocess on a free loopback port, until the `with` block ends."""
 
-    def __init__(self, model: str, serve_args: list, start_timeout: float = 120.0):
+    def __init__(self, model: str, serve_args: list, start_timeout: float = 600.0):
+        # start_timeout: loading, filling the slots and compiling the kernels take ~10-60 s on a quiet 2-core machine,
+        # several minutes beside other busy processes (a load average of 29 once took the 120 s this was)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.cmd = [sys.executable, "-m", "pymoe", "serve", model, "--port", str(self.port), *serve_args]
@@ -92,10 +94,13 @@ class StartedServer:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
+        last = self.tail()  # read before __exit__ closes the log
         self.__exit__()
-        raise PymoeError(f"pymoe serve did not answer on {self.url} within {self.start_timeout:g} s: {self.tail()}")
+        raise PymoeError(f"pymoe serve did not answer on {self.url} within {self.start_timeout:g} s: {last}")
 
     def tail(self) -> str:
+        if self.log.closed:
+            return "(log closed)"
         self.log.seek(0)
         lines = self.log.read().strip().splitlines()
         return lines[-1] if lines else "(no output)"
