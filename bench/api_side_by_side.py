@@ -568,14 +568,6 @@ runpy.run_module("llama_cpp.server", run_name="__main__", alter_sys=True)
 """
 
 
-def cpu_reports_amx() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_tile" in f.read()
-    except OSError:
-        return False
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -606,6 +598,8 @@ def main(argv=None) -> int:
         ids = token_ids(model, (BIASED_TEXT,) + END_TOKENS)
         py = sys.executable
         p, q = free_port(), free_port()
+        from compare_llamacpp import cpu_reports_amx  # bench/ is on sys.path when this runs as a script
+
         plain = args.llama_plain or cpu_reports_amx()
         servers = [
             Server("pymoe", [py, "-m", "pymoe", "serve", model, "--port", str(p), "-np", "2", "--kv", "f32",
