@@ -336,6 +336,19 @@ MUTANTS: list[Mutant] = [
         (LLAMACPP_LOGITS + "[*glm4moe*]",),
         "sigmoid routing (GLM): the weights take the selection bias exp_probs_b too"),
     Mutant(
+        "dots1_selection_bias_ignored", "pymoe/backends/reference.py",
+        "    choose = probs + bias if bias is not None else probs  # [T, E]",
+        "    choose = probs  # [T, E]  MUTANT",
+        (LLAMACPP_LOGITS + "[*dots1*]",),
+        "sigmoid routing (dots1, DeepSeek-V3 style): the experts are chosen without the selection bias exp_probs_b"),
+    Mutant(
+        "dots1_weights_norm_key_ignored", "pymoe/gguf/config.py",
+        'norm_topk=flag("expert_weights_norm", t.norm_topk),',
+        "norm_topk=t.norm_topk,  # MUTANT",
+        (LLAMACPP_LOGITS + "[*dots1*]",),
+        "dots1: expert_weights_norm (true in dots.llm1) ignored for llama.cpp's arch default (false): the sigmoid "
+        "weights are not renormalised"),
+    Mutant(
         "glm_weights_scale_dropped", "pymoe/backends/reference.py",
         "    if scale not in (0.0, 1.0):\n        w = w * np.float32(scale)",
         "    if False:  # MUTANT\n        w = w * np.float32(scale)",
