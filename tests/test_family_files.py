@@ -1,10 +1,9 @@
 """Every new MoE family at the formats its users run, written by llama.cpp's quantizer, against llama.cpp.
 
-What this is, for glm4moe, gpt-oss, qwen3next, qwen35moe, deepseek2 (issue 15's "must show") and dots1: the tiny F32
-file of the family (make-tiny-model) quantized by `llama_model_quantize` to Q4_K_M and to the family's own format
+What this is, for glm4moe, gpt-oss, qwen3next, qwen35moe and deepseek2 (issue 15's "must show"): the tiny F32 file
+of the family (make-tiny-model) quantized by `llama_model_quantize` to Q4_K_M and to the family's own format
 (gpt-oss: MXFP4_MOE, its release format; qwen3next: Q2_0, the reference article's; deepseek2: IQ4_XS; glm4moe:
-IQ2_M, a popular "UD"-style low-bit mix; qwen35moe: IQ3_XXS; dots1: Q4_K_M only), then, as tests/test_ftypes.py
-does for qwen3moe:
+IQ2_M, a popular "UD"-style low-bit mix; qwen35moe: IQ3_XXS), then, as tests/test_ftypes.py does for qwen3moe:
   - pymoe's reference backend on the file vs llama.cpp on an F32 copy of it: within EXACT_REL_BOUND of the scale;
   - pymoe's CPU backend (16-bit activations on K-quants) on the file vs its float reference: within CPU_REL_BOUND;
   - pymoe's CPU backend vs llama.cpp, both on the quantized file: no farther apart than llama.cpp's own run on the
@@ -31,7 +30,7 @@ EXACT_REL_BOUND = 1e-5  # tests/test_model_vs_llamacpp.py: float32 summation ord
 CPU_REL_BOUND = 5e-4
 CASES = [("glm4moe", "Q4_K_M"), ("glm4moe", "IQ2_M"), ("gpt-oss", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE"),
          ("qwen3next", "Q4_K_M"), ("qwen3next", "Q2_0"), ("qwen35moe", "Q4_K_M"), ("qwen35moe", "IQ3_XXS"),
-         ("deepseek2", "Q4_K_M"), ("deepseek2", "IQ4_XS"), ("dots1", "Q4_K_M")]
+         ("deepseek2", "Q4_K_M"), ("deepseek2", "IQ4_XS")]
 
 
 @pytest.mark.parametrize("arch, ftype", CASES)

@@ -339,7 +339,7 @@ MUTANTS: list[Mutant] = [
         "dots1_selection_bias_ignored", "pymoe/backends/reference.py",
         "    choose = probs + bias if bias is not None else probs  # [T, E]",
         "    choose = probs  # [T, E]  MUTANT",
-        (LLAMACPP_LOGITS + "[*dots1*]",),
+        (LLAMACPP_LOGITS + "[*dots1*]", "tests/test_model_vs_llamacpp.py::test_logits_match_llamacpp_with_a_soft_router[dots1]"),
         "sigmoid routing (dots1, DeepSeek-V3 style): the experts are chosen without the selection bias exp_probs_b"),
     Mutant(
         "dots1_weights_norm_key_ignored", "pymoe/gguf/config.py",
