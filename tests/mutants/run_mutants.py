@@ -248,7 +248,7 @@ MUTANTS: list[Mutant] = [
         "slot_limit_counts_dense_layers", "pymoe/experts/cache.py",
         "self.n_total = n_total = len(cfg.moe_layers) * self.n_experts",
         "self.n_total = n_total = cfg.n_layers * self.n_experts",
-        ("tests/test_cache.py::test_slot_limits_count_the_experts_of_moe_layers_only",),
+        ("tests/test_cache.py::test_slot_limits_count_the_experts_of_moe_layers_only[*]",),
         "slot limits and coverage count the leading dense layers' nonexistent experts (issue 49)"),
     Mutant(
         "tokenizer_llama3_digit_groups_of_4", "pymoe/engine/tokenizer.py",
