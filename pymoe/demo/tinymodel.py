@@ -110,8 +110,8 @@ ARCH_TWEAKS = {
     "qwen3next": dict(n_layers=4),  # three Gated DeltaNet layers, then one gated full-attention layer
     "qwen35moe": dict(n_layers=4),
     "deepseek2": dict(n_layers=3),  # one dense layer, then two MLA + MoE layers
-    # one dense layer, then two MoE layers; no GQA and head_dim * n_head (512) != n_embd (256), as dots.llm1
-    # (32 heads of 128 over 4608)
+    # one dense layer, then two MoE layers; no GQA, as dots.llm1 (32 q and 32 kv heads); head_dim * n_head (512)
+    # != n_embd (256), so that attention.key_length is really read
     "dots1": dict(n_layers=3, n_head=8, n_head_kv=8, head_dim=64),
 }
 # no GQA for olmoe, as above (the tiny tweaks are for the tiny shapes); glm4moe, deepseek2 and dots1 lead with a
@@ -156,9 +156,11 @@ DEEPSEEK2_LITE = dict(n_layers=27, q_lora_rank=0, gating="softmax", expert_bias=
                       n_group_used=1, expert_weights_scale=1.0, norm_topk=False)
 # dots.llm1's config.json as conversion/dots1.py Dots1Model reads it, at tiny size: first_k_dense_replace 1,
 # routed_scaling_factor 2.5, norm_topk_prob true, n_shared_experts 2 (the shared expert 2 x n_ff_exp wide: the tiny
-# preset's n_ff_shexp; the micro preset's is 1 x), n_group 1 / topk_group 1 (base.py writes both keys; one group is
-# no group limit), sigmoid routing with e_score_correction_bias (the converters of dots1's day wrote
-# expert_gating_func 2 for its "noaux_tc"); intermediate_size (the dense MLP) 2 x the shared expert's width.
+# preset's n_ff_shexp; the micro preset's is 1 x), scoring_func sigmoid (base.py writes expert_gating_func 2, which
+# llama.cpp's dots1 graph needs; transformers' Dots1 router: router_logits.sigmoid()) with e_score_correction_bias
+# (exp_probs_b), rope_theta 1e7; n_group 1 / topk_group 1 (transformers' defaults, written as base.py writes any it
+# finds: one group is no group limit, as an absent key is); intermediate_size (the dense MLP) 2 x the shared
+# expert's width.
 DOTS1 = dict(n_dense_lead=1, expert_weights_scale=2.5, norm_topk=True, n_expert_groups=1, n_group_used=1,
              gating="sigmoid", dense_ff_factor=2)
 VARIANTS = {"deepseek2": {"lite": DEEPSEEK2_LITE}}  # make-tiny-model --variant
