@@ -29,8 +29,9 @@ os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 import pymoe  # noqa: E402
 from pymoe.backends.device_counts import per_token  # noqa: E402
 from pymoe.experts.profile import Profile  # noqa: E402
+from pymoe.gguf.config import ARCHS  # noqa: E402
 
-FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "deepseek2"]
+FAMILIES = list(ARCHS)  # every family pymoe runs (pymoe/gguf/config.py)
 PROMPT = [5, 17]
 MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
@@ -83,7 +84,7 @@ def row(arch: str, setting: str, m: dict, cache: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated archs [default: all nine]")
+    ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated archs [default: all of them]")
     ap.add_argument("--tokens", type=int, default=4, help="new tokens per request (decode steps: one less)")
     args = ap.parse_args()
     from pymoe.demo.tinymodel import write_model

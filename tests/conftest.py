@@ -12,9 +12,12 @@ import sys
 import pytest
 
 from oracle import strict
+from pymoe.gguf.config import ARCHS as _CONFIG_ARCHS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss", "qwen3next", "qwen35moe", "deepseek2")
+# Every family pymoe runs, from the one registry (pymoe/gguf/config.py ARCHS): a family added there is in every test
+# parametrized over these (the llama.cpp oracle, batching, the command matrix, ...) without another list to edit.
+ARCHS = tuple(_CONFIG_ARCHS)
 MIXES = ("f32", "q2_k")
 MAX_WORKERS = 4  # pytest-xdist workers (`-n auto`): each one makes its own models and compiles its own kernels, so
 #                  many cores would mostly add memory

@@ -3,8 +3,9 @@ import numpy as np
 import pytest
 
 import pymoe
-from conftest import run_pymoe, run_pymoe_here
+from conftest import ARCHS, run_pymoe, run_pymoe_here
 from pymoe.backends.cuda import cuda_available
+from pymoe.demo.tinymodel import make_config
 from pymoe.experts.cache import SlotCache
 from pymoe.errors import PymoeError
 
@@ -250,11 +251,13 @@ def test_heat_counts_each_decode_lookup_of_each_expert(tiny_model, slots):
     np.testing.assert_array_equal(cache.heat, want)
 
 
-def test_slot_limits_count_the_experts_of_moe_layers_only(tiny_model):
-    """glm4moe leads with a dense layer (no experts): the pool's limit and coverage are len(moe_layers) x n_expert
-    experts, not n_layers x n_expert, which counted the dense layer's nonexistent experts (the tiny file: 3 layers,
-    2 of them MoE, 8 experts each; a pool of all 16 was logged as '66.7% of 24 experts', and 24 slots allowed)."""
-    path = tiny_model("glm4moe", "f32")
+@pytest.mark.parametrize("arch", [a for a in ARCHS if make_config(a).n_dense_lead])
+def test_slot_limits_count_the_experts_of_moe_layers_only(tiny_model, arch):
+    """glm4moe, deepseek2 and dots1 lead with a dense layer (no experts): the pool's limit and coverage are
+    len(moe_layers) x n_expert experts, not n_layers x n_expert, which counted the dense layer's nonexistent experts
+    (glm4moe's tiny file: 3 layers, 2 of them MoE, 8 experts each; a pool of all 16 was logged as '66.7% of 24
+    experts', and 24 slots allowed)."""
+    path = tiny_model(arch, "f32")
     cfg = pymoe.load(path).config
     n = len(cfg.moe_layers) * cfg.n_expert
     assert cfg.n_dense_lead > 0 and n < cfg.n_layers * cfg.n_expert  # the file this test is about

@@ -14,6 +14,9 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
 import pymoe  # noqa: E402
+from conftest import ARCHS  # noqa: E402
+from pymoe.demo.tinymodel import make_config  # noqa: E402
+from pymoe.engine.attention import HOST_ATTENTION  # noqa: E402
 from pymoe.errors import PymoeError  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -22,6 +25,16 @@ PROMPT = [5, 17, 42, 7, 99, 3, 250, 11, 64, 128, 200, 31]  # 12 tokens: with --c
 N_NEW = 10
 MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
+
+
+def _host_attention(arch):
+    return any(p.attention in HOST_ATTENTION for p in make_config(arch).layer_plan())
+
+
+# the families whose attention runs on the device (softmax attention, "gqa") and those with a kind that runs on the
+# host side (engine/attention.HOST_ATTENTION): from the registry, so a new family lands in one of the two
+DEVICE_ATTENTION_ARCHS = [a for a in ARCHS if not _host_attention(a)]
+HOST_ATTENTION_ARCHS = [a for a in ARCHS if _host_attention(a)]
 
 
 def greedy(engine):
@@ -58,7 +71,7 @@ def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, poli
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", DEVICE_ATTENTION_ARCHS)
 def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch):
     """The device KV cache and attention block (q/k/v biases, q/k norms per head or whole, NEOX or normal RoPE,
     GQA) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
@@ -80,7 +93,7 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe", "deepseek2"])
+@pytest.mark.parametrize("arch", HOST_ATTENTION_ARCHS)
 def test_host_attention_kinds_with_device_experts(tiny_model, arch):
     """Gated DeltaNet, gated attention and MLA have no device kernels yet: on the CUDA backend they run on its host
     side (its CPU backend, a host KV cache and recurrent state) while the experts go through the device slot pool.

@@ -1,10 +1,10 @@
-"""Every user-facing command on a tiny file of each of the nine families, as a new user runs them; the one-line
+"""Every user-facing command on a tiny file of each family (conftest.ARCHS), as a new user runs them; the one-line
 usage errors; the inconsistent files that must be named in one line.
 
 The matrix runs in this process (conftest.run_pymoe_here: pymoe.cli.main with click's runner; a server in a thread
 for serve and bench), so a family's kernels compile once: ~20 s for all nine families on 2 cores with the kernels
-cached. glm4moe and deepseek2 lead with a dense layer: the commands that used to assume every layer has experts
-(probe, run --trace, the slot limits) are the point of the matrix.
+cached (measured before dots1, the tenth). glm4moe, deepseek2 and dots1 lead with a dense layer: the commands that
+used to assume every layer has experts (probe, run --trace, the slot limits) are the point of the matrix.
 """
 import json
 import os
@@ -82,7 +82,7 @@ def test_every_command_on_every_family(arch, tiny_model, tmp_path):
         assert json.load(open(out))
 
 
-@pytest.mark.parametrize("arch", ["glm4moe", "deepseek2"])
+@pytest.mark.parametrize("arch", [a for a in ARCHS if make_config(a).n_dense_lead])
 def test_micro_files_of_the_dense_lead_families_have_a_moe_layer(arch, tmp_path):
     """The micro preset (one layer elsewhere) gives these families their dense layer and one MoE layer."""
     path = str(tmp_path / f"micro-{arch}.gguf")
@@ -156,6 +156,20 @@ def test_blocks_beyond_block_count_are_refused(tiny_model, tmp_path):
     bad = copy_gguf(tiny_model("glm4moe", "f32"), str(tmp_path / "short.gguf"), drop_block=True)
     with pytest.raises(PymoeError, match=r"tensor blk\.2\..* is in block 2, but glm4moe\.block_count is 2"):
         load_gguf(bad)
+
+
+def test_dots1_without_a_gating_function_is_named(tiny_model, tmp_path):
+    """llama.cpp's dots1 reads expert_gating_func as optional but has no default (its graph aborts without it), so
+    pymoe requires the key for dots1 rather than guess; the tiny file, with it, routes by sigmoid with the file's
+    selection bias and a shared expert expert_shared_count x n_ff_exp wide (no key of its own)."""
+    src = tiny_model("dots1", "f32")
+    cfg = load_gguf(src).config
+    assert (cfg.gating, cfg.expert_bias, cfg.qk_norm, cfg.n_dense_lead) == ("sigmoid", True, "head", 1)
+    assert cfg.n_ff_shexp == 2 * cfg.n_ff_exp and cfg.layer_plan()[0].ffn == "dense"
+    bad = copy_gguf(src, str(tmp_path / "no-gating.gguf"), change={"dots1.expert_gating_func": None})
+    r = run_pymoe_here("run", bad, "-p", "hi")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "dots1.expert_gating_func" in lines[0], r.stderr
 
 
 def test_a_tensor_under_an_unknown_name_is_refused(tiny_model, tmp_path):

@@ -8,9 +8,9 @@ F16 cache alone moves logits by up to 0.05.
 
 The bound, relative to the logit scale s = max |llama.cpp logit| (3.5-13 on these files): max |Δlogit| <= 1e-5 s.
 Measured (2026-11-30, prompt seed 0, 50 tokens): 2.4e-7 s to 8.1e-7 s on all 8 files (absolute 9.5e-7 to 1.0e-5),
-top-1 agreement 1.0. The bound is 12x the worst measured value: both engines sum float32 products in their own
-order, and llama.cpp's order follows the CPU's SIMD width, so the same files on another CPU move by about as much
-again. What it catches: halving the RoPE base moves these logits by ~1e-2 s (mutant `rope_base_halved` in
+top-1 agreement 1.0; dots1, added later (2026-12-06): 3.2e-7 s on F32, 6.2e-7 s on the Q2_K mix (scale 4.1, 4.2).
+The bound is 12x the worst measured value: both engines sum float32 products in their own order, and
+llama.cpp's order follows the CPU's SIMD width, so the same files on another CPU move by about as much again. What it catches: halving the RoPE base moves these logits by ~1e-2 s (mutant `rope_base_halved` in
 tests/mutants/run_mutants.py), a dropped top-k renormalisation or a swapped gate/up by more.
 """
 import numpy as np

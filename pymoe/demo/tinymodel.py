@@ -110,16 +110,21 @@ ARCH_TWEAKS = {
     "qwen3next": dict(n_layers=4),  # three Gated DeltaNet layers, then one gated full-attention layer
     "qwen35moe": dict(n_layers=4),
     "deepseek2": dict(n_layers=3),  # one dense layer, then two MLA + MoE layers
+    # one dense layer, then two MoE layers; no GQA, as dots.llm1 (32 q and 32 kv heads); head_dim * n_head (512)
+    # != n_embd (256), so that attention.key_length is really read
+    "dots1": dict(n_layers=3, n_head=8, n_head_kv=8, head_dim=64),
 }
-# no GQA for olmoe, as above (the tiny tweaks are for the tiny shapes); glm4moe and deepseek2 lead with a dense
-# layer, so their micro files have two: the dense one, then one MoE layer
-MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2), "glm4moe": dict(n_layers=2), "deepseek2": dict(n_layers=2)}
+# no GQA for olmoe, as above (the tiny tweaks are for the tiny shapes); glm4moe, deepseek2 and dots1 lead with a
+# dense layer, so their micro files have two: the dense one, then one MoE layer
+MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2), "glm4moe": dict(n_layers=2), "deepseek2": dict(n_layers=2),
+                     "dots1": dict(n_layers=2, n_head_kv=2)}
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
-               "gpt-oss": False, "qwen3next": False, "qwen35moe": False, "deepseek2": False}  # llama.cpp
+               "gpt-oss": False, "qwen3next": False, "qwen35moe": False, "deepseek2": False,
+               "dots1": False}  # llama.cpp
 #                                                                                  requires olmoe's output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0,
              "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0, "qwen3next": 10_000_000.0, "qwen35moe": 10_000_000.0,
-             "deepseek2": 10_000.0}
+             "deepseek2": 10_000.0, "dots1": 10_000_000.0}
 # What GLM-4.5-Air's config.json gives llama.cpp's converter (conversion/glm.py Glm4MoeModel), at tiny size:
 # first_k_dense_replace 1, routed_scaling_factor 2.5, norm_topk_prob true, partial_rotary_factor 0.5, n_shared_experts 1
 # (here 2, so the shared expert is n_ff_shexp = 2 x n_ff_exp wide), intermediate_size (the dense MLP) 2 x n_ff_shexp.
@@ -149,6 +154,15 @@ DEEPSEEK2_CONFIG = dict(n_head_kv=1, head_dim=96 + 32, head_dim_v=96, rope_dim=3
 # layers (deepseek2.cpp `is_lite`, which skips the q_lora_rank key), so the tiny Lite file keeps 27.
 DEEPSEEK2_LITE = dict(n_layers=27, q_lora_rank=0, gating="softmax", expert_bias=False, n_expert_groups=1,
                       n_group_used=1, expert_weights_scale=1.0, norm_topk=False)
+# dots.llm1's config.json as conversion/dots1.py Dots1Model reads it, at tiny size: first_k_dense_replace 1,
+# routed_scaling_factor 2.5, norm_topk_prob true, n_shared_experts 2 (the shared expert 2 x n_ff_exp wide: the tiny
+# preset's n_ff_shexp; the micro preset's is 1 x), scoring_func sigmoid (base.py writes expert_gating_func 2, which
+# llama.cpp's dots1 graph needs; transformers' Dots1 router: router_logits.sigmoid()) with e_score_correction_bias
+# (exp_probs_b), rope_theta 1e7; n_group 1 / topk_group 1 (transformers' defaults, written as base.py writes any it
+# finds: one group is no group limit, as an absent key is); intermediate_size (the dense MLP) 2 x the shared
+# expert's width.
+DOTS1 = dict(n_dense_lead=1, expert_weights_scale=2.5, norm_topk=True, n_expert_groups=1, n_group_used=1,
+             gating="sigmoid", dense_ff_factor=2)
 VARIANTS = {"deepseek2": {"lite": DEEPSEEK2_LITE}}  # make-tiny-model --variant
 QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
@@ -186,6 +200,9 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512, variant: st
     )
     if arch == "deepseek2":
         kw.update(DEEPSEEK2_CONFIG)
+    if arch == "dots1":
+        kw.update({k: v for k, v in DOTS1.items() if k != "dense_ff_factor"},
+                  n_ff=DOTS1["dense_ff_factor"] * p.n_ff_shexp)
     kw.update(VARIANTS.get(arch, {}).get(variant, {}))
     return ModelConfig(**kw)
 
@@ -406,7 +423,8 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         # the dense MLP's width (GLM); unused by qwen2/3moe but written by llama.cpp's converter too
         w.add_feed_forward_length(cfg.n_ff or cfg.n_ff_exp)
         w.add_expert_feed_forward_length(cfg.n_ff_exp)
-    if cfg.has_shared_expert and cfg.arch in ("glm4moe", "deepseek2"):  # the converter writes the count; n_ff_shexp = count x n_ff_exp
+    if cfg.has_shared_expert and cfg.arch in ("glm4moe", "deepseek2", "dots1"):  # the converter writes the count;
+        #                                                                          n_ff_shexp = count x n_ff_exp
         w.add_expert_shared_count(cfg.n_ff_shexp // cfg.n_ff_exp)
     elif cfg.has_shared_expert:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
@@ -442,6 +460,13 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_rope_scaling_factor(cfg.rope_scale)
         w.add_rope_scaling_orig_ctx_len(cfg.rope_ctx_orig)
         w.add_rope_scaling_yarn_log_mul(0.1 * cfg.yarn_log_mul)  # the converter's legacy 0.1 factor
+    if cfg.arch == "dots1":  # conversion/dots1.py Dots1Model.set_gguf_parameters and base.py's MoE keys
+        w.add_leading_dense_block_count(cfg.n_dense_lead)
+        w.add_expert_weights_scale(cfg.expert_weights_scale)
+        w.add_expert_weights_norm(cfg.norm_topk)
+        w.add_expert_group_count(cfg.n_expert_groups)
+        w.add_expert_group_used_count(cfg.n_group_used)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
     if cfg.arch == "glm4moe":  # conversion/glm.py Glm4MoeModel.set_gguf_parameters
         w.add_leading_dense_block_count(cfg.n_dense_lead)
         w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)

@@ -76,7 +76,8 @@ class ArchTraits:
     ff_key: str  # metadata key of one routed expert's hidden size
     shared_gate: bool = True  # the shared expert is scaled by sigmoid(x . ffn_gate_inp_shexp) (qwen2moe); else by 1
     gating: str = "softmax"  # router probabilities: "softmax" over the E logits, or "sigmoid" of each (llama.cpp's
-    #                          expert_gating_func default for the arch; the metadata key overrides it)
+    #                          expert_gating_func default for the arch; the metadata key overrides it; "": no
+    #                          default, the file must have the key, dots1)
     expert_bias: bool = False  # exp_probs_b.bias: a per-expert bias added to the probabilities for the top-K choice
     #                            only (DeepSeek-V3 style "aux-loss-free" balancing); the weights stay unbiased
     ffn_norm: str = "ffn_norm"  # name of the pre-FFN RMSNorm tensor (GLM: post_attention_norm)
@@ -145,6 +146,15 @@ ARCHS["deepseek2"] = ArchTraits(rope_neox=False, qk_norm=None, qkv_bias=False, s
 # projections, and IMRoPE (for text every section sees the same position: plain NEOX RoPE when the sections cover
 # every rotated pair, which the converter's default [11, 11, 10, 0] does).
 ARCHS["qwen35moe"] = replace(ARCHS["qwen3next"], gdn_tiled=True, rope_sections=True)
+# dots.llm1 (rednote, llama.cpp's dots1.cpp): Qwen3's attention (per-head q/k RMSNorm before NEOX RoPE over the whole
+# head, no biases, attention.key_length need not be n_embd / n_head), DeepSeek-V3's MoE: leading dense layers, sigmoid
+# routing with a selection bias (exp_probs_b, optional in llama.cpp) and optional expert groups, weights renormalised
+# where expert_weights_norm says and scaled by expert_weights_scale, an ungated shared expert expert_shared_count x
+# n_ff_exp wide (there is no expert_shared_feed_forward_length key). llama.cpp has no default gating for dots1 (a file
+# without expert_gating_func aborts in build_moe_ffn), so the key is required: gating "" below.
+ARCHS["dots1"] = ArchTraits(rope_neox=True, qk_norm="head", qkv_bias=False, shared_expert=True, norm_topk=False,
+                            ff_key="expert_feed_forward_length", shared_gate=False, gating="", expert_bias=True,
+                            expert_bias_optional=True)
 GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # {arch}.expert_gating_func: llama.cpp's
 #                                                                     llama_expert_gating_func_type
 
@@ -329,7 +339,7 @@ class ModelConfig:
         head_dim = count("attention.key_length", n_embd // n_head)
         n_ff_exp = count(t.ff_key)
         n_nextn = count("nextn_predict_layers", 0)
-        gating_id = key("expert_gating_func", None)
+        gating_id = key("expert_gating_func", None if t.gating else REQUIRED)
         if gating_id is not None and (not _is_int(gating_id) or int(gating_id) not in GATING_FUNCS):
             raise PymoeError(f"{where}{arch}.expert_gating_func = {gating_id} is not supported "
                              f"(pymoe: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})")

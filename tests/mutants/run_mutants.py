@@ -248,7 +248,7 @@ MUTANTS: list[Mutant] = [
         "slot_limit_counts_dense_layers", "pymoe/experts/cache.py",
         "self.n_total = n_total = len(cfg.moe_layers) * self.n_experts",
         "self.n_total = n_total = cfg.n_layers * self.n_experts",
-        ("tests/test_cache.py::test_slot_limits_count_the_experts_of_moe_layers_only",),
+        ("tests/test_cache.py::test_slot_limits_count_the_experts_of_moe_layers_only[*]",),
         "slot limits and coverage count the leading dense layers' nonexistent experts (issue 49)"),
     Mutant(
         "tokenizer_llama3_digit_groups_of_4", "pymoe/engine/tokenizer.py",
@@ -335,6 +335,19 @@ MUTANTS: list[Mutant] = [
         "    w = np.take_along_axis(choose, ids, axis=-1)  # [T, K]  MUTANT\n    if norm_topk:\n        w = w / np.maximum(",
         (LLAMACPP_LOGITS + "[*glm4moe*]",),
         "sigmoid routing (GLM): the weights take the selection bias exp_probs_b too"),
+    Mutant(
+        "dots1_selection_bias_ignored", "pymoe/backends/reference.py",
+        "    choose = probs + bias if bias is not None else probs  # [T, E]",
+        "    choose = probs  # [T, E]  MUTANT",
+        (LLAMACPP_LOGITS + "[*dots1*]", "tests/test_model_vs_llamacpp.py::test_logits_match_llamacpp_with_a_soft_router[dots1]"),
+        "sigmoid routing (dots1, DeepSeek-V3 style): the experts are chosen without the selection bias exp_probs_b"),
+    Mutant(
+        "dots1_weights_norm_key_ignored", "pymoe/gguf/config.py",
+        'norm_topk=flag("expert_weights_norm", t.norm_topk),',
+        "norm_topk=t.norm_topk,  # MUTANT",
+        (LLAMACPP_LOGITS + "[*dots1*]",),
+        "dots1: expert_weights_norm (true in dots.llm1) ignored for llama.cpp's arch default (false): the sigmoid "
+        "weights are not renormalised"),
     Mutant(
         "glm_weights_scale_dropped", "pymoe/backends/reference.py",
         "    if scale not in (0.0, 1.0):\n        w = w * np.float32(scale)",
