@@ -13,7 +13,8 @@ prompts as text and token ids, sampling settings and seeds) and its tune / held-
                  already in the KV cache (request r = turn r: its prefill rows are those new tokens), then samples a
                  reply of up to 80 tokens
   moe64-code     the 64-expert top-8 model (the demo recipe at 64 experts, pymoe/demo/train.py; its command and
-                 perplexity: bench/traces/README.md) on the same 8 held-out prompts as demo-code
+                 perplexity: bench/traces/README.md) on the same 8 held-out prompts as demo-code, cut to their first 128
+                 tokens: the model was trained on 256-token windows, its context (128 prompt + 128 sampled)
 Sampling everywhere: temperature 0.7, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1 (the bench's demo
 trace), seed = request number; no stop at end-of-text for the code and prose requests (every request decodes its
 full length), the chat stops a reply at <|im_end|> / <|endoftext|>.
@@ -190,6 +191,9 @@ def main(argv=None):
             how.update(record_chat(engine, {"recipe": name}, path), max_reply_tokens=CHAT_REPLY_TOKENS)
         else:
             prompts = (prose_prompts if name == "demo-prose" else code_prompts)(engine.tokenizer)
+            n_prompt = min(PROMPT_TOKENS, engine.n_ctx - DECODE_TOKENS)  # the moe64 model's context is 256
+            for p in prompts:
+                p["ids"] = p["ids"][:n_prompt]
             how.update(record_prompts(engine, prompts, {"recipe": name}, path), decode_tokens=DECODE_TOKENS,
                        stop_at_eos=False)
         from pymoe.experts.trace import Trace

@@ -13,9 +13,10 @@ from pymoe.experts.trace import Trace, named_traces, split_named, top_share
 FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench", "traces")
 # name -> (MoE layers, experts, top-k, requests, tokens): the README's table. code / prose: 8 requests of a
 # 256-token prompt + 128 sampled tokens, of which the first comes from the prefill (127 decode rows); the chat:
-# 24 turns, 3427 rows (the prefilled new tokens of each turn and its reply).
+# 24 turns, 3427 rows (the prefilled new tokens of each turn and its reply); moe64-code: its context is 256, so
+# 8 requests of the same prompts' first 128 tokens + 128 sampled tokens.
 SHAPES = {"demo-code": (4, 32, 4, 8, 8 * (256 + 127)), "demo-prose": (4, 32, 4, 8, 8 * (256 + 127)),
-          "demo-chat": (4, 32, 4, 24, 3427), "moe64-code": (4, 64, 8, 8, 8 * (256 + 127))}
+          "demo-chat": (4, 32, 4, 24, 3427), "moe64-code": (4, 64, 8, 8, 8 * (128 + 127))}
 
 
 @pytest.fixture(scope="module")
