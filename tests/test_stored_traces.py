@@ -86,6 +86,9 @@ def test_named_traces_refuses_a_trace_without_its_sidecar_or_with_a_bad_split(tm
     tr.save(str(path))
     with pytest.raises(PymoeError, match="no sidecar"):
         named_traces(str(tmp_path))
+    (tmp_path / "x.json").write_text("{split")
+    with pytest.raises(PymoeError, match="x.json: not JSON"):
+        named_traces(str(tmp_path))
     (tmp_path / "x.json").write_text(json.dumps({"split": {"tune": [0, 1, 2], "heldout": [4, 5, 6, 7]}}))
     with pytest.raises(PymoeError, match="divide the trace's requests"):  # request 3 in neither half
         named_traces(str(tmp_path))

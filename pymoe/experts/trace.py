@@ -477,9 +477,12 @@ def named_traces(folder: str) -> dict:
         side = path[:-4] + ".json"
         if not os.path.exists(side):
             raise file_error(path, f"no sidecar {os.path.basename(side)} saying how it was made")
-        with open(side, encoding="utf-8") as f:
-            info = json.load(f)
-        split = info.get("split")
+        try:
+            with open(side, encoding="utf-8") as f:
+                info = json.load(f)
+        except ValueError as e:
+            raise file_error(side, f"not JSON ({e})") from None
+        split = info.get("split") if isinstance(info, dict) else None
         if not isinstance(split, dict) or not split.get("tune") or not split.get("heldout"):
             raise file_error(side, "field split needs non-empty 'tune' and 'heldout' request lists")
         trace = Trace.load(path)
