@@ -38,6 +38,7 @@ from pymoe import demo
 from pymoe.experts.policies import DEFAULT_POLICY, ENGINE_POLICIES, Admission, WarmRule
 from pymoe.experts.profile import Profile
 from pymoe.experts.simulate import slots_for_coverage, sweep
+from pymoe.experts import trace as trace_mod
 from pymoe.experts.trace import Trace, fitted_trace, synthetic_trace, top_share
 
 COVERAGES = (10, 25, 50)
@@ -217,6 +218,27 @@ def ratio_markdown(traces, ratios: dict, policies=ONLINE) -> str:
                  for n, _ in cols for i in range(len(COVERAGES))]
         lines.append(f"| {pol} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")  # bench/traces/README.md
+
+
+def named_traces(folder: str = TRACES_DIR) -> dict:
+    """{name: Trace} of the stored traces (bench/traces/README.md: demo-code, demo-prose, demo-chat, moe64-code),
+    each with meta["split"] {"tune": [requests], "heldout": [requests]}: the first half of its requests tune, the
+    second half are held out (trace.split_named cuts it)."""
+    return trace_mod.named_traces(folder)
+
+
+def stored_split_traces(folder: str = TRACES_DIR) -> list:
+    """[(name, held out?, trace, profile)] as split_traces gives, for every stored trace: its tune half (profile
+    built from that half, in-sample) and its held-out half (the same profile: learned on the tune half only)."""
+    out = []
+    for name, tr in named_traces(folder).items():
+        tune, held = trace_mod.split_named(tr)
+        prof = Profile.from_trace(tune)
+        out += [(f"{name} tune", False, tune, prof), (f"{name} held", True, held, prof)]
+    return out
 
 
 def main():
