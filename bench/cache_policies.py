@@ -6,7 +6,8 @@ What this is: the measurement behind docs/expert-cache.md's tables ("Against Bel
   ratios     first, every engine policy's decode misses over Belady's (global pool, admission none, no warm set) at
              10/25/50% coverage on the fixed tune / held-out split (split_traces): the demo trace's requests 0-3 /
              4-7, traces fitted to Qwen3-30B-A3B / Qwen3-Next-80B routing counts, synthetic_trace seeds 1 / 2.
-             --ratios stops after it.
+             Then the same for the stored traces (stored_traces: bench/traces/*.npz, each cut into a tune and a
+             held-out half by requests), and per trace issue 48's bar (bar_report). --ratios stops after it.
   demo       without --trace it records one: the demo model samples --requests requests of --tokens tokens
              (temperature 0.7, repeat penalty 1.1, seeds 0 .. n - 1, the demo prompt), traced as `pymoe run --trace`
              does. Pools are pre-filled from the demo's packaged profile.
@@ -23,11 +24,12 @@ Not replayed here: the router-lookahead prefetch (this trace is recorded without
 shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
-    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios]
+    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR]
 """
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import time
@@ -219,6 +221,39 @@ def ratio_markdown(traces, ratios: dict, policies=ONLINE) -> str:
     return "\n".join(lines)
 
 
+TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")  # bench/traces/README.md
+
+
+def stored_traces(folder: str = TRACES_DIR) -> list:
+    """[(name, held out?, trace, profile)] for every stored trace in `folder` (bench/traces/*.npz, recorded by
+    bench/record_traces.py), cut by requests: the first half tune, the second half held out (a chat's turns in
+    order); both replayed with the profile built from the tune half (Profile.from_trace), which the held-out half
+    has not seen."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "*.npz"))):
+        tr = Trace.load(path)
+        name = os.path.basename(path)[:-4]
+        n = len(np.unique(tr.request))
+        tune, held = requests_of(tr, range(n // 2)), requests_of(tr, range(n // 2, n))
+        prof = Profile.from_trace(tune)
+        out += [(f"{name} tune", False, tune, prof), (f"{name} held", True, held, prof)]
+    return out
+
+
+def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str = "llamacpp") -> str:
+    """Issue 48's bar, per trace: `policy`'s misses / Belady's at 25% coverage (<= 1.25?) and whether it has fewer
+    misses than `baseline` at every coverage."""
+    i = COVERAGES.index(25)
+    lines = []
+    for name, held, _, _ in traces:
+        r = ratios[name, policy]
+        fewer = all(a < b for a, b in zip(r, ratios[name, baseline]))
+        lines.append(f"{name}{' *' if held else ''}: {policy} {r[i]:.2f}x Belady at 25% "
+                     f"({'meets' if r[i] <= 1.25 else 'misses'} 1.25x); fewer misses than {baseline} at 10/25/50%: "
+                     f"{'yes' if fewer else 'no'} ({' / '.join(f'{a:.2f} vs {b:.2f}' for a, b in zip(r, ratios[name, baseline]))})")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=None, help="a demo trace to replay (default: record one of the demo model)")
@@ -227,6 +262,8 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ratios", action="store_true", help="only the misses / Belady table on the tune / held-out "
                     "traces (docs/expert-cache.md, \"Against Belady\")")
+    ap.add_argument("--stored", default=TRACES_DIR, help="a folder of stored traces (*.npz) to add to the ratios "
+                    "(default bench/traces; '' for none)")
     args = ap.parse_args()
     t0 = time.perf_counter()
     pools = ["global", "per-layer"]
@@ -236,7 +273,17 @@ def main():
     for name, held, tr, _ in traces:
         print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
     print("global pool, decode misses / Belady's decode misses (* held out):")
-    print(ratio_markdown(traces, belady_ratios(traces)))
+    ratios = belady_ratios(traces)
+    print(ratio_markdown(traces, ratios))
+    print(bar_report(traces, ratios))
+    stored = stored_traces(args.stored) if args.stored else []
+    if stored:
+        for name, held, tr, _ in stored:
+            print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
+        print(f"the stored traces ({args.stored}), the same:")
+        ratios_s = belady_ratios(stored)
+        print(ratio_markdown(stored, ratios_s))
+        print(bar_report(stored, ratios_s))
     if args.ratios:
         print(f"\n{time.perf_counter() - t0:.0f} s")
         return
