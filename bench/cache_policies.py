@@ -24,7 +24,7 @@ Not replayed here: the router-lookahead prefetch (this trace is recorded without
 shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
-    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR]
+    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR] [--no-profile]
 """
 from __future__ import annotations
 
@@ -264,12 +264,18 @@ def main():
                     "traces (docs/expert-cache.md, \"Against Belady\")")
     ap.add_argument("--stored", default=TRACES_DIR, help="a folder of stored traces (*.npz) to add to the ratios "
                     "(default bench/traces; '' for none)")
+    ap.add_argument("--no-profile", action="store_true", help="the ratios with every profile empty (the engine "
+                    "without --profile); implies --ratios")
     args = ap.parse_args()
+    args.ratios = args.ratios or args.no_profile
     t0 = time.perf_counter()
     pools = ["global", "per-layer"]
 
     trace = Trace.load(args.trace) if args.trace else record(args.out, args.requests, args.tokens)
     traces = split_traces(trace)
+    if args.no_profile:  # the engine without --profile: pools start in fill_order, no policy gets a ranking
+        traces = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))
+                  for name, held, tr, _ in traces]
     for name, held, tr, _ in traces:
         print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
     print("global pool, decode misses / Belady's decode misses (* held out):")
@@ -277,6 +283,9 @@ def main():
     print(ratio_markdown(traces, ratios))
     print(bar_report(traces, ratios))
     stored = stored_traces(args.stored) if args.stored else []
+    if args.no_profile:
+        stored = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))
+                  for name, held, tr, _ in stored]
     if stored:
         for name, held, tr, _ in stored:
             print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
