@@ -24,7 +24,7 @@ Not replayed here: the router-lookahead prefetch (this trace is recorded without
 shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
-    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR] [--no-profile]
+    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR] [--no-profile] [--by-age]
 """
 from __future__ import annotations
 
@@ -221,7 +221,7 @@ def ratio_markdown(traces, ratios: dict, policies=ONLINE) -> str:
     return "\n".join(lines)
 
 
-TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")  # bench/traces/README.md
+TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")  # bench/record_traces.py writes them
 
 
 def stored_traces(folder: str = TRACES_DIR) -> list:
@@ -254,6 +254,39 @@ def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str
     return "\n".join(lines)
 
 
+AGE_EDGES = (1, 4, 16)  # tokens: misses_by_age's classes (<= 1, 2-4, 5-16, > 16, first use)
+
+
+def misses_by_age(traces, policies=("window", "llamacpp", "belady"), coverage: int = 25) -> str:
+    """Where the misses are: per tune trace and policy, its decode misses at `coverage` (global pool, pre-filled, as
+    belady_ratios) split by the tokens since the missed key's previous use (AGE_EDGES; "first": never used before).
+    A plain SlotTable replay of Trace.lookups(order="engine"), prefill lookups staged; without the engine's one-path-
+    per-call rule (simulate.simulate), which changes nothing on these traces of one token per decode forward."""
+    from pymoe.experts.policies import NextUse
+    from pymoe.experts.simulate import make_tables
+
+    head = "| trace | policy | <= 1 | 2-4 | 5-16 | > 16 | first use | all |"
+    lines = [head, "|" + " --- |" * 8]
+    for name, held, tr, prof in traces:
+        if held:
+            continue
+        prof = prof if prof is not None else Profile.from_trace(tr, "decode")
+        keys, row = tr.lookups(order="engine")
+        counted, staged = tr.rows("decode")[row], tr.rows("prefill")[row]
+        future = NextUse(keys)
+        for pol in policies:
+            table = make_tables(pol, slots_for_coverage(coverage, tr.n_layers, tr.n_experts), "global", tr.n_layers,
+                                tr.n_experts, prof, future, True, k=tr.k)[0]
+            last, by = {}, np.zeros(len(AGE_EDGES) + 2, dtype=np.int64)
+            for t, (key, c, st, r) in enumerate(zip(keys.tolist(), counted.tolist(), staged.tolist(), row.tolist())):
+                hit = table.access(key, t, not st)[0]
+                if c and not hit:
+                    by[np.searchsorted(AGE_EDGES, r - last[key]) if key in last else len(AGE_EDGES) + 1] += 1
+                last[key] = r
+            lines.append(f"| {name} | {pol} | " + " | ".join(str(int(v)) for v in by) + f" | {int(by.sum())} |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=None, help="a demo trace to replay (default: record one of the demo model)")
@@ -266,6 +299,8 @@ def main():
                     "(default bench/traces; '' for none)")
     ap.add_argument("--no-profile", action="store_true", help="the ratios with every profile empty (the engine "
                     "without --profile); implies --ratios")
+    ap.add_argument("--by-age", action="store_true", help="after the ratios, the tune traces' misses at 25%% "
+                    "coverage by tokens since the key's last use (misses_by_age)")
     args = ap.parse_args()
     args.ratios = args.ratios or args.no_profile
     t0 = time.perf_counter()
@@ -293,6 +328,9 @@ def main():
         ratios_s = belady_ratios(stored)
         print(ratio_markdown(stored, ratios_s))
         print(bar_report(stored, ratios_s))
+    if args.by_age:
+        print(f"decode misses at 25% coverage by tokens since the key's last use (tune traces):")
+        print(misses_by_age(traces + stored))
     if args.ratios:
         print(f"\n{time.perf_counter() - t0:.0f} s")
         return
