@@ -6,8 +6,8 @@ What this is: the measurement behind docs/expert-cache.md's tables ("Against Bel
   ratios     first, every engine policy's decode misses over Belady's (global pool, admission none, no warm set) at
              10/25/50% coverage on the fixed tune / held-out split (split_traces): the demo trace's requests 0-3 /
              4-7, traces fitted to Qwen3-30B-A3B / Qwen3-Next-80B routing counts, synthetic_trace seeds 1 / 2.
-             Then the same for the stored traces (stored_traces: bench/traces/*.npz, each cut into a tune and a
-             held-out half by requests), and per trace issue 48's bar (bar_report). --ratios stops after it.
+             Then the same for the stored traces (stored_split_traces: bench/traces/*.npz, each cut into a tune and
+             a held-out half by its sidecar's split), and per trace issue 48's bar (bar_report). --ratios stops after it.
   demo       without --trace it records one: the demo model samples --requests requests of --tokens tokens
              (temperature 0.7, repeat penalty 1.1, seeds 0 .. n - 1, the demo prompt), traced as `pymoe run --trace`
              does. Pools are pre-filled from the demo's packaged profile.
@@ -29,7 +29,6 @@ What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import time
@@ -40,6 +39,7 @@ from pymoe import demo
 from pymoe.experts.policies import DEFAULT_POLICY, ENGINE_POLICIES, Admission, WarmRule
 from pymoe.experts.profile import Profile
 from pymoe.experts.simulate import slots_for_coverage, sweep
+from pymoe.experts import trace as trace_mod
 from pymoe.experts.trace import Trace, fitted_trace, synthetic_trace, top_share
 
 COVERAGES = (10, 25, 50)
@@ -221,20 +221,22 @@ def ratio_markdown(traces, ratios: dict, policies=ONLINE) -> str:
     return "\n".join(lines)
 
 
-TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")  # bench/record_traces.py writes them
+TRACES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "traces")  # bench/traces/README.md
 
 
-def stored_traces(folder: str = TRACES_DIR) -> list:
-    """[(name, held out?, trace, profile)] for every stored trace in `folder` (bench/traces/*.npz, recorded by
-    bench/record_traces.py), cut by requests: the first half tune, the second half held out (a chat's turns in
-    order); both replayed with the profile built from the tune half (Profile.from_trace), which the held-out half
-    has not seen."""
+def named_traces(folder: str = TRACES_DIR) -> dict:
+    """{name: Trace} of the stored traces (bench/traces/README.md: demo-code, demo-prose, demo-chat, moe64-code),
+    each with meta["split"] {"tune": [requests], "heldout": [requests]}: the first half of its requests tune, the
+    second half are held out (trace.split_named cuts it)."""
+    return trace_mod.named_traces(folder)
+
+
+def stored_split_traces(folder: str = TRACES_DIR) -> list:
+    """[(name, held out?, trace, profile)] as split_traces gives, for every stored trace: its tune half (profile
+    built from that half, in-sample) and its held-out half (the same profile: learned on the tune half only)."""
     out = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.npz"))):
-        tr = Trace.load(path)
-        name = os.path.basename(path)[:-4]
-        n = len(np.unique(tr.request))
-        tune, held = requests_of(tr, range(n // 2)), requests_of(tr, range(n // 2, n))
+    for name, tr in named_traces(folder).items():
+        tune, held = trace_mod.split_named(tr)
         prof = Profile.from_trace(tune)
         out += [(f"{name} tune", False, tune, prof), (f"{name} held", True, held, prof)]
     return out
@@ -317,7 +319,7 @@ def main():
     ratios = belady_ratios(traces)
     print(ratio_markdown(traces, ratios))
     print(bar_report(traces, ratios))
-    stored = stored_traces(args.stored) if args.stored else []
+    stored = stored_split_traces(args.stored) if args.stored else []
     if args.no_profile:
         stored = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))
                   for name, held, tr, _ in stored]

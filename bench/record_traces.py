@@ -1,8 +1,8 @@
-"""Record the stored routing traces of bench/traces/ (docs/trace-files.md "Stored traces"; bench/traces/README.md).
+"""Record the stored routing traces of bench/traces/ (bench/traces/README.md; the format: docs/trace-files.md).
 
 What this is: the exact recipe of each stored trace, so that any of them can be recorded again. Each trace is the
 engine's own recorder (`Engine.record_trace`, what `pymoe run --trace` wires) on the CPU backend, written as
-bench/traces/NAME.npz with a sidecar NAME.json: how it was made (this command, the model file and its sha256, the
+NAME.npz in bench/traces/ with a sidecar NAME.json: how it was made (this command, the model file and its sha256, the
 prompts as text and token ids, sampling settings and seeds) and its tune / held-out split (requests).
   demo-code      the demo model on 8 held-out Python prompts (train.is_heldout files of the stdlib, 256 tokens each
                  from the middle of the file), 128 sampled tokens each
@@ -12,15 +12,16 @@ prompts as text and token ids, sampling settings and seeds) and its tune / held-
                  prefix kept between turns as the server's prefix reuse does: each turn prefills only the tokens not
                  already in the KV cache (request r = turn r: its prefill rows are those new tokens), then samples a
                  reply of up to 80 tokens
-  moe64-code     the 64-expert top-8 model (bench/traces/README.md "moe64": the demo recipe at 64 experts) on the
-                 same 8 held-out prompts as demo-code
+  moe64-code     the 64-expert top-8 model (the demo recipe at 64 experts, pymoe/demo/train.py; its command and
+                 perplexity: bench/traces/README.md) on the same 8 held-out prompts as demo-code, cut to their first 128
+                 tokens: the model was trained on 256-token windows, its context (128 prompt + 128 sampled)
 Sampling everywhere: temperature 0.7, top-k 40, top-p 0.95, min-p 0.05, repeat penalty 1.1 (the bench's demo
 trace), seed = request number; no stop at end-of-text for the code and prose requests (every request decodes its
 full length), the chat stops a reply at <|im_end|> / <|endoftext|>.
 What this is not: a benchmark (bench/cache_policies.py replays the traces), or a test (tests/test_stored_traces.py).
 
     PYTHONPATH=. python bench/record_traces.py demo-code demo-prose demo-chat
-    PYTHONPATH=. python bench/record_traces.py moe64-code --model /work/tr64/run/demo-moe-64x8.gguf
+    PYTHONPATH=. python bench/record_traces.py moe64-code --model moe64.gguf
 """
 from __future__ import annotations
 
@@ -190,6 +191,9 @@ def main(argv=None):
             how.update(record_chat(engine, {"recipe": name}, path), max_reply_tokens=CHAT_REPLY_TOKENS)
         else:
             prompts = (prose_prompts if name == "demo-prose" else code_prompts)(engine.tokenizer)
+            n_prompt = min(PROMPT_TOKENS, engine.n_ctx - DECODE_TOKENS)  # the moe64 model's context is 256
+            for p in prompts:
+                p["ids"] = p["ids"][:n_prompt]
             how.update(record_prompts(engine, prompts, {"recipe": name}, path), decode_tokens=DECODE_TOKENS,
                        stop_at_eos=False)
         from pymoe.experts.trace import Trace

@@ -446,3 +446,58 @@ def top_share(counts, frac: float = 0.1) -> np.ndarray:
     c = np.sort(np.asarray(counts, dtype=np.float64), axis=1)[:, ::-1]  # [L, E] hottest first
     top = int(np.ceil(frac * c.shape[1]))
     return c[:, :top].sum(axis=1) / c.sum(axis=1)
+
+
+# --- stored traces (bench/traces/: NAME.npz beside NAME.json, how it was made and its tune / held-out split) -------
+
+def select_requests(trace: Trace, requests) -> Trace:
+    """The rows of the requests whose numbers (trace.request values) are in `requests`, in their original order;
+    meta's prompt_lengths and n_requests follow."""
+    requests = sorted(int(r) for r in requests)
+    keep = np.isin(trace.request, requests)
+    meta = dict(trace.meta, n_requests=len(requests))
+    lengths = trace.meta.get("prompt_lengths")  # one per request, request r at index r (as the recorder numbers)
+    if lengths is not None and len(lengths) == int(trace.meta.get("n_requests", -1)):
+        meta["prompt_lengths"] = [lengths[r] for r in requests]
+    return Trace(trace.experts[keep], trace.weights[keep], trace.phase[keep], trace.request[keep],
+                 trace.forward[keep], meta)
+
+
+def named_traces(folder: str) -> dict:
+    """{name: Trace} of every NAME.npz in `folder` (bench/traces/ in a source checkout), sorted by name. Each needs
+    its sidecar NAME.json (how it was made, bench/record_traces.py), whose "split" {"tune": [requests], "heldout":
+    [requests]} lands in trace.meta["split"] and its path in trace.meta["sidecar"]; split_named() cuts by it."""
+    if not os.path.isdir(folder):
+        raise file_error(folder, "no such folder of stored traces")
+    out = {}
+    for fname in sorted(os.listdir(folder)):
+        if not fname.endswith(".npz"):
+            continue
+        name, path = fname[:-4], os.path.join(folder, fname)
+        side = path[:-4] + ".json"
+        if not os.path.exists(side):
+            raise file_error(path, f"no sidecar {os.path.basename(side)} saying how it was made")
+        try:
+            with open(side, encoding="utf-8") as f:
+                info = json.load(f)
+        except ValueError as e:
+            raise file_error(side, f"not JSON ({e})") from None
+        split = info.get("split") if isinstance(info, dict) else None
+        if not isinstance(split, dict) or not split.get("tune") or not split.get("heldout"):
+            raise file_error(side, "field split needs non-empty 'tune' and 'heldout' request lists")
+        trace = Trace.load(path)
+        present = set(np.unique(trace.request).tolist())
+        tune, held = set(split["tune"]), set(split["heldout"])
+        if tune & held or (tune | held) != present:
+            raise file_error(side, f"split: tune and heldout must divide the trace's requests {sorted(present)} "
+                                   "between them")
+        trace.meta["split"] = {"tune": sorted(tune), "heldout": sorted(held)}
+        trace.meta["sidecar"] = side
+        out[name] = trace
+    return out
+
+
+def split_named(trace: Trace) -> tuple:
+    """(tune Trace, held-out Trace) of a trace from named_traces (its meta["split"])."""
+    s = trace.meta["split"]
+    return select_requests(trace, s["tune"]), select_requests(trace, s["heldout"])
