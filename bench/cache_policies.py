@@ -6,7 +6,8 @@ What this is: the measurement behind docs/expert-cache.md's tables ("Against Bel
   ratios     first, every engine policy's decode misses over Belady's (global pool, admission none, no warm set) at
              10/25/50% coverage on the fixed tune / held-out split (split_traces): the demo trace's requests 0-3 /
              4-7, traces fitted to Qwen3-30B-A3B / Qwen3-Next-80B routing counts, synthetic_trace seeds 1 / 2.
-             --ratios stops after it.
+             Then the same for the stored traces (stored_split_traces: bench/traces/*.npz, each cut into a tune and
+             a held-out half by its sidecar's split), and per trace issue 48's bar (bar_report). --ratios stops after it.
   demo       without --trace it records one: the demo model samples --requests requests of --tokens tokens
              (temperature 0.7, repeat penalty 1.1, seeds 0 .. n - 1, the demo prompt), traced as `pymoe run --trace`
              does. Pools are pre-filled from the demo's packaged profile.
@@ -23,7 +24,7 @@ Not replayed here: the router-lookahead prefetch (this trace is recorded without
 shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
-    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios]
+    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR] [--no-profile] [--by-age]
 """
 from __future__ import annotations
 
@@ -241,6 +242,53 @@ def stored_split_traces(folder: str = TRACES_DIR) -> list:
     return out
 
 
+def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str = "llamacpp") -> str:
+    """Issue 48's bar, per trace: `policy`'s misses / Belady's at 25% coverage (<= 1.25?) and whether it has fewer
+    misses than `baseline` at every coverage."""
+    i = COVERAGES.index(25)
+    lines = []
+    for name, held, _, _ in traces:
+        r = ratios[name, policy]
+        fewer = all(a < b for a, b in zip(r, ratios[name, baseline]))
+        lines.append(f"{name}{' *' if held else ''}: {policy} {r[i]:.2f}x Belady at 25% "
+                     f"({'meets' if r[i] <= 1.25 else 'misses'} 1.25x); fewer misses than {baseline} at 10/25/50%: "
+                     f"{'yes' if fewer else 'no'} ({' / '.join(f'{a:.2f} vs {b:.2f}' for a, b in zip(r, ratios[name, baseline]))})")
+    return "\n".join(lines)
+
+
+AGE_EDGES = (1, 4, 16)  # tokens: misses_by_age's classes (<= 1, 2-4, 5-16, > 16, first use)
+
+
+def misses_by_age(traces, policies=("window", "llamacpp", "belady"), coverage: int = 25) -> str:
+    """Where the misses are: per tune trace and policy, its decode misses at `coverage` (global pool, pre-filled, as
+    belady_ratios) split by the tokens since the missed key's previous use (AGE_EDGES; "first": never used before).
+    A plain SlotTable replay of Trace.lookups(order="engine"), prefill lookups staged; without the engine's one-path-
+    per-call rule (simulate.simulate), which changes nothing on these traces of one token per decode forward."""
+    from pymoe.experts.policies import NextUse
+    from pymoe.experts.simulate import make_tables
+
+    head = "| trace | policy | <= 1 | 2-4 | 5-16 | > 16 | first use | all |"
+    lines = [head, "|" + " --- |" * 8]
+    for name, held, tr, prof in traces:
+        if held:
+            continue
+        prof = prof if prof is not None else Profile.from_trace(tr, "decode")
+        keys, row = tr.lookups(order="engine")
+        counted, staged = tr.rows("decode")[row], tr.rows("prefill")[row]
+        future = NextUse(keys)
+        for pol in policies:
+            table = make_tables(pol, slots_for_coverage(coverage, tr.n_layers, tr.n_experts), "global", tr.n_layers,
+                                tr.n_experts, prof, future, True, k=tr.k)[0]
+            last, by = {}, np.zeros(len(AGE_EDGES) + 2, dtype=np.int64)
+            for t, (key, c, st, r) in enumerate(zip(keys.tolist(), counted.tolist(), staged.tolist(), row.tolist())):
+                hit = table.access(key, t, not st)[0]
+                if c and not hit:
+                    by[np.searchsorted(AGE_EDGES, r - last[key]) if key in last else len(AGE_EDGES) + 1] += 1
+                last[key] = r
+            lines.append(f"| {name} | {pol} | " + " | ".join(str(int(v)) for v in by) + f" | {int(by.sum())} |")
+    return "\n".join(lines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--trace", default=None, help="a demo trace to replay (default: record one of the demo model)")
@@ -249,16 +297,42 @@ def main():
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--ratios", action="store_true", help="only the misses / Belady table on the tune / held-out "
                     "traces (docs/expert-cache.md, \"Against Belady\")")
+    ap.add_argument("--stored", default=TRACES_DIR, help="a folder of stored traces (*.npz) to add to the ratios "
+                    "(default bench/traces; '' for none)")
+    ap.add_argument("--no-profile", action="store_true", help="the ratios with every profile empty (the engine "
+                    "without --profile); implies --ratios")
+    ap.add_argument("--by-age", action="store_true", help="after the ratios, the tune traces' misses at 25%% "
+                    "coverage by tokens since the key's last use (misses_by_age)")
     args = ap.parse_args()
+    args.ratios = args.ratios or args.no_profile
     t0 = time.perf_counter()
     pools = ["global", "per-layer"]
 
     trace = Trace.load(args.trace) if args.trace else record(args.out, args.requests, args.tokens)
     traces = split_traces(trace)
+    if args.no_profile:  # the engine without --profile: pools start in fill_order, no policy gets a ranking
+        traces = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))
+                  for name, held, tr, _ in traces]
     for name, held, tr, _ in traces:
         print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
     print("global pool, decode misses / Belady's decode misses (* held out):")
-    print(ratio_markdown(traces, belady_ratios(traces)))
+    ratios = belady_ratios(traces)
+    print(ratio_markdown(traces, ratios))
+    print(bar_report(traces, ratios))
+    stored = stored_split_traces(args.stored) if args.stored else []
+    if args.no_profile:
+        stored = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))
+                  for name, held, tr, _ in stored]
+    if stored:
+        for name, held, tr, _ in stored:
+            print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
+        print(f"the stored traces ({args.stored}), the same:")
+        ratios_s = belady_ratios(stored)
+        print(ratio_markdown(stored, ratios_s))
+        print(bar_report(stored, ratios_s))
+    if args.by_age:
+        print(f"decode misses at 25% coverage by tokens since the key's last use (tune traces):")
+        print(misses_by_age(traces + stored))
     if args.ratios:
         print(f"\n{time.perf_counter() - t0:.0f} s")
         return

@@ -358,3 +358,117 @@ def test_lirs_by_hand():
     p = LIRSPolicy(2)
     assert replay(p, [1, 2, 1, 2, 3], 2)[1] == [1]
     assert p.irr == {1: 2.0, 2: 2.0, 3: float("inf")}
+
+
+def test_window_by_hand_prior_window_and_payback():
+    """WindowPolicy, capacity 2, 1 lookup per token, a use weighs 1 for 1 token then 0.5 until 3 tokens old; the
+    profile ranks 10 then 11: priors 2 / (1 + 0 / 2) = 2 and 2 / (1 + 1 / 2) = 4/3; prefilled [10, 11]. seq 7 7 10 11,
+    the clock = uses seen (c1..c4):
+      c1 7 misses: score 1 < the victim 11's 4/3: served without a slot (it would not pay for its copy).
+      c2 7 misses: its first use now weighs 0.5, + 1 = 1.5 >= 4/3: admitted, 11 (the colder prior) evicted.
+      c3 10 hits (score 3); 7's uses weigh 0.5 + 0.5 = 1.
+      c4 11 misses: 4/3 + 1; 7's first use is 3 tokens old (0), its second weighs 0.5; 10: 2 + 0.5. The victim is 7
+         (0.5), and 11 takes its slot. LRU from the same start admits 7 at c1 and hits it at c2 (2 hits to 1: the
+         refusal is a bet on the prior, lost on this sequence; "Against Belady" in docs/expert-cache.md weighs it)."""
+    from pymoe.experts.policies import WindowPolicy
+
+    p = WindowPolicy(2, profile_keys=[10, 11], lookups_per_token=1, edges=(1, 3), weights=(1.0, 0.5), prior=2.0,
+                     admit=1.0)
+    hits, evicted, steps = replay(p, [7, 7, 10, 11], 2, prefill=[10, 11])
+    assert steps == [(False, None, None), (False, 1, 11), (True, 0, None), (False, 1, 7)]
+    assert hits == 1 and evicted == [11, 7]
+    assert p.score[7] == 0.5 and p.score[10] == 2.5 and abs(p.score[11] - (4 / 3 + 1)) < 1e-12
+    assert replay(LRUPolicy(2), [7, 7, 10, 11], 2, prefill=[10, 11])[:2] == (2, [11, 7])
+    # without a profile: no prior, and the first miss takes the slot of the lowest score (ties: least recently used)
+    q = WindowPolicy(2, lookups_per_token=1, edges=(1, 3), weights=(1.0, 0.5))
+    assert replay(q, [1, 2, 3, 1], 2)[2] == [(False, 0, None), (False, 1, None), (False, 0, 1), (False, 1, 2)]
+    assert make_policy("window", 8, profile_keys=None, lookups_per_token=16).edges == [16, 64, 256]
+    with pytest.raises(ValueError, match="edges"):
+        WindowPolicy(2, edges=(3, 1), weights=(1.0, 0.5))
+
+
+class BruteWindow:
+    """WindowPolicy's rule from its definition, rescanning every use of every resident at each miss (no heap, no
+    FIFOs): score(k) = prior(k) + sum of w(now - c_u) over k's uses, victim = min (score, last use, key)."""
+
+    def __new__(cls, capacity, per_token, edges, weights):
+        from pymoe.experts.policies import Policy
+
+        class Brute(Policy):
+            def __init__(self):
+                super().__init__(capacity)
+                self.uses, self.resident, self.clock = {}, set(), 0
+
+            def w(self, age):
+                for e, wt in zip(edges, weights):
+                    if age < e * per_token:
+                        return wt
+                return 0.0
+
+            def score(self, k):
+                return sum(self.w(self.clock - c) for c in self.uses.get(k, []))
+
+            def key_of(self, k):
+                return (self.score(k), self.uses[k][-1] if self.uses.get(k) else 0, k)
+
+            def on_hit(self, key, t):
+                self.clock += 1
+                self.uses.setdefault(key, []).append(self.clock)
+
+            on_use = on_hit
+
+            def admit(self, key, t):
+                return not self.full or self.score(key) >= self.score(self.victim(t))
+
+            def victim(self, t):
+                return min(self.resident, key=self.key_of)
+
+            def on_insert(self, key, t):
+                super().on_insert(key, t)
+                self.resident.add(key)
+
+            def on_evict(self, key):
+                super().on_evict(key)
+                self.resident.discard(key)
+
+        return Brute()
+
+
+def test_window_heap_and_fifos_decide_as_a_scan_of_the_uses():
+    """The score kept by events (one FIFO per edge) and the lazy heap, compacted as it goes, decide every access as
+    BruteWindow's rescan does: 6000 skewed lookups of 24 keys into 8 slots, 3 lookups per token, refused misses
+    (insert=False) mixed in, prefilled. Weights are powers of two so both sums are exact in floating point (no
+    profile: a prior of 4/3 would make the two orders of summation round differently and break exact ties)."""
+    from pymoe.experts.policies import WindowPolicy
+
+    rng = np.random.default_rng(0)
+    seq = np.minimum(rng.zipf(1.3, 6000), 24).tolist()
+    staged = (rng.random(6000) < 0.1).tolist()
+    edges, weights = (1, 4, 16), (2.0, 1.0, 0.125)
+    got = SlotTable(8, WindowPolicy(8, lookups_per_token=3, edges=edges, weights=weights))
+    want = SlotTable(8, BruteWindow(8, 3, edges, weights))
+    for table in (got, want):
+        table.prefill([3, 1, 4])
+    steps = [[table.access(k, t, insert=not s) for t, (k, s) in enumerate(zip(seq, staged))] for table in (got, want)]
+    assert steps[0] == steps[1] and got.evictions > 500
+
+
+def test_window_memory_stays_bounded_when_the_pool_rarely_evicts():
+    """As test_lfu_lfru_memory_stays_bounded_when_the_pool_rarely_evicts, for WindowPolicy (1,000,000 lookups, 60
+    slots, 64 keys, a profile ranking all 64): heap <= 4 x (slots + 1) (HEAP_SLACK), dicts <= slots + keys, and each
+    edge's FIFO holds at most the uses of its last edges[-1] tokens (16 x 10 lookups per token here)."""
+    slots, n_keys, per_token = 60, 64, 10
+    policy = make_policy("window", slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token)
+    table = SlotTable(slots, policy)
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = longest_fifo = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        longest = max(longest, len(policy.heap))
+        if t % 1000 == 0:
+            longest_fifo = max(longest_fifo, *(len(q) for q in policy.due))
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)
+    assert longest <= 4 * (slots + 1)
+    assert longest_fifo <= policy.edges[-1]
+    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
+    assert state and all(len(d) <= slots + n_keys for d in state)

@@ -319,6 +319,18 @@ def decode_time_per_token(hit_rate: float, facts: ModelFacts, cost: CostModel) -
                      fixed_s=cost.fixed_s)
 
 
+def prefetch_time_per_token(hit_rate: float, prefetched_per_token: float, facts: ModelFacts,
+                            cost: CostModel) -> TokenTime:
+    """decode_time_per_token with the router lookahead's prefetch (experts/prefetch.py): its copies cross the same
+    link, so each prefetched expert adds S / pcie_bw to the spill term, as a miss's bytes do. No overlap term (the
+    model has none): a copy hidden behind the previous layer's compute would cost less, so this is the prefetch's
+    cost when the link is the critical path. A prefetch lowers this time only if it removes more misses than it copies
+    (the resident term's S / device_bw per removed miss is the small difference)."""
+    t = decode_time_per_token(hit_rate, facts, cost)
+    extra = prefetched_per_token * facts.slot_bytes / cost.pcie_bw
+    return TokenTime(resident_s=t.resident_s, spill_s=t.spill_s + extra, dense_s=t.dense_s, fixed_s=t.fixed_s)
+
+
 def calibrate_two_points(point_a: tuple[float, float], point_b: tuple[float, float], lookups_per_token: int,
                          slot_bytes: float, device_bw: float, dense_bytes_per_token: float = 0.0
                          ) -> tuple[float, float]:

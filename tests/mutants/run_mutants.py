@@ -569,6 +569,19 @@ MUTANTS: list[Mutant] = [
         ("tests/test_policies.py::test_admission_by_hand",),
         "admission: one insertion more per layer-step than --max-inserts"),
     Mutant(
+        "window_uses_never_age", "pymoe/experts/policies.py",
+        "                self.score[k] -= drop",
+        "                self.score[k] -= 0.0  # MUTANT",
+        ("tests/test_policies.py::test_window_by_hand_prior_window_and_payback",
+         "tests/test_policies.py::test_window_heap_and_fifos_decide_as_a_scan_of_the_uses"),
+        "window: a use keeps its first weight for ever (the age edges are never crossed: LFU with a prior)"),
+    Mutant(
+        "window_admits_every_miss", "pymoe/experts/policies.py",
+        "        return self.score.get(key, 0.0) >= self.admit_ratio * self.score[self.victim(t)]",
+        "        return True  # MUTANT",
+        ("tests/test_policies.py::test_window_by_hand_prior_window_and_payback",),
+        "window: payback admission off (a miss scored below the victim still takes its slot)"),
+    Mutant(
         "grammar_mask_not_applied", "pymoe/engine/sampler.py",
         "            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf))",
         "            logits = logits  # MUTANT",
