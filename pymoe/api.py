@@ -94,7 +94,8 @@ class Engine:
         self.model.chunk = int(chunk)
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
             self.backend.prepare(chunk, self.n_ctx, device_kv=not self.model.host_attention)
-            log(self.backend.memory_line())
+            for line in self.backend.memory_line().splitlines():  # (several devices: one line each)
+                log(line)
         self.free_at_sizing = None  # device bytes free when --cache auto sized the pool (telemetry), if it did
         if pcie_frac is None:  # measured on a GPU; with none, the probe's answer without one (every miss on the CPU)
             pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else NO_GPU_PCIE_FRAC
@@ -190,8 +191,8 @@ class Engine:
             raise PymoeError(f"expert cache: {slots} slots per device: every device needs one at least")
         cache = DeviceCaches(self.file, b, slots, policy=policy, profile=self.profile, pcie_frac=pcie_frac,
                              admission=self.admission, warm=self.warm)
-        log(cache.describe())
-        log(cache.fill())
+        for line in (*cache.describe().splitlines(), *cache.fill().splitlines()):
+            log(line)
         return cache
 
     def use_chat_template(self, source: str) -> None:

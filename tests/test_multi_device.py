@@ -145,6 +145,48 @@ def test_per_device_counters_equal_the_simulators_one_pool_per_card(tiny_model):
 
 
 @in_process
+def test_pymoe_run_and_the_server_status_per_device(tiny_model, monkeypatch):
+    """`pymoe run FILE --backend cuda --devices 2` (the reference kernels put in through api.load): one memory line,
+    pool and pre-fill line per device, and the request's cache and device lines per device; /v1/status
+    (serve/metrics.status_of) gives each device's slots, layers, counters and device counts."""
+    from click.testing import CliRunner
+
+    import pymoe.api
+    from pymoe.cli import cli
+    from pymoe.engine.sampler import SamplingParams
+    from pymoe.serve.metrics import status_of
+    from pymoe.serve.scheduler import Job, Scheduler
+
+    path = tiny_model("qwen3moe", "q2_k")
+    real = pymoe.api.load
+    monkeypatch.setattr(pymoe.api, "load", lambda *a, **k: real(*a, **dict(k, backend_options=SIM)))
+    res = CliRunner().invoke(cli, ["run", path, "--backend", "cuda", "--devices", "2", "--cache-slots", "4",
+                                    "--pcie-frac", "1", "-n", "5", "--temp", "0", "-p", "hello"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    for d, layer in ((0, 0), (1, 1)):
+        assert f"cuda:{d} layers {layer}-{layer}: device memory:" in out, out
+        assert f"cuda:{d}: pre-filled 2 of 2 slots" in out, out
+        assert f"cuda:{d} (layers {layer}-{layer}, 2 slots)" in out, out
+    assert "decode device per token:" in out and "; per device: cuda:0 " in out, out
+
+    engine = load(path, devices="2", cache_slots=4, pcie_frac=1.0)
+    with Scheduler(engine, parallel=1, kv="f32") as sched:
+        job = sched.submit(Job(prompt_ids=PROMPT, max_tokens=N_NEW, ignore_eos=True,
+                               sampling=SamplingParams(temperature=0)))
+        list(job.events(timeout=120))
+        status = status_of(sched)
+    per = status["cache"]["per_device"]
+    assert [(p["device"], p["layers"], p["slots"]) for p in per] == [("cuda:0", [0, 0], 2), ("cuda:1", [1, 1], 2)]
+    cfg = engine.config
+    assert sum(p["lookups"] for p in per) == status["cache"]["counts"]["decode"]["lookups"] == \
+        (N_NEW - 1) * len(cfg.moe_layers) * cfg.n_expert_used
+    dev = status["device"]["per_device"]
+    assert len(dev) == 2 and all(d["launches"] > 0 for d in dev)
+    assert sum(d["launches"] for d in dev) == pytest.approx(status["device"]["decode_per_token"]["launches"])
+
+
+@in_process
 def test_bad_device_requests_are_one_line_errors(tiny_model):
     path = tiny_model("qwen3moe", "q2_k")
     with pytest.raises(PymoeError, match="--devices"):

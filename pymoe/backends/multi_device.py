@@ -290,6 +290,7 @@ class DeviceCaches:
         self.n_total = sum(c.n_total for c in self.parts)
         self.policy_name, self.pcie_frac, self.slot_bytes = first.policy_name, first.pcie_frac, first.slot_bytes
         self.warm_rule, self.profile = first.warm_rule, first.profile
+        self.gpu = True  # misses read over PCIe cross it (the request line says so)
         self.stats = _SummedStats(self.parts)
         self.gap = _SummedGap(self.parts)
         self.offsets = np.cumsum([0] + [c.n_slots for c in self.parts])[:-1]  # device d's slots, numbered globally
