@@ -193,6 +193,8 @@ def test_bad_device_requests_are_one_line_errors(tiny_model):
         load(path, devices="3")  # 3 devices for 2 layers
     with pytest.raises(PymoeError, match="device indices"):
         load(path, devices="0,x")
+    with pytest.raises(PymoeError, match="^cuda:1: device memory budget exceeded"):  # which device, named
+        load(path, devices="2", free_bytes=[700 * MiB + 64 * MiB, 700 * MiB + MiB])
     with pytest.raises(PymoeError, match="--devices runs the cuda backend"):
         pymoe.load(path, backend="cpu", devices="2")
 

@@ -85,6 +85,17 @@ def device_ranges(n_layers: int, usable: list) -> list[range]:
     return [range(lo, hi) for lo, hi in split_layers(n_layers, [max(u, 1e-9) for u in usable])]
 
 
+@contextlib.contextmanager
+def named(device: str):
+    """A one-line error raised on one device of several says which one (`cuda:1: device memory budget ...`)."""
+    try:
+        yield
+    except PymoeError as e:
+        if str(e).startswith("cuda:"):
+            raise
+        raise PymoeError(f"{device}: {e}") from None
+
+
 class MultiCounts:
     """The devices' DeviceCounts: `forward` reaches every device; `snapshot` is their sum (what one device's
     counts would read); `per_device(phase)` each one's."""
@@ -127,8 +138,8 @@ class DeviceShard:
     """Device d's CUDABackend, as the layers of its range see it: every primitive is the backend's, run in the
     device's context, with a MultiKV cache narrowed to the device's part."""
 
-    def __init__(self, backend: CUDABackend, d: int, context):
-        self.inner, self.d, self._context = backend, d, context
+    def __init__(self, backend: CUDABackend, d: int, context, name: str):
+        self.inner, self.d, self._context, self.name_of = backend, d, context, name
 
     def __getattr__(self, name):
         attr = getattr(self.inner, name)
@@ -137,7 +148,7 @@ class DeviceShard:
         context = self._context
 
         def in_context(*args, **kwargs):
-            with context():
+            with context(), named(self.name_of):
                 return attr(*args, **kwargs)
         return in_context
 
@@ -185,7 +196,8 @@ class MultiDeviceBackend:
             with self.context(d)():
                 self.devices.append(CUDABackend(threads=threads, reserve=reserve,
                                                 free_bytes=None if free_bytes is None else free_bytes[d], **options))
-        self.shards = [DeviceShard(b, d, self.context(d)) for d, b in enumerate(self.devices)]
+        self.shards = [DeviceShard(b, d, self.context(d), f"cuda:{i}") for d, (i, b) in
+                       enumerate(zip(self.ids, self.devices))]
         self.last = self.shards[-1]
         self.cpu = self.devices[0].cpu
         self.host_backend = self.cpu
@@ -230,8 +242,8 @@ class MultiDeviceBackend:
 
     def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True) -> None:
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
-        for d, b in enumerate(self.devices):
-            with self.context(d)():
+        for d, (i, b) in enumerate(zip(self.ids, self.devices)):
+            with self.context(d)(), named(f"cuda:{i}"):
                 b.prepare(chunk, n_ctx, device_kv)
 
     def memory_line(self) -> str:
