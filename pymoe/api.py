@@ -182,13 +182,10 @@ class Engine:
                 if cache_gib <= 0:
                     raise PymoeError(f"--cache-gib must be > 0, got {cache_gib}")
                 cache_slots = int(cache_gib * 2**30 // S)
-            slots = split_count(int(cache_slots), [d.mem.limit for d in b.devices])
+            slots = split_count(int(cache_slots), [d.mem.limit if c else 0 for d, c in zip(b.devices, caps)])
             slots = [min(n, c) for n, c in zip(slots, caps)]
-        if 0 in caps:
-            raise PymoeError(f"--devices: cuda:{b.ids[caps.index(0)]} runs only dense layers (no experts for its slot "
-                             "pool): use fewer devices")
-        if min(slots) < 1:
-            raise PymoeError(f"expert cache: {slots} slots per device: every device needs one at least")
+        if min(n for n, c in zip(slots, caps) if c) < 1:  # (a device with only dense layers has no pool)
+            raise PymoeError(f"expert cache: {slots} slots per device: every device with experts needs one at least")
         cache = DeviceCaches(self.file, b, slots, policy=policy, profile=self.profile, pcie_frac=pcie_frac,
                              admission=self.admission, warm=self.warm)
         for line in (*cache.describe().splitlines(), *cache.fill().splitlines()):

@@ -145,9 +145,10 @@ def test_per_device_counters_equal_the_simulators_one_pool_per_card(tiny_model):
 
 
 @in_process
-def test_pymoe_run_and_the_server_status_per_device(tiny_model, monkeypatch):
+def test_pymoe_run_and_the_server_status_per_device(tiny_model, monkeypatch, tmp_path):
     """`pymoe run FILE --backend cuda --devices 2` (the reference kernels put in through api.load): one memory line,
-    pool and pre-fill line per device, and the request's cache and device lines per device; /v1/status
+    pool and pre-fill line per device, and the request's cache and device lines per device (and its --telemetry
+    record); /v1/status
     (serve/metrics.status_of) gives each device's slots, layers, counters and device counts."""
     from click.testing import CliRunner
 
@@ -161,7 +162,8 @@ def test_pymoe_run_and_the_server_status_per_device(tiny_model, monkeypatch):
     real = pymoe.api.load
     monkeypatch.setattr(pymoe.api, "load", lambda *a, **k: real(*a, **dict(k, backend_options=SIM)))
     res = CliRunner().invoke(cli, ["run", path, "--backend", "cuda", "--devices", "2", "--cache-slots", "4",
-                                    "--pcie-frac", "1", "-n", "5", "--temp", "0", "-p", "hello"])
+                                    "--pcie-frac", "1", "-n", "5", "--temp", "0", "-p", "hello",
+                                    "--telemetry", str(tmp_path / "t.jsonl"), "--telemetry-interval", "0"])
     assert res.exit_code == 0, res.output
     out = res.output
     for d, layer in ((0, 0), (1, 1)):
@@ -169,6 +171,11 @@ def test_pymoe_run_and_the_server_status_per_device(tiny_model, monkeypatch):
         assert f"cuda:{d}: pre-filled 2 of 2 slots" in out, out
         assert f"cuda:{d} (layers {layer}-{layer}, 2 slots)" in out, out
     assert "decode device per token:" in out and "; per device: cuda:0 " in out, out
+    import json
+
+    (rec,) = [r for r in map(json.loads, open(tmp_path / "t.jsonl")) if r["kind"] == "request"]
+    assert [(d["device"], d["slots"]) for d in rec["devices"]] == [("cuda:0", 2), ("cuda:1", 2)]
+    assert sum(d["lookups"] for d in rec["devices"]) == rec["lookups"] > 0
 
     engine = load(path, devices="2", cache_slots=4, pcie_frac=1.0)
     with Scheduler(engine, parallel=1, kv="f32") as sched:
@@ -184,6 +191,39 @@ def test_pymoe_run_and_the_server_status_per_device(tiny_model, monkeypatch):
     dev = status["device"]["per_device"]
     assert len(dev) == 2 and all(d["launches"] > 0 for d in dev)
     assert sum(d["launches"] for d in dev) == pytest.approx(status["device"]["decode_per_token"]["launches"])
+
+
+@in_process
+def test_micro_glm4moe_on_two_devices_with_the_real_kernels(tmp_path):
+    """The real kernels (cuda_kernels/) in the simulator, on the micro glm4moe (a dense layer, then an MoE layer:
+    device 0 runs the dense layer and has no slot pool, device 1 the MoE layer with its pool, pre-filled): greedy
+    tokens of two devices = one device = the CPU float path; logits of two devices = one device's bit for bit (the
+    same kernels on the same inputs) and within 1e-4 of the float path (the device path's bound in
+    tests/test_cuda_backend.py). ~3 min on 2 busy cores (each kernel block runs as 32 Python threads)."""
+    from pymoe.demo.tinymodel import write_model
+
+    path = str(tmp_path / "micro-glm4moe-f32.gguf")
+    write_model(path, "glm4moe", "micro", "f32", seed=0)
+    prompt, opts = [5, 17], dict(cache_slots=2, policy="lru", pcie_frac=0.5, chunk=8, n_ctx=64)
+
+    def run(engine):
+        out, model = [], engine.model
+        kv = model.new_kv(64)
+        out.append(model.prefill(prompt, kv))
+        out.append(model.decode_one_token(int(np.argmax(out[-1][-1])), kv)[None])
+        return [int(np.argmax(a[-1])) for a in out], np.concatenate(out)
+
+    want_tokens, want_logits = run(pymoe.load(path, backend="reference", n_ctx=64))
+    free = dict(free_bytes=700 * MiB + 64 * MiB)
+    one = run(pymoe.load(path, backend="cuda", backend_options=free, **opts))
+    engine = pymoe.load(path, backend="cuda", backend_options=free, devices="2", **opts)
+    assert engine.backend.devices[0].k.name == "cuda_kernels" and engine.cache.parts[0] is None
+    two = run(engine)
+    assert two[0] == one[0] == want_tokens
+    np.testing.assert_array_equal(two[1], one[1])
+    np.testing.assert_allclose(two[1], want_logits, rtol=0, atol=1e-4)
+    assert [p["slots"] for p in engine.cache.per_device("decode")] == [0, 2]
+    assert engine.cache.per_device("decode")[1]["lookups"] == engine.config.n_expert_used
 
 
 @in_process

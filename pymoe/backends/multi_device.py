@@ -283,29 +283,34 @@ class MultiDeviceBackend:
 
 
 class DeviceCaches:
-    """The expert cache over several devices: one SlotCache per device over its layers (module docstring). The
-    cache's methods the engine calls go to the layer's device; counters are summed (`stats`) and per device."""
+    """The expert cache over several devices: one SlotCache per device over its layers (module docstring); a device
+    whose layers are all dense (a dense-lead model's first device) has none. The cache's methods the engine calls
+    go to the layer's device; counters are summed (`stats`) and per device (`per_device`)."""
 
     def __init__(self, file, backend: MultiDeviceBackend, slots: list[int], **options):
         from pymoe.experts.cache import SlotCache
 
         self.backend = backend
-        self.parts = []
+        self.parts: list = []  # [D] SlotCache, or None for a device without experts
         for d, (r, n) in enumerate(zip(backend.ranges, slots)):
-            with backend.context(d)():
+            if not any(i in r for i in file.config.moe_layers):
+                self.parts.append(None)
+                continue
+            with backend.context(d)(), named(f"cuda:{backend.ids[d]}"):
                 cache = SlotCache(file, int(n), new_pool=backend.devices[d].new_pool, gpu=True, layers=r,
                                   **options)
             backend.devices[d].cache_pool = cache.pool
             self.parts.append(cache)
-        first = self.parts[0]
-        self.n_slots = sum(c.n_slots for c in self.parts)
-        self.n_total = sum(c.n_total for c in self.parts)
+        self.pools = [c for c in self.parts if c is not None]
+        first = self.pools[0]
+        self.n_slots = sum(c.n_slots for c in self.pools)
+        self.n_total = sum(c.n_total for c in self.pools)
         self.policy_name, self.pcie_frac, self.slot_bytes = first.policy_name, first.pcie_frac, first.slot_bytes
         self.warm_rule, self.profile = first.warm_rule, first.profile
         self.gpu = True  # misses read over PCIe cross it (the request line says so)
-        self.stats = _SummedStats(self.parts)
-        self.gap = _SummedGap(self.parts)
-        self.offsets = np.cumsum([0] + [c.n_slots for c in self.parts])[:-1]  # device d's slots, numbered globally
+        self.stats = _SummedStats(self.pools)
+        self.gap = _SummedGap(self.pools)
+        self.offsets = np.cumsum([0] + [c.n_slots for c in self.pools])[:-1]  # each pool's slots, numbered globally
 
     def _of(self, layer: int):
         d = self.backend.device_of(layer)
@@ -331,22 +336,23 @@ class DeviceCaches:
 
     def end_prefill(self) -> None:
         for d, c in enumerate(self.parts):
-            with self.backend.context(d)():
-                c.end_prefill()
+            if c is not None:
+                with self.backend.context(d)():
+                    c.end_prefill()
 
     @property
     def warmed(self) -> dict:
-        return {k: sum(c.warmed[k] for c in self.parts) for k in ("copied", "evicted")}
+        return {k: sum(c.warmed[k] for c in self.pools) for k in ("copied", "evicted")}
 
     @property
     def heat(self) -> np.ndarray:
-        return sum(c.heat for c in self.parts)  # [L, E]: each device counts its own layers only
+        return sum(c.heat for c in self.pools)  # [L, E]: each device counts its own layers only
 
     @property
     def residency(self) -> np.ndarray:
-        """[L, E] -> slot (numbered across devices: device d's slots follow device d - 1's) or -1."""
-        out = np.full_like(self.parts[0].residency, -1)
-        for c, off in zip(self.parts, self.offsets):
+        """[L, E] -> slot (numbered across devices: a device's slots follow the previous device's) or -1."""
+        out = np.full_like(self.pools[0].residency, -1)
+        for c, off in zip(self.pools, self.offsets):
             mine = c.residency >= 0
             out[mine] = c.residency[mine] + off
         return out
@@ -354,20 +360,25 @@ class DeviceCaches:
     def fill(self, profile=None) -> str:
         lines = []
         for d, (i, c) in enumerate(zip(self.backend.ids, self.parts)):
-            with self.backend.context(d)():
-                lines.append(f"cuda:{i}: {c.fill(profile)}")
+            if c is not None:
+                with self.backend.context(d)():
+                    lines.append(f"cuda:{i}: {c.fill(profile)}")
         return "\n".join(lines)
 
     def describe(self) -> str:
         head = (f"expert cache on {len(self.parts)} devices, one pool per device over its layers: "
                 f"{self.n_slots} slots of {self.slot_bytes} bytes ({100 * self.n_slots / self.n_total:.1f}% of "
                 f"{self.n_total} experts)")
-        return "\n".join([head] + [f"cuda:{i} layers {r.start}-{r.stop - 1}: {c.describe()}"
+        return "\n".join([head] + [f"cuda:{i} layers {r.start}-{r.stop - 1}: "
+                                   + (c.describe() if c is not None else "dense layers only, no slot pool")
                                    for i, r, c in zip(self.backend.ids, self.backend.ranges, self.parts)])
 
     def per_device(self, phase: str) -> list[dict]:
         """Each device's counters of `phase` and its slots: what the request line and /v1/status show."""
-        return [dict(c.stats.snapshot(phase), slots=c.n_slots, layers=[r.start, r.stop - 1], device=f"cuda:{i}")
+        from pymoe.experts.cache import COUNTERS
+
+        return [dict(c.stats.snapshot(phase) if c is not None else dict.fromkeys(COUNTERS, 0),
+                     slots=c.n_slots if c is not None else 0, layers=[r.start, r.stop - 1], device=f"cuda:{i}")
                 for i, r, c in zip(self.backend.ids, self.backend.ranges, self.parts)]
 
 
