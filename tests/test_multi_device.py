@@ -199,7 +199,8 @@ def test_micro_glm4moe_on_two_devices_with_the_real_kernels(tmp_path):
     device 0 runs the dense layer and has no slot pool, device 1 the MoE layer with its pool, pre-filled): greedy
     tokens of two devices = one device = the CPU float path; logits of two devices = one device's bit for bit (the
     same kernels on the same inputs) and within 1e-4 of the float path (the device path's bound in
-    tests/test_cuda_backend.py). ~3 min on 2 busy cores (each kernel block runs as 32 Python threads)."""
+    tests/test_cuda_backend.py). 460 s on 2 busy cores (each kernel block runs as 32 Python threads: the cost of
+    holding the real kernels to this)."""
     from pymoe.demo.tinymodel import write_model
 
     path = str(tmp_path / "micro-glm4moe-f32.gguf")
