@@ -228,7 +228,11 @@ def test_micro_glm4moe_on_two_devices_with_the_real_kernels(tmp_path):
 
 
 @in_process
-def test_bad_device_requests_are_one_line_errors(tiny_model):
+def test_bad_device_requests_are_one_line_errors(tiny_model, monkeypatch):
+    """Errors name what is wrong in one line: too many devices, bad indices, a budget too small (and on which
+    device), PYMOE_SIM_DEVICE_GIB, a backend other than cuda. PYMOE_SIM_DEVICE_GIB sizes each simulated device."""
+    from pymoe.backends.multi_device import MultiDeviceBackend
+
     path = tiny_model("qwen3moe", "q2_k")
     with pytest.raises(PymoeError, match="--devices"):
         load(path, devices="3")  # 3 devices for 2 layers
@@ -236,6 +240,13 @@ def test_bad_device_requests_are_one_line_errors(tiny_model):
         load(path, devices="0,x")
     with pytest.raises(PymoeError, match="^cuda:1: device memory budget exceeded"):  # which device, named
         load(path, devices="2", free_bytes=[700 * MiB + 64 * MiB, 700 * MiB + MiB])
+    monkeypatch.setenv("PYMOE_SIM_DEVICE_GIB", "1,0.75")  # the simulated devices' sizes, one per device
+    b = MultiDeviceBackend([0, 1], kernels="reference")
+    assert [d.free_at_start for d in b.devices] == [2**30, 3 * 2**28] and "cuda:1 0.75 GiB" in b.note
+    for bad in ("1,0", "1,x", "1,1,1"):
+        monkeypatch.setenv("PYMOE_SIM_DEVICE_GIB", bad)
+        with pytest.raises(PymoeError, match="PYMOE_SIM_DEVICE_GIB"):
+            MultiDeviceBackend([0, 1], kernels="reference")
     with pytest.raises(PymoeError, match="--devices runs the cuda backend"):
         pymoe.load(path, backend="cpu", devices="2")
 

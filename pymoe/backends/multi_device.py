@@ -37,6 +37,7 @@ What this is not: tensor parallelism (a layer split across devices), or expert p
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 from typing import Optional
 
@@ -60,17 +61,17 @@ def parse_device_ids(text: str) -> list[int]:
 
 
 def simulated_device_sizes(n: int) -> list[float]:
-    """The simulated devices' sizes in GiB: PYMOE_SIM_DEVICE_GIB, one number for all or one per device."""
+    """The simulated devices' sizes in GiB: PYMOE_SIM_DEVICE_GIB, one number for all (cuda.simulated_device_gib,
+    default 8) or one per device (`8,4`)."""
     raw = os.environ.get("PYMOE_SIM_DEVICE_GIB", "")
     if "," not in raw:
         return [simulated_device_gib()] * n
-    sizes = []
-    for part in raw.split(","):
-        os.environ["PYMOE_SIM_DEVICE_GIB"], old = part.strip(), raw
-        try:
-            sizes.append(simulated_device_gib())
-        finally:
-            os.environ["PYMOE_SIM_DEVICE_GIB"] = old
+    try:
+        sizes = [float(part) for part in raw.split(",")]
+    except ValueError:
+        sizes = [-1.0]
+    if not all(g > 0 and math.isfinite(g) for g in sizes):
+        raise PymoeError(f"PYMOE_SIM_DEVICE_GIB must be positive numbers of GiB, got {raw!r}")
     if len(sizes) != n:
         raise PymoeError(f"PYMOE_SIM_DEVICE_GIB gives {len(sizes)} sizes for {n} devices")
     return sizes
@@ -185,8 +186,13 @@ class MultiDeviceBackend:
             if max(self.ids) >= len(cuda.gpus):
                 raise PymoeError(f"--devices {','.join(map(str, self.ids))}: this machine has {len(cuda.gpus)} "
                                  "CUDA device(s)")
+        self.note = None
         if free_bytes is None and simulated():
-            free_bytes = [int(g * 2**30) for g in simulated_device_sizes(n)]
+            sizes = simulated_device_sizes(n)
+            free_bytes = [int(g * 2**30) for g in sizes]
+            self.note = ("simulated devices: " + ", ".join(f"cuda:{i} {g:g} GiB" for i, g in zip(self.ids, sizes))
+                         + " (NUMBA_ENABLE_CUDASIM=1: one CUDABackend per device in the simulator's one context; "
+                         "times are not a GPU's)")
         if free_bytes is not None and np.ndim(free_bytes) == 0:
             free_bytes = [free_bytes] * n
         if free_bytes is not None and len(free_bytes) != n:
@@ -204,7 +210,6 @@ class MultiDeviceBackend:
         self.threads = self.cpu.threads
         self.reserve = int(reserve)
         self.counts = MultiCounts([b.counts for b in self.devices])
-        self.note = "; ".join(f"cuda:{i}: {b.note}" for i, b in zip(self.ids, self.devices) if b.note) or None
         self.ranges: list[range] = []
         self._layer_device: list[int] = []
 
