@@ -92,7 +92,8 @@ class RequestStats:
         if self.devices:
             line += "; per device: " + ", ".join(
                 f"{d['device']} (layers {d['layers'][0]}-{d['layers'][1]}, {d['slots']} slots) "
-                f"{100.0 * d['hits'] / d['lookups'] if d['lookups'] else 0.0:.1f}% ({d['hits']}/{d['lookups']})"
+                + (f"{100.0 * d['hits'] / d['lookups']:.1f}% ({d['hits']}/{d['lookups']})" if d["lookups"]
+                   else "no lookups")  # (a device of dense layers only)
                 for d in self.devices)
         return line
 
