@@ -34,7 +34,7 @@ class Engine:
                  policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: Optional[float] = None,
                  cache: str = "auto", chunk: int = 512, reserve_mib: float = 700, log=lambda line: None,
                  backend_options: Optional[dict] = None, admit: str = "all", max_inserts: int = 0,
-                 warm_set: int = 0, warm_inserts: int = 0, act_bits=None):
+                 warm_set: int = 0, warm_inserts: int = 0, act_bits=None, devices: Optional[str] = None):
         """`cache_slots` / `cache_gib` size an expert slot pool; else `cache` = "auto" sizes it from the device's free
         memory (CUDA; on the CPU backend auto means no pool: every expert is read in place) or "none".
         `profile` (a path or a profile.Profile) pre-fills it; `pcie_frac` (None: measured by the PCIe probe on CUDA,
@@ -43,7 +43,9 @@ class Engine:
         the backend (tests). `admit` ("all" or "second-miss") and `max_inserts` (per layer per step, 0: no cap):
         the slot pool's admission control (experts/policies.Admission). `warm_set` N, `warm_inserts` M: at the end of
         each prompt, copy the experts of its last N tokens into the pool, at most M (0: no cap; policies.WarmSet).
-        `act_bits` (8, 16 or 0; None: the backend's default): the CPU backend's activation width (quant/qact.py)."""
+        `act_bits` (8, 16 or 0; None: the backend's default): the CPU backend's activation width (quant/qact.py).
+        `devices` ("0,1", or a count): the CUDA backend on several devices, the layers split by ranges, one slot
+        pool per device (backends/multi_device.py)."""
         from .engine.tokenizer import Tokenizer
 
         if chunk < 1:
@@ -57,8 +59,11 @@ class Engine:
         self.config = self.file.config
         if act_bits is not None:
             backend_options = {**(backend_options or {}), "act_bits": int(act_bits)}
-        self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
-                                   **(backend_options or {}))
+        if devices is not None:
+            self.backend = _multi_device_backend(backend, devices, threads, int(reserve_mib * 2**20), backend_options)
+        else:
+            self.backend = get_backend(backend, threads=threads, reserve=int(reserve_mib * 2**20),
+                                       **(backend_options or {}))
         log(f"backend {self.backend.name}")
         if getattr(self.backend, "note", None):  # CUDA in the simulator: the device size it stands for
             log(self.backend.note)
@@ -89,7 +94,8 @@ class Engine:
         self.model.chunk = int(chunk)
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
             self.backend.prepare(chunk, self.n_ctx, device_kv=not self.model.host_attention)
-            log(self.backend.memory_line())
+            for line in self.backend.memory_line().splitlines():  # (several devices: one line each)
+                log(line)
         self.free_at_sizing = None  # device bytes free when --cache auto sized the pool (telemetry), if it did
         if pcie_frac is None:  # measured on a GPU; with none, the probe's answer without one (every miss on the CPU)
             pcie_frac = self._probe_pcie_frac(log) if self.backend.name == "cuda" else NO_GPU_PCIE_FRAC
@@ -112,7 +118,7 @@ class Engine:
     def _probe_pcie_frac(self, log) -> float:
         from .experts.probe import probe
 
-        result = probe(self.file, self.backend)
+        result = probe(self.file, getattr(self.backend, "devices", [self.backend])[0])  # (several: the first's)
         log(result.line())
         return result.pcie_frac
 
@@ -121,6 +127,8 @@ class Engine:
 
         cuda = self.backend.name == "cuda"
         n_total = len(self.config.moe_layers) * self.config.n_expert  # leading dense layers have no experts
+        if hasattr(self.backend, "shards") and (cache_slots is not None or cache_gib is not None or mode == "auto"):
+            return self._device_caches(cache_slots, cache_gib, policy, pcie_frac, log)
         if cache_slots is None and cache_gib is None and mode == "auto" and cuda:
             from .experts.plan import auto_line, slots_for
 
@@ -150,6 +158,38 @@ class Engine:
         self.backend.cache_pool = cache.pool
         log(cache.describe())
         log(cache.fill())  # every slot, from the profile and then in a stated order: slots never sit empty
+        return cache
+
+    def _device_caches(self, cache_slots, cache_gib, policy, pcie_frac, log):
+        """Several devices (backends/multi_device.py): one SlotCache per device over its layers. Slots per device:
+        --cache auto sizes each from its own free memory; a total (--cache-slots, --cache-gib) is split by the
+        devices' budgets (largest remainder, as `pymoe simulate --devices` splits it), each at most its layers'
+        experts."""
+        from .backends.multi_device import DeviceCaches
+        from .experts.multi import split_count
+        from .experts.plan import auto_line, slots_for
+
+        b, E, S = self.backend, self.config.n_expert, self.file.slot_bytes
+        caps = [len([i for i in self.config.moe_layers if i in r]) * E for r in b.ranges]
+        if cache_slots is None and cache_gib is None:
+            free = b.free_for_cache()
+            self.free_at_sizing = sum(free)
+            slots = [slots_for(f, b.reserve, S, cap=c) for f, c in zip(free, caps)]
+            for i, f, n in zip(b.ids, free, slots):
+                log(f"cuda:{i}: {auto_line(f, b.reserve, n)}")
+        else:
+            if cache_gib is not None:
+                if cache_gib <= 0:
+                    raise PymoeError(f"--cache-gib must be > 0, got {cache_gib}")
+                cache_slots = int(cache_gib * 2**30 // S)
+            slots = split_count(int(cache_slots), [d.mem.limit if c else 0 for d, c in zip(b.devices, caps)])
+            slots = [min(n, c) for n, c in zip(slots, caps)]
+        if min(n for n, c in zip(slots, caps) if c) < 1:  # (a device with only dense layers has no pool)
+            raise PymoeError(f"expert cache: {slots} slots per device: every device with experts needs one at least")
+        cache = DeviceCaches(self.file, b, slots, policy=policy, profile=self.profile, pcie_frac=pcie_frac,
+                             admission=self.admission, warm=self.warm)
+        for line in (*cache.describe().splitlines(), *cache.fill().splitlines()):
+            log(line)
         return cache
 
     def use_chat_template(self, source: str) -> None:
@@ -269,6 +309,17 @@ class Engine:
 
         return make_speculator(spec, k, self.model, self.n_ctx,
                                lambda path: load(path, n_ctx=self.n_ctx, **draft_options))
+
+
+def _multi_device_backend(backend: str, devices: str, threads, reserve: int, options: Optional[dict]):
+    """`--devices`: the CUDA backend on several devices (a GPU's, or the simulator's several CUDABackends)."""
+    from .backends.cuda import cuda_available, simulated
+    from .backends.multi_device import MultiDeviceBackend, parse_device_ids
+
+    if backend not in ("auto", "cuda") or (backend == "auto" and not (cuda_available() or simulated())):
+        raise PymoeError(f"--devices runs the cuda backend on several devices; the backend here is {backend!r}"
+                         + (" (no CUDA GPU found)" if backend == "auto" else ""))
+    return MultiDeviceBackend(parse_device_ids(devices), threads=threads, reserve=reserve, **(options or {}))
 
 
 def load(path: str, backend: str = "auto", threads: Optional[int] = None, n_ctx: Optional[int] = None,

@@ -95,6 +95,12 @@ def engine_options(f):
                           "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K-Q6_K, Q8_0, "
                           "MXFP4 and IQ4_XS weights repacked 8 rows at a time, unless PYMOE_REPACK=0; IQ1-IQ3 experts "
                           "decoded into 8-row tiles in prefill, unless PYMOE_DECODE=0; coarser), 0 (float kernels)."),
+        click.option("--devices", default=None,
+                     help="The cuda backend on several devices: indices (0,1) or a count (2). Layers are split in "
+                          "contiguous ranges by each device's free memory, as `pymoe plan --devices` plans; each "
+                          "device holds its layers' dense weights, KV cache and its own expert slot pool. In the CUDA "
+                          "simulator the devices are separate budgets of PYMOE_SIM_DEVICE_GIB (one size, or one per "
+                          "device: 8,4)."),
         click.option("--chunk", default=512, show_default=True, type=Ints(min=1),
                      help="Prompt tokens per forward call; each expert missing from the cache is streamed once "
                           "per chunk."),

@@ -1,5 +1,6 @@
 """Backends: where the arithmetic runs, behind one contract (protocol.py): `reference` (plain NumPy, the readable
 twin), `cpu` (Numba kernels, integer activations) and `cuda` (Numba CUDA kernels, CuPy to pin the model file).
+`multi_device` runs the cuda backend on several devices (`--devices`), a range of layers each.
 The model code above them (engine/) is identical for every backend.
 """
 from .cpu import CPUBackend

@@ -243,7 +243,8 @@ class HostMapping:
     driver refuses it), then the device pointer of `a` is base_dev + (a's address - base). In the simulator,
     device arrays are NumPy arrays, so the view is `a` itself, wrapped."""
 
-    MAPPED, READ_ONLY = 0x02, 0x08  # cudaHostRegisterMapped, cudaHostRegisterReadOnly
+    PORTABLE, MAPPED, READ_ONLY = 0x01, 0x02, 0x08  # cudaHostRegister{Portable, Mapped, ReadOnly}: portable, so
+    # that one registration serves every device of several (backends/multi_device.py)
 
     def __init__(self, cuda, mm: np.ndarray):
         self.cuda = cuda
@@ -258,7 +259,7 @@ class HostMapping:
                 raise PymoeError("backend 'cuda' needs CuPy to pin the model file: pip install 'pymoe[cuda12]' "
                                  "(or [cuda13])") from e
             rt = cupy.cuda.runtime
-            rt.hostRegister(self.base, self.size, self.MAPPED | self.READ_ONLY)
+            rt.hostRegister(self.base, self.size, self.PORTABLE | self.MAPPED | self.READ_ONLY)
             self.dev_base = rt.hostGetDevicePointer(self.base, 0)
             self._unregister = lambda: rt.hostUnregister(self.base)
 
@@ -415,9 +416,10 @@ class CUDABackend:
         self._stage = None  # two staging slots for prefill misses, and their events
 
     # --- set-up ------------------------------------------------------------------------------------------------
-    def attach(self, file) -> None:
-        """Pin and map the model file (all of it: every expert can be a miss)."""
-        self.host = HostMapping(self.cuda, file.reader.data)
+    def attach(self, file, host: Optional[HostMapping] = None) -> None:
+        """Pin and map the model file (all of it: every expert can be a miss); `host`: a mapping made already
+        (several devices share one: backends/multi_device.py)."""
+        self.host = host or HostMapping(self.cuda, file.reader.data)
         cfg = file.config
         self._widths = (max(cfg.n_embd, cfg.n_head * cfg.head_dim_v, cfg.n_ff_exp, cfg.n_ff_shexp or 0, cfg.n_ff),
                         max(cfg.n_vocab, cfg.n_head * cfg.head_dim, cfg.n_embd, cfg.n_expert, cfg.n_ff_exp,
@@ -465,7 +467,8 @@ class CUDABackend:
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
         self.counts.copy("RoPE tables to device", 4 * (cos.size + sin.size))
-        rows = {layer: r for r, layer in enumerate(c.kv_layers())} if device_kv else {}
+        mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
+        rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
         kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
         self._kv = DeviceKVCache(self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache"),
                                  self.mem.alloc((*kv_shape, c.head_dim_v), np.float32, "KV cache"), self.n_ctx, rows)
@@ -814,6 +817,7 @@ class CUDABackend:
         return ExpertBytes(ex.layer, ex.expert, **views, where="staged", slot=b)
 
     cache_pool: Optional[DevicePool] = None  # set by the engine when the expert cache's pool is on this device
+    layers: Optional[range] = None  # the layers this device runs, when it is one of several (multi_device.py)
 
     def close(self) -> None:
         if self.host is not None:

@@ -103,7 +103,7 @@ def forward_batch(model, token_lists: Sequence[Sequence[int]], kvs: Sequence[KVC
         a = rmsnorm(x, layer.attn_norm, cfg.rms_eps)  # [T, D]
         x = x + model.attention_block(layer, a, seqs, i, rope)  # projections over T rows, attention per sequence
         h = rmsnorm(x, layer.ffn_norm, cfg.rms_eps)  # [T, D]
-        y, ids, _ = FFN[layer.plan.ffn](layer, h, cache, model.backend, "decode")  # experts grouped over T tokens
+        y, ids, _ = FFN[layer.plan.ffn](layer, h, cache, model.backend_for(i), "decode")  # experts grouped over T tokens
         x = x + y
         if experts is not None and ids is not None:
             for j, r in enumerate(rows):

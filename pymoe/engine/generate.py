@@ -36,6 +36,8 @@ class RequestStats:
     device: dict | None = None  # a device backend's decode counts of this request (backends/device_counts.py)
     gap: dict = field(default_factory=dict)  # this request's decode lookups replayed through Belady (experts/gap.py):
     # lookups, hits (the engine's), belady_hits; empty with no slot pool
+    devices: list = field(default_factory=list)  # several devices (backends/multi_device.py): per device its decode
+    # cache counters of this request, slots and layers (`per_device`), and its device counts (`counts`)
 
     def note_cache(self, cache) -> None:
         """Record what the cache line must know about the engine's expert cache: is there a pool, is it a GPU's."""
@@ -87,6 +89,12 @@ class RequestStats:
         if g.get("lookups"):
             line += (f"; Belady on the same lookups and slots: {100.0 * g['belady_hits'] / g['lookups']:.1f}% "
                      f"({g['belady_hits']} hits / {g['lookups']})")
+        if self.devices:
+            line += "; per device: " + ", ".join(
+                f"{d['device']} (layers {d['layers'][0]}-{d['layers'][1]}, {d['slots']} slots) "
+                + (f"{100.0 * d['hits'] / d['lookups']:.1f}% ({d['hits']}/{d['lookups']})" if d["lookups"]
+                   else "no lookups")  # (a device of dense layers only)
+                for d in self.devices)
         return line
 
     def device_line(self) -> str:
@@ -94,7 +102,11 @@ class RequestStats:
         request's decoded tokens (speculation: per token kept, drafts and verification included)."""
         from pymoe.backends.device_counts import line
 
-        return "decode " + line({**self.device, "tokens": self.n_decoded})
+        out = "decode " + line({**self.device, "tokens": self.n_decoded})
+        if self.devices and all("counts" in d for d in self.devices):
+            out += "; per device: " + ", ".join(f"{d['device']} " + line({**d["counts"], "tokens": self.n_decoded})
+                                                .replace("device per token: ", "") for d in self.devices)
+        return out
 
 
 def generate_tokens(model, prompt_ids: Sequence[int], max_tokens: int, sampler: Sampler, is_stop=lambda t: False,
@@ -153,6 +165,9 @@ def _decode(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, lo
     before = cache_stats.snapshot("decode")
     counts = getattr(model.backend, "counts", None)  # a device backend's launches, bytes, syncs
     device_before = counts.snapshot("decode") if counts is not None else None
+    per_device = getattr(model.cache, "per_device", None)  # several devices: each one's counters too
+    per_counts = getattr(counts, "per_device", None)
+    devices_before = (per_device("decode"), per_counts("decode") if per_counts else None) if per_device else None
     stats.stop_reason = "length"
     pending = [sampler(logits, history)] if max_tokens > 0 else []  # sampled, not yet yielded
     while pending:
@@ -177,6 +192,23 @@ def _decode(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, lo
             from pymoe.backends.device_counts import difference
 
             stats.device = difference(counts.snapshot("decode"), device_before)
+        if devices_before is not None:
+            stats.devices = _per_device(per_device("decode"), per_counts("decode") if per_counts else None,
+                                        *devices_before)
+
+
+def _per_device(cache_now: list, counts_now, cache_before: list, counts_before) -> list:
+    """Each device's cache counters (and device counts) of this request: now - before."""
+    from pymoe.backends.device_counts import difference
+    from pymoe.experts.cache import COUNTERS
+
+    out = []
+    for d, (now, before) in enumerate(zip(cache_now, cache_before)):
+        row = {k: (v - before[k] if k in COUNTERS else v) for k, v in now.items()}  # (slots, layers: as they are)
+        if counts_now is not None:
+            row["counts"] = difference(counts_now[d], counts_before[d])
+        out.append(row)
+    return out
 
 
 class TextStream:

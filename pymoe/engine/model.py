@@ -106,15 +106,22 @@ class Model:
         bar = tqdm(self.plan, desc="loading", unit="layer", disable=None if progress else True, leave=False)  # TTY only
         self.layers = [self.layer_for(p) for p in bar]
 
+    def backend_for(self, i: int):
+        """The backend layer i runs on: the model's, or, with several devices (backends/multi_device.py), the one
+        holding layer i's range."""
+        for_layer = getattr(self.backend, "for_layer", None)
+        return self.backend if for_layer is None else for_layer(i)
+
     def attention_backend(self, plan: LayerPlan):
-        """The backend a layer's attention runs on: the model's, or its host side for kinds the device lacks."""
-        return getattr(self.backend, "host_backend", self.backend) if plan.attention in HOST_ATTENTION else self.backend
+        """The backend a layer's attention runs on: the layer's, or its host side for kinds the device lacks."""
+        b = self.backend_for(plan.index)
+        return getattr(b, "host_backend", b) if plan.attention in HOST_ATTENTION else b
 
     def layer_for(self, plan: LayerPlan) -> Layer:
         """The weights of the layer `plan` describes, prepared for the backend (the MTP block is built this way
         too: engine/mtp.py)."""
         cfg, b, i = self.cfg, self.attention_backend(plan), plan.index  # b: the attention's weights; bf: the FFN's
-        bf = self.backend
+        bf = self.backend_for(i)
         lt = lambda name: self.file.layer_tensor(i, name)  # noqa: E731
         bias = {p: b.vector(lt(f"attn_{p}.bias")) for p in "qkv"} if cfg.qkv_bias else {}
         gdn = plan.attention == "gdn"
@@ -227,7 +234,7 @@ class Model:
         for i, layer in enumerate(self.layers):
             x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
             h = norm(x, layer.ffn_norm, cfg.rms_eps)
-            y, ids, w = FFN[layer.plan.ffn](layer, h, self.cache, self.backend, phase)
+            y, ids, w = FFN[layer.plan.ffn](layer, h, self.cache, self.backend_for(i), phase)
             x = x + y
             if self.lookahead is not None:  # experts/prefetch.Lookahead: score layer i's guess, guess the next
                 if ids is not None:

@@ -173,16 +173,19 @@ class SlotCache:
 
     def __init__(self, model: GGUFModel, n_slots: int, policy: str = DEFAULT_POLICY, profile=None,
                  pcie_frac: float = 1.0, new_pool=None, gpu: bool = False, admission=None, warm=None,
-                 **policy_args):
+                 layers: Optional[range] = None, **policy_args):
         """new_pool(n_slots, slot_bytes, layouts): the backend's pool (default: HostPool, in RAM); gpu: the pool is
         on a GPU, so spill misses cross PCIe (else the spill / cpu split is only the one a GPU would make);
-        admission: policies.Admission; warm: policies.WarmRule, the warm decode set placed by end_prefill()."""
+        admission: policies.Admission; warm: policies.WarmRule, the warm decode set placed by end_prefill().
+        layers: the model layers whose experts this pool serves (default: all; one device of several serves its
+        own range: backends/multi_device.py), which sets what fill() places and the pool's lookups per token."""
         from .policies import Admission, SlotTable, WarmRule, WarmSet, make_policy
 
         cfg = model.config
         self.model = model
         self.n_layers, self.n_experts = cfg.n_layers, cfg.n_expert  # keys and tables span every layer, dense too
-        self.n_total = n_total = len(cfg.moe_layers) * self.n_experts  # the experts there are: the MoE layers'
+        self.moe_layers = [i for i in cfg.moe_layers if layers is None or i in layers]  # the MoE layers served
+        self.n_total = n_total = len(self.moe_layers) * self.n_experts  # the experts there are: the MoE layers'
         # (leading dense layers have none; the MTP block's are read in place, outside the pool: engine/mtp.py)
         if not 1 <= n_slots <= n_total:
             raise PymoeError(f"cache slots must be in 1..{n_total} (the model's experts), got {n_slots}")
@@ -195,8 +198,10 @@ class SlotCache:
         self.profile = profile
         self.first_moe = cfg.moe_layers.start  # a profile's layer 0 (profiles and traces hold the MoE layers only)
         profile_keys = self.profile_keys(profile) if profile is not None else None
+        if profile_keys is not None and layers is not None:  # this pool's layers' pairs only
+            profile_keys = [k for k in profile_keys if k // self.n_experts in layers]
         self.admission = admission or Admission()
-        policy_args.setdefault("lookups_per_token", cfg.n_expert_used * len(cfg.moe_layers))  # one token's lookups
+        policy_args.setdefault("lookups_per_token", cfg.n_expert_used * len(self.moe_layers))  # one token's lookups
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
                                self.admission)
         from .gap import LiveGap
@@ -375,7 +380,8 @@ class SlotCache:
         profile = profile if profile is not None else self.profile
         t0 = time.perf_counter()
         ranked = self.profile_keys(profile) if profile is not None else []  # the hottest first, as this cache's keys
-        keys = start_keys(ranked, self.model.config.moe_layers, self.n_experts)
+        ranked = [k for k in ranked if k // self.n_experts in self.moe_layers]  # (a device's pool: its layers')
+        keys = start_keys(ranked, self.moe_layers, self.n_experts)
         self.table.prefill(keys)  # the hottest keys first, until full
         placed, seen = [], set()  # [(key, slot)] in the order filled
         for key in keys:

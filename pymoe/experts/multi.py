@@ -7,8 +7,9 @@ What this is:
                                            between cards; the whole model's tok/s
     simulate_devices(trace, ranges, ...)   `pymoe simulate TRACE --devices N|sizes`: one pool per card over its
                                            layers' experts, per-card and total hit rates
-What this is not: a multi-GPU engine (pymoe runs one device) nor expert parallelism across machines (scale.py,
-placement.py). Every number is a prediction from stated inputs, as in plan.py.
+What this is not: the engine on several devices (backends/multi_device.py, which splits layers with
+`split_layers` as the planner does), nor expert parallelism across machines (scale.py, placement.py). Every number
+is a prediction from stated inputs, as in plan.py.
 
 The layer split (pipeline parallel, as llama.cpp's `--tensor-split` with `--split-mode layer`): card d gets a
 contiguous range of n_d layers with n_d proportional to its *usable* bytes u_d = VRAM_d - runtime - reserve (the

@@ -82,6 +82,11 @@ def request_record(stats, facts: dict, t_start: float, t_end: float, queue_s: fl
         spec_drafted=None if spec is None else int(spec.drafted),
         spec_accepted=None if spec is None else int(spec.accepted),
         spec_acceptance=None if spec is None or not spec.drafted else round(spec.accepted / spec.drafted, 4))
+    if getattr(stats, "devices", None):  # several devices (backends/multi_device.py): each one's decode counters
+        rec["devices"] = [dict(device=d["device"], layers=list(d["layers"]), slots=int(d["slots"]),
+                               lookups=int(d["lookups"]), hits=int(d["hits"]),
+                               misses={p: int(d.get(p, 0)) for p in ("spill", "cpu")},
+                               promoted=int(d.get("promoted", 0))) for d in stats.devices]
     return rec
 
 

@@ -51,6 +51,11 @@ def status_of(scheduler, experts: bool = False) -> dict:
         from pymoe.backends.device_counts import per_token
 
         status["device"] = dict(decode_per_token=per_token(device_counts.snapshot("decode")))
+        if hasattr(device_counts, "per_device"):  # several devices (backends/multi_device.py): each one's too
+            status["device"]["per_device"] = [per_token(c) for c in device_counts.per_device("decode")]
+    if hasattr(cache, "per_device"):  # several devices: each pool's slots, layers and counters since start
+        status["cache"]["per_device"] = [dict(d, prefill=p) for d, p in zip(cache.per_device("decode"),
+                                                                             cache.per_device("prefill"))]
     if experts:
         status["expert_map"] = expert_map(cache, cfg)
     return status

@@ -246,7 +246,7 @@ MUTANTS: list[Mutant] = [
         "the slot pool starts empty: every expert's first use misses"),
     Mutant(
         "slot_limit_counts_dense_layers", "pymoe/experts/cache.py",
-        "self.n_total = n_total = len(cfg.moe_layers) * self.n_experts",
+        "self.n_total = n_total = len(self.moe_layers) * self.n_experts",
         "self.n_total = n_total = cfg.n_layers * self.n_experts",
         ("tests/test_cache.py::test_slot_limits_count_the_experts_of_moe_layers_only[*]",),
         "slot limits and coverage count the leading dense layers' nonexistent experts (issue 49)"),
@@ -887,6 +887,18 @@ MUTANTS: list[Mutant] = [
         "            pass",
         ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",),
         "the image pad tokens keep their own embedding rows: the picture never reaches the model"),
+    Mutant(
+        "device_split_ignores_sizes", "pymoe/backends/multi_device.py",
+        "split_layers(n_layers, [max(u, 1e-9) for u in usable])",
+        "split_layers(n_layers, [1.0 for u in usable])",
+        ("tests/test_multi_device.py::test_the_split_is_the_planners_and_each_device_holds_its_layers[*]",),
+        "several devices get equal layer ranges whatever their memory: not the planner's split"),
+    Mutant(
+        "device_pool_serves_every_layer", "pymoe/backends/multi_device.py",
+        "gpu=True, layers=r,",
+        "gpu=True, layers=None,",
+        ("tests/test_multi_device.py::test_per_device_counters_equal_the_simulators_one_pool_per_card",),
+        "each device's slot pool is filled with (and paced by) every layer's experts, not its own layers'"),
 ]
 
 
