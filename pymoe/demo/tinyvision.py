@@ -16,6 +16,9 @@ from gguf import GGUFWriter, GGMLQuantizationType
 # an 8 x 8 table of learned positions (image_size 128), output 256 = the tiny qwen35moe's n_embd.
 TINY = dict(n_embd=32, n_head=2, n_ff=64, n_layers=2, patch_size=16, merge=2, n_pos_side=8, n_out=256, eps=1e-6,
             image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711))
+# Qwen3-VL's tower at the same size: both blocks feed a deepstack merger (Qwen3-VL-30B-A3B: blocks 8, 16, 24 of 27),
+# output 256 = the tiny qwen3vlmoe's n_embd, whose n_deepstack_layers is 2.
+TINY_DEEPSTACK = dict(TINY, deepstack=(0, 1))
 
 
 def vision_weights(seed: int = 0, shape: dict = TINY) -> dict[str, np.ndarray]:
@@ -45,6 +48,10 @@ def vision_weights(seed: int = 0, shape: dict = TINY) -> dict[str, np.ndarray]:
     w.update({"v.post_ln.weight": vec(D, 1.0), "v.post_ln.bias": vec(D),
               "mm.0.weight": mat(M, M), "mm.0.bias": vec(M),
               "mm.2.weight": mat(shape["n_out"], M), "mm.2.bias": vec(shape["n_out"])})
+    for i in shape.get("deepstack", ()):  # conversion/qwen3vl.py: visual.deepstack_merger_list.k -> v.deepstack.i
+        b = f"v.deepstack.{i}."
+        w.update({b + "norm.weight": vec(M, 1.0), b + "norm.bias": vec(M), b + "fc1.weight": mat(M, M),
+                  b + "fc1.bias": vec(M), b + "fc2.weight": mat(shape["n_out"], M), b + "fc2.bias": vec(shape["n_out"])})
     return w
 
 
@@ -68,7 +75,8 @@ def write_mmproj(path: str, seed: int = 0, shape: dict = TINY) -> None:
     w.add_bool("clip.use_gelu", True)
     w.add_uint32("clip.vision.spatial_merge_size", shape["merge"])
     w.add_float32("clip.vision.attention.layer_norm_epsilon", shape["eps"])
-    w.add_array("clip.vision.is_deepstack_layers", [False] * shape["n_layers"])  # Qwen3.5: none
+    deep = shape.get("deepstack", ())  # Qwen3.5: none
+    w.add_array("clip.vision.is_deepstack_layers", [i in deep for i in range(shape["n_layers"])])
     for name, arr in vision_weights(seed, shape).items():
         w.add_tensor(name, arr, raw_dtype=GGMLQuantizationType.F32)
     w.write_header_to_file()

@@ -12,7 +12,10 @@ What this is: clip.cpp's `clip_graph_qwen3vl::build` (qwen3vl.cpp in llama.cpp's
   5. merger: LayerNorm per patch, 2x2 neighbours side by side (4D wide), fc1 -> GELU -> fc2 to the model's width
 Numerics: the block MLP's GELU is the tanh form (HF gelu_pytorch_tanh; ggml_gelu); the merger's is the erf form
 (HF nn.GELU; clip.cpp uses the tanh form there too, a difference below 1e-3 per activation).
-What this is not: deepstack layers (Qwen3-VL; refused by mmproj.py), video, the language side (engine/multimodal.py).
+  6. deepstack (Qwen3-VL): the output of each block marked in the file goes, 2x2 neighbours side by side, through
+     its own merger (LayerNorm over the 4D-wide row, fc1 -> GELU -> fc2); those rows follow the main output's,
+     feature-wise (clip.cpp's ggml_concat along the width): [T, O (1 + n_deepstack)]
+What this is not: video, the language side (engine/multimodal.py, engine/model.py adds the deepstack parts).
 
 Legend: N patches, T = N / merge^2 tokens, D ViT width, H heads, hd head size, O the model's embedding width.
 """
@@ -127,9 +130,23 @@ def encode(pixels: np.ndarray, m: MMProj) -> np.ndarray:
     x = patchify(pixels, c) @ w.reshape(c.n_embd, -1).T + m.floats("v.patch_embd.bias")  # [N, D]
     x = x + position_embeddings(m.floats("v.position_embd.weight"), c.n_pos_side, gh, gw, c.merge)
     pos = patch_positions(gh, gw, c.merge)
+    deep = []
     for i in range(c.n_layers):
         x = block(x, m, i, pos)
+        if i in c.deepstack:
+            deep.append(deepstack_merger(x, m, i))
     x = layer_norm(x, m.floats("v.post_ln.weight"), m.floats("v.post_ln.bias"), c.eps)
     x = x.reshape(-1, c.n_embd * c.merge * c.merge)  # [T, 4D]: a group's patches are consecutive rows
     x = gelu_erf(x @ m.floats("mm.0.weight").T + m.floats("mm.0.bias"))
-    return (x @ m.floats("mm.2.weight").T + m.floats("mm.2.bias")).astype(np.float32)  # [T, O]
+    x = x @ m.floats("mm.2.weight").T + m.floats("mm.2.bias")  # [T, O]
+    return np.concatenate([x] + deep, axis=1).astype(np.float32)  # [T, O (1 + n_deepstack)]
+
+
+def deepstack_merger(x: np.ndarray, m: MMProj, i: int) -> np.ndarray:
+    """Block i's output [N, D] -> [T, O]: 2x2 neighbours side by side, LayerNorm over the 4D row, fc1 -> GELU ->
+    fc2 (HF Qwen3VLVisionPatchMerger(use_postshuffle_norm=True), clip.cpp's deepstack branch)."""
+    c = m.config
+    f = lambda n: m.floats(f"v.deepstack.{i}.{n}")  # noqa: E731
+    h = layer_norm(x.reshape(-1, c.n_embd * c.merge * c.merge), f("norm.weight"), f("norm.bias"), c.eps)
+    h = gelu_erf(h @ f("fc1.weight").T + f("fc1.bias"))
+    return h @ f("fc2.weight").T + f("fc2.bias")

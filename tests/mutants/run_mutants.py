@@ -857,10 +857,23 @@ MUTANTS: list[Mutant] = [
         "decode after an image goes on at the storage index, not max(rows, cols) past the image's start"),
     Mutant(
         "image_rows_not_placed", "pymoe/engine/model.py",
-        "            x[media.rows] = media.embeddings",
-        "            pass",
+        "            x[media.rows] = media.embeddings[:, :D]",
+        "            pass  # ",
         ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",),
         "the image pad tokens keep their own embedding rows: the picture never reaches the model"),
+    Mutant(
+        "deepstack_parts_one_layer_late", "pymoe/engine/model.py",
+        "x[media.rows] += media.embeddings[:, (i + 1) * x.shape[1]:(i + 2) * x.shape[1]]",
+        "x[media.rows] += media.embeddings[:, i * x.shape[1]:(i + 1) * x.shape[1]]",
+        ("tests/test_vision_deepstack.py::test_logits_after_an_image_match_llamacpp[*]",),
+        "layer k gets deepstack part k - 1 (layer 0 the main rows again): the parts are off by one"),
+    Mutant(
+        "deepstack_merger_norm_per_patch", "pymoe/vision/encoder.py",
+        "h = layer_norm(x.reshape(-1, c.n_embd * c.merge * c.merge), f(\"norm.weight\"), f(\"norm.bias\"), c.eps)",
+        "h = layer_norm(x, f(\"norm.weight\")[:c.n_embd], f(\"norm.bias\")[:c.n_embd], c.eps).reshape("
+        "-1, c.n_embd * c.merge * c.merge)",
+        ("tests/test_vision_deepstack.py::test_deepstack_tower_matches_clip_cpp[*]",),
+        "the deepstack merger normalises each patch (the main merger's pre-shuffle norm), not the 4D-wide row"),
 ]
 
 

@@ -1,0 +1,109 @@
+"""Qwen3-VL-MoE: the `qwen3vlmoe` language model (qwen3moe + IMRoPE + deepstack layers) and its tower's deepstack
+mergers, against llama.cpp on the tiny pair (pymoe/demo/tinymodel.py arch qwen3vlmoe, pymoe/demo/tinyvision.py
+TINY_DEEPSTACK):
+  - text only: the logits of a prompt (llama.cpp's qwen3vlmoe graph: M-RoPE with one position per token);
+  - the tower: clip.cpp's embeddings, main rows and the two deepstack mergers' rows side by side;
+  - the logits after a prompt with an image, with llama.cpp's own image embeddings placed by pymoe: the deepstack
+    parts added after layers 0 and 1 (llama.cpp src/models/qwen3vlmoe.cpp).
+"""
+import numpy as np
+import pytest
+
+from mtmd_oracle import Mtmd, chunk_tokens
+from oracle import require_llama_cpp
+from pymoe.demo.tinyvision import TINY_DEEPSTACK, write_mmproj
+from pymoe.engine.multimodal import ImageEmbeddings, PromptMedia
+from pymoe.errors import PymoeError
+from pymoe.vision.encoder import encode
+from pymoe.vision.mmproj import load_mmproj
+from pymoe.vision.preprocess import preprocess
+from pymoe.vision.testimages import png_bytes, picture
+
+SHAPES = [(160, 96), (128, 128)]  # width x height: 3 x 5 and 4 x 4 image tokens; no resize
+TEXT = b"hello <__media__> world and more"
+PAD = 7  # any id: the pad rows are replaced by the image's embeddings
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model, tmp_path_factory):
+    import pymoe
+    model = tiny_model("qwen3vlmoe", "f32")
+    mmproj = str(tmp_path_factory.mktemp("mm") / "mmproj-tiny-deepstack.gguf")
+    write_mmproj(mmproj, shape=TINY_DEEPSTACK)
+    eng = pymoe.load(model, backend="cpu", n_ctx=512)
+    return Mtmd(model, mmproj), load_mmproj(mmproj, 256, model, eng.config.n_deepstack), eng
+
+
+def test_config(pair):
+    _, mm, eng = pair
+    c = eng.config
+    assert (c.arch, c.rope_sections, c.n_deepstack, c.n_layers) == ("qwen3vlmoe", (12, 10, 10, 0), 2, 3)
+    assert mm.config.deepstack == (0, 1)
+
+
+def test_text_logits_match_llamacpp(pair):
+    # tests/test_model_vs_llamacpp.py's bound and reason: both engines sum float32 products in their own order; 1e-5
+    # of the logit scale (measured 2.4e-7 of a scale of 4.5; the other archs 2.4e-7 to 8.1e-7).
+    oracle, _, eng = pair
+    ids = np.random.default_rng(0).integers(0, eng.config.n_vocab, 50)
+    ours = eng.model.prefill(ids, eng.model.new_kv(512))
+    llm = require_llama_cpp().Llama(model_path=eng.file.path, n_ctx=128, n_threads=2, n_batch=128, verbose=False,
+                                    logits_all=True, type_k=0, type_v=0, seed=0)
+    llm.eval(ids.tolist())
+    ref = np.asarray(llm.scores[:50])
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 1e-5 * scale
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_deepstack_tower_matches_clip_cpp(pair, shape):
+    # tests/test_vision_llamacpp.py's bound (5e-3: clip.cpp's im2col rounds pixels to F16); the deepstack rows pass
+    # the same F16-rounded patches through one and two blocks. Measured 1.3e-3 .. 1.9e-3 on values up to 2.8, the
+    # same for the main rows and each merger's.
+    oracle, mm, _ = pair
+    ref = oracle.image_embeddings(picture(*shape))
+    ours = encode(preprocess(png_bytes(*shape), mm.config), mm)
+    assert ours.shape == ref.shape == (ref.shape[0], 256 * 3)
+    assert np.abs(ours - ref).max() < 5e-3
+    for part in range(3):  # each part is there (a missing merger would leave zeros or the main rows twice)
+        assert np.abs(ours[:, 256 * part:256 * (part + 1)]).max() > 0.1
+
+
+def prompt(oracle, shape):
+    rgb = picture(*shape)
+    tokens, images = [], []
+    for kind, value in chunk_tokens(oracle, TEXT, rgb):
+        if kind == "text":
+            tokens += value
+        else:
+            rows, cols = value
+            tokens += [PAD] * (rows * cols)
+            images.append(ImageEmbeddings(oracle.image_embeddings(rgb), rows, cols, "k"))
+    return np.asarray(tokens), PromptMedia(np.asarray(tokens), PAD, images)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_logits_after_an_image_match_llamacpp(pair, shape):
+    # Float paths on the same embeddings: bound 1e-5 of the logit scale (tests/test_vision_llamacpp.py's); measured
+    # 3.4e-7 and 4.1e-7 of a scale of 3.2. Without the deepstack parts the logits move by 0.14 .. 0.15 of the scale
+    # (checked below at 1e-3), so the bound tells them apart.
+    oracle, _, eng = pair
+    tokens, media = prompt(oracle, shape)
+    ref, _ = oracle.logits(TEXT, picture(*shape))
+    ours = eng.model.prefill(tokens, eng.model.new_kv(512), media)[-1]
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 1e-5 * scale
+    img = media.images[0]
+    flat = ImageEmbeddings(np.concatenate([img.embeddings[:, :256], np.zeros_like(img.embeddings[:, 256:])], 1),
+                           img.rows, img.cols, "k")
+    without = eng.model.prefill(tokens, eng.model.new_kv(512), PromptMedia(tokens, PAD, [flat]))[-1]
+    assert np.abs(without - ref).max() > 1e-3 * scale
+
+
+def test_an_mmproj_without_deepstack_is_refused(pair, tmp_path):
+    _, _, eng = pair
+    path = str(tmp_path / "mmproj-plain.gguf")
+    write_mmproj(path)
+    with pytest.raises(PymoeError, match=r"mmproj-plain.gguf: clip.vision.is_deepstack_layers marks 0 deepstack "
+                                         r"layers but .* has n_deepstack_layers 2"):
+        eng.attach_mmproj(path)
