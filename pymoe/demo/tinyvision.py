@@ -55,12 +55,13 @@ def vision_weights(seed: int = 0, shape: dict = TINY) -> dict[str, np.ndarray]:
     return w
 
 
-def write_mmproj(path: str, seed: int = 0, shape: dict = TINY) -> None:
+def write_mmproj(path: str, seed: int = 0, shape: dict = TINY, f16: bool = False) -> None:
     """An mmproj GGUF with the metadata convert_hf_to_gguf.py writes for Qwen3_5MoeForConditionalGeneration
-    (MmprojModel.set_gguf_parameters + Qwen3VLVisionModel.set_gguf_parameters), all tensors F32."""
+    (MmprojModel.set_gguf_parameters + Qwen3VLVisionModel.set_gguf_parameters), all tensors F32; f16: the linear
+    layers' 2-D weights F16 instead (as in the mmproj-*-F16.gguf files people download; the weights are rounded)."""
     w = GGUFWriter(path, "clip")
     w.add_type("mmproj")
-    w.add_file_type(0)  # --outtype f32 (LlamaFileType.ALL_F32)
+    w.add_file_type(1 if f16 else 0)  # --outtype f32 (LlamaFileType.ALL_F32), f16 (MOSTLY_F16)
     w.add_bool("clip.has_vision_encoder", True)
     w.add_uint32("clip.vision.projection_dim", shape["n_out"])
     w.add_uint32("clip.vision.image_size", shape["n_pos_side"] * shape["patch_size"])
@@ -78,7 +79,10 @@ def write_mmproj(path: str, seed: int = 0, shape: dict = TINY) -> None:
     deep = shape.get("deepstack", ())  # Qwen3.5: none
     w.add_array("clip.vision.is_deepstack_layers", [i in deep for i in range(shape["n_layers"])])
     for name, arr in vision_weights(seed, shape).items():
-        w.add_tensor(name, arr, raw_dtype=GGMLQuantizationType.F32)
+        if f16 and arr.ndim == 2 and name.endswith(".weight") and name != "v.position_embd.weight":
+            w.add_tensor(name, arr.astype(np.float16), raw_dtype=GGMLQuantizationType.F16)
+        else:
+            w.add_tensor(name, arr, raw_dtype=GGMLQuantizationType.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

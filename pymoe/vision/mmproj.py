@@ -139,6 +139,7 @@ class MMProj:
                 raise PymoeError(f"{where}truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
                                  f"but the file has {file_size} bytes")
         self._floats: dict[str, np.ndarray] = {}
+        self._dense: dict = {}
 
     def _getter(self, where: str):
         def get(key, default=KeyError):
@@ -155,6 +156,13 @@ class MMProj:
         if name not in self._floats:
             self._floats[name] = self.tensors[name].floats()
         return self._floats[name]
+
+    def dense(self, name: str, backend):
+        """`backend.dense` of tensor `name` (the file's rows, as stored), made once per backend."""
+        key = (id(backend), name)
+        if key not in self._dense:
+            self._dense[key] = (backend, backend.dense(self.tensors[name]))  # the backend kept: its id stays its own
+        return self._dense[key][1]
 
     def check_model(self, n_embd: int, model_path: str = "the model", n_deepstack: int = 0) -> None:
         """The projector's output must be the language model's embedding width (its rows replace token rows), and
