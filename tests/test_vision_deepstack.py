@@ -141,3 +141,19 @@ def test_logits_with_an_image_match_transformers(pair, name):
                            rows, cols, "k")
     without = eng.model.prefill(ids, eng.model.new_kv(512), PromptMedia(ids, pad, [flat]))
     assert np.abs(without - ref).max() > 1e-2 * scale
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("qwen3vlmoe.rope.dimension_sections", [0, 0, 0, 32], r"x.gguf: qwen3vlmoe.rope.dimension_sections \[0, 0, 0, 32\] "
+                                                          r"has no t, h or w section"),
+    ("qwen3vlmoe.n_deepstack_layers", 4, r"x.gguf: qwen3vlmoe.n_deepstack_layers \(4\) is more than the 3 layers"),
+])
+def test_bad_mrope_metadata_is_one_line(tiny_model, key, value, message):
+    from pymoe.gguf.config import REQUIRED, ModelConfig
+    from pymoe.gguf.loader import load_gguf
+
+    m = load_gguf(tiny_model("qwen3vlmoe", "f32"))
+    base = m.metadata_getter("x.gguf: ")
+    get = lambda k, default=REQUIRED: value if k == key else base(k, default)  # noqa: E731
+    with pytest.raises(PymoeError, match=message):
+        ModelConfig.from_gguf(get, n_vocab=m.config.n_vocab, tied_output=False, where="x.gguf: ")
