@@ -157,3 +157,18 @@ def test_bad_mrope_metadata_is_one_line(tiny_model, key, value, message):
     get = lambda k, default=REQUIRED: value if k == key else base(k, default)  # noqa: E731
     with pytest.raises(PymoeError, match=message):
         ModelConfig.from_gguf(get, n_vocab=m.config.n_vocab, tied_output=False, where="x.gguf: ")
+
+
+def test_engine_with_a_deepstack_pair_answers_as_its_prefill(pair):
+    # The Engine path (attach_mmproj with the model's deepstack count, the NumPy tower's [T, 3 x 256] rows, markers,
+    # placement) gives the same first token as the model's prefill over the same ids and media.
+    import pymoe
+    _, mm, eng = pair
+    e = pymoe.load(eng.file.path, backend="cpu", n_ctx=256)
+    e.attach_mmproj(mm.path)
+    data = png_bytes(160, 96)
+    ids = e.encode_prompt("a <__media__> b", images=[data])
+    assert ids.media.images[0].embeddings.shape == (15, 256 * 3)
+    first = next(iter(e.generate("a <__media__> b", max_tokens=1, images=[data])))
+    logits = e.model.prefill(np.asarray(ids), e.model.new_kv(256), ids.media)[-1]
+    assert first == int(np.argmax(logits))
