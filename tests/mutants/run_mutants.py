@@ -847,7 +847,8 @@ MUTANTS: list[Mutant] = [
         "imrope_h_and_w_swapped", "pymoe/engine/model.py",
         "axes[i] = 1 if s % 3 == 1 and s < 3 * sections[1] else 2 if s % 3 == 2 and s < 3 * sections[2] else 0",
         "axes[i] = 2 if s % 3 == 1 and s < 3 * sections[1] else 1 if s % 3 == 2 and s < 3 * sections[2] else 0",
-        ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",),
+        ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",
+         "tests/test_vision_deepstack.py::test_logits_with_an_image_match_transformers[*]"),
         "M-RoPE pairs of the h section turn by the image column, those of the w section by the row"),
     Mutant(
         "image_rope_shift_dropped", "pymoe/engine/model.py",
