@@ -243,11 +243,11 @@ class Engine:
                              "no mmproj*.gguf beside the model)")
         if not self.config.rope_sections:
             raise PymoeError(f"{self.file.path}: {self.config.arch} has no rope.dimension_sections (M-RoPE); "
-                             "pymoe places images in qwen35moe models")
+                             "pymoe places images in qwen35moe and qwen3vlmoe models")
         if getattr(self.backend, "name", "").startswith("cuda"):
             raise PymoeError("images run on the CPU backends for now (--backend cpu): the CUDA backend's rope "
                              "tables are one position per row")
-        self.vision = load_mmproj(path, self.config.n_embd, self.file.path)
+        self.vision = load_mmproj(path, self.config.n_embd, self.file.path, self.config.n_deepstack)
         self._encoded: dict = {}  # sha256 of image bytes -> ImageEmbeddings (the last few)
         log(f"mmproj {path}: {self.vision.config.projector}, {self.vision.config.n_layers} blocks")
 

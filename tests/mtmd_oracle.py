@@ -36,7 +36,8 @@ class Mtmd:
         return chunks
 
     def image_embeddings(self, rgb: np.ndarray) -> np.ndarray:
-        """uint8 [H, W, 3] -> float32 [T, n_embd], clip.cpp's encoder output (its own resize when one is needed)."""
+        """uint8 [H, W, 3] -> float32 [T, n_embd_inp], clip.cpp's encoder output (its own resize when one is needed;
+        with deepstack layers n_embd_inp = n_embd (1 + n_deepstack_layers): the main rows, then each merger's)."""
         m = self.m
         chunks = self._chunks(self.marker, rgb)
         try:
@@ -45,7 +46,7 @@ class Mtmd:
                 if m.mtmd_input_chunk_get_type(c) == m.MTMD_INPUT_CHUNK_TYPE_IMAGE:
                     assert m.mtmd_encode_chunk(self.ctx, c) == 0
                     n = m.mtmd_input_chunk_get_n_tokens(c)
-                    d = self.llm.n_embd()
+                    d = self.lib.llama_cpp.llama_model_n_embd_inp(self.llm.model)
                     return np.ctypeslib.as_array(m.mtmd_get_output_embd(self.ctx), shape=(n * d,)).reshape(n, d).copy()
         finally:
             m.mtmd_input_chunks_free(chunks)

@@ -117,25 +117,33 @@ def test_server_never_reuses_part_of_a_recurrent_state(model_path):
     assert np.abs(cut - fresh).max() > 1e-3 * np.abs(fresh).max()  # ... would be wrong
 
 
-def test_qwen35_rope_sections_that_leave_pairs_to_the_image_position_are_one_line(tiny_model):
-    """IMRoPE for text is plain RoPE only when the t/h/w sections cover every rotated pair (the converter's default
-    [11, 11, 10, 0] does); sections that leave pairs to the 4th position are refused in one line, not run wrong."""
-    from pymoe.errors import PymoeError
+def test_qwen35_rope_sections_that_leave_pairs_outside_t_h_w_turn_text_as_plain_rope(tiny_model):
+    """IMRoPE sectors outside the t/h/w sections (Qwen3-VL's [24, 20, 20]: sector 61 of 64) turn by ggml's 4th
+    position, which for text tokens is the token's position (llama-batch.cpp broadcasts a token's position to every
+    section), and by t in transformers (apply_interleaved_mrope): for text, plain RoPE either way. Here [1, 1, 1, 1]
+    over the tiny file's 8 pairs leaves sectors 3 (pairs 3 and 7) outside: the tables of (p, p, p) positions must be
+    those of p (pair 3 turns 0.12 rad by position 50, so sending it to position 0 would fail)."""
+    from dataclasses import replace
+
     from pymoe.gguf.config import REQUIRED, ModelConfig
     from pymoe.gguf.loader import load_gguf
+    import pymoe
 
     m = load_gguf(tiny_model("qwen35moe", "f32"))
     base = m.metadata_getter("x.gguf: ")
 
     def get(key, default=REQUIRED):
         if key == "qwen35moe.rope.dimension_sections":
-            return [1, 1, 1, 1]  # 8 pairs, sectors i % 4: sector 3 goes to the e position
+            return [1, 1, 1, 1]
         return base(key, default)
 
-    with pytest.raises(PymoeError, match=r"x.gguf: qwen35moe.rope.dimension_sections \[1, 1, 1, 1\] leave rotated "
-                                         "pairs to the 4th"):
-        ModelConfig.from_gguf(get, n_vocab=m.config.n_vocab, tied_output=False, where="x.gguf: ")
-    assert m.config.arch == "qwen35moe" and m.metadata("qwen35moe.rope.dimension_sections") == [3, 3, 2, 0]
+    cfg = ModelConfig.from_gguf(get, n_vocab=m.config.n_vocab, tied_output=False, where="x.gguf: ")
+    assert cfg.rope_sections == (1, 1, 1, 1) and m.config.rope_sections == (3, 3, 2, 0)
+    model = pymoe.load(tiny_model("qwen35moe", "f32"), backend="cpu").model
+    model.cfg = replace(model.cfg, rope_sections=cfg.rope_sections)
+    p = np.arange(50)
+    plain, multi = model.rope_tables(p), model.rope_tables(np.repeat(p[:, None], 3, 1))
+    assert np.array_equal(plain[0], multi[0]) and np.array_equal(plain[1], multi[1])
 
 
 def test_long_context_chunked_prefill_equals_one_chunk_equals_token_by_token(model_path):

@@ -109,6 +109,7 @@ ARCH_TWEAKS = {
     "gpt-oss": dict(n_head=8, head_dim=64, n_layers=3),  # q width 512 != n_embd, as gpt-oss (64 x 64 vs 2880)
     "qwen3next": dict(n_layers=4),  # three Gated DeltaNet layers, then one gated full-attention layer
     "qwen35moe": dict(n_layers=4),
+    "qwen3vlmoe": dict(n_head=8, head_dim=64, n_layers=3),  # qwen3moe's, and a layer after the 2 deepstack ones
     "deepseek2": dict(n_layers=3),  # one dense layer, then two MLA + MoE layers
     # one dense layer, then two MoE layers; no GQA, as dots.llm1 (32 q and 32 kv heads); head_dim * n_head (512)
     # != n_embd (256), so that attention.key_length is really read
@@ -120,11 +121,11 @@ MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2), "glm4moe": dict(n_layers=2), "d
                      "dots1": dict(n_layers=2, n_head_kv=2)}
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
                "gpt-oss": False, "qwen3next": False, "qwen35moe": False, "deepseek2": False,
-               "dots1": False}  # llama.cpp
+               "dots1": False, "qwen3vlmoe": False}  # llama.cpp
 #                                                                                  requires olmoe's output
 ROPE_BASE = {"qwen3moe": 1_000_000.0, "qwen2moe": 1_000_000.0, "llama": 1_000_000.0, "olmoe": 10_000.0,
              "glm4moe": 1_000_000.0, "gpt-oss": 150_000.0, "qwen3next": 10_000_000.0, "qwen35moe": 10_000_000.0,
-             "deepseek2": 10_000.0, "dots1": 10_000_000.0}
+             "deepseek2": 10_000.0, "dots1": 10_000_000.0, "qwen3vlmoe": 5_000_000.0}
 # What GLM-4.5-Air's config.json gives llama.cpp's converter (conversion/glm.py Glm4MoeModel), at tiny size:
 # first_k_dense_replace 1, routed_scaling_factor 2.5, norm_topk_prob true, partial_rotary_factor 0.5, n_shared_experts 1
 # (here 2, so the shared expert is n_ff_shexp = 2 x n_ff_exp wide), intermediate_size (the dense MLP) 2 x n_ff_shexp.
@@ -163,6 +164,10 @@ DEEPSEEK2_LITE = dict(n_layers=27, q_lora_rank=0, gating="softmax", expert_bias=
 # expert's width.
 DOTS1 = dict(n_dense_lead=1, expert_weights_scale=2.5, norm_topk=True, n_expert_groups=1, n_group_used=1,
              gating="sigmoid", dense_ff_factor=2)
+# Qwen3-VL-30B-A3B's text_config at tiny size: mrope_section [24, 20, 20] over 64 pairs -> [12, 10, 10] over 32 (the
+# last sector, 31, in none of the three, as 61 is there), 3 deepstack_visual_indexes -> 2 (the tiny tower's two
+# blocks: pymoe/demo/tinyvision.TINY_DEEPSTACK).
+QWEN3VL = dict(rope_sections=(12, 10, 10, 0), n_deepstack=2)
 VARIANTS = {"deepseek2": {"lite": DEEPSEEK2_LITE}}  # make-tiny-model --variant
 QUANT_MIXES = ("f32", "q2_k", "q2_0")
 
@@ -196,7 +201,8 @@ def make_config(arch: str, preset: str = "tiny", n_vocab: int = 512, variant: st
         **(qwen3next_fields(p) if arch in ("qwen3next", "qwen35moe") else {}),
         # conversion/qwen.py _Qwen35MRopeMixin: the default [11, 11, 10, 0], scaled to the tiny rope's 8 pairs
         # (every pair a text position)
-        rope_sections=(3, 3, 2, 0) if arch == "qwen35moe" else (),
+        rope_sections=(3, 3, 2, 0) if arch == "qwen35moe" else QWEN3VL["rope_sections"] if arch == "qwen3vlmoe" else (),
+        n_deepstack=QWEN3VL["n_deepstack"] if arch == "qwen3vlmoe" else 0,
     )
     if arch == "deepseek2":
         kw.update(DEEPSEEK2_CONFIG)
@@ -430,6 +436,8 @@ def _write_metadata(w: GGUFWriter, cfg: ModelConfig, tokens, types, merges, mix:
         w.add_expert_shared_feed_forward_length(cfg.n_ff_shexp)
     if cfg.rope_sections:  # qwen35moe (make_config)
         w.add_rope_dimension_sections(list(cfg.rope_sections))
+    if cfg.arch == "qwen3vlmoe":  # conversion/qwen3vl.py Qwen3VLMoeTextModel.set_gguf_parameters
+        w.add_num_deepstack_layers(cfg.n_deepstack)
     if cfg.arch in ("qwen3next", "qwen35moe"):  # conversion/qwen.py Qwen3NextModel.set_gguf_parameters
         w.add_ssm_conv_kernel(cfg.ssm_conv)
         w.add_ssm_state_size(cfg.ssm_state)

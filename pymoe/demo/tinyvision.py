@@ -16,6 +16,9 @@ from gguf import GGUFWriter, GGMLQuantizationType
 # an 8 x 8 table of learned positions (image_size 128), output 256 = the tiny qwen35moe's n_embd.
 TINY = dict(n_embd=32, n_head=2, n_ff=64, n_layers=2, patch_size=16, merge=2, n_pos_side=8, n_out=256, eps=1e-6,
             image_mean=(0.48145466, 0.4578275, 0.40821073), image_std=(0.26862954, 0.26130258, 0.27577711))
+# Qwen3-VL's tower at the same size: both blocks feed a deepstack merger (Qwen3-VL-30B-A3B: blocks 8, 16, 24 of 27),
+# output 256 = the tiny qwen3vlmoe's n_embd, whose n_deepstack_layers is 2.
+TINY_DEEPSTACK = dict(TINY, deepstack=(0, 1))
 
 
 def vision_weights(seed: int = 0, shape: dict = TINY) -> dict[str, np.ndarray]:
@@ -45,15 +48,20 @@ def vision_weights(seed: int = 0, shape: dict = TINY) -> dict[str, np.ndarray]:
     w.update({"v.post_ln.weight": vec(D, 1.0), "v.post_ln.bias": vec(D),
               "mm.0.weight": mat(M, M), "mm.0.bias": vec(M),
               "mm.2.weight": mat(shape["n_out"], M), "mm.2.bias": vec(shape["n_out"])})
+    for i in shape.get("deepstack", ()):  # conversion/qwen3vl.py: visual.deepstack_merger_list.k -> v.deepstack.i
+        b = f"v.deepstack.{i}."
+        w.update({b + "norm.weight": vec(M, 1.0), b + "norm.bias": vec(M), b + "fc1.weight": mat(M, M),
+                  b + "fc1.bias": vec(M), b + "fc2.weight": mat(shape["n_out"], M), b + "fc2.bias": vec(shape["n_out"])})
     return w
 
 
-def write_mmproj(path: str, seed: int = 0, shape: dict = TINY) -> None:
+def write_mmproj(path: str, seed: int = 0, shape: dict = TINY, f16: bool = False) -> None:
     """An mmproj GGUF with the metadata convert_hf_to_gguf.py writes for Qwen3_5MoeForConditionalGeneration
-    (MmprojModel.set_gguf_parameters + Qwen3VLVisionModel.set_gguf_parameters), all tensors F32."""
+    (MmprojModel.set_gguf_parameters + Qwen3VLVisionModel.set_gguf_parameters), all tensors F32; f16: the linear
+    layers' 2-D weights F16 instead (as in the mmproj-*-F16.gguf files people download; the weights are rounded)."""
     w = GGUFWriter(path, "clip")
     w.add_type("mmproj")
-    w.add_file_type(0)  # --outtype f32 (LlamaFileType.ALL_F32)
+    w.add_file_type(1 if f16 else 0)  # --outtype f32 (LlamaFileType.ALL_F32), f16 (MOSTLY_F16)
     w.add_bool("clip.has_vision_encoder", True)
     w.add_uint32("clip.vision.projection_dim", shape["n_out"])
     w.add_uint32("clip.vision.image_size", shape["n_pos_side"] * shape["patch_size"])
@@ -68,9 +76,13 @@ def write_mmproj(path: str, seed: int = 0, shape: dict = TINY) -> None:
     w.add_bool("clip.use_gelu", True)
     w.add_uint32("clip.vision.spatial_merge_size", shape["merge"])
     w.add_float32("clip.vision.attention.layer_norm_epsilon", shape["eps"])
-    w.add_array("clip.vision.is_deepstack_layers", [False] * shape["n_layers"])  # Qwen3.5: none
+    deep = shape.get("deepstack", ())  # Qwen3.5: none
+    w.add_array("clip.vision.is_deepstack_layers", [i in deep for i in range(shape["n_layers"])])
     for name, arr in vision_weights(seed, shape).items():
-        w.add_tensor(name, arr, raw_dtype=GGMLQuantizationType.F32)
+        if f16 and arr.ndim == 2 and name.endswith(".weight") and name != "v.position_embd.weight":
+            w.add_tensor(name, arr.astype(np.float16), raw_dtype=GGMLQuantizationType.F16)
+        else:
+            w.add_tensor(name, arr, raw_dtype=GGMLQuantizationType.F32)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -37,8 +37,11 @@ def _delta(kv) -> int:
 def imrope_axes(sections: tuple, n_pairs: int) -> np.ndarray:
     """ggml's interleaved M-RoPE (GGML_ROPE_TYPE_IMROPE, ggml_mrope_cache_init): pair i is in sector
     i % sum(sections); sector s turns by the h position when s % 3 == 1 and s < 3 sections[1], by w when
-    s % 3 == 2 and s < 3 sections[2], by t when s % 3 == 0 and s < 3 sections[0] (0, 1, 2 = t, h, w). Pairs that
-    would take the 4th (e) position are refused when the file is read (gguf/config.py)."""
+    s % 3 == 2 and s < 3 sections[2], by t otherwise (0, 1, 2 = t, h, w). ggml turns the pairs outside the three
+    sections (Qwen3-VL's [24, 20, 20]: sector 61 of 64) by a 4th position, the token's position for text and 0 for
+    image rows (mtmd_image_tokens_get_decoder_pos: "unused for now"); transformers' apply_interleaved_mrope leaves
+    them on t, which pymoe follows: the same for text, and for image rows one pair whose angle, p * base^(-61/64),
+    is below 5e-4 radians for p < 1000 at Qwen3-VL's base 5e6."""
     total = max(1, sum(sections))
     axes = np.zeros(n_pairs, dtype=np.int64)
     for i in range(n_pairs):
@@ -228,7 +231,8 @@ class Model:
         if media is None:
             rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size) + _delta(kv))  # for all layers
         else:
-            x[media.rows] = media.embeddings  # image rows: the projector's output in place of the pad token's row
+            D = x.shape[1]  # image rows: the projector's output in place of the pad token's row; deepstack
+            x[media.rows] = media.embeddings[:, :D]  # (qwen3vlmoe): one more D-wide part per deepstack layer
             rope = self.rope_tables(media.positions)  # [T, 3] -> for all layers
         self.last_experts = 0
         for i, layer in enumerate(self.layers):
@@ -236,6 +240,8 @@ class Model:
             h = norm(x, layer.ffn_norm, cfg.rms_eps)
             y, ids, w = FFN[layer.plan.ffn](layer, h, self.cache, self.backend_for(i), phase)
             x = x + y
+            if media is not None and i < cfg.n_deepstack and media.rows.size:  # llama.cpp qwen3vlmoe.cpp
+                x[media.rows] += media.embeddings[:, (i + 1) * x.shape[1]:(i + 2) * x.shape[1]]  # "deepstack_out"
             if self.lookahead is not None:  # experts/prefetch.Lookahead: score layer i's guess, guess the next
                 if ids is not None:
                     self.lookahead.chosen(i, ids)

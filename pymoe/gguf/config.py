@@ -155,6 +155,11 @@ ARCHS["qwen35moe"] = replace(ARCHS["qwen3next"], gdn_tiled=True, rope_sections=T
 ARCHS["dots1"] = ArchTraits(rope_neox=True, qk_norm="head", qkv_bias=False, shared_expert=True, norm_topk=False,
                             ff_key="expert_feed_forward_length", shared_gate=False, gating="", expert_bias=True,
                             expert_bias_optional=True)
+# Qwen3-VL-MoE's language model (Qwen3-VL-30B-A3B, 235B-A22B): qwen3moe's layers with IMRoPE
+# (rope.dimension_sections, [24, 20, 20] over 64 pairs) and n_deepstack_layers: an image's rows carry, beside their
+# input embedding, one more embedding per deepstack layer, added to the hidden state after layers 0 .. n - 1
+# (llama.cpp src/models/qwen3vlmoe.cpp; transformers Qwen3VLMoeTextModel._deepstack_process).
+ARCHS["qwen3vlmoe"] = replace(ARCHS["qwen3moe"], rope_sections=True)
 GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}  # {arch}.expert_gating_func: llama.cpp's
 #                                                                     llama_expert_gating_func_type
 
@@ -224,7 +229,10 @@ class ModelConfig:
     ssm_k_heads: int = 0
     ssm_v_heads: int = 0
     ssm_inner: int = 0
-    rope_sections: tuple = ()  # {arch}.rope.dimension_sections (t, h, w, e) where the arch has IMRoPE (qwen35moe)
+    rope_sections: tuple = ()  # {arch}.rope.dimension_sections (t, h, w, e) where the arch has IMRoPE (qwen35moe,
+    #                            qwen3vlmoe)
+    n_deepstack: int = 0  # {arch}.n_deepstack_layers (qwen3vlmoe): image rows add one embedding after each of the
+    #                       first n layers (engine/model.Model.forward)
     recurrent: tuple = ()  # per layer: True where the layer is Gated DeltaNet ({arch}.attention.recurrent_layers,
     #                        else every layer but each full_attention_interval-th)
     # MLA (deepseek2): attention.q_lora_rank (0: one q projection), attention.kv_lora_rank, the uncompressed head
@@ -345,6 +353,15 @@ class ModelConfig:
                              f"(pymoe: {', '.join(f'{k} {v}' for k, v in GATING_FUNCS.items())})")
         shexp_default = n_ff_exp * count("expert_shared_count", 1)  # llama.cpp: n_ff_exp * n_expert_shared
         n_dense_lead = count("leading_dense_block_count", 0)
+        mrope = {}
+        if t.rope_sections:
+            sections = (list(counts("rope.dimension_sections")) + [0] * 4)[:4]  # t, h, w, e
+            # ggml's IMRoPE: pair i is in sector i % sum(sections); sectors 3j + s (s = 0, 1, 2) below 3 sections[s]
+            # rotate by the t, h, w position, the others (Qwen3-VL's [24, 20, 20]: sector 61 of 64) by the t
+            # position as transformers' apply_interleaved_mrope leaves them (engine/model.imrope_axes)
+            if sum(sections[:3]) <= 0:
+                raise PymoeError(f"{where}{arch}.rope.dimension_sections {sections} has no t, h or w section")
+            mrope = dict(rope_sections=tuple(sections), n_deepstack=count("n_deepstack_layers", 0))
         hybrid = {}
         if t.hybrid:
             n_all = count("block_count")
@@ -354,18 +371,7 @@ class ModelConfig:
                 if interval == 0:
                     raise PymoeError(f"{where}{arch}.full_attention_interval must be > 0")
                 recurrent = [(i + 1) % interval != 0 for i in range(n_all)]
-            if t.rope_sections:
-                sections = (list(counts("rope.dimension_sections")) + [0] * 4)[:4]  # t, h, w, e
-                rope_pairs = count("rope.dimension_count", count("attention.key_length", n_embd // n_head)) // 2
-                # ggml's IMRoPE: pair i is in sector i % sum(sections); sectors 3j + s (s = 0, 1, 2) below
-                # 3 sections[s] rotate by the t, h, w position (all = the token's position for text), others by
-                # the e position (0 for text: no rotation). Pymoe runs the first case only.
-                if not all(any(p % 3 == j and p < 3 * sections[j] for j in range(3))
-                           for p in (i % max(1, sum(sections)) for i in range(rope_pairs))):
-                    raise PymoeError(f"{where}{arch}.rope.dimension_sections {sections} leave rotated pairs to the "
-                                     "4th (image) position: not supported for text")
-            hybrid = dict(rope_sections=tuple(sections) if t.rope_sections else (),
-                          ssm_conv=count("ssm.conv_kernel"), ssm_state=count("ssm.state_size"),
+            hybrid = dict(ssm_conv=count("ssm.conv_kernel"), ssm_state=count("ssm.state_size"),
                           ssm_k_heads=count("ssm.group_count"), ssm_v_heads=count("ssm.time_step_rank"),
                           ssm_inner=count("ssm.inner_size"),
                           recurrent=tuple(bool(r) for r in recurrent)[:n_all - n_nextn])
@@ -376,7 +382,7 @@ class ModelConfig:
                        head_dim_v_mla=count("attention.value_length_mla"),
                        yarn_log_mul=real("rope.scaling.yarn_log_multiplier", 0.0) / 0.1)
         cfg = cls(
-            **hybrid, **mla,
+            **hybrid, **mla, **mrope,
             n_expert_groups=count("expert_group_count", 0), n_group_used=count("expert_group_used_count", 0),
             arch=arch,
             name=str(get("general.name", "") or ""),
@@ -426,6 +432,8 @@ class ModelConfig:
              f"{a}: layer_norm_rms_epsilon ({self.rms_eps}), rope.freq_base ({self.rope_freq_base}) and "
              f"rope.scaling.factor ({self.rope_scale}) must be > 0"),
             (self.n_head > 0 and self.n_head_kv > 0, f"{a}.attention.head_count(_kv) must be > 0"),
+            (self.n_deepstack <= self.n_layers,
+             f"{a}.n_deepstack_layers ({self.n_deepstack}) is more than the {self.n_layers} layers"),
             (self.n_head_kv > 0 and self.n_head % self.n_head_kv == 0,
              f"{a}.attention.head_count ({self.n_head}) is not a multiple of head_count_kv ({self.n_head_kv})"),
             (0 < self.n_expert_used <= self.n_expert,

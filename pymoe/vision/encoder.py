@@ -12,7 +12,15 @@ What this is: clip.cpp's `clip_graph_qwen3vl::build` (qwen3vl.cpp in llama.cpp's
   5. merger: LayerNorm per patch, 2x2 neighbours side by side (4D wide), fc1 -> GELU -> fc2 to the model's width
 Numerics: the block MLP's GELU is the tanh form (HF gelu_pytorch_tanh; ggml_gelu); the merger's is the erf form
 (HF nn.GELU; clip.cpp uses the tanh form there too, a difference below 1e-3 per activation).
-What this is not: deepstack layers (Qwen3-VL; refused by mmproj.py), video, the language side (engine/multimodal.py).
+  6. deepstack (Qwen3-VL): the output of each block marked in the file goes, 2x2 neighbours side by side, through
+     its own merger (LayerNorm over the 4D-wide row, fc1 -> GELU -> fc2); those rows follow the main output's,
+     feature-wise (clip.cpp's ggml_concat along the width): [T, O (1 + n_deepstack)]
+Kernels: `encode(pixels, m, backend)` runs every linear layer of the blocks, the merger and the deepstack mergers
+(qkv, attn_out, ffn_up, ffn_down, mm.0, mm.2, fc1, fc2) through a pymoe backend's `linear` on the file's own rows
+(F32, F16, Q8_0 as stored: backends/cpu.CPUBackend), the rest (patch embedding, norms, RoPE, softmax attention)
+in NumPy; `backend=None` is the NumPy reference, float32 copies and BLAS, which tests/test_vision_kernels.py holds
+the kernel path to, block by block.
+What this is not: video, the language side (engine/multimodal.py, engine/model.py adds the deepstack parts).
 
 Legend: N patches, T = N / merge^2 tokens, D ViT width, H heads, hd head size, O the model's embedding width.
 """
@@ -96,40 +104,64 @@ def rope_2d(x: np.ndarray, pos: np.ndarray) -> np.ndarray:
     return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1)
 
 
-def attention(x: np.ndarray, m: MMProj, i: int, pos: np.ndarray) -> np.ndarray:
+def linear(x: np.ndarray, m: MMProj, name: str, backend=None) -> np.ndarray:
+    """x [N, C] @ W.T + b for the tower's `name`.weight [R, C] and `name`.bias: NumPy on float32 copies (backend
+    None), or the backend's kernel on the file's rows (`MMProj.dense`)."""
+    if backend is None:
+        y = x @ m.floats(name + ".weight").T
+    else:
+        y = backend.linear(m.dense(name + ".weight", backend), np.ascontiguousarray(x, dtype=np.float32))
+    return y + m.floats(name + ".bias")
+
+
+def attention(x: np.ndarray, m: MMProj, i: int, pos: np.ndarray, backend=None) -> np.ndarray:
     c = m.config
-    f = lambda n: m.floats(f"v.blk.{i}.{n}")  # noqa: E731
     N, H, hd = x.shape[0], c.n_head, c.head_dim
-    qkv = (x @ f("attn_qkv.weight").T + f("attn_qkv.bias")).reshape(N, 3, H, hd)  # [N, 3, H, hd]
+    qkv = linear(x, m, f"v.blk.{i}.attn_qkv", backend).reshape(N, 3, H, hd)  # [N, 3, H, hd]
     q, k, v = (a.transpose(1, 0, 2) for a in (rope_2d(qkv[:, 0], pos), rope_2d(qkv[:, 1], pos), qkv[:, 2]))
     s = (q @ k.transpose(0, 2, 1)) * np.float32(1.0 / np.sqrt(hd))  # [H, N, N] (matmul: BLAS; einsum is not)
     s -= s.max(-1, keepdims=True)
     np.exp(s, out=s)
     s /= s.sum(-1, keepdims=True)
     o = (s @ v).transpose(1, 0, 2).reshape(N, c.n_embd)  # [H, N, hd] -> [N, D]
-    return o @ f("attn_out.weight").T + f("attn_out.bias")
+    return linear(o, m, f"v.blk.{i}.attn_out", backend)
 
 
-def block(x: np.ndarray, m: MMProj, i: int, pos: np.ndarray) -> np.ndarray:
+def block(x: np.ndarray, m: MMProj, i: int, pos: np.ndarray, backend=None) -> np.ndarray:
     c = m.config
     f = lambda n: m.floats(f"v.blk.{i}.{n}")  # noqa: E731
-    x = x + attention(layer_norm(x, f("ln1.weight"), f("ln1.bias"), c.eps), m, i, pos)
+    x = x + attention(layer_norm(x, f("ln1.weight"), f("ln1.bias"), c.eps), m, i, pos, backend)
     h = layer_norm(x, f("ln2.weight"), f("ln2.bias"), c.eps)
-    h = gelu_tanh(h @ f("ffn_up.weight").T + f("ffn_up.bias"))  # [N, F]
-    return x + h @ f("ffn_down.weight").T + f("ffn_down.bias")
+    h = gelu_tanh(linear(h, m, f"v.blk.{i}.ffn_up", backend))  # [N, F]
+    return x + linear(h, m, f"v.blk.{i}.ffn_down", backend)
 
 
-def encode(pixels: np.ndarray, m: MMProj) -> np.ndarray:
-    """Normalised [3, H, W] (preprocess.py) -> float32 [T, O], T = (H/P/merge) * (W/P/merge) image tokens."""
+def encode(pixels: np.ndarray, m: MMProj, backend=None) -> np.ndarray:
+    """Normalised [3, H, W] (preprocess.py) -> float32 [T, O (1 + n_deepstack)], T = (H/P/merge) * (W/P/merge)
+    image tokens. backend: a pymoe backend whose `linear` runs the linear layers (None: NumPy)."""
     c = m.config
     gh, gw = grid(pixels, c)
     w = m.floats("v.patch_embd.weight") + m.floats("v.patch_embd.weight.1")  # [D, 3, P, P]: two equal frames
     x = patchify(pixels, c) @ w.reshape(c.n_embd, -1).T + m.floats("v.patch_embd.bias")  # [N, D]
     x = x + position_embeddings(m.floats("v.position_embd.weight"), c.n_pos_side, gh, gw, c.merge)
     pos = patch_positions(gh, gw, c.merge)
+    deep = []
     for i in range(c.n_layers):
-        x = block(x, m, i, pos)
+        x = block(x, m, i, pos, backend)
+        if i in c.deepstack:
+            deep.append(deepstack_merger(x, m, i, backend))
     x = layer_norm(x, m.floats("v.post_ln.weight"), m.floats("v.post_ln.bias"), c.eps)
     x = x.reshape(-1, c.n_embd * c.merge * c.merge)  # [T, 4D]: a group's patches are consecutive rows
-    x = gelu_erf(x @ m.floats("mm.0.weight").T + m.floats("mm.0.bias"))
-    return (x @ m.floats("mm.2.weight").T + m.floats("mm.2.bias")).astype(np.float32)  # [T, O]
+    x = gelu_erf(linear(x, m, "mm.0", backend))
+    x = linear(x, m, "mm.2", backend)  # [T, O]
+    return np.concatenate([x] + deep, axis=1).astype(np.float32)  # [T, O (1 + n_deepstack)]
+
+
+def deepstack_merger(x: np.ndarray, m: MMProj, i: int, backend=None) -> np.ndarray:
+    """Block i's output [N, D] -> [T, O]: 2x2 neighbours side by side, LayerNorm over the 4D row, fc1 -> GELU ->
+    fc2 (HF Qwen3VLVisionPatchMerger(use_postshuffle_norm=True), clip.cpp's deepstack branch)."""
+    c = m.config
+    f = lambda n: m.floats(f"v.deepstack.{i}.{n}")  # noqa: E731
+    h = layer_norm(x.reshape(-1, c.n_embd * c.merge * c.merge), f("norm.weight"), f("norm.bias"), c.eps)
+    h = gelu_erf(linear(h, m, f"v.deepstack.{i}.fc1", backend))
+    return linear(h, m, f"v.deepstack.{i}.fc2", backend)

@@ -8,8 +8,9 @@ metadata implies, and that the projector's output width is the model's embedding
 What this is not: the encoder (encoder.py) or image preprocessing (preprocess.py).
 
 Projector types run here (clip.cpp's PROJECTOR_TYPE_*): `qwen3vl_merger` (PROJECTOR_TYPE_QWEN3VL: Qwen3-VL and
-Qwen3.5 vision towers, the converter's `Qwen3VLVisionModel`), without deepstack layers (Qwen3.5; Qwen3-VL's
-deepstack features feed a text model pymoe does not run).
+Qwen3.5 vision towers, the converter's `Qwen3VLVisionModel`), with deepstack layers (Qwen3-VL: the blocks marked in
+`clip.vision.is_deepstack_layers` feed mergers `v.deepstack.N.*` whose outputs go to the language model's first
+layers, a `qwen3vlmoe` model's `n_deepstack_layers`) or without (Qwen3.5).
 
 Finding the file: `--mmproj FILE` names it. Without it, `find_mmproj(model)` takes the one `mmproj*.gguf` in the
 model's folder: llama.cpp picks an mmproj file by that name pattern when it fetches a model repository (`-hf`),
@@ -45,6 +46,7 @@ class VisionConfig:
     image_mean: tuple  # per channel, applied after scaling pixels to [0, 1]
     image_std: tuple
     n_pos_side: int  # learned position embeddings form an n_pos_side x n_pos_side grid
+    deepstack: tuple = ()  # the blocks whose output feeds a deepstack merger (clip.vision.is_deepstack_layers)
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +73,10 @@ def expected_tensors(c: VisionConfig) -> dict[str, tuple]:
                   b + "attn_out.weight": (D, D), b + "attn_out.bias": (D,),
                   b + "ffn_up.weight": (F, D), b + "ffn_up.bias": (F,),
                   b + "ffn_down.weight": (D, F), b + "ffn_down.bias": (D,)})
+    for i in c.deepstack:  # HF Qwen3VLVisionPatchMerger(use_postshuffle_norm=True): LayerNorm over the merged 4D
+        b = f"v.deepstack.{i}."
+        t.update({b + "norm.weight": (M,), b + "norm.bias": (M,), b + "fc1.weight": (M, M), b + "fc1.bias": (M,),
+                  b + "fc2.weight": (c.n_out, M), b + "fc2.bias": (c.n_out,)})
     return t
 
 
@@ -90,10 +96,10 @@ class MMProj:
         projector = get("clip.vision.projector_type", None) or get("clip.projector_type")
         if projector not in PROJECTORS:
             raise PymoeError(f"{where}clip.projector_type is {projector!r}; pymoe runs {', '.join(PROJECTORS)}")
-        deepstack = get("clip.vision.is_deepstack_layers", [])
-        if any(deepstack):
-            raise PymoeError(f"{where}clip.vision.is_deepstack_layers marks deepstack layers (Qwen3-VL); pymoe "
-                             "runs qwen3vl towers without them (Qwen3.5)")
+        deepstack = tuple(i for i, d in enumerate(get("clip.vision.is_deepstack_layers", [])) if d)
+        if deepstack and deepstack[-1] >= int(get("clip.vision.block_count")):
+            raise PymoeError(f"{where}clip.vision.is_deepstack_layers marks block {deepstack[-1]} but the tower has "
+                             f"{int(get('clip.vision.block_count'))} blocks")
         tensors = {t.name: Tensor(t.name, t.tensor_type, tuple(int(n) for n in reversed(t.shape)), t.data)
                    for t in self.reader.tensors}
         pos = tensors.get("v.position_embd.weight")
@@ -113,7 +119,7 @@ class MMProj:
             merge=int(get("clip.vision.spatial_merge_size", 2)), n_out=int(get("clip.vision.projection_dim")),
             eps=float(get("clip.vision.attention.layer_norm_epsilon", 1e-6)),
             image_mean=tuple(float(v) for v in get("clip.vision.image_mean")),
-            image_std=tuple(float(v) for v in get("clip.vision.image_std")), n_pos_side=side)
+            image_std=tuple(float(v) for v in get("clip.vision.image_std")), n_pos_side=side, deepstack=deepstack)
         if len(self.config.image_mean) != 3 or len(self.config.image_std) != 3:
             raise PymoeError(f"{where}clip.vision.image_mean and image_std must have 3 values (RGB)")
         self.tensors = {}
@@ -133,6 +139,7 @@ class MMProj:
                 raise PymoeError(f"{where}truncated: tensor {t.name} ends at byte {t.data_offset + t.n_bytes} "
                                  f"but the file has {file_size} bytes")
         self._floats: dict[str, np.ndarray] = {}
+        self._dense: dict = {}
 
     def _getter(self, where: str):
         def get(key, default=KeyError):
@@ -150,11 +157,23 @@ class MMProj:
             self._floats[name] = self.tensors[name].floats()
         return self._floats[name]
 
-    def check_model(self, n_embd: int, model_path: str = "the model") -> None:
-        """The projector's output must be the language model's embedding width: its rows replace token rows."""
+    def dense(self, name: str, backend):
+        """`backend.dense` of tensor `name` (the file's rows, as stored), made once per backend."""
+        key = (id(backend), name)
+        if key not in self._dense:
+            self._dense[key] = (backend, backend.dense(self.tensors[name]))  # the backend kept: its id stays its own
+        return self._dense[key][1]
+
+    def check_model(self, n_embd: int, model_path: str = "the model", n_deepstack: int = 0) -> None:
+        """The projector's output must be the language model's embedding width (its rows replace token rows), and
+        its deepstack mergers as many as the model's deepstack layers (llama.cpp: n_embd_inp = n_embd (1 + n))."""
         if self.config.n_out != n_embd:
             raise PymoeError(f"{self.path}: clip.vision.projection_dim is {self.config.n_out} but {model_path} has "
                              f"embedding width {n_embd}: this mmproj file belongs to another model")
+        if len(self.config.deepstack) != n_deepstack:
+            raise PymoeError(f"{self.path}: clip.vision.is_deepstack_layers marks {len(self.config.deepstack)} "
+                             f"deepstack layers but {model_path} has n_deepstack_layers {n_deepstack}: this mmproj "
+                             "file belongs to another model")
 
 
 def find_mmproj(model_path: str | os.PathLike) -> str | None:
@@ -167,8 +186,8 @@ def find_mmproj(model_path: str | os.PathLike) -> str | None:
     return found[0] if found else None
 
 
-def load_mmproj(path, n_embd: int | None = None, model_path: str = "the model") -> MMProj:
+def load_mmproj(path, n_embd: int | None = None, model_path: str = "the model", n_deepstack: int = 0) -> MMProj:
     m = MMProj(path)
     if n_embd is not None:
-        m.check_model(n_embd, model_path)
+        m.check_model(n_embd, model_path, n_deepstack)
     return m

@@ -873,7 +873,8 @@ MUTANTS: list[Mutant] = [
         "imrope_h_and_w_swapped", "pymoe/engine/model.py",
         "axes[i] = 1 if s % 3 == 1 and s < 3 * sections[1] else 2 if s % 3 == 2 and s < 3 * sections[2] else 0",
         "axes[i] = 2 if s % 3 == 1 and s < 3 * sections[1] else 1 if s % 3 == 2 and s < 3 * sections[2] else 0",
-        ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",),
+        ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",
+         "tests/test_vision_deepstack.py::test_logits_with_an_image_match_transformers[*]"),
         "M-RoPE pairs of the h section turn by the image column, those of the w section by the row"),
     Mutant(
         "image_rope_shift_dropped", "pymoe/engine/model.py",
@@ -883,8 +884,8 @@ MUTANTS: list[Mutant] = [
         "decode after an image goes on at the storage index, not max(rows, cols) past the image's start"),
     Mutant(
         "image_rows_not_placed", "pymoe/engine/model.py",
-        "            x[media.rows] = media.embeddings",
-        "            pass",
+        "            x[media.rows] = media.embeddings[:, :D]",
+        "            pass  # ",
         ("tests/test_vision_llamacpp.py::test_logits_after_an_image_match_llamacpp[*]",),
         "the image pad tokens keep their own embedding rows: the picture never reaches the model"),
     Mutant(
@@ -899,6 +900,19 @@ MUTANTS: list[Mutant] = [
         "gpu=True, layers=None,",
         ("tests/test_multi_device.py::test_per_device_counters_equal_the_simulators_one_pool_per_card",),
         "each device's slot pool is filled with (and paced by) every layer's experts, not its own layers'"),
+    Mutant(
+        "deepstack_parts_one_layer_late", "pymoe/engine/model.py",
+        "x[media.rows] += media.embeddings[:, (i + 1) * x.shape[1]:(i + 2) * x.shape[1]]",
+        "x[media.rows] += media.embeddings[:, i * x.shape[1]:(i + 1) * x.shape[1]]",
+        ("tests/test_vision_deepstack.py::test_logits_after_an_image_match_llamacpp[*]",),
+        "layer k gets deepstack part k - 1 (layer 0 the main rows again): the parts are off by one"),
+    Mutant(
+        "deepstack_merger_norm_per_patch", "pymoe/vision/encoder.py",
+        "h = layer_norm(x.reshape(-1, c.n_embd * c.merge * c.merge), f(\"norm.weight\"), f(\"norm.bias\"), c.eps)",
+        "h = layer_norm(x, f(\"norm.weight\")[:c.n_embd], f(\"norm.bias\")[:c.n_embd], c.eps).reshape("
+        "-1, c.n_embd * c.merge * c.merge)",
+        ("tests/test_vision_deepstack.py::test_deepstack_tower_matches_clip_cpp[*]",),
+        "the deepstack merger normalises each patch (the main merger's pre-shuffle norm), not the 4D-wide row"),
 ]
 
 
