@@ -121,7 +121,9 @@ def shaped(buf, shape: tuple):
 LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token tiles)
             "expert_block": 2,  # moe.expert_block: gate_up, then down
             "rmsnorm": 1, "rope": 1, "add_bias": 1,  # norm_rope: one each, grid (rows,)
-            "decode_attention": 1}  # attention.decode_attention: one per query token, grid (heads,)
+            "decode_attention": 1,  # attention.decode_attention: one per query token, grid (heads,)
+            # the device decode step (version 3, cuda_kernels/step.py): one each, routed_experts two (gate_up, down)
+            "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2}
 
 
 class DeviceKernels:
@@ -158,6 +160,33 @@ class DeviceKernels:
         from pymoe.cuda_kernels import attention
 
         return attention.decode_attention(q, k_cache, v_cache, pos, out=out, scores=scores, stream=stream)
+
+    # the device decode step (version 3)
+    def embed(self, w, qtype, tokens, out, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.embed(w, qtype, tokens, out, stream=stream)
+
+    def add(self, Y, X, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.add(Y, X, stream=stream)
+
+    def route_softmax(self, logits, k, norm_topk, ids, w, scale, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.route_softmax(logits, k, norm_topk, ids, w, scale=scale, stream=stream)
+
+    def argmax(self, logits, out, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.argmax(logits, out, stream=stream)
+
+    def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.routed_experts(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H,
+                                   stream=stream)
 
 
 class ReferenceKernels:
@@ -202,6 +231,46 @@ class ReferenceKernels:
         o = attention(q.copy_to_host()[None], k, v, pos)  # [1, H * Dv]
         out.copy_to_device(o.reshape(out.shape), stream=stream)
         return out
+
+    def embed(self, w, qtype, tokens, out, stream):
+        rows = w.copy_to_host()[tokens.copy_to_host()]  # [T, row_bytes]
+        out.copy_to_device(quant.dequantize(rows, qtype).astype(np.float32), stream=stream)
+        return out
+
+    def add(self, Y, X, stream):
+        Y.copy_to_device(Y.copy_to_host() + X.copy_to_host(), stream=stream)
+        return Y
+
+    def route_softmax(self, logits, k, norm_topk, ids, w, scale, stream):
+        from .reference import route
+
+        i, wt = route(logits.copy_to_host(), k, norm_topk)
+        ids.copy_to_device(i.astype(np.int32), stream=stream)
+        w.copy_to_device((wt * np.float32(scale)).astype(np.float32), stream=stream)
+        return ids, w
+
+    def argmax(self, logits, out, stream):
+        out.copy_to_device(np.argmax(logits.copy_to_host(), axis=1).astype(np.int32), stream=stream)
+        return out
+
+    def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
+        from pymoe.cuda_kernels.step import routed_experts_reference
+
+        D, F = shape
+        tab, off, po = table.copy_to_host(), offsets.copy_to_host(), part_off.copy_to_host()
+        rb = row_bytes.copy_to_host()
+        shapes = [(F, int(rb[0])), (F, int(rb[1])), (D, int(rb[2]))]
+
+        def read(e):  # expert e's rows where the table says: its slot, or the mapped file (copied slice by slice)
+            s = int(tab[e])
+            src = [(slots[s], int(po[i])) if s >= 0 else (host, int(off[e, i])) for i in range(3)]
+            views = [a[o:o + r * b] for (a, o), (r, b) in zip(src, shapes)]  # (the simulator slices to ndarrays)
+            return [np.array(v.copy_to_host() if hasattr(v, "copy_to_host") else v).reshape(r, b)
+                    for v, (r, b) in zip(views, shapes)]
+
+        y = routed_experts_reference(read, types, ids.copy_to_host(), w.copy_to_host(), X.copy_to_host())
+        Y.copy_to_device(y, stream=stream)
+        return Y
 
 
 KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
@@ -289,6 +358,7 @@ class DevicePool(HostPool):
         self.ready = [None] * n_slots  # event on the copy stream: the slot's last copy has landed
         self.last_read = [None] * n_slots  # event on the compute stream: the last kernel reading the slot is done
         self._event = backend.cuda.event
+        self.unwaited: set = set()  # slots whose "ready" event the compute stream has not waited for yet
         super().__init__(n_slots, slot_bytes, layouts)
 
     def allocate(self, n_slots: int, slot_bytes: int):
@@ -305,6 +375,7 @@ class DevicePool(HostPool):
         ready = self._event()
         ready.record(b.copy)
         self.ready[slot] = ready
+        self.unwaited.add(slot)
 
     def part(self, slot: int, off: int, shape: tuple):
         return shaped(self.bytes[slot, off:off + shape[0] * shape[1]], shape)
@@ -314,6 +385,13 @@ class DevicePool(HostPool):
         if self.ready[slot] is not None:
             self.ready[slot].wait(self.backend.compute)
             self.ready[slot] = None
+        self.unwaited.discard(slot)
+
+    def before_any_read(self) -> None:
+        """Make the compute stream wait for every copy in flight (the device decode step: its kernels read whichever
+        slots the residency table names, which the host does not know in advance)."""
+        for slot in sorted(self.unwaited):
+            self.before_read(slot)
 
     def after_read(self, slot: int, event) -> None:
         self.last_read[slot] = event
@@ -351,6 +429,41 @@ class DeviceWeight:
     raw: object  # device array
     shape: tuple  # (R, C)
     what: str = "host products"  # what its products carry over PCIe when its input is on the host (`carries`)
+
+
+class StepLogits:
+    """The logits [1, V] of a device decode step, left on the device. `greedy_token`: their argmax, computed there
+    and already on the host (the sampler's greedy draw needs nothing else: engine/sampler.py); anything else
+    (np.asarray, indexing) brings them over once (V floats, one more synchronisation), while they are still there:
+    until the next step begins."""
+
+    def __init__(self, backend: "CUDABackend", dev, token: int, step: int, parent: "StepLogits" = None):
+        self._backend, self._dev, self.greedy_token, self._stepno = backend, dev, token, step
+        self._parent, self._host = parent, None
+        self.shape = tuple(dev.shape) if parent is None else tuple(dev.shape)[1:]
+        self.dtype, self.ndim = np.dtype(np.float32), len(self.shape)
+
+    def _fetch(self) -> np.ndarray:
+        if self._parent is not None:
+            return self._parent._fetch()[0]
+        if self._host is None:
+            if self._backend._steps != self._stepno:
+                raise PymoeError("backend 'cuda': the logits of an earlier decode step are gone (fetch them before "
+                                 "the next step)")
+            self._host = self._backend._get(self._dev, "logits to host")
+        return self._host
+
+    def __array__(self, dtype=None, copy=None):
+        a = self._fetch()
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, i):
+        if self._parent is None and isinstance(i, int) and i in (0, -1) and self.shape[0] == 1:
+            return StepLogits(self._backend, self._dev, self.greedy_token, self._stepno, parent=self)
+        return self._fetch()[i]
+
+    def __len__(self) -> int:
+        return self.shape[0]
 
 
 def carries(tensor_name: str) -> str:
@@ -413,6 +526,14 @@ class CUDABackend:
         self._arena_top = 0  # floats of scratch["arena"] handed out since the last to_device
         self._rope_host = None  # the host (cos, sin) tables now in scratch rope_cos / rope_sin
         self._stage = None  # two staging slots for prefill misses, and their events
+        # The device decode step (version 3; PYMOE_DEVICE_STEP=0: version 2): see `begin_step`
+        import os
+
+        self.device_step = os.environ.get("PYMOE_DEVICE_STEP", "1") != "0"
+        self._step = None  # the step under way: {"p0": position}; None outside a device step
+        self._steps = 0  # device steps begun so far (StepLogits checks its logits are still there)
+        self._res = None  # the residual stream's device array during a step
+        self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def attach(self, file) -> None:
@@ -425,6 +546,7 @@ class CUDABackend:
         self._moe = (cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp)
         self._cfg = cfg
         self._slot_bytes = file.slot_bytes
+        self._file = file
 
     def activation_bytes(self, chunk: int, n_ctx: int) -> int:
         """Device bytes of the scratch buffers for forward calls of up to `chunk` tokens in a context of `n_ctx`
@@ -472,6 +594,141 @@ class CUDABackend:
         self._kv_holder = None
         ev = self.cuda.event
         self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
+        if self.device_step and len(c.moe_layers) and device_kv:
+            self._prepare_step(cos, sin)
+
+    def _prepare_step(self, cos: np.ndarray, sin: np.ndarray) -> None:
+        """The device decode step's buffers (one token): the residual stream, the normed input of a block, the MoE
+        output and hidden rows, the token id, the routing ids and weights of every MoE layer (the ids right after
+        the token id in one int32 buffer, `step_back`, which comes back to the host in one copy), the residency
+        table int32 [n_moe, E] (expert -> slot or -1), each expert's byte offsets in the mapped file int64
+        [n_moe, E, 3], each MoE layer's slot layout (gate/up/down offsets and row bytes), and RoPE tables for the
+        whole context of its own (the version 2 forward overwrites scratch rope_cos/rope_sin per call)."""
+        c, f = self._cfg, self._file
+        K, D, F = self._moe
+        E, moe = c.n_expert, c.moe_layers
+        n_moe = len(moe)
+        layouts = f.expert_layouts()
+        offsets = np.zeros((n_moe, E, 3), np.int64)
+        part_off = np.zeros((n_moe, 3), np.int64)
+        row_bytes = np.zeros((n_moe, 3), np.int64)
+        self._expert_nbytes = np.zeros(n_moe, np.int64)
+        for m, layer in enumerate(moe):
+            parts = layouts[layer].parts  # ((proj, offset in a slot, (rows, row bytes)), ...) gate, up, down
+            part_off[m] = [off for _, off, _ in parts]
+            row_bytes[m] = [shape[1] for _, _, shape in parts]
+            self._expert_nbytes[m] = layouts[layer].nbytes
+            for e in range(E):
+                ex = f.expert(layer, e)
+                offsets[m, e] = [getattr(ex, p).ctypes.data - self.host.base for p in EXPERT_PROJ]
+        alloc = self.mem.alloc
+        sb = self._sb = {"tok": alloc((1,), np.int32, "activations"),
+                         "back": alloc((1 + n_moe * K,), np.int32, "activations"),
+                         "rw": alloc((n_moe * K,), np.float32, "activations"),
+                         "res": alloc((1, D), np.float32, "activations"),
+                         "hn": alloc((1, D), np.float32, "activations"),
+                         "y": alloc((1, D), np.float32, "activations"),
+                         "h": alloc((K, F), np.float32, "activations")}
+        self._table_host = np.full((n_moe, E), -1, np.int32)
+        for name, host in (("table", self._table_host), ("offsets", offsets), ("part_off", part_off),
+                           ("row_bytes", row_bytes), ("cos", cos), ("sin", sin)):
+            sb[name] = self.mem.upload(np.ascontiguousarray(host), "residency table and expert offsets")
+        self._rope_step = (cos, sin)  # host copies: a step checks that its tables are these rows
+        self._host_file = self.host.device_view(self.host.mm.reshape(-1))  # the whole mapped file, uint8
+        self._no_slots = self.mem.alloc((1, 1), np.uint8, "activations")  # the slots argument with no pool
+
+    # --- the device decode step (version 3) ------------------------------------------------------------------------
+    # One decoded token of a single sequence with the device KV cache runs on the device from the token id to the
+    # greedy token: the engine's forward calls `begin_step` (the token id goes in), `embed` (the row gathered
+    # there), the same blocks as always on device arrays (the residual stream stays in `step res`: rmsnorm of it
+    # writes `step hn`, `add` adds into it), `moe_on_device` per MoE layer (router top-K and the routed experts
+    # through the residency table, no host round trip), and `end_step` (argmax; the token id and every MoE layer's
+    # routing ids come back in one copy: the step's one host synchronisation). The host then runs the expert
+    # cache's lookups of that step (one step late) and the next `begin_step` uploads the residency table's changed
+    # rows and orders the step after the promotions' copies.
+    def step_ready(self) -> bool:
+        return self.device_step and getattr(self, "_sb", None) is not None
+
+    def owns(self, kv) -> bool:
+        """kv is this backend's device KV cache (a device step needs one)."""
+        return isinstance(kv, DeviceKVCache)
+
+    def begin_step(self, tokens: np.ndarray, p0: int, residency: Optional[np.ndarray]):
+        """Start a device step of one token at position p0: bring the residency table up to date (residency: the
+        cache's [L, E] -> slot or -1, or None with no pool), wait for copies in flight, put the token id on the
+        device; returns it (int32 [1], device)."""
+        self.sync_table(residency)
+        if self.cache_pool is not None:
+            self.cache_pool.before_any_read()
+        self._steps += 1
+        self._step = {"p0": int(p0)}
+        self._arena_top = 0
+        tok = self._sb["tok"]
+        tok.copy_to_device(np.asarray(tokens, np.int32).reshape(1), stream=self.compute)
+        self.counts.copy("token ids to device", 4)
+        return tok
+
+    def keep_on_device(self, vectors: list) -> None:
+        """Upload these small float32 vectors now (a device step's norm weights), not in the first step."""
+        for v in vectors:
+            self._vec(v)
+
+    def sync_table(self, residency) -> None:
+        """Upload the rows of the residency table that changed since the last step (promotions, evictions, a
+        prefill's placements); residency: the cache's [L, E] -> slot or -1 (None: no pool)."""
+        if residency is None or not self.step_ready():
+            return
+        c = self._cfg
+        rows = np.asarray(residency[c.moe_layers.start:c.moe_layers.stop], np.int32)  # [n_moe, E]
+        E = rows.shape[1]
+        for m in np.flatnonzero((rows != self._table_host).any(axis=1)):
+            row = rows[m].copy()
+            shaped(self._sb["table"].reshape(-1)[m * E:], (E,)).copy_to_device(row, stream=self.compute)
+            self.counts.copy("residency table to device", row.nbytes)
+            self._table_host[m] = row
+
+    def embed(self, w: "DeviceWeight", tokens):
+        """The residual stream of the step: row tokens[0] of the embedding's raw rows w, decoded on the device."""
+        self._res = self._sb["res"]
+        self._launch("embed", w.raw, w.qtype, tokens, self._res, self.compute)
+        return self._res
+
+    def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict):
+        """Route (softmax, top-K) and run the routed experts of one MoE layer on the device: logits [1, E], x [1, D]
+        (device) -> (y [1, D], ids int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the
+        slot the residency table names, or from the mapped file over PCIe."""
+        K, D, F = self._moe
+        m = layer - self._cfg.moe_layers.start
+        E = self._cfg.n_expert
+        sb = self._sb
+        ids = shaped(sb["back"][1 + m * K:], (1, k))  # this layer's ids, in the buffer that comes back
+        w = shaped(sb["rw"][m * K:], (1, k))
+        self._launch("route_softmax", logits, k, norm_topk, ids, w, float(scale), self.compute)
+        slots = self.cache_pool.bytes if self.cache_pool is not None else self._no_slots
+        table = shaped(sb["table"].reshape(-1)[m * E:], (E,))
+        offsets = shaped(sb["offsets"].reshape(-1)[m * E * 3:], (E, 3))
+        part_off = shaped(sb["part_off"].reshape(-1)[m * 3:], (3,))
+        row_bytes = shaped(sb["row_bytes"].reshape(-1)[m * 3:], (3,))
+        y = sb["y"]
+        self._launch("routed_experts", slots, self._host_file, table, offsets, part_off, row_bytes, expert_types,
+                     (D, F), ids, w, x, y, sb["h"], self.compute)
+        return y, ids, w
+
+    def end_step(self, logits):
+        """Greedy argmax on the device, then the step's one copy back: the token id and every MoE layer's routing
+        ids -> (token, ids int32 [n_moe, K], StepLogits). Counts the PCIe reads of the experts the table sent to
+        the mapped file."""
+        K = self._moe[0]
+        back = self._sb["back"]
+        self._launch("argmax", logits, shaped(back, (1,)), self.compute)
+        host = self._get(back, "token and routing ids to host")
+        ids = host[1:].reshape(-1, K)  # [n_moe, K]
+        for m in range(ids.shape[0]):
+            for e in np.unique(ids[m]):
+                if self._table_host[m, e] < 0:
+                    self.counts.copy("expert spill reads over PCIe", int(self._expert_nbytes[m]))
+        self._step, self._res = None, None
+        return int(host[0]), ids, StepLogits(self, logits, int(host[0]), self._steps)
 
     def new_kv(self, n_ctx: int):
         """The device KV cache for a new sequence, if it is free and big enough; else None (the caller then uses a
@@ -576,7 +833,12 @@ class CUDABackend:
     # in between, projections, biases, norms, RoPE, the KV write and attention all run on the device.
     def to_device(self, x: np.ndarray):
         """x float32 [T, C] (host) -> the same on the device, at the start of scratch["arena"] (the arena is reused
-        from its start: the previous block's device arrays are dead by now)."""
+        from its start: the previous block's device arrays are dead by now). A device array (a device step's
+        normed residual) stays where it is; the arena is reset all the same."""
+        if not isinstance(x, np.ndarray):
+            self._arena_top = 0
+            return x
+        self._step = None  # a host input: not a device step (nor the rest of one that failed)
         self._check_tokens(x.shape[0])
         self._arena_top = 0
         dev = self._arena(x.shape)
@@ -586,7 +848,8 @@ class CUDABackend:
         return dev
 
     def to_host(self, a) -> np.ndarray:
-        if isinstance(a, np.ndarray):
+        """-> a host array; during a device step a device array stays there (the residual add is on the device)."""
+        if isinstance(a, np.ndarray) or self._step is not None:
             return a
         return self._get(a, "attention block to host")
 
@@ -626,10 +889,13 @@ class CUDABackend:
     def linear_many(self, ws: list, x) -> list:
         return [self.linear(w, x) for w in ws]
 
-    def add(self, a, vec: np.ndarray):
-        """a [T, n] + vec [n]; on the device in place."""
+    def add(self, a, vec):
+        """a [T, n] + vec [n] (a bias), or a + b [T, n] (a device step's residual add); on the device in place."""
         if isinstance(a, np.ndarray):
             return a + vec
+        if not isinstance(vec, np.ndarray):
+            self._launch("add", a, vec, self.compute)
+            return a
         self._launch("add_bias", a, self._vec(vec), self.compute)
         return a
 
@@ -640,6 +906,9 @@ class CUDABackend:
         """On the host: the CPU backend's (the residual stream); on the device: in place, over the last axis."""
         if isinstance(x, np.ndarray):
             return self.cpu.rmsnorm(x, w, eps)
+        if x is self._res:  # the residual stream of a device step: kept, the normed copy goes to `step hn`
+            self._launch("rmsnorm", x, self._vec(w), eps, self._sb["hn"], self.compute)
+            return self._sb["hn"]
         shape = tuple(x.shape)  # (the simulator's shape object takes no negative index)
         rows = self._reshaped(x, (math.prod(shape[:-1]), shape[-1]))  # [N, n]
         self._launch("rmsnorm", rows, self._vec(w), eps, rows, self.compute)
@@ -650,6 +919,12 @@ class CUDABackend:
         the tables uploaded once per forward call (every layer's q and k share them)."""
         if isinstance(x, np.ndarray):
             return self.cpu.rope(x, cos, sin, neox)
+        if self._step is not None:  # a device step: the whole context's tables are on the device already
+            p0, (c_all, s_all) = self._step["p0"], self._rope_step
+            T = x.shape[0]
+            if np.array_equal(cos, c_all[p0:p0 + T]) and np.array_equal(sin, s_all[p0:p0 + T]):
+                self._launch("rope", x, self._sb["cos"], self._sb["sin"], neox, p0, self.compute)
+                return x
         if self._rope_host is None or self._rope_host[0] is not cos:
             self._rope_host = (cos, sin)  # kept alive, so that `is` can recognise them
             for name, table in (("rope_cos", cos), ("rope_sin", sin)):
