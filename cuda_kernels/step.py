@@ -5,6 +5,8 @@ What this is: small kernels plus their host wrappers, each taking and returning 
 
   embed(w, qtype, tokens, out)      out[t] = row tokens[t] of w, decoded (token_embd's raw GGUF rows on the device)
   add(Y, X)                         Y += X                          (the residual adds; Y, X float32 [T, n])
+  swiglu(G, U)                      G = silu(G) * U                 (the shared expert's hidden row)
+  sigmoid_gate(Y, X, g)             Y[t] *= sigmoid(X[t] . g)       (qwen2moe's shared-expert gate)
   route_softmax(logits, k, ...)     softmax, top-K (highest first, ties to the lower id), renormalised over the K
                                     when norm_topk, times `scale`   -> ids int32 [T, K], weights float32 [T, K]
   argmax(logits, out)               out[t] = the first index of the largest logit of row t  (greedy decoding)
@@ -14,7 +16,7 @@ What this is: small kernels plus their host wrappers, each taking and returning 
                                     per-expert dispatch, so no host round trip decides where an expert is read.
 
 The references (tests/test_cuda_step_kernels.py compares each kernel with them): `reference.route` (the router of
-backends/reference.py), quant.dequantize(w)[tokens], np.argmax, `+`, and for the routed experts
+backends/reference.py), quant.dequantize(w)[tokens], np.argmax, `+`, reference.silu and reference.sigmoid, and for the routed experts
 `reference.swiglu_expert` on the bytes the table points at, added in k order (`routed_experts_reference`).
 
 Versions: 1 (these). route_softmax runs one thread per token (E <= a few hundred: a single pass of loops is a few
@@ -33,7 +35,7 @@ from numba import cuda
 from pymoe.quant import QType, get_format
 
 from .quant_matvec import THREADS, check, on_device, retarget, row_partial_for, specialise
-from .reduce import block_sum_rows
+from .reduce import block_sum, block_sum_rows
 
 # Placeholders bound per format by quant_matvec.specialise (the same names row_partial uses)
 SCALE = CODE = None
@@ -95,6 +97,52 @@ def add(Y, X, stream=0):
         raise ValueError(f"add: Y {tuple(Y.shape)} and X {tuple(X.shape)} must be the same [T, n]")
     if Y.shape[0]:
         add_kernel[(Y.shape[0],), THREADS, stream](Y, X)
+    return Y
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The shared expert's activation and gate (qwen2moe)
+# ----------------------------------------------------------------------------------------------------------------
+@cuda.jit
+def swiglu_kernel(G, U):
+    """G float32 [T, n] = silu(G) * U (the shared expert's hidden row); grid (T,), block (THREADS,)."""
+    t = cuda.blockIdx.x
+    for i in range(cuda.threadIdx.x, G.shape[1], THREADS):
+        a = G[t, i]
+        G[t, i] = a / (np.float32(1.0) + math.exp(-a)) * U[t, i]
+
+
+def swiglu(G, U, stream=0):
+    G, U = on_device(G, "G"), on_device(U, "U")
+    if tuple(G.shape) != tuple(U.shape) or len(G.shape) != 2:
+        raise ValueError(f"swiglu: G {tuple(G.shape)} and U {tuple(U.shape)} must be the same [T, n]")
+    if G.shape[0]:
+        swiglu_kernel[(G.shape[0],), THREADS, stream](G, U)
+    return G
+
+
+@cuda.jit
+def sigmoid_gate_kernel(Y, X, g):
+    """Y[t] *= sigmoid(X[t] . g): Y float32 [T, D], X float32 [T, D], g float32 [D] (qwen2moe's shared-expert
+    gate); grid (T,), block (THREADS,)."""
+    t = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    acc = np.float32(0.0)
+    for i in range(tid, X.shape[1], THREADS):
+        acc += X[t, i] * g[i]
+    buf = cuda.shared.array(THREADS, np.float32)
+    z = block_sum(buf, tid, acc)
+    s = np.float32(1.0) / (np.float32(1.0) + math.exp(-z))
+    for i in range(tid, Y.shape[1], THREADS):
+        Y[t, i] *= s
+
+
+def sigmoid_gate(Y, X, g, stream=0):
+    Y, X, g = on_device(Y, "Y"), on_device(X, "X"), on_device(g, "g")
+    if tuple(Y.shape) != tuple(X.shape) or tuple(g.shape) != (X.shape[1],):
+        raise ValueError(f"sigmoid_gate: Y {tuple(Y.shape)}, X {tuple(X.shape)} must be [T, D], g {tuple(g.shape)} [D]")
+    if Y.shape[0]:
+        sigmoid_gate_kernel[(Y.shape[0],), THREADS, stream](Y, X, g)
     return Y
 
 
@@ -304,5 +352,5 @@ def routed_experts_reference(read, types: dict, ids: np.ndarray, w: np.ndarray, 
     return Y
 
 
-__all__ = ["embed", "add", "route_softmax", "argmax", "routed_experts", "routed_experts_reference", "expert_bytes",
+__all__ = ["embed", "add", "swiglu", "sigmoid_gate", "route_softmax", "argmax", "routed_experts", "routed_experts_reference", "expert_bytes",
            "QType"]

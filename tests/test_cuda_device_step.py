@@ -12,7 +12,7 @@ tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_s
 
 Tolerance of the logits: the same float32 operations in other orders only (the device step adds each token's K
 experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
-roundings of their own size: measured on qwen3moe, llama and olmoe (3 steps each) at most 4.77e-7 = 2 ulp of
+roundings of their own size: measured on qwen3moe, qwen2moe, llama and olmoe (3 steps each) at most 4.77e-7 = 2 ulp of
 s = max |logit| (2.6-3.1, where one ulp is 2.4e-7); the bound is 4 ulp of s (2x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
@@ -63,7 +63,7 @@ def per_token(engine):
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3moe", "llama", "olmoe"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
 def test_a_device_step_moves_token_ids_and_routing_ids_only(micro, arch):
     path = micro(arch)
     want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))

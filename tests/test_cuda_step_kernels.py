@@ -75,6 +75,26 @@ def test_argmax_and_add():
 
 
 @in_process
+def test_swiglu_and_the_sigmoid_gate():
+    """silu(g) * u: a few roundings of exp and two products (rtol 8 u); the gate: a D-term float32 dot in another
+    order than NumPy's, through a sigmoid whose slope is <= 1/4 (2 D u sum |x g| absolute on z), then one product."""
+    from pymoe.backends.reference import sigmoid
+
+    rng = np.random.default_rng(5)
+    g, u = rng.standard_normal((2, 150)).astype(np.float32), rng.standard_normal((2, 150)).astype(np.float32)
+    G = cuda.to_device(g)
+    step.swiglu(G, cuda.to_device(u))
+    np.testing.assert_allclose(G.copy_to_host(), silu(g) * u, rtol=8 * U, atol=8 * U)
+    Y, X = rng.standard_normal((2, 150)).astype(np.float32), rng.standard_normal((2, 150)).astype(np.float32)
+    gate = rng.standard_normal(150).astype(np.float32)
+    Yd = cuda.to_device(Y)
+    step.sigmoid_gate(Yd, cuda.to_device(X), cuda.to_device(gate))
+    want = sigmoid((X * gate).sum(axis=-1, keepdims=True)) * Y
+    dz = 2 * 150 * U * (np.abs(X * gate).sum(axis=-1, keepdims=True))  # [T, 1] bound on z's rounding
+    np.testing.assert_array_less(np.abs(Yd.copy_to_host() - want), np.abs(Y) * (dz / 4 + 4 * U) + 1e-12)
+
+
+@in_process
 def test_routed_experts_read_slots_and_the_mapped_file_as_the_table_says():
     """Four experts: two in slots (one of them in a slot whose bytes differ from the file's copy, so that reading
     the wrong place shows), two read from the "file"; mixed gate/up/down types. Against swiglu on the bytes the

@@ -123,7 +123,8 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "rmsnorm": 1, "rope": 1, "add_bias": 1,  # norm_rope: one each, grid (rows,)
             "decode_attention": 1,  # attention.decode_attention: one per query token, grid (heads,)
             # the device decode step (version 3, cuda_kernels/step.py): one each, routed_experts two (gate_up, down)
-            "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2}
+            "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2, "swiglu": 1,
+            "sigmoid_gate": 1}
 
 
 class DeviceKernels:
@@ -171,6 +172,16 @@ class DeviceKernels:
         from pymoe.cuda_kernels import step
 
         return step.add(Y, X, stream=stream)
+
+    def swiglu(self, G, U, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.swiglu(G, U, stream=stream)
+
+    def sigmoid_gate(self, Y, X, g, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.sigmoid_gate(Y, X, g, stream=stream)
 
     def route_softmax(self, logits, k, norm_topk, ids, w, scale, stream):
         from pymoe.cuda_kernels import step
@@ -239,6 +250,17 @@ class ReferenceKernels:
 
     def add(self, Y, X, stream):
         Y.copy_to_device(Y.copy_to_host() + X.copy_to_host(), stream=stream)
+        return Y
+
+    def swiglu(self, G, U, stream):
+        G.copy_to_device((silu(G.copy_to_host()) * U.copy_to_host()).astype(np.float32), stream=stream)
+        return G
+
+    def sigmoid_gate(self, Y, X, g, stream):
+        from .reference import sigmoid
+
+        z = (X.copy_to_host() * g.copy_to_host()).sum(axis=-1, keepdims=True)  # [T, 1]
+        Y.copy_to_device((sigmoid(z) * Y.copy_to_host()).astype(np.float32), stream=stream)
         return Y
 
     def route_softmax(self, logits, k, norm_topk, ids, w, scale, stream):
@@ -565,7 +587,11 @@ class CUDABackend:
                 "h": ((pairs * F,), np.float32), "stage": ((2, self._slot_bytes), np.uint8),
                 # the attention block's device arrays (x, q, k, v, o, y of one block call), reused from the
                 # start at each `to_device` (engine/attention.py: one per block)
-                "arena": ((chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),), np.float32),
+                "arena": ((max(chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),
+                               # a device step's (one token): the attention block's q, k, v, o, y, the router's
+                               # logits, the shared expert's gate, up and output, the logits
+                               H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert + 2 * (c.n_ff_shexp or 0) + D
+                               + c.n_vocab),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
                 "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
@@ -693,10 +719,13 @@ class CUDABackend:
         self._launch("embed", w.raw, w.qtype, tokens, self._res, self.compute)
         return self._res
 
-    def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict):
+    def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict,
+                      shared: Optional[dict] = None):
         """Route (softmax, top-K) and run the routed experts of one MoE layer on the device: logits [1, E], x [1, D]
         (device) -> (y [1, D], ids int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the
-        slot the residency table names, or from the mapped file over PCIe."""
+        slot the residency table names, or from the mapped file over PCIe. shared: the layer's shared expert
+        (gate/up/down weights, and qwen2moe's gate vector `gate_inp`), added after the routed ones as
+        engine/moe.py does: y += sigmoid(x . gate_inp) * down(silu(gate x) * up x)."""
         K, D, F = self._moe
         m = layer - self._cfg.moe_layers.start
         E = self._cfg.n_expert
@@ -712,6 +741,13 @@ class CUDABackend:
         y = sb["y"]
         self._launch("routed_experts", slots, self._host_file, table, offsets, part_off, row_bytes, expert_types,
                      (D, F), ids, w, x, y, sb["h"], self.compute)
+        if shared:
+            g, u = self.linear(shared["gate"], x), self.linear(shared["up"], x)  # [1, S] each, in the arena
+            self._launch("swiglu", g, u, self.compute)
+            out = self.linear(shared["down"], g)  # [1, D]
+            if "gate_inp" in shared:
+                self._launch("sigmoid_gate", out, x, self._vec(shared["gate_inp"]), self.compute)
+            self._launch("add", y, out, self.compute)
         return y, ids, w
 
     def end_step(self, logits):

@@ -47,7 +47,7 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
         # each expert read where the residency table says; the cache's lookups follow the step
         scale = 1.0 if cfg.expert_weights_scale in (0.0, 1.0) else cfg.expert_weights_scale
         return backend.moe_on_device(layer.index, logits, x, cfg.n_expert_used, cfg.norm_topk, scale,
-                                     layer.expert_types)  # [1, D], [1, K], [1, K] device arrays
+                                     layer.expert_types, layer.shared)  # [1, D], [1, K], [1, K] device arrays
     if layer.router_bias is not None:  # gpt-oss
         logits = np.asarray(logits) + layer.router_bias
     if cfg.gating == "softmax_weight":  # gpt-oss: top-K logits, softmaxed among themselves
