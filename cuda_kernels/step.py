@@ -9,14 +9,16 @@ What this is: small kernels plus their host wrappers, each taking and returning 
   sigmoid_gate(Y, X, g)             Y[t] *= sigmoid(X[t] . g)       (qwen2moe's shared-expert gate)
   route_softmax(logits, k, ...)     softmax, top-K (highest first, ties to the lower id), renormalised over the K
                                     when norm_topk, times `scale`   -> ids int32 [T, K], weights float32 [T, K]
+  route_sigmoid(logits, k, bias, ..) sigmoid, top-K of probs + bias (the bias only chooses), weights the unbiased
+                                    probs (/ their sum), times `scale` (GLM-4.5)
   argmax(logits, out)               out[t] = the first index of the largest logit of row t  (greedy decoding)
   routed_experts(...)               y[t] = sum_k w[t, k] * expert_{ids[t, k]}(X[t]), each expert read from its slot
                                     (table[e] >= 0: the slot's bytes in VRAM) or, table[e] == -1, from the mapped
                                     model file over PCIe at its byte offset: the residency table replaces the host's
                                     per-expert dispatch, so no host round trip decides where an expert is read.
 
-The references (tests/test_cuda_step_kernels.py compares each kernel with them): `reference.route` (the router of
-backends/reference.py), quant.dequantize(w)[tokens], np.argmax, `+`, reference.silu and reference.sigmoid, and for the routed experts
+The references (tests/test_cuda_step_kernels.py compares each kernel with them): `reference.route` and
+`reference.route_sigmoid` (the routers of backends/reference.py), quant.dequantize(w)[tokens], np.argmax, `+`, reference.silu and reference.sigmoid, and for the routed experts
 `reference.swiglu_expert` on the bytes the table points at, added in k order (`routed_experts_reference`).
 
 Versions: 1 (these). route_softmax runs one thread per token (E <= a few hundred: a single pass of loops is a few
@@ -202,6 +204,57 @@ def route_softmax(logits, k: int, norm_topk: bool, ids, w, scale: float = 1.0, s
     return ids, w
 
 
+@cuda.jit
+def route_sigmoid_kernel(logits, bias, has_bias, k, norm_topk, scale, ids, w):
+    """logits float32 [T, E], bias float32 [E] -> ids int32 [T, K], w float32 [T, K]; grid (T,), block (1,).
+    probs = sigmoid(l); the K largest probs + bias (the bias only chooses: GLM-4.5, DeepSeek-V3), highest first,
+    ties to the lower id; w = probs (/ max(their sum, 2^-14) if norm_topk, as llama.cpp) * scale."""
+    t = cuda.blockIdx.x
+    E = logits.shape[1]
+    total = np.float32(0.0)
+    for j in range(k):
+        best = -1
+        bc = np.float32(0.0)
+        bp = np.float32(0.0)
+        for e in range(E):
+            taken = False
+            for i in range(j):
+                if ids[t, i] == e:
+                    taken = True
+            if not taken:
+                p = np.float32(1.0) / (np.float32(1.0) + math.exp(-logits[t, e]))
+                c = p + bias[e] if has_bias else p
+                if best < 0 or c > bc:
+                    best = e
+                    bc = c
+                    bp = p
+        ids[t, j] = best
+        w[t, j] = bp
+        total += bp
+    if total < np.float32(6.103515625e-5):
+        total = np.float32(6.103515625e-5)
+    for j in range(k):
+        v = w[t, j]
+        if norm_topk:
+            v = v / total
+        w[t, j] = v * scale
+
+
+def route_sigmoid(logits, k: int, bias, norm_topk: bool, ids, w, scale: float = 1.0, stream=0):
+    """Sigmoid routing (reference.route_sigmoid without expert groups): logits [T, E], bias float32 [E] (device) or
+    None -> ids int32 [T, K], weights float32 [T, K] written into ids, w; returns them."""
+    logits, ids, w = on_device(logits, "logits"), on_device(ids, "ids"), on_device(w, "w")
+    check(logits, "logits", np.float32, 2)
+    T, E = logits.shape
+    if tuple(ids.shape) != (T, k) or tuple(w.shape) != (T, k) or not 1 <= k <= E:
+        raise ValueError(f"route_sigmoid: ids {tuple(ids.shape)}, w {tuple(w.shape)} must be ({T}, {k}), k <= E = {E}")
+    has_bias = bias is not None
+    bias = on_device(bias, "bias") if has_bias else cuda.device_array(E, np.float32)
+    if T:
+        route_sigmoid_kernel[(T,), 1, stream](logits, bias, has_bias, k, bool(norm_topk), np.float32(scale), ids, w)
+    return ids, w
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Greedy: argmax
 # ----------------------------------------------------------------------------------------------------------------
@@ -352,5 +405,5 @@ def routed_experts_reference(read, types: dict, ids: np.ndarray, w: np.ndarray, 
     return Y
 
 
-__all__ = ["embed", "add", "swiglu", "sigmoid_gate", "route_softmax", "argmax", "routed_experts", "routed_experts_reference", "expert_bytes",
+__all__ = ["embed", "add", "swiglu", "sigmoid_gate", "route_softmax", "route_sigmoid", "argmax", "routed_experts", "routed_experts_reference", "expert_bytes",
            "QType"]

@@ -12,8 +12,9 @@ tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_s
 
 Tolerance of the logits: the same float32 operations in other orders only (the device step adds each token's K
 experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
-roundings of their own size: measured on qwen3moe, qwen2moe, llama and olmoe (3 steps each) at most 4.77e-7 = 2 ulp of
-s = max |logit| (2.6-3.1, where one ulp is 2.4e-7); the bound is 4 ulp of s (2x).
+roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each) at most
+7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7; version 2 itself is 4 ulp from the reference on
+gpt-oss); the bound is 8 ulp of s (2.7x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
@@ -29,7 +30,7 @@ PROMPT = [5, 17]
 N_NEW = 5  # 4 decode steps
 MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
-ULPS = 4  # of the logit scale s: see the module docstring
+ULPS = 8  # of the logit scale s: see the module docstring
 
 
 @pytest.fixture(scope="module")
@@ -62,8 +63,11 @@ def per_token(engine):
     return per_token({**st.device, "tokens": st.n_decoded})
 
 
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe"]  # the converted ones (model.device_step_possible)
+
+
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
+@pytest.mark.parametrize("arch", FAMILIES)
 def test_a_device_step_moves_token_ids_and_routing_ids_only(micro, arch):
     path = micro(arch)
     want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
@@ -78,9 +82,10 @@ def test_a_device_step_moves_token_ids_and_routing_ids_only(micro, arch):
 
 
 @in_process
-def test_device_step_logits_match_the_float_path(micro):
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_device_step_logits_match_the_float_path(micro, arch):
     """The logits a step leaves on the device (fetched on demand: one more copy and sync) against the reference."""
-    path = micro("qwen3moe")
+    path = micro(arch)
     ref = pymoe.load(path, backend="reference")
     engine = every_expert_in_a_slot(path)
     kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
@@ -119,6 +124,15 @@ def test_misses_keep_the_caches_counters_of_version_2(micro, monkeypatch):
     assert m3["bytes_by_name"][promotions] == m2["bytes_by_name"][promotions]
     assert not any(name.startswith(("residual", "router", "output projection", "expert inputs"))
                    for name in m3["bytes_by_name"])
+
+
+@in_process
+def test_families_not_converted_keep_version_2(micro):
+    """gpt-oss (sliding window, sinks, expert biases) runs version 2: its decode steps synchronise per layer."""
+    engine = every_expert_in_a_slot(micro("gpt-oss"))
+    assert not engine.model.step_on_device
+    list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False))
+    assert per_token(engine)["synchronisations"] > 1
 
 
 @in_process

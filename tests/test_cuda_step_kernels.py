@@ -46,6 +46,27 @@ def test_route_softmax_matches_the_reference_router(norm_topk):
 
 
 @in_process
+@pytest.mark.parametrize("norm_topk, with_bias", [(True, True), (False, False)])
+def test_route_sigmoid_matches_the_reference_router(norm_topk, with_bias):
+    """Same ids (the bias steers the choice: it is large enough here to pick experts the probabilities alone would
+    not); weights: a sigmoid each (a few u: exp and a division), then a K-term sum and a division (rtol 8 u)."""
+    from pymoe.backends.reference import route_sigmoid
+
+    rng = np.random.default_rng(6)
+    T, E, K = 5, 9, 3
+    logits = rng.standard_normal((T, E)).astype(np.float32)
+    bias = (0.5 * rng.standard_normal(E)).astype(np.float32) if with_bias else None
+    ids, w = cuda.device_array((T, K), np.int32), cuda.device_array((T, K), np.float32)
+    step.route_sigmoid(cuda.to_device(logits), K, None if bias is None else cuda.to_device(bias), norm_topk, ids, w,
+                       scale=2.5)
+    want_ids, want_w = route_sigmoid(logits, K, bias, norm_topk, 2.5)
+    np.testing.assert_array_equal(ids.copy_to_host(), want_ids)
+    np.testing.assert_allclose(w.copy_to_host(), want_w, rtol=8 * U, atol=0)
+    if with_bias:
+        assert (route_sigmoid(logits, K, None, norm_topk, 2.5)[0] != want_ids).any()  # the bias matters here
+
+
+@in_process
 @pytest.mark.parametrize("qtype", [QType.F32, QType.Q8_0, QType.Q4_K])
 def test_embed_gathers_the_dequantized_rows(qtype):
     """The rows of the token ids, decoded on the device: the references' values (one multiply-add per weight:

@@ -124,7 +124,7 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "decode_attention": 1,  # attention.decode_attention: one per query token, grid (heads,)
             # the device decode step (version 3, cuda_kernels/step.py): one each, routed_experts two (gate_up, down)
             "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2, "swiglu": 1,
-            "sigmoid_gate": 1}
+            "sigmoid_gate": 1, "route_sigmoid": 1}
 
 
 class DeviceKernels:
@@ -187,6 +187,11 @@ class DeviceKernels:
         from pymoe.cuda_kernels import step
 
         return step.route_softmax(logits, k, norm_topk, ids, w, scale=scale, stream=stream)
+
+    def route_sigmoid(self, logits, k, bias, norm_topk, ids, w, scale, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.route_sigmoid(logits, k, bias, norm_topk, ids, w, scale=scale, stream=stream)
 
     def argmax(self, logits, out, stream):
         from pymoe.cuda_kernels import step
@@ -269,6 +274,15 @@ class ReferenceKernels:
         i, wt = route(logits.copy_to_host(), k, norm_topk)
         ids.copy_to_device(i.astype(np.int32), stream=stream)
         w.copy_to_device((wt * np.float32(scale)).astype(np.float32), stream=stream)
+        return ids, w
+
+    def route_sigmoid(self, logits, k, bias, norm_topk, ids, w, scale, stream):
+        from .reference import route_sigmoid
+
+        i, wt = route_sigmoid(logits.copy_to_host(), k, None if bias is None else bias.copy_to_host(), norm_topk,
+                              scale)
+        ids.copy_to_device(i.astype(np.int32), stream=stream)
+        w.copy_to_device(wt, stream=stream)
         return ids, w
 
     def argmax(self, logits, out, stream):
@@ -590,7 +604,7 @@ class CUDABackend:
                 "arena": ((max(chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),
                                # a device step's (one token): the attention block's q, k, v, o, y, the router's
                                # logits, the shared expert's gate, up and output, the logits
-                               H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert + 2 * (c.n_ff_shexp or 0) + D
+                               H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
                                + c.n_vocab),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
@@ -720,8 +734,8 @@ class CUDABackend:
         return self._res
 
     def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict,
-                      shared: Optional[dict] = None):
-        """Route (softmax, top-K) and run the routed experts of one MoE layer on the device: logits [1, E], x [1, D]
+                      shared: Optional[dict] = None, gating: str = "softmax", expert_bias=None):
+        """Route (softmax top-K, or gating "sigmoid": sigmoid top-K chosen with `expert_bias`, engine/moe.py) and run the routed experts of one MoE layer on the device: logits [1, E], x [1, D]
         (device) -> (y [1, D], ids int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the
         slot the residency table names, or from the mapped file over PCIe. shared: the layer's shared expert
         (gate/up/down weights, and qwen2moe's gate vector `gate_inp`), added after the routed ones as
@@ -732,7 +746,11 @@ class CUDABackend:
         sb = self._sb
         ids = shaped(sb["back"][1 + m * K:], (1, k))  # this layer's ids, in the buffer that comes back
         w = shaped(sb["rw"][m * K:], (1, k))
-        self._launch("route_softmax", logits, k, norm_topk, ids, w, float(scale), self.compute)
+        if gating == "sigmoid":
+            bias = None if expert_bias is None else self._vec(expert_bias)
+            self._launch("route_sigmoid", logits, k, bias, norm_topk, ids, w, float(scale), self.compute)
+        else:
+            self._launch("route_softmax", logits, k, norm_topk, ids, w, float(scale), self.compute)
         slots = self.cache_pool.bytes if self.cache_pool is not None else self._no_slots
         table = shaped(sb["table"].reshape(-1)[m * E:], (E,))
         offsets = shaped(sb["offsets"].reshape(-1)[m * E * 3:], (E, 3))
@@ -742,13 +760,18 @@ class CUDABackend:
         self._launch("routed_experts", slots, self._host_file, table, offsets, part_off, row_bytes, expert_types,
                      (D, F), ids, w, x, y, sb["h"], self.compute)
         if shared:
-            g, u = self.linear(shared["gate"], x), self.linear(shared["up"], x)  # [1, S] each, in the arena
-            self._launch("swiglu", g, u, self.compute)
-            out = self.linear(shared["down"], g)  # [1, D]
+            out = self.mlp_on_device(shared, x)  # [1, D]
             if "gate_inp" in shared:
                 self._launch("sigmoid_gate", out, x, self._vec(shared["gate_inp"]), self.compute)
             self._launch("add", y, out, self.compute)
         return y, ids, w
+
+    def mlp_on_device(self, w: dict, x):
+        """down(silu(gate x) * up x) of a device step's x [1, D] with dense weights w {gate, up, down} (a shared
+        expert, a dense layer's MLP: engine/moe.swiglu_mlp) -> [1, D], in the arena."""
+        g, u = self.linear(w["gate"], x), self.linear(w["up"], x)  # [1, F] each
+        self._launch("swiglu", g, u, self.compute)
+        return self.linear(w["down"], g)
 
     def end_step(self, logits):
         """Greedy argmax on the device, then the step's one copy back: the token id and every MoE layer's routing

@@ -111,19 +111,21 @@ class Model:
         if self.step_on_device:
             self.token_embd_dev = self.output if cfg.tied_output else b.dense(self.token_embd)
             b.keep_on_device([self.output_norm] + [v for la in self.layers for v in (la.attn_norm, la.ffn_norm)]
-                             + [la.shared["gate_inp"] for la in self.layers if "gate_inp" in la.shared])
+                             + [la.shared["gate_inp"] for la in self.layers if "gate_inp" in la.shared]
+                             + [la.expert_bias for la in self.layers if la.expert_bias is not None])
 
     def device_step_possible(self) -> bool:
         """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
-        only blocks it has device primitives for: GQA attention without window or sinks, softmax-routed MoE layers
-        (a shared expert too, gated or not) without router bias or expert biases). Other families keep version 2
+        only blocks it has device primitives for: GQA attention without window or sinks; MoE layers routed by a
+        softmax or by sigmoids (with the choice bias, without expert groups), with or without a shared expert (gated
+        or not), without router bias or expert biases; dense MLP layers). Other families keep version 2
         (docs/expert-cache.md "On the GPU")."""
         b, cfg = self.backend, self.cfg
         if not getattr(b, "device_step", False) or self.host_attention:
             return False
-        if cfg.gating != "softmax" or cfg.n_expert_groups > 1:
+        if cfg.gating not in ("softmax", "sigmoid") or cfg.n_expert_groups > 1:
             return False
-        return all(la.plan.attention == "gqa" and la.plan.ffn in ("moe", "moe+shared") and not la.plan.window and la.sinks is None
+        return all(la.plan.attention == "gqa" and not la.plan.window and la.sinks is None
                    and la.router_bias is None and la.ffn is None for la in self.layers)
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:

@@ -47,7 +47,8 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
         # each expert read where the residency table says; the cache's lookups follow the step
         scale = 1.0 if cfg.expert_weights_scale in (0.0, 1.0) else cfg.expert_weights_scale
         return backend.moe_on_device(layer.index, logits, x, cfg.n_expert_used, cfg.norm_topk, scale,
-                                     layer.expert_types, layer.shared)  # [1, D], [1, K], [1, K] device arrays
+                                     layer.expert_types, layer.shared, cfg.gating,
+                                     layer.expert_bias)  # [1, D], [1, K], [1, K] device arrays
     if layer.router_bias is not None:  # gpt-oss
         logits = np.asarray(logits) + layer.router_bias
     if cfg.gating == "softmax_weight":  # gpt-oss: top-K logits, softmaxed among themselves
@@ -84,6 +85,8 @@ def swiglu_mlp(backend, w: dict, x: np.ndarray) -> np.ndarray:
 
 def dense_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndarray, None, None]:
     """A dense layer's SwiGLU MLP: x [T, D] (ffn-normed) -> (y [T, D], None, None): no routing, no experts."""
+    if not isinstance(x, np.ndarray):  # a device decode step (engine/model.py)
+        return backend.mlp_on_device(layer.dense, x), None, None
     return swiglu_mlp(backend, layer.dense, x), None, None
 
 
