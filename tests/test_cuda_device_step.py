@@ -127,6 +127,31 @@ def test_misses_keep_the_caches_counters_of_version_2(micro, monkeypatch):
 
 
 @in_process
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_simulator_replays_a_device_step_run_with_its_counts(micro, tmp_path, policy):
+    """Plumbing (the engine and experts/simulate.py run the same SlotTable): a trace of the same greedy request,
+    recorded on the reference backend (a trace needs each layer's routing on the host, so a traced run is version 2),
+    replayed with the same profile, policy and slots, gives the device-step engine's decode hits and lookups: its
+    lookups, made one step late, are the version 2 sequence the simulator replays."""
+    from pymoe.experts.simulate import sweep
+    from pymoe.experts.trace import Trace
+
+    path = micro("qwen3moe")
+    ref = pymoe.load(path, backend="reference")
+    recorder = ref.record_trace()
+    want = list(ref.generate(PROMPT, max_tokens=8, stop_at_eos=False))
+    recorder.save(tmp_path / "t.npz")
+    profile = Profile(1, 4, pairs=[(0, 3), (0, 1)], counts=[2, 1])
+    engine = pymoe.load(path, backend="cuda", cache_slots=2, profile=profile, policy=policy, pcie_frac=1.0,
+                        backend_options=SIM)
+    assert list(engine.generate(PROMPT, max_tokens=8, stop_at_eos=False)) == want
+    assert per_token(engine)["synchronisations"] == 1  # every step ran on the device
+    d = engine.last_stats.decode
+    (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [2], ["global"], profile=profile, phase="decode")
+    assert (sim.hits, sim.lookups) == (d["hits"], d["lookups"]) and 0 < d["hits"] < d["lookups"], (sim, d)
+
+
+@in_process
 def test_families_not_converted_keep_version_2(micro):
     """gpt-oss (sliding window, sinks, expert biases) runs version 2: its decode steps synchronise per layer."""
     engine = every_expert_in_a_slot(micro("gpt-oss"))
