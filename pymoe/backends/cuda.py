@@ -7,8 +7,13 @@ What this is:
     until `to_host`. Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any supported
     type, F32 included) and are multiplied by the Numba CUDA kernels of cuda_kernels/
     (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly. Given host
-    arrays (the residual stream, the router, the output projection stay on the host for now), a primitive answers
+    arrays (version 2: the residual stream, the router, the output projection on the host), a primitive answers
     with host arrays; the norms and RoPE of host arrays run on the CPU backend it holds (`self.cpu`, float path).
+  - The device decode step (version 3: `begin_step` .. `end_step`): one decode token from the token id to the
+    greedy token on the device, the routed experts read through the residency table (expert -> slot or -1) from
+    their slot or the mapped file (cuda_kernels/step.py); one copy back (the token id and the routing ids) and one
+    synchronisation per token; the expert cache's lookups follow the step (docs/expert-cache.md "The decode step on
+    the device"). PYMOE_DEVICE_STEP=0: version 2 only.
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
     straight from host RAM over PCIe through the device pointer of its mmap view: the "spill" miss path. The bytes
@@ -31,8 +36,8 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts
 Cost: every kernel launch, host<->device copy and host synchronisation is counted in `self.counts`
 (backends/device_counts.py; per decoded token in `pymoe run`'s last line and /v1/status). In the simulator
 (NUMBA_ENABLE_CUDASIM=1) the device stands for PYMOE_SIM_DEVICE_GIB GiB (default 8).
-What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (the whole layer
-on the device, CUDA graphs, a KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next ("cpu" misses
+inside a device step, CUDA graphs, a KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
 with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
