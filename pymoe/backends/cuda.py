@@ -400,6 +400,8 @@ class DevicePool(HostPool):
         self.last_read = [None] * n_slots  # event on the compute stream: the last kernel reading the slot is done
         self._event = backend.cuda.event
         self.unwaited: set = set()  # slots whose "ready" event the compute stream has not waited for yet
+        self.step_read = None  # event on the compute stream after the last device step, whose kernels may have read
+        # any slot (the residency table chose them on the device)
         super().__init__(n_slots, slot_bytes, layouts)
 
     def allocate(self, n_slots: int, slot_bytes: int):
@@ -409,6 +411,8 @@ class DevicePool(HostPool):
         b = self.backend
         if self.last_read[slot] is not None:
             self.last_read[slot].wait(b.copy)  # never overwrite a slot a queued kernel still reads
+        if self.step_read is not None:
+            self.step_read.wait(b.copy)  # nor one the last device step's kernels may read
         for name, off, _ in self.layouts[ex.layer].parts:
             src = getattr(ex, name)  # a view into the pinned mmap: an asynchronous host -> device copy
             self.bytes[slot, off:off + src.nbytes].copy_to_device(src.reshape(-1), stream=b.copy)
@@ -785,6 +789,10 @@ class CUDABackend:
         K = self._moe[0]
         back = self._sb["back"]
         self._launch("argmax", logits, shaped(back, (1,)), self.compute)
+        if self.cache_pool is not None:  # the step's kernels may have read any slot: copies into slots wait for them
+            done = self.cuda.event()
+            done.record(self.compute)
+            self.cache_pool.step_read = done
         host = self._get(back, "token and routing ids to host")
         ids = host[1:].reshape(-1, K)  # [n_moe, K]
         for m in range(ids.shape[0]):
