@@ -170,15 +170,16 @@ def test_gpu_check_dry_run_in_the_simulator():
     """scripts/gpu-check --dry-run: bench/gpu_check.py's code path in the simulator (reference kernels, the micro
     preset, 3 decode steps per request, caches of 1, 2, 4 slots), --pcie-frac 1 (no probe; every miss read over
     PCIe, so every expert launches). Its table: every row SLOT_TOKEN's launches and syncs; the bytes SLOT_TOKEN's plus
-    whole experts (spill reads and promotion copies) over the 3 decoded tokens. (Runs in its own process: no
-    in_process mark needed.)"""
+    whole experts (spill reads and promotion copies) over the 3 decoded tokens. Version 2 (PYMOE_DEVICE_STEP=0), whose
+    counts these are; version 3's are held by test_one_decode_token_with_every_expert_in_a_slot and
+    tests/test_cuda_device_step.py. (Runs in its own process: no in_process mark needed.)"""
     import os
     import subprocess
     import sys
 
     from cuda_sim import ROOT
 
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable, PYMOE_DEVICE_STEP="0")
     p = subprocess.run(["bash", "scripts/gpu-check", "--dry-run", "--pcie-frac", "1"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
