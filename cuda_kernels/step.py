@@ -18,8 +18,9 @@ What this is: small kernels plus their host wrappers, each taking and returning 
                                     per-expert dispatch, so no host round trip decides where an expert is read.
 
 The references (tests/test_cuda_step_kernels.py compares each kernel with them): `reference.route` and
-`reference.route_sigmoid` (the routers of backends/reference.py), quant.dequantize(w)[tokens], np.argmax, `+`, reference.silu and reference.sigmoid, and for the routed experts
-`reference.swiglu_expert` on the bytes the table points at, added in k order (`routed_experts_reference`).
+`reference.route_sigmoid` (the routers of backends/reference.py), quant.dequantize(w)[tokens], np.argmax, `+`,
+reference.silu and reference.sigmoid, and for the routed experts swiglu on the bytes the table points at, added in
+k order (`routed_experts_reference`).
 
 Versions: 1 (these). route_softmax runs one thread per token (E <= a few hundred: a single pass of loops is a few
 microseconds; a block-wide top-K is the next step if it ever shows). The routed expert kernels are moe.py's
@@ -34,7 +35,7 @@ import math
 import numpy as np
 from numba import cuda
 
-from pymoe.quant import QType, get_format
+from pymoe.quant import get_format
 
 from .quant_matvec import THREADS, check, on_device, retarget, row_partial_for, specialise
 from .reduce import block_sum, block_sum_rows
@@ -383,7 +384,8 @@ def expert_bytes(slots: np.ndarray, host: np.ndarray, table: np.ndarray, offsets
     s = int(table[e])
     out = []
     for i, (rows, rb) in enumerate(shapes):
-        flat = slots[s, part_off[i]:part_off[i] + rows * rb] if s >= 0 else host[offsets[e, i]:offsets[e, i] + rows * rb]
+        a, o = (slots[s], part_off[i]) if s >= 0 else (host, offsets[e, i])
+        flat = a[o:o + rows * rb]
         out.append(np.asarray(flat).reshape(rows, rb))
     return out
 
@@ -405,5 +407,5 @@ def routed_experts_reference(read, types: dict, ids: np.ndarray, w: np.ndarray, 
     return Y
 
 
-__all__ = ["embed", "add", "swiglu", "sigmoid_gate", "route_softmax", "route_sigmoid", "argmax", "routed_experts", "routed_experts_reference", "expert_bytes",
-           "QType"]
+__all__ = ["embed", "add", "swiglu", "sigmoid_gate", "route_softmax", "route_sigmoid", "argmax", "routed_experts",
+           "routed_experts_reference", "expert_bytes"]

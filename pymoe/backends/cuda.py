@@ -613,7 +613,8 @@ class CUDABackend:
                 "arena": ((max(chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),
                                # a device step's (one token): the attention block's q, k, v, o, y, the router's
                                # logits, the shared expert's gate, up and output, the logits
-                               H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
+                               H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert
+                               + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
                                + c.n_vocab),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
@@ -744,11 +745,12 @@ class CUDABackend:
 
     def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict,
                       shared: Optional[dict] = None, gating: str = "softmax", expert_bias=None):
-        """Route (softmax top-K, or gating "sigmoid": sigmoid top-K chosen with `expert_bias`, engine/moe.py) and run the routed experts of one MoE layer on the device: logits [1, E], x [1, D]
-        (device) -> (y [1, D], ids int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the
-        slot the residency table names, or from the mapped file over PCIe. shared: the layer's shared expert
-        (gate/up/down weights, and qwen2moe's gate vector `gate_inp`), added after the routed ones as
-        engine/moe.py does: y += sigmoid(x . gate_inp) * down(silu(gate x) * up x)."""
+        """Route (softmax top-K, or gating "sigmoid": sigmoid top-K chosen with `expert_bias`, engine/moe.py) and
+        run the routed experts of one MoE layer on the device: logits [1, E], x [1, D] (device) -> (y [1, D], ids
+        int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the slot the residency table
+        names, or from the mapped file over PCIe. shared: the layer's shared expert (gate/up/down weights, and
+        qwen2moe's gate vector `gate_inp`), added after the routed ones as engine/moe.py does:
+        y += sigmoid(x . gate_inp) * down(silu(gate x) * up x)."""
         K, D, F = self._moe
         m = layer - self._cfg.moe_layers.start
         E = self._cfg.n_expert

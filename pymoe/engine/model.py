@@ -258,8 +258,8 @@ class Model:
             self.backend.counts.forward(phase, tokens.size)
         step = self._device_step(tokens, kv, phase, media)
         if step:  # the token id goes to the device, and the step stays there until its token comes back
-            p0 = kv.n + _delta(kv)
-            x = self.backend.embed(self.token_embd_dev, self.backend.begin_step(tokens, p0, getattr(self.cache, "residency", None)))
+            tok = self.backend.begin_step(tokens, kv.n + _delta(kv), getattr(self.cache, "residency", None))
+            x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
         else:
             x = self.embed(tokens)  # [T, D]
         plus = self.backend.add if step else np.add  # the residual adds (on the device in a device step)
