@@ -15,7 +15,8 @@ What this is: small kernels plus their host wrappers, each taking and returning 
   routed_experts(...)               y[t] = sum_k w[t, k] * expert_{ids[t, k]}(X[t]), each expert read from its slot
                                     (table[e] >= 0: the slot's bytes in VRAM) or, table[e] == -1, from the mapped
                                     model file over PCIe at its byte offset: the residency table replaces the host's
-                                    per-expert dispatch, so no host round trip decides where an expert is read.
+                                    per-expert dispatch, so no host round trip decides where an expert is read;
+                                    table[e] == -2: left out (a "cpu" miss, which the CPU computes and adds).
 
 The references (tests/test_cuda_step_kernels.py compares each kernel with them): `reference.route` and
 `reference.route_sigmoid` (the routers of backends/reference.py), quant.dequantize(w)[tokens], np.argmax, `+`,
@@ -321,7 +322,7 @@ def routed_gate_up_kernel(slots, host, table, offsets, part_off, row_bytes, ids,
     if s >= 0:  # uniform in the block: the barriers below are reached by every thread
         GATE_PARTIAL(slots[s, part_off[0] + f * rg:part_off[0] + (f + 1) * rg], X, t, 1, tid, THREADS, g)
         UP_PARTIAL(slots[s, part_off[1] + f * ru:part_off[1] + (f + 1) * ru], X, t, 1, tid, THREADS, u)
-    else:
+    elif s == -1:
         GATE_PARTIAL(host[offsets[e, 0] + f * rg:offsets[e, 0] + (f + 1) * rg], X, t, 1, tid, THREADS, g)
         UP_PARTIAL(host[offsets[e, 1] + f * ru:offsets[e, 1] + (f + 1) * ru], X, t, 1, tid, THREADS, u)
     buf = cuda.shared.array((1, THREADS), np.float32)
@@ -349,10 +350,11 @@ def routed_down_kernel(slots, host, table, offsets, part_off, row_bytes, ids, w,
         acc[0] = 0.0
         if s >= 0:
             DOWN_PARTIAL(slots[s, part_off[2] + d * rd:part_off[2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
-        else:
+        elif s == -1:
             DOWN_PARTIAL(host[offsets[e, 2] + d * rd:offsets[e, 2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
         block_sum_rows(buf, tid, acc, 1)
-        total += w[t, j] * acc[0]
+        if s >= -1:  # -2: the expert is computed elsewhere (the CPU), its term added later
+            total += w[t, j] * acc[0]
     if tid == 0:
         Y[t, d] = total
 
@@ -380,8 +382,11 @@ def routed_experts(slots, host, table, offsets, part_off, row_bytes, types, shap
 
 def expert_bytes(slots: np.ndarray, host: np.ndarray, table: np.ndarray, offsets: np.ndarray, part_off, shapes,
                  e: int) -> list:
-    """The NumPy twin's read: expert e's gate, up, down rows (uint8 [rows, row_bytes]) where the table says."""
+    """The NumPy twin's read: expert e's gate, up, down rows (uint8 [rows, row_bytes]) where the table says (None:
+    table -2, left out)."""
     s = int(table[e])
+    if s == -2:
+        return None
     out = []
     for i, (rows, rb) in enumerate(shapes):
         a, o = (slots[s], part_off[i]) if s >= 0 else (host, offsets[e, i])
@@ -391,7 +396,8 @@ def expert_bytes(slots: np.ndarray, host: np.ndarray, table: np.ndarray, offsets
 
 
 def routed_experts_reference(read, types: dict, ids: np.ndarray, w: np.ndarray, X: np.ndarray) -> np.ndarray:
-    """NumPy twin of `routed_experts`: read(e) -> (gate, up, down) raw rows of expert e (`expert_bytes`);
+    """NumPy twin of `routed_experts`: read(e) -> (gate, up, down) raw rows of expert e (`expert_bytes`), or None
+    for an expert left out;
     y[t] = sum over k, in order, of w[t, k] * down(silu(gate X[t]) * up X[t])  (float32)."""
     from pymoe import quant
     from pymoe.backends.reference import silu
@@ -400,6 +406,8 @@ def routed_experts_reference(read, types: dict, ids: np.ndarray, w: np.ndarray, 
     Y = np.zeros((T, X.shape[1]), np.float32)  # [T, D]
     for t in range(T):
         for k in range(K):
+            if read(int(ids[t, k])) is None:  # table -2: computed elsewhere
+                continue
             g, u, d = (quant.dequantize(a, types[p]) for a, p in zip(read(int(ids[t, k])), ("gate", "up", "down")))
             x = X[t].astype(np.float32)
             h = (silu(g @ x) * (u @ x)).astype(np.float32)  # [F]

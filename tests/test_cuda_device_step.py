@@ -6,13 +6,15 @@ targets -- host<->device bytes = the token id in (4 bytes) and the token id plus
 (4 (1 + n_moe K) bytes), one host synchronisation -- and the greedy tokens equal the reference backend's (the CPU
 float path's math, NumPy). With misses (one slot, pcie_frac 1: every miss read over PCIe and promoted) the expert
 cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the step's lookups are made after it, in
-the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning.
+the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
+with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.
 The backend runs the reference kernels here (tests/test_cuda_backend.py says why); the real ones:
 tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_sim.py (end to end).
 
 Tolerance of the logits: the same float32 operations in other orders only (the device step adds each token's K
 experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
-roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each) at most
+roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
+"cpu misses") at most
 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7; version 2 itself is 4 ulp from the reference on
 gpt-oss); the bound is 8 ulp of s (2.7x).
 """
@@ -83,11 +85,14 @@ def test_a_device_step_moves_token_ids_and_routing_ids_only(micro, arch):
 
 @in_process
 @pytest.mark.parametrize("arch", FAMILIES)
-def test_device_step_logits_match_the_float_path(micro, arch):
-    """The logits a step leaves on the device (fetched on demand: one more copy and sync) against the reference."""
+@pytest.mark.parametrize("setting", ["slots", "cpu misses"])
+def test_device_step_logits_match_the_float_path(micro, arch, setting):
+    """The logits a step leaves on the device (fetched on demand: one more copy and sync) against the reference;
+    "cpu misses": one slot, pcie_frac 0.5 (the lookups inside the step, the CPU's experts added on the device)."""
     path = micro(arch)
     ref = pymoe.load(path, backend="reference")
-    engine = every_expert_in_a_slot(path)
+    engine = (every_expert_in_a_slot(path) if setting == "slots" else
+              pymoe.load(path, backend="cuda", cache_slots=1, policy="lru", pcie_frac=0.5, backend_options=SIM))
     kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
     ref.model.prefill(PROMPT, kv_ref)
     engine.model.prefill(PROMPT, kv)
@@ -105,21 +110,27 @@ def test_device_step_logits_match_the_float_path(micro, arch):
 
 
 @in_process
-def test_misses_keep_the_caches_counters_of_version_2(micro, monkeypatch):
-    """One slot, LRU, pcie_frac 1: every step misses, reads over PCIe and promotes. Version 3 decides the lookups
-    after the step: the counters, the tokens and the slot copies are version 2's; a step is one synchronisation."""
-    path = micro("qwen3moe")
+@pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe"])
+@pytest.mark.parametrize("pcie_frac", [1.0, 0.5])
+def test_misses_keep_the_caches_counters_of_version_2(micro, monkeypatch, arch, pcie_frac):
+    """One slot, LRU: every step misses and promotes. pcie_frac 1: every miss read over PCIe, the lookups made after
+    the step; pcie_frac 0.5: half the misses computed on the CPU, so each MoE layer's lookup is made inside the step
+    (its routing ids and input row to the host: one more synchronisation per MoE layer, the CPU experts' output back).
+    Either way the counters, the tokens and the slot copies are version 2's."""
+    path = micro(arch)
     want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
     runs = {}
     for version in ("2", "3"):
         monkeypatch.setenv("PYMOE_DEVICE_STEP", "1" if version == "3" else "0")
-        engine = pymoe.load(path, backend="cuda", cache_slots=1, policy="lru", pcie_frac=1.0, backend_options=SIM)
+        engine = pymoe.load(path, backend="cuda", cache_slots=1, policy="lru", pcie_frac=pcie_frac,
+                            backend_options=SIM)
         assert engine.model.step_on_device == (version == "3")
         assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
         runs[version] = (engine.last_stats.decode, per_token(engine))
     (d2, m2), (d3, m3) = runs["2"], runs["3"]
-    assert d3 == d2 and d3["promoted"] > 0 and d3["spill"] > 0
-    assert m3["synchronisations"] == 1 < m2["synchronisations"]
+    assert d3 == d2 and d3["promoted"] > 0 and d3["spill"] > 0 and (d3["cpu"] > 0) == (pcie_frac < 1)
+    n_moe = len(engine.config.moe_layers)
+    assert m3["synchronisations"] == 1 + (n_moe if pcie_frac < 1 else 0) < m2["synchronisations"]
     promotions = "slot copies (promotions, prefetches) to device"
     assert m3["bytes_by_name"][promotions] == m2["bytes_by_name"][promotions]
     assert not any(name.startswith(("residual", "router", "output projection", "expert inputs"))
@@ -161,19 +172,12 @@ def test_families_not_converted_keep_version_2(micro):
 
 
 @in_process
-def test_cpu_misses_and_sampling_keep_version_2_or_fetch_the_logits(micro):
-    """pcie_frac < 1 with fewer slots than experts: "cpu" misses need the host inside the step, so version 2 runs;
-    a sampled (temperature > 0) request fetches the step's logits (one more copy of V floats)."""
-    path = micro("qwen3moe")
-    engine = pymoe.load(path, backend="cuda", cache_slots=1, pcie_frac=0.5, backend_options=SIM)
-    list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False))
-    assert per_token(engine)["synchronisations"] > 1
-    engine = every_expert_in_a_slot(path)
-
+def test_sampling_fetches_the_logits(micro):
+    """A sampled (temperature > 0) request reads the step's logits: one more copy of V floats and synchronisation."""
+    engine = every_expert_in_a_slot(micro("qwen3moe"))
     list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False, temperature=0.8, seed=1))
     m = per_token(engine)
     assert m["synchronisations"] == 2 and m["bytes_by_name"]["logits to host"] == 4 * engine.config.n_vocab
-
 
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

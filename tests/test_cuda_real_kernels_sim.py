@@ -75,6 +75,7 @@ def greedy_with_logits(engine):
 
 @in_process
 def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2's plumbing (the device step: the test below)
     cpu = pymoe.load(micro_model, backend="reference")
     trace = cpu.record_trace()
     want_tokens, want_logits = greedy_with_logits(cpu)

@@ -154,6 +154,13 @@ def test_routed_experts_read_slots_and_the_mapped_file_as_the_table_says():
     np.testing.assert_array_less(np.abs(Y.copy_to_host() - want), 1e-5 * scale + 1e-7)
     assert np.abs(step.expert_bytes(slots, host, table, offsets, part_off, shapes, 1)[0]
                   .astype(int) - mats[1][0]).max() > 0  # slot 1 differs from the file: the table choice matters
+    # -2: expert 3 left out (a "cpu" miss, added by the host): its pair contributes nothing
+    table[3] = -2
+    dev[2] = cuda.to_device(table)
+    step.routed_experts(*dev, types, (D, F), cuda.to_device(ids), cuda.to_device(w), cuda.to_device(X), Y, H)
+    left_out = step.routed_experts_reference(read, types, ids, w, X)
+    np.testing.assert_array_less(np.abs(Y.copy_to_host() - left_out), 1e-5 * scale + 1e-7)
+    assert np.abs(left_out[0] - want[0]).max() > 1e-3 * np.abs(want[0]).max()  # expert 3 was a real term
 
 
 if not IN_PROCESS:

@@ -89,13 +89,15 @@ def test_one_decode_token_with_every_expert_in_a_slot(micro_model, monkeypatch, 
 
 
 @in_process
-def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model):
+def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model, monkeypatch):
     """One slot, pcie_frac 0.5: the slot starts with the first expert of the start-up fill (experts/cache.py
     SlotCache.fill), so a step may hit it once, and at least one of a step's K = 2 experts misses (one slot serves one
     of them). The misses alternate between a read over PCIe by the expert's kernels (one token: one token tile, so
     its bytes once) and the CPU (no launch; the error diffusion of pcie_frac 0.5 keeps the two within one); every
     miss is promoted into the one slot, which keeps the last (one copy per slot per call). "cpu" misses need the
-    host inside the step: version 3 runs version 2 here."""
+    host: version 2 (PYMOE_DEVICE_STEP=0), whose counts these are (version 3 with "cpu" misses:
+    tests/test_cuda_device_step.py)."""
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")
     engine = pymoe.load(micro_model, backend="cuda", cache_slots=1, policy="lru", pcie_frac=0.5, backend_options=SIM)
     st = decode(engine)
     c, dev, steps = st.decode, st.device, N_NEW - 1

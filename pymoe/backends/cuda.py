@@ -304,6 +304,8 @@ class ReferenceKernels:
 
         def read(e):  # expert e's rows where the table says: its slot, or the mapped file (copied slice by slice)
             s = int(tab[e])
+            if s == -2:  # left out: computed on the CPU
+                return None
             src = [(slots[s], int(po[i])) if s >= 0 else (host, int(off[e, i])) for i in range(3)]
             views = [a[o:o + r * b] for (a, o), (r, b) in zip(src, shapes)]  # (the simulator slices to ndarrays)
             return [np.array(v.copy_to_host() if hasattr(v, "copy_to_host") else v).reshape(r, b)
@@ -678,7 +680,9 @@ class CUDABackend:
                          "res": alloc((1, D), np.float32, "activations"),
                          "hn": alloc((1, D), np.float32, "activations"),
                          "y": alloc((1, D), np.float32, "activations"),
-                         "h": alloc((K, F), np.float32, "activations")}
+                         "h": alloc((K, F), np.float32, "activations"),
+                         "y_cpu": alloc((1, D), np.float32, "activations"),
+                         "table_now": alloc((E,), np.int32, "activations")}
         self._table_host = np.full((n_moe, E), -1, np.int32)
         for name, host in (("table", self._table_host), ("offsets", offsets), ("part_off", part_off),
                            ("row_bytes", row_bytes), ("cos", cos), ("sin", sin)):
@@ -696,6 +700,11 @@ class CUDABackend:
     # routing ids come back in one copy: the step's one host synchronisation). The host then runs the expert
     # cache's lookups of that step (one step late) and the next `begin_step` uploads the residency table's changed
     # rows and orders the step after the promotions' copies.
+    @property
+    def lookups_in_step(self) -> bool:
+        """A device step under way makes each MoE layer's cache lookup inside it (begin_step's `inline`)."""
+        return self._step is not None and self._step["inline"]
+
     def step_ready(self) -> bool:
         return self.device_step and getattr(self, "_sb", None) is not None
 
@@ -703,15 +712,17 @@ class CUDABackend:
         """kv is this backend's device KV cache (a device step needs one)."""
         return isinstance(kv, DeviceKVCache)
 
-    def begin_step(self, tokens: np.ndarray, p0: int, residency: Optional[np.ndarray]):
+    def begin_step(self, tokens: np.ndarray, p0: int, residency: Optional[np.ndarray], inline: bool = False):
         """Start a device step of one token at position p0: bring the residency table up to date (residency: the
         cache's [L, E] -> slot or -1, or None with no pool), wait for copies in flight, put the token id on the
-        device; returns it (int32 [1], device)."""
-        self.sync_table(residency)
+        device; returns it (int32 [1], device). inline: the cache may send misses to the CPU, so each MoE layer's
+        lookup is made inside the step (`routing_to_host`, `experts_as_served`) and the table is not used."""
+        if not inline:
+            self.sync_table(residency)
         if self.cache_pool is not None:
             self.cache_pool.before_any_read()
         self._steps += 1
-        self._step = {"p0": int(p0)}
+        self._step = {"p0": int(p0), "inline": bool(inline)}
         self._arena_top = 0
         tok = self._sb["tok"]
         tok.copy_to_device(np.asarray(tokens, np.int32).reshape(1), stream=self.compute)
@@ -751,31 +762,94 @@ class CUDABackend:
         names, or from the mapped file over PCIe. shared: the layer's shared expert (gate/up/down weights, and
         qwen2moe's gate vector `gate_inp`), added after the routed ones as engine/moe.py does:
         y += sigmoid(x . gate_inp) * down(silu(gate x) * up x)."""
-        K, D, F = self._moe
+        ids, w = self.route_on_device(layer, logits, k, norm_topk, scale, gating, expert_bias)
+        E, m = self._cfg.n_expert, layer - self._cfg.moe_layers.start
+        y = self._routed(layer, shaped(self._sb["table"].reshape(-1)[m * E:], (E,)), expert_types, ids, w, x)
+        return self._add_shared(y, x, shared), ids, w
+
+    def route_on_device(self, layer: int, logits, k: int, norm_topk: bool, scale: float, gating: str = "softmax",
+                        expert_bias=None) -> tuple:
+        """The router's top-K of one MoE layer on the device -> (ids int32 [1, K], weights [1, K]), device arrays
+        (the ids in the buffer that comes back at the step's end)."""
+        K = self._moe[0]
         m = layer - self._cfg.moe_layers.start
-        E = self._cfg.n_expert
-        sb = self._sb
-        ids = shaped(sb["back"][1 + m * K:], (1, k))  # this layer's ids, in the buffer that comes back
-        w = shaped(sb["rw"][m * K:], (1, k))
+        ids = shaped(self._sb["back"][1 + m * K:], (1, k))
+        w = shaped(self._sb["rw"][m * K:], (1, k))
         if gating == "sigmoid":
             bias = None if expert_bias is None else self._vec(expert_bias)
             self._launch("route_sigmoid", logits, k, bias, norm_topk, ids, w, float(scale), self.compute)
         else:
             self._launch("route_softmax", logits, k, norm_topk, ids, w, float(scale), self.compute)
+        return ids, w
+
+    def _routed(self, layer: int, table, expert_types: dict, ids, w, x):
+        """The routed experts' kernels with `table` (int32 [E]: slot, -1 the mapped file, -2 left out) -> y."""
+        K, D, F = self._moe
+        m = layer - self._cfg.moe_layers.start
+        E, sb = self._cfg.n_expert, self._sb
         slots = self.cache_pool.bytes if self.cache_pool is not None else self._no_slots
-        table = shaped(sb["table"].reshape(-1)[m * E:], (E,))
         offsets = shaped(sb["offsets"].reshape(-1)[m * E * 3:], (E, 3))
         part_off = shaped(sb["part_off"].reshape(-1)[m * 3:], (3,))
         row_bytes = shaped(sb["row_bytes"].reshape(-1)[m * 3:], (3,))
-        y = sb["y"]
         self._launch("routed_experts", slots, self._host_file, table, offsets, part_off, row_bytes, expert_types,
-                     (D, F), ids, w, x, y, sb["h"], self.compute)
+                     (D, F), ids, w, x, sb["y"], sb["h"], self.compute)
+        return sb["y"]
+
+    def _add_shared(self, y, x, shared: Optional[dict]):
         if shared:
             out = self.mlp_on_device(shared, x)  # [1, D]
             if "gate_inp" in shared:
                 self._launch("sigmoid_gate", out, x, self._vec(shared["gate_inp"]), self.compute)
             self._launch("add", y, out, self.compute)
-        return y, ids, w
+        return y
+
+    def routing_to_host(self, ids, w, x) -> tuple:
+        """A device step whose cache may send misses to the CPU: this layer's routing ids and weights and its
+        input row come to the host now (one synchronisation) -> (ids int [1, K], w [1, K], x [1, D]), host."""
+        out = [a.copy_to_host(stream=self.compute) for a in (ids, w, x)]
+        self.compute.synchronize()
+        for a, what in zip(out, ("routing ids to host (cpu misses)", "routing weights to host (cpu misses)",
+                                 "expert input to host (cpu misses)")):
+            self.counts.copy(what, a.nbytes)
+        self.counts.sync()
+        return out[0].astype(np.int64), out[1], out[2]
+
+    def experts_as_served(self, layer: int, experts: dict, expert_types: dict, x, x_host, ids, w, ids_host, w_host,
+                          shared: Optional[dict] = None):
+        """The routed experts of one layer as the expert cache just served them (a lookup made inside the step):
+        experts {e: ExpertBytes}, each a slot, spill or cpu. This call's table row (slot, -1 spill, -2 cpu) goes to
+        the device and the kernels run the slot and spill experts while the CPU computes the cpu ones on x_host,
+        in k order, weighted; their sum is added on the device -> y [1, D] (device)."""
+        E, sb = self._cfg.n_expert, self._sb
+        row = np.full(E, -2, np.int32)
+        slots = []
+        for e, ex in experts.items():
+            if ex.where == "slot":
+                row[e] = ex.slot
+                slots.append(ex.slot)
+                self.cache_pool.before_read(ex.slot)
+            elif ex.where != "cpu":  # spill: read over PCIe
+                row[e] = -1
+                self._count_spill(ex, 1)
+        table = sb["table_now"]
+        table.copy_to_device(row, stream=self.compute)
+        self.counts.copy("served table row to device (cpu misses)", row.nbytes)
+        y = self._routed(layer, table, expert_types, ids, w, x)
+        done = self.cuda.event()
+        done.record(self.compute)
+        for slot in slots:
+            self.cache_pool.after_read(slot, done)
+        y_cpu, any_cpu = np.zeros((1, x_host.shape[1]), np.float32), False  # [1, D]
+        for k, e in enumerate(ids_host[0].tolist()):  # meanwhile, on the CPU
+            if experts[e].where == "cpu":
+                y_cpu += w_host[0, k] * swiglu_expert(self.cpu, experts[e], expert_types, x_host)
+                any_cpu = True
+        if any_cpu:
+            dev = sb["y_cpu"]
+            dev.copy_to_device(y_cpu, stream=self.compute)
+            self.counts.copy("cpu experts' output to device", y_cpu.nbytes)
+            self._launch("add", y, dev, self.compute)
+        return self._add_shared(y, x, shared)
 
     def mlp_on_device(self, w: dict, x):
         """down(silu(gate x) * up x) of a device step's x [1, D] with dense weights w {gate, up, down} (a shared
@@ -797,7 +871,7 @@ class CUDABackend:
             self.cache_pool.step_read = done
         host = self._get(back, "token and routing ids to host")
         ids = host[1:].reshape(-1, K)  # [n_moe, K]
-        for m in range(ids.shape[0]):
+        for m in range(0 if self._step["inline"] else ids.shape[0]):  # (inline: counted as served)
             for e in np.unique(ids[m]):
                 if self._table_host[m, e] < 0:
                     self.counts.copy("expert spill reads over PCIe", int(self._expert_nbytes[m]))

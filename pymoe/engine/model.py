@@ -131,8 +131,7 @@ class Model:
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
         """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
         nothing that needs each layer's routing on the host as it happens (a trace, the lookahead, speculation's
-        expert count, an MTP tap) and a cache whose decode misses are all read over PCIe (pcie_frac 1, or a slot for
-        every expert; "cpu" misses would need the host in the middle of the step)."""
+        expert count, an MTP tap) and an expert cache it can serve (`_cache_allows_step`)."""
         b = self.backend
         if not (self.step_on_device and phase == "decode" and tokens.size == 1 and media is None and b.step_ready()
                 and b.owns(kv) and self.trace is None and self.lookahead is None and not self.count_experts
@@ -141,10 +140,16 @@ class Model:
         return self._cache_allows_step()
 
     def _cache_allows_step(self) -> bool:
+        """An expert cache the device step can serve: a SlotCache, or none on a GPU (every expert over PCIe)."""
         cache = self.cache
-        if hasattr(cache, "residency"):  # experts/cache.SlotCache
-            return cache.pcie_frac >= 1.0 or cache.n_slots >= cache.n_total
-        return getattr(cache, "miss_path", None) == "spill"  # PassThroughCache on a GPU: every expert over PCIe
+        return hasattr(cache, "residency") or getattr(cache, "miss_path", None) == "spill"
+
+    def _misses_all_over_pcie(self) -> bool:
+        """No decode miss goes to the CPU (pcie_frac 1, a slot for every expert, or no pool): the cache's lookups
+        can follow the step. Otherwise each MoE layer's lookup is made inside it (one more synchronisation per MoE
+        layer: the routing ids and the layer's input come to the host, the CPU computes its "cpu" misses)."""
+        cache = self.cache
+        return not hasattr(cache, "residency") or cache.pcie_frac >= 1.0 or cache.n_slots >= cache.n_total
 
     def attention_backend(self, plan: LayerPlan):
         """The backend a layer's attention runs on: the model's, or its host side for kinds the device lacks."""
@@ -258,7 +263,8 @@ class Model:
             self.backend.counts.forward(phase, tokens.size)
         step = self._device_step(tokens, kv, phase, media)
         if step:  # the token id goes to the device, and the step stays there until its token comes back
-            tok = self.backend.begin_step(tokens, kv.n + _delta(kv), getattr(self.cache, "residency", None))
+            tok = self.backend.begin_step(tokens, kv.n + _delta(kv), getattr(self.cache, "residency", None),
+                                          inline=not self._misses_all_over_pcie())
             x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
         else:
             x = self.embed(tokens)  # [T, D]
@@ -285,7 +291,7 @@ class Model:
                 self.trace.record(i, ids, w, "verify" if phase == "decode" and tokens.size > 1 else phase)
         if step:
             return self._end_device_step(x, kv, phase)
-        if self.step_on_device and phase == "prefill" and self._cache_allows_step():  # what the prompt placed in
+        if self.step_on_device and phase == "prefill" and self._misses_all_over_pcie():  # what the prompt placed in
             self.backend.sync_table(getattr(self.cache, "residency", None))  # slots: on the device before a step
         if self.trace is not None:
             self.trace.end_forward()
@@ -303,11 +309,13 @@ class Model:
         routing ids come back together; then the expert cache's lookups of this step, layer by layer in the order
         the host-side forward makes them, so every counter and promotion is the one version 2 makes (the experts
         were read where the residency table of the step's start said; promotions land before the next step)."""
+        inline = self.backend.lookups_in_step
         x = self.backend.rmsnorm(x, self.output_norm, self.cfg.rms_eps)
         token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x))  # [1, V] on the device
-        for m, layer in enumerate(self.cfg.moe_layers):
-            self.cache.lookup(layer, ids[m].reshape(1, -1).astype(np.int64), phase)  # [1, K]
-            self.cache.finish(layer)
+        if not inline:  # (inline: each layer's lookup was made inside the step, engine/moe.py)
+            for m, layer in enumerate(self.cfg.moe_layers):
+                self.cache.lookup(layer, ids[m].reshape(1, -1).astype(np.int64), phase)  # [1, K]
+                self.cache.finish(layer)
         kv.n += 1
         return logits
 
