@@ -14,9 +14,8 @@ tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_s
 Tolerance of the logits: the same float32 operations in other orders only (the device step adds each token's K
 experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
-"cpu misses") at most
-7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7; version 2 itself is 4 ulp from the reference on
-gpt-oss); the bound is 8 ulp of s (2.7x).
+"cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7; version 2 itself is 4 ulp
+from the reference on gpt-oss); the bound is 8 ulp of s (2.7x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
