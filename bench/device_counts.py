@@ -9,7 +9,7 @@ each), in three settings:
   slots:  a slot for every expert, all pre-filled from a profile: every expert is served from a slot;
   spill:  one slot per MoE layer (LRU), pcie_frac 1: every miss is read over PCIe, and promoted;
   misses: one slot per MoE layer (LRU), pcie_frac 0.5: misses alternate between spill (read over PCIe) and the CPU,
-          and each is promoted.
+          and each is promoted (version 3: each MoE layer's lookup inside the step).
 and in two versions of the GPU path: 2 (PYMOE_DEVICE_STEP=0: the residual stream on the host, three round trips
 per layer) and 3 (the default: a decode step on the device from token id to token where the family and the
 setting allow it, backends/cuda.py `begin_step`; elsewhere version 3 runs version 2, and the row says so).
@@ -69,7 +69,9 @@ SHORT = [("residual to device", "residual in"), ("attention block to host", "att
          ("expert inputs", "expert rows"), ("expert weights", "expert rows"), ("expert output zeros", "expert rows"),
          ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
          ("token ids to device", "token id"), ("token and routing ids", "token + routing ids"),
-         ("residency table", "table rows"), ("logits to host", "logits"),
+         ("residency table", "table rows"), ("logits to host", "logits"), ("cpu experts' output", "cpu misses"),
+         ("expert input to host (cpu", "cpu misses"), ("routing ids to host (cpu", "cpu misses"),
+         ("routing weights to host (cpu", "cpu misses"), ("served table row", "cpu misses"),
          ("prefill staging", "staging"), ("output projection:", "logits"), ("RoPE", "RoPE"), ("KV", "KV"),
          ("shared expert:", "shared expert"), ("dense MLP:", "dense MLP"), ("host-side attention:", "host attention"),
          ("experts one at a time:", "experts one by one")]

@@ -12,8 +12,9 @@ What this is:
   - The device decode step (version 3: `begin_step` .. `end_step`): one decode token from the token id to the
     greedy token on the device, the routed experts read through the residency table (expert -> slot or -1) from
     their slot or the mapped file (cuda_kernels/step.py); one copy back (the token id and the routing ids) and one
-    synchronisation per token; the expert cache's lookups follow the step (docs/expert-cache.md "The decode step on
-    the device"). PYMOE_DEVICE_STEP=0: version 2 only.
+    synchronisation per token; the expert cache's lookups follow the step, or, with "cpu" misses, are made inside it
+    per MoE layer (one more synchronisation each) (docs/expert-cache.md "The decode step on the device").
+    PYMOE_DEVICE_STEP=0: version 2 only.
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
     straight from host RAM over PCIe through the device pointer of its mmap view: the "spill" miss path. The bytes
@@ -36,8 +37,8 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts
 Cost: every kernel launch, host<->device copy and host synchronisation is counted in `self.counts`
 (backends/device_counts.py; per decoded token in `pymoe run`'s last line and /v1/status). In the simulator
 (NUMBA_ENABLE_CUDASIM=1) the device stands for PYMOE_SIM_DEVICE_GIB GiB (default 8).
-What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next ("cpu" misses
-inside a device step, CUDA graphs, a KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (CUDA graphs, a
+KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
 with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
