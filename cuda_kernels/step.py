@@ -352,9 +352,8 @@ def routed_down_kernel(slots, host, table, offsets, part_off, row_bytes, ids, w,
             DOWN_PARTIAL(slots[s, part_off[2] + d * rd:part_off[2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
         elif s == -1:
             DOWN_PARTIAL(host[offsets[e, 2] + d * rd:offsets[e, 2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
-        block_sum_rows(buf, tid, acc, 1)
-        if s >= -1:  # -2: the expert is computed elsewhere (the CPU), its term added later
-            total += w[t, j] * acc[0]
+        block_sum_rows(buf, tid, acc, 1)  # (-2, an expert computed elsewhere: acc stays 0)
+        total += w[t, j] * acc[0]
     if tid == 0:
         Y[t, d] = total
 

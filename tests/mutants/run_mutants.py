@@ -879,6 +879,12 @@ MUTANTS: list[Mutant] = [
         "        if True:",
         ("tests/test_cuda_device_step.py::test_a_device_step_moves_token_ids_and_routing_ids_only[*]",),
         "the device step's residency table stays all -1: every expert read over PCIe, slots never used"),
+    Mutant(
+        "step_cpu_miss_also_on_the_device", "pymoe/backends/cuda.py",
+        "            elif ex.where != \"cpu\":  # spill: read over PCIe",
+        "            else:  # spill: read over PCIe",
+        ("tests/test_cuda_device_step.py::test_device_step_logits_match_the_float_path[cpu misses-*]",),
+        "a device step's \"cpu\" miss is also read over PCIe by the kernels: its term added twice"),
 ]
 
 
