@@ -307,7 +307,7 @@ class Sampler:
         if token is not None and self._plain_greedy():
             self.n_drawn += 1
             return int(token)
-        z = self._penalised(np.asarray(logits, dtype=np.float32), history)
+        z = self._penalised(np.asarray(logits), history)
         if self.params.temperature == 0.0:
             token = int(np.argmax(z))
         else:
