@@ -5,10 +5,14 @@ by what they carry, host synchronisations (backends/device_counts.py), for each 
 
 Each family's `micro` preset (pymoe/demo/tinymodel.py, F32, seed 0) is written to a temporary folder and decoded
 greedily from the prompt [5, 17] for --tokens new tokens (the first from the prefill, the rest one decode step
-each), in two settings:
+each), in three settings:
   slots:  a slot for every expert, all pre-filled from a profile: every expert is served from a slot;
+  spill:  one slot per MoE layer (LRU), pcie_frac 1: every miss is read over PCIe, and promoted;
   misses: one slot per MoE layer (LRU), pcie_frac 0.5: misses alternate between spill (read over PCIe) and the CPU,
-          and each is promoted.
+          and each is promoted (version 3: each MoE layer's lookup inside the step).
+and in two versions of the GPU path: 2 (PYMOE_DEVICE_STEP=0: the residual stream on the host, three round trips
+per layer) and 3 (the default: a decode step on the device from token id to token where the family and the
+setting allow it, backends/cuda.py `begin_step`; elsewhere version 3 runs version 2, and the row says so).
 The counts are exact (the simulator runs the same launches, copies and syncs as a GPU would; the reference
 kernels stand in for the real ones, which the counts do not depend on: backends/cuda.py LAUNCHES). Prints one
 Markdown row per family and setting: the table of docs/expert-cache.md ("The GPU path's cost, counted"), the
@@ -37,8 +41,9 @@ MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
 
 
-def load(path: str, setting: str):
-    """The engine of one setting (see the module docstring)."""
+def load(path: str, setting: str, version: int = 3):
+    """The engine of one setting and version (see the module docstring)."""
+    os.environ["PYMOE_DEVICE_STEP"] = "1" if version == 3 else "0"  # read when the backend is made
     if setting == "slots":  # (a profile's layers are the MoE layers, numbered from 0: experts/trace.py)
         cfg = pymoe.load(path, backend="reference").config
         pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
@@ -46,22 +51,28 @@ def load(path: str, setting: str):
         return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
                           backend_options=SIM)
     cfg = pymoe.load(path, backend="reference").config
-    return pymoe.load(path, backend="cuda", cache_slots=len(cfg.moe_layers), policy="lru", pcie_frac=0.5,
-                      backend_options=SIM)
+    return pymoe.load(path, backend="cuda", cache_slots=len(cfg.moe_layers), policy="lru",
+                      pcie_frac=1.0 if setting == "spill" else 0.5, backend_options=SIM)
 
 
-def decode_counts(path: str, setting: str, tokens: int) -> tuple[dict, dict]:
-    """(per decoded token means, the decode cache counters) of one greedy request."""
-    engine = load(path, setting)
+def decode_counts(path: str, setting: str, tokens: int, version: int = 3) -> tuple[dict, dict, bool]:
+    """(per decoded token means, the decode cache counters, whether the decode steps ran on the device) of one
+    greedy request."""
+    engine = load(path, setting, version)
     list(engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False))
     st = engine.last_stats
-    return per_token({**st.device, "tokens": st.n_decoded}), st.decode
+    on_device = engine.model.step_on_device and engine.model._cache_allows_step()
+    return per_token({**st.device, "tokens": st.n_decoded}), st.decode, on_device
 
 
 # The table's short names for DeviceCounts' byte names (backends/cuda.py), by the start of the name.
 SHORT = [("residual to device", "residual in"), ("attention block to host", "attention out"), ("router:", "router"),
          ("expert inputs", "expert rows"), ("expert weights", "expert rows"), ("expert output zeros", "expert rows"),
          ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
+         ("token ids to device", "token id"), ("token and routing ids", "token + routing ids"),
+         ("residency table", "table rows"), ("logits to host", "logits"), ("cpu experts' output", "cpu misses"),
+         ("expert input to host (cpu", "cpu misses"), ("routing ids to host (cpu", "cpu misses"),
+         ("routing weights to host (cpu", "cpu misses"), ("served table row", "cpu misses"),
          ("prefill staging", "staging"), ("output projection:", "logits"), ("RoPE", "RoPE"), ("KV", "KV"),
          ("shared expert:", "shared expert"), ("dense MLP:", "dense MLP"), ("host-side attention:", "host attention"),
          ("experts one at a time:", "experts one by one")]
@@ -71,15 +82,15 @@ def short(name: str) -> str:
     return next((s for prefix, s in SHORT if name.startswith(prefix)), name)
 
 
-def row(arch: str, setting: str, m: dict, cache: dict) -> str:
+def row(arch: str, setting: str, version: str, m: dict, cache: dict) -> str:
     grouped: dict = {}
     for w, b in m["bytes_by_name"].items():
         grouped[short(w)] = grouped.get(short(w), 0) + b
     names = ", ".join(f"{w} {b:,.0f}" for w, b in grouped.items())
     how = (f"{cache.get('hits', 0)} hits" if setting == "slots" else
            f"{cache.get('hits', 0)} hits, {cache.get('spill', 0)} spill, {cache.get('cpu', 0)} cpu")
-    return (f"| {arch} | {setting} ({how}) | {m['launches']:g} | {m['synchronisations']:g} | {m['bytes']:,.0f} "
-            f"| {names} |")
+    return (f"| {arch} | {setting} ({how}) | {version} | {m['launches']:g} | {m['synchronisations']:g} "
+            f"| {m['bytes']:,.0f} | {names} |")
 
 
 def main() -> None:
@@ -89,15 +100,17 @@ def main() -> None:
     args = ap.parse_args()
     from pymoe.demo.tinymodel import write_model
 
-    print("| family | setting (decode lookups) | launches | syncs | host<->device bytes | bytes by name |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| family | setting (decode lookups) | version | launches | syncs | host<->device bytes | bytes by name |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.families.split(","):
             path = os.path.join(tmp, f"micro-{arch}-f32.gguf")
             write_model(path, arch, "micro", "f32", seed=0)
-            for setting in ("slots", "misses"):
-                m, cache = decode_counts(path, setting, args.tokens)
-                print(row(arch, setting, m, cache), flush=True)
+            for setting in ("slots", "spill", "misses"):
+                for version in (2, 3):
+                    m, cache, on_device = decode_counts(path, setting, args.tokens, version)
+                    shown = "3" if on_device else "2" if version == 2 else "3 (runs 2)"
+                    print(row(arch, setting, shown, m, cache), flush=True)
 
 
 if __name__ == "__main__":

@@ -189,8 +189,10 @@ def test_auto_sizing_from_free_device_memory(tiny_model):
     lines = []
     engine = load_cuda(path, free_bytes=700 * MiB + 16 * MiB, log=lines.append, pcie_frac=1.0)
     b, slot = engine.backend, engine.file.slot_bytes
-    before_pool = b.mem.used - b.mem.by_what["expert slots"]  # dense weights, activations, KV cache
-    assert before_pool == sum(b.mem.by_what[k] for k in ("dense weights", "activations", "KV cache"))
+    before_pool = b.mem.used - b.mem.by_what["expert slots"]  # dense weights, activations, KV cache, the device
+    # step's residency table and expert offsets
+    assert before_pool == sum(b.mem.by_what[k] for k in ("dense weights", "activations", "KV cache",
+                                                         "residency table and expert offsets"))
     left = b.free_at_start - before_pool - 700 * MiB
     cfg = engine.config
     want = min(left // slot, cfg.n_layers * cfg.n_expert)

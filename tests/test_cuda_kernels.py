@@ -271,6 +271,24 @@ def compile_every_kernel_to_ptx():
              (N.rope_kernel, (f3, f2, f2, nt.int64, nt.boolean)),
              (N.add_bias_kernel, (f2, f1)),
              (A.decode_attention_kernel, (f2, f3, f3, nt.int64, nt.float32, f2, f2))]
+    # the device decode step's kernels (cuda_kernels/step.py)
+    from pymoe.cuda_kernels import step as S
+    from pymoe.quant.layout import retarget
+
+    u81, i1, i2 = nt.Array(nt.uint8, 1, "C"), nt.Array(nt.int32, 1, "C"), nt.Array(nt.int32, 2, "C")
+    l1, l2 = nt.Array(nt.int64, 1, "C"), nt.Array(nt.int64, 2, "C")
+    jobs += [(retarget(S.embed_kernel, cuda.jit, "embed_kernel_Q4_K",
+                       DECODE_ROW=quant_matvec.specialise(S.decode_row_into, QType.Q4_K, "cuda")), (u8, i1, f2)),
+             (S.add_kernel, (f2, f2)), (S.swiglu_kernel, (f2, f2)), (S.sigmoid_gate_kernel, (f2, f2, f1)),
+             (S.route_softmax_kernel, (f2, nt.int64, nt.boolean, nt.float32, i2, f2)),
+             (S.route_sigmoid_kernel, (f2, f1, nt.boolean, nt.int64, nt.boolean, nt.float32, i2, f2)),
+             (S.argmax_kernel, (f2, i1)),
+             (retarget(S.routed_gate_up_kernel, cuda.jit, "routed_gate_up_Q2_K_Q4_K",
+                       GATE_PARTIAL=quant_matvec.row_partial_for(QType.Q2_K),
+                       UP_PARTIAL=quant_matvec.row_partial_for(QType.Q4_K)), (u8, u81, i1, l2, l1, l1, i2, f2, f2)),
+             (retarget(S.routed_down_kernel, cuda.jit, "routed_down_Q3_K",
+                       DOWN_PARTIAL=quant_matvec.row_partial_for(QType.Q3_K)),
+              (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2))]
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
         print("ptx ok:", kernel.py_func.__name__, flush=True)
@@ -286,7 +304,7 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9  # + the 9 of cuda_kernels/step.py
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

@@ -75,6 +75,7 @@ def greedy_with_logits(engine):
 
 @in_process
 def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2's plumbing (the device step: the test below)
     cpu = pymoe.load(micro_model, backend="reference")
     trace = cpu.record_trace()
     want_tokens, want_logits = greedy_with_logits(cpu)
@@ -112,6 +113,43 @@ def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
     assert np.array_equal(cache.pool.read(int(cache.residency[0, miss]))[:want.size], want)
     assert b.mem.used <= b.mem.limit
     # backends/cuda.py LAUNCHES (what backends/device_counts.py counts) = the launches the real kernels made
+    assert sum(c["launches"] for c in b.counts.phases.values()) == len(launched) > 0
+
+
+@in_process
+def test_real_kernels_of_the_device_step_in_the_simulator(micro_model, monkeypatch):
+    """The decode step on the device (version 3: pcie_frac 1, so every miss is read over PCIe) with the real kernels
+    of cuda_kernels/step.py: the embedding row, norms and adds, the router's top-K, the routed experts -- one read
+    from its slot, the other from the mapped model file, as the residency table says -- and the argmax. Greedy tokens
+    and logits against the reference backend (the bound of the version 2 test above: the same float32 operations in
+    other orders); one synchronisation in the decode step; the miss promoted after it; the counted launches are the
+    simulator's."""
+    cpu = pymoe.load(micro_model, backend="reference")
+    trace = cpu.record_trace()
+    want_tokens, want_logits = greedy_with_logits(cpu)
+    t = trace.trace()
+    hit, miss = (int(e) for e in t.experts[t.rows("decode")][0, 0])  # layer 0's experts for the decode step
+    cfg = cpu.config
+    other = min(set(range(cfg.n_expert)) - {hit, miss})
+    profile = Profile(cfg.n_layers, cfg.n_expert, pairs=[(0, hit), (0, other)], counts=[2, 1])  # fills both slots
+
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    launched = []
+    configure = FakeCUDAKernel.__getitem__
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", lambda k, c: launched.append(k) or configure(k, c))
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=2, policy="lru", profile=profile,
+                        pcie_frac=1.0, chunk=8, backend_options=dict(free_bytes=FREE))  # kernels: the real ones
+    assert engine.backend.k.name == "cuda_kernels" and engine.model.step_on_device
+    got_tokens, got_logits = greedy_with_logits(engine)
+    assert got_tokens == want_tokens
+    diff = max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got_logits, want_logits))
+    assert diff <= ATOL, f"max |logit diff| {diff:.3g} > {ATOL:.3g}"
+    d, b = engine.cache.stats.counts["decode"], engine.backend
+    assert (d["lookups"], d["hits"], d["spill"], d["promoted"]) == (2, 1, 1, 1), d
+    assert b.counts.phases["decode"]["synchronisations"] == 2  # the step's, and the logits fetched above
+    assert b.counts.phases["decode"]["bytes"]["expert spill reads over PCIe"] > 0  # the miss read the mapped file
+    assert engine.cache.residency[0, miss] >= 0
     assert sum(c["launches"] for c in b.counts.phases.values()) == len(launched) > 0
 
 

@@ -43,6 +43,17 @@ SLOT_TOKEN = dict(launches=9 + 1 + 2 * K + 1, synchronisations=4, bytes_by_name=
     "expert output zeros to device": K * D * F32, "expert outputs to host": K * D * F32,
     "output projection: input to device": D * F32, "output projection: output to host": V * F32})
 
+# One decode token of version 3 (the device step, backends/cuda.py `begin_step`), every expert in a slot:
+#   the token id in (int32) and 1 embed launch; per layer: rmsnorm (1), the attention block as above but on the
+#     normed residual already there and the context's RoPE tables already there (3 matmul, 2 rmsnorm, 2 rope,
+#     1 decode_attention, 1 matmul), the residual add (1), rmsnorm (1), the router (1 matmul), its top-K (1
+#     route_softmax), the routed experts through the residency table (2: gate_up, down), the residual add (1)
+#                                                                                     -> 17 launches, nothing copied
+#   the output norm (1), the output projection (1 matmul), argmax (1); the token id and the K routing ids back in
+#     one copy: the step's one synchronisation
+STEP_TOKEN = dict(launches=1 + 17 + 3, synchronisations=1, bytes_by_name={
+    "token ids to device": 4, "token and routing ids to host": 4 * (1 + K)})
+
 
 @pytest.fixture(scope="module")
 def micro_model(tmp_path_factory):
@@ -59,7 +70,10 @@ def decode(engine):
 
 
 @in_process
-def test_one_decode_token_with_every_expert_in_a_slot(micro_model):
+@pytest.mark.parametrize("version", [2, 3])
+def test_one_decode_token_with_every_expert_in_a_slot(micro_model, monkeypatch, version):
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "1" if version == 3 else "0")
+    want = SLOT_TOKEN if version == 2 else STEP_TOKEN
     profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)  # pre-fills all 4 slots
     engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
                         backend_options=SIM)
@@ -67,20 +81,23 @@ def test_one_decode_token_with_every_expert_in_a_slot(micro_model):
     assert st.decode["hits"] == st.decode["lookups"] == (N_NEW - 1) * K
     m = per_token({**st.device, "tokens": st.n_decoded})
     assert st.device["forwards"] == st.device["tokens"] == N_NEW - 1
-    assert (m["launches"], m["synchronisations"]) == (SLOT_TOKEN["launches"], SLOT_TOKEN["synchronisations"])
-    assert m["bytes_by_name"] == SLOT_TOKEN["bytes_by_name"]
-    total = sum(SLOT_TOKEN["bytes_by_name"].values())  # 2,424
-    assert st.device_line() == (f"decode device per token: {SLOT_TOKEN['launches']:.1f} launches, {total:,} "
-                                f"host<->device bytes, {SLOT_TOKEN['synchronisations']:.1f} synchronisations")
+    assert (m["launches"], m["synchronisations"]) == (want["launches"], want["synchronisations"])
+    assert m["bytes_by_name"] == want["bytes_by_name"]
+    total = sum(want["bytes_by_name"].values())  # 2,424 (version 2), 16 (version 3)
+    assert st.device_line() == (f"decode device per token: {want['launches']:.1f} launches, {total:,} "
+                                f"host<->device bytes, {want['synchronisations']:.1f} synchronisations")
 
 
 @in_process
-def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model):
+def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model, monkeypatch):
     """One slot, pcie_frac 0.5: the slot starts with the first expert of the start-up fill (experts/cache.py
     SlotCache.fill), so a step may hit it once, and at least one of a step's K = 2 experts misses (one slot serves one
     of them). The misses alternate between a read over PCIe by the expert's kernels (one token: one token tile, so
     its bytes once) and the CPU (no launch; the error diffusion of pcie_frac 0.5 keeps the two within one); every
-    miss is promoted into the one slot, which keeps the last (one copy per slot per call)."""
+    miss is promoted into the one slot, which keeps the last (one copy per slot per call). "cpu" misses need the
+    host: version 2 (PYMOE_DEVICE_STEP=0), whose counts these are (version 3 with "cpu" misses:
+    tests/test_cuda_device_step.py)."""
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")
     engine = pymoe.load(micro_model, backend="cuda", cache_slots=1, policy="lru", pcie_frac=0.5, backend_options=SIM)
     st = decode(engine)
     c, dev, steps = st.decode, st.device, N_NEW - 1
@@ -95,14 +112,16 @@ def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model):
 
 
 @in_process
-def test_the_server_status_gives_the_counts_by_name(micro_model):
+def test_the_server_status_gives_the_counts_by_name(micro_model, monkeypatch):
     """/v1/status (serve/metrics.status_of): the decode counts per decoded token since start. The server's slots
     keep their own KV caches (the attention may run on the host), so only what does not depend on that is held to
-    SLOT_TOKEN's numbers: the router's and the experts' bytes, and the tokens counted."""
+    SLOT_TOKEN's numbers: the router's and the experts' bytes, and the tokens counted (version 2, which
+    PYMOE_DEVICE_STEP=0 selects: version 3 moves none of these)."""
     from pymoe.engine.sampler import SamplingParams
     from pymoe.serve.metrics import status_of
     from pymoe.serve.scheduler import Job, Scheduler
 
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")
     profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)
     engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
                         backend_options=SIM, n_ctx=64)
@@ -120,7 +139,8 @@ def test_the_server_status_gives_the_counts_by_name(micro_model):
 def test_pymoe_run_in_the_simulator(micro_model):
     """`NUMBA_ENABLE_CUDASIM=1 pymoe run FILE --backend cuda`, the real kernels (cuda_kernels/), a subprocess: the
     stated device size, then the device line last. --pcie-frac 1 (no probe): the auto-sized pool holds every expert
-    from the start (slots never sit empty), so the decode step's 2 experts hit and only SLOT_TOKEN's bytes move.
+    from the start (slots never sit empty), so the decode step's 2 experts hit and it runs on the device: only
+    STEP_TOKEN's bytes move (the device step's real kernels, cuda_kernels/step.py, end to end).
     ~2 min on a busy 2-core machine (the simulator runs each kernel block as Python threads)."""
     from conftest import run_pymoe
 
@@ -129,9 +149,9 @@ def test_pymoe_run_in_the_simulator(micro_model):
     assert p.returncode == 0, p.stderr[-3000:]
     lines = p.stderr.strip().splitlines()
     assert "pymoe run: simulated device: 8 GiB (NUMBA_ENABLE_CUDASIM=1; times are not a GPU's)" in lines
-    total = sum(SLOT_TOKEN["bytes_by_name"].values())  # every expert in a slot: no spill, no promotion
-    assert lines[-1] == (f"pymoe run: decode device per token: {SLOT_TOKEN['launches']:.1f} launches, {total:,} "
-                         f"host<->device bytes, {SLOT_TOKEN['synchronisations']:.1f} synchronisations"), lines[-4:]
+    total = sum(STEP_TOKEN["bytes_by_name"].values())  # every expert in a slot: no spill, no promotion
+    assert lines[-1] == (f"pymoe run: decode device per token: {STEP_TOKEN['launches']:.1f} launches, {total:,} "
+                         f"host<->device bytes, {STEP_TOKEN['synchronisations']:.1f} synchronisations"), lines[-4:]
 
 
 @in_process
@@ -152,15 +172,16 @@ def test_gpu_check_dry_run_in_the_simulator():
     """scripts/gpu-check --dry-run: bench/gpu_check.py's code path in the simulator (reference kernels, the micro
     preset, 3 decode steps per request, caches of 1, 2, 4 slots), --pcie-frac 1 (no probe; every miss read over
     PCIe, so every expert launches). Its table: every row SLOT_TOKEN's launches and syncs; the bytes SLOT_TOKEN's plus
-    whole experts (spill reads and promotion copies) over the 3 decoded tokens. (Runs in its own process: no
-    in_process mark needed.)"""
+    whole experts (spill reads and promotion copies) over the 3 decoded tokens. Version 2 (PYMOE_DEVICE_STEP=0), whose
+    counts these are; version 3's are held by test_one_decode_token_with_every_expert_in_a_slot and
+    tests/test_cuda_device_step.py. (Runs in its own process: no in_process mark needed.)"""
     import os
     import subprocess
     import sys
 
     from cuda_sim import ROOT
 
-    env = dict(os.environ, PYTHON=sys.executable)
+    env = dict(os.environ, PYTHON=sys.executable, PYMOE_DEVICE_STEP="0")
     p = subprocess.run(["bash", "scripts/gpu-check", "--dry-run", "--pcie-frac", "1"], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]

@@ -7,8 +7,14 @@ What this is:
     until `to_host`. Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any supported
     type, F32 included) and are multiplied by the Numba CUDA kernels of cuda_kernels/
     (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly. Given host
-    arrays (the residual stream, the router, the output projection stay on the host for now), a primitive answers
+    arrays (version 2: the residual stream, the router, the output projection on the host), a primitive answers
     with host arrays; the norms and RoPE of host arrays run on the CPU backend it holds (`self.cpu`, float path).
+  - The device decode step (version 3: `begin_step` .. `end_step`): one decode token from the token id to the
+    greedy token on the device, the routed experts read through the residency table (expert -> slot or -1) from
+    their slot or the mapped file (cuda_kernels/step.py); one copy back (the token id and the routing ids) and one
+    synchronisation per token; the expert cache's lookups follow the step, or, with "cpu" misses, are made inside it
+    per MoE layer (one more synchronisation each) (docs/expert-cache.md "The decode step on the device").
+    PYMOE_DEVICE_STEP=0: version 2 only.
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
     straight from host RAM over PCIe through the device pointer of its mmap view: the "spill" miss path. The bytes
@@ -31,8 +37,8 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts
 Cost: every kernel launch, host<->device copy and host synchronisation is counted in `self.counts`
 (backends/device_counts.py; per decoded token in `pymoe run`'s last line and /v1/status). In the simulator
 (NUMBA_ENABLE_CUDASIM=1) the device stands for PYMOE_SIM_DEVICE_GIB GiB (default 8).
-What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (the whole layer
-on the device, CUDA graphs, a KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (CUDA graphs, a
+KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
 with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
@@ -121,7 +127,10 @@ def shaped(buf, shape: tuple):
 LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token tiles)
             "expert_block": 2,  # moe.expert_block: gate_up, then down
             "rmsnorm": 1, "rope": 1, "add_bias": 1,  # norm_rope: one each, grid (rows,)
-            "decode_attention": 1}  # attention.decode_attention: one per query token, grid (heads,)
+            "decode_attention": 1,  # attention.decode_attention: one per query token, grid (heads,)
+            # the device decode step (version 3, cuda_kernels/step.py): one each, routed_experts two (gate_up, down)
+            "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2, "swiglu": 1,
+            "sigmoid_gate": 1, "route_sigmoid": 1}
 
 
 class DeviceKernels:
@@ -158,6 +167,48 @@ class DeviceKernels:
         from pymoe.cuda_kernels import attention
 
         return attention.decode_attention(q, k_cache, v_cache, pos, out=out, scores=scores, stream=stream)
+
+    # the device decode step (version 3)
+    def embed(self, w, qtype, tokens, out, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.embed(w, qtype, tokens, out, stream=stream)
+
+    def add(self, Y, X, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.add(Y, X, stream=stream)
+
+    def swiglu(self, G, U, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.swiglu(G, U, stream=stream)
+
+    def sigmoid_gate(self, Y, X, g, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.sigmoid_gate(Y, X, g, stream=stream)
+
+    def route_softmax(self, logits, k, norm_topk, ids, w, scale, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.route_softmax(logits, k, norm_topk, ids, w, scale=scale, stream=stream)
+
+    def route_sigmoid(self, logits, k, bias, norm_topk, ids, w, scale, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.route_sigmoid(logits, k, bias, norm_topk, ids, w, scale=scale, stream=stream)
+
+    def argmax(self, logits, out, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.argmax(logits, out, stream=stream)
+
+    def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
+        from pymoe.cuda_kernels import step
+
+        return step.routed_experts(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H,
+                                   stream=stream)
 
 
 class ReferenceKernels:
@@ -202,6 +253,68 @@ class ReferenceKernels:
         o = attention(q.copy_to_host()[None], k, v, pos)  # [1, H * Dv]
         out.copy_to_device(o.reshape(out.shape), stream=stream)
         return out
+
+    def embed(self, w, qtype, tokens, out, stream):
+        rows = w.copy_to_host()[tokens.copy_to_host()]  # [T, row_bytes]
+        out.copy_to_device(quant.dequantize(rows, qtype).astype(np.float32), stream=stream)
+        return out
+
+    def add(self, Y, X, stream):
+        Y.copy_to_device(Y.copy_to_host() + X.copy_to_host(), stream=stream)
+        return Y
+
+    def swiglu(self, G, U, stream):
+        G.copy_to_device((silu(G.copy_to_host()) * U.copy_to_host()).astype(np.float32), stream=stream)
+        return G
+
+    def sigmoid_gate(self, Y, X, g, stream):
+        from .reference import sigmoid
+
+        z = (X.copy_to_host() * g.copy_to_host()).sum(axis=-1, keepdims=True)  # [T, 1]
+        Y.copy_to_device((sigmoid(z) * Y.copy_to_host()).astype(np.float32), stream=stream)
+        return Y
+
+    def route_softmax(self, logits, k, norm_topk, ids, w, scale, stream):
+        from .reference import route
+
+        i, wt = route(logits.copy_to_host(), k, norm_topk)
+        ids.copy_to_device(i.astype(np.int32), stream=stream)
+        w.copy_to_device((wt * np.float32(scale)).astype(np.float32), stream=stream)
+        return ids, w
+
+    def route_sigmoid(self, logits, k, bias, norm_topk, ids, w, scale, stream):
+        from .reference import route_sigmoid
+
+        i, wt = route_sigmoid(logits.copy_to_host(), k, None if bias is None else bias.copy_to_host(), norm_topk,
+                              scale)
+        ids.copy_to_device(i.astype(np.int32), stream=stream)
+        w.copy_to_device(wt, stream=stream)
+        return ids, w
+
+    def argmax(self, logits, out, stream):
+        out.copy_to_device(np.argmax(logits.copy_to_host(), axis=1).astype(np.int32), stream=stream)
+        return out
+
+    def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
+        from pymoe.cuda_kernels.step import routed_experts_reference
+
+        D, F = shape
+        tab, off, po = table.copy_to_host(), offsets.copy_to_host(), part_off.copy_to_host()
+        rb = row_bytes.copy_to_host()
+        shapes = [(F, int(rb[0])), (F, int(rb[1])), (D, int(rb[2]))]
+
+        def read(e):  # expert e's rows where the table says: its slot, or the mapped file (copied slice by slice)
+            s = int(tab[e])
+            if s == -2:  # left out: computed on the CPU
+                return None
+            src = [(slots[s], int(po[i])) if s >= 0 else (host, int(off[e, i])) for i in range(3)]
+            views = [a[o:o + r * b] for (a, o), (r, b) in zip(src, shapes)]  # (the simulator slices to ndarrays)
+            return [np.array(v.copy_to_host() if hasattr(v, "copy_to_host") else v).reshape(r, b)
+                    for v, (r, b) in zip(views, shapes)]
+
+        y = routed_experts_reference(read, types, ids.copy_to_host(), w.copy_to_host(), X.copy_to_host())
+        Y.copy_to_device(y, stream=stream)
+        return Y
 
 
 KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
@@ -290,6 +403,9 @@ class DevicePool(HostPool):
         self.ready = [None] * n_slots  # event on the copy stream: the slot's last copy has landed
         self.last_read = [None] * n_slots  # event on the compute stream: the last kernel reading the slot is done
         self._event = backend.cuda.event
+        self.unwaited: set = set()  # slots whose "ready" event the compute stream has not waited for yet
+        self.step_read = None  # event on the compute stream after the last device step, whose kernels may have read
+        # any slot (the residency table chose them on the device)
         super().__init__(n_slots, slot_bytes, layouts)
 
     def allocate(self, n_slots: int, slot_bytes: int):
@@ -299,6 +415,8 @@ class DevicePool(HostPool):
         b = self.backend
         if self.last_read[slot] is not None:
             self.last_read[slot].wait(b.copy)  # never overwrite a slot a queued kernel still reads
+        if self.step_read is not None:
+            self.step_read.wait(b.copy)  # nor one the last device step's kernels may read
         for name, off, _ in self.layouts[ex.layer].parts:
             src = getattr(ex, name)  # a view into the pinned mmap: an asynchronous host -> device copy
             self.bytes[slot, off:off + src.nbytes].copy_to_device(src.reshape(-1), stream=b.copy)
@@ -306,6 +424,7 @@ class DevicePool(HostPool):
         ready = self._event()
         ready.record(b.copy)
         self.ready[slot] = ready
+        self.unwaited.add(slot)
 
     def part(self, slot: int, off: int, shape: tuple):
         return shaped(self.bytes[slot, off:off + shape[0] * shape[1]], shape)
@@ -315,6 +434,13 @@ class DevicePool(HostPool):
         if self.ready[slot] is not None:
             self.ready[slot].wait(self.backend.compute)
             self.ready[slot] = None
+        self.unwaited.discard(slot)
+
+    def before_any_read(self) -> None:
+        """Make the compute stream wait for every copy in flight (the device decode step: its kernels read whichever
+        slots the residency table names, which the host does not know in advance)."""
+        for slot in sorted(self.unwaited):
+            self.before_read(slot)
 
     def after_read(self, slot: int, event) -> None:
         self.last_read[slot] = event
@@ -352,6 +478,41 @@ class DeviceWeight:
     raw: object  # device array
     shape: tuple  # (R, C)
     what: str = "host products"  # what its products carry over PCIe when its input is on the host (`carries`)
+
+
+class StepLogits:
+    """The logits [1, V] of a device decode step, left on the device. `greedy_token`: their argmax, computed there
+    and already on the host (the sampler's greedy draw needs nothing else: engine/sampler.py); anything else
+    (np.asarray, indexing) brings them over once (V floats, one more synchronisation), while they are still there:
+    until the next step begins."""
+
+    def __init__(self, backend: "CUDABackend", dev, token: int, step: int, parent: "StepLogits" = None):
+        self._backend, self._dev, self.greedy_token, self._stepno = backend, dev, token, step
+        self._parent, self._host = parent, None
+        self.shape = tuple(dev.shape) if parent is None else tuple(dev.shape)[1:]
+        self.dtype, self.ndim = np.dtype(np.float32), len(self.shape)
+
+    def _fetch(self) -> np.ndarray:
+        if self._parent is not None:
+            return self._parent._fetch()[0]
+        if self._host is None:
+            if self._backend._steps != self._stepno:
+                raise PymoeError("backend 'cuda': the logits of an earlier decode step are gone (fetch them before "
+                                 "the next step)")
+            self._host = self._backend._get(self._dev, "logits to host")
+        return self._host
+
+    def __array__(self, dtype=None, copy=None):
+        a = self._fetch()
+        return a if dtype is None else a.astype(dtype)
+
+    def __getitem__(self, i):
+        if self._parent is None and isinstance(i, int) and i in (0, -1) and self.shape[0] == 1:
+            return StepLogits(self._backend, self._dev, self.greedy_token, self._stepno, parent=self)
+        return self._fetch()[i]
+
+    def __len__(self) -> int:
+        return self.shape[0]
 
 
 def carries(tensor_name: str) -> str:
@@ -414,6 +575,14 @@ class CUDABackend:
         self._arena_top = 0  # floats of scratch["arena"] handed out since the last to_device
         self._rope_host = None  # the host (cos, sin) tables now in scratch rope_cos / rope_sin
         self._stage = None  # two staging slots for prefill misses, and their events
+        # The device decode step (version 3; PYMOE_DEVICE_STEP=0: version 2): see `begin_step`
+        import os
+
+        self.device_step = os.environ.get("PYMOE_DEVICE_STEP", "1") != "0"
+        self._step = None  # the step under way: {"p0": position}; None outside a device step
+        self._steps = 0  # device steps begun so far (StepLogits checks its logits are still there)
+        self._res = None  # the residual stream's device array during a step
+        self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def attach(self, file, host: Optional[HostMapping] = None) -> None:
@@ -427,6 +596,7 @@ class CUDABackend:
         self._moe = (cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp)
         self._cfg = cfg
         self._slot_bytes = file.slot_bytes
+        self._file = file
 
     def activation_bytes(self, chunk: int, n_ctx: int) -> int:
         """Device bytes of the scratch buffers for forward calls of up to `chunk` tokens in a context of `n_ctx`
@@ -445,7 +615,12 @@ class CUDABackend:
                 "h": ((pairs * F,), np.float32), "stage": ((2, self._slot_bytes), np.uint8),
                 # the attention block's device arrays (x, q, k, v, o, y of one block call), reused from the
                 # start at each `to_device` (engine/attention.py: one per block)
-                "arena": ((chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),), np.float32),
+                "arena": ((max(chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),
+                               # a device step's (one token): the attention block's q, k, v, o, y, the router's
+                               # logits, the shared expert's gate, up and output, the logits
+                               H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert
+                               + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
+                               + c.n_vocab),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
                 "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
@@ -475,6 +650,237 @@ class CUDABackend:
         self._kv_holder = None
         ev = self.cuda.event
         self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
+        if self.device_step and len(c.moe_layers) and device_kv:
+            self._prepare_step(cos, sin)
+
+    def _prepare_step(self, cos: np.ndarray, sin: np.ndarray) -> None:
+        """The device decode step's buffers (one token): the residual stream, the normed input of a block, the MoE
+        output and hidden rows, the token id, the routing ids and weights of every MoE layer (the ids right after
+        the token id in one int32 buffer, `step_back`, which comes back to the host in one copy), the residency
+        table int32 [n_moe, E] (expert -> slot or -1), each expert's byte offsets in the mapped file int64
+        [n_moe, E, 3], each MoE layer's slot layout (gate/up/down offsets and row bytes), and RoPE tables for the
+        whole context of its own (the version 2 forward overwrites scratch rope_cos/rope_sin per call)."""
+        c, f = self._cfg, self._file
+        K, D, F = self._moe
+        E, moe = c.n_expert, c.moe_layers
+        n_moe = len(moe)
+        layouts = f.expert_layouts()
+        offsets = np.zeros((n_moe, E, 3), np.int64)
+        part_off = np.zeros((n_moe, 3), np.int64)
+        row_bytes = np.zeros((n_moe, 3), np.int64)
+        self._expert_nbytes = np.zeros(n_moe, np.int64)
+        for m, layer in enumerate(moe):
+            parts = layouts[layer].parts  # ((proj, offset in a slot, (rows, row bytes)), ...) gate, up, down
+            part_off[m] = [off for _, off, _ in parts]
+            row_bytes[m] = [shape[1] for _, _, shape in parts]
+            self._expert_nbytes[m] = layouts[layer].nbytes
+            for e in range(E):
+                ex = f.expert(layer, e)
+                offsets[m, e] = [getattr(ex, p).ctypes.data - self.host.base for p in EXPERT_PROJ]
+        alloc = self.mem.alloc
+        sb = self._sb = {"tok": alloc((1,), np.int32, "activations"),
+                         "back": alloc((1 + n_moe * K,), np.int32, "activations"),
+                         "rw": alloc((n_moe * K,), np.float32, "activations"),
+                         "res": alloc((1, D), np.float32, "activations"),
+                         "hn": alloc((1, D), np.float32, "activations"),
+                         "y": alloc((1, D), np.float32, "activations"),
+                         "h": alloc((K, F), np.float32, "activations"),
+                         "y_cpu": alloc((1, D), np.float32, "activations"),
+                         "table_now": alloc((E,), np.int32, "activations")}
+        self._table_host = np.full((n_moe, E), -1, np.int32)
+        for name, host in (("table", self._table_host), ("offsets", offsets), ("part_off", part_off),
+                           ("row_bytes", row_bytes), ("cos", cos), ("sin", sin)):
+            sb[name] = self.mem.upload(np.ascontiguousarray(host), "residency table and expert offsets")
+        self._rope_step = (cos, sin)  # host copies: a step checks that its tables are these rows
+        self._host_file = self.host.device_view(self.host.mm.reshape(-1))  # the whole mapped file, uint8
+        self._no_slots = self.mem.alloc((1, 1), np.uint8, "activations")  # the slots argument with no pool
+
+    # --- the device decode step (version 3) ------------------------------------------------------------------------
+    # One decoded token of a single sequence with the device KV cache runs on the device from the token id to the
+    # greedy token: the engine's forward calls `begin_step` (the token id goes in), `embed` (the row gathered
+    # there), the same blocks as always on device arrays (the residual stream stays in `step res`: rmsnorm of it
+    # writes `step hn`, `add` adds into it), `moe_on_device` per MoE layer (router top-K and the routed experts
+    # through the residency table, no host round trip), and `end_step` (argmax; the token id and every MoE layer's
+    # routing ids come back in one copy: the step's one host synchronisation). The host then runs the expert
+    # cache's lookups of that step (one step late) and the next `begin_step` uploads the residency table's changed
+    # rows and orders the step after the promotions' copies.
+    @property
+    def lookups_in_step(self) -> bool:
+        """A device step under way makes each MoE layer's cache lookup inside it (begin_step's `inline`)."""
+        return self._step is not None and self._step["inline"]
+
+    def step_ready(self) -> bool:
+        return self.device_step and getattr(self, "_sb", None) is not None
+
+    def owns(self, kv) -> bool:
+        """kv is this backend's device KV cache (a device step needs one)."""
+        return isinstance(kv, DeviceKVCache)
+
+    def begin_step(self, tokens: np.ndarray, p0: int, residency: Optional[np.ndarray], inline: bool = False):
+        """Start a device step of one token at position p0: bring the residency table up to date (residency: the
+        cache's [L, E] -> slot or -1, or None with no pool), wait for copies in flight, put the token id on the
+        device; returns it (int32 [1], device). inline: the cache may send misses to the CPU, so each MoE layer's
+        lookup is made inside the step (`routing_to_host`, `experts_as_served`) and the table is not used."""
+        if not inline:
+            self.sync_table(residency)
+        if self.cache_pool is not None:
+            self.cache_pool.before_any_read()
+        self._steps += 1
+        self._step = {"p0": int(p0), "inline": bool(inline)}
+        self._arena_top = 0
+        tok = self._sb["tok"]
+        tok.copy_to_device(np.asarray(tokens, np.int32).reshape(1), stream=self.compute)
+        self.counts.copy("token ids to device", 4)
+        return tok
+
+    def keep_on_device(self, vectors: list) -> None:
+        """Upload these small float32 vectors now (a device step's norm weights), not in the first step."""
+        for v in vectors:
+            self._vec(v)
+
+    def sync_table(self, residency) -> None:
+        """Upload the rows of the residency table that changed since the last step (promotions, evictions, a
+        prefill's placements); residency: the cache's [L, E] -> slot or -1 (None: no pool)."""
+        if residency is None or not self.step_ready():
+            return
+        c = self._cfg
+        rows = np.asarray(residency[c.moe_layers.start:c.moe_layers.stop], np.int32)  # [n_moe, E]
+        E = rows.shape[1]
+        for m in np.flatnonzero((rows != self._table_host).any(axis=1)):
+            row = rows[m].copy()
+            shaped(self._sb["table"].reshape(-1)[m * E:], (E,)).copy_to_device(row, stream=self.compute)
+            self.counts.copy("residency table to device", row.nbytes)
+            self._table_host[m] = row
+
+    def embed(self, w: "DeviceWeight", tokens):
+        """The residual stream of the step: row tokens[0] of the embedding's raw rows w, decoded on the device."""
+        self._res = self._sb["res"]
+        self._launch("embed", w.raw, w.qtype, tokens, self._res, self.compute)
+        return self._res
+
+    def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict,
+                      shared: Optional[dict] = None, gating: str = "softmax", expert_bias=None):
+        """Route (softmax top-K, or gating "sigmoid": sigmoid top-K chosen with `expert_bias`, engine/moe.py) and
+        run the routed experts of one MoE layer on the device: logits [1, E], x [1, D] (device) -> (y [1, D], ids
+        int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the slot the residency table
+        names, or from the mapped file over PCIe. shared: the layer's shared expert (gate/up/down weights, and
+        qwen2moe's gate vector `gate_inp`), added after the routed ones as engine/moe.py does:
+        y += sigmoid(x . gate_inp) * down(silu(gate x) * up x)."""
+        ids, w = self.route_on_device(layer, logits, k, norm_topk, scale, gating, expert_bias)
+        E, m = self._cfg.n_expert, layer - self._cfg.moe_layers.start
+        y = self._routed(layer, shaped(self._sb["table"].reshape(-1)[m * E:], (E,)), expert_types, ids, w, x)
+        return self._add_shared(y, x, shared), ids, w
+
+    def route_on_device(self, layer: int, logits, k: int, norm_topk: bool, scale: float, gating: str = "softmax",
+                        expert_bias=None) -> tuple:
+        """The router's top-K of one MoE layer on the device -> (ids int32 [1, K], weights [1, K]), device arrays
+        (the ids in the buffer that comes back at the step's end)."""
+        K = self._moe[0]
+        m = layer - self._cfg.moe_layers.start
+        ids = shaped(self._sb["back"][1 + m * K:], (1, k))
+        w = shaped(self._sb["rw"][m * K:], (1, k))
+        if gating == "sigmoid":
+            bias = None if expert_bias is None else self._vec(expert_bias)
+            self._launch("route_sigmoid", logits, k, bias, norm_topk, ids, w, float(scale), self.compute)
+        else:
+            self._launch("route_softmax", logits, k, norm_topk, ids, w, float(scale), self.compute)
+        return ids, w
+
+    def _routed(self, layer: int, table, expert_types: dict, ids, w, x):
+        """The routed experts' kernels with `table` (int32 [E]: slot, -1 the mapped file, -2 left out) -> y."""
+        K, D, F = self._moe
+        m = layer - self._cfg.moe_layers.start
+        E, sb = self._cfg.n_expert, self._sb
+        slots = self.cache_pool.bytes if self.cache_pool is not None else self._no_slots
+        offsets = shaped(sb["offsets"].reshape(-1)[m * E * 3:], (E, 3))
+        part_off = shaped(sb["part_off"].reshape(-1)[m * 3:], (3,))
+        row_bytes = shaped(sb["row_bytes"].reshape(-1)[m * 3:], (3,))
+        self._launch("routed_experts", slots, self._host_file, table, offsets, part_off, row_bytes, expert_types,
+                     (D, F), ids, w, x, sb["y"], sb["h"], self.compute)
+        return sb["y"]
+
+    def _add_shared(self, y, x, shared: Optional[dict]):
+        if shared:
+            out = self.mlp_on_device(shared, x)  # [1, D]
+            if "gate_inp" in shared:
+                self._launch("sigmoid_gate", out, x, self._vec(shared["gate_inp"]), self.compute)
+            self._launch("add", y, out, self.compute)
+        return y
+
+    def routing_to_host(self, ids, w, x) -> tuple:
+        """A device step whose cache may send misses to the CPU: this layer's routing ids and weights and its
+        input row come to the host now (one synchronisation) -> (ids int [1, K], w [1, K], x [1, D]), host."""
+        out = [a.copy_to_host(stream=self.compute) for a in (ids, w, x)]
+        self.compute.synchronize()
+        for a, what in zip(out, ("routing ids to host (cpu misses)", "routing weights to host (cpu misses)",
+                                 "expert input to host (cpu misses)")):
+            self.counts.copy(what, a.nbytes)
+        self.counts.sync()
+        return out[0].astype(np.int64), out[1], out[2]
+
+    def experts_as_served(self, layer: int, experts: dict, expert_types: dict, x, x_host, ids, w, ids_host, w_host,
+                          shared: Optional[dict] = None):
+        """The routed experts of one layer as the expert cache just served them (a lookup made inside the step):
+        experts {e: ExpertBytes}, each a slot, spill or cpu. This call's table row (slot, -1 spill, -2 cpu) goes to
+        the device and the kernels run the slot and spill experts while the CPU computes the cpu ones on x_host,
+        in k order, weighted; their sum is added on the device -> y [1, D] (device)."""
+        E, sb = self._cfg.n_expert, self._sb
+        row = np.full(E, -2, np.int32)
+        slots = []
+        for e, ex in experts.items():
+            if ex.where == "slot":
+                row[e] = ex.slot
+                slots.append(ex.slot)
+                self.cache_pool.before_read(ex.slot)
+            elif ex.where != "cpu":  # spill: read over PCIe
+                row[e] = -1
+                self._count_spill(ex, 1)
+        table = sb["table_now"]
+        table.copy_to_device(row, stream=self.compute)
+        self.counts.copy("served table row to device (cpu misses)", row.nbytes)
+        y = self._routed(layer, table, expert_types, ids, w, x)
+        done = self.cuda.event()
+        done.record(self.compute)
+        for slot in slots:
+            self.cache_pool.after_read(slot, done)
+        y_cpu, any_cpu = np.zeros((1, x_host.shape[1]), np.float32), False  # [1, D]
+        for k, e in enumerate(ids_host[0].tolist()):  # meanwhile, on the CPU
+            if experts[e].where == "cpu":
+                y_cpu += w_host[0, k] * swiglu_expert(self.cpu, experts[e], expert_types, x_host)
+                any_cpu = True
+        if any_cpu:
+            dev = sb["y_cpu"]
+            dev.copy_to_device(y_cpu, stream=self.compute)
+            self.counts.copy("cpu experts' output to device", y_cpu.nbytes)
+            self._launch("add", y, dev, self.compute)
+        return self._add_shared(y, x, shared)
+
+    def mlp_on_device(self, w: dict, x):
+        """down(silu(gate x) * up x) of a device step's x [1, D] with dense weights w {gate, up, down} (a shared
+        expert, a dense layer's MLP: engine/moe.swiglu_mlp) -> [1, D], in the arena."""
+        g, u = self.linear(w["gate"], x), self.linear(w["up"], x)  # [1, F] each
+        self._launch("swiglu", g, u, self.compute)
+        return self.linear(w["down"], g)
+
+    def end_step(self, logits):
+        """Greedy argmax on the device, then the step's one copy back: the token id and every MoE layer's routing
+        ids -> (token, ids int32 [n_moe, K], StepLogits). Counts the PCIe reads of the experts the table sent to
+        the mapped file."""
+        K = self._moe[0]
+        back = self._sb["back"]
+        self._launch("argmax", logits, shaped(back, (1,)), self.compute)
+        if self.cache_pool is not None:  # the step's kernels may have read any slot: copies into slots wait for them
+            done = self.cuda.event()
+            done.record(self.compute)
+            self.cache_pool.step_read = done
+        host = self._get(back, "token and routing ids to host")
+        ids = host[1:].reshape(-1, K)  # [n_moe, K]
+        for m in range(0 if self._step["inline"] else ids.shape[0]):  # (inline: counted as served)
+            for e in np.unique(ids[m]):
+                if self._table_host[m, e] < 0:
+                    self.counts.copy("expert spill reads over PCIe", int(self._expert_nbytes[m]))
+        self._step, self._res = None, None
+        return int(host[0]), ids, StepLogits(self, logits, int(host[0]), self._steps)
 
     def new_kv(self, n_ctx: int):
         """The device KV cache for a new sequence, if it is free and big enough; else None (the caller then uses a
@@ -579,7 +985,12 @@ class CUDABackend:
     # in between, projections, biases, norms, RoPE, the KV write and attention all run on the device.
     def to_device(self, x: np.ndarray):
         """x float32 [T, C] (host) -> the same on the device, at the start of scratch["arena"] (the arena is reused
-        from its start: the previous block's device arrays are dead by now)."""
+        from its start: the previous block's device arrays are dead by now). A device array (a device step's
+        normed residual) stays where it is; the arena is reset all the same."""
+        if not isinstance(x, np.ndarray):
+            self._arena_top = 0
+            return x
+        self._step = None  # a host input: not a device step (nor the rest of one that failed)
         self._check_tokens(x.shape[0])
         self._arena_top = 0
         dev = self._arena(x.shape)
@@ -589,7 +1000,8 @@ class CUDABackend:
         return dev
 
     def to_host(self, a) -> np.ndarray:
-        if isinstance(a, np.ndarray):
+        """-> a host array; during a device step a device array stays there (the residual add is on the device)."""
+        if isinstance(a, np.ndarray) or self._step is not None:
             return a
         return self._get(a, "attention block to host")
 
@@ -629,10 +1041,13 @@ class CUDABackend:
     def linear_many(self, ws: list, x) -> list:
         return [self.linear(w, x) for w in ws]
 
-    def add(self, a, vec: np.ndarray):
-        """a [T, n] + vec [n]; on the device in place."""
+    def add(self, a, vec):
+        """a [T, n] + vec [n] (a bias), or a + b [T, n] (a device step's residual add); on the device in place."""
         if isinstance(a, np.ndarray):
             return a + vec
+        if not isinstance(vec, np.ndarray):
+            self._launch("add", a, vec, self.compute)
+            return a
         self._launch("add_bias", a, self._vec(vec), self.compute)
         return a
 
@@ -643,6 +1058,9 @@ class CUDABackend:
         """On the host: the CPU backend's (the residual stream); on the device: in place, over the last axis."""
         if isinstance(x, np.ndarray):
             return self.cpu.rmsnorm(x, w, eps)
+        if x is self._res:  # the residual stream of a device step: kept, the normed copy goes to `step hn`
+            self._launch("rmsnorm", x, self._vec(w), eps, self._sb["hn"], self.compute)
+            return self._sb["hn"]
         shape = tuple(x.shape)  # (the simulator's shape object takes no negative index)
         rows = self._reshaped(x, (math.prod(shape[:-1]), shape[-1]))  # [N, n]
         self._launch("rmsnorm", rows, self._vec(w), eps, rows, self.compute)
@@ -653,6 +1071,12 @@ class CUDABackend:
         the tables uploaded once per forward call (every layer's q and k share them)."""
         if isinstance(x, np.ndarray):
             return self.cpu.rope(x, cos, sin, neox)
+        if self._step is not None:  # a device step: the whole context's tables are on the device already
+            p0, (c_all, s_all) = self._step["p0"], self._rope_step
+            T = x.shape[0]
+            if np.array_equal(cos, c_all[p0:p0 + T]) and np.array_equal(sin, s_all[p0:p0 + T]):
+                self._launch("rope", x, self._sb["cos"], self._sb["sin"], neox, p0, self.compute)
+                return x
         if self._rope_host is None or self._rope_host[0] is not cos:
             self._rope_host = (cos, sin)  # kept alive, so that `is` can recognise them
             for name, table in (("rope_cos", cos), ("rope_sin", sin)):

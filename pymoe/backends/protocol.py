@@ -5,6 +5,12 @@ arithmetic and the memory, never model math of its own. Three backends implement
     reference  backends/reference.py  plain NumPy, the readable twin; what the others are tested against
     cpu        backends/cpu.py        compiled (Numba): fused quantized kernels, integer activations
     cuda       backends/cuda.py       Numba CUDA kernels; dense weights and the slot pool in device memory
+A device backend may also run a whole decode step on the device (version 3, backends/cuda.py): it then has
+`device_step` True and the methods the engine calls for it -- `step_ready`, `owns(kv)`, `begin_step`, `embed`,
+`moe_on_device` (route + routed and shared experts of one MoE layer), `mlp_on_device` (a dense layer's MLP),
+`end_step`, `sync_table`, `keep_on_device` -- and its primitives take and return device arrays during the step
+(engine/model.py `Model.device_step_possible`; docs/expert-cache.md "The decode step on the device"). Host
+backends have none of these and the forward never asks them.
 `typing.Protocol` checks nothing at run time: tests/test_backends.py holds every backend to this list, and each
 primitive to the reference's results.
 

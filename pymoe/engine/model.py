@@ -108,6 +108,51 @@ class Model:
         self.host_attention = any(p.attention in HOST_ATTENTION for p in self.plan)
         bar = tqdm(self.plan, desc="loading", unit="layer", disable=None if progress else True, leave=False)  # TTY only
         self.layers = [self.layer_for(p) for p in bar]
+        # The device decode step (backends/cuda.py `begin_step`, version 3): the families whose every block has
+        # device primitives; the embedding's raw rows go to the device for it (the output's, when tied)
+        self.step_on_device = self.device_step_possible()
+        if self.step_on_device:
+            self.token_embd_dev = self.output if cfg.tied_output else b.dense(self.token_embd)
+            b.keep_on_device([self.output_norm] + [v for la in self.layers for v in (la.attn_norm, la.ffn_norm)]
+                             + [la.shared["gate_inp"] for la in self.layers if "gate_inp" in la.shared]
+                             + [la.expert_bias for la in self.layers if la.expert_bias is not None])
+
+    def device_step_possible(self) -> bool:
+        """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
+        only blocks it has device primitives for: GQA attention without window or sinks; MoE layers routed by a
+        softmax or by sigmoids (with the choice bias, without expert groups), with or without a shared expert (gated
+        or not), without router bias or expert biases; dense MLP layers). Other families keep version 2
+        (docs/expert-cache.md "On the GPU")."""
+        b, cfg = self.backend, self.cfg
+        if not getattr(b, "device_step", False) or self.host_attention:
+            return False
+        if cfg.gating not in ("softmax", "sigmoid") or cfg.n_expert_groups > 1:
+            return False
+        return all(la.plan.attention == "gqa" and not la.plan.window and la.sinks is None
+                   and la.router_bias is None and la.ffn is None for la in self.layers)
+
+    def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
+        """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
+        nothing that needs each layer's routing on the host as it happens (a trace, the lookahead, speculation's
+        expert count, an MTP tap) and an expert cache it can serve (`_cache_allows_step`)."""
+        b = self.backend
+        if not (self.step_on_device and phase == "decode" and tokens.size == 1 and media is None and b.step_ready()
+                and b.owns(kv) and self.trace is None and self.lookahead is None and not self.count_experts
+                and id(kv) not in self.hidden_taps):
+            return False
+        return self._cache_allows_step()
+
+    def _cache_allows_step(self) -> bool:
+        """An expert cache the device step can serve: a SlotCache, or none on a GPU (every expert over PCIe)."""
+        cache = self.cache
+        return hasattr(cache, "residency") or getattr(cache, "miss_path", None) == "spill"
+
+    def _misses_all_over_pcie(self) -> bool:
+        """No decode miss goes to the CPU (pcie_frac 1, a slot for every expert, or no pool): the cache's lookups
+        can follow the step. Otherwise each MoE layer's lookup is made inside it (one more synchronisation per MoE
+        layer: the routing ids and the layer's input come to the host, the CPU computes its "cpu" misses)."""
+        cache = self.cache
+        return not hasattr(cache, "residency") or cache.pcie_frac >= 1.0 or cache.n_slots >= cache.n_total
 
     def backend_for(self, i: int):
         """The backend layer i runs on: the model's, or, with several devices (backends/multi_device.py), the one
@@ -226,7 +271,14 @@ class Model:
         self.backend.share_cpu()  # this call's threads: a fair share of a busy machine (backends/threads.py)
         if getattr(self.backend, "counts", None) is not None:  # a device backend's cost (backends/device_counts.py)
             self.backend.counts.forward(phase, tokens.size)
-        x = self.embed(tokens)  # [T, D]
+        step = self._device_step(tokens, kv, phase, media)
+        if step:  # the token id goes to the device, and the step stays there until its token comes back
+            tok = self.backend.begin_step(tokens, kv.n + _delta(kv), getattr(self.cache, "residency", None),
+                                          inline=not self._misses_all_over_pcie())
+            x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
+        else:
+            x = self.embed(tokens)  # [T, D]
+        plus = self.backend.add if step else np.add  # the residual adds (on the device in a device step)
         norm = self.backend.rmsnorm
         if media is None:
             rope = self.rope_tables(np.arange(kv.n, kv.n + tokens.size) + _delta(kv))  # for all layers
@@ -236,10 +288,10 @@ class Model:
             rope = self.rope_tables(media.positions)  # [T, 3] -> for all layers
         self.last_experts = 0
         for i, layer in enumerate(self.layers):
-            x = x + self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope)
+            x = plus(x, self.attention_block(layer, norm(x, layer.attn_norm, cfg.rms_eps), kv, i, rope))
             h = norm(x, layer.ffn_norm, cfg.rms_eps)
             y, ids, w = FFN[layer.plan.ffn](layer, h, self.cache, self.backend_for(i), phase)
-            x = x + y
+            x = plus(x, y)
             if media is not None and i < cfg.n_deepstack and media.rows.size:  # llama.cpp qwen3vlmoe.cpp
                 x[media.rows] += media.embeddings[:, (i + 1) * x.shape[1]:(i + 2) * x.shape[1]]  # "deepstack_out"
             if self.lookahead is not None:  # experts/prefetch.Lookahead: score layer i's guess, guess the next
@@ -250,6 +302,10 @@ class Model:
                 self.last_experts += np.unique(ids).size
             if self.trace is not None and ids is not None:  # a decode forward of several positions: speculation's
                 self.trace.record(i, ids, w, "verify" if phase == "decode" and tokens.size > 1 else phase)
+        if step:
+            return self._end_device_step(x, kv, phase)
+        if self.step_on_device and phase == "prefill" and self._misses_all_over_pcie():  # what the prompt placed in
+            self.backend.sync_table(getattr(self.cache, "residency", None))  # slots: on the device before a step
         if self.trace is not None:
             self.trace.end_forward()
         kv.n += tokens.size
@@ -260,6 +316,21 @@ class Model:
         if tap is not None:  # an MTP drafter reads this sequence's normed last hidden states (engine/mtp.py)
             tap(kv.n - tokens.size, x)
         return self.backend.linear(self.output, x)  # [T, V]
+
+    def _end_device_step(self, x, kv, phase: str):
+        """The end of a device step: output norm, logits and greedy argmax on the device; the token id and the
+        routing ids come back together; then the expert cache's lookups of this step, layer by layer in the order
+        the host-side forward makes them, so every counter and promotion is the one version 2 makes (the experts
+        were read where the residency table of the step's start said; promotions land before the next step)."""
+        inline = self.backend.lookups_in_step
+        x = self.backend.rmsnorm(x, self.output_norm, self.cfg.rms_eps)
+        token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x))  # [1, V] on the device
+        if not inline:  # (inline: each layer's lookup was made inside the step, engine/moe.py)
+            for m, layer in enumerate(self.cfg.moe_layers):
+                self.cache.lookup(layer, ids[m].reshape(1, -1).astype(np.int64), phase)  # [1, K]
+                self.cache.finish(layer)
+        kv.n += 1
+        return logits
 
     def prefill(self, tokens, kv: KVCache, media=None) -> np.ndarray:
         """tokens [T] -> logits [T, V], in forward calls of at most `self.chunk` tokens (`--chunk`): the chunk is

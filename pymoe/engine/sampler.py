@@ -301,8 +301,13 @@ class Sampler:
         self.n_drawn = 0  # tokens drawn so far (min_tokens)
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
-        """logits float32 [V] -> the next token id."""
-        z = self._penalised(logits, history)
+        """logits float32 [V] -> the next token id. Logits a device decode step left on the device
+        (backends/cuda.StepLogits) carry their argmax: a plain greedy draw takes it and never brings them over."""
+        token = getattr(logits, "greedy_token", None)
+        if token is not None and self._plain_greedy():
+            self.n_drawn += 1
+            return int(token)
+        z = self._penalised(np.asarray(logits), history)
         if self.params.temperature == 0.0:
             token = int(np.argmax(z))
         else:
@@ -316,6 +321,14 @@ class Sampler:
             self.constraint.accept(token)
         self.n_drawn += 1
         return token
+
+    def _plain_greedy(self) -> bool:
+        """The draw is the argmax of the logits as they are: temperature 0 and nothing that changes or reads them
+        (grammar, bias, penalties, DRY, min_tokens' masking, log-probabilities)."""
+        p = self.params
+        return (p.temperature == 0.0 and self.constraint is None and self.top_logprobs is None and not p.logit_bias
+                and p.repeat_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and not p.dry_multiplier and not (self.n_drawn < p.min_tokens and self.end_ids.size))
 
     def _drawn(self, p: float) -> None:
         """After a random draw of a token of probability p (in the distribution drawn from): mirostat moves its target

@@ -913,6 +913,30 @@ MUTANTS: list[Mutant] = [
         "-1, c.n_embd * c.merge * c.merge)",
         ("tests/test_vision_deepstack.py::test_deepstack_tower_matches_clip_cpp[*]",),
         "the deepstack merger normalises each patch (the main merger's pre-shuffle norm), not the 4D-wide row"),
+    Mutant(
+        "step_routed_experts_ignore_the_table", "cuda_kernels/step.py",
+        "    if s >= 0:  # uniform in the block: the barriers below are reached by every thread",
+        "    if s >= 1 << 30:  # uniform in the block: the barriers below are reached by every thread",
+        ("tests/test_cuda_step_kernels.py::test_routed_experts_read_slots_and_the_mapped_file_as_the_table_says",),
+        "the device step's gate/up kernel reads every expert from the mapped file, whatever the residency table says"),
+    Mutant(
+        "step_route_ties_to_the_higher_id", "cuda_kernels/step.py",
+        "                if best < 0 or p > bp:",
+        "                if best < 0 or p >= bp:",
+        ("tests/test_cuda_step_kernels.py::test_route_softmax_matches_the_reference_router[*]",),
+        "the device router's top-K breaks ties towards the higher expert id (the reference: the lower)"),
+    Mutant(
+        "step_table_never_uploaded", "pymoe/backends/cuda.py",
+        "        if residency is None or not self.step_ready():",
+        "        if True:",
+        ("tests/test_cuda_device_step.py::test_a_device_step_moves_token_ids_and_routing_ids_only[*]",),
+        "the device step's residency table stays all -1: every expert read over PCIe, slots never used"),
+    Mutant(
+        "step_cpu_miss_also_on_the_device", "pymoe/backends/cuda.py",
+        "            elif ex.where != \"cpu\":  # spill: read over PCIe",
+        "            else:  # spill: read over PCIe",
+        ("tests/test_cuda_device_step.py::test_device_step_logits_match_the_float_path[cpu misses-*]",),
+        "a device step's \"cpu\" miss is also read over PCIe by the kernels: its term added twice"),
 ]
 
 

@@ -1,0 +1,182 @@
+"""The device decode step (version 3, backends/cuda.py `begin_step` .. `end_step`) in Numba's CUDA simulator.
+
+What this is: on each converted family's `micro` file (F32), a decode step runs on the device from the token id to the
+greedy token: the counts per decoded token (exact in the simulator: backends/device_counts.py) are the issue's
+targets -- host<->device bytes = the token id in (4 bytes) and the token id plus every MoE layer's K routing ids out
+(4 (1 + n_moe K) bytes), one host synchronisation -- and the greedy tokens equal the reference backend's (the CPU
+float path's math, NumPy). With misses (one slot, pcie_frac 1: every miss read over PCIe and promoted) the expert
+cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the step's lookups are made after it, in
+the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
+with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.
+The backend runs the reference kernels here (tests/test_cuda_backend.py says why); the real ones:
+tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_sim.py (end to end).
+
+Tolerance of the logits: the same float32 operations in other orders only (the device step adds each token's K
+experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
+roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
+"cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7; version 2 itself is 4 ulp
+from the reference on gpt-oss); the bound is 8 ulp of s (2.7x).
+"""
+from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import pymoe  # noqa: E402
+from pymoe.experts.profile import Profile  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+PROMPT = [5, 17]
+N_NEW = 5  # 4 decode steps
+MiB = 2**20
+SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
+ULPS = 8  # of the logit scale s: see the module docstring
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    from pymoe.demo.tinymodel import write_model
+
+    root, made = tmp_path_factory.mktemp("micro"), {}
+
+    def make(arch):
+        if arch not in made:
+            made[arch] = str(root / f"micro-{arch}-f32.gguf")
+            write_model(made[arch], arch, "micro", "f32", seed=0)
+        return made[arch]
+
+    return make
+
+
+def every_expert_in_a_slot(path):
+    cfg = pymoe.load(path, backend="reference").config
+    pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+    profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
+    return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
+                      backend_options=SIM)
+
+
+def per_token(engine):
+    from pymoe.backends.device_counts import per_token
+
+    st = engine.last_stats
+    return per_token({**st.device, "tokens": st.n_decoded})
+
+
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe"]  # the converted ones (model.device_step_possible)
+
+
+@in_process
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_a_device_step_moves_token_ids_and_routing_ids_only(micro, arch):
+    path = micro(arch)
+    want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    engine = every_expert_in_a_slot(path)
+    assert engine.model.step_on_device
+    assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
+    cfg, m = engine.config, per_token(engine)
+    ids_bytes = 4 * (1 + len(cfg.moe_layers) * cfg.n_expert_used)  # int32 token id + [n_moe, K] routing ids
+    assert m["bytes_by_name"] == {"token ids to device": 4, "token and routing ids to host": ids_bytes}
+    assert m["synchronisations"] == 1
+    assert engine.last_stats.decode["hits"] == (N_NEW - 1) * len(cfg.moe_layers) * cfg.n_expert_used
+
+
+@in_process
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("setting", ["slots", "cpu misses"])
+def test_device_step_logits_match_the_float_path(micro, arch, setting):
+    """The logits a step leaves on the device (fetched on demand: one more copy and sync) against the reference;
+    "cpu misses": one slot, pcie_frac 0.5 (the lookups inside the step, the CPU's experts added on the device)."""
+    path = micro(arch)
+    ref = pymoe.load(path, backend="reference")
+    engine = (every_expert_in_a_slot(path) if setting == "slots" else
+              pymoe.load(path, backend="cuda", cache_slots=1, policy="lru", pcie_frac=0.5, backend_options=SIM))
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    token = 9
+    for _ in range(3):
+        want = ref.model.decode_one_token(token, kv_ref)
+        got = engine.model.decode_one_token(token, kv)
+        assert got.greedy_token == int(np.argmax(want))
+        before = engine.backend.counts.snapshot("decode")["synchronisations"]
+        got = np.asarray(got)
+        assert engine.backend.counts.snapshot("decode")["synchronisations"] == before + 1
+        s = np.float32(np.abs(want).max())
+        assert np.abs(got - want).max() <= ULPS * np.spacing(s)
+        token = int(np.argmax(want))
+
+
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe"])
+@pytest.mark.parametrize("pcie_frac", [1.0, 0.5])
+def test_misses_keep_the_caches_counters_of_version_2(micro, monkeypatch, arch, pcie_frac):
+    """One slot, LRU: every step misses and promotes. pcie_frac 1: every miss read over PCIe, the lookups made after
+    the step; pcie_frac 0.5: half the misses computed on the CPU, so each MoE layer's lookup is made inside the step
+    (its routing ids and input row to the host: one more synchronisation per MoE layer, the CPU experts' output back).
+    Either way the counters, the tokens and the slot copies are version 2's."""
+    path = micro(arch)
+    want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    runs = {}
+    for version in ("2", "3"):
+        monkeypatch.setenv("PYMOE_DEVICE_STEP", "1" if version == "3" else "0")
+        engine = pymoe.load(path, backend="cuda", cache_slots=1, policy="lru", pcie_frac=pcie_frac,
+                            backend_options=SIM)
+        assert engine.model.step_on_device == (version == "3")
+        assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
+        runs[version] = (engine.last_stats.decode, per_token(engine))
+    (d2, m2), (d3, m3) = runs["2"], runs["3"]
+    assert d3 == d2 and d3["promoted"] > 0 and d3["spill"] > 0 and (d3["cpu"] > 0) == (pcie_frac < 1)
+    n_moe = len(engine.config.moe_layers)
+    assert m3["synchronisations"] == 1 + (n_moe if pcie_frac < 1 else 0) < m2["synchronisations"]
+    promotions = "slot copies (promotions, prefetches) to device"
+    assert m3["bytes_by_name"][promotions] == m2["bytes_by_name"][promotions]
+    assert not any(name.startswith(("residual", "router", "output projection", "expert inputs"))
+                   for name in m3["bytes_by_name"])
+
+
+@in_process
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_simulator_replays_a_device_step_run_with_its_counts(micro, tmp_path, policy):
+    """Plumbing (the engine and experts/simulate.py run the same SlotTable): a trace of the same greedy request,
+    recorded on the reference backend (a trace needs each layer's routing on the host, so a traced run is version 2),
+    replayed with the same profile, policy and slots, gives the device-step engine's decode hits and lookups: its
+    lookups, made one step late, are the version 2 sequence the simulator replays."""
+    from pymoe.experts.simulate import sweep
+    from pymoe.experts.trace import Trace
+
+    path = micro("qwen3moe")
+    ref = pymoe.load(path, backend="reference")
+    recorder = ref.record_trace()
+    want = list(ref.generate(PROMPT, max_tokens=8, stop_at_eos=False))
+    recorder.save(tmp_path / "t.npz")
+    profile = Profile(1, 4, pairs=[(0, 3), (0, 1)], counts=[2, 1])
+    engine = pymoe.load(path, backend="cuda", cache_slots=2, profile=profile, policy=policy, pcie_frac=1.0,
+                        backend_options=SIM)
+    assert list(engine.generate(PROMPT, max_tokens=8, stop_at_eos=False)) == want
+    assert per_token(engine)["synchronisations"] == 1  # every step ran on the device
+    d = engine.last_stats.decode
+    (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [2], ["global"], profile=profile, phase="decode")
+    assert (sim.hits, sim.lookups) == (d["hits"], d["lookups"]) and 0 < d["hits"] < d["lookups"], (sim, d)
+
+
+@in_process
+def test_families_not_converted_keep_version_2(micro):
+    """gpt-oss (sliding window, sinks, expert biases) runs version 2: its decode steps synchronise per layer."""
+    engine = every_expert_in_a_slot(micro("gpt-oss"))
+    assert not engine.model.step_on_device
+    list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False))
+    assert per_token(engine)["synchronisations"] > 1
+
+
+@in_process
+def test_sampling_fetches_the_logits(micro):
+    """A sampled (temperature > 0) request reads the step's logits: one more copy of V floats and synchronisation."""
+    engine = every_expert_in_a_slot(micro("qwen3moe"))
+    list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False, temperature=0.8, seed=1))
+    m = per_token(engine)
+    assert m["synchronisations"] == 2 and m["bytes_by_name"]["logits to host"] == 4 * engine.config.n_vocab
+
+if not IN_PROCESS:
+    test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
