@@ -5,13 +5,15 @@ weights to float and multiplying by float x, x is quantized once per call, and e
 in integer arithmetic; floats appear only once per block (the block's scales). Three pieces:
   1. `quantize_act` (Numba, per row) and its NumPy reference `quantize_act_ref`: x float32 [C] -> activations
         qs    int16 (or int8) [C]   q = round(x / d), in -QMAX..QMAX (32767, or 127 for int8)
-        d     float32 [C / 256]     one scale per 256 values: the power of two just above max|x| / QMAX
+        d     float32 [C / 256]     one scale per 256 values: 8 bits, 1 / (127 / max|x|) as llama.cpp's;
+                                    16 bits, the power of two just above max|x| / QMAX
         bsums int32   [C / 16]      the sum of each run of 16 q: what the "- dmin * m" term of a weight needs
-     With int8 values this is llama.cpp's block_q8_K (three arrays here, not a packed struct; llama.cpp's d is
-     max|x| / 127 itself, pymoe's a power of two: see quantize_act_ref). pymoe's default is
-     int16: 8-bit x moves the logits of the tiny test models by up to ~0.2 (random weights, no outliers tamed),
-     past the 0.05 the llama.cpp oracle test allows, while 16-bit x is within ~1e-3 of float math. The kernels
-     take either: the width is the dtype of qs (`CPUBackend(act_bits=8)` selects int8).
+     With int8 values these are llama.cpp's block_q8_K values, bit for bit (three arrays here, not a packed struct;
+     ggml divides by the signed maximum, so its d and q are these negated where that maximum is positive:
+     tests/test_kernels_qact.py checks against ggml's quantize_row_q8_K_ref). pymoe's default is int16: 8-bit x
+     moves the logits of the tiny test models by as much as llama.cpp's own 8-bit run does (bench/act_accuracy.py),
+     16-bit x stays within ~1e-3 of float math. The kernels take either: the width is the dtype of qs
+     (`CPUBackend(act_bits=8)` selects int8).
   2. Row dots, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation to 64 bits,
      and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the IR states the
      narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpmaddubsw` / `vpdpbusd`):
@@ -67,27 +69,38 @@ def qmax_of(dtype) -> int:
 
 
 _QMAX = {np.dtype(np.int8): 127, np.dtype(np.int16): 32767}  # np.iinfo costs ~1 us a call: per token, per matrix
+EXACT_SCALE_QMAX = 127  # the width whose scale is max|x| / QMAX itself (8 bits); wider ones take a power of two
 
 
 def quantize_act_ref(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """x float32 [T, C] (C a multiple of 256) -> (qs int16/int8 [T, C], d float32 [T, C/256], bsums int32 [T, C/16]).
 
-    Per block of 256: d = the smallest power of two >= max|x| / QMAX (d = 2^e, e = frexp's exponent, at least
-    2^-100), q = rint(x / d) (round half to even; x / d is exact, a power-of-two scaling). A power-of-two d costs
-    at most one bit against d = max|x| / QMAX, and buys stability: a change of max|x| in its last bits (the
+    Per block of 256, 16 bits: d = the smallest power of two >= max|x| / QMAX (d = 2^e, e = frexp's exponent, at
+    least 2^-100), q = rint(x / d) (round half to even; x / d is exact, a power-of-two scaling). A power-of-two d
+    costs at most one bit against d = max|x| / QMAX, and buys stability: a change of max|x| in its last bits (the
     decode and the prefill forward compute attention in different orders) leaves d, hence every other q, alone;
     with d = max|x| / QMAX it moves the rounding of the whole block and, at 16 bits, the logits by ~1e-4.
-    The Numba twin computes the same exponent (in float64) and agrees bit for bit.
+    8 bits: that one bit is what llama.cpp's 8-bit blocks have and a power of two would lose (pymoe's 8-bit logits
+    were 1.3-1.5x farther from float than llama.cpp's with it: bench/act_accuracy.py), so d is llama.cpp's
+    block_q8_K scale: iscale = 127 / max|x| (float32), q = rint(x * iscale) within +-127, d = 1 / iscale; an
+    all-zero block has d = 0. The Numba twin does the same float32 operations and agrees bit for bit.
     """
     dtype = ACT_DTYPES[bits]
     x = np.asarray(x, dtype=np.float32)
     T, C = x.shape
     blocks = x.reshape(T, C // QK_K, QK_K)  # [T, nb, 256]
-    amax = np.abs(blocks).max(axis=-1, keepdims=True).astype(np.float64)  # [T, nb, 1]
-    _, e = np.frexp(amax / qmax_of(dtype))  # ratio = m * 2^e, m in [0.5, 1): 2^e >= ratio
-    e = np.maximum(e, -100)
-    d = np.ldexp(1.0, e).astype(np.float32)  # [T, nb, 1]
-    qs = np.rint(blocks * np.ldexp(1.0, -e).astype(np.float32)).astype(dtype)  # [T, nb, 256]
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)  # [T, nb, 1] float32
+    qmax = qmax_of(dtype)
+    if qmax == EXACT_SCALE_QMAX:  # 8 bits: llama.cpp's block_q8_K scale, iscale = 127 / max|x|, d = 1 / iscale
+        with np.errstate(divide="ignore"):
+            iscale = np.where(amax > 0, np.float32(qmax) / amax, np.float32(0)).astype(np.float32)  # [T, nb, 1]
+        d = np.where(amax > 0, np.float32(1) / np.where(amax > 0, iscale, 1), np.float32(0)).astype(np.float32)
+    else:  # 16 bits: the smallest power of two >= max|x| / QMAX
+        _, e = np.frexp(amax.astype(np.float64) / qmax)  # ratio = m * 2^e, m in [0.5, 1): 2^e >= ratio
+        e = np.maximum(e, -100)
+        d = np.ldexp(1.0, e).astype(np.float32)  # [T, nb, 1]
+        iscale = np.ldexp(1.0, -e).astype(np.float32)
+    qs = np.clip(np.rint(blocks * iscale), -qmax, qmax).astype(dtype)  # [T, nb, 256]
     bsums = qs.reshape(T, C // SUB, SUB).astype(np.int32).sum(axis=-1)  # [T, C/16]
     return qs.reshape(T, C), d.reshape(T, C // QK_K), bsums.astype(np.int32)
 
@@ -116,12 +129,17 @@ def quantize_act(x, qs, d, bsums, qmax):
         amax = np.float32(0.0)
         for i in range(SUB):
             amax = max(amax, lanes[i])
-        e = max(math.frexp(np.float64(amax) / qmax)[1], -100)
-        d[b] = np.float32(math.ldexp(1.0, e))
-        iscale = np.float32(math.ldexp(1.0, -e))
+        if qmax == EXACT_SCALE_QMAX:  # 8 bits: llama.cpp's block_q8_K scale (see quantize_act_ref)
+            iscale = np.float32(qmax) / amax if amax > 0 else np.float32(0.0)
+            d[b] = np.float32(1.0) / iscale if amax > 0 else np.float32(0.0)
+        else:
+            e = max(math.frexp(np.float64(amax) / qmax)[1], -100)
+            d[b] = np.float32(math.ldexp(1.0, e))
+            iscale = np.float32(math.ldexp(1.0, -e))
+        lo, hi = np.float32(-qmax), np.float32(qmax)
         qb = qs[b * QK_K:(b + 1) * QK_K]  # [256]
         for i in range(QK_K):  # (through int32: float -> int8 in one step is not a vector loop)
-            qb[i] = np.int32(np.rint(xb[i] * iscale))
+            qb[i] = np.int32(min(max(np.rint(xb[i] * iscale), lo), hi))
         for s in range(QK_K // SUB):
             acc = np.int32(0)
             for i in range(SUB * s, SUB * s + SUB):
