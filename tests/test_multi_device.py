@@ -69,7 +69,7 @@ def test_two_devices_give_the_tokens_of_one_device_and_of_the_cpu_float_path(tin
 
 @in_process
 @pytest.mark.parametrize("arch, sizes", [("qwen3next", (96, 32)), ("glm4moe", (64, 64))])
-def test_the_split_is_the_planners_and_each_device_holds_its_layers(tiny_model, arch, sizes):
+def test_the_split_is_the_planners_and_each_device_holds_its_layers(tiny_model, arch, sizes, monkeypatch):
     """Devices of 96 and 32 MiB beyond the reserve: the layers go 3 : 1, as `pymoe plan --devices` splits them
     (experts/multi.plan_devices, same usable bytes; qwen3next); each device's KV cache has rows for its own layers
     only (glm4moe; qwen3next attends on the host side, with a host KV cache), the dense weights are split between
@@ -93,13 +93,17 @@ def test_the_split_is_the_planners_and_each_device_holds_its_layers(tiny_model, 
         layers = np.flatnonzero((cache.residency >= 0).any(axis=1))
         assert layers.size and set(layers.tolist()) <= set(r)
         assert cache.pool is dev.cache_pool and dev.mem.by_what["expert slots"] == cache.n_slots * two.file.slot_bytes
+    # several devices run version 2 (the device step keeps a token on one device): the one-device run to compare
+    # with is version 2 too (version 3 also uploads the embedding's rows)
+    assert not two.model.step_on_device
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")
     one = load(path, cache_slots=4)
     dense = [dev.mem.by_what["dense weights"] for dev in b.devices]
     assert sum(dense) == one.backend.mem.by_what["dense weights"] and min(dense) > 0
 
 
 @in_process
-def test_per_device_counters_equal_the_simulators_one_pool_per_card(tiny_model):
+def test_per_device_counters_equal_the_simulators_one_pool_per_card(tiny_model, monkeypatch):
     """A two-device run records its routing; `pymoe simulate --devices`'s replay (experts/multi.simulate_devices:
     one pool per card over its MoE layers, the engine's slots per device) counts each device's decode lookups,
     hits and promotions exactly. The device counts (launches, syncs) sum to the one-device run's; the bytes too, but
@@ -127,6 +131,7 @@ def test_per_device_counters_equal_the_simulators_one_pool_per_card(tiny_model):
 
     # full pools: the same hits on one device and two, so the device counts compare term by term
     n_all = len(two.config.moe_layers) * two.config.n_expert
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # two devices run version 2: so does the one-device run compared
     one, two = load(path, cache_slots=n_all), load(path, devices="2", cache_slots=n_all)
     counts = []
     for e in (one, two):

@@ -171,6 +171,10 @@ class MultiDeviceBackend:
     device's."""
 
     name = "cuda"
+    # The decode step on the device (version 3, backends/cuda.py `begin_step`) keeps a token on one device from id to
+    # id; with several devices the residual stream goes through the host between ranges (version 2): never forward
+    # the question to the last device (__getattr__ would, and the step would run every layer there)
+    device_step = False
 
     def __init__(self, ids: list[int], threads: Optional[int] = None, reserve: int = DEFAULT_RESERVE,
                  free_bytes=None, **options):
