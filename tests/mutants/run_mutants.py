@@ -605,8 +605,8 @@ MUTANTS: list[Mutant] = [
         "seed -1 (llama.cpp's random) reaches numpy, which raises in the engine thread"),
     Mutant(
         "anthropic_tool_use_stop_reason_dropped", "pymoe/serve/app.py",
-        "                    if n_calls and stop_reason == \"end_turn\":\n                        stop_reason = \"tool_use\"",
-        "                    if False:  # MUTANT\n                        stop_reason = \"tool_use\"",
+        "                if n_calls and stop_reason == \"end_turn\":\n                    stop_reason = \"tool_use\"",
+        "                if False:  # MUTANT\n                    stop_reason = \"tool_use\"",
         ("tests/test_server.py::test_anthropic_tool_use_with_the_official_client",),
         "Anthropic: a streamed answer with a tool call ends with end_turn, not tool_use"),
     Mutant(
