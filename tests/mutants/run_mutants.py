@@ -395,8 +395,8 @@ MUTANTS: list[Mutant] = [
         "the monitor's heat map marks an expert looked up instead of counting its lookups"),
     Mutant(
         "by_expert_first_weight", "pymoe/quant/kernels.py",
-        "            wk = weight[start[k]]",
-        "            wk = weight[0]",
+        "        wk = weight[start[k]]",
+        "        wk = weight[0]",
         ("tests/test_repack.py::test_decode_one_task_per_expert_has_the_bits_of_the_row_tasks",
          "tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[*]"),
         "decode's one-task-per-expert MoE kernel weighs every expert with the first one's routing weight"),
