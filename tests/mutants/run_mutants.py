@@ -137,8 +137,8 @@ MUTANTS: list[Mutant] = [
         "the sampler never draws the least likely candidate left after top-k/top-p/min-p"),
     Mutant(
         "codebook_table_rotated", "pymoe/quant/qact.py",
-        "return builder.call(fn, [vec(i8, 32, list(codebook) * 2), v])",
-        "return builder.call(fn, [vec(i8, 32, list(codebook[1:] + codebook[:1]) * 2), v])",
+        "return builder.call(fn, [vec(i8, 32, list(self.codebook) * 2), v])",
+        "return builder.call(fn, [vec(i8, 32, list(self.codebook[1:] + self.codebook[:1]) * 2), v])",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_XS-*]",
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_NL-*]",
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[MXFP4-*]"),
