@@ -34,7 +34,7 @@ def build(qtypes, distance: int, locality: int, by_expert: bool = kernels.BY_EXP
     dots = {QType(q): repack._make_tile_dot(QType(q), locality=locality, ahead=distance) for q in qtypes}
     name = (f"bench{distance}_l{locality}_{'e' if by_expert else 'r'}_" + "_".join(QType(q).name for q in qtypes)
             + "_" + kernels._act_fingerprint())
-    return kernels._compile(kernels._moe_kernel, name, dict(kernels.moe_constants(qtypes, dots), BY_EXPERT=by_expert))
+    return kernels.compile_moe(name, dict(kernels.moe_constants(qtypes, dots), BY_EXPERT=by_expert))
 
 
 def main():

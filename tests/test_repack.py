@@ -443,8 +443,8 @@ def test_decode_one_task_per_expert_has_the_bits_of_the_row_tasks():
     types = (QType.Q4_K, QType.Q4_K, QType.Q6_K)
     rng = np.random.default_rng(11)
     D, F = 512, 512
-    rows_form = kernels._compile(kernels._moe_kernel, "test_rows_" + "_".join(q.name for q in types) + "_"
-                                 + kernels._act_fingerprint(), dict(kernels.moe_constants(types), BY_EXPERT=False))
+    rows_form = kernels.compile_moe("test_rows_" + "_".join(q.name for q in types) + "_" + kernels._act_fingerprint(),
+                                    dict(kernels.moe_constants(types), BY_EXPERT=False))
     by_expert = kernels.act_kernel(kernels._moe_kernel, *types)
     assert kernels.BY_EXPERT
     for S in (4, 6):

@@ -331,6 +331,10 @@ def bytes_at(typingctx, address):
     return sig, codegen
 
 
+# The MoE kernel's phases (their templates below _moe_kernel), bound by compile_moe; placeholders only here
+QUANTIZE_X_PHASE = DECODE_PHASE = GATE_UP_PHASE = DOWN_PHASE = None
+
+
 def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qmax, y, threads, ahead):
     """y[tok[p]] += weight[p] * down_e(silu(gate_e x_p) * up_e x_p) for every (expert, token) pair p.
 
@@ -355,7 +359,32 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     qact.prefetch_ahead_stream, at this CPU's hint for bytes read once; ahead 0: no hints), a row (group) at a time,
     except where a one-token tile dot reads: that one asks for them from inside its block loop (repack.STREAM_AHEAD,
     at the same hint).
+    The phases are their own functions (templates bound to the same constants: compile_moe): _moe_quantize_x,
+    then _moe_decode (the decode form: a task per expert) or _moe_gate_up and _moe_down (the row tasks: prefill,
+    and decode where the one-task-per-expert form does not apply).
     """
+    QUANTIZE_X_PHASE(x, D, tok, xq, xd, xbs, qmax)
+    # [S, 3] the repacked copies' addresses, as a C-contiguous copy: read through the strided view addr[:, 3:],
+    # decode was slower in 4 of 4 alternated process pairs (4.35-5.04 vs 4.49-5.35 ms a token, Q4_K_M mid)
+    tiles = np.ascontiguousarray(addr[:, 3:])
+    n_exp = addr.shape[0]
+    # Decode (one token, every matrix repacked, the experts shared evenly by the threads): one task per expert, its
+    # gate, up and down one after another, into its own row of `o`, then added into y here in expert order, the
+    # sums of the row tasks below (the same products, added in the same order: the same bits). One parallel region
+    # instead of two, no wait between them, and each thread reads its experts as one stream.
+    by_expert = BY_EXPERT and x.shape[0] == 1 and threads > 0 and n_exp % threads == 0
+    for k in range(n_exp):
+        by_expert = by_expert and tiles[k, 0] != 0 and tiles[k, 1] != 0 and tiles[k, 2] != 0
+    if by_expert:
+        DECODE_PHASE(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y)
+        return
+    GATE_UP_PHASE(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead)
+    DOWN_PHASE(addr, tiles, F, D, start, tok, weight, hq, hd, hbs, qmax, y, threads, ahead)
+
+
+def _moe_quantize_x(x, D, tok, xq, xd, xbs, qmax):
+    """_moe_kernel's first phase: x float32 [T, D] quantized into xq, xd, xbs, one row per pair (tok: each pair's
+    token)."""
     # x's rows quantized here, not by the caller: a decode step's glue around the kernel (quantize a row, copy it
     # to K pairs, in NumPy) cost more than this phase. Decode quantizes each pair's row (K copies of one token's
     # row: one parallel region); a prefill chunk each token's row once, then copies it to its pairs (K times less
@@ -381,50 +410,47 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
             xq[p] = xt[tok[p]]
             xd[p] = xdt[tok[p]]
             xbs[p] = xbst[tok[p]]
-    # [S, 3] the repacked copies' addresses, as a C-contiguous copy: read through the strided view addr[:, 3:],
-    # decode was slower in 4 of 4 alternated process pairs (4.35-5.04 vs 4.49-5.35 ms a token, Q4_K_M mid)
-    tiles = np.ascontiguousarray(addr[:, 3:])
+
+
+def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
+    """_moe_kernel's decode form (one token, every matrix repacked: tiles int64 [S, 3] its copies' addresses, the
+    experts a multiple of the threads): one task per expert, its gate, up, SwiGLU and down one after another into
+    its own row of `o`; the experts' outputs then added into y[0] in expert order, with their routing weights."""
+    n_exp = tiles.shape[0]
+    o = np.empty((n_exp, D), dtype=np.float32)  # [S, D] each expert's down(h), before its routing weight
+    for k in prange(n_exp):
+        a = start[k]  # its one pair
+        gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
+        ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
+        dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
+        g = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # [rows] one block of gate x, up x, h
+        u = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
+        hb = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
+        for r0 in range(0, F, MOE_ROWS_PER_TASK):
+            for q in range(r0 // TILE_ROWS, (r0 + MOE_ROWS_PER_TASK) // TILE_ROWS):
+                c = q * TILE_ROWS - r0
+                TILE_GATE(gt[q], xq[a], xd[a], xbs[a], g[c:c + TILE_ROWS])
+                TILE_UP(ut[q], xq[a], xd[a], xbs[a], u[c:c + TILE_ROWS])
+            for j in range(MOE_ROWS_PER_TASK):  # (as in the gate/up tasks below)
+                hb[j] = g[j] / (np.float32(1.0) + exp_f32(-g[j])) * u[j]
+            r1 = r0 + MOE_ROWS_PER_TASK
+            quantize_act(hb, hq[a, r0:r1], hd[a, r0 // QK_K:r0 // QK_K + 1], hbs[a, r0 // SUB:r1 // SUB], qmax)
+        for q in range(D // TILE_ROWS):
+            TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
+    for k in range(n_exp):  # y += weight * o[k], expert by expert (the down tasks' order)
+        wk = weight[start[k]]
+        for r in range(D):
+            y[0, r] += wk * o[k, r]
+
+
+def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead):
+    """_moe_kernel's gate/up phase of the row tasks: a task per (expert, block of MOE_ROWS_PER_TASK rows of F), its
+    rows of gate x and up x for all the expert's pairs (from repacked tiles, decoded scratch tiles or raw rows),
+    then silu(gate x) * up x quantized into its block of hq, hd, hbs."""
     n_exp = addr.shape[0]
     gate_bytes = D // QK_K * GATE_SIZE
     up_bytes = D // QK_K * UP_SIZE
-    down_bytes = F // QK_K * DOWN_SIZE
-    n_max = 0  # the most pairs of one expert: scratch size
-    for k in range(n_exp):
-        n_max = max(n_max, start[k + 1] - start[k])
     blocks_f = F // MOE_ROWS_PER_TASK  # (F: whole 256-blocks, or no integer path: qact.has_int_dot)
-    # Decode (one token, every matrix repacked, the experts shared evenly by the threads): one task per expert, its
-    # gate, up and down one after another, into its own row of `o`, then added into y here in expert order, the
-    # sums of the row tasks below (the same products, added in the same order: the same bits). One parallel region
-    # instead of two, no wait between them, and each thread reads its experts as one stream.
-    by_expert = BY_EXPERT and T == 1 and threads > 0 and n_exp % threads == 0
-    for k in range(n_exp):
-        by_expert = by_expert and tiles[k, 0] != 0 and tiles[k, 1] != 0 and tiles[k, 2] != 0
-    if by_expert:
-        o = np.empty((n_exp, D), dtype=np.float32)  # [S, D] each expert's down(h), before its routing weight
-        for k in prange(n_exp):
-            a = start[k]  # its one pair
-            gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
-            ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
-            dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
-            g = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # [rows] one block of gate x, up x, h
-            u = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
-            hb = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
-            for r0 in range(0, F, MOE_ROWS_PER_TASK):
-                for q in range(r0 // TILE_ROWS, (r0 + MOE_ROWS_PER_TASK) // TILE_ROWS):
-                    c = q * TILE_ROWS - r0
-                    TILE_GATE(gt[q], xq[a], xd[a], xbs[a], g[c:c + TILE_ROWS])
-                    TILE_UP(ut[q], xq[a], xd[a], xbs[a], u[c:c + TILE_ROWS])
-                for j in range(MOE_ROWS_PER_TASK):  # (as in the gate/up tasks below)
-                    hb[j] = g[j] / (np.float32(1.0) + exp_f32(-g[j])) * u[j]
-                r1 = r0 + MOE_ROWS_PER_TASK
-                quantize_act(hb, hq[a, r0:r1], hd[a, r0 // QK_K:r0 // QK_K + 1], hbs[a, r0 // SUB:r1 // SUB], qmax)
-            for q in range(D // TILE_ROWS):
-                TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
-        for k in range(n_exp):  # y += weight * o[k], expert by expert (the down tasks' order)
-            wk = weight[start[k]]
-            for r in range(D):
-                y[0, r] += wk * o[k, r]
-        return
     for task in prange(n_exp * blocks_f):
         k = task // blocks_f
         a, b = start[k], start[k + 1]
@@ -534,6 +560,16 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
                 # one block of the pair's row of h quantized: the bits of quantizing the whole row (its blocks are
                 # independent)
                 quantize_act(hb, hq[a + i, r0:r1], hd[a + i, blk:blk + 1], hbs[a + i, r0 // SUB:r1 // SUB], qmax)
+
+
+def _moe_down(addr, tiles, F, D, start, tok, weight, hq, hd, hbs, qmax, y, threads, ahead):
+    """_moe_kernel's down phase of the row tasks: y[tok[p]] += weight[p] * down_e h_p, one task per thread over a
+    range of D rows."""
+    n_exp = addr.shape[0]
+    down_bytes = F // QK_K * DOWN_SIZE
+    n_max = 0  # the most pairs of one expert: scratch size
+    for k in range(n_exp):
+        n_max = max(n_max, start[k + 1] - start[k])
     # down: one task per thread, each a contiguous range of D rows (every row is the same work: all the pairs), its
     # experts one after another, so each expert's rows are read as one long stream (64-row tasks read 8 short
     # streams at once: ~10% slower on experts not in cache, measured in one process, alternated)
@@ -623,6 +659,19 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
                     y[tok[a + i], r] += weight[a + i] * out[i]
 
 
+_MOE_PHASES = dict(QUANTIZE_X_PHASE=_moe_quantize_x, DECODE_PHASE=_moe_decode, GATE_UP_PHASE=_moe_gate_up,
+                   DOWN_PHASE=_moe_down)
+
+
+def compile_moe(suffix: str, constants: dict):
+    """`_moe_kernel` compiled with `constants` (moe_constants', which a caller may override: BY_EXPERT): its phases
+    first, each its template bound to the same constants under the same suffix (Numba compiles each phase's
+    parallel loops as it did when they were all in one function), then the kernel that calls them (not parallel:
+    it has no loop of its own but its check of the decode form)."""
+    phases = {name: _compile(template, suffix, constants) for name, template in _MOE_PHASES.items()}
+    return _compile(_moe_kernel, suffix, {**constants, **phases}, parallel=False)
+
+
 @njit(cache=True)
 def _c_rows(a, rows, cols):
     """Whether a 2-D array is C-contiguous with this shape."""
@@ -683,18 +732,19 @@ def rows_dot(qtype):
 
 
 def act_kernel(template, *qtypes):
-    """The integer-path kernel `template` compiled for these weight types (one: VEC_DOT; three: gate, up, down)."""
+    """The integer-path kernel `template` compiled for these weight types (one: VEC_DOT; three: gate, up, down,
+    `_moe_kernel` by compile_moe)."""
     kernel = _ACT_KERNELS.get((template.__name__,) + qtypes)  # the fast lookup: QType is an IntEnum, qtypes hash
     if kernel is not None:  # as their values (the per-token path calls this for every matrix)
         return kernel
     key = (template.__name__,) + tuple(QType(q) for q in qtypes)
     if key not in _ACT_KERNELS:
+        suffix = "_".join(QType(q).name for q in qtypes) + "_" + _act_fingerprint()
         if len(qtypes) == 1:
             constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows_dot(qtypes[0]))
-        else:
-            constants = moe_constants(qtypes)
-        suffix = "_".join(QType(q).name for q in qtypes) + "_" + _act_fingerprint()
-        _ACT_KERNELS[key] = _compile(template, suffix, constants)
+            _ACT_KERNELS[key] = _compile(template, suffix, constants)
+        else:  # _moe_kernel and its phases
+            _ACT_KERNELS[key] = compile_moe(suffix, moe_constants(qtypes))
     return _ACT_KERNELS[key]
 
 

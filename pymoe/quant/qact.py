@@ -21,6 +21,10 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
        registers, float32 [16] lane accumulators and one reduction per row; `row_dot_rows_*` the same for every row
        of a 2-D x, each block unpacked once (prefill), bit for bit.
      They are tested against the float reference through the vec_dots, and against their portable twins.
+     `_make_row_dot` builds them from a _RowDotCode: the LLVM helpers every format shares (vec, load, x86, ...),
+     the parts by format family (_GridCode: IQ1-IQ3's grids and signs; _GroupScaleCode: the 32-weight blocks'
+     gathers, codebooks and float group scales; _BlockCode: a block's integers and scales, the K-quants' fields
+     among them; _StepCode: a block's terms for 16- and 8-bit x) and the three intrinsics' codegen.
   3. `ACT_DOTS[qtype](w, xq, xd, xbs)` for Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, (section 3b) IQ4_XS, IQ4_NL, MXFP4, Q8_0,
      Q4_0, Q2_0 and (section 3c) IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M: one raw weight row (whole
      runs of 256 weights) times quantized activations -> float32; `ACT_DOTS_ROWS[qtype]` for many rows at once
@@ -296,7 +300,7 @@ _AVX2 = _host_has_avx2()
 def _host_has_fast_pdep() -> bool:
     """Whether this CPU has BMI2's pdep at one instruction's cost: every BMI2 CPU but AMD's Zen 1 and 2, whose pdep is
     microcoded (hundreds of cycles). Then the Grid formats whose row index is split over two fields (IQ1_S, IQ1_M,
-    IQ2_S, IQ3_S) build four indices with two pdep (Grid.rows, `row_indices` in _make_row_dot)."""
+    IQ2_S, IQ3_S) build four indices with two pdep (Grid.rows, `_GridCode.row_indices`)."""
     return bool(host_features().get("bmi2")) and host_cpu_name() not in ("znver1", "znver2")
 
 
@@ -384,53 +388,91 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
     does (the same integers: both weights of a pair share a scale); else the pair sums after. Which is faster
     depends on the format (measured on Zen 3, 1 thread, 512 x 1024: Q2_K 9.6 vs 8.1 G MAC/s prescaled, Q4_K 6.3
     vs 9.0)."""
-    i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-    v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
-    pmaddwd_512 = _PMADDWD_512 and not portable
-    avx2 = _AVX2 and not portable
-    pdep = _PDEP and not portable
-    negative = (codebook is not None or signed_values or value_bias != 0  # a weight's integer can be negative
-                or any(isinstance(g, Grid) for g in groups))
+    return _RowDotCode(groups, scale_fields, scale_bias, value_bias, size, d_off, dmin_off, min_fields, signed_scales,
+                       codebook, group_scales, signed_values, portable, prescale_one, exact_blocks, d_mult,
+                       d_fields).intrinsics(decoder)
 
-    def vec(ty, n, values):
-        return ir.Constant(ir.VectorType(ty, n), list(values))
 
-    def load(builder, data, offset, ty, n):  # n elements of type ty at data + offset (in elements), any alignment
-        ptr = builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ty, n).as_pointer())
-        return builder.load(ptr, align=1)
+def _act_rows(x, nd):
+    return _is_act(x) and x.dtype != types.int32 and x.ndim == nd and x.layout == "C"
 
-    def at(builder, base, byte_offset, ty):  # a pointer to ty at i8* base + byte_offset
-        return builder.bitcast(builder.gep(base, [byte_offset]), ty.as_pointer())
 
-    def splat(builder, scalar, n=16):  # float -> <n x float>, every lane the scalar
-        t = ir.VectorType(f32, n)
-        v = builder.insert_element(ir.Constant(t, ir.Undefined), scalar, ir.Constant(i32, 0))
-        return builder.shuffle_vector(v, ir.Constant(t, ir.Undefined), vec(i32, n, [0] * n))
+def _arr(a, dtype, nd):
+    return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == nd and a.layout == "C"
 
-    def fp16(builder, wdata, s_, off):  # the fp16 field at byte s + off, as float32 (exact)
-        h = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i16), align=1)
-        return builder.fpext(builder.bitcast(h, ir.HalfType()), f32)
 
-    def concat(builder, parts):  # vectors of one type -> one vector of all their lanes, in order
-        while len(parts) > 1:
-            if len(parts) % 2:
-                parts = parts + [parts[-1]]  # a filler, never picked
-            n = parts[0].type.count
-            parts = [builder.shuffle_vector(a, b, vec(i32, 2 * n, range(2 * n))) for a, b in zip(parts[0::2], parts[1::2])]
-        return parts[0]
+# The LLVM types of the row dots' code
+i8, i16, i32, i64, f32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+v16i, v16f = ir.VectorType(i32, 16), ir.VectorType(f32, 16)
 
-    def gather(builder, wdata, s_, spec):  # a Gather group -> int8 [32]
-        lo = min(spec.index)
-        span = max(spec.index) + 1 - lo
-        raw = load(builder, wdata, builder.add(s_, ir.Constant(i64, lo)), i8, span)
-        shifts = sorted(set(spec.shift))  # each shift once, over all the bytes, then one shuffle picks the lanes
-        parts = [builder.and_(builder.lshr(raw, vec(i8, span, [sh] * span)), vec(i8, span, [spec.mask] * span))
-                 for sh in shifts]
-        table = concat(builder, parts)
-        picks = [shifts.index(sh) * span + k - lo for k, sh in zip(spec.index, spec.shift)]
-        return builder.shuffle_vector(table, ir.Constant(table.type, ir.Undefined), vec(i32, 32, picks))
 
-    def constant_table(builder, name, rows):  # int8 [n, width] -> an LLVM constant array of n width-byte integers
+# LLVM vector helpers every format family's row dots share (no options in them)
+
+def vec(ty, n, values):
+    return ir.Constant(ir.VectorType(ty, n), list(values))
+
+
+def load(builder, data, offset, ty, n):  # n elements of type ty at data + offset (in elements), any alignment
+    ptr = builder.bitcast(builder.gep(data, [offset]), ir.VectorType(ty, n).as_pointer())
+    return builder.load(ptr, align=1)
+
+
+def at(builder, base, byte_offset, ty):  # a pointer to ty at i8* base + byte_offset
+    return builder.bitcast(builder.gep(base, [byte_offset]), ty.as_pointer())
+
+
+def splat(builder, scalar, n=16):  # float -> <n x float>, every lane the scalar
+    t = ir.VectorType(f32, n)
+    v = builder.insert_element(ir.Constant(t, ir.Undefined), scalar, ir.Constant(i32, 0))
+    return builder.shuffle_vector(v, ir.Constant(t, ir.Undefined), vec(i32, n, [0] * n))
+
+
+def fp16(builder, wdata, s_, off):  # the fp16 field at byte s + off, as float32 (exact)
+    h = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i16), align=1)
+    return builder.fpext(builder.bitcast(h, ir.HalfType()), f32)
+
+
+def concat(builder, parts):  # vectors of one type -> one vector of all their lanes, in order
+    while len(parts) > 1:
+        if len(parts) % 2:
+            parts = parts + [parts[-1]]  # a filler, never picked
+        n = parts[0].type.count
+        parts = [builder.shuffle_vector(a, b, vec(i32, 2 * n, range(2 * n))) for a, b in zip(parts[0::2], parts[1::2])]
+    return parts[0]
+
+
+def x86(builder, name, ret, args):  # a call of an LLVM intrinsic (x86's, or llvm.fma)
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return builder.call(fn, args)
+
+
+def fma(builder, a, b, c):  # float32 [16]: a * b + c, one rounding
+    return x86(builder, "llvm.fma.v16f32", v16f, [a, b, c])
+
+
+def isum_all(builder, v):  # int32 [n] -> the sum of its lanes, int32 (exact: the bounds above)
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        v = builder.add(builder.shuffle_vector(v, v, vec(i32, n, range(n))),
+                        builder.shuffle_vector(v, v, vec(i32, n, range(n, 2 * n))))
+    return builder.extract_element(v, ir.Constant(i32, 0))
+
+
+def reduce(builder, v):  # float32 [16] -> float32, lanes i + n/2 added to lanes i, n = 16, 8, 4, 2
+    n = 16
+    while n > 1:
+        n //= 2
+        v = builder.fadd(builder.shuffle_vector(v, v, vec(i32, n, range(n))),
+                         builder.shuffle_vector(v, v, vec(i32, n, range(n, 2 * n))))
+    return builder.extract_element(v, ir.Constant(i32, 0))
+
+
+class _GridCode:
+    """The Grid groups (IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M): magnitudes as rows of a constant
+    grid, signs from a sign table (or IQ1's +-1/8 shifts)."""
+
+    def constant_table(self, builder, name, rows):  # int8 [n, width] -> an LLVM constant array of n width-byte integers
         try:
             return builder.module.get_global(name)
         except KeyError:
@@ -441,7 +483,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             table.global_constant, table.linkage = True, "internal"
             return table
 
-    def bit_fields(builder, wdata, s_, fields):  # Grid's fields of the block at byte s -> their OR, int64
+    def bit_fields(self, builder, wdata, s_, fields):  # Grid's fields of the block at byte s -> their OR, int64
         out = None
         for off, nbytes, shift, mask, pos in fields:
             ptr = at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), ir.IntType(8 * nbytes))
@@ -451,7 +493,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             out = v if out is None else builder.or_(out, v)
         return out
 
-    def row_indices(builder, wdata, s_, rows):
+    def row_indices(self, builder, wdata, s_, rows):
         """Grid.rows' indices of the block at byte s, int64 each: bit_fields per row, or, with pdep, four rows at a
         time where each row is one byte of 4 consecutive ones plus a high part from one 1-, 2- or 4-byte word at
         increasing bit offsets (IQ1_S, IQ1_M, IQ2_S, IQ3_S): pdep spreads the 4 bytes to bits 16 l, another pdep the
@@ -465,9 +507,9 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         out = []
         for q in range(0, len(rows), 4):
             four = rows[q:q + 4]
-            packed = pdep and len(four) == 4 and _pdep_plan(four)
+            packed = self.pdep and len(four) == 4 and _pdep_plan(four)
             if not packed:
-                out += [bit_fields(builder, wdata, s_, f) for f in four]
+                out += [self.bit_fields(builder, wdata, s_, f) for f in four]
                 continue
             lo_off, word_off, nbytes, shift, src_mask, dst_mask = packed
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(i64, [i64, i64]),
@@ -480,7 +522,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                     for l in range(4)]
         return out
 
-    def rows_of(builder, table, indices, width):
+    def rows_of(self, builder, table, indices, width):
         """Rows of a constant table of width-byte rows (len(indices) * width = 32) -> int8 [32], in order: a scalar
         load per row. Measured against an index vector built by shuffles and one AVX2 gather (vpgatherdq / vpgatherdd),
         Zen 5, 1 thread, one token, 3 runs each: IQ2_XXS 11-15 vs 6-9 G MACs/s, IQ3_XXS 9-11 vs 8: kept the loads."""
@@ -491,18 +533,18 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             v = builder.insert_element(v, row, ir.Constant(i32, r))
         return builder.bitcast(v, ir.VectorType(i8, 32))
 
-    def grid_group(builder, wdata, s_, spec, split=False):
+    def grid_group(self, builder, wdata, s_, spec, split=False):
         """A Grid group -> int8 [32] signed weights (magnitude times sign); with split, for a group with signs:
         (int8 [32] magnitudes, int8 [32] of +-1), which the 8-bit dot puts onto x instead (group_sums8)."""
         width = spec.grid.shape[1]
-        v = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_grid", spec.grid),
-                    row_indices(builder, wdata, s_, spec.rows), width)
+        v = self.rows_of(builder, self.constant_table(builder, f"pymoe_{spec.name}_grid", spec.grid),
+                    self.row_indices(builder, wdata, s_, spec.rows), width)
         if spec.signs is not None:
-            signs = rows_of(builder, constant_table(builder, f"pymoe_{spec.name}_signs", spec.sign_table),
-                            [bit_fields(builder, wdata, s_, f) for f in spec.signs], 8)
+            signs = self.rows_of(builder, self.constant_table(builder, f"pymoe_{spec.name}_signs", spec.sign_table),
+                            [self.bit_fields(builder, wdata, s_, f) for f in spec.signs], 8)
             if split:
                 return v, signs
-            if avx2:
+            if self.avx2:
                 v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, signs])
             else:
                 v = builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(v), v)
@@ -523,30 +565,47 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             v = builder.add(v, builder.select(set_, vec(i8, 32, [-1] * 32), vec(i8, 32, [1] * 32)))
         return v
 
-    def lookup(builder, v):  # int8 [32] of indices 0..15 -> int8 [32] of codebook levels
-        if avx2:  # vpshufb looks up within each 16-byte half: the table twice
+
+class _GroupScaleCode:
+    """The 32-weight-block formats (Q4_0, Q8_0, Q2_0, IQ4_NL, IQ4_XS, MXFP4): Gather groups, codebook levels and
+    a float scale per group."""
+
+    def gather(self, builder, wdata, s_, spec):  # a Gather group -> int8 [32]
+        lo = min(spec.index)
+        span = max(spec.index) + 1 - lo
+        raw = load(builder, wdata, builder.add(s_, ir.Constant(i64, lo)), i8, span)
+        shifts = sorted(set(spec.shift))  # each shift once, over all the bytes, then one shuffle picks the lanes
+        parts = [builder.and_(builder.lshr(raw, vec(i8, span, [sh] * span)), vec(i8, span, [spec.mask] * span))
+                 for sh in shifts]
+        table = concat(builder, parts)
+        picks = [shifts.index(sh) * span + k - lo for k, sh in zip(spec.index, spec.shift)]
+        return builder.shuffle_vector(table, ir.Constant(table.type, ir.Undefined), vec(i32, 32, picks))
+
+    def lookup(self, builder, v):  # int8 [32] of indices 0..15 -> int8 [32] of codebook levels
+        if self.avx2:  # vpshufb looks up within each 16-byte half: the table twice
             fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VectorType(i8, 32),
                                                 [ir.VectorType(i8, 32)] * 2), "llvm.x86.avx2.pshuf.b")
-            return builder.call(fn, [vec(i8, 32, list(codebook) * 2), v])
-        out = vec(i8, 32, [codebook[0]] * 32)
+            return builder.call(fn, [vec(i8, 32, list(self.codebook) * 2), v])
+        out = vec(i8, 32, [self.codebook[0]] * 32)
         for k in range(1, 16):
-            out = builder.select(builder.icmp_unsigned("==", v, vec(i8, 32, [k] * 32)), vec(i8, 32, [codebook[k]] * 32), out)
+            out = builder.select(builder.icmp_unsigned("==", v, vec(i8, 32, [k] * 32)),
+                                 vec(i8, 32, [self.codebook[k]] * 32), out)
         return out
 
-    def group_scales_at(builder, wdata, s_):
+    def group_scales_at(self, builder, wdata, s_):
         """The 8 groups' float scales of the 256 weights at byte s, as one float32 [8] vector: each field loaded
         on its own (they are 18, 34 or 17 bytes apart), then converted together (fp16: one vcvtph2ps; E8M0, halved
         as ggml_e8m0_to_fp32_half: bits (e - 1) << 23 for e >= 2, the subnormals 0x00200000 << e below)."""
-        v8i, kind = ir.VectorType(i32, 8), group_scales[0][1]
-        assert all(k == kind for _, k in group_scales)
+        v8i, kind = ir.VectorType(i32, 8), self.group_scales[0][1]
+        assert all(k == kind for _, k in self.group_scales)
         if kind == "f16":
             h = ir.Constant(ir.VectorType(i16, 8), ir.Undefined)
-            for g, (off, _) in enumerate(group_scales):
+            for g, (off, _) in enumerate(self.group_scales):
                 field = builder.load(at(builder, wdata, builder.add(s_, ir.Constant(i64, off)), i16), align=1)
                 h = builder.insert_element(h, field, ir.Constant(i32, g))
             return builder.fpext(builder.bitcast(h, ir.VectorType(ir.HalfType(), 8)), ir.VectorType(f32, 8))
         e = ir.Constant(v8i, ir.Undefined)
-        for g, (off, _) in enumerate(group_scales):
+        for g, (off, _) in enumerate(self.group_scales):
             byte = builder.load(builder.gep(wdata, [builder.add(s_, ir.Constant(i64, off))]))
             e = builder.insert_element(e, builder.zext(byte, i32), ir.Constant(i32, g))
         normal = builder.shl(builder.sub(e, vec(i32, 8, [1] * 8)), vec(i32, 8, [23] * 8))
@@ -554,10 +613,16 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
         bits = builder.select(builder.icmp_unsigned("<", e, vec(i32, 8, [2] * 8)), small, normal)
         return builder.bitcast(bits, ir.VectorType(f32, 8))
 
-    def times_dx(builder, d, dx):  # the groups' scales float32 [8] times the row's block scale: d_g * dx, each rounded once
+    def times_dx(self, builder, d, dx):  # the groups' scales float32 [8] times the row's block scale: d_g * dx,
+        # each rounded once
         return builder.fmul(d, splat(builder, dx, 8))
 
-    def unpack(builder, wdata, s_, prescale, split=False):
+
+class _BlockCode:
+    """One block's weights as integers (every family: K-quants' bit fields with their 16 integer scales and mins,
+    and the kinds of groups above) and its scales."""
+
+    def unpack(self, builder, wdata, s_, prescale, split=False):
         """The block at byte s: its 8 groups as (int16 [32] vector of scale * q, None) if prescale, else as (q,
         int32 [16] scales: lane j of a pair sum gets its sub-block's scale), and its mins int32 [16] (or None).
         With group_scales: the groups as (q, None), the scales applied later in float. prescale "bytes" (the 8-bit
@@ -586,20 +651,20 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             return out
 
         scales = None
-        if scale_fields is not None:
-            scales = lanes16(scale_fields, signed_scales)  # [16] the sub-block scales (one per 16 weights)
-            if scale_bias:
-                scales = builder.sub(scales, vec(i16, 16, [scale_bias] * 16))
+        if self.scale_fields is not None:
+            scales = lanes16(self.scale_fields, self.signed_scales)  # [16] the sub-block scales (one per 16 weights)
+            if self.scale_bias:
+                scales = builder.sub(scales, vec(i16, 16, [self.scale_bias] * 16))
         out = []
-        for g, spec in enumerate(groups):
+        for g, spec in enumerate(self.groups):
             signs = None  # a Grid group's +-1 signs when they stay apart from its magnitudes (split)
             if isinstance(spec, Gather):
-                v = gather(builder, wdata, s_, spec)
+                v = self.gather(builder, wdata, s_, spec)
             elif isinstance(spec, Grid) and split and prescale == "bytes" and spec.signs is not None:
-                v, signs = grid_group(builder, wdata, s_, spec, split=True)  # magnitudes, and signs for x
+                v, signs = self.grid_group(builder, wdata, s_, spec, split=True)  # magnitudes, and signs for x
             elif isinstance(spec, Grid):
-                v = grid_group(builder, wdata, s_, spec)
-            elif signed_values:  # the group's 32 bytes are int8 weights
+                v = self.grid_group(builder, wdata, s_, spec)
+            elif self.signed_values:  # the group's 32 bytes are int8 weights
                 v = load(builder, wdata, builder.add(s_, ir.Constant(i64, spec)), i8, 32)
             else:
                 off, shift, mask, high = spec
@@ -607,16 +672,16 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                 if high is not None:
                     hoff, hshift, hmask, hpos = high
                     v = builder.or_(v, builder.shl(field(hoff, hshift, hmask), vec(i8, 32, [hpos] * 32)))
-            if codebook is not None:
-                v = lookup(builder, v)
-            if value_bias:  # every format's q - bias fits int8 (Q6_K: -32..31)
-                v = builder.sub(v, vec(i8, 32, [value_bias] * 32))
+            if self.codebook is not None:
+                v = self.lookup(builder, v)
+            if self.value_bias:  # every format's q - bias fits int8 (Q6_K: -32..31)
+                v = builder.sub(v, vec(i8, 32, [self.value_bias] * 32))
             if prescale == "bytes":  # the 8-bit path: the int8 values and their scales, int16 [16] per pair lane
                 sc = None if scales is None else builder.shuffle_vector(
                     scales, scales, vec(i32, 16, [2 * g] * 8 + [2 * g + 1] * 8))
                 out.append((v, sc, signs))
                 continue
-            w16 = (builder.sext if negative else builder.zext)(v, ir.VectorType(i16, 32))
+            w16 = (builder.sext if self.negative else builder.zext)(v, ir.VectorType(i16, 32))
             if scales is None:  # group_scales: the integers as they are
                 out.append((w16, None))
             elif prescale:
@@ -625,69 +690,89 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             else:
                 sc = builder.shuffle_vector(scales, scales, vec(i32, 16, [2 * g] * 8 + [2 * g + 1] * 8))
                 out.append((w16, builder.sext(sc, v16i)))
-        mins = None if min_fields is None else builder.zext(lanes16(min_fields), v16i)  # [16] (one per 16 weights)
+        # [16] (one per 16 weights)
+        mins = None if self.min_fields is None else builder.zext(lanes16(self.min_fields), v16i)
         return out, mins
 
-    def x86(builder, name, ret, args):  # a call of an LLVM intrinsic (x86's, or llvm.fma)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
-        return builder.call(fn, args)
+    def block_at(self, builder, wdata, b_, prescale, xbits, split=True):
+        """The block's unpacked groups (for the activations' width; split: Grid signs apart, see unpack), its
+        scale(s), dmin and first value's index."""
+        if xbits == 8:
+            prescale = "bytes"
+        s_ = builder.mul(b_, ir.Constant(i64, self.size))
+        if self.group_scales is not None:
+            d = self.group_scales_at(builder, wdata, s_)  # float32 [8], one scale per group
+        else:
+            if self.d_fields is not None:  # fp16 bits from fields of the block
+                d = builder.fpext(builder.bitcast(builder.trunc(self.bit_fields(builder, wdata, s_, self.d_fields),
+                                                                i16),
+                                                  ir.HalfType()), f32)
+            else:
+                d = fp16(builder, wdata, s_, self.d_off)
+            if self.d_mult != 1.0:  # a power of two: exact
+                d = builder.fmul(d, ir.Constant(f32, self.d_mult))
+        dmin = fp16(builder, wdata, s_, self.dmin_off) if self.dmin_off >= 0 else None
+        return self.unpack(builder, wdata, s_, prescale, split), d, dmin, builder.mul(b_, ir.Constant(i64, QK_K))
 
-    def fma(builder, a, b, c):  # float32 [16]: a * b + c, one rounding
-        return x86(builder, "llvm.fma.v16f32", v16f, [a, b, c])
 
-    def maddubs(builder, w, x):
+class _StepCode:
+    """One block's terms added into a row's float32 [16] accumulator: 16-bit activations (row_step: vpmaddwd)
+    and 8-bit ones (row_step8: vpmaddubsw, block_terms8 for exact_blocks)."""
+
+    def maddubs(self, builder, w, x):
         """int8 [32] w (as unsigned) times int8 [32] x, pairs added -> int16 [16] (vpmaddubsw; no pair sum here
         reaches its saturation: |w| <= 128, |x| <= 127, 2 * 128 * 127 < 2^15)."""
         v16s = ir.VectorType(i16, 16)
-        if avx2:
+        if self.avx2:
             return x86(builder, "llvm.x86.avx2.pmadd.ub.sw", v16s, [w, x])
         prod = builder.mul(builder.zext(w, ir.VectorType(i16, 32)), builder.sext(x, ir.VectorType(i16, 32)))
         return builder.add(builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[0::2])),
                            builder.shuffle_vector(prod, prod, vec(i32, 16, _LANE[1::2])))
 
-    def madd16(builder, a, b):  # int16 [16] x int16 [16], pairs added -> int32 [8] (vpmaddwd)
+    def madd16(self, builder, a, b):  # int16 [16] x int16 [16], pairs added -> int32 [8] (vpmaddwd)
         v8i = ir.VectorType(i32, 8)
-        if avx2:
+        if self.avx2:
             return x86(builder, "llvm.x86.avx2.pmadd.wd", v8i, [a, b])
         prod = builder.mul(builder.sext(a, ir.VectorType(i32, 16)), builder.sext(b, ir.VectorType(i32, 16)))
         return builder.add(builder.shuffle_vector(prod, prod, vec(i32, 8, _LANE[0:16:2])),
                            builder.shuffle_vector(prod, prod, vec(i32, 8, _LANE[1:16:2])))
 
-    def group_sums8(builder, v, sc, xv, signs=None):
+    def group_sums8(self, builder, v, sc, xv, signs=None):
         """The 8-bit path of one group: int8 [32] values v (signed formats: any sign), their scales sc (int16 [16]
         per pair lane, or None), int8 [32] x -> int32 [8], lane i = sum of weights 4i..4i+3 times x (times scale).
         As llama.cpp does it on AVX2: |v| against x with v's sign moved onto x (vpsignb), then vpmaddubsw; a Grid
         group's signs (+-1, v its magnitudes) go onto x directly (the same products: IQ3_XXS, 1 thread, one token,
         G MACs/s in round seventeen's write-up, `git show cdf1b2c:docs/performance.md`)."""
         if signs is not None:
-            if avx2:
+            if self.avx2:
                 xv = x86(builder, "llvm.x86.avx2.psign.b", xv.type, [xv, signs])
             else:
                 xv = builder.select(builder.icmp_signed("<", signs, vec(i8, 32, [0] * 32)), builder.neg(xv), xv)
-        elif negative:
+        elif self.negative:
             zero = vec(i8, 32, [0] * 32)
-            if avx2:
+            if self.avx2:
                 xv = x86(builder, "llvm.x86.avx2.psign.b", xv.type, [xv, v])
             else:
                 xv = builder.select(builder.icmp_signed("<", v, zero), builder.neg(xv),
                                     builder.select(builder.icmp_signed("==", v, zero), zero, xv))
-            if avx2:  # |v| as vpsignb(v, v): one instruction, where LLVM made four of the select below (AVX-512)
+            if self.avx2:  # |v| as vpsignb(v, v): one instruction, where LLVM made four of the select below (AVX-512)
                 v = x86(builder, "llvm.x86.avx2.psign.b", v.type, [v, v])
             else:  # |v| (-128 -> 128 unsigned, as vpsignb gives it)
                 v = builder.select(builder.icmp_signed("<", v, zero), builder.neg(v), v)
-        pairs = maddubs(builder, v, xv)  # int16 [16]
-        return madd16(builder, pairs, sc if sc is not None else vec(i16, 16, [1] * 16))
+        pairs = self.maddubs(builder, v, xv)  # int16 [16]
+        return self.madd16(builder, pairs, sc if sc is not None else vec(i16, 16, [1] * 16))
 
-    def row_step8(builder, block, d, dmin, xrow, o_, dx, bsrow, b_, acc):
+    def row_step8(self, builder, block, d, dmin, xrow, o_, dx, bsrow, b_, acc):
         """row_step for int8 activations: two groups' int32 [8] sums side by side make the int32 [16] of one
         pair of groups (lanes 0-7 group 2k, 8-15 group 2k + 1), then as in row_step."""
         unpacked, mins = block
         isum = None
-        ddx = times_dx(builder, d, dx) if group_scales is not None else None  # float32 [8]: d_g * dx
+        ddx = self.times_dx(builder, d, dx) if self.group_scales is not None else None  # float32 [8]: d_g * dx
         for k in range(4):
-            sums = [group_sums8(builder, v, sc, load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i8, 32),
+            sums = [self.group_sums8(builder, v, sc,
+                                     load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i8, 32),
                                 signs) for g, (v, sc, signs) in ((g, unpacked[g]) for g in (2 * k, 2 * k + 1))]
-            if exact_blocks and ddx is not None:  # each group's sum exactly, then one multiply-add into lane 0
+            if self.exact_blocks and ddx is not None:  # each group's sum exactly, then one multiply-add into lane 0
                 a0 = builder.extract_element(acc, ir.Constant(i32, 0))
                 for g, s in zip((2 * k, 2 * k + 1), sums):
                     a0 = x86(builder, "llvm.fma.f32", f32, [builder.sitofp(isum_all(builder, s), f32),
@@ -702,19 +787,11 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             isum = term if isum is None else builder.add(isum, term)
         if ddx is not None:
             return acc
-        if exact_blocks:
-            return block_terms8(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
-        return block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
+        if self.exact_blocks:
+            return self.block_terms8(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
+        return self.block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
 
-    def isum_all(builder, v):  # int32 [n] -> the sum of its lanes, int32 (exact: the bounds above)
-        n = v.type.count
-        while n > 1:
-            n //= 2
-            v = builder.add(builder.shuffle_vector(v, v, vec(i32, n, range(n))),
-                            builder.shuffle_vector(v, v, vec(i32, n, range(n, 2 * n))))
-        return builder.extract_element(v, ir.Constant(i32, 0))
-
-    def block_terms8(builder, isum, mins, d, dmin, dx, bsrow, b_, acc):
+    def block_terms8(self, builder, isum, mins, d, dmin, dx, bsrow, b_, acc):
         """block_terms for 8-bit activations: each block's two integer sums (the scaled products; the mins times
         the bsums) added up exactly first, then one multiply-add each into lane 0 of acc (the other lanes stay 0,
         so the row's final reduction adds zeros). A row's result is then the same from any arrangement of its
@@ -728,7 +805,7 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             a0 = fma1(msum, builder.fneg(builder.fmul(dmin, dx)), a0)
         return builder.insert_element(acc, a0, ir.Constant(i32, 0))
 
-    def block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc):
+    def block_terms(self, builder, isum, mins, d, dmin, dx, bsrow, b_, acc):
         """acc + d * dx * isum (int32 [16]) - dmin * dx * mins * the row's bsums of block b: the float epilogue of a
         block with one scale (both widths)."""
         acc = fma(builder, builder.sitofp(isum, v16f), splat(builder, builder.fmul(d, dx)), acc)
@@ -738,21 +815,21 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             acc = fma(builder, msum, splat(builder, builder.fneg(builder.fmul(dmin, dx))), acc)
         return acc
 
-    def row_step(builder, block, d, dmin, xrow, xbits, o_, dx, bsrow, b_, acc):
+    def row_step(self, builder, block, d, dmin, xrow, xbits, o_, dx, bsrow, b_, acc):
         """acc float32 [16] + this block's terms for one activation row (xrow: its first element). d: the block's
         scale, or with group_scales the 8 groups' as float32 [8] (each group's sums then multiply-added on their own)."""
         if xbits == 8:
-            return row_step8(builder, block, d, dmin, xrow, o_, dx, bsrow, b_, acc)
+            return self.row_step8(builder, block, d, dmin, xrow, o_, dx, bsrow, b_, acc)
         unpacked, mins = block
         isum = None
-        ddx = times_dx(builder, d, dx) if group_scales is not None else None  # float32 [8]: d_g * dx
+        ddx = self.times_dx(builder, d, dx) if self.group_scales is not None else None  # float32 [8]: d_g * dx
         for g, (w16, sc) in enumerate(unpacked):
             x16 = load(builder, xrow, builder.add(o_, ir.Constant(i64, 32 * g)), i16, 32)
-            if pmaddwd_512:  # the instruction itself: LLVM's pattern match goes through i32 lanes and back
+            if self.pmaddwd_512:  # the instruction itself: LLVM's pattern match goes through i32 lanes and back
                 term = x86(builder, "llvm.x86.avx512.pmaddw.d.512", v16i, [w16, x16])
             else:  # two halves of 16 lanes (pairs 0-7, then 8-15: the same lanes as the 512-bit instruction's)
                 half = lambda v, h: builder.shuffle_vector(v, v, vec(i32, 16, range(h, h + 16)))  # noqa: E731
-                lo, hi = (madd16(builder, half(w16, h), half(x16, h)) for h in (0, 16))
+                lo, hi = (self.madd16(builder, half(w16, h), half(x16, h)) for h in (0, 16))
                 term = builder.shuffle_vector(lo, hi, vec(i32, 16, range(16)))
             if sc is not None:  # not prescaled: the pair sums times their scales (the same integers, exactly)
                 term = builder.mul(term, sc)
@@ -764,52 +841,44 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             isum = term if isum is None else builder.add(isum, term)
         if ddx is not None:
             return acc
-        return block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
+        return self.block_terms(builder, isum, mins, d, dmin, dx, bsrow, b_, acc)
 
-    def reduce(builder, v):  # float32 [16] -> float32, lanes i + n/2 added to lanes i, n = 16, 8, 4, 2
-        n = 16
-        while n > 1:
-            n //= 2
-            v = builder.fadd(builder.shuffle_vector(v, v, vec(i32, n, range(n))),
-                             builder.shuffle_vector(v, v, vec(i32, n, range(n, 2 * n))))
-        return builder.extract_element(v, ir.Constant(i32, 0))
 
-    def block_at(builder, wdata, b_, prescale, xbits, split=True):
-        """The block's unpacked groups (for the activations' width; split: Grid signs apart, see unpack), its
-        scale(s), dmin and first value's index."""
-        if xbits == 8:
-            prescale = "bytes"
-        s_ = builder.mul(b_, ir.Constant(i64, size))
-        if group_scales is not None:
-            d = group_scales_at(builder, wdata, s_)  # float32 [8], one scale per group
-        else:
-            if d_fields is not None:  # fp16 bits from fields of the block
-                d = builder.fpext(builder.bitcast(builder.trunc(bit_fields(builder, wdata, s_, d_fields), i16),
-                                                  ir.HalfType()), f32)
-            else:
-                d = fp16(builder, wdata, s_, d_off)
-            if d_mult != 1.0:  # a power of two: exact
-                d = builder.fmul(d, ir.Constant(f32, d_mult))
-        dmin = fp16(builder, wdata, s_, dmin_off) if dmin_off >= 0 else None
-        return unpack(builder, wdata, s_, prescale, split), d, dmin, builder.mul(b_, ir.Constant(i64, QK_K))
+class _RowDotCode(_GridCode, _GroupScaleCode, _BlockCode, _StepCode):
+    """The code generator of one format's row dots: _make_row_dot's options as attributes, the three
+    intrinsics' codegen (codegen_one, codegen_rows, codegen_decode) built from the parts above."""
 
-    def codegen_one(context, builder, signature, args):
+    def __init__(self, groups, scale_fields, scale_bias: int, value_bias: int, size: int, d_off: int,
+                 dmin_off: int, min_fields, signed_scales: bool, codebook, group_scales, signed_values: bool,
+                 portable: bool, prescale_one: bool, exact_blocks: bool, d_mult: float, d_fields):
+        self.groups, self.scale_fields, self.scale_bias, self.value_bias = groups, scale_fields, scale_bias, value_bias
+        self.size, self.d_off, self.dmin_off, self.min_fields = size, d_off, dmin_off, min_fields
+        self.signed_scales, self.codebook, self.group_scales = signed_scales, codebook, group_scales
+        self.signed_values, self.portable, self.prescale_one = signed_values, portable, prescale_one
+        self.exact_blocks, self.d_mult, self.d_fields = exact_blocks, d_mult, d_fields
+        self.pmaddwd_512 = _PMADDWD_512 and not portable
+        self.avx2 = _AVX2 and not portable
+        self.pdep = _PDEP and not portable
+        self.negative = (codebook is not None or signed_values or value_bias != 0  # a weight's integer can be
+                         or any(isinstance(g, Grid) for g in groups))  # negative
+
+    def codegen_one(self, context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
         wa, xa, xda, bsa = arrays
-        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, size))
+        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, self.size))
         xbits = signature.args[1].dtype.bitwidth
         acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
         with cgutils.for_range(builder, n_blocks) as loop:
-            block, d, dmin, o_ = block_at(builder, wa.data, loop.index, prescale_one, xbits)  # one row
+            block, d, dmin, o_ = self.block_at(builder, wa.data, loop.index, self.prescale_one, xbits)  # one row
             dx = builder.load(builder.gep(xda.data, [loop.index]))
-            builder.store(row_step(builder, block, d, dmin, xa.data, xbits, o_, dx, bsa.data, loop.index,
+            builder.store(self.row_step(builder, block, d, dmin, xa.data, xbits, o_, dx, bsa.data, loop.index,
                                    builder.load(acc)), acc)
         return reduce(builder, builder.load(acc))
 
-    def codegen_rows(context, builder, signature, args):
+    def codegen_rows(self, context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
         wa, xa, xda, bsa, acca, outa = arrays
-        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, size))
+        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, self.size))
         n_rows = cgutils.unpack_tuple(builder, xa.shape, 2)[0]
         xbits = signature.args[1].dtype.bitwidth
         row_base = lambda a, nd: (builder.bitcast(a.data, i8.as_pointer()),  # noqa: E731
@@ -820,14 +889,14 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             builder.store(ir.Constant(v16f, [0.0] * 16), at(builder, accb, builder.mul(t.index, accs), v16f), align=4)
         with cgutils.for_range(builder, n_blocks) as loop:
             b_ = loop.index
-            block, d, dmin, o_ = block_at(builder, wa.data, b_, True, xbits)  # unpacked (scaled) once, every row
+            block, d, dmin, o_ = self.block_at(builder, wa.data, b_, True, xbits)  # unpacked (scaled) once, every row
             with cgutils.for_range(builder, n_rows) as t:
                 xrow = at(builder, xb, builder.mul(t.index, xs), ir.IntType(xbits))
                 dx_ptr = at(builder, xdb, builder.add(builder.mul(t.index, xds), builder.mul(b_, ir.Constant(i64, 4))),
                             f32)
                 bsrow = at(builder, bsb, builder.mul(t.index, bss), i32)
                 acc_ptr = builder.bitcast(at(builder, accb, builder.mul(t.index, accs), f32), v16f.as_pointer())
-                new = row_step(builder, block, d, dmin, xrow, xbits, o_, builder.load(dx_ptr), bsrow, b_,
+                new = self.row_step(builder, block, d, dmin, xrow, xbits, o_, builder.load(dx_ptr), bsrow, b_,
                                builder.load(acc_ptr, align=4))
                 builder.store(new, acc_ptr, align=4)
         with cgutils.for_range(builder, n_rows) as t:
@@ -836,14 +905,14 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
             builder.store(total, at(builder, outb, builder.mul(t.index, outs), f32))
         return context.get_dummy_value()
 
-    def codegen_decode(context, builder, signature, args):
+    def codegen_decode(self, context, builder, signature, args):
         wa, ta = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args[:2], args[:2]))
         r = context.cast(builder, args[2], signature.args[2], types.int64)  # the row within the row-group
-        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, size))
+        n_blocks = builder.udiv(cgutils.unpack_tuple(builder, wa.shape, 1)[0], ir.Constant(i64, self.size))
         tb = builder.bitcast(ta.data, i8.as_pointer())
         with cgutils.for_range(builder, n_blocks) as loop:
             b_ = loop.index
-            (groups_, _), d, _, _ = block_at(builder, wa.data, b_, "bytes", 8, split=False)  # int8 [32], scales
+            (groups_, _), d, _, _ = self.block_at(builder, wa.data, b_, "bytes", 8, split=False)  # int8 [32], scales
             t_ = builder.mul(b_, ir.Constant(i64, DECODED_TILE))  # the block's first tile byte
             off = lambda k, per: builder.add(t_, builder.add(ir.Constant(i64, k), builder.mul(r, ir.Constant(i64, per))))  # noqa: E731
             builder.store(d, at(builder, tb, off(DECODED_D, 4), f32), align=1)
@@ -857,30 +926,33 @@ def _make_row_dot(groups, scale_fields, scale_bias: int, value_bias: int, size: 
                                   at(builder, tb, off(DECODED_QS + 32 * (8 * g + c), 4), i32), align=1)
         return context.get_dummy_value()
 
-    def _act_rows(x, nd):
-        return _is_act(x) and x.dtype != types.int32 and x.ndim == nd and x.layout == "C"
+    def intrinsics(self, decoder: bool) -> tuple:
+        """-> (row_dot, row_dot_rows[, row_decode]): the Numba intrinsics over this code (see _make_row_dot)."""
+        codegen_one, codegen_rows, codegen_decode = self.codegen_one, self.codegen_rows, self.codegen_decode
 
-    def _arr(a, dtype, nd):
-        return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == nd and a.layout == "C"
+        @intrinsic
+        def row_dot(typingctx, w, xq, xd, xbs):
+            if (_arr(w, types.uint8, 1) and _act_rows(xq, 1) and _arr(xd, types.float32, 1)
+                    and _arr(xbs, types.int32, 1)):
+                return types.float32(w, xq, xd, xbs), codegen_one
 
-    @intrinsic
-    def row_dot(typingctx, w, xq, xd, xbs):
-        if _arr(w, types.uint8, 1) and _act_rows(xq, 1) and _arr(xd, types.float32, 1) and _arr(xbs, types.int32, 1):
-            return types.float32(w, xq, xd, xbs), codegen_one
+        @intrinsic
+        def row_dot_rows(typingctx, w, xq, xd, xbs, acc, out):
+            if (_arr(w, types.uint8, 1) and _act_rows(xq, 2) and _arr(xd, types.float32, 2)
+                    and _arr(xbs, types.int32, 2) and _arr(acc, types.float32, 2)
+                    and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 1):
+                return types.none(w, xq, xd, xbs, acc, out), codegen_rows
 
-    @intrinsic
-    def row_dot_rows(typingctx, w, xq, xd, xbs, acc, out):
-        if (_arr(w, types.uint8, 1) and _act_rows(xq, 2) and _arr(xd, types.float32, 2)
-                and _arr(xbs, types.int32, 2) and _arr(acc, types.float32, 2)
-                and isinstance(out, types.Array) and out.dtype == types.float32 and out.ndim == 1):
-            return types.none(w, xq, xd, xbs, acc, out), codegen_rows
+        @intrinsic
+        def row_decode(typingctx, w, tile, r):
+            if _arr(w, types.uint8, 1) and _arr(tile, types.uint8, 1) and isinstance(r, types.Integer):
+                return types.none(w, tile, r), codegen_decode
 
-    @intrinsic
-    def row_decode(typingctx, w, tile, r):
-        if _arr(w, types.uint8, 1) and _arr(tile, types.uint8, 1) and isinstance(r, types.Integer):
-            return types.none(w, tile, r), codegen_decode
+        return (row_dot, row_dot_rows, row_decode) if decoder else (row_dot, row_dot_rows)
 
-    return (row_dot, row_dot_rows, row_decode) if decoder else (row_dot, row_dot_rows)
+        return (row_dot, row_dot_rows, row_decode) if decoder else (row_dot, row_dot_rows)
+
+
 
 
 # Q4_K's and Q5_K's scales[12] at byte 4: a 6-bit scale and min per 32-weight sub-block j, packed as in get_scale_min:

@@ -375,13 +375,10 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     reading its body gives up (408); None: no limit. cors_origins: middleware.parse_origins' (): no CORS headers.
     access_log: a function taking each request's line (middleware.AccessLog, `log_format` text or json); None: none.
     reasoning_format: "deepseek" (a chat answer's <think> block, or gpt-oss' analysis channel, is reasoning_content)
-    or "none" (kept in the content; gpt-oss' analysis left out); a request's own reasoning_format wins."""
-    from fastapi import Depends, FastAPI, Request
-    from fastapi.exceptions import RequestValidationError
-    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-    from prometheus_client import generate_latest
-    from prometheus_client.exposition import CONTENT_TYPE_LATEST
-    from starlette.exceptions import HTTPException
+    or "none" (kept in the content; gpt-oss' analysis left out); a request's own reasoning_format wins.
+    The routes, by API family: openai_routes, anthropic_routes, responses_routes, llamacpp_routes, status_routes;
+    what they share (the engine, the Scheduler, these settings, the steps before a job runs): one Server."""
+    from fastapi import Depends, FastAPI
 
     if request_timeout is not None and not request_timeout > 0:
         raise PymoeError(f"the request time limit must be > 0 seconds, got {request_timeout}")
@@ -392,8 +389,8 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     scheduler = Scheduler(engine, parallel=parallel, max_queue=max_queue, kv=kv, log=log, spec=spec, spec_k=spec_k,
                           prefill_chunk=prefill_chunk, telemetry=telemetry)
-    registry = registry_for(scheduler)
-    name = model_id(engine)
+    srv = Server(engine, scheduler, parallel=parallel, max_body_bytes=max_body_bytes, request_timeout=request_timeout,
+                 spec=spec, sampling_defaults=sampling_defaults, reasoning_format=reasoning_format, log=log)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -408,46 +405,32 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     app.add_middleware(Cors, origins=tuple(cors_origins))  # the last added is the outermost: the log sees all
     if access_log is not None:
         app.add_middleware(AccessLog, write=access_log, fmt=log_format)
+    error_handlers(app, srv)
+    guarded = [Depends(key_check(api_key))]
+    openai_routes(app, srv, guarded)
+    anthropic_routes(app, srv, guarded)
+    responses_routes(app, srv, guarded)
+    llamacpp_routes(app, srv, guarded)
+    status_routes(app, srv, guarded)
+    return app
 
-    @app.exception_handler(ApiError)
-    async def api_error(request, e: ApiError):
-        scheduler.count(OUTCOMES.get(e.status, "error"))
-        body = anthropic.error_body(e.status, e.message) if request.url.path.startswith("/v1/messages") else e.body()
-        return JSONResponse(body, status_code=e.status, headers=e.headers)
 
-    # Starlette's own errors (no such route: 404, a wrong method: 405), FastAPI's and a bug's: the same shapes
-    @app.exception_handler(HTTPException)
-    async def http_error(request, e: HTTPException):
-        what = {404: f"no route {request.url.path}", 405: f"{request.url.path} does not take {request.method}"}
-        return await api_error(request, ApiError(e.status_code, what.get(e.status_code, str(e.detail)),
-                                                 code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code),
-                                                 headers=dict(e.headers or {})))
+class Server:
+    """What the routes of every API family share: the engine, its Scheduler, create_app's settings, and the steps a
+    request takes before its jobs run (read and parse the body, the template, the tokenizer, make and submit the
+    jobs). `name`: the model's id in answers."""
 
-    @app.exception_handler(RequestValidationError)
-    async def validation_error(request, e: RequestValidationError):
-        return await api_error(request, ApiError(400, f"invalid request: {e.errors()[:1]}", code="invalid_value"))
+    def __init__(self, engine, scheduler: Scheduler, parallel: int, max_body_bytes: int,
+                 request_timeout: Optional[float], spec: Optional[str], sampling_defaults: Optional[dict],
+                 reasoning_format: str, log):
+        self.engine, self.scheduler, self.parallel, self.spec = engine, scheduler, parallel, spec
+        self.max_body_bytes, self.request_timeout = max_body_bytes, request_timeout
+        self.sampling_defaults, self.reasoning_format, self.log = sampling_defaults, reasoning_format, log
+        self.name = model_id(engine)
 
-    @app.exception_handler(Exception)
-    async def internal_error(request, e: Exception):
-        msg = " ".join(str(e).split()) or type(e).__name__
-        log(f"internal error on {request.url.path}: {type(e).__name__}: {msg}")
-        return await api_error(request, ApiError(500, f"internal error: {type(e).__name__}: {msg}"))
-
-    async def authorized(request: Request):
-        """The key as OpenAI's clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY)."""
-        if api_key is None:
-            return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            given = request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
-                           code="invalid_api_key")
-
-    guarded = [Depends(authorized)]
-
-    async def read_body(request: Request) -> bytes:
+    async def read_body(self, request) -> bytes:
         """The body's bytes: at most max_body_bytes (413), all of them within request_timeout (408)."""
+        max_body_bytes, request_timeout = self.max_body_bytes, self.request_timeout
         declared = request.headers.get("content-length", "0")
         if not (declared.isascii() and declared.isdigit()) or int(declared) > max_body_bytes:
             raise ApiError(413, f"request body over the limit of {max_body_bytes} bytes", code="body_too_large")
@@ -468,43 +451,44 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                            code="timeout") from None
         return bytes(data)
 
-    async def read_request(request: Request, model: type):
+    async def read_request(self, request, model: type):
         """The body parsed into `model` (schemas.py), the parsing on a worker thread: a large body's JSON is work."""
-        data = await read_body(request)
+        data = await self.read_body(request)
         return await asyncio.to_thread(lambda: parse(model, load_body(data)))
 
-    def deadline(arrived: float) -> float:
-        return arrived + request_timeout if request_timeout is not None else math.inf
+    def deadline(self, arrived: float) -> float:
+        return arrived + self.request_timeout if self.request_timeout is not None else math.inf
 
-    def submit(job: Job) -> None:
+    def submit(self, job: Job) -> None:
         try:
-            scheduler.submit(job)
+            self.scheduler.submit(job)
         except QueueFull as e:
             raise ApiError(429, str(e), code="queue_full", headers={"Retry-After": str(e.retry_after)}) from None
         except EngineStopped as e:
             raise ApiError(503, str(e)) from None
 
-    def submit_all(jobs: list, queue: asyncio.Queue) -> None:
+    def submit_all(self, jobs: list, queue: asyncio.Queue) -> None:
         """Submit a request's jobs, their events to `queue`; all or none (a full queue cancels those already in)."""
         for index, job in enumerate(jobs):
             job.sink = asyncio_sink(queue, index)
             try:
-                submit(job)
+                self.submit(job)
             except ApiError:
                 for submitted in jobs[:index]:
                     submitted.cancel()
                 raise
 
-    def chat_ids(req, text: str) -> list:
+    def chat_ids(self, req, text: str) -> list:
         """A rendered chat prompt -> token ids; with images (image_url parts, image blocks), ids that carry their
         encoded images (engine/multimodal.ImagePrompt) for the scheduler's prefill."""
+        engine = self.engine
         images = req.images()
         if not images:
             return engine.tokenizer.encode(text)
         if engine.vision is None:
             raise ApiError(400, "this server's model takes no images (start it with --mmproj FILE)",
                            code="invalid_value", param="messages")
-        if spec:
+        if self.spec:
             raise ApiError(400, "images do not go with speculative decoding (--spec): its drafter reads token ids",
                            code="invalid_value", param="messages")
         try:
@@ -512,22 +496,24 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         except PymoeError as e:
             raise ApiError(400, str(e), code="invalid_value", param="messages") from None
 
-    def prepare(kind: str, data: bytes) -> tuple:
+    def prepare(self, kind: str, data: bytes) -> tuple:
         """A chat or completion body -> (request, its jobs, tool choice, echo): the JSON, the schema, the template,
         the tokenizer, a grammar's compilation, all the work before the engine's (run on a worker thread)."""
         req = parse(ChatRequest if kind == "chat" else CompletionRequest, load_body(data))
-        return (req, *jobs_for(req, kind))
+        return (req, *self.jobs_for(req, kind))
 
-    def jobs_for(req, kind: str) -> tuple:
+    def jobs_for(self, req, kind: str) -> tuple:
         """A parsed chat or completion request -> (its jobs, tool choice, echo, whether the answer starts inside
         <think>)."""
+        engine = self.engine
         choice = tool_mode(req, engine.tokenizer)
         text = chat_prompt(req, engine.tokenizer) if kind == "chat" else None
-        ids = chat_ids(req, text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
-        job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
+        ids = self.chat_ids(req, text) if kind == "chat" else prompt_ids(req, engine.tokenizer)
+        job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, self.sampling_defaults, engine.tokenizer,
+                       self.parallel)
         job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
         job.preserved = preserved_markers(choice, engine.tokenizer) if kind == "chat" else frozenset()
-        thinking = kind == "chat" and (req.reasoning_format or reasoning_format) == "deepseek"
+        thinking = kind == "chat" and (req.reasoning_format or self.reasoning_format) == "deepseek"
         if thinking and tools.tool_format(engine.tokenizer.chat_template) != "harmony":
             job.preserved |= reasoning.think_markers(engine.tokenizer)  # <think> as text, where it is a control token
         jobs = [job] + [job.sibling(i) for i in range(1, req.n)]  # n choices: seeds seed, seed + 1, ... when set
@@ -538,22 +524,82 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         # decides the answer from its first token
         return jobs, choice, echo, thinking and job.grammar is None and reasoning.opens_thinking(text)
 
+
+def key_check(api_key: Optional[str]):
+    """-> the dependency of every guarded route: the key as OpenAI's clients send it (Authorization: Bearer KEY) or
+    Anthropic's (x-api-key: KEY), else 401; api_key None: every request passes."""
+    from fastapi import Request
+
+    async def authorized(request: Request):
+        """The key as OpenAI's clients send it (Authorization: Bearer KEY) or Anthropic's (x-api-key: KEY)."""
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            given = request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.strip().encode(), api_key.encode()):
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY' or 'x-api-key: KEY'",
+                           code="invalid_api_key")
+
+    return authorized
+
+
+def error_handlers(app, srv: Server) -> None:
+    """Every error answered in OpenAI's shape (Anthropic's under /v1/messages), counted by outcome for /metrics."""
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse
+    from starlette.exceptions import HTTPException
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, e: ApiError):
+        srv.scheduler.count(OUTCOMES.get(e.status, "error"))
+        body = anthropic.error_body(e.status, e.message) if request.url.path.startswith("/v1/messages") else e.body()
+        return JSONResponse(body, status_code=e.status, headers=e.headers)
+
+    # Starlette's own errors (no such route: 404, a wrong method: 405), FastAPI's and a bug's: the same shapes
+    @app.exception_handler(HTTPException)
+    async def http_error(request, e: HTTPException):
+        what = {404: f"no route {request.url.path}", 405: f"{request.url.path} does not take {request.method}"}
+        return await api_error(request, ApiError(e.status_code, what.get(e.status_code, str(e.detail)),
+                                                 code={404: "not_found", 405: "method_not_allowed"}.get(e.status_code),
+                                                 headers=dict(e.headers or {})))
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, e: RequestValidationError):
+        return await api_error(request, ApiError(400, f"invalid request: {e.errors()[:1]}", code="invalid_value"))
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, e: Exception):
+        msg = " ".join(str(e).split()) or type(e).__name__
+        srv.log(f"internal error on {request.url.path}: {type(e).__name__}: {msg}")
+        return await api_error(request, ApiError(500, f"internal error: {type(e).__name__}: {msg}"))
+
+
+# --- OpenAI: chat completions, completions, models ---------------------------------------------------------------
+
+def openai_routes(app, srv: Server, guarded: list) -> None:
+    """/v1/chat/completions, /v1/completions (one JSON answer or SSE chunks: stream_reply) and /v1/models."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    engine = srv.engine
+
     async def complete(request: Request, kind: str):
         arrived = time.perf_counter()
-        req, jobs, choice, echo, think_open = await asyncio.to_thread(prepare, kind, await read_body(request))
+        req, jobs, choice, echo, think_open = await asyncio.to_thread(srv.prepare, kind, await srv.read_body(request))
         job = jobs[0]
         for j in jobs:
-            j.deadline = deadline(arrived)
+            j.deadline = srv.deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
-        submit_all(jobs, events)
+        srv.submit_all(jobs, events)
         request.scope[JOBS_KEY] = jobs  # the access log's token counts
-        reply = Reply(kind, name, engine.tokenizer)
+        reply = Reply(kind, srv.name, engine.tokenizer)
         fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template) \
             if kind == "chat" else None
         if choice is not None or fmt == "harmony":  # answers are read for tool calls (harmony: for its channels too)
             reply.calls = "first" if not req.parallel_tool_calls else "all"
             reply.fmt, reply.specs = fmt, tool_specs(req) if choice is not None else []
-        if kind == "chat" and (req.reasoning_format or reasoning_format) == "deepseek":
+        if kind == "chat" and (req.reasoning_format or srv.reasoning_format) == "deepseek":
             reply.reasoning, reply.think_open = "harmony" if fmt == "harmony" else "think", think_open
         reply.text_offset = dict.fromkeys(range(req.n), len(echo))
         if req.stream:
@@ -577,71 +623,6 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         return JSONResponse(reply.envelope(choices, stream=False, timings=timings_of(job),
                                            usage=usage_of(job.stats, sum(j.stats.n_generated for j in jobs))))
 
-    async def stream_reply(jobs: list, events: asyncio.Queue, reply: Reply, include_usage: bool, echo: str = ""):
-        for index in range(len(jobs)):
-            if reply.kind == "chat":
-                yield sse(reply.envelope([reply.choice("", None, stream=True, role=True, index=index)], stream=True))
-            if echo:
-                yield sse(reply.envelope([reply.choice(echo, None, stream=True, index=index)], stream=True))
-        # per choice: the log-probabilities of the tokens whose text is not sent yet
-        logprobs = [[] if job.top_logprobs is not None else None for job in jobs]
-        # with tools in play: each answer read as it streams (tools.CallStream): its content goes out as soon as it
-        # cannot be the start of a call, each call as soon as its closing marker is in
-        reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls, live=True)
-                   for _ in jobs]
-        n_calls = [0] * len(jobs)
-        # with reasoning split out: a leading <think> block read off first (reasoning.ThinkStream), or gpt-oss'
-        # analysis channel re-read from the answer so far (`thought`: what was sent of it)
-        thinking = [reasoning.ThinkStream(reply.think_open) if reply.reasoning == "think" else None for _ in jobs]
-        thought = [""] * len(jobs)
-
-        def answer(index: int, piece: str, final: bool = False) -> list:
-            """A piece of the answer (final: its end) -> its chunks: reasoning, content, calls."""
-            out = []
-            if thinking[index] is not None:
-                thought_piece, piece = thinking[index].feed(piece, final)
-                out += [sse(c) for c in reply.reasoning_delta(thought_piece, index)]
-            if reading[index] is None:
-                return out + deltas(index, piece, [])
-            text, calls = reading[index].feed(piece, final)
-            if reply.reasoning == "harmony":
-                so_far = tools.FORMATS["harmony"].reasoning(reading[index].text, final)
-                new = so_far[len(thought[index]):] if so_far.startswith(thought[index]) else ""
-                thought[index] += new
-                out += [sse(c) for c in reply.reasoning_delta(new, index)]
-            return out + deltas(index, text, calls)
-
-        def deltas(index: int, text: str, calls: list) -> list:
-            out = []
-            if text:
-                out.append(sse(reply.envelope([reply.choice(text, None, stream=True, logprobs=logprobs[index],
-                                                             index=index)], stream=True)))
-                logprobs[index] = [] if logprobs[index] is not None else None
-            progress = reading[index].progress if reading[index] is not None else ()
-            out += [sse(chunk) for chunk in reply.call_deltas(calls, n_calls[index], index, progress)]
-            n_calls[index] += len(calls)
-            return out
-
-        async for index, ev, value in job_events(jobs, events):
-            if ev == "logprobs":
-                logprobs[index].append(value)
-            elif ev == "piece":
-                for chunk in answer(index, value):
-                    yield chunk
-            elif ev == "error":
-                yield sse(ApiError(500, value).body())
-            else:
-                if reading[index] is not None or thinking[index] is not None:
-                    for chunk in answer(index, "", final=True):
-                        yield chunk
-                    value = "tool_calls" if n_calls[index] and value == "stop" else value
-                yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs[index] or None,
-                                                       index=index)], stream=True, timings=timings_of(jobs[index])))
-        if include_usage:
-            yield sse(reply.envelope([], stream=True, usage=usage_of(jobs[0].stats,
-                                                                     sum(j.stats.n_generated for j in jobs))))
-        yield "data: [DONE]\n\n"
-
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat_completions(request: Request):
         return await complete(request, "chat")
@@ -650,26 +631,110 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     async def completions(request: Request):
         return await complete(request, "completion")
 
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [{"id": srv.name, "object": "model", "created": int(os.path.getmtime(
+            engine.file.path)), "owned_by": "pymoe", "meta": {"arch": engine.config.arch, "n_ctx": engine.n_ctx}}]}
+
+
+async def stream_reply(jobs: list, events: asyncio.Queue, reply: Reply, include_usage: bool, echo: str = ""):
+    """A chat or completion answer's SSE chunks, `data: {...}` ... `data: [DONE]`: per choice, its reasoning,
+    content and tool calls as they are read, then its finish_reason (and the usage, when asked for)."""
+    for index in range(len(jobs)):
+        if reply.kind == "chat":
+            yield sse(reply.envelope([reply.choice("", None, stream=True, role=True, index=index)], stream=True))
+        if echo:
+            yield sse(reply.envelope([reply.choice(echo, None, stream=True, index=index)], stream=True))
+    # per choice: the log-probabilities of the tokens whose text is not sent yet
+    logprobs = [[] if job.top_logprobs is not None else None for job in jobs]
+    # with tools in play: each answer read as it streams (tools.CallStream): its content goes out as soon as it
+    # cannot be the start of a call, each call as soon as its closing marker is in
+    reading = [None if reply.calls is None else tools.CallStream(reply.fmt, reply.specs, reply.calls, live=True)
+               for _ in jobs]
+    n_calls = [0] * len(jobs)
+    # with reasoning split out: a leading <think> block read off first (reasoning.ThinkStream), or gpt-oss'
+    # analysis channel re-read from the answer so far (`thought`: what was sent of it)
+    thinking = [reasoning.ThinkStream(reply.think_open) if reply.reasoning == "think" else None for _ in jobs]
+    thought = [""] * len(jobs)
+
+    def answer(index: int, piece: str, final: bool = False) -> list:
+        """A piece of the answer (final: its end) -> its chunks: reasoning, content, calls."""
+        out = []
+        if thinking[index] is not None:
+            thought_piece, piece = thinking[index].feed(piece, final)
+            out += [sse(c) for c in reply.reasoning_delta(thought_piece, index)]
+        if reading[index] is None:
+            return out + deltas(index, piece, [])
+        text, calls = reading[index].feed(piece, final)
+        if reply.reasoning == "harmony":
+            so_far = tools.FORMATS["harmony"].reasoning(reading[index].text, final)
+            new = so_far[len(thought[index]):] if so_far.startswith(thought[index]) else ""
+            thought[index] += new
+            out += [sse(c) for c in reply.reasoning_delta(new, index)]
+        return out + deltas(index, text, calls)
+
+    def deltas(index: int, text: str, calls: list) -> list:
+        out = []
+        if text:
+            out.append(sse(reply.envelope([reply.choice(text, None, stream=True, logprobs=logprobs[index],
+                                                         index=index)], stream=True)))
+            logprobs[index] = [] if logprobs[index] is not None else None
+        progress = reading[index].progress if reading[index] is not None else ()
+        out += [sse(chunk) for chunk in reply.call_deltas(calls, n_calls[index], index, progress)]
+        n_calls[index] += len(calls)
+        return out
+
+    async for index, ev, value in job_events(jobs, events):
+        if ev == "logprobs":
+            logprobs[index].append(value)
+        elif ev == "piece":
+            for chunk in answer(index, value):
+                yield chunk
+        elif ev == "error":
+            yield sse(ApiError(500, value).body())
+        else:
+            if reading[index] is not None or thinking[index] is not None:
+                for chunk in answer(index, "", final=True):
+                    yield chunk
+                value = "tool_calls" if n_calls[index] and value == "stop" else value
+            yield sse(reply.envelope([reply.choice(None, value, stream=True, logprobs=logprobs[index] or None,
+                                                   index=index)], stream=True, timings=timings_of(jobs[index])))
+    if include_usage:
+        yield sse(reply.envelope([], stream=True, usage=usage_of(jobs[0].stats,
+                                                                 sum(j.stats.n_generated for j in jobs))))
+    yield "data: [DONE]\n\n"
+
+
+# --- Anthropic: messages -----------------------------------------------------------------------------------------
+
+def anthropic_routes(app, srv: Server, guarded: list) -> None:
+    """Anthropic's /v1/messages (anthropic.py's shapes; SSE: stream_message) and /v1/messages/count_tokens."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    engine = srv.engine
+
     @app.post("/v1/messages", dependencies=guarded)
     async def messages(request: Request):
         """Anthropic's Messages API (anthropic.py): the same job as a chat completion, in its shapes."""
         arrived = time.perf_counter()
-        req = await read_request(request, anthropic.MessagesRequest)
+        req = await srv.read_request(request, anthropic.MessagesRequest)
 
         def prepare():
             choice = tool_mode(req, engine.tokenizer)
-            ids = chat_ids(req, chat_prompt(req, engine.tokenizer))
-            job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, sampling_defaults, engine.tokenizer, parallel)
+            ids = srv.chat_ids(req, chat_prompt(req, engine.tokenizer))
+            job = make_job(req, ids, engine.n_ctx, engine.config.n_vocab, srv.sampling_defaults, engine.tokenizer,
+                           srv.parallel)
             job.grammar = forced_call_grammar(req, choice, job, engine.tokenizer)
             job.preserved = preserved_markers(choice, engine.tokenizer)
             return job, choice
 
         job, choice = await asyncio.to_thread(prepare)
-        job.deadline = deadline(arrived)
+        job.deadline = srv.deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
-        submit_all([job], events)
+        srv.submit_all([job], events)
         request.scope[JOBS_KEY] = [job]
-        reply = anthropic.MessageReply(name)
+        reply = anthropic.MessageReply(srv.name)
         fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template)
         calls = None if choice is None and fmt != "harmony" else ("all" if req.parallel_tool_calls else "first")
         # with tools in play (or gpt-oss' channels), the answer is read for calls: tools.CallStream
@@ -696,41 +761,51 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
                                           anthropic.usage(st.n_prompt, st.n_generated, st.n_reused),
                                           calls=None if calls is None else found))
 
-    async def stream_message(job: Job, events: asyncio.Queue, reply, reading: Optional[tools.CallStream]):
-        """SSE events; with tools in play (`reading`), text blocks and tool_use blocks open as the answer is read:
-        text as soon as it cannot be the start of a call, each call once its closing marker is in."""
-        for event in reply.start_events(len(job.prompt_ids), text_block=reading is None):
-            yield event
-        n_calls = 0
-        async for _, ev, value in job_events([job], events):
-            if ev == "piece" and reading is not None:
-                text, found = reading.feed(value)
-                n_calls += len(found)
-                for event in reply.block_events(text, found):
-                    yield event
-            elif ev == "piece":
-                yield reply.delta_event(value)
-            elif ev == "error":
-                yield reply.event("error", error={"type": "api_error", "message": value})
-            elif ev == "done":
-                stop_reason, stop_sequence = reply.stop_reason(value, job.text.matched)
-                if reading is not None:
-                    text, found = reading.close()
-                    n_calls += len(found)
-                    for event in reply.block_events(text, found) + reply.close_events():
-                        yield event
-                    if n_calls and stop_reason == "end_turn":
-                        stop_reason = "tool_use"
-                for event in reply.end_events(stop_reason, stop_sequence, job.stats.n_generated,
-                                              close_text=reading is None):
-                    yield event
-
     @app.post("/v1/messages/count_tokens", dependencies=guarded)
     async def count_tokens(request: Request):
-        req = await read_request(request, anthropic.CountTokensRequest)
-        ids = await asyncio.to_thread(lambda: chat_ids(req, chat_prompt(req, engine.tokenizer)))
+        req = await srv.read_request(request, anthropic.CountTokensRequest)
+        ids = await asyncio.to_thread(lambda: srv.chat_ids(req, chat_prompt(req, engine.tokenizer)))
         return {"input_tokens": len(ids)}
 
+
+async def stream_message(job: Job, events: asyncio.Queue, reply, reading: Optional[tools.CallStream]):
+    """SSE events; with tools in play (`reading`), text blocks and tool_use blocks open as the answer is read:
+    text as soon as it cannot be the start of a call, each call once its closing marker is in."""
+    for event in reply.start_events(len(job.prompt_ids), text_block=reading is None):
+        yield event
+    n_calls = 0
+    async for _, ev, value in job_events([job], events):
+        if ev == "piece" and reading is not None:
+            text, found = reading.feed(value)
+            n_calls += len(found)
+            for event in reply.block_events(text, found):
+                yield event
+        elif ev == "piece":
+            yield reply.delta_event(value)
+        elif ev == "error":
+            yield reply.event("error", error={"type": "api_error", "message": value})
+        elif ev == "done":
+            stop_reason, stop_sequence = reply.stop_reason(value, job.text.matched)
+            if reading is not None:
+                text, found = reading.close()
+                n_calls += len(found)
+                for event in reply.block_events(text, found) + reply.close_events():
+                    yield event
+                if n_calls and stop_reason == "end_turn":
+                    stop_reason = "tool_use"
+            for event in reply.end_events(stop_reason, stop_sequence, job.stats.n_generated,
+                                          close_text=reading is None):
+                yield event
+
+
+# --- OpenAI: Responses -------------------------------------------------------------------------------------------
+
+def responses_routes(app, srv: Server, guarded: list) -> None:
+    """OpenAI's /v1/responses (responses.py's shapes) and /v1/responses/{id} (the answers kept with store)."""
+    from fastapi import Request
+    from fastapi.responses import JSONResponse, StreamingResponse
+
+    engine, reasoning_format = srv.engine, srv.reasoning_format
     store = responses.ResponseStore()
 
     @app.post("/v1/responses", dependencies=guarded)
@@ -738,20 +813,20 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
         """OpenAI's Responses API (responses.py): the request runs as a chat completion; its answer is read through
         the same pipeline whether streamed or not (the events of a whole answer are dropped)."""
         arrived = time.perf_counter()
-        req = await read_request(request, responses.ResponsesRequest)
+        req = await srv.read_request(request, responses.ResponsesRequest)
 
         def prepare_response():
             previous = store.conversation(req.previous_response_id)
             chat = req.to_chat(previous)
-            jobs, choice, _, think_open = jobs_for(chat, "chat")
+            jobs, choice, _, think_open = srv.jobs_for(chat, "chat")
             return chat, req.messages(previous), jobs[0], choice, think_open
 
         chat, conversation, job, choice, think_open = await asyncio.to_thread(prepare_response)
-        job.deadline = deadline(arrived)
+        job.deadline = srv.deadline(arrived)
         events: asyncio.Queue = asyncio.Queue()
-        submit_all([job], events)
+        srv.submit_all([job], events)
         request.scope[JOBS_KEY] = [job]
-        reply = responses.ResponseReply(name, req)
+        reply = responses.ResponseReply(srv.name, req)
         fmt = (tools.call_format if choice is not None else tools.tool_format)(engine.tokenizer.chat_template)
         reading = None if choice is None and fmt != "harmony" else tools.CallStream(
             fmt, tool_specs(chat) if choice is not None else [], "all" if req.parallel_tool_calls else "first",
@@ -809,15 +884,19 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
             raise ApiError(404, f"no stored response {rid!r}", code="not_found", param="response_id")
         return found[1]
 
-    @app.get("/v1/models", dependencies=guarded)
-    async def models():
-        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(os.path.getmtime(
-            engine.file.path)), "owned_by": "pymoe", "meta": {"arch": engine.config.arch, "n_ctx": engine.n_ctx}}]}
 
-    # llama.cpp's server utilities: what the tokenizer and the chat template make of an input, without a model run
+# --- llama.cpp's utilities; health, status, the monitor page, metrics --------------------------------------------
+
+def llamacpp_routes(app, srv: Server, guarded: list) -> None:
+    """llama.cpp's server utilities: what the tokenizer and the chat template make of an input, without a model run
+    (/tokenize, /detokenize, /apply-template)."""
+    from fastapi import Request
+
+    engine = srv.engine
+
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request):
-        req = await read_request(request, TokenizeRequest)
+        req = await srv.read_request(request, TokenizeRequest)
 
         def tokens():
             ids = engine.tokenizer.encode(req.content, add_bos=None if req.add_special else False)  # None: the file's
@@ -827,7 +906,7 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(request: Request):
-        req = await read_request(request, DetokenizeRequest)
+        req = await srv.read_request(request, DetokenizeRequest)
         n = engine.config.n_vocab
         if any(not 0 <= t < n for t in req.tokens):
             raise ApiError(400, f"token ids must be in 0..{n - 1}", code="invalid_value", param="tokens")
@@ -835,8 +914,18 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
 
     @app.post("/apply-template", dependencies=guarded)
     async def apply_template(request: Request):
-        req = await read_request(request, ApplyTemplateRequest)
+        req = await srv.read_request(request, ApplyTemplateRequest)
         return {"prompt": await asyncio.to_thread(chat_prompt, req, engine.tokenizer)}
+
+
+def status_routes(app, srv: Server, guarded: list) -> None:
+    """/health (no key), /v1/status, the monitor page at / (no key: it holds no data) and /metrics (Prometheus)."""
+    from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
+    from prometheus_client import generate_latest
+    from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+    scheduler = srv.scheduler
+    registry = registry_for(scheduler)
 
     @app.get("/health")
     async def health():
@@ -858,8 +947,6 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @app.get("/metrics", dependencies=guarded)
     async def metrics():
         return PlainTextResponse(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
-
-    return app
 
 
 # --- serving it ----------------------------------------------------------------------------------------------------

@@ -137,8 +137,8 @@ MUTANTS: list[Mutant] = [
         "the sampler never draws the least likely candidate left after top-k/top-p/min-p"),
     Mutant(
         "codebook_table_rotated", "pymoe/quant/qact.py",
-        "return builder.call(fn, [vec(i8, 32, list(codebook) * 2), v])",
-        "return builder.call(fn, [vec(i8, 32, list(codebook[1:] + codebook[:1]) * 2), v])",
+        "return builder.call(fn, [vec(i8, 32, list(self.codebook) * 2), v])",
+        "return builder.call(fn, [vec(i8, 32, list(self.codebook[1:] + self.codebook[:1]) * 2), v])",
         ("tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_XS-*]",
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[IQ4_NL-*]",
          "tests/test_kernels_qact.py::test_int_matvec_and_matmul[MXFP4-*]"),
@@ -408,8 +408,8 @@ MUTANTS: list[Mutant] = [
         "the monitor's heat map marks an expert looked up instead of counting its lookups"),
     Mutant(
         "by_expert_first_weight", "pymoe/quant/kernels.py",
-        "            wk = weight[start[k]]",
-        "            wk = weight[0]",
+        "        wk = weight[start[k]]",
+        "        wk = weight[0]",
         ("tests/test_repack.py::test_decode_one_task_per_expert_has_the_bits_of_the_row_tasks",
          "tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[*]"),
         "decode's one-task-per-expert MoE kernel weighs every expert with the first one's routing weight"),
@@ -631,8 +631,8 @@ MUTANTS: list[Mutant] = [
         "seed -1 (llama.cpp's random) reaches numpy, which raises in the engine thread"),
     Mutant(
         "anthropic_tool_use_stop_reason_dropped", "pymoe/serve/app.py",
-        "                    if n_calls and stop_reason == \"end_turn\":\n                        stop_reason = \"tool_use\"",
-        "                    if False:  # MUTANT\n                        stop_reason = \"tool_use\"",
+        "                if n_calls and stop_reason == \"end_turn\":\n                    stop_reason = \"tool_use\"",
+        "                if False:  # MUTANT\n                    stop_reason = \"tool_use\"",
         ("tests/test_server.py::test_anthropic_tool_use_with_the_official_client",),
         "Anthropic: a streamed answer with a tool call ends with end_turn, not tool_use"),
     Mutant(
