@@ -254,14 +254,7 @@ class GGUFModel:
         file_size = os.path.getsize(self.path)
         expected = expected_tensors(self.config)
         for name, shape in expected.items():
-            t = self.tensors.get(name)
-            if t is None:
-                raise PymoeError(f"{where}missing tensor {name}")
-            if t.shape != shape:
-                if not _fits(t.shape, shape):
-                    raise PymoeError(f"{where}tensor {name} has shape {list(t.shape)} but the metadata implies "
-                                     f"{list(shape)} (NumPy order)")
-                t = self.tensors[name] = _squeezed(t, shape)
+            t = self.tensors[name] = expected_tensor(self.tensors, name, shape, where)
             if t.qtype not in quant.FORMATS:
                 raise PymoeError(f"{where}tensor {name} has type {t.qtype.name}, which pymoe does not support "
                                  f"(supported: {', '.join(q.name for q in quant.FORMATS)})")
@@ -429,6 +422,21 @@ class GGUFModel:
     def expert_bytes_total(self) -> int:
         return sum(self.layer_tensor(i, f"ffn_{p}_exps.weight").nbytes
                    for i in self.config.moe_layers for p in EXPERT_PROJ)
+
+
+def expected_tensor(tensors: dict, name: str, shape: tuple, where: str) -> Tensor:
+    """The tensor `name` of `tensors` as the metadata says it must be: present, of `shape` (NumPy order) or fitting it
+    (`_fits`, then squeezed to it); else a one-line error naming the file (`where`) and the tensor. The model loader
+    and the mmproj loader (vision/mmproj.py) check their tensors with it."""
+    t = tensors.get(name)
+    if t is None:
+        raise PymoeError(f"{where}missing tensor {name}")
+    if t.shape != shape:
+        if not _fits(t.shape, shape):
+            raise PymoeError(f"{where}tensor {name} has shape {list(t.shape)} but the metadata implies "
+                             f"{list(shape)} (NumPy order)")
+        t = _squeezed(t, shape)
+    return t
 
 
 def _fits(have: tuple, want: tuple) -> bool:

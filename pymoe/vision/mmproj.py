@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pymoe.errors import PymoeError
-from pymoe.gguf.loader import Tensor, _field_value, _fits, _open_reader, _squeezed
+from pymoe.gguf.loader import Tensor, _field_value, _open_reader, expected_tensor
 
 PROJECTORS = ("qwen3vl_merger",)  # clip-impl.h PROJECTOR_TYPE_NAMES: PROJECTOR_TYPE_QWEN3VL
 
@@ -124,15 +124,7 @@ class MMProj:
             raise PymoeError(f"{where}clip.vision.image_mean and image_std must have 3 values (RGB)")
         self.tensors = {}
         for name, shape in expected_tensors(self.config).items():
-            t = tensors.get(name)
-            if t is None:
-                raise PymoeError(f"{where}missing tensor {name}")
-            if t.shape != shape:
-                if not _fits(t.shape, shape):
-                    raise PymoeError(f"{where}tensor {name} has shape {list(t.shape)} but the metadata implies "
-                                     f"{list(shape)} (NumPy order)")
-                t = _squeezed(t, shape)
-            self.tensors[name] = t
+            self.tensors[name] = expected_tensor(tensors, name, shape, where)
         file_size = os.path.getsize(self.path)
         for t in self.reader.tensors:
             if t.data_offset + t.n_bytes > file_size:
