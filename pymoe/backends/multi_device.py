@@ -44,6 +44,7 @@ from typing import Optional
 import numpy as np
 
 from pymoe.errors import PymoeError
+from pymoe.experts.cache import CounterViews
 from .device_counts import DeviceCounts, _empty
 from .cuda import DEFAULT_RESERVE, CUDABackend, DeviceKVCache, simulated, simulated_device_gib
 
@@ -391,7 +392,7 @@ class DeviceCaches:
                 for i, r, c in zip(self.backend.ids, self.backend.ranges, self.parts)]
 
 
-class _SummedStats:
+class _SummedStats(CounterViews):
     """experts/cache.CacheStats over several pools: `counts` is the sum, read live."""
 
     def __init__(self, parts: list):
@@ -406,21 +407,6 @@ class _SummedStats:
                 for k, n in cs.items():
                     acc[k] = acc.get(k, 0) + n
         return out
-
-    @property
-    def lookups(self) -> dict:
-        return {p: c["lookups"] for p, c in self.counts.items()}
-
-    @property
-    def hits(self) -> dict:
-        return {p: c["hits"] for p, c in self.counts.items()}
-
-    def snapshot(self, phase: str) -> dict:
-        return dict(self.counts[phase])
-
-    def hit_rate(self, phase: str) -> float:
-        c = self.counts[phase]
-        return c["hits"] / c["lookups"] if c["lookups"] else 0.0
 
     def reset(self) -> None:
         for c in self.parts:

@@ -66,12 +66,9 @@ PHASES = ("prefill", "decode")
 COUNTERS = ("lookups", "hits", "spill", "cpu", "staged", "host", "promoted", "evicted", "prefetched", "prefetch_hits")
 
 
-@dataclass
-class CacheStats:
-    """Counters per phase. lookups = hits + spill + cpu (decode) or hits + staged (prefill) with a slot pool;
-    with none, lookups = host (read in place, CPU backend) or spill / staged (over PCIe, a GPU with no slots)."""
-
-    counts: dict = field(default_factory=lambda: {p: dict.fromkeys(COUNTERS, 0) for p in PHASES})
+class CounterViews:
+    """What is read off counters per phase (`self.counts`: {phase: {counter: n}}): a cache's own (CacheStats) or
+    the sum over several devices' pools (backends/multi_device.py)."""
 
     @property
     def lookups(self) -> dict:
@@ -87,6 +84,14 @@ class CacheStats:
     def hit_rate(self, phase: str) -> float:
         c = self.counts[phase]
         return c["hits"] / c["lookups"] if c["lookups"] else 0.0
+
+
+@dataclass
+class CacheStats(CounterViews):
+    """Counters per phase. lookups = hits + spill + cpu (decode) or hits + staged (prefill) with a slot pool;
+    with none, lookups = host (read in place, CPU backend) or spill / staged (over PCIe, a GPU with no slots)."""
+
+    counts: dict = field(default_factory=lambda: {p: dict.fromkeys(COUNTERS, 0) for p in PHASES})
 
     def reset(self) -> None:
         for c in self.counts.values():
