@@ -199,7 +199,7 @@ def test_pymoe_run_and_the_server_status_per_device(tiny_model, monkeypatch, tmp
 
 
 @in_process
-def test_micro_glm4moe_on_two_devices_with_the_real_kernels(tmp_path):
+def test_micro_glm4moe_on_two_devices_with_the_real_kernels(tmp_path, monkeypatch):
     """The real kernels (cuda_kernels/) in the simulator, on the micro glm4moe (a dense layer, then an MoE layer:
     device 0 runs the dense layer and has no slot pool, device 1 the MoE layer with its pool, pre-filled): greedy
     tokens of two devices = one device = the CPU float path; logits of two devices = one device's bit for bit (the
@@ -221,9 +221,11 @@ def test_micro_glm4moe_on_two_devices_with_the_real_kernels(tmp_path):
 
     want_tokens, want_logits = run(pymoe.load(path, backend="reference", n_ctx=64))
     free = dict(free_bytes=700 * MiB + 64 * MiB)
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # several devices run version 2: so does the one device compared
     one = run(pymoe.load(path, backend="cuda", backend_options=free, **opts))
     engine = pymoe.load(path, backend="cuda", backend_options=free, devices="2", **opts)
     assert engine.backend.devices[0].k.name == "cuda_kernels" and engine.cache.parts[0] is None
+    assert not engine.model.step_on_device
     two = run(engine)
     assert two[0] == one[0] == want_tokens
     np.testing.assert_array_equal(two[1], one[1])
