@@ -64,7 +64,18 @@ def per_token(engine):
     return per_token({**st.device, "tokens": st.n_decoded})
 
 
-FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe"]  # the converted ones (model.device_step_possible)
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe"]  # the converted ones
+# (model.device_step_possible; test_the_families_that_run_the_step_are_these holds the list to it)
+
+
+@in_process
+def test_the_families_that_run_the_step_are_these(micro):
+    """Every family pymoe reads (config.ARCHS), on the CUDA backend: the step runs for FAMILIES and for no other, so
+    a family that starts running it (a new one, or a block given device primitives) is in the tests below."""
+    from pymoe.gguf.config import ARCHS
+
+    runs = [a for a in ARCHS if pymoe.load(micro(a), backend="cuda", backend_options=SIM).model.step_on_device]
+    assert runs == [a for a in ARCHS if a in FAMILIES]
 
 
 @in_process

@@ -118,7 +118,8 @@ ARCH_TWEAKS = {
 # no GQA for olmoe, as above (the tiny tweaks are for the tiny shapes); glm4moe, deepseek2 and dots1 lead with a
 # dense layer, so their micro files have two: the dense one, then one MoE layer
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2), "glm4moe": dict(n_layers=2), "deepseek2": dict(n_layers=2),
-                     "dots1": dict(n_layers=2, n_head_kv=2)}
+                     "dots1": dict(n_layers=2, n_head_kv=2),
+                     "qwen3vlmoe": dict(n_layers=3)}  # its 2 deepstack layers, then one more (as the tiny file)
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
                "gpt-oss": False, "qwen3next": False, "qwen35moe": False, "deepseek2": False,
                "dots1": False, "qwen3vlmoe": False}  # llama.cpp
