@@ -95,13 +95,18 @@ def add_kernel(Y, X):
         Y[t, i] += X[t, i]
 
 
+def _rowwise(kernel, what: str, A, B, names: str, stream):
+    """Launch an element-wise kernel of two same-shaped [T, n] device arrays, one block a row; -> A (written)."""
+    A, B = on_device(A, names[0]), on_device(B, names[1])
+    if tuple(A.shape) != tuple(B.shape) or len(A.shape) != 2:
+        raise ValueError(f"{what}: {names[0]} {tuple(A.shape)} and {names[1]} {tuple(B.shape)} must be the same [T, n]")
+    if A.shape[0]:
+        kernel[(A.shape[0],), THREADS, stream](A, B)
+    return A
+
+
 def add(Y, X, stream=0):
-    Y, X = on_device(Y, "Y"), on_device(X, "X")
-    if tuple(Y.shape) != tuple(X.shape) or len(Y.shape) != 2:
-        raise ValueError(f"add: Y {tuple(Y.shape)} and X {tuple(X.shape)} must be the same [T, n]")
-    if Y.shape[0]:
-        add_kernel[(Y.shape[0],), THREADS, stream](Y, X)
-    return Y
+    return _rowwise(add_kernel, "add", Y, X, "YX", stream)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -117,12 +122,7 @@ def swiglu_kernel(G, U):
 
 
 def swiglu(G, U, stream=0):
-    G, U = on_device(G, "G"), on_device(U, "U")
-    if tuple(G.shape) != tuple(U.shape) or len(G.shape) != 2:
-        raise ValueError(f"swiglu: G {tuple(G.shape)} and U {tuple(U.shape)} must be the same [T, n]")
-    if G.shape[0]:
-        swiglu_kernel[(G.shape[0],), THREADS, stream](G, U)
-    return G
+    return _rowwise(swiglu_kernel, "swiglu", G, U, "GU", stream)
 
 
 @cuda.jit
