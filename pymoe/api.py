@@ -165,7 +165,7 @@ class Engine:
         --cache auto sizes each from its own free memory; a total (--cache-slots, --cache-gib) is split by the
         devices' budgets (largest remainder, as `pymoe simulate --devices` splits it), each at most its layers'
         experts."""
-        from .backends.multi_device import DeviceCaches
+        from .experts.device_caches import DeviceCaches
         from .experts.multi import split_count
         from .experts.plan import auto_line, slots_for
 
@@ -315,11 +315,13 @@ def _multi_device_backend(backend: str, devices: str, threads, reserve: int, opt
     """`--devices`: the CUDA backend on several devices (a GPU's, or the simulator's several CUDABackends)."""
     from .backends.cuda import cuda_available, simulated
     from .backends.multi_device import MultiDeviceBackend, parse_device_ids
+    from .experts.multi import split_layers
 
     if backend not in ("auto", "cuda") or (backend == "auto" and not (cuda_available() or simulated())):
         raise PymoeError(f"--devices runs the cuda backend on several devices; the backend here is {backend!r}"
                          + (" (no CUDA GPU found)" if backend == "auto" else ""))
-    return MultiDeviceBackend(parse_device_ids(devices), threads=threads, reserve=reserve, **(options or {}))
+    return MultiDeviceBackend(parse_device_ids(devices), threads=threads, reserve=reserve, split=split_layers,
+                              **(options or {}))  # the planner's layer split: plan, simulate and engine agree
 
 
 def load(path: str, backend: str = "auto", threads: Optional[int] = None, n_ctx: Optional[int] = None,

@@ -1,18 +1,16 @@
 """Several devices in one box: the CUDA backend split by contiguous layer ranges, one slot pool per device.
 
 What this is:
-  - `device_ranges(n_layers, usable)`: the layer ranges, one per device: experts/multi.split_layers over the devices'
-    usable bytes, the rule `pymoe plan --devices` plans with (experts/multi.plan_devices), so that the planner and
-    the engine put the same layers on the same card.
+  - `device_ranges(n_layers, usable, split)`: the layer ranges, one per device: experts/multi.split_layers (handed
+    in by api.py) over the devices' usable bytes, the rule `pymoe plan --devices` plans with
+    (experts/multi.plan_devices), so that the planner and the engine put the same layers on the same card.
   - `MultiDeviceBackend`: one backends/cuda.CUDABackend per device. `for_layer(i)` is the backend layer i runs on
     (engine/model.Model.backend_for): its `DeviceShard`, which holds that layer's dense weights, its KV rows and its
     experts' slot pool. Everything else (the output head, the host-side norms) is the last device's, as in
     llama.cpp's layer split (`--split-mode layer`). The model file is pinned and mapped once (a portable
     registration: cuda.HostMapping) and shared by every device.
   - `MultiKV`: one sequence's KV cache: a cuda.DeviceKVCache per device, each holding its layers' rows.
-  - `DeviceCaches`: the expert cache, one experts/cache.SlotCache per device over its own layers' experts, its pool
-    in that device's memory; lookups go to the layer's device; counters are the sum over devices (`stats`) and per
-    device (`per_device`).
+  The expert cache over the devices, one SlotCache each, is experts/device_caches.DeviceCaches.
   - `MultiCounts`: the devices' backends/device_counts.DeviceCounts, summed (`snapshot`) and per device.
 
 Why one pool per device, not one global pool by measured heat: a slot holds an expert of a layer its device runs; an
@@ -44,7 +42,6 @@ from typing import Optional
 import numpy as np
 
 from pymoe.errors import PymoeError
-from pymoe.experts.cache import CounterViews
 from .device_counts import DeviceCounts, _empty
 from .cuda import DEFAULT_RESERVE, CUDABackend, DeviceKVCache, simulated, simulated_device_gib
 
@@ -78,13 +75,12 @@ def simulated_device_sizes(n: int) -> list[float]:
     return sizes
 
 
-def device_ranges(n_layers: int, usable: list) -> list[range]:
-    """Contiguous layer ranges in device order, sized by usable bytes: the planner's split (experts/multi.py)."""
-    from pymoe.experts.multi import split_layers
-
+def device_ranges(n_layers: int, usable: list, split) -> list[range]:
+    """Contiguous layer ranges in device order, sized by usable bytes: split(n_layers, weights) -> [(lo, hi)], the
+    planner's split (experts/multi.split_layers, handed in by api.py: the backends import nothing of experts/)."""
     if len(usable) > n_layers:
         raise PymoeError(f"--devices: {len(usable)} devices for {n_layers} layers: at most one device per layer")
-    return [range(lo, hi) for lo, hi in split_layers(n_layers, [max(u, 1e-9) for u in usable])]
+    return [range(lo, hi) for lo, hi in split(n_layers, [max(u, 1e-9) for u in usable])]
 
 
 @contextlib.contextmanager
@@ -178,8 +174,9 @@ class MultiDeviceBackend:
     device_step = False
 
     def __init__(self, ids: list[int], threads: Optional[int] = None, reserve: int = DEFAULT_RESERVE,
-                 free_bytes=None, **options):
+                 free_bytes=None, split=None, **options):
         """ids: CUDA device indices (in the simulator: names of the simulated devices, all in its one context);
+        split: the planner's layer split (`device_ranges`; needed by `attach`);
         free_bytes: None (each device's free memory; the simulator: PYMOE_SIM_DEVICE_GIB), one number for every
         device, or one per device (tests)."""
         from .cuda import cuda_module
@@ -216,6 +213,7 @@ class MultiDeviceBackend:
         self.reserve = int(reserve)
         self.counts = MultiCounts([b.counts for b in self.devices])
         self.ranges: list[range] = []
+        self.split = split
         self._layer_device: list[int] = []
 
     def context(self, d: int):
@@ -238,7 +236,7 @@ class MultiDeviceBackend:
             with self.context(d)():
                 b.attach(file, host)
             host = b.host
-        self.ranges = device_ranges(file.config.n_layers, [b.mem.limit for b in self.devices])
+        self.ranges = device_ranges(file.config.n_layers, [b.mem.limit for b in self.devices], self.split)
         self._layer_device = [d for d, r in enumerate(self.ranges) for _ in r]
         for b, r in zip(self.devices, self.ranges):
             b.layers = r
@@ -290,142 +288,3 @@ class MultiDeviceBackend:
 
     def close(self) -> None:
         self.devices[0].close()  # the one mapping all of them share
-
-
-class DeviceCaches:
-    """The expert cache over several devices: one SlotCache per device over its layers (module docstring); a device
-    whose layers are all dense (a dense-lead model's first device) has none. The cache's methods the engine calls
-    go to the layer's device; counters are summed (`stats`) and per device (`per_device`)."""
-
-    def __init__(self, file, backend: MultiDeviceBackend, slots: list[int], **options):
-        from pymoe.experts.cache import SlotCache
-
-        self.backend = backend
-        self.parts: list = []  # [D] SlotCache, or None for a device without experts
-        for d, (r, n) in enumerate(zip(backend.ranges, slots)):
-            if not any(i in r for i in file.config.moe_layers):
-                self.parts.append(None)
-                continue
-            with backend.context(d)(), named(f"cuda:{backend.ids[d]}"):
-                cache = SlotCache(file, int(n), new_pool=backend.devices[d].new_pool, gpu=True, layers=r,
-                                  **options)
-            backend.devices[d].cache_pool = cache.pool
-            self.parts.append(cache)
-        self.pools = [c for c in self.parts if c is not None]
-        first = self.pools[0]
-        self.n_slots = sum(c.n_slots for c in self.pools)
-        self.n_total = sum(c.n_total for c in self.pools)
-        self.policy_name, self.pcie_frac, self.slot_bytes = first.policy_name, first.pcie_frac, first.slot_bytes
-        self.warm_rule, self.profile = first.warm_rule, first.profile
-        self.gpu = True  # misses read over PCIe cross it (the request line says so)
-        self.stats = _SummedStats(self.pools)
-        self.gap = _SummedGap(self.pools)
-        self.offsets = np.cumsum([0] + [c.n_slots for c in self.pools])[:-1]  # each pool's slots, numbered globally
-
-    def _of(self, layer: int):
-        d = self.backend.device_of(layer)
-        return self.parts[d], self.backend.context(d)
-
-    def lookup(self, layer: int, expert_ids: np.ndarray, phase: str, rows: Optional[list] = None) -> None:
-        cache, ctx = self._of(layer)
-        with ctx():
-            cache.lookup(layer, expert_ids, phase, rows)
-
-    def expert(self, layer: int, e: int):
-        return self._of(layer)[0].expert(layer, e)
-
-    def finish(self, layer: int) -> None:
-        cache, ctx = self._of(layer)
-        with ctx():
-            cache.finish(layer)
-
-    def prefetch(self, layer: int, experts, limit: int = 0) -> int:
-        cache, ctx = self._of(layer)
-        with ctx():
-            return cache.prefetch(layer, experts, limit)
-
-    def end_prefill(self) -> None:
-        for d, c in enumerate(self.parts):
-            if c is not None:
-                with self.backend.context(d)():
-                    c.end_prefill()
-
-    @property
-    def warmed(self) -> dict:
-        return {k: sum(c.warmed[k] for c in self.pools) for k in ("copied", "evicted")}
-
-    @property
-    def heat(self) -> np.ndarray:
-        return sum(c.heat for c in self.pools)  # [L, E]: each device counts its own layers only
-
-    @property
-    def residency(self) -> np.ndarray:
-        """[L, E] -> slot (numbered across devices: a device's slots follow the previous device's) or -1."""
-        out = np.full_like(self.pools[0].residency, -1)
-        for c, off in zip(self.pools, self.offsets):
-            mine = c.residency >= 0
-            out[mine] = c.residency[mine] + off
-        return out
-
-    def fill(self, profile=None) -> str:
-        lines = []
-        for d, (i, c) in enumerate(zip(self.backend.ids, self.parts)):
-            if c is not None:
-                with self.backend.context(d)():
-                    lines.append(f"cuda:{i}: {c.fill(profile)}")
-        return "\n".join(lines)
-
-    def describe(self) -> str:
-        head = (f"expert cache on {len(self.parts)} devices, one pool per device over its layers: "
-                f"{self.n_slots} slots of {self.slot_bytes} bytes ({100 * self.n_slots / self.n_total:.1f}% of "
-                f"{self.n_total} experts)")
-        return "\n".join([head] + [f"cuda:{i} layers {r.start}-{r.stop - 1}: "
-                                   + (c.describe() if c is not None else "dense layers only, no slot pool")
-                                   for i, r, c in zip(self.backend.ids, self.backend.ranges, self.parts)])
-
-    def per_device(self, phase: str) -> list[dict]:
-        """Each device's counters of `phase` and its slots: what the request line and /v1/status show."""
-        from pymoe.experts.cache import COUNTERS
-
-        return [dict(c.stats.snapshot(phase) if c is not None else dict.fromkeys(COUNTERS, 0),
-                     slots=c.n_slots if c is not None else 0, layers=[r.start, r.stop - 1], device=f"cuda:{i}")
-                for i, r, c in zip(self.backend.ids, self.backend.ranges, self.parts)]
-
-
-class _SummedStats(CounterViews):
-    """experts/cache.CacheStats over several pools: `counts` is the sum, read live."""
-
-    def __init__(self, parts: list):
-        self.parts = parts
-
-    @property
-    def counts(self) -> dict:
-        out = {}
-        for c in self.parts:
-            for phase, cs in c.stats.counts.items():
-                acc = out.setdefault(phase, {})
-                for k, n in cs.items():
-                    acc[k] = acc.get(k, 0) + n
-        return out
-
-    def reset(self) -> None:
-        for c in self.parts:
-            c.stats.reset()
-
-
-class _SummedGap:
-    """experts/gap.LiveGap's totals over several pools (each pool's Belady bound on its own lookups)."""
-
-    def __init__(self, parts: list):
-        self.parts = parts
-
-    def totals(self) -> dict:
-        out: dict = {}
-        for c in self.parts:
-            for k, v in c.gap.totals().items():
-                out[k] = out.get(k, 0) + v
-        return out
-
-    def close(self) -> None:
-        for c in self.parts:
-            c.gap.close()

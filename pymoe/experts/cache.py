@@ -99,6 +99,27 @@ class CacheStats(CounterViews):
                 c[k] = 0
 
 
+class SummedStats(CounterViews):
+    """CacheStats over several caches (one per device: backends/multi_device.py): `counts` is their sum, read live."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    @property
+    def counts(self) -> dict:
+        out = {}
+        for c in self.parts:
+            for phase, cs in c.stats.counts.items():
+                acc = out.setdefault(phase, {})
+                for k, n in cs.items():
+                    acc[k] = acc.get(k, 0) + n
+        return out
+
+    def reset(self) -> None:
+        for c in self.parts:
+            c.stats.reset()
+
+
 def _count(counts: tuple, name: str, n: int = 1) -> None:
     """Add n to counter `name` of each counter dict in `counts` (the cache's own, and a batch row's)."""
     for c in counts:

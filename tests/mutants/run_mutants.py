@@ -890,12 +890,12 @@ MUTANTS: list[Mutant] = [
         "the image pad tokens keep their own embedding rows: the picture never reaches the model"),
     Mutant(
         "device_split_ignores_sizes", "pymoe/backends/multi_device.py",
-        "split_layers(n_layers, [max(u, 1e-9) for u in usable])",
-        "split_layers(n_layers, [1.0 for u in usable])",
+        "split(n_layers, [max(u, 1e-9) for u in usable])",
+        "split(n_layers, [1.0 for u in usable])",
         ("tests/test_multi_device.py::test_the_split_is_the_planners_and_each_device_holds_its_layers[*]",),
         "several devices get equal layer ranges whatever their memory: not the planner's split"),
     Mutant(
-        "device_pool_serves_every_layer", "pymoe/backends/multi_device.py",
+        "device_pool_serves_every_layer", "pymoe/experts/device_caches.py",
         "gpu=True, layers=r,",
         "gpu=True, layers=None,",
         ("tests/test_multi_device.py::test_per_device_counters_equal_the_simulators_one_pool_per_card",),
