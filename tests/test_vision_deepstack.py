@@ -100,6 +100,33 @@ def test_logits_after_an_image_match_llamacpp(pair, shape):
     assert np.abs(without - ref).max() > 1e-3 * scale
 
 
+def test_a_model_quantized_by_llama_cpp_with_its_mmproj(pair, tmp_path):
+    """The pair as users get it: the language model quantized by llama.cpp's own quantizer (Q4_K_M), the mmproj
+    beside it. pymoe's float path (reference backend) on the quantized file against llama.cpp on an F32 copy of it
+    (the same weights in float math, docs/testing.md's oracle for quantized files), both after the same image with
+    llama.cpp's embeddings placed: test_logits_after_an_image_match_llamacpp's bound, 1e-5 of the scale. The file
+    must really be quantized (K-quant experts), and its logits differ from the F32 model's."""
+    import pymoe
+    from llama_quantize import llama_quantize
+    from pymoe.demo.tinymodel import write_f32_copy
+    from pymoe.gguf.loader import load_gguf
+
+    oracle, mm, eng = pair
+    qpath, copy = str(tmp_path / "model-Q4_K_M.gguf"), str(tmp_path / "model-Q4_K_M-as-f32.gguf")
+    llama_quantize(eng.file.path, qpath, "Q4_K_M")
+    write_f32_copy(qpath, copy)
+    assert {t.qtype.name for t in load_gguf(qpath).tensors.values()} & {"Q4_K", "Q5_K", "Q6_K"}
+    shape = SHAPES[0]
+    tokens, media = prompt(oracle, shape)  # llama.cpp's own image embeddings, placed as it places them
+    ref, _ = Mtmd(copy, mm.path).logits(TEXT, picture(*shape))
+    quantized = pymoe.load(qpath, backend="reference", n_ctx=512).model
+    ours = quantized.prefill(tokens, quantized.new_kv(512), media)[-1]
+    scale = np.abs(ref).max()
+    assert np.abs(ours - ref).max() <= 1e-5 * scale
+    f32 = eng.model.prefill(tokens, eng.model.new_kv(512), media)[-1]
+    assert np.abs(f32 - ref).max() > 1e-3 * scale  # quantizing moved the logits: the comparison is of the file
+
+
 def test_an_mmproj_without_deepstack_is_refused(pair, tmp_path):
     _, _, eng = pair
     path = str(tmp_path / "mmproj-plain.gguf")
