@@ -153,6 +153,15 @@ def sigmoid_gate(Y, X, g, stream=0):
 # ----------------------------------------------------------------------------------------------------------------
 # The router: softmax, top-K
 # ----------------------------------------------------------------------------------------------------------------
+@cuda.jit(device=True)
+def _chosen(ids, t, j, e):
+    """Whether expert e is among row t's first j picks (ids[t, :j]): the top-K loops' one-pass selection."""
+    for i in range(j):
+        if ids[t, i] == e:
+            return True
+    return False
+
+
 @cuda.jit
 def route_softmax_kernel(logits, k, norm_topk, scale, ids, w):
     """logits float32 [T, E] -> ids int32 [T, K], w float32 [T, K]; grid (T,), block (1,).
@@ -172,11 +181,7 @@ def route_softmax_kernel(logits, k, norm_topk, scale, ids, w):
         best = -1
         bp = np.float32(0.0)
         for e in range(E):
-            taken = False
-            for i in range(j):
-                if ids[t, i] == e:
-                    taken = True
-            if not taken:
+            if not _chosen(ids, t, j, e):
                 p = math.exp(logits[t, e] - m) / s
                 if best < 0 or p > bp:
                     best = e
@@ -219,11 +224,7 @@ def route_sigmoid_kernel(logits, bias, has_bias, k, norm_topk, scale, ids, w):
         bc = np.float32(0.0)
         bp = np.float32(0.0)
         for e in range(E):
-            taken = False
-            for i in range(j):
-                if ids[t, i] == e:
-                    taken = True
-            if not taken:
+            if not _chosen(ids, t, j, e):
                 p = np.float32(1.0) / (np.float32(1.0) + math.exp(-logits[t, e]))
                 c = p + bias[e] if has_bias else p
                 if best < 0 or c > bc:

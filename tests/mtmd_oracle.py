@@ -86,3 +86,19 @@ def chunk_tokens(o: "Mtmd", text: bytes, rgb: np.ndarray) -> list:
     finally:
         m.mtmd_input_chunks_free(chunks)
     return out
+
+
+def media_prompt(o: "Mtmd", text: bytes, rgb: np.ndarray, pad: int) -> tuple:
+    """llama.cpp's chunks of text with rgb -> (pymoe's token ids with a run of `pad` per image, PromptMedia over
+    llama.cpp's own image embeddings): pymoe's placement and positions, fed the oracle's pixels-to-embeddings."""
+    from pymoe.engine.multimodal import ImageEmbeddings, PromptMedia
+
+    tokens, images = [], []
+    for kind, value in chunk_tokens(o, text, rgb):
+        if kind == "text":
+            tokens += value
+        else:
+            rows, cols = value
+            tokens += [pad] * (rows * cols)
+            images.append(ImageEmbeddings(o.image_embeddings(rgb), rows, cols, "k"))
+    return np.asarray(tokens), PromptMedia(np.asarray(tokens), pad, images)

@@ -9,7 +9,7 @@ TINY_DEEPSTACK):
 import numpy as np
 import pytest
 
-from mtmd_oracle import Mtmd, chunk_tokens
+from mtmd_oracle import Mtmd, media_prompt
 from oracle import require_llama_cpp
 from pymoe.demo.tinyvision import TINY_DEEPSTACK, write_mmproj
 from pymoe.engine.multimodal import ImageEmbeddings, PromptMedia
@@ -70,16 +70,8 @@ def test_deepstack_tower_matches_clip_cpp(pair, shape):
 
 
 def prompt(oracle, shape):
-    rgb = picture(*shape)
-    tokens, images = [], []
-    for kind, value in chunk_tokens(oracle, TEXT, rgb):
-        if kind == "text":
-            tokens += value
-        else:
-            rows, cols = value
-            tokens += [PAD] * (rows * cols)
-            images.append(ImageEmbeddings(oracle.image_embeddings(rgb), rows, cols, "k"))
-    return np.asarray(tokens), PromptMedia(np.asarray(tokens), PAD, images)
+    """llama.cpp's chunks -> (pymoe tokens with PAD runs, PromptMedia over llama.cpp's own image embeddings)."""
+    return media_prompt(oracle, TEXT, picture(*shape), PAD)
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -8,9 +8,9 @@ tiny qwen35moe model and the tiny mmproj file (pymoe/demo/tinyvision.py, equal t
 import numpy as np
 import pytest
 
-from mtmd_oracle import Mtmd, chunk_tokens
+from mtmd_oracle import Mtmd, media_prompt
 from pymoe.demo.tinyvision import write_mmproj
-from pymoe.engine.multimodal import ImageEmbeddings, MediaSlice, PromptMedia
+from pymoe.engine.multimodal import MediaSlice, PromptMedia
 from pymoe.vision.encoder import encode
 from pymoe.vision.mmproj import load_mmproj
 from pymoe.vision.preprocess import preprocess
@@ -44,16 +44,7 @@ def test_encoder_matches_clip_cpp(pair, shape):
 
 def prompt(oracle, shape):
     """llama.cpp's chunks -> (pymoe tokens with PAD runs, PromptMedia over llama.cpp's own image embeddings)."""
-    rgb = picture(*shape)
-    tokens, images = [], []
-    for kind, value in chunk_tokens(oracle, TEXT, rgb):
-        if kind == "text":
-            tokens += value
-        else:
-            rows, cols = value
-            tokens += [PAD] * (rows * cols)
-            images.append(ImageEmbeddings(oracle.image_embeddings(rgb), rows, cols, "k"))
-    return np.asarray(tokens), PromptMedia(np.asarray(tokens), PAD, images)
+    return media_prompt(oracle, TEXT, picture(*shape), PAD)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
