@@ -86,7 +86,7 @@ def quantize_act_ref(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndar
     with d = max|x| / QMAX it moves the rounding of the whole block and, at 16 bits, the logits by ~1e-4.
     8 bits: that one bit is what llama.cpp's 8-bit blocks have and a power of two would lose (pymoe's 8-bit logits
     were 1.3-1.5x farther from float than llama.cpp's with it: bench/act_accuracy.py), so d is llama.cpp's
-    block_q8_K scale: iscale = 127 / max|x| (float32), q = rint(x * iscale) within +-127, d = 1 / iscale; an
+    block_q8_K scale: iscale = 127 / max|x| (float32), q = rint(x * iscale) (within +-127 without a clamp), d = 1 / iscale; an
     all-zero block has d = 0. The Numba twin does the same float32 operations and agrees bit for bit.
     """
     dtype = ACT_DTYPES[bits]
@@ -104,7 +104,9 @@ def quantize_act_ref(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndar
         e = np.maximum(e, -100)
         d = np.ldexp(1.0, e).astype(np.float32)  # [T, nb, 1]
         iscale = np.ldexp(1.0, -e).astype(np.float32)
-    qs = np.clip(np.rint(blocks * iscale), -qmax, qmax).astype(dtype)  # [T, nb, 256]
+    # no clamp: |x| <= max|x| gives |x * iscale| <= QMAX (1 + 2^-23) < QMAX + 1/2 (one float32 rounding), so rint is
+    # within +-QMAX (llama.cpp's MIN(127, v) never acts either)
+    qs = np.rint(blocks * iscale).astype(dtype)  # [T, nb, 256]
     bsums = qs.reshape(T, C // SUB, SUB).astype(np.int32).sum(axis=-1)  # [T, C/16]
     return qs.reshape(T, C), d.reshape(T, C // QK_K), bsums.astype(np.int32)
 
@@ -140,10 +142,9 @@ def quantize_act(x, qs, d, bsums, qmax):
             e = max(math.frexp(np.float64(amax) / qmax)[1], -100)
             d[b] = np.float32(math.ldexp(1.0, e))
             iscale = np.float32(math.ldexp(1.0, -e))
-        lo, hi = np.float32(-qmax), np.float32(qmax)
         qb = qs[b * QK_K:(b + 1) * QK_K]  # [256]
-        for i in range(QK_K):  # (through int32: float -> int8 in one step is not a vector loop)
-            qb[i] = np.int32(min(max(np.rint(xb[i] * iscale), lo), hi))
+        for i in range(QK_K):  # (through int32: float -> int8 in one step is not a vector loop; no clamp: the ref's)
+            qb[i] = np.int32(np.rint(xb[i] * iscale))
         for s in range(QK_K // SUB):
             acc = np.int32(0)
             for i in range(SUB * s, SUB * s + SUB):
