@@ -55,7 +55,7 @@ from .pool import HostPool
 from .device_counts import DeviceCounts
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, Tensor
 from .cpu import CPUBackend, group_by_expert
-from .reference import apply_rope, attention, rmsnorm, rope_tables, silu, swiglu_expert
+from .reference import apply_rope, attention, rmsnorm, rope_scaling, rope_tables, silu, swiglu_expert
 
 MiB = 2**20
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
@@ -130,7 +130,9 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "decode_attention": 1,  # attention.decode_attention: one per query token, grid (heads,)
             # the device decode step (version 3, cuda_kernels/step.py): one each, routed_experts two (gate_up, down)
             "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2, "swiglu": 1,
-            "sigmoid_gate": 1, "route_sigmoid": 1}
+            "sigmoid_gate": 1, "route_sigmoid": 1,
+            # gpt-oss's (cuda_kernels/gpt_oss.py): attention with a window and sinks, its router, its experts
+            "decode_attention_ws": 1, "route_softmax_weight": 1, "routed_experts_oai": 2}
 
 
 class DeviceKernels:
@@ -209,6 +211,24 @@ class DeviceKernels:
 
         return step.routed_experts(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H,
                                    stream=stream)
+
+    # gpt-oss
+    def decode_attention_ws(self, q, k_cache, v_cache, pos, window, sinks, out, scores, stream):
+        from pymoe.cuda_kernels import gpt_oss
+
+        return gpt_oss.decode_attention_ws(q, k_cache, v_cache, pos, window, sinks, out, scores, stream=stream)
+
+    def route_softmax_weight(self, logits, bias, k, ids, w, stream):
+        from pymoe.cuda_kernels import gpt_oss
+
+        return gpt_oss.route_softmax_weight(logits, bias, k, ids, w, stream=stream)
+
+    def routed_experts_oai(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H,
+                           biases, stream):
+        from pymoe.cuda_kernels import gpt_oss
+
+        return gpt_oss.routed_experts_oai(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X,
+                                          Y, H, biases, stream=stream)
 
 
 class ReferenceKernels:
@@ -298,6 +318,39 @@ class ReferenceKernels:
     def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
         from pymoe.cuda_kernels.step import routed_experts_reference
 
+        read = self._reader(slots, host, table, offsets, part_off, row_bytes, shape)
+        y = routed_experts_reference(read, types, ids.copy_to_host(), w.copy_to_host(), X.copy_to_host())
+        Y.copy_to_device(y, stream=stream)
+        return Y
+
+    def decode_attention_ws(self, q, k_cache, v_cache, pos, window, sinks, out, scores, stream):
+        k, v = k_cache.copy_to_host()[:pos + 1], v_cache.copy_to_host()[:pos + 1]  # [S, G, Dh], [S, G, Dv]
+        o = attention(q.copy_to_host()[None], k, v, pos, window, None if sinks is None else sinks.copy_to_host())
+        out.copy_to_device(o.reshape(out.shape), stream=stream)
+        return out
+
+    def route_softmax_weight(self, logits, bias, k, ids, w, stream):
+        from .reference import route_softmax_weight
+
+        lg = logits.copy_to_host()
+        i, wt = route_softmax_weight(lg if bias is None else lg + bias.copy_to_host(), k)
+        ids.copy_to_device(i.astype(np.int32), stream=stream)
+        w.copy_to_device(wt, stream=stream)
+        return ids, w
+
+    def routed_experts_oai(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H,
+                           biases, stream):
+        from pymoe.cuda_kernels.gpt_oss import routed_experts_oai_reference
+
+        read = self._reader(slots, host, table, offsets, part_off, row_bytes, shape)
+        y = routed_experts_oai_reference(read, types, ids.copy_to_host(), w.copy_to_host(), X.copy_to_host(),
+                                         tuple(b.copy_to_host() for b in biases))
+        Y.copy_to_device(y, stream=stream)
+        return Y
+
+    @staticmethod
+    def _reader(slots, host, table, offsets, part_off, row_bytes, shape):
+        """read(e) -> expert e's gate, up, down rows where the table says (None: -2, left out)."""
         D, F = shape
         tab, off, po = table.copy_to_host(), offsets.copy_to_host(), part_off.copy_to_host()
         rb = row_bytes.copy_to_host()
@@ -312,9 +365,7 @@ class ReferenceKernels:
             return [np.array(v.copy_to_host() if hasattr(v, "copy_to_host") else v).reshape(r, b)
                     for v, (r, b) in zip(views, shapes)]
 
-        y = routed_experts_reference(read, types, ids.copy_to_host(), w.copy_to_host(), X.copy_to_host())
-        Y.copy_to_device(y, stream=stream)
-        return Y
+        return read
 
 
 KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
@@ -637,7 +688,8 @@ class CUDABackend:
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
         c = self._cfg
-        cos, sin = rope_tables(c.rope_dim, c.rope_freq_base, np.arange(self.n_ctx))  # [n_ctx, rope_dim / 2]: float64 angles, as on the CPU
+        cos, sin = rope_tables(c.rope_dim, c.rope_freq_base, np.arange(self.n_ctx),  # [n_ctx, rope_dim / 2]: float64
+                               rope_scaling(c))  # angles, as on the CPU, with the file's scaling (YaRN: gpt-oss)
         self.rope_dev = (shaped(self.scratch["rope_cos"], cos.shape), shaped(self.scratch["rope_sin"], sin.shape))
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
@@ -759,20 +811,22 @@ class CUDABackend:
         return self._res
 
     def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict,
-                      shared: Optional[dict] = None, gating: str = "softmax", expert_bias=None):
+                      shared: Optional[dict] = None, gating: str = "softmax", expert_bias=None, router_bias=None,
+                      ffn=None):
         """Route (softmax top-K, or gating "sigmoid": sigmoid top-K chosen with `expert_bias`, engine/moe.py) and
         run the routed experts of one MoE layer on the device: logits [1, E], x [1, D] (device) -> (y [1, D], ids
         int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the slot the residency table
         names, or from the mapped file over PCIe. shared: the layer's shared expert (gate/up/down weights, and
         qwen2moe's gate vector `gate_inp`), added after the routed ones as engine/moe.py does:
-        y += sigmoid(x . gate_inp) * down(silu(gate x) * up x)."""
-        ids, w = self.route_on_device(layer, logits, k, norm_topk, scale, gating, expert_bias)
+        y += sigmoid(x . gate_inp) * down(silu(gate x) * up x). gpt-oss: gating "softmax_weight" with `router_bias`
+        added to the logits, and `ffn` (reference.ExpertFFN: the experts' biases and clamped SwiGLU)."""
+        ids, w = self.route_on_device(layer, logits, k, norm_topk, scale, gating, expert_bias, router_bias)
         E, m = self._cfg.n_expert, layer - self._cfg.moe_layers.start
-        y = self._routed(layer, shaped(self._sb["table"].reshape(-1)[m * E:], (E,)), expert_types, ids, w, x)
+        y = self._routed(layer, shaped(self._sb["table"].reshape(-1)[m * E:], (E,)), expert_types, ids, w, x, ffn)
         return self._add_shared(y, x, shared), ids, w
 
     def route_on_device(self, layer: int, logits, k: int, norm_topk: bool, scale: float, gating: str = "softmax",
-                        expert_bias=None) -> tuple:
+                        expert_bias=None, router_bias=None) -> tuple:
         """The router's top-K of one MoE layer on the device -> (ids int32 [1, K], weights [1, K]), device arrays
         (the ids in the buffer that comes back at the step's end)."""
         K = self._moe[0]
@@ -782,12 +836,16 @@ class CUDABackend:
         if gating == "sigmoid":
             bias = None if expert_bias is None else self._vec(expert_bias)
             self._launch("route_sigmoid", logits, k, bias, norm_topk, ids, w, float(scale), self.compute)
+        elif gating == "softmax_weight":  # gpt-oss: the K largest of logits + router bias, softmaxed among them
+            bias = None if router_bias is None else self._vec(router_bias)
+            self._launch("route_softmax_weight", logits, bias, k, ids, w, self.compute)
         else:
             self._launch("route_softmax", logits, k, norm_topk, ids, w, float(scale), self.compute)
         return ids, w
 
-    def _routed(self, layer: int, table, expert_types: dict, ids, w, x):
-        """The routed experts' kernels with `table` (int32 [E]: slot, -1 the mapped file, -2 left out) -> y."""
+    def _routed(self, layer: int, table, expert_types: dict, ids, w, x, ffn=None):
+        """The routed experts' kernels with `table` (int32 [E]: slot, -1 the mapped file, -2 left out) -> y; ffn
+        (gpt-oss): the kernels with the experts' biases and clamped SwiGLU."""
         K, D, F = self._moe
         m = layer - self._cfg.moe_layers.start
         E, sb = self._cfg.n_expert, self._sb
@@ -795,8 +853,13 @@ class CUDABackend:
         offsets = shaped(sb["offsets"].reshape(-1)[m * E * 3:], (E, 3))
         part_off = shaped(sb["part_off"].reshape(-1)[m * 3:], (3,))
         row_bytes = shaped(sb["row_bytes"].reshape(-1)[m * 3:], (3,))
-        self._launch("routed_experts", slots, self._host_file, table, offsets, part_off, row_bytes, expert_types,
-                     (D, F), ids, w, x, sb["y"], sb["h"], self.compute)
+        args = (slots, self._host_file, table, offsets, part_off, row_bytes, expert_types, (D, F), ids, w, x, sb["y"],
+                sb["h"])
+        if ffn is None:
+            self._launch("routed_experts", *args, self.compute)
+        else:
+            biases = tuple(self._vec(ffn.bias[p]) for p in ("gate", "up", "down"))  # [E, F], [E, F], [E, D]
+            self._launch("routed_experts_oai", *args, biases, self.compute)
         return sb["y"]
 
     def _add_shared(self, y, x, shared: Optional[dict]):
@@ -819,11 +882,11 @@ class CUDABackend:
         return out[0].astype(np.int64), out[1], out[2]
 
     def experts_as_served(self, layer: int, experts: dict, expert_types: dict, x, x_host, ids, w, ids_host, w_host,
-                          shared: Optional[dict] = None):
+                          shared: Optional[dict] = None, ffn=None):
         """The routed experts of one layer as the expert cache just served them (a lookup made inside the step):
         experts {e: ExpertBytes}, each a slot, spill or cpu. This call's table row (slot, -1 spill, -2 cpu) goes to
         the device and the kernels run the slot and spill experts while the CPU computes the cpu ones on x_host,
-        in k order, weighted; their sum is added on the device -> y [1, D] (device)."""
+        in k order, weighted; their sum is added on the device -> y [1, D] (device). ffn: as `moe_on_device`."""
         E, sb = self._cfg.n_expert, self._sb
         row = np.full(E, -2, np.int32)
         slots = []
@@ -838,7 +901,7 @@ class CUDABackend:
         table = sb["table_now"]
         table.copy_to_device(row, stream=self.compute)
         self.counts.copy("served table row to device (cpu misses)", row.nbytes)
-        y = self._routed(layer, table, expert_types, ids, w, x)
+        y = self._routed(layer, table, expert_types, ids, w, x, ffn)
         done = self.cuda.event()
         done.record(self.compute)
         for slot in slots:
@@ -846,7 +909,7 @@ class CUDABackend:
         y_cpu, any_cpu = np.zeros((1, x_host.shape[1]), np.float32), False  # [1, D]
         for k, e in enumerate(ids_host[0].tolist()):  # meanwhile, on the CPU
             if experts[e].where == "cpu":
-                y_cpu += w_host[0, k] * swiglu_expert(self.cpu, experts[e], expert_types, x_host)
+                y_cpu += w_host[0, k] * swiglu_expert(self.cpu, experts[e], expert_types, x_host, ffn)
                 any_cpu = True
         if any_cpu:
             dev = sb["y_cpu"]
@@ -1108,17 +1171,22 @@ class CUDABackend:
 
     def attention(self, q, k, v, p0, window: int = 0, sinks=None):
         """Over the device KV cache: one decode-attention launch per new token (token t attends to positions
-        0..p0 + t, all written before); over a host KV cache: on the CPU (q brought to the host). A sliding window
-        or attention sinks (gpt-oss) have no device kernel yet: q, k, v go to the host and the CPU computes."""
-        if isinstance(k, np.ndarray) or window or sinks is not None:
+        0..p0 + t, all written before; with a sliding window or sinks, gpt-oss, the variant of
+        cuda_kernels/gpt_oss.py); over a host KV cache: on the CPU (q brought to the host)."""
+        if isinstance(k, np.ndarray):
             return self.cpu.attention(self.to_host(q), self.to_host(k), self.to_host(v), p0, window, sinks)
         T, H, _ = q.shape
         Dv = v.shape[2]
         o = self._arena((T, H * Dv))  # [T, H * Dv]
         o3 = self._reshaped(o, (T, H, Dv))
         scores = shaped(self.scratch["scores"], (H, self.n_ctx))
+        plain = not window and sinks is None
+        dsinks = None if sinks is None else self._vec(sinks)  # [H]
         for t in range(T):
-            self._launch("decode_attention", q[t], k, v, p0 + t, o3[t], scores, self.compute)
+            if plain:
+                self._launch("decode_attention", q[t], k, v, p0 + t, o3[t], scores, self.compute)
+            else:
+                self._launch("decode_attention_ws", q[t], k, v, p0 + t, window, dsinks, o3[t], scores, self.compute)
         return o
 
     def route(self, logits, k, norm_topk):

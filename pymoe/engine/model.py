@@ -18,8 +18,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pymoe.backends.reference import ExpertFFN, RopeScaling, rope_tables
+from pymoe.backends.reference import ExpertFFN, rope_scaling, rope_tables
 from pymoe.errors import PymoeError
+from pymoe.gguf.loader import EXPERT_PROJ
 from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION, HOST_ATTENTION
 from .deltanet import gdn_weights
@@ -115,21 +116,25 @@ class Model:
             self.token_embd_dev = self.output if cfg.tied_output else b.dense(self.token_embd)
             b.keep_on_device([self.output_norm] + [v for la in self.layers for v in (la.attn_norm, la.ffn_norm)]
                              + [la.shared["gate_inp"] for la in self.layers if "gate_inp" in la.shared]
-                             + [la.expert_bias for la in self.layers if la.expert_bias is not None])
+                             + [la.expert_bias for la in self.layers if la.expert_bias is not None]
+                             + [v for la in self.layers for v in (la.sinks, la.out_bias, la.router_bias)
+                                if v is not None]  # gpt-oss's, and its experts' biases:
+                             + [la.ffn.bias[p] for la in self.layers if la.ffn is not None for p in EXPERT_PROJ])
 
     def device_step_possible(self) -> bool:
         """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
-        only blocks it has device primitives for: GQA attention without window or sinks; MoE layers routed by a
-        softmax or by sigmoids (with the choice bias, without expert groups), with or without a shared expert (gated
-        or not), without router bias or expert biases; dense MLP layers). Other families keep version 2
-        (docs/expert-cache.md "On the GPU")."""
+        only blocks it has device primitives for: GQA attention, with or without a sliding window and sinks; MoE
+        layers routed by a softmax, by sigmoids (with the choice bias, without expert groups) or by gpt-oss's
+        top-K-then-softmax of the logits plus a router bias, with or without a shared expert (gated or not), their
+        experts plain SwiGLU or gpt-oss's (biases, clamped SwiGLU); dense MLP layers). Other families keep
+        version 2 (docs/expert-cache.md "On the GPU")."""
         b, cfg = self.backend, self.cfg
         if not getattr(b, "device_step", False) or self.host_attention:
             return False
-        if cfg.gating not in ("softmax", "sigmoid") or cfg.n_expert_groups > 1:
+        if cfg.gating not in ("softmax", "sigmoid", "softmax_weight") or cfg.n_expert_groups > 1:
             return False
-        return all(la.plan.attention == "gqa" and not la.plan.window and la.sinks is None
-                   and la.router_bias is None and la.ffn is None for la in self.layers)
+        return all(la.plan.attention == "gqa" and (la.router_bias is None or cfg.gating == "softmax_weight")
+                   and (la.ffn is None or la.ffn.activation == "swiglu_oai") for la in self.layers)
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
         """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
@@ -209,9 +214,7 @@ class Model:
         """RoPE's cos, sin [T, rope_dim / 2] of these positions, with the file's context scaling (YaRN: gpt-oss).
         positions [T], or [T, 3] (t, h, w) for M-RoPE: rows of an image prompt (engine/multimodal.py)."""
         c = self.cfg
-        # DeepSeek's files carry a yarn_log_multiplier: llama.cpp's YaRN factor on cos/sin is then 1 (the mscale
-        # moves into the attention scale, engine/mla.py)
-        scaling = RopeScaling(c.rope_scaling, c.rope_scale, c.rope_ctx_orig, mscale=1.0 if c.yarn_log_mul else None)
+        scaling = rope_scaling(c)  # (DeepSeek's yarn_log_multiplier: reference.rope_scaling)
         if positions.ndim == 1:
             return rope_tables(c.rope_dim, c.rope_freq_base, positions, scaling)
         if not c.rope_sections:

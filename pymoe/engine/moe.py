@@ -48,17 +48,17 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
         scale = 1.0 if cfg.expert_weights_scale in (0.0, 1.0) else cfg.expert_weights_scale
         if backend.lookups_in_step:  # the cache may send misses to the CPU: its lookup now, one sync for the layer
             ids, w = backend.route_on_device(layer.index, logits, cfg.n_expert_used, cfg.norm_topk, scale,
-                                             cfg.gating, layer.expert_bias)  # [1, K], [1, K] device
+                                             cfg.gating, layer.expert_bias, layer.router_bias)  # [1, K], [1, K]
             ids_h, w_h, x_h = backend.routing_to_host(ids, w, x)  # host
             cache.lookup(layer.index, ids_h, phase)
             experts = {e: cache.expert(layer.index, e) for e in sorted(set(ids_h.ravel().tolist()))}
             y = backend.experts_as_served(layer.index, experts, layer.expert_types, x, x_h, ids, w, ids_h, w_h,
-                                          layer.shared)  # [1, D] device
+                                          layer.shared, layer.ffn)  # [1, D] device
             cache.finish(layer.index)
             return y, ids, w
         return backend.moe_on_device(layer.index, logits, x, cfg.n_expert_used, cfg.norm_topk, scale,
-                                     layer.expert_types, layer.shared, cfg.gating,
-                                     layer.expert_bias)  # [1, D], [1, K], [1, K] device arrays
+                                     layer.expert_types, layer.shared, cfg.gating, layer.expert_bias,
+                                     layer.router_bias, layer.ffn)  # [1, D], [1, K], [1, K] device arrays
     if layer.router_bias is not None:  # gpt-oss
         logits = np.asarray(logits) + layer.router_bias
     if cfg.gating == "softmax_weight":  # gpt-oss: top-K logits, softmaxed among themselves

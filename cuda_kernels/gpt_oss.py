@@ -1,0 +1,278 @@
+"""gpt-oss's blocks in the device decode step (version 3): attention with a sliding window and sinks, the biased
+top-K-then-softmax router, and the routed experts with biases and OpenAI's clamped SwiGLU.
+
+What this is: three kernels (four launches) and their host wrappers, each taking and returning device arrays:
+
+  decode_attention_ws(q, k, v, pos, window, sinks)   attention.decode_attention with a sliding window (window > 0:
+                                    keys max(0, pos - window + 1) .. pos) and, per head, one sink logit that joins
+                                    the softmax's denominator and maximum but has no value
+  route_softmax_weight(logits, bias, k, ids, w)      the K largest of logits + bias (highest first, ties to the lower
+                                    id), softmaxed among themselves (LLAMA_EXPERT_GATING_FUNC_TYPE_SOFTMAX_WEIGHT)
+  routed_experts_oai(...)           step.routed_experts with each expert's biases (gate/up float32 [E, F], down [E, D])
+                                    and swiglu_oai between the products:
+                                    h = swiglu_oai(gate x + b_gate[e], up x + b_up[e]), y += w (down h + b_down[e]);
+                                    each expert read where the residency table says (slot, -1 the mapped file, -2
+                                    left out: a "cpu" miss, which the CPU computes with its biases and adds)
+
+The references (tests/test_cuda_gpt_oss_kernels.py compares each kernel with them): reference.attention with
+`window` and `sinks`, reference.route_softmax_weight on logits + bias, and `routed_experts_oai_reference` (swiglu
+with biases, reference.swiglu_oai, on the bytes the table points at, added in k order).
+Versions: 1 (these), the structure of the kernels they extend (attention.py version 1: one block per head, three
+passes; step.py's router: one thread per token; step.py's routed experts: one block per (row, pair), the down
+kernel owning each (t, d) output and adding the token's K experts in k order).
+Shape legend: H query heads, G KV heads, Dh / Dv head sizes, T tokens, K experts per token, P = T * K pairs,
+E experts of a layer, D n_embd, F n_ff_exp.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+from numba import cuda
+
+from pymoe.quant import get_format
+
+from .attention import THREADS as ATTN_THREADS
+from .quant_matvec import THREADS, check, on_device, retarget, row_partial_for
+from .reduce import NEG_INF, block_max, block_sum, block_sum_rows
+from .step import _chosen
+
+ALPHA, LIMIT = 1.702, 7.0  # swiglu_oai's (ggml_swiglu_oai as llama.cpp calls it for gpt-oss; reference.swiglu_oai)
+GATE_PARTIAL = UP_PARTIAL = DOWN_PARTIAL = None  # per-format row_partial device functions, bound by retarget
+_KERNELS: dict = {}
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention: a sliding window and sinks
+# ----------------------------------------------------------------------------------------------------------------
+@cuda.jit
+def decode_attention_ws_kernel(q, k, v, first, n_keys, scale, sinks, has_sinks, scores, out):
+    """q float32 [H, Dh], k [S_max, G, Dh], v [S_max, G, Dv], keys first..n_keys-1; sinks float32 [H];
+    scores float32 [H, >= n_keys] scratch; out float32 [H, Dv]. grid (H,), block (ATTN_THREADS,).
+    out[h] = sum_s exp(s_s - m) v_s / (sum_s exp(s_s - m) + exp(sink_h - m)), m = max(max_s s_s, sink_h)."""
+    h = cuda.blockIdx.x
+    tid = cuda.threadIdx.x
+    g = h // (q.shape[0] // k.shape[1])  # the KV head this query head reads
+    Dh = q.shape[1]
+    buf = cuda.shared.array(ATTN_THREADS, np.float32)
+
+    # a. scaled scores and their maximum (with the sink's logit: the maximum ggml subtracts)
+    best = NEG_INF
+    for s in range(first + tid, n_keys, ATTN_THREADS):
+        dot = np.float32(0.0)
+        for d in range(Dh):
+            dot += q[h, d] * k[s, g, d]
+        score = dot * scale
+        scores[h, s] = score
+        if score > best:
+            best = score
+    best = block_max(buf, tid, best)
+    if has_sinks and sinks[h] > best:
+        best = sinks[h]
+
+    # b. unnormalised probabilities and their sum, the sink's term added once
+    total = np.float32(0.0)
+    for s in range(first + tid, n_keys, ATTN_THREADS):
+        e = math.exp(scores[h, s] - best)
+        scores[h, s] = e
+        total += e
+    total = block_sum(buf, tid, total)
+    if has_sinks:
+        total += math.exp(sinks[h] - best)
+
+    # c. the values, weighted
+    for d in range(tid, v.shape[2], ATTN_THREADS):
+        acc = np.float32(0.0)
+        for s in range(first, n_keys):
+            acc += scores[h, s] * v[s, g, d]
+        out[h, d] = acc / total
+
+
+def decode_attention_ws(q, k_cache, v_cache, pos: int, window: int, sinks, out, scores, stream=0):
+    """q float32 [H, Dh] (one token at position pos), k_cache [S_max, G, Dh], v_cache [S_max, G, Dv] (rows 0..pos
+    filled), window (0: none), sinks float32 [H] or None (device) -> out float32 [H, Dv]; scores float32
+    [H, >= pos + 1] scratch."""
+    q, k, v = on_device(q, "q"), on_device(k_cache, "k_cache"), on_device(v_cache, "v_cache")
+    out, scores = on_device(out, "out"), on_device(scores, "scores")
+    check(q, "q", np.float32, 2)
+    H, Dh = q.shape
+    S_max, G, _ = k.shape
+    if k.shape[2] != Dh or v.shape[:2] != k.shape[:2] or G == 0 or H % G or not 0 <= pos < S_max:
+        raise ValueError(f"decode_attention_ws: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} at "
+                         f"position {pos} do not fit")
+    if tuple(out.shape) != (H, v.shape[2]) or scores.shape[0] != H or scores.shape[1] < pos + 1:
+        raise ValueError(f"decode_attention_ws: out {tuple(out.shape)} must be {(H, v.shape[2])}, scores "
+                         f"{tuple(scores.shape)} at least {(H, pos + 1)}")
+    has_sinks = sinks is not None
+    sinks = on_device(sinks, "sinks") if has_sinks else scores[:, 0]  # (unread without sinks)
+    first = max(0, pos - window + 1) if window else 0
+    decode_attention_ws_kernel[H, ATTN_THREADS, stream](q, k, v, first, pos + 1, np.float32(1.0 / math.sqrt(Dh)),
+                                                        sinks, has_sinks, scores, out)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The router: the K largest biased logits, softmaxed among themselves
+# ----------------------------------------------------------------------------------------------------------------
+@cuda.jit
+def route_softmax_weight_kernel(logits, bias, has_bias, k, ids, w):
+    """logits float32 [T, E], bias float32 [E] -> ids int32 [T, K], w float32 [T, K]; grid (T,), block (1,).
+    l = logits + bias (when has_bias); the K largest l, highest first, ties to the lower id (strict >, as a stable
+    argsort); w = exp(l_j - l_0) / sum_j exp(l_j - l_0) (l_0 the largest)."""
+    t = cuda.blockIdx.x
+    E = logits.shape[1]
+    for j in range(k):
+        best = -1
+        bl = np.float32(0.0)
+        for e in range(E):
+            if not _chosen(ids, t, j, e):
+                v = logits[t, e] + bias[e] if has_bias else logits[t, e]
+                if best < 0 or v > bl:
+                    best = e
+                    bl = v
+        ids[t, j] = best
+        w[t, j] = bl
+    top = w[t, 0]
+    total = np.float32(0.0)
+    for j in range(k):
+        v = math.exp(w[t, j] - top)
+        w[t, j] = v
+        total += v
+    for j in range(k):
+        w[t, j] = w[t, j] / total
+
+
+def route_softmax_weight(logits, bias, k: int, ids, w, stream=0):
+    """Router logits [T, E] and bias [E] (device) or None -> (ids int32 [T, K], weights float32 [T, K]) written
+    into ids, w; returns them."""
+    logits, ids, w = on_device(logits, "logits"), on_device(ids, "ids"), on_device(w, "w")
+    check(logits, "logits", np.float32, 2)
+    check(ids, "ids", np.int32, 2)
+    check(w, "w", np.float32, 2)
+    T, E = logits.shape
+    has_bias = bias is not None
+    bias = on_device(bias, "bias") if has_bias else cuda.device_array(E, np.float32)
+    if tuple(ids.shape) != (T, k) or tuple(w.shape) != (T, k) or tuple(bias.shape) != (E,) or not 1 <= k <= E:
+        raise ValueError(f"route_softmax_weight: ids {tuple(ids.shape)}, w {tuple(w.shape)} must be ({T}, {k}), "
+                         f"bias {tuple(bias.shape)} ({E},), k <= E")
+    if T:
+        route_softmax_weight_kernel[(T,), 1, stream](logits, bias, has_bias, k, ids, w)
+    return ids, w
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The routed experts: biases and the clamped SwiGLU, read where the residency table says
+# ----------------------------------------------------------------------------------------------------------------
+def routed_gate_up_oai_kernel(slots, host, table, offsets, part_off, row_bytes, ids, X, b_gate, b_up, H):
+    """H[p, f] = swiglu_oai(gate_e row f . X[t] + b_gate[e, f], up_e row f . X[t] + b_up[e, f]) for pair
+    p = t * K + k, e = ids[t, k] (arguments as step.routed_gate_up_kernel; b_gate, b_up float32 [E, F]);
+    grid (F, P), block (THREADS,)."""
+    f = cuda.blockIdx.x
+    p = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    K = ids.shape[1]
+    t = p // K
+    e = ids[t, p - t * K]
+    s = table[e]
+    g = cuda.local.array(1, np.float32)
+    u = cuda.local.array(1, np.float32)
+    g[0] = 0.0
+    u[0] = 0.0
+    rg, ru = row_bytes[0], row_bytes[1]
+    if s >= 0:  # uniform in the block: the barriers below are reached by every thread
+        GATE_PARTIAL(slots[s, part_off[0] + f * rg:part_off[0] + (f + 1) * rg], X, t, 1, tid, THREADS, g)
+        UP_PARTIAL(slots[s, part_off[1] + f * ru:part_off[1] + (f + 1) * ru], X, t, 1, tid, THREADS, u)
+    elif s == -1:
+        GATE_PARTIAL(host[offsets[e, 0] + f * rg:offsets[e, 0] + (f + 1) * rg], X, t, 1, tid, THREADS, g)
+        UP_PARTIAL(host[offsets[e, 1] + f * ru:offsets[e, 1] + (f + 1) * ru], X, t, 1, tid, THREADS, u)
+    buf = cuda.shared.array((1, THREADS), np.float32)
+    block_sum_rows(buf, tid, g, 1)
+    block_sum_rows(buf, tid, u, 1)
+    if tid == 0:
+        a = g[0] + b_gate[e, f]
+        c = u[0] + b_up[e, f]
+        if a > np.float32(LIMIT):  # g = min(gate, limit), u = clamp(up, -limit, limit)
+            a = np.float32(LIMIT)
+        if c > np.float32(LIMIT):
+            c = np.float32(LIMIT)
+        if c < np.float32(-LIMIT):
+            c = np.float32(-LIMIT)
+        H[p, f] = a / (np.float32(1.0) + math.exp(np.float32(ALPHA) * -a)) * (c + np.float32(1.0))
+
+
+def routed_down_oai_kernel(slots, host, table, offsets, part_off, row_bytes, ids, w, H, b_down, Y):
+    """Y[t, d] = sum over k, in order, of w[t, k] * (down_e row d . H[t * K + k] + b_down[e, d]), experts left out
+    (table -2) skipped; b_down float32 [E, D]; grid (D, T), block (THREADS,)."""
+    d = cuda.blockIdx.x
+    t = cuda.blockIdx.y
+    tid = cuda.threadIdx.x
+    K = ids.shape[1]
+    rd = row_bytes[2]
+    acc = cuda.local.array(1, np.float32)
+    buf = cuda.shared.array((1, THREADS), np.float32)
+    total = np.float32(0.0)
+    for j in range(K):
+        e = ids[t, j]
+        s = table[e]
+        p = t * K + j
+        acc[0] = 0.0
+        if s >= 0:
+            DOWN_PARTIAL(slots[s, part_off[2] + d * rd:part_off[2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
+        elif s == -1:
+            DOWN_PARTIAL(host[offsets[e, 2] + d * rd:offsets[e, 2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
+        block_sum_rows(buf, tid, acc, 1)
+        if s != -2:  # (-2: an expert computed elsewhere, bias included)
+            total += w[t, j] * (acc[0] + b_down[e, d])
+    if tid == 0:
+        Y[t, d] = total
+
+
+def routed_experts_oai(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, biases,
+                       stream=0):
+    """Y [T, D] = the routed experts of one gpt-oss layer (see the module docstring); shape (D, F); H float32
+    [P, F] scratch; biases (gate [E, F], up [E, F], down [E, D]) float32 device arrays. Returns Y."""
+    D, F = shape
+    T, K = ids.shape
+    if T == 0:
+        return Y
+    key = tuple(get_format(types[p]).qtype for p in ("gate", "up", "down"))
+    if key not in _KERNELS:
+        gq, uq, dq = key
+        name = f"{gq.name}_{uq.name}_{dq.name}"
+        _KERNELS[key] = (
+            retarget(routed_gate_up_oai_kernel, cuda.jit, f"routed_gate_up_oai_{name}",
+                     GATE_PARTIAL=row_partial_for(gq), UP_PARTIAL=row_partial_for(uq)),
+            retarget(routed_down_oai_kernel, cuda.jit, f"routed_down_oai_{name}", DOWN_PARTIAL=row_partial_for(dq)))
+    gate_up, down = _KERNELS[key]
+    b_gate, b_up, b_down = biases
+    gate_up[(F, T * K), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, X, b_gate, b_up, H)
+    down[(D, T), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, w, H, b_down, Y)
+    return Y
+
+
+def routed_experts_oai_reference(read, types: dict, ids: np.ndarray, w: np.ndarray, X: np.ndarray,
+                                 biases: tuple) -> np.ndarray:
+    """NumPy twin of `routed_experts_oai`: read(e) -> (gate, up, down) raw rows of expert e (step.expert_bytes), or
+    None for an expert left out; biases (gate [E, F], up [E, F], down [E, D]);
+    y[t] = sum over k, in order, of w[t, k] * (down h + b_down[e]), h = swiglu_oai(gate X[t] + b_gate[e],
+    up X[t] + b_up[e])  (float32)."""
+    from pymoe import quant
+    from pymoe.backends.reference import swiglu_oai
+
+    b_gate, b_up, b_down = biases
+    T, K = ids.shape
+    Y = np.zeros((T, X.shape[1]), np.float32)  # [T, D]
+    for t in range(T):
+        for k in range(K):
+            e = int(ids[t, k])
+            rows = read(e)
+            if rows is None:  # table -2: computed elsewhere
+                continue
+            g, u, d = (quant.dequantize(a, types[p]) for a, p in zip(rows, ("gate", "up", "down")))
+            x = X[t].astype(np.float32)
+            h = swiglu_oai((g @ x).astype(np.float32) + b_gate[e], (u @ x).astype(np.float32) + b_up[e])  # [F]
+            Y[t] += np.float32(w[t, k]) * ((d @ h).astype(np.float32) + b_down[e])
+    return Y
+
+
+__all__ = ["decode_attention_ws", "route_softmax_weight", "routed_experts_oai", "routed_experts_oai_reference"]
