@@ -289,6 +289,20 @@ def compile_every_kernel_to_ptx():
              (retarget(S.routed_down_kernel, cuda.jit, "routed_down_Q3_K",
                        DOWN_PARTIAL=quant_matvec.row_partial_for(QType.Q3_K)),
               (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2))]
+    # gpt-oss's (cuda_kernels/gpt_oss.py)
+    from pymoe.cuda_kernels import gpt_oss as O
+
+    jobs += [(O.decode_attention_ws_kernel, (f2, f3, f3, nt.int64, nt.int64, nt.float32, f1, nt.boolean, f2, f2)),
+             (O.decode_attention_ws_kernel, (f2, f3, f3, nt.int64, nt.int64, nt.float32, nt.Array(nt.float32, 1, "A"),
+                                             nt.boolean, f2, f2)),  # no sinks: a column of the scores stands in
+             (O.route_softmax_weight_kernel, (f2, f1, nt.boolean, nt.int64, i2, f2)),
+             (retarget(O.routed_gate_up_oai_kernel, cuda.jit, "routed_gate_up_oai_Q2_K_Q4_K",
+                       GATE_PARTIAL=quant_matvec.row_partial_for(QType.Q2_K),
+                       UP_PARTIAL=quant_matvec.row_partial_for(QType.Q4_K)),
+              (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2, f2)),
+             (retarget(O.routed_down_oai_kernel, cuda.jit, "routed_down_oai_Q3_K",
+                       DOWN_PARTIAL=quant_matvec.row_partial_for(QType.Q3_K)),
+              (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2, f2))]
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
         print("ptx ok:", kernel.py_func.__name__, flush=True)
@@ -304,7 +318,7 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9  # + the 9 of cuda_kernels/step.py
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9 + 5  # + cuda_kernels/step.py's 9, gpt_oss.py's 5
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

@@ -138,11 +138,12 @@ class Model:
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
         """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
-        nothing that needs each layer's routing on the host as it happens (a trace, the lookahead, speculation's
-        expert count, an MTP tap) and an expert cache it can serve (`_cache_allows_step`)."""
+        nothing that needs each layer's routing on the host as it happens (a trace, the lookahead, an MTP tap) and
+        an expert cache it can serve (`_cache_allows_step`). Speculation's expert count comes from the routing ids
+        the step brings back (`_end_device_step`)."""
         b = self.backend
         if not (self.step_on_device and phase == "decode" and tokens.size == 1 and media is None and b.step_ready()
-                and b.owns(kv) and self.trace is None and self.lookahead is None and not self.count_experts
+                and b.owns(kv) and self.trace is None and self.lookahead is None
                 and id(kv) not in self.hidden_taps):
             return False
         return self._cache_allows_step()
@@ -301,7 +302,7 @@ class Model:
                 if ids is not None:
                     self.lookahead.chosen(i, ids)
                 self.lookahead.after_layer(i, x, phase)
-            if self.count_experts and ids is not None:
+            if self.count_experts and ids is not None and not step:  # (a step's: from its ids at its end)
                 self.last_experts += np.unique(ids).size
             if self.trace is not None and ids is not None:  # a decode forward of several positions: speculation's
                 self.trace.record(i, ids, w, "verify" if phase == "decode" and tokens.size > 1 else phase)
@@ -328,6 +329,8 @@ class Model:
         inline = self.backend.lookups_in_step
         x = self.backend.rmsnorm(x, self.output_norm, self.cfg.rms_eps)
         token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x))  # [1, V] on the device
+        if self.count_experts:  # speculation's plain steps: the distinct experts each MoE layer read
+            self.last_experts = sum(np.unique(row).size for row in ids)
         if not inline:  # (inline: each layer's lookup was made inside the step, engine/moe.py)
             for m, layer in enumerate(self.cfg.moe_layers):
                 self.cache.lookup(layer, ids[m].reshape(1, -1).astype(np.int64), phase)  # [1, K]
