@@ -937,6 +937,24 @@ MUTANTS: list[Mutant] = [
         "            else:  # spill: read over PCIe",
         ("tests/test_cuda_device_step.py::test_device_step_logits_match_the_float_path[cpu misses-*]",),
         "a device step's \"cpu\" miss is also read over PCIe by the kernels: its term added twice"),
+    Mutant(
+        "gpt_oss_step_window_one_wider", "cuda_kernels/gpt_oss.py",
+        "first = max(0, pos - window + 1) if window else 0",
+        "first = max(0, pos - window) if window else 0",
+        ("tests/test_cuda_gpt_oss_kernels.py::test_decode_attention_with_window_and_sinks_matches_the_reference[*]",),
+        "gpt-oss's device attention lets one position too many into the sliding window"),
+    Mutant(
+        "gpt_oss_step_sink_not_in_denominator", "cuda_kernels/gpt_oss.py",
+        "        total += math.exp(sinks[h] - best)",
+        "        total += np.float32(0.0)",
+        ("tests/test_cuda_gpt_oss_kernels.py::test_decode_attention_with_window_and_sinks_matches_the_reference[*]",),
+        "gpt-oss's device attention takes the sink into the maximum but not into the softmax's denominator"),
+    Mutant(
+        "gpt_oss_step_down_bias_dropped", "cuda_kernels/gpt_oss.py",
+        "            total += w[t, j] * (acc[0] + b_down[e, d])",
+        "            total += w[t, j] * acc[0]",
+        ("tests/test_cuda_gpt_oss_kernels.py::test_routed_oai_experts_read_slots_and_the_mapped_file_as_the_table_says",),
+        "gpt-oss's device experts leave out the down projection's bias"),
 ]
 
 
