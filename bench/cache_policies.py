@@ -259,7 +259,7 @@ def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str
 AGE_EDGES = (1, 4, 16)  # tokens: misses_by_age's classes (<= 1, 2-4, 5-16, > 16, first use)
 
 
-def misses_by_age(traces, policies=("window", "llamacpp", "belady"), coverage: int = 25) -> str:
+def misses_by_age(traces, policies=(DEFAULT_POLICY, "window", "llamacpp", "belady"), coverage: int = 25) -> str:
     """Where the misses are: per tune trace and policy, its decode misses at `coverage` (global pool, pre-filled, as
     belady_ratios) split by the tokens since the missed key's previous use (AGE_EDGES; "first": never used before).
     A plain SlotTable replay of Trace.lookups(order="engine"), prefill lookups staged; without the engine's one-path-
