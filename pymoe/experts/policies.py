@@ -29,9 +29,12 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
     llamacpp    llama.cpp's expert cache as issue 48 describes it: a recency class (used within the last token) is
                 kept; the rest by a use count decayed with a 128-token half-life; a miss below the victim's count is
                 served without a slot (the CPU's share). Counts time in tokens (TOKEN_CLOCK_POLICIES).
-    window      (the default) the lowest score = a prior from the profile's ranking (if there is one) + the key's
-                uses weighted by age in tokens (WindowPolicy); a miss scored below 1.25 x the victim is served
-                without a slot. Counts time in tokens (TOKEN_CLOCK_POLICIES).
+    window      the lowest score = a prior from the profile's ranking (if there is one) + the key's uses weighted
+                by age in tokens (WindowPolicy); a miss scored below 1.25 x the victim is served without a slot.
+                Counts time in tokens (TOKEN_CLOCK_POLICIES).
+    cooc        (the default) window's score plus a bonus for the experts the token a layer just routed makes likelier
+                at that layer's next token than their base rate, from next-token co-occurrence counted online
+                (CoocPolicy; LAYER_POLICIES: built with n_experts and k).
     arc, s3fifo, s3fifo-c7, lirs   ARC; S3-FIFO (s3fifo-c7: counters capped at 7, tuned); a LIRS-style
                 reuse-distance policy. docs/expert-cache.md, "Baselines" and "Against Belady".
     belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
