@@ -25,6 +25,7 @@ shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
     PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR] [--no-profile] [--by-age]
+        [--policies a,b --tune-only]   (the quick loop: a few policies on the tune traces, ~1 min)
 """
 from __future__ import annotations
 
@@ -259,7 +260,7 @@ def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str
 AGE_EDGES = (1, 4, 16)  # tokens: misses_by_age's classes (<= 1, 2-4, 5-16, > 16, first use)
 
 
-def misses_by_age(traces, policies=("window", "llamacpp", "belady"), coverage: int = 25) -> str:
+def misses_by_age(traces, policies=(DEFAULT_POLICY, "window", "llamacpp", "belady"), coverage: int = 25) -> str:
     """Where the misses are: per tune trace and policy, its decode misses at `coverage` (global pool, pre-filled, as
     belady_ratios) split by the tokens since the missed key's previous use (AGE_EDGES; "first": never used before).
     A plain SlotTable replay of Trace.lookups(order="engine"), prefill lookups staged; without the engine's one-path-
@@ -301,23 +302,31 @@ def main():
                     "(default bench/traces; '' for none)")
     ap.add_argument("--no-profile", action="store_true", help="the ratios with every profile empty (the engine "
                     "without --profile); implies --ratios")
+    ap.add_argument("--policies", default=None, help="comma-separated: only these policies in the ratios (the "
+                    "default policy and llamacpp are added for the bar; implies --ratios): a quicker loop while designing one")
+    ap.add_argument("--tune-only", action="store_true", help="the ratios on the tune traces only (no held-out "
+                    "half: what a policy's constants may be chosen on; implies --ratios)")
     ap.add_argument("--by-age", action="store_true", help="after the ratios, the tune traces' misses at 25%% "
                     "coverage by tokens since the key's last use (misses_by_age)")
     args = ap.parse_args()
-    args.ratios = args.ratios or args.no_profile
+    args.ratios = args.ratios or args.no_profile or args.tune_only or args.policies is not None
     t0 = time.perf_counter()
     pools = ["global", "per-layer"]
 
     trace = Trace.load(args.trace) if args.trace else record(args.out, args.requests, args.tokens)
     traces = split_traces(trace)
+    pols = ONLINE if args.policies is None else tuple(dict.fromkeys(
+        [p for p in args.policies.split(",") if p] + [DEFAULT_POLICY, "llamacpp"]))
     if args.no_profile:  # the engine without --profile: pools start in fill_order, no policy gets a ranking
         traces = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))
                   for name, held, tr, _ in traces]
     for name, held, tr, _ in traces:
         print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
     print("global pool, decode misses / Belady's decode misses (* held out):")
-    ratios = belady_ratios(traces)
-    print(ratio_markdown(traces, ratios))
+    if args.tune_only:
+        traces = [t for t in traces if not t[1]]
+    ratios = belady_ratios(traces, pols)
+    print(ratio_markdown(traces, ratios, pols))
     print(bar_report(traces, ratios))
     stored = stored_split_traces(args.stored) if args.stored else []
     if args.no_profile:
@@ -327,8 +336,10 @@ def main():
         for name, held, tr, _ in stored:
             print(f"{name}{' (held out)' if held else ''}: {tr.summary()}")
         print(f"the stored traces ({args.stored}), the same:")
-        ratios_s = belady_ratios(stored)
-        print(ratio_markdown(stored, ratios_s))
+        if args.tune_only:
+            stored = [t for t in stored if not t[1]]
+        ratios_s = belady_ratios(stored, pols)
+        print(ratio_markdown(stored, ratios_s, pols))
         print(bar_report(stored, ratios_s))
     if args.by_age:
         print(f"decode misses at 25% coverage by tokens since the key's last use (tune traces):")

@@ -387,6 +387,45 @@ def test_window_by_hand_prior_window_and_payback():
         WindowPolicy(2, edges=(3, 1), weights=(1.0, 0.5))
 
 
+def test_cooc_by_hand_next_token_lift():
+    """CoocPolicy, 2 layers of 4 experts (keys 0-3, 4-7), k = 1: a token is one lookup per layer; capacity 3, empty
+    start. The window as in test_window_by_hand (a use weighs 1 for 1 token = 2 uses, then 0; no prior; admission
+    1x); the bonus 1 x lift, top 1. T[a, e]: tokens of a layer where a was followed by e; n[a]: tokens a was
+    followed at all; q = n / sum(n). seq (layer 0, layer 1) per token: (0, 4) (3, 4) (0, 4) (3, 5) (0, 5), uses c1..c10.
+      c1 0, c2 4, c3 3 miss into the free slots (layer 0: T[0, 3] = 1).
+      c4 4, c5 0, c6 4 hit. Layer 1: 4 follows 4 at its base rate (lift 0). Layer 0 after c5's 0: P(3 | 0) = 1,
+         q(3) = 1/2: bonus 3 by 1/2.
+      c7 3 hits: P(0 | 3) = 1, q(0) = 2/3: bonus 0 by 1/3 (3's goes).
+      c8 5 misses (score 1). Residents 0 (use aged out, bonus 1/3), 4 (use aged out at c8: 0), 3 (1): the victim
+         is 4. The window alone evicts 0, the older of two zeros: the expert layer 0's last token says comes next.
+      c9 0 hits (window: misses, evicts 4), c10 5 hits (both). Bonuses after: 3 by 1/2 (P(3 | 0) = 1, q = 2/4);
+         5 by 3/4 (layer 1: P(5 | 5) = 1, q(5) = 1/4)."""
+    from pymoe.experts.policies import CoocPolicy, WindowPolicy
+
+    window = dict(lookups_per_token=2, edges=(1,), weights=(1.0,), admit=1.0)
+    seq = [0, 4, 3, 4, 0, 4, 3, 5, 0, 5]
+    p = CoocPolicy(3, n_experts=4, k=1, weight=1.0, top=1, **window)
+    hits, evicted, steps = replay(p, seq, 3)
+    assert steps == [(False, 0, None), (False, 1, None), (False, 2, None), (True, 1, None), (True, 0, None),
+                     (True, 1, None), (True, 2, None), (False, 1, 4), (True, 0, None), (True, 1, None)]
+    assert (hits, evicted) == (6, [4])
+    assert replay(WindowPolicy(3, **window), seq, 3)[:2] == (5, [0, 4])
+    assert p.follows[0][[0, 3]].tolist() == [[0, 0, 0, 2], [2, 0, 0, 0]] and p.followed[0].tolist() == [2, 0, 0, 2]
+    assert p.follows[1][[0, 1]].tolist() == [[2, 1, 0, 0], [0, 1, 0, 0]] and p.followed[1].tolist() == [3, 1, 0, 0]
+    assert p.bonus == {0: {3: 0.5}, 1: {5: 0.75}}
+    # a placement (the warm set, the lookahead's prefetch) is a use, not a token's routing
+    p = CoocPolicy(3, n_experts=4, k=2, **window)
+    table = SlotTable(3, p)
+    table.place(6, 0)
+    table.access(5, 1)
+    assert p.token == {1: [1]} and 1 not in p.prev and table.resident(6) is not None
+    table.access(6, 2)
+    assert p.token == {1: []} and p.prev[1].tolist() == [1, 2]
+    # without n_experts and k it is the window
+    q = make_policy("cooc", 3, lookups_per_token=2)
+    assert q.n_experts is None and replay(q, seq, 3) == replay(make_policy("window", 3, lookups_per_token=2), seq, 3)
+
+
 class BruteWindow:
     """WindowPolicy's rule from its definition, rescanning every use of every resident at each miss (no heap, no
     FIFOs): score(k) = prior(k) + sum of w(now - c_u) over k's uses, victim = min (score, last use, key)."""

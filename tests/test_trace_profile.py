@@ -252,7 +252,8 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
                                              ("lfru", "all", 0, (1, 0)), ("llamacpp", "all", 0, (0, 0)),
                                              ("arc", "all", 0, (0, 0)), ("s3fifo", "all", 0, (0, 0)),
                                              ("lirs", "all", 0, (0, 0)), ("window", "all", 0, (0, 0)),
-                                             ("window", "second-miss", 1, (2, 0))):
+                                             ("window", "second-miss", 1, (2, 0)), ("cooc", "all", 0, (0, 0)),
+                                             ("cooc", "second-miss", 1, (2, 0))):
         trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}-{warm[0]}.npz"
         r = run_pymoe_here("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
                       "--cache-slots", "3", "--policy", policy, "--trace", str(trace2), "--admit", admit,

@@ -228,6 +228,8 @@ class SlotCache:
             profile_keys = [k for k in profile_keys if k // self.n_experts in layers]
         self.admission = admission or Admission()
         policy_args.setdefault("lookups_per_token", cfg.n_expert_used * len(self.moe_layers))  # one token's lookups
+        policy_args.setdefault("n_experts", self.n_experts)  # key // n_experts: the layer (policies.LAYER_POLICIES)
+        policy_args.setdefault("k", cfg.n_expert_used)  # one token's lookups per layer
         self.table = SlotTable(n_slots, make_policy(policy, n_slots, profile_keys=profile_keys, **policy_args),
                                self.admission)
         from .gap import LiveGap

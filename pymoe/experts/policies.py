@@ -29,9 +29,12 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
     llamacpp    llama.cpp's expert cache as issue 48 describes it: a recency class (used within the last token) is
                 kept; the rest by a use count decayed with a 128-token half-life; a miss below the victim's count is
                 served without a slot (the CPU's share). Counts time in tokens (TOKEN_CLOCK_POLICIES).
-    window      (the default) the lowest score = a prior from the profile's ranking (if there is one) + the key's
-                uses weighted by age in tokens (WindowPolicy); a miss scored below 1.25 x the victim is served
-                without a slot. Counts time in tokens (TOKEN_CLOCK_POLICIES).
+    window      the lowest score = a prior from the profile's ranking (if there is one) + the key's uses weighted
+                by age in tokens (WindowPolicy); a miss scored below 1.25 x the victim is served without a slot.
+                Counts time in tokens (TOKEN_CLOCK_POLICIES).
+    cooc        (the default) window's score plus a bonus for the experts the token a layer just routed makes likelier
+                at that layer's next token than their base rate, from next-token co-occurrence counted online
+                (CoocPolicy; LAYER_POLICIES: built with n_experts and k).
     arc, s3fifo, s3fifo-c7, lirs   ARC; S3-FIFO (s3fifo-c7: counters capped at 7, tuned); a LIRS-style
                 reuse-distance policy. docs/expert-cache.md, "Baselines" and "Against Belady".
     belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
@@ -78,8 +81,13 @@ class Policy:
         pass
 
     def on_use(self, key: int, t: int) -> None:
-        """A use of a key that is not resident: every miss (before admission control and admit()), and a placement
-        outside a lookup (SlotTable.place, SlotTable.prefetch: just before their admit())."""
+        """A use of a key that is not resident: every miss (before admission control and admit()), and (through
+        on_place) a placement outside a lookup."""
+
+    def on_place(self, key: int, t: int) -> None:
+        """A placement outside a lookup (SlotTable.place, SlotTable.prefetch: just before their admit()): a use, as
+        on_use says, for every policy but those that tell lookups apart from placements (CoocPolicy)."""
+        self.on_use(key, t)
 
     def admit(self, key: int, t: int) -> bool:
         """Called once per miss that may take a slot, before any eviction: may the key take a slot?"""
@@ -446,6 +454,100 @@ class WindowPolicy(Policy):
         self.resident.discard(key)
 
 
+COOC_WEIGHT = 4.0  # the bonus per unit of lift (a lift of 0.5 weighs as one use within the last token)
+COOC_TOP = 2  # x k: the experts of a layer that get a bonus for its next token, the largest lifts
+# Both chosen on the tune traces only (docs/expert-cache.md, "Against Belady": weight 1 / 2 / 4 / 6 / 8, top 1 / 2 / 4
+# x k, mean / sum / noisy-or of the rows, with and without the lift over the base rate), WindowPolicy's four kept.
+
+
+class CoocPolicy(WindowPolicy):
+    """WindowPolicy plus what one token's experts say about the next token's: a learned next-token co-occurrence.
+    Per layer it counts, online, which experts follow which from one token to the next (every lookup, prefill
+    included), and once a layer has routed a token it bonuses the experts that token makes likelier at that layer's
+    next turn, until that turn comes:
+        T[a, e]   tokens at which expert a was used and expert e at the layer's next token (per layer, [E, E])
+        n[a]      tokens at which a was used and a next token followed (per layer, [E])
+        P(e | a)  = T[a, e] / n[a];   p(e) = 1 - prod over the experts a of the token just routed of (1 - P(e | a))
+        q(e)      = k x n[e] / sum(n): e's base rate, the chance a token uses it
+        lift(e)   = max(p(e) - q(e), 0): what the last token says beyond e's own frequency (the prior and the use
+                    counts hold that already: on routing with no structure between tokens, the lift is near 0)
+        bonus     `weight` x lift(e) for the COOC_TOP x k experts of largest lift (ties: the lower expert), added to
+                  WindowPolicy's score; the layer's bonuses are replaced when it routes its next token
+    P(a | a) is the expert's own chance to come back next token, which the window's recency weight assumes alike
+    for every key. The victim, ties and payback admission are WindowPolicy's, on the score with the bonus.
+    Tokens are cut from the uses: a key's layer is key // n_experts, and a layer's uses come k to a token (a lookup
+    call of T rows makes T x k of them, row by row: trace.Trace.lookups, order "engine"). Placements outside a lookup
+    (the warm set, the lookahead's prefetch: on_place) are uses for the window, not tokens. In a batched decode step
+    the rows of one call are several sequences' tokens, counted as if consecutive. Memory: [E, E] float32 per layer
+    seen (48 layers x 512 experts: 50 MB), besides WindowPolicy's. Without n_experts or k it is WindowPolicy."""
+
+    name = "cooc"
+
+    def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
+                 lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
+                 weight: float = COOC_WEIGHT, top: int = COOC_TOP, **window):
+        super().__init__(capacity, profile_keys, lookups_per_token, **window)
+        self.n_experts, self.k = (int(n_experts), int(k)) if n_experts and k else (None, None)
+        self.weight = float(weight)
+        self.top = max(1, int(top * (self.k or 1)))
+        self.token: dict[int, list] = {}  # layer -> the experts of its token being routed (fewer than k so far)
+        self.prev: dict[int, np.ndarray] = {}  # layer -> the experts of its last token
+        self.follows: dict[int, np.ndarray] = {}  # layer -> T, float32 [E, E]
+        self.followed: dict[int, np.ndarray] = {}  # layer -> n, float32 [E]
+        self.bonus: dict[int, dict[int, float]] = {}  # layer -> {key: its bonus in the score}
+
+    def on_hit(self, key: int, t: int) -> None:
+        super().on_hit(key, t)
+        self._route(key)
+
+    def on_use(self, key: int, t: int) -> None:
+        super().on_use(key, t)
+        self._route(key)
+
+    def on_place(self, key: int, t: int) -> None:
+        WindowPolicy.on_use(self, key, t)  # a use for the window, not a token's routing
+
+    def _route(self, key: int) -> None:
+        """One lookup's expert joins its layer's token; the k-th closes the token (_next_token)."""
+        if self.n_experts is None:
+            return
+        layer, expert = divmod(key, self.n_experts)
+        token = self.token.setdefault(layer, [])
+        token.append(expert)
+        if len(token) == self.k:
+            self.token[layer] = []
+            self._next_token(layer, np.asarray(token, dtype=np.int64))  # [k]
+
+    def _next_token(self, layer: int, now: np.ndarray) -> None:
+        """Count the transitions from the layer's last token to `now` (experts int [k]), then bonus the experts `now`
+        makes likelier at the layer's next token (the class docstring's formulas)."""
+        E = self.n_experts
+        T = self.follows.get(layer)
+        if T is None:
+            T = self.follows[layer] = np.zeros((E, E), dtype=np.float32)  # [E, E]
+            self.followed[layer] = np.zeros(E, dtype=np.float32)  # [E]
+        n = self.followed[layer]
+        prev = self.prev.get(layer)
+        if prev is not None:
+            T[np.ix_(prev, now)] += 1.0
+            n[prev] += 1.0
+        self.prev[layer] = now
+        p_next = T[now] / np.maximum(n[now], 1.0)[:, None]  # [k, E]: P(e | a) for each a of this token
+        p = 1.0 - np.prod(1.0 - p_next.astype(np.float64), axis=0)  # [E]
+        q = self.k * n / max(float(n.sum()), 1.0)  # [E]: base rates
+        lift = np.maximum(p - q, 0.0)  # [E]
+        best = np.argsort(-lift, kind="stable")[:self.top]
+        new = {layer * E + int(e): self.weight * float(lift[e]) for e in best if lift[e] > 0.0}
+        old = self.bonus.get(layer, {})
+        for key in old.keys() | new.keys():
+            change = new.get(key, 0.0) - old.get(key, 0.0)
+            if change:
+                self.score[key] = self.score.get(key, 0.0) + change
+                if key in self.resident:
+                    self._push(key)
+        self.bonus[layer] = new
+
+
 class ARCPolicy(Policy):
     """ARC (Megiddo & Modha, FAST 2003): residents in T1 (seen once lately) and T2 (seen at least twice), ghosts of
     the recently evicted in B1 and B2 (keys only, at most `capacity` each), and a target size p for T1 that a ghost
@@ -726,10 +828,9 @@ class BeladyPolicy(Policy):
         del self.nxt[key]
 
 
-DEFAULT_POLICY = "window"  # what `pymoe run` and the planner use unless told otherwise; chosen by measurement:
-# docs/expert-cache.md, "Against Belady" (misses / Belady's on a fixed tune / held-out split: on the 18 held-out cells
-# window's mean is 1.63 against lfru's 1.87 with a profile, 1.69 against 1.82 without one; lfru, the default before,
-# keeps fewer misses at 25-50% on two held-out demo traces)
+DEFAULT_POLICY = "cooc"  # what `pymoe run` and the planner use unless told otherwise; chosen by measurement:
+# docs/expert-cache.md, "Against Belady" (misses / Belady's on a fixed tune / held-out split: on the tune traces cooc's
+# misses are at or below window's in every cell, mean 1.589 against 1.619)
 
 # The registry: every name here is replayed by `pymoe simulate` (by default) and bench/cache_policies.py, and, unless
 # it is offline, offered to `pymoe run --policy`. Adding a policy is a class above and one line here
@@ -746,12 +847,14 @@ POLICIES = {
     "s3fifo-c7": S3FIFOC7Policy,
     "lirs": LIRSPolicy,
     "window": WindowPolicy,
+    "cooc": CoocPolicy,
     "belady": BeladyPolicy,
 }
 PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
 OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
-TOKEN_CLOCK_POLICIES = ("llamacpp", "window")  # count time in tokens: built with the pool's lookups per token
-PRIOR_POLICIES = ("window",)  # take a profile's ranking when there is one (`profile_keys`), and run without
+TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc")  # count time in tokens: built with the pool's lookups per token
+PRIOR_POLICIES = ("window", "cooc")  # take a profile's ranking when there is one (`profile_keys`), and run without
+LAYER_POLICIES = ("cooc",)  # read a key's layer and cut its uses into tokens: built with `n_experts` and `k`
 
 
 ENGINE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the engine can run
@@ -770,11 +873,13 @@ def check_engine_policy(name: str) -> str:
 
 
 def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] = None, future=None,
-                pinned_frac: float = 0.5, lookups_per_token: Optional[int] = None) -> Policy:
+                pinned_frac: float = 0.5, lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None,
+                k: Optional[int] = None) -> Policy:
     """Build a policy by name. static and pinned-lru need `profile_keys` (global keys, hottest first); belady needs
     `future` (the whole access sequence as keys, or a NextUse built from it); the policies that count in tokens
     (TOKEN_CLOCK_POLICIES) take `lookups_per_token`, the lookups one token makes into this pool; those that take a
-    profile if there is one (PRIOR_POLICIES) get `profile_keys` or None."""
+    profile if there is one (PRIOR_POLICIES) get `profile_keys` or None; those that read layers and tokens
+    (LAYER_POLICIES) get `n_experts` (key // n_experts is the layer) and `k` (experts per token per layer)."""
     if name not in POLICIES:
         raise ValueError(f"unknown cache policy {name!r} (choose from {', '.join(POLICIES)})")
     if name in PROFILE_POLICIES:
@@ -788,6 +893,8 @@ def make_policy(name: str, capacity: int, profile_keys: Optional[Sequence[int]] 
     kwargs = {"lookups_per_token": lookups_per_token} if name in TOKEN_CLOCK_POLICIES else {}
     if name in PRIOR_POLICIES:
         kwargs["profile_keys"] = profile_keys
+    if name in LAYER_POLICIES:
+        kwargs.update(n_experts=n_experts, k=k)
     return POLICIES[name](capacity, **kwargs)
 
 
@@ -907,7 +1014,7 @@ class SlotTable:
         is counted as a lookup."""
         if key in self.slot_of or self.capacity == 0:
             return None
-        self.policy.on_use(key, t)
+        self.policy.on_place(key, t)
         if not self.policy.admit(key, t):
             return None
         return self._insert(key, t)
@@ -926,7 +1033,7 @@ class SlotTable:
             self._step, self._inserts = step, 0
         if (a.max_inserts and self._inserts >= a.max_inserts) or (a.second_miss and key not in self.missed):
             return None
-        self.policy.on_use(key, t)
+        self.policy.on_place(key, t)
         if not self.policy.admit(key, t):
             return None
         self.missed.pop(key, None)

@@ -97,7 +97,8 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
     """One SlotTable (global) or one per layer, each with its policy and, if asked (prefill), filled as the engine
     fills its pool (policies.start_keys: the profile's keys, then the experts of `layers`, the MoE layers, default
     all, in policies.fill_order) until full. k: experts per token per layer, which gives the policies that count in
-    tokens (policies.TOKEN_CLOCK_POLICIES) their pool's lookups per token (k x the MoE layers, or k per layer)."""
+    tokens (policies.TOKEN_CLOCK_POLICIES) their pool's lookups per token (k x the MoE layers, or k per layer), and
+    those that cut a layer's uses into tokens (policies.LAYER_POLICIES) k and n_experts."""
     if pool not in POOLS:
         raise PymoeError(f"unknown pool {pool!r} (choose from {', '.join(POOLS)})")
     if policy in PROFILE_POLICIES and profile is None:
@@ -113,7 +114,7 @@ def make_tables(policy: str, slots: int, pool: str, n_layers: int, n_experts: in
     tables = []
     for i, (capacity, keys) in enumerate(parts):
         table = SlotTable(capacity, make_policy(policy, capacity, profile_keys=keys, future=future,
-                                                lookups_per_token=per_token), admission)
+                                                lookups_per_token=per_token, n_experts=n_experts, k=k), admission)
         if prefill:
             table.prefill(start_keys(keys, layers if pool == "global" else [i], n_experts))
         tables.append(table)

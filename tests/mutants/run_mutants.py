@@ -582,6 +582,18 @@ MUTANTS: list[Mutant] = [
         ("tests/test_policies.py::test_window_by_hand_prior_window_and_payback",),
         "window: payback admission off (a miss scored below the victim still takes its slot)"),
     Mutant(
+        "cooc_no_lift", "pymoe/experts/policies.py",
+        "        lift = np.maximum(p - q, 0.0)  # [E]",
+        "        lift = p  # MUTANT",
+        ("tests/test_policies.py::test_cooc_by_hand_next_token_lift",),
+        "cooc: the bonus is the transition probability itself, not its lift over the expert's base rate"),
+    Mutant(
+        "cooc_bonus_never_replaced", "pymoe/experts/policies.py",
+        "        self.bonus[layer] = new",
+        "        self.bonus[layer] = {**old, **new}  # MUTANT",
+        ("tests/test_policies.py::test_cooc_by_hand_next_token_lift",),
+        "cooc: a layer's old bonuses stay when it routes its next token"),
+    Mutant(
         "grammar_mask_not_applied", "pymoe/engine/sampler.py",
         "            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf))",
         "            logits = logits  # MUTANT",
