@@ -15,7 +15,8 @@ Tolerance of the logits: the same float32 operations in other orders only (the d
 experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
 "cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7; version 2 itself is 4 ulp
-from the reference on gpt-oss); the bound is 8 ulp of s (2.7x).
+from the reference on gpt-oss), on deepseek2 at most 1.5 ulp (3.6e-7, "cpu misses"; s 2.7-3.8); the bound is 8 ulp
+of s (2.7x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
@@ -64,7 +65,7 @@ def per_token(engine):
     return per_token({**st.device, "tokens": st.n_decoded})
 
 
-FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe"]  # the converted ones
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "deepseek2"]  # the converted ones
 # (model.device_step_possible; test_the_families_that_run_the_step_are_these holds the list to it)
 
 
@@ -170,6 +171,26 @@ def test_the_simulator_replays_a_device_step_run_with_its_counts(micro, tmp_path
     d = engine.last_stats.decode
     (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [2], ["global"], profile=profile, phase="decode")
     assert (sim.hits, sim.lookups) == (d["hits"], d["lookups"]) and 0 < d["hits"] < d["lookups"], (sim, d)
+
+
+@in_process
+def test_speculation_runs_its_plain_steps_on_the_device(micro):
+    """--spec ngram on deepseek2 (MLA over the device's compressed cache, expert groups): the verify forwards of
+    several positions run version 2 (MLA's host form, its cache rows written to and attended over on the device),
+    the single steps between them version 3 (speculation's expert count from the routing ids the step brings
+    back); the greedy tokens are the reference backend's plain decoding. The prompt repeats, so ngram drafts."""
+    from pymoe.engine.speculative import Speculator, NgramDrafter
+
+    path, prompt = micro("deepseek2"), [5, 17, 42, 5, 17, 42, 5, 17]
+    want = list(pymoe.load(path, backend="reference").generate(prompt, max_tokens=12, stop_at_eos=False))
+    engine = every_expert_in_a_slot(path)
+    steps, begin = [], engine.backend.begin_step
+    engine.backend.begin_step = lambda *a, **k: steps.append(1) or begin(*a, **k)
+    spec = Speculator(NgramDrafter(), k=4)
+    assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec)) == want
+    st = spec.stats
+    assert st.steps > 0 and st.accepted > 0 and len(steps) == st.single_steps > 0
+    assert st.single_experts == st.single_steps * len(engine.config.moe_layers) * engine.config.n_expert_used
 
 
 @in_process

@@ -58,6 +58,12 @@ class RopeScaling:
     #                       file): llama.cpp's attn factor becomes 1 there, its mscale goes to the attention scale
 
 
+def rope_scaling(cfg) -> RopeScaling:
+    """The file's RoPE scaling (a ModelConfig's rope_* fields). DeepSeek's files carry a yarn_log_multiplier:
+    llama.cpp's YaRN factor on cos/sin is then 1 (the mscale moves into the attention scale, engine/mla.py)."""
+    return RopeScaling(cfg.rope_scaling, cfg.rope_scale, cfg.rope_ctx_orig, mscale=1.0 if cfg.yarn_log_mul else None)
+
+
 def yarn_corr_dims(rope_dim: int, ctx_orig: int, base: float, beta_fast: float, beta_slow: float) -> tuple:
     """The pair-index range of YaRN's ramp (ggml_rope_yarn_corr_dims, in float32 as ggml computes it)."""
     def corr_dim(n_rot):  # the dimension whose wavelength turns n_rot times over the original context

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pymoe.backends.reference import ExpertFFN, RopeScaling, rope_tables
+from pymoe.backends.reference import ExpertFFN, rope_scaling, rope_tables
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION, HOST_ATTENTION
@@ -105,7 +105,7 @@ class Model:
         self.plan = gguf_model.layer_plan()  # [L] gguf/config.LayerPlan
         # Attention kinds without device kernels run on the backend's host side (CUDA: its CPU backend) with a
         # host KV cache, their weights in host memory; the experts of those layers still go through the device.
-        self.host_attention = any(p.attention in HOST_ATTENTION for p in self.plan)
+        self.host_attention = any(self.attends_on_host(p) for p in self.plan)
         bar = tqdm(self.plan, desc="loading", unit="layer", disable=None if progress else True, leave=False)  # TTY only
         self.layers = [self.layer_for(p) for p in bar]
         # The device decode step (backends/cuda.py `begin_step`, version 3): the families whose every block has
@@ -115,29 +115,32 @@ class Model:
             self.token_embd_dev = self.output if cfg.tied_output else b.dense(self.token_embd)
             b.keep_on_device([self.output_norm] + [v for la in self.layers for v in (la.attn_norm, la.ffn_norm)]
                              + [la.shared["gate_inp"] for la in self.layers if "gate_inp" in la.shared]
-                             + [la.expert_bias for la in self.layers if la.expert_bias is not None])
+                             + [la.expert_bias for la in self.layers if la.expert_bias is not None]
+                             + [v for la in self.layers if la.mla for v in la.mla.values()
+                                if isinstance(v, np.ndarray)])  # MLA's norms and absorbed k_b, v_b
 
     def device_step_possible(self) -> bool:
         """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
-        only blocks it has device primitives for: GQA attention without window or sinks; MoE layers routed by a
-        softmax or by sigmoids (with the choice bias, without expert groups), with or without a shared expert (gated
-        or not), without router bias or expert biases; dense MLP layers). Other families keep version 2
-        (docs/expert-cache.md "On the GPU")."""
+        only blocks it has device primitives for: GQA attention without window or sinks, MLA (engine/mla.py);
+        MoE layers routed by a softmax or by sigmoids (with the choice bias, with or without expert groups), with or
+        without a shared expert (gated or not), without router bias or expert biases; dense MLP layers). Other
+        families keep version 2 (docs/expert-cache.md "On the GPU")."""
         b, cfg = self.backend, self.cfg
         if not getattr(b, "device_step", False) or self.host_attention:
             return False
-        if cfg.gating not in ("softmax", "sigmoid") or cfg.n_expert_groups > 1:
+        if cfg.gating not in ("softmax", "sigmoid"):
             return False
-        return all(la.plan.attention == "gqa" and not la.plan.window and la.sinks is None
-                   and la.router_bias is None and la.ffn is None for la in self.layers)
+        return all((la.plan.attention == "mla" or la.plan.attention == "gqa" and not la.plan.window
+                    and la.sinks is None) and la.router_bias is None and la.ffn is None for la in self.layers)
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
         """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
-        nothing that needs each layer's routing on the host as it happens (a trace, the lookahead, speculation's
-        expert count, an MTP tap) and an expert cache it can serve (`_cache_allows_step`)."""
+        nothing that needs each layer's routing on the host as it happens (a trace, the lookahead,
+        an MTP tap) and an expert cache it can serve (`_cache_allows_step`). Speculation's expert count
+        (`count_experts`) comes from the routing ids the step brings back (`_end_device_step`)."""
         b = self.backend
         if not (self.step_on_device and phase == "decode" and tokens.size == 1 and media is None and b.step_ready()
-                and b.owns(kv) and self.trace is None and self.lookahead is None and not self.count_experts
+                and b.owns(kv) and self.trace is None and self.lookahead is None
                 and id(kv) not in self.hidden_taps):
             return False
         return self._cache_allows_step()
@@ -163,7 +166,13 @@ class Model:
     def attention_backend(self, plan: LayerPlan):
         """The backend a layer's attention runs on: the layer's, or its host side for kinds the device lacks."""
         b = self.backend_for(plan.index)
-        return getattr(b, "host_backend", b) if plan.attention in HOST_ATTENTION else b
+        return getattr(b, "host_backend", b) if self.attends_on_host(plan) else b
+
+    def attends_on_host(self, plan: LayerPlan) -> bool:
+        """The layer's attention kind has no device kernels on this backend: attention.HOST_ATTENTION, less the kinds
+        the backend runs itself (`device_attention_kinds`: CUDA's MLA)."""
+        return (plan.attention in HOST_ATTENTION
+                and plan.attention not in getattr(self.backend, "device_attention_kinds", ()))
 
     def layer_for(self, plan: LayerPlan) -> Layer:
         """The weights of the layer `plan` describes, prepared for the backend (the MTP block is built this way
@@ -209,9 +218,7 @@ class Model:
         """RoPE's cos, sin [T, rope_dim / 2] of these positions, with the file's context scaling (YaRN: gpt-oss).
         positions [T], or [T, 3] (t, h, w) for M-RoPE: rows of an image prompt (engine/multimodal.py)."""
         c = self.cfg
-        # DeepSeek's files carry a yarn_log_multiplier: llama.cpp's YaRN factor on cos/sin is then 1 (the mscale
-        # moves into the attention scale, engine/mla.py)
-        scaling = RopeScaling(c.rope_scaling, c.rope_scale, c.rope_ctx_orig, mscale=1.0 if c.yarn_log_mul else None)
+        scaling = rope_scaling(c)  # (DeepSeek: no YaRN factor on cos/sin, its mscale is in the attention scale)
         if positions.ndim == 1:
             return rope_tables(c.rope_dim, c.rope_freq_base, positions, scaling)
         if not c.rope_sections:
@@ -298,7 +305,7 @@ class Model:
                 if ids is not None:
                     self.lookahead.chosen(i, ids)
                 self.lookahead.after_layer(i, x, phase)
-            if self.count_experts and ids is not None:
+            if self.count_experts and ids is not None and not step:  # (a step counts them at its end)
                 self.last_experts += np.unique(ids).size
             if self.trace is not None and ids is not None:  # a decode forward of several positions: speculation's
                 self.trace.record(i, ids, w, "verify" if phase == "decode" and tokens.size > 1 else phase)
@@ -325,6 +332,8 @@ class Model:
         inline = self.backend.lookups_in_step
         x = self.backend.rmsnorm(x, self.output_norm, self.cfg.rms_eps)
         token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x))  # [1, V] on the device
+        if self.count_experts:  # speculation's telemetry: distinct experts of this step, from the ids come back
+            self.last_experts = sum(np.unique(ids[m]).size for m in range(ids.shape[0]))
         if not inline:  # (inline: each layer's lookup was made inside the step, engine/moe.py)
             for m, layer in enumerate(self.cfg.moe_layers):
                 self.cache.lookup(layer, ids[m].reshape(1, -1).astype(np.int64), phase)  # [1, K]
