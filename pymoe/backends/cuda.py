@@ -1217,8 +1217,8 @@ class CUDABackend:
             qd = self._arena(q.shape)
             data = np.ascontiguousarray(q, np.float32)
             qd.copy_to_device(data, stream=self.compute)
-            self.counts.copy("attention queries to device (MLA)", data.nbytes)
-            return self._get(self.attention(qd, k, v, p0), "attention output to host (MLA)")
+            self.counts.copy("MLA queries to device", data.nbytes)
+            return self._get(self.attention(qd, k, v, p0), "MLA attention output to host")
         T, H, _ = q.shape
         Dv = v.shape[2]
         o = self._arena((T, H * Dv))  # [T, H * Dv]
