@@ -8,6 +8,8 @@ wrapped without a copy; CuPy is never imported here):
   moe.py           expert_block: SwiGLU gate+up fused, down with the routing weight accumulated into Y
   norm_rope.py     rmsnorm, rope (NEOX and normal pairing), add_bias
   attention.py     decode_attention: one query token against the KV cache, GQA, causal by construction
+  mla.py           DeepSeek's MLA pieces: the compressed cache row, the absorbed query, the value up-projection
+  route_groups.py  DeepSeek's group-limited router (top K within the best expert groups)
   reduce.py        block-wide sum / max (shared-memory trees) used by the kernels above
 
 What this is not: memory management or streams (pymoe/backends), routing (pymoe/engine/moe.py), the references. Every

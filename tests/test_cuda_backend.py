@@ -28,11 +28,15 @@ SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "de
 
 
 def _host_attention(arch):
-    return any(p.attention in HOST_ATTENTION for p in make_config(arch).layer_plan())
+    from pymoe.backends.cuda import CUDABackend
+
+    on_host = HOST_ATTENTION - CUDABackend.device_attention_kinds
+    return any(p.attention in on_host for p in make_config(arch).layer_plan())
 
 
-# the families whose attention runs on the device (softmax attention, "gqa") and those with a kind that runs on the
-# host side (engine/attention.HOST_ATTENTION): from the registry, so a new family lands in one of the two
+# the families whose attention runs on the device (softmax attention, "gqa"; MLA) and those with a kind that runs on
+# the host side (engine/attention.HOST_ATTENTION less the backend's device_attention_kinds): from the registry, so a
+# new family lands in one of the two
 DEVICE_ATTENTION_ARCHS = [a for a in ARCHS if not _host_attention(a)]
 HOST_ATTENTION_ARCHS = [a for a in ARCHS if _host_attention(a)]
 
@@ -74,7 +78,7 @@ def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, poli
 @pytest.mark.parametrize("arch", DEVICE_ATTENTION_ARCHS)
 def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch):
     """The device KV cache and attention block (q/k/v biases, q/k norms per head or whole, NEOX or normal RoPE,
-    GQA) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
+    GQA; MLA over its compressed cache) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
     KV cache falls back to a host KV cache (attention on the CPU) with the same results."""
     from pymoe.backends.cuda import DeviceKVCache
 
@@ -95,7 +99,7 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
 @in_process
 @pytest.mark.parametrize("arch", HOST_ATTENTION_ARCHS)
 def test_host_attention_kinds_with_device_experts(tiny_model, arch):
-    """Gated DeltaNet, gated attention and MLA have no device kernels yet: on the CUDA backend they run on its host
+    """Gated DeltaNet and gated attention have no device kernels yet: on the CUDA backend they run on its host
     side (its CPU backend, a host KV cache and recurrent state) while the experts go through the device slot pool.
     Logits (prefill and decode) and greedy tokens equal the reference backend's within the device tests' bound."""
     from pymoe.backends.cuda import DeviceKVCache

@@ -15,7 +15,8 @@ Tolerance of the logits: the same float32 operations in other orders only (the d
 experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
 "cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7); on gpt-oss 3 ulp (slots,
-"cpu misses") and 2 ulp past its window, version 2 the same; the bound is 8 ulp of s (2.7x).
+"cpu misses") and 2 ulp past its window, version 2 the same; on deepseek2 at most 1.5 ulp (3.6e-7, "cpu misses";
+s 2.7-3.8); the bound is 8 ulp of s (2.7x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
@@ -64,7 +65,8 @@ def per_token(engine):
     return per_token({**st.device, "tokens": st.n_decoded})
 
 
-FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss"]  # the converted ones
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss",
+            "deepseek2"]  # the converted ones
 # (model.device_step_possible; test_the_families_that_run_the_step_are_these holds the list to it)
 
 
@@ -170,6 +172,54 @@ def test_the_simulator_replays_a_device_step_run_with_its_counts(micro, tmp_path
     d = engine.last_stats.decode
     (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [2], ["global"], profile=profile, phase="decode")
     assert (sim.hits, sim.lookups) == (d["hits"], d["lookups"]) and 0 < d["hits"] < d["lookups"], (sim, d)
+
+
+@in_process
+def test_deepseek_v2_lite_runs_the_step(tmp_path):
+    """DeepSeek-V2-Lite's shape (make-tiny-model --variant lite, micro size: one q projection, no q_a / q_b;
+    softmax routing without groups or choice bias; 27 layers): every decode step on the device, moving the token id
+    and the routing ids only; tokens and logits the reference backend's. The logits' bound is 16 ulp of s: the same
+    float32 operations in other orders as above, over 27 layers, measured at most 5.5 ulp (2 steps, slots and "cpu
+    misses"): 2.9x."""
+    from pymoe.demo.tinymodel import write_model
+
+    path = str(tmp_path / "micro-deepseek2-lite.gguf")
+    write_model(path, "deepseek2", "micro", "f32", seed=0, variant="lite")
+    ref = pymoe.load(path, backend="reference")
+    assert (ref.config.q_lora_rank, ref.config.gating, ref.config.n_expert_groups) == (0, "softmax", 1)
+    want = list(ref.generate(PROMPT, max_tokens=3, stop_at_eos=False))
+    engine = every_expert_in_a_slot(path)
+    assert list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False)) == want
+    m, cfg = per_token(engine), engine.config
+    assert m["bytes_by_name"] == {"token ids to device": 4,
+                                  "token and routing ids to host": 4 * (1 + len(cfg.moe_layers) * cfg.n_expert_used)}
+    assert m["synchronisations"] == 1
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    want = ref.model.decode_one_token(9, kv_ref)
+    got = np.asarray(engine.model.decode_one_token(9, kv))
+    assert np.abs(got - want).max() <= 16 * np.spacing(np.float32(np.abs(want).max()))
+
+
+@in_process
+def test_speculation_runs_its_plain_steps_on_the_device(micro):
+    """--spec ngram on deepseek2 (MLA over the device's compressed cache, expert groups): the verify forwards of
+    several positions run version 2 (MLA's host form, its cache rows written to and attended over on the device),
+    the single steps between them version 3 (speculation's expert count from the routing ids the step brings
+    back); the greedy tokens are the reference backend's plain decoding. The prompt repeats, so ngram drafts."""
+    from pymoe.engine.speculative import Speculator, NgramDrafter
+
+    path, prompt = micro("deepseek2"), [5, 17, 42, 5, 17, 42, 5, 17]
+    want = list(pymoe.load(path, backend="reference").generate(prompt, max_tokens=12, stop_at_eos=False))
+    engine = every_expert_in_a_slot(path)
+    steps, begin = [], engine.backend.begin_step
+    engine.backend.begin_step = lambda *a, **k: steps.append(1) or begin(*a, **k)
+    spec = Speculator(NgramDrafter(), k=4)
+    assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec)) == want
+    st = spec.stats
+    assert st.steps > 0 and st.accepted > 0 and len(steps) == st.single_steps > 0
+    assert st.single_experts == st.single_steps * len(engine.config.moe_layers) * engine.config.n_expert_used
 
 
 @in_process

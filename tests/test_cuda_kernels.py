@@ -303,6 +303,16 @@ def compile_every_kernel_to_ptx():
              (retarget(O.routed_down_oai_kernel, cuda.jit, "routed_down_oai_Q3_K",
                        DOWN_PARTIAL=quant_matvec.row_partial_for(QType.Q3_K)),
               (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2, f2))]
+    # DeepSeek's (cuda_kernels/mla.py, route_groups.py), and decode attention with V a strided view of the MLA cache
+    from pymoe.cuda_kernels import mla as MLA, route_groups as RG
+
+    f3a = nt.Array(nt.float32, 3, "A")  # any layout: V = the cache rows' first kv_lora_rank values
+    jobs += [(MLA.mla_kv_row_kernel, (f2, f1, nt.float32, f2, f2, nt.int64, nt.boolean, f3, nt.int64)),
+             (MLA.mla_query_kernel, (f3, f3, f2, f2, nt.int64, nt.boolean, nt.float32, f3)),
+             (MLA.mla_value_kernel, (f3, f3, f3)),
+             (RG.route_groups_kernel, (f2, f1, nt.boolean, nt.boolean, nt.int64, nt.int64, nt.int64, nt.boolean,
+                                       nt.float32, i2, f2)),
+             (A.decode_attention_kernel, (f2, f3, f3a, nt.int64, nt.float32, f2, f2))]
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
         print("ptx ok:", kernel.py_func.__name__, flush=True)
@@ -318,7 +328,8 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9 + 5  # + cuda_kernels/step.py's 9, gpt_oss.py's 5
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9 + 5 + 5  # + step.py's 9, gpt_oss.py's 5,
+    # MLA's and groups' 5
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

@@ -132,7 +132,9 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2, "swiglu": 1,
             "sigmoid_gate": 1, "route_sigmoid": 1,
             # gpt-oss's (cuda_kernels/gpt_oss.py): attention with a window and sinks, its router, its experts
-            "decode_attention_ws": 1, "route_softmax_weight": 1, "routed_experts_oai": 2}
+            "decode_attention_ws": 1, "route_softmax_weight": 1, "routed_experts_oai": 2,
+            # DeepSeek-V2/V3 (cuda_kernels/mla.py, route_groups.py): one each
+            "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1}
 
 
 class DeviceKernels:
@@ -229,6 +231,28 @@ class DeviceKernels:
 
         return gpt_oss.routed_experts_oai(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X,
                                           Y, H, biases, stream=stream)
+
+    # DeepSeek-V2/V3
+    def route_groups(self, logits, k, bias, softmax, groups, groups_used, norm_topk, ids, w, scale, stream):
+        from pymoe.cuda_kernels import route_groups
+
+        return route_groups.route_groups(logits, k, bias, softmax, groups, groups_used, norm_topk, ids, w,
+                                         scale=scale, stream=stream)
+
+    def mla_kv_row(self, ckv, w, eps, cos, sin, p0, neox, cache, r0, stream):
+        from pymoe.cuda_kernels import mla
+
+        return mla.mla_kv_row(ckv, w, eps, cos, sin, p0, neox, cache, r0, stream=stream)
+
+    def mla_query(self, q, k_b, cos, sin, p0, neox, scale, Q, stream):
+        from pymoe.cuda_kernels import mla
+
+        return mla.mla_query(q, k_b, cos, sin, p0, neox, scale, Q, stream=stream)
+
+    def mla_value(self, a, v_b, out, stream):
+        from pymoe.cuda_kernels import mla
+
+        return mla.mla_value(a, v_b, out, stream=stream)
 
 
 class ReferenceKernels:
@@ -366,6 +390,38 @@ class ReferenceKernels:
                     for v, (r, b) in zip(views, shapes)]
 
         return read
+
+    def route_groups(self, logits, k, bias, softmax, groups, groups_used, norm_topk, ids, w, scale, stream):
+        from .reference import route_sigmoid
+
+        i, wt = route_sigmoid(logits.copy_to_host(), k, None if bias is None else bias.copy_to_host(), norm_topk,
+                              scale, groups, groups_used, "softmax" if softmax else "sigmoid")
+        ids.copy_to_device(i.astype(np.int32), stream=stream)
+        w.copy_to_device(wt, stream=stream)
+        return ids, w
+
+    def mla_kv_row(self, ckv, w, eps, cos, sin, p0, neox, cache, r0, stream):
+        from pymoe.cuda_kernels.mla import mla_kv_row_reference
+
+        T = ckv.shape[0]
+        rows = mla_kv_row_reference(ckv.copy_to_host(), w.copy_to_host(), eps, cos.copy_to_host()[p0:p0 + T],
+                                    sin.copy_to_host()[p0:p0 + T], neox)  # [T, C + R]
+        cache[r0:r0 + T].copy_to_device(np.ascontiguousarray(rows[:, None, :]), stream=stream)
+        return cache
+
+    def mla_query(self, q, k_b, cos, sin, p0, neox, scale, Q, stream):
+        from pymoe.cuda_kernels.mla import mla_query_reference
+
+        T = q.shape[0]
+        Q.copy_to_device(mla_query_reference(q.copy_to_host(), k_b.copy_to_host(), cos.copy_to_host()[p0:p0 + T],
+                                             sin.copy_to_host()[p0:p0 + T], neox, scale), stream=stream)
+        return Q
+
+    def mla_value(self, a, v_b, out, stream):
+        from pymoe.cuda_kernels.mla import mla_value_reference
+
+        out.copy_to_device(mla_value_reference(a.copy_to_host(), v_b.copy_to_host()), stream=stream)
+        return out
 
 
 KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
@@ -587,6 +643,7 @@ class CUDABackend:
     RoPE, routing, attention over a host KV cache) on the CPU backend it holds (`self.cpu`, float path)."""
 
     name = "cuda"
+    device_attention_kinds = frozenset({"mla"})  # attention.HOST_ATTENTION kinds this backend runs on the device
 
     def __init__(self, threads: Optional[int] = None, kernels: str = "cuda_kernels", reserve: int = DEFAULT_RESERVE,
                  free_bytes: Optional[int] = None):
@@ -671,10 +728,18 @@ class CUDABackend:
                                # logits, the shared expert's gate, up and output, the logits
                                H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert
                                + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
-                               + c.n_vocab),), np.float32),
+                               + c.n_vocab + self._mla_step_floats()),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
                 "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
+
+    def _mla_step_floats(self) -> int:
+        """A device step's MLA arrays beyond the GQA block's (engine/mla.mla_step): the q_a row, q [H, N + R] and
+        the value up-projection's output [H, V]; 0 for a model without MLA."""
+        c = self._cfg
+        if not c.traits.mla:
+            return 0
+        return (c.q_lora_rank or 0) + c.n_head * (c.head_dim_mla + c.head_dim_v_mla)
 
     def kv_bytes(self, n_ctx: int) -> int:
         c = self._cfg
@@ -697,8 +762,11 @@ class CUDABackend:
         mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
         rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
         kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
-        self._kv = DeviceKVCache(self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache"),
-                                 self.mem.alloc((*kv_shape, c.head_dim_v), np.float32, "KV cache"), self.n_ctx, rows)
+        k = self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache")
+        # MLA caches one row [c | k_pe] per position: V is a view of its first kv_lora_rank values (config.kv_v_width)
+        v = k[:, :, :, :c.head_dim_v] if c.traits.mla else self.mem.alloc((*kv_shape, c.head_dim_v), np.float32,
+                                                                           "KV cache")
+        self._kv = DeviceKVCache(k, v, self.n_ctx, rows)
         self._kv_holder = None
         ev = self.cuda.event
         self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
@@ -812,28 +880,33 @@ class CUDABackend:
 
     def moe_on_device(self, layer: int, logits, x, k: int, norm_topk: bool, scale: float, expert_types: dict,
                       shared: Optional[dict] = None, gating: str = "softmax", expert_bias=None, router_bias=None,
-                      ffn=None):
+                      ffn=None, groups=(1, 1)):
         """Route (softmax top-K, or gating "sigmoid": sigmoid top-K chosen with `expert_bias`, engine/moe.py) and
         run the routed experts of one MoE layer on the device: logits [1, E], x [1, D] (device) -> (y [1, D], ids
         int32 [1, K], weights [1, K]), all device arrays. Each expert is read from the slot the residency table
         names, or from the mapped file over PCIe. shared: the layer's shared expert (gate/up/down weights, and
         qwen2moe's gate vector `gate_inp`), added after the routed ones as engine/moe.py does:
         y += sigmoid(x . gate_inp) * down(silu(gate x) * up x). gpt-oss: gating "softmax_weight" with `router_bias`
-        added to the logits, and `ffn` (reference.ExpertFFN: the experts' biases and clamped SwiGLU)."""
-        ids, w = self.route_on_device(layer, logits, k, norm_topk, scale, gating, expert_bias, router_bias)
+        added to the logits, and `ffn` (reference.ExpertFFN: the experts' biases and clamped SwiGLU). groups:
+        (expert groups, groups used), DeepSeek's group-limited choice when the first is > 1."""
+        ids, w = self.route_on_device(layer, logits, k, norm_topk, scale, gating, expert_bias, router_bias, groups)
         E, m = self._cfg.n_expert, layer - self._cfg.moe_layers.start
         y = self._routed(layer, shaped(self._sb["table"].reshape(-1)[m * E:], (E,)), expert_types, ids, w, x, ffn)
         return self._add_shared(y, x, shared), ids, w
 
     def route_on_device(self, layer: int, logits, k: int, norm_topk: bool, scale: float, gating: str = "softmax",
-                        expert_bias=None, router_bias=None) -> tuple:
+                        expert_bias=None, router_bias=None, groups=(1, 1)) -> tuple:
         """The router's top-K of one MoE layer on the device -> (ids int32 [1, K], weights [1, K]), device arrays
         (the ids in the buffer that comes back at the step's end)."""
         K = self._moe[0]
         m = layer - self._cfg.moe_layers.start
         ids = shaped(self._sb["back"][1 + m * K:], (1, k))
         w = shaped(self._sb["rw"][m * K:], (1, k))
-        if gating == "sigmoid":
+        if groups[0] > 1:  # DeepSeek: the top K within the best groups (cuda_kernels/route_groups.py)
+            bias = None if expert_bias is None else self._vec(expert_bias)
+            self._launch("route_groups", logits, k, bias, gating == "softmax", int(groups[0]), int(groups[1]),
+                         norm_topk, ids, w, float(scale), self.compute)
+        elif gating == "sigmoid":
             bias = None if expert_bias is None else self._vec(expert_bias)
             self._launch("route_sigmoid", logits, k, bias, norm_topk, ids, w, float(scale), self.compute)
         elif gating == "softmax_weight":  # gpt-oss: the K largest of logits + router bias, softmaxed among them
@@ -917,6 +990,32 @@ class CUDABackend:
             self.counts.copy("cpu experts' output to device", y_cpu.nbytes)
             self._launch("add", y, dev, self.compute)
         return self._add_shared(y, x, shared)
+
+    def mla_kv_write(self, kv, layer: int, ckv, w: np.ndarray, eps: float, neox: bool) -> None:
+        """A device step's compressed KV row (engine/mla.mla_step): ckv [1, C + R] (device) -> kv's row kv.n of
+        `layer` = [rmsnorm(ckv[:C]) * w | rope(ckv[C:])] at the step's position (cuda_kernels/mla.py)."""
+        self._launch("mla_kv_row", ckv, self._vec(w), eps, self._sb["cos"], self._sb["sin"], self._step["p0"], neox,
+                     kv.k[kv.rows[layer]], kv.n, self.compute)
+
+    def mla_query(self, q, k_b: np.ndarray, scale: float, neox: bool):
+        """A device step's absorbed query: q [1, H * (N + R)] (device), k_b float32 [H, C, N] -> Q [1, H, C + R] =
+        scale * [q_nope @ k_b[h].T | rope(q_pe)], in the arena (cuda_kernels/mla.py)."""
+        H, C, N = k_b.shape
+        T = q.shape[0]
+        R = q.shape[1] // H - N
+        Q = self._arena((T, H, C + R))
+        self._launch("mla_query", self._reshaped(q, (T, H, N + R)), self._vec(k_b), self._sb["cos"], self._sb["sin"],
+                     self._step["p0"], neox, float(scale), Q, self.compute)
+        return Q
+
+    def mla_value(self, a, v_b: np.ndarray):
+        """The value up-projection of a device step: a [1, H * C] (device), v_b float32 [H, V, C] -> [1, H * V]."""
+        H, V, C = v_b.shape
+        T = a.shape[0]
+        out = self._arena((T, H * V))
+        self._launch("mla_value", self._reshaped(a, (T, H, C)), self._vec(v_b), self._reshaped(out, (T, H, V)),
+                     self.compute)
+        return out
 
     def mlp_on_device(self, w: dict, x):
         """down(silu(gate x) * up x) of a device step's x [1, D] with dense weights w {gate, up, down} (a shared
@@ -1157,7 +1256,8 @@ class CUDABackend:
         if isinstance(kv, DeviceKVCache):
             r = kv.rows[layer]
             kv.k[r, p0:p0 + T].copy_to_device(k, stream=self.compute)  # device to device: no PCIe, not counted
-            kv.v[r, p0:p0 + T].copy_to_device(v, stream=self.compute)
+            if v is not None:  # (MLA: V is part of the K row)
+                kv.v[r, p0:p0 + T].copy_to_device(v, stream=self.compute)
             for a in (k, v):
                 if isinstance(a, np.ndarray):  # (the attention block's k and v are device arrays)
                     self.counts.copy("KV to device", a.nbytes)
@@ -1175,6 +1275,13 @@ class CUDABackend:
         cuda_kernels/gpt_oss.py); over a host KV cache: on the CPU (q brought to the host)."""
         if isinstance(k, np.ndarray):
             return self.cpu.attention(self.to_host(q), self.to_host(k), self.to_host(v), p0, window, sinks)
+        if isinstance(q, np.ndarray):  # a host query over the device KV cache (MLA's version 2, engine/mla.py)
+            self._arena_top = 0
+            qd = self._arena(q.shape)
+            data = np.ascontiguousarray(q, np.float32)
+            qd.copy_to_device(data, stream=self.compute)
+            self.counts.copy("MLA queries to device", data.nbytes)
+            return self._get(self.attention(qd, k, v, p0), "MLA attention output to host")
         T, H, _ = q.shape
         Dv = v.shape[2]
         o = self._arena((T, H * Dv))  # [T, H * Dv]

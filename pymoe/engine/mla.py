@@ -4,8 +4,13 @@ What this is: `mla_block(backend, layer, x, kvs, layer_i, rope)`, the layer plan
 llama.cpp's deepseek2.cpp computes it with the absorption trick (read in the llama.cpp that llama-cpp-python 0.3.36
 vendors; the converter splits kv_b_proj into attn_k_b and attn_v_b for it). Tested through the whole model against
 llama.cpp (tests/test_model_vs_llamacpp.py, arch deepseek2).
+A device decode step (backends/cuda.py, version 3: x a device array) runs `mla_step`: the same math, its
+MLA-specific parts (the cache row, the absorbed query, the value up-projection) in cuda_kernels/mla.py, the attention
+over the device copy of the compressed cache; elsewhere on the CUDA backend (a prompt, speculation's verify
+forwards) this file's host form runs with the projections on the device and the cache rows written to, and attended
+over, the same device cache.
 What this is not: the uncompressed form (a KV of H full heads: mathematically the same, H times the memory), or a
-device kernel (the CUDA backend refuses MLA layers for now).
+kernel.
 
 For T tokens (H heads; C = kv_lora_rank; R = rope dims; N = nope dims = key_length_mla - R; V = value_length_mla):
     q      = x @ attn_q.T, or rmsnorm(x @ attn_q_a.T) * attn_q_a_norm @ attn_q_b.T      [T, H, N + R]
@@ -56,6 +61,8 @@ def mla_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope: tuple) -> 
     """x [T, D] (attn-normed, host) -> [T, D]; writes the compressed K and V of each sequence's new tokens at its
     kv.n .. kvs: one cache (x: its next T tokens) or N (x: one row each; engine/kv.py `segments`). Projections, norms
     and RoPE run once over all T rows; the absorbed products, the cache write and attention per sequence."""
+    if not isinstance(x, np.ndarray):  # a device decode step: one token, one sequence
+        return mla_step(b, layer, x, kvs[0], layer_i)
     cfg, w, eps = layer.cfg, layer.mla, layer.cfg.rms_eps
     T, H = x.shape[0], cfg.n_head
     C, R = cfg.kv_lora_rank, cfg.rope_dim
@@ -89,3 +96,22 @@ def mla_core(b, layer, q_nope, q_pe, c, k_pe, kv, layer_i: int) -> np.ndarray:
     Q = Q * np.float32(mla_scale(cfg) * np.sqrt(C + R))
     a = np.asarray(b.attention(Q, *b.kv_read(kv, layer_i, p0 + T), p0), np.float32).reshape(T, H, C)  # [T, H, C]
     return np.einsum("thc,hvc->thv", a, w["v_b"]).astype(np.float32).reshape(T, H * cfg.head_dim_v_mla)
+
+
+def mla_step(b, layer, x, kv, layer_i: int):
+    """A device decode step's MLA (backends/cuda.py `begin_step`): x [1, D] (attn-normed, device) -> [1, D] (device);
+    mla_block and mla_core's math, with the backend's MLA primitives: the cache row [c | k_pe] written at kv.n
+    (`mla_kv_write`: rmsnorm and RoPE), the absorbed, roped query with the scale folded in (`mla_query`), attention
+    over the device cache (V = K[..., :C]), the value up-projection (`mla_value`)."""
+    cfg, w, eps = layer.cfg, layer.mla, layer.cfg.rms_eps
+    C, R = cfg.kv_lora_rank, cfg.rope_dim
+    x = b.to_device(x)  # (a device array stays; the backend's scratch for this block starts afresh)
+    if cfg.q_lora_rank:
+        q = b.linear(w["q_b"], b.rmsnorm(b.linear(w["q_a"], x), w["q_a_norm"], eps))  # [1, H * (N + R)]
+    else:
+        q = b.linear(w["q"], x)
+    b.mla_kv_write(kv, layer_i, b.linear(w["kv_a"], x), w["kv_a_norm"], eps, cfg.rope_neox)  # ckv [1, C + R]
+    # attention() scales by 1 / sqrt(C + R); MLA's scale is mla_scale: the queries carry the ratio (as mla_core)
+    Q = b.mla_query(q, w["k_b"], float(np.float32(mla_scale(cfg) * np.sqrt(C + R))), cfg.rope_neox)  # [1, H, C + R]
+    a = b.attention(Q, *b.kv_read(kv, layer_i, kv.n + 1), kv.n)  # [1, H * C]
+    return b.to_host(b.linear(w["out"], b.mla_value(a, w["v_b"])))  # [1, H * V] -> [1, D]

@@ -106,7 +106,7 @@ class Model:
         self.plan = gguf_model.layer_plan()  # [L] gguf/config.LayerPlan
         # Attention kinds without device kernels run on the backend's host side (CUDA: its CPU backend) with a
         # host KV cache, their weights in host memory; the experts of those layers still go through the device.
-        self.host_attention = any(p.attention in HOST_ATTENTION for p in self.plan)
+        self.host_attention = any(self.attends_on_host(p) for p in self.plan)
         bar = tqdm(self.plan, desc="loading", unit="layer", disable=None if progress else True, leave=False)  # TTY only
         self.layers = [self.layer_for(p) for p in bar]
         # The device decode step (backends/cuda.py `begin_step`, version 3): the families whose every block has
@@ -119,21 +119,25 @@ class Model:
                              + [la.expert_bias for la in self.layers if la.expert_bias is not None]
                              + [v for la in self.layers for v in (la.sinks, la.out_bias, la.router_bias)
                                 if v is not None]  # gpt-oss's, and its experts' biases:
-                             + [la.ffn.bias[p] for la in self.layers if la.ffn is not None for p in EXPERT_PROJ])
+                             + [la.ffn.bias[p] for la in self.layers if la.ffn is not None for p in EXPERT_PROJ]
+                             + [v for la in self.layers if la.mla for v in la.mla.values()
+                                if isinstance(v, np.ndarray)])  # MLA's norms and absorbed k_b, v_b
 
     def device_step_possible(self) -> bool:
         """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
-        only blocks it has device primitives for: GQA attention, with or without a sliding window and sinks; MoE
-        layers routed by a softmax, by sigmoids (with the choice bias, without expert groups) or by gpt-oss's
-        top-K-then-softmax of the logits plus a router bias, with or without a shared expert (gated or not), their
-        experts plain SwiGLU or gpt-oss's (biases, clamped SwiGLU); dense MLP layers). Other families keep
-        version 2 (docs/expert-cache.md "On the GPU")."""
+        only blocks it has device primitives for: GQA attention, with or without a sliding window and sinks, and
+        MLA (engine/mla.py); MoE layers routed by a softmax, by sigmoids (with the choice bias, with or without
+        expert groups) or by gpt-oss's top-K-then-softmax of the logits plus a router bias, with or without a shared
+        expert (gated or not), their experts plain SwiGLU or gpt-oss's (biases, clamped SwiGLU); dense MLP layers).
+        Other families keep version 2 (docs/expert-cache.md "On the GPU")."""
         b, cfg = self.backend, self.cfg
         if not getattr(b, "device_step", False) or self.host_attention:
             return False
-        if cfg.gating not in ("softmax", "sigmoid", "softmax_weight") or cfg.n_expert_groups > 1:
+        if cfg.gating not in ("softmax", "sigmoid", "softmax_weight"):
             return False
-        return all(la.plan.attention == "gqa" and (la.router_bias is None or cfg.gating == "softmax_weight")
+        if cfg.gating == "softmax_weight" and cfg.n_expert_groups > 1:  # (no family routes so)
+            return False
+        return all(la.plan.attention in ("gqa", "mla") and (la.router_bias is None or cfg.gating == "softmax_weight")
                    and (la.ffn is None or la.ffn.activation == "swiglu_oai") for la in self.layers)
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
@@ -169,7 +173,13 @@ class Model:
     def attention_backend(self, plan: LayerPlan):
         """The backend a layer's attention runs on: the layer's, or its host side for kinds the device lacks."""
         b = self.backend_for(plan.index)
-        return getattr(b, "host_backend", b) if plan.attention in HOST_ATTENTION else b
+        return getattr(b, "host_backend", b) if self.attends_on_host(plan) else b
+
+    def attends_on_host(self, plan: LayerPlan) -> bool:
+        """The layer's attention kind has no device kernels on this backend: attention.HOST_ATTENTION, less the kinds
+        the backend runs itself (`device_attention_kinds`: CUDA's MLA)."""
+        return (plan.attention in HOST_ATTENTION
+                and plan.attention not in getattr(self.backend, "device_attention_kinds", ()))
 
     def layer_for(self, plan: LayerPlan) -> Layer:
         """The weights of the layer `plan` describes, prepared for the backend (the MTP block is built this way

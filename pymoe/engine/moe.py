@@ -46,9 +46,10 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
     if not isinstance(x, np.ndarray):  # a device decode step (engine/model.py): route and experts on the device,
         # each expert read where the residency table says; the cache's lookups follow the step
         scale = 1.0 if cfg.expert_weights_scale in (0.0, 1.0) else cfg.expert_weights_scale
+        groups = (cfg.n_expert_groups, cfg.n_group_used)  # DeepSeek's group-limited choice when > 1 groups
         if backend.lookups_in_step:  # the cache may send misses to the CPU: its lookup now, one sync for the layer
             ids, w = backend.route_on_device(layer.index, logits, cfg.n_expert_used, cfg.norm_topk, scale,
-                                             cfg.gating, layer.expert_bias, layer.router_bias)  # [1, K], [1, K]
+                                             cfg.gating, layer.expert_bias, layer.router_bias, groups)  # [1, K], [1, K]
             ids_h, w_h, x_h = backend.routing_to_host(ids, w, x)  # host
             cache.lookup(layer.index, ids_h, phase)
             experts = {e: cache.expert(layer.index, e) for e in sorted(set(ids_h.ravel().tolist()))}
@@ -58,7 +59,7 @@ def moe_block(layer, x: np.ndarray, cache, backend, phase: str) -> tuple[np.ndar
             return y, ids, w
         return backend.moe_on_device(layer.index, logits, x, cfg.n_expert_used, cfg.norm_topk, scale,
                                      layer.expert_types, layer.shared, cfg.gating, layer.expert_bias,
-                                     layer.router_bias, layer.ffn)  # [1, D], [1, K], [1, K] device arrays
+                                     layer.router_bias, layer.ffn, groups)  # [1, D], [1, K], [1, K] device arrays
     if layer.router_bias is not None:  # gpt-oss
         logits = np.asarray(logits) + layer.router_bias
     if cfg.gating == "softmax_weight":  # gpt-oss: top-K logits, softmaxed among themselves
