@@ -74,7 +74,7 @@ def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, poli
 @pytest.mark.parametrize("arch", DEVICE_ATTENTION_ARCHS)
 def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch):
     """The device KV cache and attention block (q/k/v biases, q/k norms per head or whole, NEOX or normal RoPE,
-    GQA) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
+    partial RoPE, GQA, gated attention; beside Gated DeltaNet layers, whose state it keeps too) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
     KV cache falls back to a host KV cache (attention on the CPU) with the same results."""
     from pymoe.backends.cuda import DeviceKVCache
 
@@ -95,8 +95,8 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
 @in_process
 @pytest.mark.parametrize("arch", HOST_ATTENTION_ARCHS)
 def test_host_attention_kinds_with_device_experts(tiny_model, arch):
-    """Gated DeltaNet, gated attention and MLA have no device kernels yet: on the CUDA backend they run on its host
-    side (its CPU backend, a host KV cache and recurrent state) while the experts go through the device slot pool.
+    """MLA has no device kernels yet (engine/attention.HOST_ATTENTION): on the CUDA backend it runs on its host
+    side (its CPU backend, a host KV cache) while the experts go through the device slot pool.
     Logits (prefill and decode) and greedy tokens equal the reference backend's within the device tests' bound."""
     from pymoe.backends.cuda import DeviceKVCache
 
@@ -117,8 +117,8 @@ def test_host_attention_kinds_with_device_experts(tiny_model, arch):
 @in_process
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
 def test_speculative_decoding_on_the_device(tiny_model, arch):
-    """Verification forwards of several decode positions on the CUDA backend (device KV cache and attention for
-    qwen3moe, its rollback by kv.n; host attention with the recurrent state restored for qwen3next), experts
+    """Verification forwards of several decode positions on the CUDA backend (device KV cache and attention, its
+    rollback by kv.n; qwen3next: also the Gated DeltaNet state restored, on the device KV cache's host copy), experts
     through a small device slot pool: the greedy tokens of the reference backend's plain decoding."""
     from pymoe.engine.speculative import Speculator
 

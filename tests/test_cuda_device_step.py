@@ -64,7 +64,8 @@ def per_token(engine):
     return per_token({**st.device, "tokens": st.n_decoded})
 
 
-FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe"]  # the converted ones
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe",  # the converted ones
+            "qwen3next", "qwen35moe"]
 # (model.device_step_possible; test_the_families_that_run_the_step_are_these holds the list to it)
 
 
@@ -170,6 +171,61 @@ def test_the_simulator_replays_a_device_step_run_with_its_counts(micro, tmp_path
     d = engine.last_stats.decode
     (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [2], ["global"], profile=profile, phase="decode")
     assert (sim.hits, sim.lookups) == (d["hits"], d["lookups"]) and 0 < d["hits"] < d["lookups"], (sim, d)
+
+
+HYBRIDS = ["qwen3next", "qwen35moe"]  # Gated DeltaNet + gated attention: a recurrent state on the device
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_the_recurrent_state_stays_coherent_across_versions(micro, arch):
+    """A sequence whose decode alternates device steps (version 3: the Gated DeltaNet state advanced on the device)
+    with host-side forwards (version 2: a verify forward of 3 positions and its rollback, as speculation makes them,
+    on the host copy) gives the reference's logits at every step: each copy of the state is brought over whole when
+    the other side needs it (one copy each way, named in the counts), and the prefill's state goes to the device
+    before the first step (a prefill cost, not a decode one)."""
+    path = micro(arch)
+    ref = pymoe.load(path, backend="reference")
+    engine = every_expert_in_a_slot(path)
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    counts = engine.backend.counts
+    assert counts.snapshot("prefill")["bytes"]["recurrent state to device"] > 0
+    assert kv.fresh == "device"
+
+    def step(token):
+        want, got = ref.model.decode_one_token(token, kv_ref), engine.model.decode_one_token(token, kv)
+        s = np.float32(np.abs(want).max())
+        assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+        return int(np.argmax(want))
+
+    token = step(step(9))
+    assert "recurrent state to host" not in counts.snapshot("decode")["bytes"]
+    for model, cache in ((ref.model, kv_ref), (engine.model, kv)):  # a verify forward, then its rollback
+        saved, p0 = cache.save_recurrent(), cache.n
+        model.forward([token, 3, 4], cache, "decode")
+        cache.restore_recurrent(saved)
+        cache.n = p0
+    assert kv.fresh == "host" and counts.snapshot("decode")["bytes"]["recurrent state to host"] > 0
+    step(step(token))
+    assert kv.fresh == "device" and counts.snapshot("decode")["bytes"]["recurrent state to device"] > 0
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_speculation_gives_the_plain_tokens(micro, arch):
+    """--spec ngram on a prompt that repeats itself (prompt lookup drafts what followed the first time): the verify forwards run version 2 on
+    the sequence's host copy of the state, with rollbacks; the tokens are the reference's plain greedy ones."""
+    from pymoe.engine.speculative import NgramDrafter, Speculator
+
+    path = micro(arch)
+    ref = pymoe.load(path, backend="reference")
+    prompt = PROMPT + list(ref.generate(PROMPT, max_tokens=6, stop_at_eos=False)) + PROMPT  # drafts: what followed
+    want = list(ref.generate(prompt, max_tokens=10, stop_at_eos=False))
+    spec = Speculator(NgramDrafter(), k=3)
+    assert list(every_expert_in_a_slot(path).generate(prompt, max_tokens=10, stop_at_eos=False, spec=spec)) == want
+    assert spec.stats.steps > 0 and spec.stats.drafted > 0
 
 
 @in_process

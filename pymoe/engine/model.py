@@ -22,6 +22,8 @@ from pymoe.backends.reference import ExpertFFN, RopeScaling, rope_tables
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION, HOST_ATTENTION
+
+DEVICE_STEP_ATTENTION = ("gqa", "gated", "gdn")  # the attention kinds a device decode step runs (backends/cuda.py)
 from .deltanet import gdn_weights
 from .mla import mla_weights
 from .kv import KVCache, segments
@@ -115,11 +117,13 @@ class Model:
             self.token_embd_dev = self.output if cfg.tied_output else b.dense(self.token_embd)
             b.keep_on_device([self.output_norm] + [v for la in self.layers for v in (la.attn_norm, la.ffn_norm)]
                              + [la.shared["gate_inp"] for la in self.layers if "gate_inp" in la.shared]
-                             + [la.expert_bias for la in self.layers if la.expert_bias is not None])
+                             + [la.expert_bias for la in self.layers if la.expert_bias is not None]
+                             + [la.gdn[n] for la in self.layers if la.gdn for n in ("conv", "dt", "a", "norm")])
 
     def device_step_possible(self) -> bool:
         """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
-        only blocks it has device primitives for: GQA attention without window or sinks; MoE layers routed by a
+        only blocks it has device primitives for: GQA attention without window or sinks, gated attention and Gated
+        DeltaNet (qwen3next, qwen35moe); MoE layers routed by a
         softmax or by sigmoids (with the choice bias, without expert groups), with or without a shared expert (gated
         or not), without router bias or expert biases; dense MLP layers). Other families keep version 2
         (docs/expert-cache.md "On the GPU")."""
@@ -128,7 +132,7 @@ class Model:
             return False
         if cfg.gating not in ("softmax", "sigmoid") or cfg.n_expert_groups > 1:
             return False
-        return all(la.plan.attention == "gqa" and not la.plan.window and la.sinks is None
+        return all(la.plan.attention in DEVICE_STEP_ATTENTION and not la.plan.window and la.sinks is None
                    and la.router_bias is None and la.ffn is None for la in self.layers)
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
@@ -306,6 +310,8 @@ class Model:
             return self._end_device_step(x, kv, phase)
         if self.step_on_device and phase == "prefill" and self._misses_all_over_pcie():  # what the prompt placed in
             self.backend.sync_table(getattr(self.cache, "residency", None))  # slots: on the device before a step
+        if self.step_on_device and phase == "prefill" and self.backend.owns(kv):  # a recurrent state the prompt
+            self.backend.state_to_device(kv)  # left on the host (Gated DeltaNet): on the device before a step
         if self.trace is not None:
             self.trace.end_forward()
         kv.n += tokens.size
