@@ -8,6 +8,9 @@ wrapped without a copy; CuPy is never imported here):
   moe.py           expert_block: SwiGLU gate+up fused, down with the routing weight accumulated into Y
   norm_rope.py     rmsnorm, rope (NEOX and normal pairing), add_bias
   attention.py     decode_attention: one query token against the KV cache, GQA, causal by construction
+  step.py          the decode step on the device: embedding, residual adds, routers, routed experts, argmax
+  deltanet.py      Gated DeltaNet's decode step: the short causal conv, the gated delta rule and gated RMSNorm
+  gated_attention.py  gated attention's query/gate split and output gate (qwen3next, qwen35moe)
   reduce.py        block-wide sum / max (shared-memory trees) used by the kernels above
 
 What this is not: memory management or streams (pymoe/backends), routing (pymoe/engine/moe.py), the references. Every

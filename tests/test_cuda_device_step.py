@@ -15,7 +15,9 @@ Tolerance of the logits: the same float32 operations in other orders only (the d
 experts in k order, the reference in ascending expert order; other reduction trees), so the logits differ by a few
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
 "cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7; version 2 itself is 4 ulp
-from the reference on gpt-oss); the bound is 8 ulp of s (2.7x).
+from the reference on gpt-oss); the bound is 8 ulp of s (2.7x). qwen3next and qwen35moe (three Gated DeltaNet
+layers and a gated attention layer, each MoE): at most 2.25 ulp of s with the reference kernels, and within the
+bound with the real Gated DeltaNet and gated attention kernels (`test_the_hybrids_real_kernels_in_the_step`).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
@@ -226,6 +228,59 @@ def test_speculation_gives_the_plain_tokens(micro, arch):
     spec = Speculator(NgramDrafter(), k=3)
     assert list(every_expert_in_a_slot(path).generate(prompt, max_tokens=10, stop_at_eos=False, spec=spec)) == want
     assert spec.stats.steps > 0 and spec.stats.drafted > 0
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_the_hybrids_real_kernels_in_the_step(micro, monkeypatch, arch):
+    """The real kernels of Gated DeltaNet and gated attention (cuda_kernels/deltanet.py, gated_attention.py) in the
+    backend's plumbing (the state arrays of the device KV cache, arena views, argument order), the rest of the step
+    on the reference kernels (the real ones of every other op cost minutes here: tests/test_cuda_real_kernels_sim.py):
+    greedy tokens and step logits against the reference backend, within the bound above; one launch per call of
+    each (backends/cuda.py LAUNCHES), as the simulator saw them."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    from pymoe.backends import cuda as cuda_backend
+
+    new_ops = ("conv_step", "rule_step", "split_gate", "gate_output")
+    calls = []
+
+    class Mixed(cuda_backend.ReferenceKernels):
+        name = "mixed"
+
+    for op in new_ops:
+        def real(self, *args, _op=op):
+            calls.append(_op)
+            return getattr(cuda_backend.DeviceKernels(), _op)(*args)
+        setattr(Mixed, op, real)
+    monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
+    launched = []
+    configure = FakeCUDAKernel.__getitem__
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", lambda k, c: launched.append(k) or configure(k, c))
+    path = micro(arch)
+    ref = pymoe.load(path, backend="reference")
+    want = list(ref.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    cfg = ref.config
+    pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+    profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
+    engine = pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
+                        backend_options=dict(SIM, kernels="mixed"))
+    assert engine.model.step_on_device
+    assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
+    n_gdn = sum(cfg.recurrent)
+    assert calls.count("conv_step") == calls.count("rule_step") == n_gdn * (N_NEW - 1)  # the decode steps'
+    assert calls.count("split_gate") > (cfg.n_layers - n_gdn) * (N_NEW - 1)  # (and the prefill's)
+    assert len(launched) == len(calls)
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    token = 9
+    for _ in range(3):
+        want_logits = ref.model.decode_one_token(token, kv_ref)
+        got = np.asarray(engine.model.decode_one_token(token, kv))
+        s = np.float32(np.abs(want_logits).max())
+        assert np.abs(got - want_logits).max() <= ULPS * np.spacing(s)
+        token = int(np.argmax(want_logits))
 
 
 @in_process

@@ -14,6 +14,8 @@ What this is:
     their slot or the mapped file (cuda_kernels/step.py); one copy back (the token id and the routing ids) and one
     synchronisation per token; the expert cache's lookups follow the step, or, with "cpu" misses, are made inside it
     per MoE layer (one more synchronisation each) (docs/expert-cache.md "The decode step on the device").
+    Gated DeltaNet layers (qwen3next, qwen35moe) run their conv and delta rule there too (`gdn_step`), on a state the
+    device KV cache keeps beside a host copy for the host-side forwards (`DeviceKVCache`).
     PYMOE_DEVICE_STEP=0: version 2 only.
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
@@ -761,8 +763,9 @@ class CUDABackend:
 
     def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True) -> None:
         """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
-        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions (not with `device_kv` False: a
-        model whose attention runs on the host side keeps its KV cache there, engine/model.Model.new_kv)."""
+        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions, with the device step's copy of
+        its Gated DeltaNet layers' state (not with `device_kv` False: a model whose attention runs on the host side
+        keeps its KV cache there, engine/model.Model.new_kv)."""
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
@@ -779,8 +782,9 @@ class CUDABackend:
 
         gdn = [i for i in range(c.n_layers) if c.recurrent and c.recurrent[i] and (self.layers is None
                                                                                      or i in self.layers)]
-        states = {i: {name: self.mem.alloc(shape, np.float32, "recurrent state")
-                      for name, shape in gdn_state_shapes(c).items()} for i in gdn} if device_kv else {}
+        states = {i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps advance)
+                      for name, shape in gdn_state_shapes(c).items()} for i in gdn} if device_kv and self.device_step \
+            else {}
         self._kv = DeviceKVCache(self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache"),
                                  self.mem.alloc((*kv_shape, c.head_dim_v), np.float32, "KV cache"), self.n_ctx, rows,
                                  states, self)

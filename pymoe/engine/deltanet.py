@@ -5,9 +5,10 @@ forms of the gated delta rule: `delta_rule_recurrent` (token by token: what deco
 (blocks of C tokens with matrix products inside a block: the prefill form), tested against each other in
 tests/test_deltanet.py and, through the whole model, against llama.cpp (llama.cpp's qwen3next.cpp and
 delta-net-base.cpp, read in the llama.cpp that llama-cpp-python 0.3.36 vendors).
-What this is not: a device kernel (a decode step on the CUDA backend runs the conv, the rule and the gated norm of
-one token with cuda_kernels/deltanet.py, `gdn_block` handing them the device arrays), or softmax attention
-(engine/attention.py).
+On the CUDA backend the projections run on the device; in a decode step on the device (its input a device array)
+so do the conv, the rule and the gated norm of the one token (`CUDABackend.gdn_step`, cuda_kernels/deltanet.py,
+whose references are this file's functions), on the state the device KV cache keeps.
+What this is not: a device kernel, or softmax attention (engine/attention.py).
 
 The layer, for T tokens (shapes in brackets; nk q/k heads of size dk, nv v heads of size dv, nv = r * nk):
     qkv  = x @ attn_qkv.T                  [T, 2 nk dk + nv dv]   q | k | v, each all heads
