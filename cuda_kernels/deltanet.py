@@ -6,14 +6,15 @@ What this is: two kernels plus their host wrappers, taking and returning device 
 
   conv_step(x, state, w, out)     out = silu(sum_i [state; x][i] * w[:, i]), then state = its last K - 1 rows
                                   x float32 [C] (attn_qkv's product), state float32 [K - 1, C], w float32 [C, K]
-  rule_step(qkvc, z, b, a, dt, A, norm, M, o, nk, dk, tiled, eps)
+  rule_step(qkvc, z, b, a, dt, A, norm, MT, o, nk, tiled, eps)
                                   per v head h (one thread block each):
                                     q, k  = l2norm of q/k head kh (kh = h % nk tiled, else h // r), q / sqrt(dk)
                                     beta  = sigmoid(b_h), decay = exp(softplus(a_h + dt_h) * A_h)
                                     M_h   = decay M_h;  d = beta (v_h - M_h k);  M_h += d k^T;  o_h = M_h q
                                     o_h   = rmsnorm(o_h) * norm * silu(z_h)          (the gated RMSNorm)
-                                  qkvc float32 [2 nk dk + nv dv] (the conv's output), z float32 [nv dv], M float32
-                                  [nv, dv, dk] (updated in place), o float32 [nv dv]; b, a: where beta and alpha
+                                  qkvc float32 [2 nk dk + nv dv] (the conv's output), z float32 [nv dv], MT float32
+                                  [nv, dk, dv]: the state M [nv, dv, dk] transposed per head (updated in place; see
+                                  below), o float32 [nv dv]; b, a: where beta and alpha
                                   sit: `tiled` (qwen35moe) b[h], a[h] (ssm_beta's, ssm_alpha's products); else
                                   (qwen3next, ssm_ba grouped by q/k head: r betas, then r alphas) b = a = the
                                   product, b at kh 2r + h % r, a at kh 2r + r + h % r
@@ -23,10 +24,14 @@ delta_rule_recurrent) and reference.rmsnorm: the host decode's math.
 What this is not: the projections (quant_matvec.matmul), or prefill (the chunked form runs on the host,
 engine/deltanet.py).
 
-Version 1 (these): the conv one thread per channel; the rule one block of THREADS threads per v head, each thread
-owning rows of M_h (a row is read and written twice, decayed and corrected, with no barrier between rows: rows are
-independent); q and k of the head in shared memory (dk <= MAX_DK). A decode step's Gated DeltaNet layer is then 4
-matmuls (qkv, gate, ba or beta + alpha, out) and these 2 launches (5 and 2 on qwen35moe).
+Version 1 (these): the conv one thread per channel; the rule one block of RULE_THREADS threads per v head, each
+thread owning rows of M_h (a row is read and written twice, decayed and corrected, with no barrier between rows: rows
+are independent); q and k of the head in shared memory (dk <= MAX_DK). The state is stored transposed on the device
+(MT [nv, dk, dv], engine/deltanet.py's M [nv, dv, dk] per head transposed), so that when the threads of a warp
+step through their rows' j-th elements together they read consecutive floats (one 128-byte transaction per warp,
+where M's own layout would scatter them dk floats apart): the state, 2 reads and 2 writes of nv dv dk floats per
+layer and token, is the kernel's whole traffic (reasoned, not measured: no GPU was at hand). A decode step's Gated
+DeltaNet layer is then 4 matmuls (qkv, gate, ba, out; 5 on qwen35moe: beta and alpha apart) and these 2 launches.
 Shape legend: C = 2 nk dk + nv dv conv channels, K conv width, nk q/k heads of dk, nv v heads of dv, r = nv / nk.
 """
 from __future__ import annotations
@@ -40,6 +45,7 @@ from .quant_matvec import THREADS, check, on_device
 from .reduce import block_sum
 
 MAX_DK = 256  # the largest q/k head the rule kernel holds in shared memory (Qwen3-Next: 128)
+RULE_THREADS = 128  # threads per v head (a power of two: reduce.py); Qwen3-Next's dv = 128: one row each
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -92,20 +98,20 @@ def conv_step_reference(x: np.ndarray, state: np.ndarray, w: np.ndarray) -> np.n
 # The gated delta rule and the gated RMSNorm
 # ----------------------------------------------------------------------------------------------------------------
 @cuda.jit
-def rule_step_kernel(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps):
-    """One block per v head h (see the module docstring); grid (nv,), block (THREADS,)."""
+def rule_step_kernel(qkvc, z, b, a, dt, A, norm, MT, o, nk, tiled, eps):
+    """One block per v head h (see the module docstring); grid (nv,), block (RULE_THREADS,)."""
     h = cuda.blockIdx.x
     tid = cuda.threadIdx.x
-    nv, dv, dk = M.shape[0], M.shape[1], M.shape[2]
+    nv, dk, dv = MT.shape[0], MT.shape[1], MT.shape[2]
     r = nv // nk
     kh = h % nk if tiled else h // r
     key_dim = nk * dk
     qs = cuda.shared.array(MAX_DK, np.float32)
     ks = cuda.shared.array(MAX_DK, np.float32)
-    buf = cuda.shared.array(THREADS, np.float32)
+    buf = cuda.shared.array(RULE_THREADS, np.float32)
     sq = np.float32(0.0)
     sk = np.float32(0.0)
-    for j in range(tid, dk, THREADS):
+    for j in range(tid, dk, RULE_THREADS):
         qv = qkvc[kh * dk + j]
         kv = qkvc[key_dim + kh * dk + j]
         qs[j] = qv
@@ -117,7 +123,7 @@ def rule_step_kernel(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps):
     iq = np.float32(1.0) / math.sqrt(sq + np.float32(eps))
     ik = np.float32(1.0) / math.sqrt(sk + np.float32(eps))
     scale = np.float32(1.0) / math.sqrt(np.float32(dk))
-    for j in range(tid, dk, THREADS):
+    for j in range(tid, dk, RULE_THREADS):
         qs[j] = qs[j] * iq * scale
         ks[j] = ks[j] * ik
     cuda.syncthreads()
@@ -130,51 +136,55 @@ def rule_step_kernel(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps):
     sp = u if u > np.float32(20.0) else math.log1p(math.exp(u))  # softplus (ggml's: x itself above 20)
     decay = math.exp(np.float32(sp) * A[h])
     ss = np.float32(0.0)
-    for i in range(tid, dv, THREADS):  # this thread's rows of M_h
+    for i in range(tid, dv, RULE_THREADS):  # this thread's rows of M_h: M[h, i, j] = MT[h, j, i]
         acc = np.float32(0.0)
         for j in range(dk):  # forget, and read M k on the way
-            m = M[h, i, j] * decay
-            M[h, i, j] = m
+            m = MT[h, j, i] * decay
+            MT[h, j, i] = m
             acc += m * ks[j]
         d = beta * (qkvc[2 * key_dim + h * dv + i] - acc)  # the delta
         acc = np.float32(0.0)
         for j in range(dk):  # write, and read M q on the way
-            m = M[h, i, j] + d * ks[j]
-            M[h, i, j] = m
+            m = MT[h, j, i] + d * ks[j]
+            MT[h, j, i] = m
             acc += m * qs[j]
         o[h * dv + i] = acc
         ss += acc * acc
     ss = block_sum(buf, tid, ss)
     inv = np.float32(1.0) / math.sqrt(ss / np.float32(dv) + np.float32(eps))
-    for i in range(tid, dv, THREADS):
+    for i in range(tid, dv, RULE_THREADS):
         g = z[h * dv + i]
         o[h * dv + i] = o[h * dv + i] * inv * norm[i] * (g / (np.float32(1.0) + math.exp(-g)))
 
 
-def rule_step(qkvc, z, b, a, dt, A, norm, M, o, nk: int, tiled: bool, eps: float, stream=0):
-    """The gated delta rule of one token and the gated RMSNorm (module docstring) -> o float32 [nv dv]."""
+def rule_step(qkvc, z, b, a, dt, A, norm, MT, o, nk: int, tiled: bool, eps: float, stream=0):
+    """The gated delta rule of one token and the gated RMSNorm (module docstring) -> o float32 [nv dv]; MT the
+    state [nv, dk, dv] (transposed), advanced in place."""
     args = [on_device(x, n) for x, n in ((qkvc, "qkvc"), (z, "z"), (b, "b"), (a, "a"), (dt, "dt"), (A, "A"),
-                                         (norm, "norm"), (M, "M"), (o, "o"))]
-    qkvc, z, b, a, dt, A, norm, M, o = args
-    check(M, "M", np.float32, 3)
-    nv, dv, dk = M.shape
+                                         (norm, "norm"), (MT, "MT"), (o, "o"))]
+    qkvc, z, b, a, dt, A, norm, MT, o = args
+    check(MT, "MT", np.float32, 3)
+    nv, dk, dv = MT.shape
     if (nk <= 0 or nv % nk or dk > MAX_DK or tuple(qkvc.shape) != (2 * nk * dk + nv * dv,)
             or tuple(z.shape) != (nv * dv,) or tuple(o.shape) != (nv * dv,) or tuple(norm.shape) != (dv,)
             or tuple(dt.shape) != (nv,) or tuple(A.shape) != (nv,)
             or tuple(b.shape) != ((nv,) if tiled else (2 * nv,)) or tuple(a.shape) != tuple(b.shape)):
-        raise ValueError(f"rule_step: shapes do not fit M {tuple(M.shape)} with {nk} q/k heads (dk <= {MAX_DK}): "
+        raise ValueError(f"rule_step: shapes do not fit MT {tuple(MT.shape)} with {nk} q/k heads (dk <= {MAX_DK}): "
                          f"qkvc {tuple(qkvc.shape)}, z {tuple(z.shape)}, b {tuple(b.shape)}, a {tuple(a.shape)}, "
                          f"norm {tuple(norm.shape)}, o {tuple(o.shape)}")
     if nv:
-        rule_step_kernel[(nv,), THREADS, stream](qkvc, z, b, a, dt, A, norm, M, o, nk, bool(tiled), np.float32(eps))
+        rule_step_kernel[(nv,), RULE_THREADS, stream](qkvc, z, b, a, dt, A, norm, MT, o, nk, bool(tiled),
+                                                      np.float32(eps))
     return o
 
 
-def rule_step_reference(qkvc, z, b, a, dt, A, norm, M, nk: int, tiled: bool, eps: float) -> np.ndarray:
-    """rule_step in NumPy, as engine/deltanet.gdn_core computes one token (M advanced in place) -> o [nv dv]."""
+def rule_step_reference(qkvc, z, b, a, dt, A, norm, MT, nk: int, tiled: bool, eps: float) -> np.ndarray:
+    """rule_step in NumPy, as engine/deltanet.gdn_core computes one token (MT [nv, dk, dv], the state transposed as
+    the kernel keeps it, advanced in place) -> o [nv dv]."""
     from pymoe.backends.reference import rmsnorm, sigmoid, silu
     from pymoe.engine.deltanet import delta_rule_recurrent, l2norm, softplus
 
+    M = np.ascontiguousarray(MT.transpose(0, 2, 1))  # [nv, dv, dk] engine/deltanet.py's layout
     nv, dv, dk = M.shape
     r, key_dim = nv // nk, nk * dk
     q = l2norm(qkvc[:key_dim].reshape(1, nk, dk), eps)  # [1, nk, dk]
@@ -190,5 +200,6 @@ def rule_step_reference(qkvc, z, b, a, dt, A, norm, M, nk: int, tiled: bool, eps
     beta = sigmoid(b_raw).astype(np.float32)
     g = softplus(a_raw + dt) * A
     o = delta_rule_recurrent(q * np.float32(1.0 / np.sqrt(dk)), k, v, g, beta, M)  # [1, nv, dv]
+    MT[:] = M.transpose(0, 2, 1)
     o = rmsnorm(o, norm, eps) * silu(z.reshape(1, nv, dv))
     return o.reshape(nv * dv).astype(np.float32)

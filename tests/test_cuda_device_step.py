@@ -217,8 +217,10 @@ def test_the_recurrent_state_stays_coherent_across_versions(micro, arch):
 @in_process
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_speculation_gives_the_plain_tokens(micro, arch):
-    """--spec ngram on a prompt that repeats itself (prompt lookup drafts what followed the first time): the verify forwards run version 2 on
-    the sequence's host copy of the state, with rollbacks; the tokens are the reference's plain greedy ones."""
+    """--spec ngram on a prompt that repeats itself (prompt lookup drafts what followed the first time): the verify
+    forwards run version 2 on the sequence's host copy of the state, with rollbacks; the tokens are the reference's
+    plain greedy ones. (Speculation counts each forward's experts, which keeps its plain steps on version 2 too:
+    engine/model.py `_device_step`.)"""
     from pymoe.engine.speculative import NgramDrafter, Speculator
 
     path = micro(arch)

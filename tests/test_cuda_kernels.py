@@ -289,6 +289,12 @@ def compile_every_kernel_to_ptx():
              (retarget(S.routed_down_kernel, cuda.jit, "routed_down_Q3_K",
                        DOWN_PARTIAL=quant_matvec.row_partial_for(QType.Q3_K)),
               (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2))]
+    # Gated DeltaNet's decode step and gated attention (cuda_kernels/deltanet.py, gated_attention.py)
+    from pymoe.cuda_kernels import deltanet as DN, gated_attention as GA
+
+    jobs += [(DN.conv_step_kernel, (f1, f2, f2, f1)),
+             (DN.rule_step_kernel, (f1, f1, f1, f1, f1, f1, f1, f3, f1, nt.int64, nt.boolean, nt.float32)),
+             (GA.split_gate_kernel, (f2, f2, f2, nt.int64)), (GA.gate_output_kernel, (f2, f2))]
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
         print("ptx ok:", kernel.py_func.__name__, flush=True)
@@ -304,7 +310,8 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9  # + the 9 of cuda_kernels/step.py
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9 + 4  # + the 9 of cuda_kernels/step.py, the 4
+    # of deltanet.py and gated_attention.py
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

@@ -513,12 +513,19 @@ class DevicePool(HostPool):
         self.backend.counts.sync()
 
 
+def transposed(name: str, a: np.ndarray) -> np.ndarray:
+    """A Gated DeltaNet state array between the host's layout and the device's: "ssm" M [nv, dv, dk] <->
+    [nv, dk, dv] (either way: the last two axes swap); "conv" as it is."""
+    return np.ascontiguousarray(a.transpose(0, 2, 1) if name == "ssm" else a, np.float32)
+
+
 class DeviceKVCache:
     """Keys and values of one sequence in device memory: float32 [L_kv, n_ctx, G, Dh] each (the fields of
     engine/kv.KVCache: n, n_ctx, rows, clear()). The backend owns one, allocated at start-up within the budget, and lends it
     to one sequence at a time (`CUDABackend.new_kv`).
     Gated DeltaNet layers (qwen3next, qwen35moe) keep their conv and recurrent state here too, in two copies: on the
-    device (`states`: layer -> {"conv" [K - 1, C], "ssm" [nv, dv, dk]}, what the device step advances:
+    device (`states`: layer -> {"conv" [K - 1, C], "ssm" [nv, dk, dv]: M transposed per head, the layout
+    cuda_kernels/deltanet.py reads coalesced}, what the device step advances:
     `CUDABackend.gdn_step`) and on the host (what the host-side forwards advance: prefill, speculation's verify
     forwards, through `recurrent` as engine/kv.KVCache's). `fresh` says which copy holds the present; the other is
     brought over whole, once, when it is next needed (`host_state`, `device_state`: one copy each way, counted)."""
@@ -560,7 +567,8 @@ class DeviceKVCache:
             b.compute.synchronize()
             b.counts.copy("recurrent state to host", sum(a.nbytes for st in out.values() for a in st.values()))
             b.counts.sync()
-            self._recurrent = out
+            self._recurrent = {layer: {name: transposed(name, a) for name, a in st.items()}
+                               for layer, st in out.items()}
         self.fresh = "host"
         return self._recurrent
 
@@ -572,7 +580,7 @@ class DeviceKVCache:
             for i, st in self.states.items():
                 for name, dev in st.items():
                     host = self._recurrent.get(i, {}).get(name)
-                    data = np.zeros(dev.shape, np.float32) if host is None else np.ascontiguousarray(host, np.float32)
+                    data = np.zeros(dev.shape, np.float32) if host is None else transposed(name, host)
                     dev.copy_to_device(data, stream=b.compute)
                     n += data.nbytes
             b.counts.copy("recurrent state to device", n)
@@ -782,8 +790,10 @@ class CUDABackend:
 
         gdn = [i for i in range(c.n_layers) if c.recurrent and c.recurrent[i] and (self.layers is None
                                                                                      or i in self.layers)]
+        shapes = {name: (shape[0], shape[2], shape[1]) if name == "ssm" else shape  # (`transposed`)
+                  for name, shape in gdn_state_shapes(c).items()} if gdn else {}
         states = {i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps advance)
-                      for name, shape in gdn_state_shapes(c).items()} for i in gdn} if device_kv and self.device_step \
+                      for name, shape in shapes.items()} for i in gdn} if device_kv and self.device_step \
             else {}
         self._kv = DeviceKVCache(self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache"),
                                  self.mem.alloc((*kv_shape, c.head_dim_v), np.float32, "KV cache"), self.n_ctx, rows,

@@ -54,7 +54,8 @@ def gdn_weights(b, lt, vec, tiled: bool) -> dict:
 def state_shapes(cfg) -> dict:
     """One layer's state: the conv's last K - 1 inputs [K - 1, conv_dim] and M [nv, dv, dk] per v head."""
     nv, dk = cfg.ssm_v_heads, cfg.ssm_state
-    return dict(conv=(cfg.ssm_conv - 1, 2 * cfg.ssm_k_heads * dk + cfg.ssm_inner), ssm=(nv, cfg.ssm_inner // nv, dk))
+    return dict(conv=(cfg.ssm_conv - 1, 2 * cfg.ssm_k_heads * dk + cfg.ssm_inner),
+                ssm=(nv, cfg.ssm_inner // nv, dk))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -130,7 +131,7 @@ def gdn_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope=None, chunk
     mix = [w["beta"], w["alpha"]] if cfg.traits.gdn_tiled else [w["ba"]]
     if not isinstance(x, np.ndarray):  # a device decode step's normed residual (backends/cuda.py): the conv, the
         x = b.to_device(x)  # rule and the gated norm run there too, on the state the device KV cache keeps
-        qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [1, conv_dim], [1, nv dv], [1, 2 nv] | 2 x [1, nv]
+        qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [1, conv_dim], [1, nv dv], ba or beta, alpha
         return b.linear(w["out"], b.gdn_step(kvs[0], layer_i, cfg, w, qkv, z, ba))  # [1, D] (device)
     qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
     qkv, z, ba = np.asarray(qkv, np.float32), np.asarray(z, np.float32), [np.asarray(m, np.float32) for m in ba]

@@ -22,12 +22,12 @@ from pymoe.backends.reference import ExpertFFN, RopeScaling, rope_tables
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import LayerPlan, ModelConfig
 from .attention import ATTENTION, HOST_ATTENTION
-
-DEVICE_STEP_ATTENTION = ("gqa", "gated", "gdn")  # the attention kinds a device decode step runs (backends/cuda.py)
 from .deltanet import gdn_weights
 from .mla import mla_weights
 from .kv import KVCache, segments
 from .moe import FFN
+
+DEVICE_STEP_ATTENTION = ("gqa", "gated", "gdn")  # the attention kinds a device decode step runs (backends/cuda.py)
 
 
 def _delta(kv) -> int:
@@ -123,10 +123,9 @@ class Model:
     def device_step_possible(self) -> bool:
         """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
         only blocks it has device primitives for: GQA attention without window or sinks, gated attention and Gated
-        DeltaNet (qwen3next, qwen35moe); MoE layers routed by a
-        softmax or by sigmoids (with the choice bias, without expert groups), with or without a shared expert (gated
-        or not), without router bias or expert biases; dense MLP layers). Other families keep version 2
-        (docs/expert-cache.md "On the GPU")."""
+        DeltaNet (qwen3next, qwen35moe); MoE layers routed by a softmax or by sigmoids (with the choice bias,
+        without expert groups), with or without a shared expert (gated or not), without router bias or expert biases;
+        dense MLP layers). Other families keep version 2 (docs/expert-cache.md "On the GPU")."""
         b, cfg = self.backend, self.cfg
         if not getattr(b, "device_step", False) or self.host_attention:
             return False
