@@ -534,13 +534,20 @@ class DeviceKVCache:
         self.k, self.v = k, v  # device [L_kv, capacity, G, Dh], [L_kv, capacity, G, Dv]
         self.n_ctx, self.rows = n_ctx, rows  # rows: layer -> row (ModelConfig.kv_layers)
         self.n = 0
+        self.shifts: list = []  # M-RoPE after an image (engine/kv.KVCache.shifts, `pos_delta`)
         self.states, self._backend = states or {}, backend
         self._recurrent: dict = {}  # layer -> {"conv", "ssm"} host float32 arrays (engine/kv.KVCache.recurrent)
         self.fresh = "host"  # where the recurrent state's present is: "host" or "device"
 
     def clear(self) -> None:
         self.n = 0
+        self.shifts = []
         self._recurrent, self.fresh = {}, "host"
+
+    def pos_delta(self, n: Optional[int] = None) -> int:
+        """engine/kv.KVCache.pos_delta: rope position - storage index (0 until an image)."""
+        n = self.n if n is None else n
+        return next((d for i, d in reversed(self.shifts) if i <= n), 0)
 
     def recurrent(self, layer: int, **shapes) -> dict:
         """engine/kv.KVCache.recurrent: the host copy of a Gated DeltaNet layer's state (brought from the device
