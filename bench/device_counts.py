@@ -75,7 +75,8 @@ SHORT = [("residual to device", "residual in"), ("attention block to host", "att
          ("routing weights to host (cpu", "cpu misses"), ("served table row", "cpu misses"),
          ("prefill staging", "staging"), ("output projection:", "logits"), ("RoPE", "RoPE"), ("KV", "KV"),
          ("shared expert:", "shared expert"), ("dense MLP:", "dense MLP"), ("host-side attention:", "host attention"),
-         ("experts one at a time:", "experts one by one"), ("MLA ", "MLA attention")]
+         ("experts one at a time:", "experts one by one"), ("MLA ", "MLA attention"),
+         ("recurrent state", "recurrent state")]
 
 
 def short(name: str) -> str:

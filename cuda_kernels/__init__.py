@@ -10,6 +10,10 @@ wrapped without a copy; CuPy is never imported here):
   attention.py     decode_attention: one query token against the KV cache, GQA, causal by construction
   mla.py           DeepSeek's MLA pieces: the compressed cache row, the absorbed query, the value up-projection
   route_groups.py  DeepSeek's group-limited router (top K within the best expert groups)
+  step.py          the decode step on the device: embedding, residual adds, routers, routed experts, argmax
+  deltanet.py      Gated DeltaNet's decode step: the short causal conv, the gated delta rule and gated RMSNorm
+  gated_attention.py  gated attention's query/gate split and output gate (qwen3next, qwen35moe)
+  gpt_oss.py       gpt-oss's decode attention with a sliding window and sinks, its biased router and experts
   reduce.py        block-wide sum / max (shared-memory trees) used by the kernels above
 
 What this is not: memory management or streams (pymoe/backends), routing (pymoe/engine/moe.py), the references. Every

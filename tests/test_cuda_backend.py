@@ -34,11 +34,11 @@ def _host_attention(arch):
     return any(p.attention in on_host for p in make_config(arch).layer_plan())
 
 
-# the families whose attention runs on the device (softmax attention, "gqa"; MLA) and those with a kind that runs on
-# the host side (engine/attention.HOST_ATTENTION less the backend's device_attention_kinds): from the registry, so a
-# new family lands in one of the two
+# the families whose attention runs on the device (every family on one device today), from the registry, so a new
+# family with a kind the device lacks drops out of it
 DEVICE_ATTENTION_ARCHS = [a for a in ARCHS if not _host_attention(a)]
-HOST_ATTENTION_ARCHS = [a for a in ARCHS if _host_attention(a)]
+# the families with a kind of HOST_ATTENTION at all (run on the host side when a backend lacks its kernels)
+HOST_ATTENTION_KIND_ARCHS = [a for a in ARCHS if any(p.attention in HOST_ATTENTION for p in make_config(a).layer_plan())]
 
 
 def greedy(engine):
@@ -78,7 +78,8 @@ def test_cache_never_changes_results_on_cuda(tiny_model, float_tokens, mix, poli
 @pytest.mark.parametrize("arch", DEVICE_ATTENTION_ARCHS)
 def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch):
     """The device KV cache and attention block (q/k/v biases, q/k norms per head or whole, NEOX or normal RoPE,
-    GQA; MLA over its compressed cache) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
+    GQA, partial RoPE, gated attention; MLA over its compressed cache; beside Gated DeltaNet layers, whose state it keeps
+    too) give the CPU float path's logits, prefill and decode; a second sequence while the first holds the device
     KV cache falls back to a host KV cache (attention on the CPU) with the same results."""
     from pymoe.backends.cuda import DeviceKVCache
 
@@ -97,12 +98,16 @@ def test_attention_on_the_device_matches_the_host(tiny_model, monkeypatch, arch)
 
 
 @in_process
-@pytest.mark.parametrize("arch", HOST_ATTENTION_ARCHS)
-def test_host_attention_kinds_with_device_experts(tiny_model, arch):
-    """Gated DeltaNet and gated attention have no device kernels yet: on the CUDA backend they run on its host
-    side (its CPU backend, a host KV cache and recurrent state) while the experts go through the device slot pool.
+@pytest.mark.parametrize("arch", HOST_ATTENTION_KIND_ARCHS)
+def test_host_attention_kinds_with_device_experts(tiny_model, monkeypatch, arch):
+    """A kind of engine/attention.HOST_ATTENTION that the backend does not run itself (`device_attention_kinds`
+    emptied here: every such kind has device kernels on one device now; several devices, backends/multi_device.py,
+    run MLA this way) runs on the host side (its CPU backend, a host KV cache) while the experts go through the
+    device slot pool.
     Logits (prefill and decode) and greedy tokens equal the reference backend's within the device tests' bound."""
-    from pymoe.backends.cuda import DeviceKVCache
+    from pymoe.backends.cuda import CUDABackend, DeviceKVCache
+
+    monkeypatch.setattr(CUDABackend, "device_attention_kinds", frozenset())
 
     path = tiny_model(arch, "q2_k")
     cpu = pymoe.load(path, backend="reference")
@@ -121,8 +126,8 @@ def test_host_attention_kinds_with_device_experts(tiny_model, arch):
 @in_process
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
 def test_speculative_decoding_on_the_device(tiny_model, arch):
-    """Verification forwards of several decode positions on the CUDA backend (device KV cache and attention for
-    qwen3moe, its rollback by kv.n; host attention with the recurrent state restored for qwen3next), experts
+    """Verification forwards of several decode positions on the CUDA backend (device KV cache and attention, its
+    rollback by kv.n; qwen3next: also the Gated DeltaNet state restored, on the device KV cache's host copy), experts
     through a small device slot pool: the greedy tokens of the reference backend's plain decoding."""
     from pymoe.engine.speculative import Speculator
 

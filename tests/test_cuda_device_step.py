@@ -16,7 +16,9 @@ experts in k order, the reference in ascending expert order; other reduction tre
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
 "cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7); on gpt-oss 3 ulp (slots,
 "cpu misses") and 2 ulp past its window, version 2 the same; on deepseek2 at most 1.5 ulp (3.6e-7, "cpu misses";
-s 2.7-3.8); the bound is 8 ulp of s (2.7x).
+s 2.7-3.8); qwen3next and qwen35moe (three Gated DeltaNet layers and a gated attention layer, each MoE): at most 2.25
+ulp of s with the reference kernels, and within the bound with the real Gated DeltaNet and gated attention kernels
+(`test_the_hybrids_real_kernels_in_the_step`); the bound is 8 ulp of s (2.7x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
@@ -65,8 +67,8 @@ def per_token(engine):
     return per_token({**st.device, "tokens": st.n_decoded})
 
 
-FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss",
-            "deepseek2"]  # the converted ones
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss",  # the converted
+            "deepseek2", "qwen3next", "qwen35moe"]  # ones
 # (model.device_step_possible; test_the_families_that_run_the_step_are_these holds the list to it)
 
 
@@ -172,6 +174,116 @@ def test_the_simulator_replays_a_device_step_run_with_its_counts(micro, tmp_path
     d = engine.last_stats.decode
     (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [2], ["global"], profile=profile, phase="decode")
     assert (sim.hits, sim.lookups) == (d["hits"], d["lookups"]) and 0 < d["hits"] < d["lookups"], (sim, d)
+
+
+HYBRIDS = ["qwen3next", "qwen35moe"]  # Gated DeltaNet + gated attention: a recurrent state on the device
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_the_recurrent_state_stays_coherent_across_versions(micro, arch):
+    """A sequence whose decode alternates device steps (version 3: the Gated DeltaNet state advanced on the device)
+    with host-side forwards (version 2: a verify forward of 3 positions and its rollback, as speculation makes them,
+    on the host copy) gives the reference's logits at every step: each copy of the state is brought over whole when
+    the other side needs it (one copy each way, named in the counts), and the prefill's state goes to the device
+    before the first step (a prefill cost, not a decode one)."""
+    path = micro(arch)
+    ref = pymoe.load(path, backend="reference")
+    engine = every_expert_in_a_slot(path)
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    counts = engine.backend.counts
+    assert counts.snapshot("prefill")["bytes"]["recurrent state to device"] > 0
+    assert kv.fresh == "device"
+
+    def step(token):
+        want, got = ref.model.decode_one_token(token, kv_ref), engine.model.decode_one_token(token, kv)
+        s = np.float32(np.abs(want).max())
+        assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+        return int(np.argmax(want))
+
+    token = step(step(9))
+    assert "recurrent state to host" not in counts.snapshot("decode")["bytes"]
+    for model, cache in ((ref.model, kv_ref), (engine.model, kv)):  # a verify forward, then its rollback
+        saved, p0 = cache.save_recurrent(), cache.n
+        model.forward([token, 3, 4], cache, "decode")
+        cache.restore_recurrent(saved)
+        cache.n = p0
+    assert kv.fresh == "host" and counts.snapshot("decode")["bytes"]["recurrent state to host"] > 0
+    step(step(token))
+    assert kv.fresh == "device" and counts.snapshot("decode")["bytes"]["recurrent state to device"] > 0
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_speculation_gives_the_plain_tokens(micro, arch):
+    """--spec ngram on a prompt that repeats itself (prompt lookup drafts what followed the first time): the verify
+    forwards run version 2 on the sequence's host copy of the state, with rollbacks; the tokens are the reference's
+    plain greedy ones. (Speculation counts each forward's experts, which keeps its plain steps on version 2 too:
+    engine/model.py `_device_step`.)"""
+    from pymoe.engine.speculative import NgramDrafter, Speculator
+
+    path = micro(arch)
+    ref = pymoe.load(path, backend="reference")
+    prompt = PROMPT + list(ref.generate(PROMPT, max_tokens=6, stop_at_eos=False)) + PROMPT  # drafts: what followed
+    want = list(ref.generate(prompt, max_tokens=10, stop_at_eos=False))
+    spec = Speculator(NgramDrafter(), k=3)
+    assert list(every_expert_in_a_slot(path).generate(prompt, max_tokens=10, stop_at_eos=False, spec=spec)) == want
+    assert spec.stats.steps > 0 and spec.stats.drafted > 0
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_the_hybrids_real_kernels_in_the_step(micro, monkeypatch, arch):
+    """The real kernels of Gated DeltaNet and gated attention (cuda_kernels/deltanet.py, gated_attention.py) in the
+    backend's plumbing (the state arrays of the device KV cache, arena views, argument order), the rest of the step
+    on the reference kernels (the real ones of every other op cost minutes here: tests/test_cuda_real_kernels_sim.py):
+    greedy tokens and step logits against the reference backend, within the bound above; one launch per call of
+    each (backends/cuda.py LAUNCHES), as the simulator saw them."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    from pymoe.backends import cuda as cuda_backend
+
+    new_ops = ("conv_step", "rule_step", "split_gate", "gate_output")
+    calls = []
+
+    class Mixed(cuda_backend.ReferenceKernels):
+        name = "mixed"
+
+    for op in new_ops:
+        def real(self, *args, _op=op):
+            calls.append(_op)
+            return getattr(cuda_backend.DeviceKernels(), _op)(*args)
+        setattr(Mixed, op, real)
+    monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
+    launched = []
+    configure = FakeCUDAKernel.__getitem__
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", lambda k, c: launched.append(k) or configure(k, c))
+    path = micro(arch)
+    ref = pymoe.load(path, backend="reference")
+    want = list(ref.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    cfg = ref.config
+    pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+    profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
+    engine = pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
+                        backend_options=dict(SIM, kernels="mixed"))
+    assert engine.model.step_on_device
+    assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
+    n_gdn = sum(cfg.recurrent)
+    assert calls.count("conv_step") == calls.count("rule_step") == n_gdn * (N_NEW - 1)  # the decode steps'
+    assert calls.count("split_gate") > (cfg.n_layers - n_gdn) * (N_NEW - 1)  # (and the prefill's)
+    assert len(launched) == len(calls)
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    token = 9
+    for _ in range(3):
+        want_logits = ref.model.decode_one_token(token, kv_ref)
+        got = np.asarray(engine.model.decode_one_token(token, kv))
+        s = np.float32(np.abs(want_logits).max())
+        assert np.abs(got - want_logits).max() <= ULPS * np.spacing(s)
+        token = int(np.argmax(want_logits))
 
 
 @in_process

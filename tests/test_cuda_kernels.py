@@ -313,6 +313,12 @@ def compile_every_kernel_to_ptx():
              (RG.route_groups_kernel, (f2, f1, nt.boolean, nt.boolean, nt.int64, nt.int64, nt.int64, nt.boolean,
                                        nt.float32, i2, f2)),
              (A.decode_attention_kernel, (f2, f3, f3a, nt.int64, nt.float32, f2, f2))]
+    # Gated DeltaNet's decode step and gated attention (cuda_kernels/deltanet.py, gated_attention.py)
+    from pymoe.cuda_kernels import deltanet as DN, gated_attention as GA
+
+    jobs += [(DN.conv_step_kernel, (f1, f2, f2, f1)),
+             (DN.rule_step_kernel, (f1, f1, f1, f1, f1, f1, f1, f3, f1, nt.int64, nt.boolean, nt.float32)),
+             (GA.split_gate_kernel, (f2, f2, f2, nt.int64)), (GA.gate_output_kernel, (f2, f2))]
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
         print("ptx ok:", kernel.py_func.__name__, flush=True)
@@ -328,8 +334,8 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9 + 5 + 5  # + step.py's 9, gpt_oss.py's 5,
-    # MLA's and groups' 5
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9 + 5 + 5 + 4  # + step.py's 9, gpt_oss.py's 5,
+    # MLA's and groups' 5, deltanet.py's and gated_attention.py's 4
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

@@ -72,7 +72,7 @@ def test_two_devices_give_the_tokens_of_one_device_and_of_the_cpu_float_path(tin
 def test_the_split_is_the_planners_and_each_device_holds_its_layers(tiny_model, arch, sizes, monkeypatch):
     """Devices of 96 and 32 MiB beyond the reserve: the layers go 3 : 1, as `pymoe plan --devices` splits them
     (experts/multi.plan_devices, same usable bytes; qwen3next); each device's KV cache has rows for its own layers
-    only (glm4moe; qwen3next attends on the host side, with a host KV cache), the dense weights are split between
+    only (qwen3next: its gated attention layers'; Gated DeltaNet layers keep no K/V), the dense weights are split between
     the devices, and each slot pool holds experts of its device's layers only."""
     from pymoe.experts.multi import plan_devices, uniform_device_hits
     from pymoe.experts.plan import CostModel, facts_from_gguf
@@ -86,7 +86,7 @@ def test_the_split_is_the_planners_and_each_device_holds_its_layers(tiny_model, 
                         CostModel.from_options())
     assert [(r.start, r.stop) for r in b.ranges] == [row.layers for row in plan.rows]
     assert [len(r) for r in b.ranges] == ([3, 1] if sizes == (96, 32) else [2, 1])
-    kv_layers = () if two.model.host_attention else two.config.kv_layers()  # (qwen3next: its KV is on the host)
+    kv_layers = () if two.model.host_attention else two.config.kv_layers()  # (a kind on the host side: KV there)
     for dev, r in zip(b.devices, b.ranges):
         assert sorted(dev._kv.rows) == [i for i in kv_layers if i in r]
     for dev, r, cache in zip(b.devices, b.ranges, two.cache.parts):

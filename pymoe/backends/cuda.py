@@ -14,6 +14,8 @@ What this is:
     their slot or the mapped file (cuda_kernels/step.py); one copy back (the token id and the routing ids) and one
     synchronisation per token; the expert cache's lookups follow the step, or, with "cpu" misses, are made inside it
     per MoE layer (one more synchronisation each) (docs/expert-cache.md "The decode step on the device").
+    Gated DeltaNet layers (qwen3next, qwen35moe) run their conv and delta rule there too (`gdn_step`), on a state the
+    device KV cache keeps beside a host copy for the host-side forwards (`DeviceKVCache`).
     PYMOE_DEVICE_STEP=0: version 2 only.
   - `HostMapping`: the GGUF memory map registered once as pinned, *mapped* host memory (cudaHostRegister with the
     Mapped and ReadOnly flags, through CuPy: the one CuPy call of this file). A kernel reads an expert's bytes
@@ -134,7 +136,9 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             # gpt-oss's (cuda_kernels/gpt_oss.py): attention with a window and sinks, its router, its experts
             "decode_attention_ws": 1, "route_softmax_weight": 1, "routed_experts_oai": 2,
             # DeepSeek-V2/V3 (cuda_kernels/mla.py, route_groups.py): one each
-            "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1}
+            "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1,
+            # gated attention and Gated DeltaNet (qwen3next, qwen35moe: cuda_kernels/gated_attention.py, deltanet.py)
+            "split_gate": 1, "gate_output": 1, "conv_step": 1, "rule_step": 1}
 
 
 class DeviceKernels:
@@ -253,6 +257,26 @@ class DeviceKernels:
         from pymoe.cuda_kernels import mla
 
         return mla.mla_value(a, v_b, out, stream=stream)
+    # gated attention and Gated DeltaNet (qwen3next, qwen35moe)
+    def split_gate(self, qg, q, gate, Dh, stream):
+        from pymoe.cuda_kernels import gated_attention
+
+        return gated_attention.split_gate(qg, q, gate, Dh, stream=stream)
+
+    def gate_output(self, out, gate, stream):
+        from pymoe.cuda_kernels import gated_attention
+
+        return gated_attention.gate_output(out, gate, stream=stream)
+
+    def conv_step(self, x, state, w, out, stream):
+        from pymoe.cuda_kernels import deltanet
+
+        return deltanet.conv_step(x, state, w, out, stream=stream)
+
+    def rule_step(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
+        from pymoe.cuda_kernels import deltanet
+
+        return deltanet.rule_step(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream=stream)
 
 
 class ReferenceKernels:
@@ -423,6 +447,38 @@ class ReferenceKernels:
         out.copy_to_device(mla_value_reference(a.copy_to_host(), v_b.copy_to_host()), stream=stream)
         return out
 
+    def split_gate(self, qg, q, gate, Dh, stream):
+        from pymoe.cuda_kernels.gated_attention import split_gate_reference
+
+        a, g = split_gate_reference(qg.copy_to_host(), Dh)
+        q.copy_to_device(a, stream=stream)
+        gate.copy_to_device(g, stream=stream)
+        return q, gate
+
+    def gate_output(self, out, gate, stream):
+        from pymoe.cuda_kernels.gated_attention import gate_output_reference
+
+        out.copy_to_device(gate_output_reference(out.copy_to_host(), gate.copy_to_host()), stream=stream)
+        return out
+
+    def conv_step(self, x, state, w, out, stream):
+        from pymoe.cuda_kernels.deltanet import conv_step_reference
+
+        st = state.copy_to_host()
+        out.copy_to_device(conv_step_reference(x.copy_to_host(), st, w.copy_to_host()), stream=stream)
+        state.copy_to_device(st, stream=stream)
+        return out
+
+    def rule_step(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
+        from pymoe.cuda_kernels.deltanet import rule_step_reference
+
+        m = M.copy_to_host()
+        h = lambda d: d.copy_to_host()  # noqa: E731
+        o.copy_to_device(rule_step_reference(h(qkvc), h(z), h(b), h(a), h(dt), h(A), h(norm), m, nk, tiled, eps),
+                         stream=stream)
+        M.copy_to_device(m, stream=stream)
+        return o
+
 
 KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
 
@@ -563,18 +619,86 @@ class DevicePool(HostPool):
         self.backend.counts.sync()
 
 
+def transposed(name: str, a: np.ndarray) -> np.ndarray:
+    """A Gated DeltaNet state array between the host's layout and the device's: "ssm" M [nv, dv, dk] <->
+    [nv, dk, dv] (either way: the last two axes swap); "conv" as it is."""
+    return np.ascontiguousarray(a.transpose(0, 2, 1) if name == "ssm" else a, np.float32)
+
+
 class DeviceKVCache:
     """Keys and values of one sequence in device memory: float32 [L_kv, n_ctx, G, Dh] each (the fields of
     engine/kv.KVCache: n, n_ctx, rows, clear()). The backend owns one, allocated at start-up within the budget, and lends it
-    to one sequence at a time (`CUDABackend.new_kv`)."""
+    to one sequence at a time (`CUDABackend.new_kv`).
+    Gated DeltaNet layers (qwen3next, qwen35moe) keep their conv and recurrent state here too, in two copies: on the
+    device (`states`: layer -> {"conv" [K - 1, C], "ssm" [nv, dk, dv]: M transposed per head, the layout
+    cuda_kernels/deltanet.py reads coalesced}, what the device step advances:
+    `CUDABackend.gdn_step`) and on the host (what the host-side forwards advance: prefill, speculation's verify
+    forwards, through `recurrent` as engine/kv.KVCache's). `fresh` says which copy holds the present; the other is
+    brought over whole, once, when it is next needed (`host_state`, `device_state`: one copy each way, counted)."""
 
-    def __init__(self, k, v, n_ctx: int, rows: dict):
+    def __init__(self, k, v, n_ctx: int, rows: dict, states: Optional[dict] = None, backend=None):
         self.k, self.v = k, v  # device [L_kv, capacity, G, Dh], [L_kv, capacity, G, Dv]
         self.n_ctx, self.rows = n_ctx, rows  # rows: layer -> row (ModelConfig.kv_layers)
         self.n = 0
+        self.shifts: list = []  # M-RoPE after an image (engine/kv.KVCache.shifts, `pos_delta`)
+        self.states, self._backend = states or {}, backend
+        self._recurrent: dict = {}  # layer -> {"conv", "ssm"} host float32 arrays (engine/kv.KVCache.recurrent)
+        self.fresh = "host"  # where the recurrent state's present is: "host" or "device"
 
     def clear(self) -> None:
         self.n = 0
+        self.shifts = []
+        self._recurrent, self.fresh = {}, "host"
+
+    def pos_delta(self, n: Optional[int] = None) -> int:
+        """engine/kv.KVCache.pos_delta: rope position - storage index (0 until an image)."""
+        n = self.n if n is None else n
+        return next((d for i, d in reversed(self.shifts) if i <= n), 0)
+
+    def recurrent(self, layer: int, **shapes) -> dict:
+        """engine/kv.KVCache.recurrent: the host copy of a Gated DeltaNet layer's state (brought from the device
+        first if a device step advanced it), zeros on first use; the caller advances it, so it is the present."""
+        states = self.host_state()
+        if layer not in states:
+            states[layer] = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        return states[layer]
+
+    def save_recurrent(self) -> dict:
+        return {layer: {name: a.copy() for name, a in st.items()} for layer, st in self.host_state().items()}
+
+    def restore_recurrent(self, saved: dict) -> None:
+        self.host_state()
+        self._recurrent = {layer: {name: a.copy() for name, a in st.items()} for layer, st in saved.items()}
+
+    def host_state(self) -> dict:
+        """The host copy, made the present: after device steps, every layer's state comes back (one copy, one
+        synchronisation)."""
+        if self.fresh == "device":
+            b = self._backend
+            out = {layer: {name: a.copy_to_host(stream=b.compute) for name, a in st.items()}
+                   for layer, st in self.states.items()}
+            b.compute.synchronize()
+            b.counts.copy("recurrent state to host", sum(a.nbytes for st in out.values() for a in st.values()))
+            b.counts.sync()
+            self._recurrent = {layer: {name: transposed(name, a) for name, a in st.items()}
+                               for layer, st in out.items()}
+        self.fresh = "host"
+        return self._recurrent
+
+    def device_state(self, layer: int) -> dict:
+        """The device copy of layer's state, made the present: after host-side forwards, every layer's state goes
+        to the device (zeros for a layer the host has not touched: a new sequence)."""
+        if self.fresh == "host":
+            b, n = self._backend, 0
+            for i, st in self.states.items():
+                for name, dev in st.items():
+                    host = self._recurrent.get(i, {}).get(name)
+                    data = np.zeros(dev.shape, np.float32) if host is None else transposed(name, host)
+                    dev.copy_to_device(data, stream=b.compute)
+                    n += data.nbytes
+            b.counts.copy("recurrent state to device", n)
+            self.fresh = "device"
+        return self.states[layer]
 
 
 @dataclass(frozen=True)
@@ -620,6 +744,24 @@ class StepLogits:
 
     def __len__(self) -> int:
         return self.shape[0]
+
+
+def gdn_widths(cfg) -> tuple:
+    """The widest input and output of a Gated DeltaNet layer's projections (0, 0 without one): ssm_out reads
+    nv dv = ssm_inner values, attn_qkv writes conv_dim = 2 nk dk + nv dv."""
+    if not cfg.traits.hybrid:
+        return 0, 0
+    return cfg.ssm_inner, 2 * cfg.ssm_k_heads * cfg.ssm_state + cfg.ssm_inner
+
+
+def gdn_step_floats(cfg) -> int:
+    """Arena floats a device step's Gated DeltaNet layer takes beyond its attention's: qkv and its conv output
+    (conv_dim each), z and o (nv dv each), beta and alpha (2 nv), the output (D); plus the gated attention's query
+    and gate apart (2 H Dh) and its q projection's gate half (H Dh)."""
+    if not cfg.traits.hybrid:
+        return 0
+    _, conv_dim = gdn_widths(cfg)
+    return 2 * conv_dim + 2 * cfg.ssm_inner + 2 * cfg.ssm_v_heads + cfg.n_embd + 3 * cfg.n_head * cfg.head_dim
 
 
 def carries(tensor_name: str) -> str:
@@ -698,9 +840,12 @@ class CUDABackend:
         (several devices share one: backends/multi_device.py)."""
         self.host = host or HostMapping(self.cuda, file.reader.data)
         cfg = file.config
-        self._widths = (max(cfg.n_embd, cfg.n_head * cfg.head_dim_v, cfg.n_ff_exp, cfg.n_ff_shexp or 0, cfg.n_ff),
-                        max(cfg.n_vocab, cfg.n_head * cfg.head_dim, cfg.n_embd, cfg.n_expert, cfg.n_ff_exp,
-                            cfg.n_ff_shexp or 0, cfg.n_ff))  # (n_ff: the dense layers' MLP, GLM's first layer)
+        gdn_in, gdn_out = gdn_widths(cfg)
+        self._widths = (max(cfg.n_embd, cfg.n_head * cfg.head_dim_v, cfg.n_ff_exp, cfg.n_ff_shexp or 0, cfg.n_ff,
+                            gdn_in),
+                        max(cfg.n_vocab, cfg.n_head * cfg.head_dim * (2 if cfg.traits.hybrid else 1), cfg.n_embd,
+                            cfg.n_expert, cfg.n_ff_exp, cfg.n_ff_shexp or 0, cfg.n_ff, gdn_out))
+        # (n_ff: the dense layers' MLP, GLM's first layer; hybrid: the gated attention's query and gate)
         self._moe = (cfg.n_expert_used, cfg.n_embd, cfg.n_ff_exp)
         self._cfg = cfg
         self._slot_bytes = file.slot_bytes
@@ -723,12 +868,13 @@ class CUDABackend:
                 "h": ((pairs * F,), np.float32), "stage": ((2, self._slot_bytes), np.uint8),
                 # the attention block's device arrays (x, q, k, v, o, y of one block call), reused from the
                 # start at each `to_device` (engine/attention.py: one per block)
-                "arena": ((max(chunk * (w_in + H * Dh + G * Dh + G * Dv + H * Dv + w_out),
+                "arena": ((max(chunk * (w_in + H * Dh * (4 if c.traits.hybrid else 1) + G * Dh + G * Dv + H * Dv
+                                        + w_out),  # (hybrid: query and gate, then each apart)
                                # a device step's (one token): the attention block's q, k, v, o, y, the router's
                                # logits, the shared expert's gate, up and output, the logits
                                H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert
                                + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
-                               + c.n_vocab + self._mla_step_floats()),), np.float32),
+                               + c.n_vocab + self._mla_step_floats() + gdn_step_floats(c)),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
                 "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
@@ -747,8 +893,9 @@ class CUDABackend:
 
     def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True) -> None:
         """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
-        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions (not with `device_kv` False: a
-        model whose attention runs on the host side keeps its KV cache there, engine/model.Model.new_kv)."""
+        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions, with the device step's copy of
+        its Gated DeltaNet layers' state (not with `device_kv` False: a model whose attention runs on the host side
+        keeps its KV cache there, engine/model.Model.new_kv)."""
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
@@ -762,11 +909,20 @@ class CUDABackend:
         mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
         rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
         kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
+        from pymoe.engine.deltanet import state_shapes as gdn_state_shapes
+
+        gdn = [i for i in range(c.n_layers) if c.recurrent and c.recurrent[i] and (self.layers is None
+                                                                                     or i in self.layers)]
+        shapes = {name: (shape[0], shape[2], shape[1]) if name == "ssm" else shape  # (`transposed`)
+                  for name, shape in gdn_state_shapes(c).items()} if gdn else {}
+        states = {i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps advance)
+                      for name, shape in shapes.items()} for i in gdn} if device_kv and self.device_step \
+            else {}
         k = self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache")
         # MLA caches one row [c | k_pe] per position: V is a view of its first kv_lora_rank values (config.kv_v_width)
         v = k[:, :, :, :c.head_dim_v] if c.traits.mla else self.mem.alloc((*kv_shape, c.head_dim_v), np.float32,
                                                                            "KV cache")
-        self._kv = DeviceKVCache(k, v, self.n_ctx, rows)
+        self._kv = DeviceKVCache(k, v, self.n_ctx, rows, states, self)
         self._kv_holder = None
         ev = self.cuda.event
         self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
@@ -1052,7 +1208,7 @@ class CUDABackend:
         holder = self._kv_holder() if self._kv_holder is not None else None
         if holder is not None or n_ctx > self.n_ctx:
             return None
-        kv = DeviceKVCache(self._kv.k, self._kv.v, n_ctx, self._kv.rows)
+        kv = DeviceKVCache(self._kv.k, self._kv.v, n_ctx, self._kv.rows, self._kv.states, self)
         self._kv_holder = weakref.ref(kv)
         return kv
 
@@ -1215,6 +1371,48 @@ class CUDABackend:
 
     def view(self, a, shape: tuple):
         return a.reshape(shape) if isinstance(a, np.ndarray) else self._reshaped(a, shape)
+
+    def split_gate(self, qg, Dh: int) -> tuple:
+        """Gated attention's q projection [T, H 2 Dh] (per head the query, then the gate) -> q, gate [T, H Dh]
+        (reference.HostArrays.split_gate; on the device: two arena arrays)."""
+        if isinstance(qg, np.ndarray):
+            return self.cpu.split_gate(qg, Dh)
+        T, n = qg.shape[0], qg.shape[1] // 2
+        q, gate = self._arena((T, n)), self._arena((T, n))
+        self._launch("split_gate", qg, q, gate, Dh, self.compute)
+        return q, gate
+
+    def gate_output(self, out, gate):
+        """out [T, n] * sigmoid(gate [T, n]) (in place on the device)."""
+        if isinstance(out, np.ndarray) and isinstance(gate, np.ndarray):
+            return self.cpu.gate_output(out, gate)
+        if isinstance(gate, np.ndarray) or isinstance(out, np.ndarray):  # (attention on the CPU: out on the host)
+            return self.cpu.gate_output(self.to_host(out), self.to_host(gate))
+        self._launch("gate_output", out, gate, self.compute)
+        return out
+
+    def gdn_step(self, kv, layer_i: int, cfg, w: dict, qkv, z, ba: list):
+        """A device step's Gated DeltaNet core (engine/deltanet.py `gdn_block`): qkv [1, conv_dim], z [1, nv dv],
+        ba [1, 2 nv] or beta, alpha [1, nv] (device) -> o [1, nv dv] (device, before ssm_out), advancing the layer's
+        conv and recurrent state in kv's device copy (cuda_kernels/deltanet.py: conv_step, rule_step)."""
+        st = kv.device_state(layer_i)
+        conv_dim = qkv.shape[1]
+        qkvc = self._arena((conv_dim,))
+        self._launch("conv_step", self._reshaped(qkv, (conv_dim,)), st["conv"], self._vec(w["conv"]), qkvc,
+                     self.compute)
+        flat = [self._reshaped(m, (m.shape[1],)) for m in ba]
+        b, a = (flat[0], flat[1]) if len(flat) == 2 else (flat[0], flat[0])
+        o = self._arena((1, z.shape[1]))
+        self._launch("rule_step", qkvc, self._reshaped(z, (z.shape[1],)), b, a, self._vec(w["dt"]), self._vec(w["a"]),
+                     self._vec(w["norm"]), st["ssm"], self._reshaped(o, (z.shape[1],)), cfg.ssm_k_heads,
+                     cfg.traits.gdn_tiled, cfg.rms_eps, self.compute)
+        return o
+
+    def state_to_device(self, kv) -> None:
+        """A sequence's recurrent state, as a host-side forward (prefill) left it, to the device now, so that the
+        decode steps that follow move no state."""
+        if isinstance(kv, DeviceKVCache) and kv.states:
+            kv.device_state(next(iter(kv.states)))
 
     def rmsnorm(self, x, w, eps):
         """On the host: the CPU backend's (the residual stream); on the device: in place, over the last axis."""

@@ -43,6 +43,7 @@ import numpy as np
 
 from pymoe.errors import PymoeError
 from .device_counts import DeviceCounts, _empty
+from pymoe.engine.kv import KVCache
 from .cuda import DEFAULT_RESERVE, CUDABackend, DeviceKVCache, simulated, simulated_device_gib
 
 
@@ -130,6 +131,10 @@ class MultiKV:
 
     def clear(self) -> None:
         self.n = 0
+        self.__dict__.pop("_recurrent", None)
+
+    # Gated DeltaNet's state (qwen3next, qwen35moe) stays on the host here (several devices run version 2 only)
+    recurrent, save_recurrent, restore_recurrent = KVCache.recurrent, KVCache.save_recurrent, KVCache.restore_recurrent
 
 
 class DeviceShard:

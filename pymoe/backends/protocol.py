@@ -71,6 +71,13 @@ class Backend(Protocol):
     def view(self, a, shape: tuple) -> object:
         """a reshaped (contiguous; no copy): [T, H * Dh] -> [T, H, Dh]."""
 
+    def split_gate(self, qg, Dh: int) -> tuple:
+        """Gated attention's q projection [T, H 2 Dh] (per head the query, then the output gate) -> q, gate
+        [T, H Dh] (qwen3next, qwen35moe)."""
+
+    def gate_output(self, out, gate) -> object:
+        """out [T, n] * sigmoid(gate [T, n]): gated attention's output gate."""
+
     def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
         """k [T, G, Dh], v [T, G, Dv] into the KV cache (engine/kv.py, or the backend's own) at positions p0..;
         v None for a cache whose V is part of K (MLA: engine/kv.KVCache.v_in_k)."""

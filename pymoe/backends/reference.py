@@ -272,6 +272,17 @@ class HostArrays:
     def view(self, a: np.ndarray, shape: tuple) -> np.ndarray:
         return a.reshape(shape)
 
+    def split_gate(self, qg: np.ndarray, Dh: int) -> tuple:
+        """Gated attention's q projection [T, H 2 Dh] (per head the query, then the output gate) -> q, gate
+        [T, H Dh] each."""
+        T = qg.shape[0]
+        q4 = qg.reshape(T, -1, 2, Dh)  # [T, H, 2, Dh]
+        return np.ascontiguousarray(q4[:, :, 0].reshape(T, -1)), q4[:, :, 1].reshape(T, -1)
+
+    def gate_output(self, out: np.ndarray, gate: np.ndarray) -> np.ndarray:
+        """out [T, n] * sigmoid(gate [T, n]): gated attention's output gate."""
+        return out * sigmoid(gate)
+
     def kv_write(self, kv, layer: int, p0: int, k: np.ndarray, v) -> None:
         kv.write(layer, p0, k, v)
 

@@ -119,7 +119,9 @@ ARCH_TWEAKS = {
 # dense layer, so their micro files have two: the dense one, then one MoE layer
 MICRO_ARCH_TWEAKS = {"olmoe": dict(n_head_kv=2), "glm4moe": dict(n_layers=2), "deepseek2": dict(n_layers=2),
                      "dots1": dict(n_layers=2, n_head_kv=2),
-                     "qwen3vlmoe": dict(n_layers=3)}  # its 2 deepstack layers, then one more (as the tiny file)
+                     "qwen3vlmoe": dict(n_layers=3),  # its 2 deepstack layers, then one more (as the tiny file)
+                     # three Gated DeltaNet layers, then gated full attention: both attention kinds (as the tiny file)
+                     "qwen3next": dict(n_layers=4), "qwen35moe": dict(n_layers=4)}
 TIED_OUTPUT = {"qwen3moe": False, "qwen2moe": False, "llama": True, "olmoe": False, "glm4moe": False,
                "gpt-oss": False, "qwen3next": False, "qwen35moe": False, "deepseek2": False,
                "dots1": False, "qwen3vlmoe": False}  # llama.cpp

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from pymoe.backends.reference import sigmoid
 from .deltanet import gdn_block
 from .kv import join_rows, segments
 from .mla import mla_block
@@ -40,9 +39,8 @@ def gqa_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope: tuple) -> 
     x = b.to_device(x)  # [T, D]
     q, k, v = b.linear_many([layer.attn_q, layer.attn_k, layer.attn_v], x)  # [T, H*Dh], [T, G*Dh], [T, G*Dv]
     gate = None
-    if layer.plan.attention == "gated":  # qwen3next: per head a query then an output gate (host backends only)
-        qg = np.asarray(q).reshape(T, H, 2, Dh)
-        q, gate = np.ascontiguousarray(qg[:, :, 0].reshape(T, H * Dh)), qg[:, :, 1].reshape(T, H * Dh)
+    if layer.plan.attention == "gated":  # qwen3next: per head a query then an output gate
+        q, gate = b.split_gate(q, Dh)  # [T, H*Dh] each
     if layer.bias:  # qwen2moe
         q, k, v = b.add(q, layer.bias["q"]), b.add(k, layer.bias["k"]), b.add(v, layer.bias["v"])
     if cfg.qk_norm == "full":  # olmoe: over the whole projection, before splitting into heads
@@ -62,7 +60,7 @@ def gqa_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope: tuple) -> 
     out = join_rows(b, outs)  # [T, H * Dv]
     # output: all rows
     if gate is not None:
-        out = out * sigmoid(gate)  # [T, H * Dv]
+        out = b.gate_output(out, gate)  # [T, H * Dv] out * sigmoid(gate)
     y = b.linear(layer.attn_output, out)  # [T, D]
     if layer.out_bias is not None:  # gpt-oss
         y = b.add(y, layer.out_bias)
@@ -72,4 +70,4 @@ def gqa_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope: tuple) -> 
 ATTENTION = {"gqa": gqa_block, "gated": gqa_block, "gdn": gdn_block, "mla": mla_block}
 # Kinds whose block computes on host arrays between primitives (no device kernels yet): a device backend runs them
 # on its host side (`backend.host_backend`, CUDA: its CPU backend; engine/model.py Model.attention_backend).
-HOST_ATTENTION = {"gated", "gdn", "mla"}
+HOST_ATTENTION = {"mla"}

@@ -5,8 +5,10 @@ forms of the gated delta rule: `delta_rule_recurrent` (token by token: what deco
 (blocks of C tokens with matrix products inside a block: the prefill form), tested against each other in
 tests/test_deltanet.py and, through the whole model, against llama.cpp (llama.cpp's qwen3next.cpp and
 delta-net-base.cpp, read in the llama.cpp that llama-cpp-python 0.3.36 vendors).
-What this is not: a device kernel (the CUDA backend refuses these layers for now), or softmax attention
-(engine/attention.py).
+On the CUDA backend the projections run on the device; in a decode step on the device (its input a device array)
+so do the conv, the rule and the gated norm of the one token (`CUDABackend.gdn_step`, cuda_kernels/deltanet.py,
+whose references are this file's functions), on the state the device KV cache keeps.
+What this is not: a device kernel, or softmax attention (engine/attention.py).
 
 The layer, for T tokens (shapes in brackets; nk q/k heads of size dk, nv v heads of size dv, nv = r * nk):
     qkv  = x @ attn_qkv.T                  [T, 2 nk dk + nv dv]   q | k | v, each all heads
@@ -47,6 +49,13 @@ def gdn_weights(b, lt, vec, tiled: bool) -> dict:
                 out=b.dense(lt("ssm_out.weight")),
                 conv=np.ascontiguousarray(lt("ssm_conv1d.weight").floats()),  # [conv_dim, K]
                 dt=vec("ssm_dt.bias"), a=vec("ssm_a"), norm=vec("ssm_norm.weight"))
+
+
+def state_shapes(cfg) -> dict:
+    """One layer's state: the conv's last K - 1 inputs [K - 1, conv_dim] and M [nv, dv, dk] per v head."""
+    nv, dk = cfg.ssm_v_heads, cfg.ssm_state
+    return dict(conv=(cfg.ssm_conv - 1, 2 * cfg.ssm_k_heads * dk + cfg.ssm_inner),
+                ssm=(nv, cfg.ssm_inner // nv, dk))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -120,6 +129,10 @@ def gdn_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope=None, chunk
     T = x.shape[0]
     nv, dv = cfg.ssm_v_heads, cfg.ssm_inner // cfg.ssm_v_heads
     mix = [w["beta"], w["alpha"]] if cfg.traits.gdn_tiled else [w["ba"]]
+    if not isinstance(x, np.ndarray):  # a device decode step's normed residual (backends/cuda.py): the conv, the
+        x = b.to_device(x)  # rule and the gated norm run there too, on the state the device KV cache keeps
+        qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [1, conv_dim], [1, nv dv], ba or beta, alpha
+        return b.linear(w["out"], b.gdn_step(kvs[0], layer_i, cfg, w, qkv, z, ba))  # [1, D] (device)
     qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
     qkv, z, ba = np.asarray(qkv, np.float32), np.asarray(z, np.float32), [np.asarray(m, np.float32) for m in ba]
     o = join_rows(b, [gdn_core(layer, qkv[rows], z[rows], [m[rows] for m in ba], kv, layer_i, chunked)
@@ -135,7 +148,7 @@ def gdn_core(layer, qkv, z, ba: list, kv, layer_i: int, chunked=None) -> np.ndar
     T = qkv.shape[0]
     nk, nv, dk = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
     dv, r, key_dim = cfg.ssm_inner // nv, nv // nk, nk * cfg.ssm_state
-    st = kv.recurrent(layer_i, conv=(cfg.ssm_conv - 1, 2 * key_dim + cfg.ssm_inner), ssm=(nv, dv, dk))
+    st = kv.recurrent(layer_i, **state_shapes(cfg))
     qkv, st["conv"] = causal_conv(qkv, st["conv"], w["conv"])
     qkv = silu(qkv)
     q = l2norm(qkv[:, :key_dim].reshape(T, nk, dk), cfg.rms_eps)  # [T, nk, dk]

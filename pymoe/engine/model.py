@@ -28,6 +28,8 @@ from .mla import mla_weights
 from .kv import KVCache, segments
 from .moe import FFN
 
+DEVICE_STEP_ATTENTION = ("gqa", "gated", "gdn", "mla")  # the attention kinds a device step runs (backends/cuda.py)
+
 
 def _delta(kv) -> int:
     """rope position - storage index at the cache's end (nonzero after an image: engine/multimodal.py)."""
@@ -121,15 +123,17 @@ class Model:
                                 if v is not None]  # gpt-oss's, and its experts' biases:
                              + [la.ffn.bias[p] for la in self.layers if la.ffn is not None for p in EXPERT_PROJ]
                              + [v for la in self.layers if la.mla for v in la.mla.values()
-                                if isinstance(v, np.ndarray)])  # MLA's norms and absorbed k_b, v_b
+                                if isinstance(v, np.ndarray)]  # MLA's norms and absorbed k_b, v_b
+                             + [la.gdn[n] for la in self.layers if la.gdn for n in ("conv", "dt", "a", "norm")])
 
     def device_step_possible(self) -> bool:
         """Whether a decode step can run on the device from token id to token (a backend with `begin_step`, and
-        only blocks it has device primitives for: GQA attention, with or without a sliding window and sinks, and
-        MLA (engine/mla.py); MoE layers routed by a softmax, by sigmoids (with the choice bias, with or without
-        expert groups) or by gpt-oss's top-K-then-softmax of the logits plus a router bias, with or without a shared
-        expert (gated or not), their experts plain SwiGLU or gpt-oss's (biases, clamped SwiGLU); dense MLP layers).
-        Other families keep version 2 (docs/expert-cache.md "On the GPU")."""
+        only blocks it has device primitives for: GQA attention, with or without a sliding window and sinks, gated
+        attention and Gated DeltaNet (qwen3next, qwen35moe), MLA (engine/mla.py); MoE layers routed by a softmax,
+        by sigmoids (with the choice bias, with or without expert groups) or by gpt-oss's top-K-then-softmax of the
+        logits plus a router bias, with or without a shared expert (gated or not), their experts plain SwiGLU or
+        gpt-oss's (biases, clamped SwiGLU); dense MLP layers). Other families keep version 2 (docs/expert-cache.md
+        "On the GPU")."""
         b, cfg = self.backend, self.cfg
         if not getattr(b, "device_step", False) or self.host_attention:
             return False
@@ -137,7 +141,8 @@ class Model:
             return False
         if cfg.gating == "softmax_weight" and cfg.n_expert_groups > 1:  # (no family routes so)
             return False
-        return all(la.plan.attention in ("gqa", "mla") and (la.router_bias is None or cfg.gating == "softmax_weight")
+        return all(la.plan.attention in DEVICE_STEP_ATTENTION
+                   and (la.router_bias is None or cfg.gating == "softmax_weight")
                    and (la.ffn is None or la.ffn.activation == "swiglu_oai") for la in self.layers)
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
@@ -320,6 +325,8 @@ class Model:
             return self._end_device_step(x, kv, phase)
         if self.step_on_device and phase == "prefill" and self._misses_all_over_pcie():  # what the prompt placed in
             self.backend.sync_table(getattr(self.cache, "residency", None))  # slots: on the device before a step
+        if self.step_on_device and phase == "prefill" and self.backend.owns(kv):  # a recurrent state the prompt
+            self.backend.state_to_device(kv)  # left on the host (Gated DeltaNet): on the device before a step
         if self.trace is not None:
             self.trace.end_forward()
         kv.n += tokens.size
