@@ -53,6 +53,7 @@ from pymoe.quant.qact import QK_K, has_int_dot, prefetch_line
 # (attention, shared expert, output head: docs/performance.md "Accuracy")
 ACT_MODES = {"16": (16, 16), "8": (8, 8), "0": (0, 0), "auto": (16, 8)}
 DEFAULT_ACT_BITS = "16"
+HEAD_NAMES = ("output.weight", "token_embd.weight")  # the output head's tensor (token_embd: a tied head)
 
 
 def act_mode(act_bits) -> tuple:
@@ -366,9 +367,11 @@ _NO_SINKS = np.zeros(0, np.float32)  # attention_rows' sinks for a model without
 class CPUBackend(HostArrays):
     name = "cpu"
 
-    def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None):
+    def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None,
+                 head_bits: Optional[int] = None):
         """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only;
-        "auto": 8 bits for the routed experts, 16 for the dense products (ACT_MODES).
+        "auto": 8 bits for the routed experts, 16 for the dense products (ACT_MODES). head_bits: the output
+        head's own width (default: the dense products'; bench/act_accuracy.py measures what it costs).
         repack: keep 8-row repacked copies of the weights that have a layout (quant/repack.py) for the products
         at 8 bits (default: yes, unless PYMOE_REPACK=0)."""
         if threads:
@@ -377,7 +380,8 @@ class CPUBackend(HostArrays):
         self.governor = ThreadGovernor(self.most) if adaptive(threads) else None  # backends/threads.py
         self._team = {}  # calling thread's ident -> the team size set there (Numba's count is per calling thread)
         self.act_bits, self.dense_bits, self.expert_bits = act_mode(act_bits)  # (see ACT_MODES)
-        self.repack = 8 in (self.dense_bits, self.expert_bits) and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
+        self.head_bits = None if head_bits is None else int(head_bits)
+        self.repack = 8 in (self.dense_bits, self.expert_bits, self.head_bits) and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
                                               else bool(repack))
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
@@ -452,7 +456,10 @@ class CPUBackend(HostArrays):
         """With repacking: tiles for a weight of a type with a layout; else (the F32 router, a Q6_K head of rows not
         a multiple of 8, an IQ type) its rows copied, so that every product of a decode step reads 2 MiB pages."""
         w = host_dense(t)  # a view into the memory map
-        if self.repack and self.dense_bits == 8 and repack.fits(w.qtype, *w.shape):
+        if self.head_bits is not None and t.name in HEAD_NAMES:
+            w = replace(w, bits=self.head_bits)
+        bits = self.dense_bits if w.bits is None else w.bits
+        if self.repack and bits == 8 and repack.fits(w.qtype, *w.shape):
             w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token
             # products (decode)
         elif self.repack and self._arena.enabled:
@@ -495,7 +502,7 @@ class CPUBackend(HostArrays):
         if w.tiles is not None:  # repacked: x quantized to 8 bits, the bits of matmul_act on the raw rows
             return repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_for(np.ascontiguousarray(x, np.float32),
                                                                              w.qtype, 8))
-        return self.linear_raw(w.raw, w.qtype, x)
+        return self.linear_raw(w.raw, w.qtype, x, w.bits)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
                   sinks=None) -> np.ndarray:
