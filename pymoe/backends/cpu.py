@@ -5,15 +5,16 @@ quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weigh
 the memory map) through `f32_matmul` (bits independent of T). Small float vectors (norms, biases, the shared-expert
 gate) are read once as float32.
 Two paths for quantized weights, chosen once by `act_bits`:
-  - integer (act_bits 16, the default, or 8 = llama.cpp's; PYMOE_ACT_BITS=8): weights of a type in
-    `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0, Q2_0; rows of whole 256-blocks) take the integer
-    path, as llama.cpp does: x is quantized per 256 values and each block is dotted in integer arithmetic
-    (quant/qact.py); the routed experts of a layer run in one fused kernel (`moe_experts`: gate + up + SwiGLU,
+  - integer (act_bits 16, the default, 8 = llama.cpp's, or "auto": 8 for the routed experts, 16 for the rest,
+    `ACT_MODES`; PYMOE_ACT_BITS=8): weights of a type in `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0,
+    Q2_0; rows of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values (at 8
+    bits per 32 for the formats llama.cpp pairs with block_q8_0: `qact.act_group`) and each block is dotted in
+    integer arithmetic (quant/qact.py); the routed experts of a layer run in one fused kernel (`moe_experts`: gate + up + SwiGLU,
     then down with the routing weights, all chosen experts and tokens in one parallel call);
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).
-Repacked weights (act_bits 8): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
+Repacked weights (the products at 8 bits): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
 (quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
 with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
 (`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read). The copies are

@@ -1,4 +1,4 @@
-"""Integer activations: x quantized per 256 values, and the integer dot products of every K-quant with it.
+"""Integer activations: x quantized per 256 (or 32) values, and the integer dot products of every K-quant with it.
 
 What this is: the fast path of a quantized mat-vec, the way llama.cpp computes it on a CPU. Instead of decoding the
 weights to float and multiplying by float x, x is quantized once per call, and each weight block is dotted with it
@@ -14,6 +14,11 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
      moves the logits of the tiny test models by as much as llama.cpp's own 8-bit run does (bench/act_accuracy.py),
      16-bit x stays within ~1e-3 of float math. The kernels take either: the width is the dtype of qs
      (`CPUBackend(act_bits=8)` selects int8).
+     At 8 bits, the formats llama.cpp pairs with block_q8_0 (ACT32_TYPES: Q8_0, Q4_0, Q2_0, MXFP4, IQ4_NL) take x
+     per 32 values instead, `quantize_act32` (twin `quantize_act32_ref`, ggml's quantize_row_q8_0_ref bit for bit):
+        d     float32 [C / 32]      fp16(max|x| / 127) as float32, q = roundf(x / (max|x| / 127))
+     (qs and bsums as above). `act_group(qtype, bits)` says which; the row dots of those formats multiply each
+     group's weight scale by its own d of x (`_GroupScaleCode.times_dx`).
   2. Row dots, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation to 64 bits,
      and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the IR states the
      narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpmaddubsw` / `vpdpbusd`):
