@@ -7,7 +7,9 @@ For each family x file type: the tiny random F32 model (make-tiny-model), quanti
 (`llama_model_quantize`), and
   - the float model: llama.cpp on an F32 copy of the quantized file (the same weights, float math, F32 KV cache);
   - "llama.cpp": llama.cpp on the quantized file itself (its own 8-bit activation blocks: Q8_K, Q8_0, Q8_1);
-  - "pymoe 16", "pymoe 8": pymoe's CPU backend on the file with 16- and 8-bit activations.
+  - "pymoe 16", "pymoe 8", "pymoe auto": pymoe's CPU backend on the file with 16- and 8-bit activations, and with
+    `--act-bits auto` (8-bit x for the routed experts, 16-bit for the rest); "auto, head 8": auto with the output
+    head at 8 bits too (what the head's width costs).
 Each column is mean |logit - float logit| over 50 random positions x the whole vocabulary, and (in brackets) the
 share of positions whose argmax equals the float model's. Tiny random-weight models have saturated routers, so
 one rounding can flip an expert and move a position's logits far: the absolute figures are large, the ratio
@@ -29,6 +31,9 @@ from pymoe.gguf.config import ARCHS  # noqa: E402
 FAMILIES = tuple(ARCHS)  # every family pymoe reads
 FTYPES = ("Q2_K", "Q4_K_M", "Q2_0", "MXFP4_MOE", "IQ4_XS")
 N_POS = 50
+# column -> the CPU backend's options (backends/cpu.py: act_bits, head_bits)
+CONFIGS = {"pymoe 16": dict(act_bits=16), "pymoe 8": dict(act_bits=8), "pymoe auto": dict(act_bits="auto"),
+           "auto, head 8": dict(act_bits="auto", head_bits=8)}
 
 
 def distance(logits: np.ndarray, ref: np.ndarray) -> tuple:
@@ -36,8 +41,9 @@ def distance(logits: np.ndarray, ref: np.ndarray) -> tuple:
     return float(np.abs(logits - ref).mean()), float((logits.argmax(-1) == ref.argmax(-1)).mean())
 
 
-def measure(f32_path: str, ftype: str, folder: str, widths=(16, 8)) -> dict:
-    """One file: {column: (mean |Δ|, top-1)} against the float model (llama.cpp on the F32 copy)."""
+def measure(f32_path: str, ftype: str, folder: str, configs=None) -> dict:
+    """One file: {column: (mean |Δ|, top-1)} against the float model (llama.cpp on the F32 copy); configs: {column:
+    CPU backend options} (default CONFIGS)."""
     import pymoe
     from ftype_check import llama_logits
     from llama_quantize import llama_quantize
@@ -50,13 +56,13 @@ def measure(f32_path: str, ftype: str, folder: str, widths=(16, 8)) -> dict:
         llama_quantize(f32_path, path, ftype)
     if not os.path.exists(copy):
         write_f32_copy(path, copy)
-    first = pymoe.load(path, backend="cpu", act_bits=widths[0])
-    ids = np.random.default_rng(0).integers(0, first.config.n_vocab, N_POS).tolist()
+    configs = CONFIGS if configs is None else configs
+    engines = {c: pymoe.load(path, backend="cpu", backend_options=o) for c, o in configs.items()}
+    ids = np.random.default_rng(0).integers(0, next(iter(engines.values())).config.n_vocab, N_POS).tolist()
     ref = llama_logits(copy, ids)  # [50, V] float math on the file's weights
     out = {"llama.cpp": distance(llama_logits(path, ids), ref)}
-    for bits in widths:
-        engine = first if bits == widths[0] else pymoe.load(path, backend="cpu", act_bits=bits)
-        out[f"pymoe {bits}"] = distance(engine.logits(ids), ref)
+    for c, engine in engines.items():
+        out[c] = distance(engine.logits(ids), ref)
     return out
 
 
@@ -68,10 +74,13 @@ def main():
     a = ap.parse_args()
     from pymoe.demo.tinymodel import write_model
 
-    cols = ("llama.cpp", "pymoe 16", "pymoe 8")
-    print(f"| family | file | {' | '.join(cols)} | pymoe 8 / llama.cpp |")
-    print("| --- | --- |" + " --- |" * (len(cols) + 1))
-    ratios = []
+    cols = ("llama.cpp", *CONFIGS)
+    over = [c for c in CONFIGS if c != "pymoe 16"]  # the columns set beside llama.cpp's as a ratio
+    print(f"| family | file | {' | '.join(cols)} | {' | '.join(f'{c} / llama.cpp' for c in over)} |")
+    print("| --- | --- |" + " --- |" * (len(cols) + len(over)))
+    ratios = {c: [] for c in over}
+    within = {c: 0 for c in CONFIGS}  # files where the column is at or under llama.cpp's |Δ| with its top-1 or more
+    n_files = 0
     with tempfile.TemporaryDirectory() as tmp:
         for arch in a.archs.split(","):
             f32 = os.path.join(tmp, f"{a.preset}-{arch}-f32.gguf")
@@ -82,13 +91,19 @@ def main():
                 except Exception as e:  # a format the family's shapes cannot take (rows not a multiple of 256, ...)
                     print(f"| {arch} | {ftype} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
                     continue
-                ratio = r["pymoe 8"][0] / max(r["llama.cpp"][0], 1e-12)
-                ratios.append(ratio)
+                n_files += 1
+                for c in CONFIGS:
+                    within[c] += r[c][0] <= r["llama.cpp"][0] and r[c][1] >= r["llama.cpp"][1]
+                for c in over:
+                    ratios[c].append(r[c][0] / max(r["llama.cpp"][0], 1e-12))
                 cells = " | ".join(f"{r[c][0]:.4f} ({r[c][1]:.2f})" for c in cols)
-                print(f"| {arch} | {ftype} | {cells} | {ratio:.2f} |", flush=True)
-    if ratios:
-        print(f"\npymoe 8 / llama.cpp mean |Δ|: median {np.median(ratios):.2f}, max {max(ratios):.2f} over "
-              f"{len(ratios)} files")
+                print(f"| {arch} | {ftype} | {cells} | {' | '.join(f'{ratios[c][-1]:.2f}' for c in over)} |",
+                      flush=True)
+    for c in over if n_files else ():
+        print(f"\n{c} / llama.cpp mean |Δ|: median {np.median(ratios[c]):.2f}, max {max(ratios[c]):.2f} over "
+              f"{n_files} files")
+    for c in CONFIGS if n_files else ():
+        print(f"{c}: at or under llama.cpp's |Δ| with top-1 >= llama.cpp's on {within[c]} of {n_files} files")
 
 
 if __name__ == "__main__":

@@ -48,7 +48,7 @@ def main():
         cells = []
         for T in (int(t) for t in args.tokens.split(",")):
             x = rng.standard_normal((T, C)).astype(np.float32)
-            xact = qact.quantize_rows(x, 8)
+            xact = qact.quantize_for(x, qtype, 8)
             calls = {"tiles": lambda: repack.tile_matmul(tiles, layout, *xact),
                      "raw": lambda: kernels.matmul_act(raw, qtype, x, 8, xact=xact)}
             if not np.array_equal(calls["tiles"](), calls["raw"]()):

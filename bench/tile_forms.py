@@ -42,7 +42,7 @@ def main():
         forms["vnni-wide"] = dict(vnni=True, wide=True)
     R, C, M = 512, 1024, repack.MANY
     rng = np.random.default_rng(0)
-    xq, xd, xbs = qact.quantize_rows(rng.standard_normal((M, C)).astype(np.float32), 8)
+    X = rng.standard_normal((M, C)).astype(np.float32)
 
     def loops(dot):
         @njit
@@ -63,6 +63,7 @@ def main():
     for name in args.formats.split(","):
         qtype = QType[name]
         tiles = repack.repack(random_rows(qtype, R, C, rng), qtype)
+        xq, xd, xbs = qact.quantize_for(X, qtype, 8)  # x in the layout the format takes (qact.act_group)
         built = {f: loops(repack._make_tile_dot(qtype, ahead=0, **kw)) for f, kw in forms.items()}
         first = None
         for one, many in built.values():  # compile, and the same results from every form

@@ -43,7 +43,8 @@ class Engine:
         the backend (tests). `admit` ("all" or "second-miss") and `max_inserts` (per layer per step, 0: no cap):
         the slot pool's admission control (experts/policies.Admission). `warm_set` N, `warm_inserts` M: at the end of
         each prompt, copy the experts of its last N tokens into the pool, at most M (0: no cap; policies.WarmSet).
-        `act_bits` (8, 16 or 0; None: the backend's default): the CPU backend's activation width (quant/qact.py).
+        `act_bits` (8, 16, 0 or "auto"; None: the backend's default): the CPU backend's activation width
+        (quant/qact.py; "auto": 8 bits for the routed experts, 16 for the rest, backends/cpu.py ACT_MODES).
         `devices` ("0,1", or a count): the CUDA backend on several devices, the layers split by ranges, one slot
         pool per device (backends/multi_device.py)."""
         from .engine.tokenizer import Tokenizer
@@ -58,7 +59,7 @@ class Engine:
         self.file = load_gguf(path)
         self.config = self.file.config
         if act_bits is not None:
-            backend_options = {**(backend_options or {}), "act_bits": int(act_bits)}
+            backend_options = {**(backend_options or {}), "act_bits": act_bits if act_bits == "auto" else int(act_bits)}
         if devices is not None:
             self.backend = _multi_device_backend(backend, devices, threads, int(reserve_mib * 2**20), backend_options)
         else:

@@ -79,6 +79,33 @@ def test_cpu_attention_and_f32_products_within_float32_rounding():
     assert (np.abs(cpu.linear_raw(W, QType.F32, X) - ref.linear_raw(W, QType.F32, X)) <= bound).all()
 
 
+def test_auto_width_is_8_bits_for_the_experts_and_16_for_the_rest():
+    """--act-bits auto (backends/cpu.py ACT_MODES): the routed experts give CPUBackend(act_bits=8)'s bits, a dense
+    product CPUBackend(act_bits=16)'s, the one-expert-at-a-time path (ffn, gpt-oss) the experts' width too; a bad
+    mode is a one-line error naming the field."""
+    from pymoe.backends.cpu import _AtExpertBits
+    from pymoe.backends.reference import DenseWeight
+
+    D, F, E, T = 256, 256, 3, 2
+    types = {"gate": QType.Q2_0, "up": QType.Q2_0, "down": QType.MXFP4}  # x per 32 values at 8 bits
+    experts = {e: ExpertBytes(0, e, random_rows(QType.Q2_0, F, D, RNG), random_rows(QType.Q2_0, F, D, RNG),
+                              random_rows(QType.MXFP4, D, F, RNG)) for e in range(E)}
+    x = (RNG.standard_normal((T, D)) * 0.5).astype(np.float32)  # [T, D]
+    ids, w = np.array([[0, 2], [2, 1]]), RNG.random((T, 2)).astype(np.float32)  # [T, K]
+    auto, b8, b16 = (CPUBackend(act_bits=a) for a in ("auto", 8, 16))
+    assert (auto.act_bits, auto.dense_bits, auto.expert_bits) == ("auto", 16, 8)
+    got = auto.moe_experts(experts, types, x, ids, w)
+    assert np.array_equal(got, b8.moe_experts(experts, types, x, ids, w))
+    assert not np.array_equal(got, b16.moe_experts(experts, types, x, ids, w))  # (the widths do differ here)
+    assert np.array_equal(experts_one_by_one(_AtExpertBits(auto), experts, types, x, ids, w),
+                          experts_one_by_one(b8, experts, types, x, ids, w))
+    raw = random_rows(QType.Q8_0, 16, D, RNG)
+    dense = DenseWeight(QType.Q8_0, raw, (16, D))
+    assert np.array_equal(auto.linear(dense, x), b16.linear(dense, x))
+    with pytest.raises(ValueError, match="act_bits"):
+        CPUBackend(act_bits="7")
+
+
 @pytest.mark.parametrize("act_bits", [0, 16])
 def test_cpu_experts_against_the_reference(act_bits):
     """One MoE layer's experts (Q2_K gate/up, Q3_K down; 256 wide so the integer path applies): the CPU backend's

@@ -31,7 +31,7 @@ def test_multi_row_dot_has_the_bits_of_the_one_row_dot(qtype, bits):
     rng = np.random.default_rng(5)
     w = random_rows(qtype, 9, 768, rng)  # [R, row_bytes]
     X = rng.standard_normal((6, 768)).astype(np.float32) * np.float32(4)
-    xq, xd, xbs = qact.quantize_rows(X, bits)
+    xq, xd, xbs = qact.quantize_for(X, qtype, bits)
     out = np.empty(6, np.float32)
     for r in range(w.shape[0]):
         qact.ACT_DOTS_ROWS[qtype](w[r], xq, xd, xbs, np.empty((6, 16), np.float32), out)

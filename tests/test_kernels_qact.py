@@ -28,12 +28,20 @@ IDS = [q.name for q in INT_TYPES]
 U = 2.0 ** -24
 
 
-def quant_error_bound(w_deq, X, bits):
-    """Max |y_int - y_float| per [T, R] entry from rounding X [T, C]: sum_b d_b / 2 * sum_{i in b} |w_i|."""
-    _, d, _ = qact.quantize_act_ref(X, bits)  # [T, nb]
+def act_ref(X, qtype, bits):
+    """The NumPy reference of x in the layout a weight of this type takes (qact.act_group)."""
+    return qact.quantize_act32_ref(X) if qact.act_group(qtype, bits) == 32 else qact.quantize_act_ref(X, bits)
+
+
+def quant_error_bound(w_deq, X, bits, qtype=QType.Q4_K):
+    """Max |y_int - y_float| per [T, R] entry from rounding X [T, C]: sum_b d_b / 2 * sum_{i in b} |w_i|. Per-32
+    blocks: q is rounded against the float32 d, the dot multiplies by its fp16 rounding d_b (|d - d_b| <= 2^-11 d_b
+    (1 + 2^-10)), so each value moves by d_b (1/2 + 127 2^-11) at most, times 1 + 2^-10."""
+    _, d, _ = act_ref(X, qtype, bits)  # [T, nb]
     R, C = w_deq.shape
-    abs_w_blocks = np.abs(w_deq).reshape(R, C // 256, 256).sum(-1)  # [R, nb]
-    return 0.5 * (1 + 2.0 ** -20) * d @ abs_w_blocks.T  # [T, R]
+    abs_w_blocks = np.abs(w_deq).reshape(R, d.shape[1], -1).sum(-1)  # [R, nb]
+    step = 0.5 * (1 + 2.0 ** -20) if d.shape[1] * 256 == C else (0.5 + 127 * 2.0 ** -11) * (1 + 2.0 ** -10)
+    return step * d @ abs_w_blocks.T  # [T, R]
 
 
 def float_bound(w_deq, X):
@@ -90,6 +98,42 @@ def test_8bit_activations_are_llama_cpps_q8_k_blocks():
     assert (sign < 0).any() and (sign > 0).any()  # both conventions met
 
 
+def test_8bit_activations_per_32_are_llama_cpps_q8_0_blocks():
+    """Independent oracle: ggml's quantize_row_q8_0_ref (what llama.cpp's reference quantizes x with before a dot
+    with Q8_0, Q4_0, Q2_0, MXFP4, IQ4_NL weights: their vec_dot_type) gives pymoe's per-32 blocks: the same int8
+    values and the same fp16 scale. The cases where its roundf (half away from zero) and rint differ, an fp16
+    scale in the subnormals, and an all-zero block are all in X."""
+    import ctypes
+
+    from ggml_lib import _row_function
+
+    rng = np.random.default_rng(7)
+    X = (rng.standard_normal((5, 512)) * rng.uniform(0.01, 50, (5, 1))).astype(np.float32)
+    X[1, 32:64] = 0  # an all-zero block: d = 0, q = 0
+    X[2, :32] = np.arange(32, dtype=np.float32) - np.float32(15.5)  # id = 127 / 15.5: ties of roundf at x = ...
+    X[2, 32:64] = 0.5 + np.arange(32, dtype=np.float32)  # ... and d = 31.5 / 127: x * id = k + 1/2 for some k
+    X[2, 64] = 127.0  # d = 1, id = 1: the block's halves round away from zero, rint would round to even
+    X[2, 65:96] = np.float32(2.5) * np.sign(rng.standard_normal(31)).astype(np.float32)
+    X[3, :32] *= np.float32(1e-6)  # d = max / 127 below 2^-14: an fp16 subnormal scale
+    qs, d, bsums = qact.quantize_rows(X, 8, 32)
+    assert d.shape == (5, 16) and qs.dtype == np.int8
+    Q8_0 = np.dtype([("d", "<f2"), ("qs", "i1", 32)])  # ggml's block_q8_0, 34 bytes
+    assert Q8_0.itemsize == 34
+    blocks = np.zeros(X.size // 32, dtype=Q8_0)
+    _row_function("quantize_row_q8_0_ref")(X.ctypes.data, blocks.ctypes.data, ctypes.c_int64(X.size))
+    assert np.array_equal(blocks["d"].astype(np.float32), d.reshape(-1))
+    assert np.array_equal(blocks["qs"], qs.reshape(-1, 32))
+    assert np.array_equal(bsums, qs.reshape(5, -1, 16).astype(np.int32).sum(-1))
+    assert (np.abs(qs[2, 64:96]) == 3).sum() == 31  # 2.5 went to 3 (rint: 2): the ties case was met
+    assert (d[3, 0] < 2.0 ** -14) and d[3, 0] > 0 and (d[1, 1] == 0)
+    for a, b in zip(qact.quantize_act32_ref(X), (qs, d, bsums)):  # the NumPy reference: the same bits
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    # the scale rule by format: per 32 exactly for the formats llama.cpp pairs with Q8_0, at 8 bits
+    assert {q for q in qact.ACT_DOTS if qact.act_group(q, 8) == 32} == {QType.Q8_0, QType.Q4_0, QType.Q2_0,
+                                                                       QType.MXFP4, QType.IQ4_NL}
+    assert all(qact.act_group(q, 16) == 256 for q in qact.ACT_DOTS)
+
+
 @pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("qtype", INT_TYPES, ids=IDS)
 def test_int_matvec_and_matmul(qtype, bits):
@@ -103,10 +147,11 @@ def test_int_matvec_and_matmul(qtype, bits):
                 X = rng.standard_normal((T, cols)).astype(np.float32)  # [T, C]
                 Y = kernels.matmul_act(w, qtype, X, bits)  # [T, R]
                 assert Y.shape == (T, rows) and Y.dtype == np.float32
-                qs, d, _ = qact.quantize_act_ref(X, bits)
+                qs, d, _ = act_ref(X, qtype, bits)
+                assert d.shape[1] * qact.act_group(qtype, bits) == cols
                 Xq = qact.dequantize_act(qs, d)  # the activations the integer path multiplies
                 assert (np.abs(Y - Xq @ w_deq.T) <= float_bound(w_deq, Xq) + 1e-30).all()
-                bound = quant_error_bound(w_deq, X, bits) + float_bound(w_deq, X) + float_bound(w_deq, Xq)
+                bound = quant_error_bound(w_deq, X, bits, qtype) + float_bound(w_deq, X) + float_bound(w_deq, Xq)
                 assert (np.abs(Y - X @ w_deq.T) <= bound).all()
 
 
@@ -118,12 +163,15 @@ def _expert_ffn_ref(ex, qtypes, x):
         return (a / (1 + np.exp(-a)) * b) @ dn.T
 
 
-@pytest.mark.parametrize("bits", [16, 8])
-def test_fused_moe_kernel_against_per_expert_reference(bits):
-    """moe_act (all experts, all tokens, one call) = sum of w * expert(x), with x and h rounded to `bits`."""
+@pytest.mark.parametrize("bits, qtypes", [(16, (QType.Q2_K, QType.Q2_K, QType.Q3_K)),
+                                          (8, (QType.Q2_K, QType.Q2_K, QType.Q3_K)),
+                                          (8, (QType.Q2_0, QType.Q2_0, QType.MXFP4))],
+                         ids=["16-Q2_K", "8-Q2_K", "8-Q2_0-MXFP4"])
+def test_fused_moe_kernel_against_per_expert_reference(bits, qtypes):
+    """moe_act (all experts, all tokens, one call) = sum of w * expert(x), with x and h rounded to `bits` (Q2_0 and
+    MXFP4 at 8 bits: per 32 values, qact.act_group, the kernel's x and h blocks)."""
     rng = np.random.default_rng(3)
     D, F, E, K, T = 256, 512, 6, 2, 5
-    qtypes = (QType.Q2_K, QType.Q2_K, QType.Q3_K)
     experts = [tuple(random_rows(q, r, c, rng) for q, r, c in zip(qtypes, (F, F, D), (D, D, F)))
                for _ in range(E)]
     x = rng.standard_normal((T, D)).astype(np.float32) * np.float32(0.5)
@@ -143,7 +191,9 @@ def test_fused_moe_kernel_against_per_expert_reference(bits):
         scale[tok] += np.abs(w[tok, slot][:, None] * _expert_ffn_ref(experts[e], qtypes, x[tok]))
     # Two roundings (x, then h) on random weights, relative to the output's max: measured (2026-11-30, this seed)
     # 1.5e-2 at 8 bits and 2.1e-4 at 16 bits; bounds 2.5x those (the 2^8 ratio of the step sizes does not carry over
-    # whole: h's rounding is relative to each block's max, and the sums average part of it out).
+    # whole: h's rounding is relative to each block's max, and the sums average part of it out). Measured again
+    # 2026-12-06 with llama.cpp's 8-bit scales: 2.6e-2 (Q2_K, per 256 values), 9.4e-3 (Q2_0 + MXFP4, per 32: each
+    # block rounds against a nearer max).
     rel = np.abs(y - ref).max() / np.abs(ref).max()
     assert rel < (0.04 if bits == 8 else 5e-4), rel
     # One token alone (decode) gets exactly its row of the batched result (prefill).
@@ -192,7 +242,7 @@ def test_portable_row_dots_equal_the_x86_ones(qtype):
     w = random_rows(qtype, 4, 512, rng)  # [4, row_bytes]
     X = rng.standard_normal((3, 512)).astype(np.float32)
     for bits in (16, 8):
-        xq, xd, xbs = qact.quantize_rows(X, bits)
+        xq, xd, xbs = qact.quantize_for(X, qtype, bits)
         acc = np.empty((3, 16), np.float32)
         for r in range(4):
             out, single, here = np.empty(3, np.float32), np.empty(3, np.float32), np.empty(3, np.float32)

@@ -55,8 +55,9 @@ def test_q4_k_tiles_hold_the_decoders_scales():
     assert not repack.fits(QType.Q4_0, 16, 512)  # no layout
 
 
-def _x8(X):
-    return qact.quantize_rows(np.ascontiguousarray(X, dtype=np.float32), 8)
+def _x8(X, qtype=QType.Q4_K):
+    """X at 8 bits in the layout a weight of this type takes (qact.act_group: per 32 values for Q8_0, MXFP4)."""
+    return qact.quantize_for(np.ascontiguousarray(X, dtype=np.float32), qtype, 8)
 
 
 @pytest.mark.parametrize("qtype", TILED, ids=IDS)
@@ -69,7 +70,7 @@ def test_tile_dot_has_the_bits_of_the_row_dots(qtype, R, C):
     raw = random_rows(qtype, R, C, rng)
     T = repack.MANY + 3  # the prefill form: one many-token call, then 3 tokens one by one
     X = rng.standard_normal((T, C)).astype(np.float32)
-    xq, xd, xbs = _x8(X)
+    xq, xd, xbs = _x8(X, qtype)
     tiles = repack.repack(raw, qtype)
     w_deq = dequantize(raw, qtype).reshape(R, C).astype(np.float64)
     x_deq = qact.dequantize_act(xq, xd).astype(np.float64)  # [T, C]
@@ -87,7 +88,8 @@ def test_tile_dot_has_the_bits_of_the_row_dots(qtype, R, C):
         assert (np.abs(y - w_deq @ x_deq[t]) <= bound).all()
 
 
-@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q2_K, QType.Q3_K, QType.MXFP4)],
+@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q2_K, QType.Q3_K, QType.IQ4_XS),
+                                   (QType.Q8_0, QType.MXFP4, QType.Q8_0)],
                          ids=lambda t: "-".join(q.name for q in t))
 def test_three_matrix_decode_call_has_the_bits_of_three_calls(types):
     """repack.tile_matvec3 (a decode step's q, k and v in one call; row counts not multiples of a task's 32 rows)
@@ -96,7 +98,7 @@ def test_three_matrix_decode_call_has_the_bits_of_three_calls(types):
     C = 512
     raws = [random_rows(q, R, C, rng) for q, R in zip(types, (72, 48, 40))]  # 9, 6, 5 row-groups: tasks of 4 and less
     tiles = [repack.repack(r, q) for r, q in zip(raws, types)]
-    xq, xd, xbs = _x8(rng.standard_normal((1, C)).astype(np.float32))
+    xq, xd, xbs = _x8(rng.standard_normal((1, C)).astype(np.float32), types[0])  # (the three take one layout)
     got = repack.tile_matvec3(tiles, types, xq, xd, xbs)
     for y, t, q in zip(got, tiles, types):
         assert np.array_equal(y, repack.tile_matmul(t, q, xq, xd, xbs))
@@ -175,7 +177,7 @@ def test_tile_dot_at_the_int16_bound(qtype):
     tiles = repack.repack(raw, qtype)
     for sign in (1, -1):
         X = np.full((repack.MANY, 256), sign * 126.75, np.float32)  # d = 1 (the power of two above 126.75 / 127)
-        xq, xd, xbs = _x8(X)
+        xq, xd, xbs = _x8(X, qtype)
         assert np.abs(xq).min() == 127  # q = +-127
         y = repack.tile_matmul(tiles, qtype, xq[:1], xd[:1], xbs[:1])[0]
         one = [qact.ACT_DOTS[qtype](raw[r], xq[0], xd[0], xbs[0]) for r in range(8)]
@@ -198,7 +200,7 @@ def test_every_form_of_the_tile_dot_has_the_same_bits(qtype, form):
     same bits, for one token and for MANY."""
     rng = np.random.default_rng(3)
     raw = random_rows(qtype, 16, 512, rng)
-    xq, xd, xbs = _x8(rng.standard_normal((repack.MANY, 512)))
+    xq, xd, xbs = _x8(rng.standard_normal((repack.MANY, 512)), qtype)
     tiles = repack.repack(raw, qtype)
     a, a4 = _form(qtype, form, tiles, xq, xd, xbs)
     here = repack.tile_matmul(tiles, qtype, xq, xd, xbs)  # [MANY, 16]
@@ -268,7 +270,7 @@ def test_two_row_group_dot_has_the_bits_of_two_calls(qtype):
     for raw in (random_rows(qtype, 40, 512, rng), np.concatenate([_extreme_rows(qtype)] * 5)):
         tiles = repack.repack(raw, qtype)
         G, C = tiles.shape[0], raw.shape[1] // repack.RAW_BYTES[qtype] * 256
-        xq, xd, xbs = _x8(rng.standard_normal((repack.MANY, C)) * rng.uniform(0.1, 100))
+        xq, xd, xbs = _x8(rng.standard_normal((repack.MANY, C)) * rng.uniform(0.1, 100), qtype)
         y2 = np.full((G - 1, repack.MANY, 16), np.nan, np.float32)
         y1 = np.full((G, repack.MANY, 8), np.nan, np.float32)
         _PAIR_RUNNERS[qtype](tiles, xq, xd, xbs, y2, y1)
@@ -368,6 +370,8 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
     for T, start, tok in ((1, [0, 1, 2, 3, 4], [0, 0, 0, 0]), (6, [0, 1, 6, 7, 9], [2, 0, 1, 2, 3, 5, 4, 1, 3]),
                           (70, [0, 70, 71, 74, 76], list(range(70)) + [3, 5, 9, 69, 0, 1])):
         x = rng.standard_normal((T, D)).astype(np.float32)
+        if qact.act_group(types[2], 8) == 32:  # h per 32 values has an fp16 scale (llama.cpp's block_q8_0): random
+            x *= np.float32(1e-3)  # Q4_K gate and up rows (|w| up to ~2000) make |h| ~ 1e8, past max|h| = 127 * 65504
         start, tok = np.array(start, np.int64), np.array(tok, np.int64)
         weight = rng.uniform(0.1, 1, tok.size).astype(np.float32)
 

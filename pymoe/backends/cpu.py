@@ -5,15 +5,16 @@ quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weigh
 the memory map) through `f32_matmul` (bits independent of T). Small float vectors (norms, biases, the shared-expert
 gate) are read once as float32.
 Two paths for quantized weights, chosen once by `act_bits`:
-  - integer (act_bits 16, the default, or 8 = llama.cpp's; PYMOE_ACT_BITS=8): weights of a type in
-    `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0, Q2_0; rows of whole 256-blocks) take the integer
-    path, as llama.cpp does: x is quantized per 256 values and each block is dotted in integer arithmetic
-    (quant/qact.py); the routed experts of a layer run in one fused kernel (`moe_experts`: gate + up + SwiGLU,
+  - integer (act_bits 16, the default, 8 = llama.cpp's, or "auto": 8 for the routed experts, 16 for the rest,
+    `ACT_MODES`; PYMOE_ACT_BITS=8): weights of a type in `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0,
+    Q2_0; rows of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values (at 8
+    bits per 32 for the formats llama.cpp pairs with block_q8_0: `qact.act_group`) and each block is dotted in
+    integer arithmetic (quant/qact.py); the routed experts of a layer run in one fused kernel (`moe_experts`: gate + up + SwiGLU,
     then down with the routing weights, all chosen experts and tokens in one parallel call);
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).
-Repacked weights (act_bits 8): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
+Repacked weights (the products at 8 bits): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
 (quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
 with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
 (`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read). The copies are
@@ -46,7 +47,23 @@ from .threads import ThreadGovernor, adaptive
 from .reference import DenseWeight, HostArrays, experts_one_by_one, host_dense
 from pymoe.quant import kernels, qact, repack
 from pymoe.quant.kernels import dot, exp_f32
-from pymoe.quant.qact import ACT_DTYPES, QK_K, has_int_dot, prefetch_line
+from pymoe.quant.qact import QK_K, has_int_dot, prefetch_line
+
+# --act-bits -> (the dense products' activation width, the routed experts'): 16 and 8 all at one width, 0 float
+# kernels only; "auto" 8-bit x for the routed experts (the bulk of a token's weights), 16-bit for the rest
+# (attention, shared expert, output head: docs/performance.md "Accuracy")
+ACT_MODES = {"16": (16, 16), "8": (8, 8), "0": (0, 0), "auto": (16, 8)}
+DEFAULT_ACT_BITS = "16"
+HEAD_NAMES = ("output.weight", "token_embd.weight")  # the output head's tensor (token_embd: a tied head)
+
+
+def act_mode(act_bits) -> tuple:
+    """--act-bits (8, 16, 0, "auto"; None: PYMOE_ACT_BITS, else DEFAULT_ACT_BITS) -> (its name, 8 / 16 / 0 / "auto",
+    dense bits, expert bits)."""
+    key = str(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", DEFAULT_ACT_BITS))
+    if key not in ACT_MODES:
+        raise ValueError(f"act_bits must be 0 (float), 8, 16 or auto, got {key}")
+    return (key if key == "auto" else int(key)), *ACT_MODES[key]
 
 
 @njit(parallel=True, cache=True)
@@ -351,8 +368,11 @@ _NO_SINKS = np.zeros(0, np.float32)  # attention_rows' sinks for a model without
 class CPUBackend(HostArrays):
     name = "cpu"
 
-    def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None):
-        """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only.
+    def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None,
+                 head_bits: Optional[int] = None):
+        """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only;
+        "auto": 8 bits for the routed experts, 16 for the dense products (ACT_MODES). head_bits: the output
+        head's own width (default: the dense products'; bench/act_accuracy.py measures what it costs).
         repack: keep 8-row repacked copies of the weights that have a layout (quant/repack.py) for the products
         at 8 bits (default: yes, unless PYMOE_REPACK=0)."""
         if threads:
@@ -360,10 +380,9 @@ class CPUBackend(HostArrays):
         self.threads = self.most = numba.get_num_threads()  # this forward call's team / the team on a quiet machine
         self.governor = ThreadGovernor(self.most) if adaptive(threads) else None  # backends/threads.py
         self._team = {}  # calling thread's ident -> the team size set there (Numba's count is per calling thread)
-        self.act_bits = int(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", 16))
-        if self.act_bits not in (0, *ACT_DTYPES):
-            raise ValueError(f"act_bits must be 0 (float), 8 or 16, got {self.act_bits}")
-        self.repack = self.act_bits == 8 and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
+        self.act_bits, self.dense_bits, self.expert_bits = act_mode(act_bits)  # (see ACT_MODES)
+        self.head_bits = None if head_bits is None else int(head_bits)
+        self.repack = 8 in (self.dense_bits, self.expert_bits, self.head_bits) and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
                                               else bool(repack))
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
@@ -380,9 +399,10 @@ class CPUBackend(HostArrays):
             self._team[me] = n
         self.threads = n
 
-    def integer_path(self, qtype: quant.QType, n_cols: int) -> bool:
-        """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels)."""
-        return self.act_bits != 0 and has_int_dot(qtype, n_cols)
+    def integer_path(self, qtype: quant.QType, n_cols: int, bits: Optional[int] = None) -> bool:
+        """Whether x @ W.T for W of this type and width runs on integer activations (else the float kernels), at
+        `bits` (default: the dense products')."""
+        return (self.dense_bits if bits is None else bits) != 0 and has_int_dot(qtype, n_cols)
 
     def warm_up(self, qtypes, progress: bool = False) -> None:
         """Compile (or load from Numba's on-disk cache) the kernels of these types now, at load time, so the first
@@ -401,7 +421,7 @@ class CPUBackend(HostArrays):
                 w = np.zeros((1, fmt.row_bytes(QK_K)), dtype=np.uint8)  # [1, row_bytes]: one 256-block
                 w.flags.writeable = False
                 for T in (1, 2):
-                    kernels.matmul_act(w, qtype, np.zeros((T, QK_K), dtype=np.float32), self.act_bits)
+                    kernels.matmul_act(w, qtype, np.zeros((T, QK_K), dtype=np.float32), self.dense_bits)
         # the other primitives: RMSNorm, RoPE, the row-by-row attention, the F32 kernel, the grouping of routed pairs,
         # the router
         x = np.zeros((2, 2), np.float32)
@@ -418,25 +438,29 @@ class CPUBackend(HostArrays):
             if qtype in repack.TILE_BYTES:
                 w = np.zeros((repack.ROWS, repack.RAW_BYTES[qtype]), dtype=np.uint8)  # 8 rows of 256 columns
                 w.flags.writeable = False  # like the read-only mmap views
-                repack.tile_matmul(repack.repack(w, qtype), qtype, *qact.quantize_rows(np.zeros((1, QK_K), np.float32), 8))
+                repack.tile_matmul(repack.repack(w, qtype), qtype, *qact.quantize_for(np.zeros((1, QK_K), np.float32),
+                                                                                      qtype, 8))
 
     def warm_up_experts(self, expert_types: dict) -> None:
         """Compile (or load) the fused expert kernel of one gate/up/down type triple."""
         qtypes = tuple(expert_types[p] for p in ("gate", "up", "down"))
-        if not all(self.integer_path(q, QK_K) for q in qtypes):
+        if not all(self.integer_path(q, QK_K, self.expert_bits) for q in qtypes):
             return
         gate, up, down = (np.zeros((QK_K, quant.get_format(q).row_bytes(QK_K)), dtype=np.uint8) for q in qtypes)
         ex = (gate, up, down)  # a 256 x 256 expert (D = F = 256)
         for m in ex:
             m.flags.writeable = False  # like the read-only mmap views: Numba compiles per array type
         x = np.zeros((1, QK_K), dtype=np.float32)
-        kernels.moe_act([ex], qtypes, x, [(np.zeros(1, np.int64), np.ones(1, np.float32))], self.act_bits)
+        kernels.moe_act([ex], qtypes, x, [(np.zeros(1, np.int64), np.ones(1, np.float32))], self.expert_bits)
 
     def dense(self, t: Tensor) -> DenseWeight:
         """With repacking: tiles for a weight of a type with a layout; else (the F32 router, a Q6_K head of rows not
         a multiple of 8, an IQ type) its rows copied, so that every product of a decode step reads 2 MiB pages."""
         w = host_dense(t)  # a view into the memory map
-        if self.repack and repack.fits(w.qtype, *w.shape):
+        if self.head_bits is not None and t.name in HEAD_NAMES:
+            w = replace(w, bits=self.head_bits)
+        bits = self.dense_bits if w.bits is None else w.bits
+        if self.repack and bits == 8 and repack.fits(w.qtype, *w.shape):
             w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token
             # products (decode)
         elif self.repack and self._arena.enabled:
@@ -463,7 +487,7 @@ class CPUBackend(HostArrays):
             return None
         if not host:
             return (*raw, *NO_TILES)
-        fits = [self.repack and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
+        fits = [self.repack and self.expert_bits == 8 and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
                 for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]
         mats = [repack.repack(m, q, self._arena.empty) if f else None
                 for q, m, f in zip(qtypes, (ex.gate, ex.up, ex.down), fits)]  # [rows / 8, row_tiles] or None
@@ -477,8 +501,9 @@ class CPUBackend(HostArrays):
     def linear(self, w: DenseWeight, x: np.ndarray) -> np.ndarray:
         """x float32 [T, C] -> [T, R]."""
         if w.tiles is not None:  # repacked: x quantized to 8 bits, the bits of matmul_act on the raw rows
-            return repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_rows(np.ascontiguousarray(x, np.float32), 8))
-        return self.linear_raw(w.raw, w.qtype, x)
+            return repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_for(np.ascontiguousarray(x, np.float32),
+                                                                             w.qtype, 8))
+        return self.linear_raw(w.raw, w.qtype, x, w.bits)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
                   sinks=None) -> np.ndarray:
@@ -532,32 +557,39 @@ class CPUBackend(HostArrays):
 
     def linear_many(self, ws: list, x: np.ndarray) -> list:
         """[linear(w, x) for w in ws], x quantized once for all the integer-path weights (q, k and v of a layer)."""
-        if x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None for w in ws):  # decode's q, k, v repacked:
-            xact = qact.quantize_rows(x, 8)  # one call for the three
+        groups = {qact.act_group(w.qtype, self.dense_bits) for w in ws}  # x's layout for each (qact.act_group)
+        if (x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None for w in ws)
+                and len(groups) == 1):  # decode's q, k, v repacked: one quantization, one call for the three
+            xact = qact.quantize_rows(x, 8, groups.pop())
             return repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
-        xact = None
+        xacts = {}  # values per scale -> x quantized so, once for every weight that takes it
         out = []
         for w in ws:
             if w.qtype != quant.QType.F32 and self.integer_path(w.qtype, x.shape[1]):
+                group = qact.act_group(w.qtype, self.dense_bits)
+                xact = xacts.get(group)
                 if xact is None:
-                    xact = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32), self.act_bits)
+                    xact = xacts[group] = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32),
+                                                             self.dense_bits, group)
                 if w.tiles is not None:
                     out.append(repack.tile_matmul(w.tiles, w.qtype, *xact))
                     continue
-                out.append(kernels.matmul_act(w.raw, w.qtype, x, self.act_bits, xact=xact))
+                out.append(kernels.matmul_act(w.raw, w.qtype, x, self.dense_bits, xact=xact))
             else:
                 out.append(self.linear(w, x))
         return out
 
-    def linear_raw(self, raw: np.ndarray, qtype: quant.QType, x: np.ndarray) -> np.ndarray:
-        """x float32 [T, C] @ W.T where W is stored as `raw` (float32 [R, C], or uint8 rows [R, row_bytes])."""
+    def linear_raw(self, raw: np.ndarray, qtype: quant.QType, x: np.ndarray, bits: Optional[int] = None) -> np.ndarray:
+        """x float32 [T, C] @ W.T where W is stored as `raw` (float32 [R, C], or uint8 rows [R, row_bytes]); bits:
+        the activations' width (default: the dense products')."""
+        bits = self.dense_bits if bits is None else bits
         if qtype == quant.QType.F32:  # per-row order independent of T (as above)
             w = raw if raw.dtype == np.float32 else raw.view(np.float32)  # [R, C]
             y = np.empty((x.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
             f32_matmul(np.ascontiguousarray(w), np.ascontiguousarray(x, dtype=np.float32), y)
             return y
-        if self.integer_path(qtype, x.shape[1]):
-            return kernels.matmul_act(raw, qtype, x, self.act_bits)  # [T, R]: x quantized once, integer dots
+        if self.integer_path(qtype, x.shape[1], bits):
+            return kernels.matmul_act(raw, qtype, x, bits)  # [T, R]: x quantized once, integer dots
         if x.shape[0] == 1:
             return quant.matvec(raw, qtype, x[0])[None, :]  # [1, R]: decode, one token
         return quant.matmul(raw, qtype, x)  # [T, R]: prefill, each weight block decoded once for all T
@@ -572,13 +604,16 @@ class CPUBackend(HostArrays):
         F = next(iter(experts.values())).gate.shape[0]
         D = x.shape[1]
         if ffn is not None:
-            return experts_one_by_one(self, experts, expert_types, x, ids, w, ffn)
+            return experts_one_by_one(_AtExpertBits(self), experts, expert_types, x, ids, w, ffn)
         fused = self._fused.get((qtypes, D, F))
         if fused is None:  # decided once per layer shape (three calls each layer and token otherwise)
-            fused = self._fused[(qtypes, D, F)] = (self.integer_path(qtypes[0], D) and self.integer_path(qtypes[1], D)
-                                                   and self.integer_path(qtypes[2], F))
+            eb = self.expert_bits
+            fused = self._fused[(qtypes, D, F)] = (self.integer_path(qtypes[0], D, eb)
+                                                   and self.integer_path(qtypes[1], D, eb)
+                                                   and self.integer_path(qtypes[2], F, eb)  # gate and up share x's
+                                                   and qact.act_group(qtypes[0], eb) == qact.act_group(qtypes[1], eb))
         if not fused:
-            return experts_one_by_one(self, experts, expert_types, x, ids, w)
+            return experts_one_by_one(_AtExpertBits(self), experts, expert_types, x, ids, w)
         used, start, tok, weight = group_by_expert(np.ascontiguousarray(ids, dtype=np.int64),
                                                   np.ascontiguousarray(w, dtype=np.float32))
         used = used.tolist()  # [S] the expert ids, ascending
@@ -588,9 +623,9 @@ class CPUBackend(HostArrays):
         rows = [self.expert_row(e, qtypes, D) for e in ex]
         if None not in rows:  # every expert checked: the kernel straight away
             return kernels.moe_act_table(np.array(rows, dtype=np.int64), qtypes, F, x, start, tok, weight,
-                                         self.act_bits, self.threads)
+                                         self.expert_bits, self.threads)
         return kernels.moe_act_grouped([(e.gate, e.up, e.down) for e in ex], qtypes, x, start, tok, weight,
-                                       self.act_bits)  # copies made contiguous, shapes checked (and no tiles)
+                                       self.expert_bits)  # copies made contiguous, shapes checked (and no tiles)
 
     # --- memory: host RAM ---------------------------------------------------------------------------------------------
     def new_pool(self, n_slots: int, slot_bytes: int, layouts: list) -> HostPool:
@@ -598,3 +633,15 @@ class CPUBackend(HostArrays):
 
     def new_kv(self, n_ctx: int):
         return None  # the engine's host KV cache
+
+
+class _AtExpertBits:
+    """The backend as one-expert-at-a-time code sees it (reference.swiglu_expert calls `linear_raw` only): its
+    products at the routed experts' width."""
+
+    def __init__(self, backend: CPUBackend):
+        self.backend = backend
+
+    def linear_raw(self, raw: np.ndarray, qtype: quant.QType, x: np.ndarray) -> np.ndarray:
+        return self.backend.linear_raw(raw, qtype, x, self.backend.expert_bits)
+

@@ -249,6 +249,7 @@ class DenseWeight:
     raw: np.ndarray
     shape: tuple  # (R, C)
     tiles: Optional[np.ndarray] = None  # uint8 [R / 8, row_tiles]
+    bits: Optional[int] = None  # the CPU backend's activation width for this weight, where not its dense one
 
 
 def host_dense(t: Tensor) -> DenseWeight:

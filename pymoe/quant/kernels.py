@@ -218,7 +218,7 @@ from numba import carray, types as nbtypes  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import qact  # noqa: E402  (qact imports the registry filled above)
-from .qact import QK_K, SUB, prefetch_ahead, quantize_act  # noqa: E402
+from .qact import QK_K, SUB, prefetch_ahead, quantize_act_in  # noqa: E402
 from . import repack  # noqa: E402
 from .repack import MANY as TILE_MANY, ROWS as TILE_ROWS, TOKENS as TILE_TOKENS  # noqa: E402
 
@@ -390,22 +390,23 @@ def _moe_quantize_x(x, D, tok, xq, xd, xbs, qmax):
     # row: one parallel region); a prefill chunk each token's row once, then copies it to its pairs (K times less
     # quantizing, one more region). The same function on the same row: the same bits either way.
     T, P = x.shape[0], tok.shape[0]
+    group = D // xd.shape[1]  # values per scale of x: 256, or 32 (qact.act_group of the gate and up type)
     if T == 1:  # decode: the one row quantized once, here, and copied to its K pairs (a parallel region to quantize
         # K copies of one row cost ~3 us of launch a layer)
-        quantize_act(x[0], xq[0], xd[0], xbs[0], qmax)
+        quantize_act_in(x[0], xq[0], xd[0], xbs[0], qmax, group)
         for p in range(1, P):
             xq[p] = xq[0]
             xd[p] = xd[0]
             xbs[p] = xbs[0]
     elif P <= T:
         for p in prange(P):
-            quantize_act(x[tok[p]], xq[p], xd[p], xbs[p], qmax)
+            quantize_act_in(x[tok[p]], xq[p], xd[p], xbs[p], qmax, group)
     else:
         xt = np.empty((T, D), dtype=xq.dtype)  # [T, D] each token's row, quantized once
         xdt = np.empty((T, xd.shape[1]), dtype=np.float32)
         xbst = np.empty((T, xbs.shape[1]), dtype=np.int32)
         for t in prange(T):
-            quantize_act(x[t], xt[t], xdt[t], xbst[t], qmax)
+            quantize_act_in(x[t], xt[t], xdt[t], xbst[t], qmax, group)
         for p in prange(P):
             xq[p] = xt[tok[p]]
             xd[p] = xdt[tok[p]]
@@ -417,6 +418,7 @@ def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
     experts a multiple of the threads): one task per expert, its gate, up, SwiGLU and down one after another into
     its own row of `o`; the experts' outputs then added into y[0] in expert order, with their routing weights."""
     n_exp = tiles.shape[0]
+    hg = F // hd.shape[1]  # values per scale of h: 256, or 32 (qact.act_group of the down type)
     o = np.empty((n_exp, D), dtype=np.float32)  # [S, D] each expert's down(h), before its routing weight
     for k in prange(n_exp):
         a = start[k]  # its one pair
@@ -434,7 +436,7 @@ def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
             for j in range(MOE_ROWS_PER_TASK):  # (as in the gate/up tasks below)
                 hb[j] = g[j] / (np.float32(1.0) + exp_f32(-g[j])) * u[j]
             r1 = r0 + MOE_ROWS_PER_TASK
-            quantize_act(hb, hq[a, r0:r1], hd[a, r0 // QK_K:r0 // QK_K + 1], hbs[a, r0 // SUB:r1 // SUB], qmax)
+            quantize_act_in(hb, hq[a, r0:r1], hd[a, r0 // hg:r1 // hg], hbs[a, r0 // SUB:r1 // SUB], qmax, hg)
         for q in range(D // TILE_ROWS):
             TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
     for k in range(n_exp):  # y += weight * o[k], expert by expert (the down tasks' order)
@@ -448,6 +450,7 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
     rows of gate x and up x for all the expert's pairs (from repacked tiles, decoded scratch tiles or raw rows),
     then silu(gate x) * up x quantized into its block of hq, hd, hbs."""
     n_exp = addr.shape[0]
+    hg = F // hd.shape[1]  # values per scale of h: 256, or 32 (qact.act_group of the down type)
     gate_bytes = D // QK_K * GATE_SIZE
     up_bytes = D // QK_K * UP_SIZE
     blocks_f = F // MOE_ROWS_PER_TASK  # (F: whole 256-blocks, or no integer path: qact.has_int_dot)
@@ -552,14 +555,14 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
                     else:
                         ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g[:, r - r0])
                         ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u[:, r - r0])
-            blk = r0 // QK_K
             for i in range(c0, c1):  # silu(g) * u, a vector loop over the rows (exp_f32: no libm call per value)
                 gi, ui = g[i - c0], u[i - c0]
                 for j in range(MOE_ROWS_PER_TASK):
                     hb[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]
                 # one block of the pair's row of h quantized: the bits of quantizing the whole row (its blocks are
                 # independent)
-                quantize_act(hb, hq[a + i, r0:r1], hd[a + i, blk:blk + 1], hbs[a + i, r0 // SUB:r1 // SUB], qmax)
+                quantize_act_in(hb, hq[a + i, r0:r1], hd[a + i, r0 // hg:r1 // hg], hbs[a + i, r0 // SUB:r1 // SUB],
+                                qmax, hg)
 
 
 def _moe_down(addr, tiles, F, D, start, tok, weight, hq, hd, hbs, qmax, y, threads, ahead):
@@ -792,15 +795,20 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
 
 def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=None) -> np.ndarray:
     """Y = X W^T by the integer path: w_raw uint8 [R, row_bytes] of a K type, X float32 [T, C] -> float32 [T, R],
-    X quantized to `bits` (16 or 8) per 256 values. T = 1 runs the mat-vec kernel. xact: X already quantized
-    (`qact.quantize_rows(X, bits)`), to share one quantization between matrices that multiply the same X."""
+    X quantized to `bits` (16 or 8) per 256 values, or per 32 (8 bits, `qact.act_group`). T = 1 runs the mat-vec
+    kernel. xact: X already quantized (`qact.quantize_for(X, qtype, bits)`), to share one quantization between
+    matrices that multiply the same X."""
     fmt = get_format(qtype)
     w = weight_rows(w_raw, fmt)  # [R, row_bytes]
     X = np.ascontiguousarray(X, dtype=np.float32)  # [T, C]
     if X.ndim != 2 or X.shape[1] != cols_of(w, fmt) or not qact.has_int_dot(fmt.qtype, X.shape[1]):
         raise ValueError(f"matmul_act: X must have shape (T, {cols_of(w, fmt)}) for {fmt.name} weights "
                          f"{w.shape[0]}x{cols_of(w, fmt)} of a type with an integer dot, got {X.shape}")
-    xq, xd, xbs = xact if xact is not None else qact.quantize_rows(X, bits)  # [T, C], [T, C/256], [T, C/16]
+    # [T, C], [T, C/256] (or C/32: qact.act_group), [T, C/16]
+    xq, xd, xbs = xact if xact is not None else qact.quantize_for(X, fmt.qtype, bits)
+    if xd.shape[1] * qact.act_group(fmt.qtype, xq.dtype.itemsize * 8) != X.shape[1]:
+        raise ValueError(f"matmul_act: {fmt.name} takes x with a scale per {qact.act_group(fmt.qtype, bits)} values, "
+                         f"got xd of shape {xd.shape}")
     if (xq.dtype == np.int8 and X.shape[0] >= DECODE_MIN_TOKENS and _DECODE and fmt.qtype in qact.ROW_DECODES
             and w.shape[0] % TILE_ROWS == 0):  # IQ1-IQ3 in prefill: the matrix decoded, then tiles: the same bits
         return repack.decoded_matmul(w, fmt.qtype, xq, xd, xbs)
@@ -852,6 +860,16 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
     return moe_act_table(table, qtypes, F, x, start, tok, weight, bits)
 
 
+def moe_groups(qtypes, bits: int) -> tuple:
+    """(values per scale of x, of h) in the MoE kernel: qact.act_group of the gate (= the up) type and of the down
+    type. Gate and up read the same quantized x, so their groups must agree."""
+    g, u, dn = (qact.act_group(q, bits) for q in qtypes)
+    if g != u:
+        raise ValueError(f"moe_act: gate {QType(qtypes[0]).name} and up {QType(qtypes[1]).name} take x in different "
+                         f"blocks ({g}, {u} values a scale)")
+    return g, dn
+
+
 def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.ndarray, tok: np.ndarray,
                   weight: np.ndarray, bits: int = 16, threads: int = 0) -> np.ndarray:
     """The fused kernel's own call: moe_act_grouped with the experts given as addr int64 [S, 6], per expert the
@@ -864,11 +882,12 @@ def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.nda
     T, D = x.shape
     P = tok.shape[0]
     dtype = qact.ACT_DTYPES[bits]
+    xg, hg = moe_groups(qtypes, bits)
     xq = np.empty((P, D), dtype=dtype)  # [P, D] x quantized, one row per pair (the kernel fills them)
-    xd = np.empty((P, D // QK_K), dtype=np.float32)
-    xbs = np.empty((P, D // qact.SUB), dtype=np.int32)
+    xd = np.empty((P, D // xg), dtype=np.float32)  # [P, D / 256] or [P, D / 32]: the kernel reads the layout off
+    xbs = np.empty((P, D // qact.SUB), dtype=np.int32)  # the shapes
     hq = np.empty((P, F), dtype=dtype)
-    hd = np.empty((P, F // QK_K), dtype=np.float32)
+    hd = np.empty((P, F // hg), dtype=np.float32)
     hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
     y = np.zeros((T, D), dtype=np.float32)  # [T, D]
     act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, np.ascontiguousarray(x, dtype=np.float32), xq, xd,

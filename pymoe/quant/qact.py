@@ -1,4 +1,4 @@
-"""Integer activations: x quantized per 256 values, and the integer dot products of every K-quant with it.
+"""Integer activations: x quantized per 256 (or 32) values, and the integer dot products of every K-quant with it.
 
 What this is: the fast path of a quantized mat-vec, the way llama.cpp computes it on a CPU. Instead of decoding the
 weights to float and multiplying by float x, x is quantized once per call, and each weight block is dotted with it
@@ -14,6 +14,11 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
      moves the logits of the tiny test models by as much as llama.cpp's own 8-bit run does (bench/act_accuracy.py),
      16-bit x stays within ~1e-3 of float math. The kernels take either: the width is the dtype of qs
      (`CPUBackend(act_bits=8)` selects int8).
+     At 8 bits, the formats llama.cpp pairs with block_q8_0 (ACT32_TYPES: Q8_0, Q4_0, Q2_0, MXFP4, IQ4_NL) take x
+     per 32 values instead, `quantize_act32` (twin `quantize_act32_ref`, ggml's quantize_row_q8_0_ref bit for bit):
+        d     float32 [C / 32]      fp16(max|x| / 127) as float32, q = roundf(x / (max|x| / 127))
+     (qs and bsums as above). `act_group(qtype, bits)` says which; the row dots of those formats multiply each
+     group's weight scale by its own d of x (`_GroupScaleCode.times_dx`).
   2. Row dots, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation to 64 bits,
      and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the IR states the
      narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpmaddubsw` / `vpdpbusd`):
@@ -112,9 +117,43 @@ def quantize_act_ref(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndar
 
 
 def dequantize_act(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """The values the integer path really multiplies: qs [T, C], d [T, C/256] -> float32 [T, C] = d * q."""
+    """The values the integer path really multiplies: qs [T, C], d [T, C/256] or [T, C/32] (per-32 blocks) ->
+    float32 [T, C] = d * q."""
     T, C = qs.shape
-    return (qs.reshape(T, -1, QK_K).astype(np.float32) * d[:, :, None]).reshape(T, C)
+    return (qs.reshape(T, d.shape[1], -1).astype(np.float32) * d[:, :, None]).reshape(T, C)
+
+
+# 8-bit activations per 32 values (llama.cpp's block_q8_0): the x of the formats whose ggml-cpu type traits name
+# GGML_TYPE_Q8_0 as their vec_dot_type, among those with an integer dot here (Q4_1/Q5_1, paired with Q8_1, and Q5_0
+# take the float path). One scale per 32-weight group of the weight is one per 32 values of x: the row dots' group
+# scales times x's (`_GroupScaleCode.times_dx`). The others (K-quants, IQ1-IQ4_XS) pair with block_q8_K (per 256).
+ACT32_TYPES = frozenset({QType.Q4_0, QType.Q8_0, QType.IQ4_NL, QType.MXFP4, QType.Q2_0})
+QK8_0 = 32  # values per block_q8_0
+
+
+def act_group(qtype, bits: int) -> int:
+    """The values per activation scale that a weight of this type is dotted with: 32 (8-bit x for a Q8_0-paired
+    format, llama.cpp's block_q8_0), else 256 (block_q8_K at 8 bits; every format at 16 bits)."""
+    return QK8_0 if bits == 8 and qtype in ACT32_TYPES else QK_K
+
+
+def quantize_act32_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 [T, C] (C a multiple of 256) -> (qs int8 [T, C], d float32 [T, C/32], bsums int32 [T, C/16]):
+    ggml's quantize_row_q8_0_ref per 32 values, its fp16 scale as float32 (exact). Per block: d = max|x| / 127
+    (float32), id = 1 / d (0 for an all-zero block), q = roundf(x * id) (half away from zero; within +-127: x * id
+    is at most 127 (1 + 2^-22)), the stored scale fp16(d) (round to nearest even). q is rounded against the float32
+    d, the dot multiplies by the fp16 one: as llama.cpp. bsums as quantize_act_ref's (what the VNNI tile dots take
+    off)."""
+    x = np.asarray(x, dtype=np.float32)
+    T, C = x.shape
+    blocks = x.reshape(T, C // QK8_0, QK8_0)  # [T, C/32, 32]
+    d = (np.abs(blocks).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)  # [T, C/32, 1]
+    with np.errstate(divide="ignore"):
+        iscale = np.where(d > 0, np.float32(1) / np.where(d > 0, d, 1), np.float32(0)).astype(np.float32)
+    v = (blocks * iscale).astype(np.float32)  # [T, C/32, 32]
+    qs = (np.sign(v) * np.floor(np.abs(v).astype(np.float64) + 0.5)).astype(np.int8)  # roundf
+    bsums = qs.reshape(T, C // SUB, SUB).astype(np.int32).sum(axis=-1)  # [T, C/16]
+    return qs.reshape(T, C), d.astype(np.float16).astype(np.float32).reshape(T, C // QK8_0), bsums.astype(np.int32)
 
 
 @njit(cache=True)
@@ -152,22 +191,76 @@ def quantize_act(x, qs, d, bsums, qmax):
             bsums[b * (QK_K // SUB) + s] = acc
 
 
+@njit(cache=True, inline="always")
+def fp16_round(v):
+    """float32 v >= 0 -> the float32 of its nearest fp16 (ties to even; GGML_FP32_TO_FP16 then back, exact):
+    11 significant bits, the subnormals' step 2^-24 below 2^-14, infinity from 65520 on."""
+    a = np.float64(v)
+    if a >= 65520.0:
+        return np.float32(np.inf)
+    if a < 2.0 ** -14:
+        return np.float32(np.rint(a * 2.0 ** 24) * 2.0 ** -24)
+    m, e = math.frexp(a)  # a = m 2^e, m in [0.5, 1)
+    return np.float32(math.ldexp(np.rint(math.ldexp(m, 11)), e - 11))
+
+
 @njit(cache=True)
-def quantize_act_rows(x, qs, d, bsums, qmax):
-    """x float32 [T, C] -> qs [T, C], d [T, C/256], bsums [T, C/16] (written), row by row."""
+def quantize_act32(x, qs, d, bsums):
+    """One row, 8 bits per 32 values: x float32 [C] -> qs int8 [C], d float32 [C/32], bsums int32 [C/16]
+    (written). Twin of `quantize_act32_ref` (ggml's quantize_row_q8_0_ref), bit for bit."""
+    for b in range(x.shape[0] // QK8_0):
+        xb = x[b * QK8_0:(b + 1) * QK8_0]  # [32]
+        amax = np.float32(0.0)
+        for i in range(QK8_0):
+            amax = max(amax, abs(xb[i]))
+        db = amax / np.float32(127.0)
+        iscale = np.float32(1.0) / db if db > 0 else np.float32(0.0)
+        d[b] = fp16_round(db)
+        for i in range(QK8_0):  # roundf: half away from zero (|v| + 1/2 exact in float64)
+            v = xb[i] * iscale
+            r = np.int32(math.floor(np.float64(abs(v)) + 0.5))
+            qs[b * QK8_0 + i] = -r if v < 0 else r
+    for s in range(x.shape[0] // SUB):
+        acc = np.int32(0)
+        for i in range(SUB * s, SUB * s + SUB):
+            acc += np.int32(qs[i])
+        bsums[s] = acc
+
+
+@njit(cache=True, inline="always")
+def quantize_act_in(x, qs, d, bsums, qmax, group):
+    """quantize_act (group 256) or quantize_act32 (group 32, qmax 127) of one row: what the kernels call, the
+    layout given by the weight's type (`act_group`)."""
+    if group == QK8_0:
+        quantize_act32(x, qs, d, bsums)
+    else:
+        quantize_act(x, qs, d, bsums, qmax)
+
+
+@njit(cache=True)
+def quantize_act_rows(x, qs, d, bsums, qmax, group):
+    """x float32 [T, C] -> qs [T, C], d [T, C/group], bsums [T, C/16] (written), row by row."""
     for t in range(x.shape[0]):
-        quantize_act(x[t], qs[t], d[t], bsums[t], qmax)
+        quantize_act_in(x[t], qs[t], d[t], bsums[t], qmax, group)
 
 
-def quantize_rows(x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 [T, C] -> fresh (qs, d, bsums) of T rows (the Numba quantizer)."""
+def quantize_rows(x: np.ndarray, bits: int = 16, group: int = QK_K) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 [T, C] -> fresh (qs, d, bsums) of T rows (the Numba quantizer); group 32 (8 bits only): one scale
+    per 32 values (`act_group`)."""
     dtype = np.dtype(ACT_DTYPES[bits])
+    if group != QK_K and (group != QK8_0 or bits != 8):
+        raise ValueError(f"activation group must be 256, or 32 at 8 bits; got {group} at {bits}")
     T, C = x.shape
     qs = np.empty((T, C), dtype=dtype)  # [T, C]
-    d = np.empty((T, C // QK_K), dtype=np.float32)  # [T, nb]
+    d = np.empty((T, C // group), dtype=np.float32)  # [T, C/group]
     bsums = np.empty((T, C // SUB), dtype=np.int32)  # [T, C/16]
-    quantize_act_rows(np.ascontiguousarray(x, dtype=np.float32), qs, d, bsums, qmax_of(dtype))
+    quantize_act_rows(np.ascontiguousarray(x, dtype=np.float32), qs, d, bsums, qmax_of(dtype), group)
     return qs, d, bsums
+
+
+def quantize_for(x: np.ndarray, qtype, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """quantize_rows(x, bits) in the layout a weight of this type is dotted with (`act_group`)."""
+    return quantize_rows(x, bits, act_group(qtype, bits))
 
 
 def _prefetch(locality: int, name: str):
@@ -614,9 +707,9 @@ class _GroupScaleCode:
         bits = builder.select(builder.icmp_unsigned("<", e, vec(i32, 8, [2] * 8)), small, normal)
         return builder.bitcast(bits, ir.VectorType(f32, 8))
 
-    def times_dx(self, builder, d, dx):  # the groups' scales float32 [8] times the row's block scale: d_g * dx,
-        # each rounded once
-        return builder.fmul(d, splat(builder, dx, 8))
+    def times_dx(self, builder, d, dx):  # the groups' scales float32 [8] times x's: the block's one scale dx
+        # (per 256 values), or its 8 (float32 [8], per 32: 8-bit x), d_g * dx_g; each rounded once
+        return builder.fmul(d, dx if isinstance(dx.type, ir.VectorType) else splat(builder, dx, 8))
 
 
 class _BlockCode:
@@ -863,6 +956,11 @@ class _RowDotCode(_GridCode, _GroupScaleCode, _BlockCode, _StepCode):
         self.negative = (codebook is not None or signed_values or value_bias != 0  # a weight's integer can be
                          or any(isinstance(g, Grid) for g in groups))  # negative
 
+    def x32(self, xbits: int) -> bool:
+        """Whether x comes with a scale per 32 values (8 bits, a format of group scales: `act_group`'s 32; the
+        formats with group_scales are exactly ACT32_TYPES)."""
+        return xbits == 8 and self.group_scales is not None
+
     def codegen_one(self, context, builder, signature, args):
         arrays = [context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args)]
         wa, xa, xda, bsa = arrays
@@ -871,7 +969,10 @@ class _RowDotCode(_GridCode, _GroupScaleCode, _BlockCode, _StepCode):
         acc = cgutils.alloca_once_value(builder, ir.Constant(v16f, [0.0] * 16))
         with cgutils.for_range(builder, n_blocks) as loop:
             block, d, dmin, o_ = self.block_at(builder, wa.data, loop.index, self.prescale_one, xbits)  # one row
-            dx = builder.load(builder.gep(xda.data, [loop.index]))
+            if self.x32(xbits):  # the block's 8 scales of x, one a group
+                dx = load(builder, xda.data, builder.mul(loop.index, ir.Constant(i64, 8)), f32, 8)
+            else:
+                dx = builder.load(builder.gep(xda.data, [loop.index]))
             builder.store(self.row_step(builder, block, d, dmin, xa.data, xbits, o_, dx, bsa.data, loop.index,
                                    builder.load(acc)), acc)
         return reduce(builder, builder.load(acc))
@@ -893,11 +994,13 @@ class _RowDotCode(_GridCode, _GroupScaleCode, _BlockCode, _StepCode):
             block, d, dmin, o_ = self.block_at(builder, wa.data, b_, True, xbits)  # unpacked (scaled) once, every row
             with cgutils.for_range(builder, n_rows) as t:
                 xrow = at(builder, xb, builder.mul(t.index, xs), ir.IntType(xbits))
-                dx_ptr = at(builder, xdb, builder.add(builder.mul(t.index, xds), builder.mul(b_, ir.Constant(i64, 4))),
-                            f32)
+                n_dx = 8 if self.x32(xbits) else 1  # scales of x per block: 8 (per 32 values) or 1
+                dx_ptr = at(builder, xdb, builder.add(builder.mul(t.index, xds),
+                                                      builder.mul(b_, ir.Constant(i64, 4 * n_dx))), f32)
+                dx = load(builder, dx_ptr, ir.Constant(i64, 0), f32, 8) if n_dx == 8 else builder.load(dx_ptr)
                 bsrow = at(builder, bsb, builder.mul(t.index, bss), i32)
                 acc_ptr = builder.bitcast(at(builder, accb, builder.mul(t.index, accs), f32), v16f.as_pointer())
-                new = self.row_step(builder, block, d, dmin, xrow, xbits, o_, builder.load(dx_ptr), bsrow, b_,
+                new = self.row_step(builder, block, d, dmin, xrow, xbits, o_, dx, bsrow, b_,
                                builder.load(acc_ptr, align=4))
                 builder.store(new, acc_ptr, align=4)
         with cgutils.for_range(builder, n_rows) as t:

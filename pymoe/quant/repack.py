@@ -593,10 +593,15 @@ class _Emit:
 
 class _Tok:
     """One token's activations as a tile block sees them: xq's row (int8*), the block's first activation xo, its scale
-    dx (float), the row's bsums (int32*) and the block's first bsum bso."""
+    dx (float; None for x per 32 values, whose 8 scales of the block start at xd + xdo: `dx_of`), the row's bsums
+    (int32*) and the block's first bsum bso."""
 
-    def __init__(self, xbase, xo, dx, bsbase, bso):
+    def __init__(self, xbase, xo, dx, bsbase, bso, xd=None, xdo=None):
         self.xbase, self.xo, self.dx, self.bsbase, self.bso = xbase, xo, dx, bsbase, bso
+        self.xd, self.xdo = xd, xdo
+
+    def dx_of(self, e: "_Emit", g: int):  # the scale of x over group g (values 32 g .. 32 g + 31) of the block, float
+        return self.dx if self.xd is None else e.load(self.xd, e.at(self.xdo, g), _f32)
 
     def bsum32(self, e: "_Emit", j: int):  # the sum of the block's activations 32 j .. 32 j + 31 (two bsums), int32
         return e.b.add(e.load(self.bsbase, e.at(self.bso, 2 * j), _i32),
@@ -795,7 +800,7 @@ def _block_mxfp4(e: _Emit, wbase, t, toks, accs):
         scale = b.bitcast(b.select(b.icmp_unsigned("<", ev, _vec(_i32, 8, [2] * 8)), small, normal), _V8F)
         for i, x in enumerate(toks):
             isum = e.sub_scaled(s[i])  # [8]: row r's 32 products
-            accs[i] = e.fma(b.sitofp(isum, _V8F), b.fmul(scale, e.splat(x.dx, _f32, 8)), accs[i])
+            accs[i] = e.fma(b.sitofp(isum, _V8F), b.fmul(scale, e.splat(x.dx_of(e, g), _f32, 8)), accs[i])
     return accs
 
 
@@ -866,7 +871,7 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
             isum = s[i]
             if e.vnni and not e.pair:  # row r: sum (w + 128) x - 128 * the group's bsum
                 isum = _minus_128_bsum(e, isum, x, g)
-            accs[i] = e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), accs[i])
+            accs[i] = e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx_of(e, g), _f32, e.lanes)), accs[i])
     return accs
 
 
@@ -931,7 +936,10 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
         e = _Emit(builder, avx2, vnni, wide, cgutils.unpack_tuple(builder, ta.strides, 2)[0] if pair else None)
         nd = signature.args[1].ndim
+        x32 = qtype in qact.ACT32_TYPES  # x per 32 values (qact.act_group): 8 scales of x a block
         nb = cgutils.unpack_tuple(builder, xda.shape, nd)[nd - 1]
+        if x32:
+            nb = builder.udiv(nb, ir.Constant(_i64, 8))
 
         def rows(a, ty):  # the n_tok row pointers of a C-contiguous array (nd 1: the array itself)
             if nd == 1:
@@ -954,8 +962,12 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
                 for c in range(0, size, 64):
                     ptr = builder.gep(ta.data, [builder.add(t, ir.Constant(_i64, ahead + c))])
                     builder.call(prefetch, [ptr, *(ir.Constant(i32, v) for v in (0, locality, 1))])  # read, data
-            toks = [_Tok(xr, xo, builder.load(builder.gep(xdr, [bi])), bsr, bso)
-                    for xr, xdr, bsr in zip(xrows, xdrows, bsrows)]
+            if x32:
+                xdo = builder.mul(bi, ir.Constant(_i64, 8))
+                toks = [_Tok(xr, xo, None, bsr, bso, xdr, xdo) for xr, xdr, bsr in zip(xrows, xdrows, bsrows)]
+            else:
+                toks = [_Tok(xr, xo, builder.load(builder.gep(xdr, [bi])), bsr, bso)
+                        for xr, xdr, bsr in zip(xrows, xdrows, bsrows)]
             accs = block(e, ta.data, t, toks, [builder.load(p) for p in acc_ps])
             for p, acc in zip(acc_ps, accs):
                 builder.store(acc, p)
@@ -1224,9 +1236,19 @@ def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2):
 _MATVEC3 = {}  # (three QTypes) -> the compiled _tile_matvec3_template
 
 
+def _check_x(qtype, xq: np.ndarray, xd: np.ndarray) -> None:
+    """x's scales are in the layout this format's tile dot reads (the dot takes its block count from xd)."""
+    if xd.shape[-1] * (32 if qtype in qact.ACT32_TYPES else QK_K) != xq.shape[-1]:
+        raise ValueError(f"tile dot: {getattr(qtype, 'name', qtype)} takes x with a scale per "
+                         f"{32 if qtype in qact.ACT32_TYPES else QK_K} values, got xd {xd.shape} for xq {xq.shape}")
+
+
 def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> list:
     """[tile_matmul(t, q, xq, xd, xbs) for t, q in zip(tiles, qtypes)] for three matrices and one token (xq int8
-    [1, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of call and region each)."""
+    [1, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of call and region each). The
+    three take x in one layout (qact.act_group)."""
+    for q in qtypes:
+        _check_x(q, xq, xd)
     key = tuple(qtypes)  # QType is an IntEnum: an int key finds its member's entry (no enum call per token)
     fn = _MATVEC3.get(key)
     if fn is None:
@@ -1240,7 +1262,9 @@ def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs:
 
 def tile_matmul(tiles: np.ndarray, qtype, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> np.ndarray:
     """X W^T -> float32 [T, R], W as tiles uint8 [R / 8, nb * TILE_BYTES] of qtype, X as T rows of 8-bit activations
-    (xq int8 [T, C], xd [T, C/256], xbs [T, C/16]). Row t has the bits of the one-row dot on row t alone."""
+    (xq int8 [T, C], xd [T, C/256] or [T, C/32] as qact.act_group says for qtype, xbs [T, C/16]). Row t has the bits
+    of the one-row dot on row t alone."""
+    _check_x(qtype, xq, xd)
     y = np.empty((xq.shape[0], tiles.shape[0] * ROWS), dtype=np.float32)  # [T, R]
     _MATMULS[qtype](tiles, xq, xd, xbs, y, AHEAD)  # keyed by QType, an IntEnum: an int finds it too
     return y
