@@ -3,7 +3,7 @@
 What this is: two requests decoded at once by the server's scheduler (serve/scheduler.Scheduler, `--parallel 2`) on
 the CUDA backend, each answer equal to the same request decoded alone and to the reference backend's greedy tokens
 (the float path: the same math as the device kernels). The slots keep host KV caches (the device KV cache is lent to
-one sequence at a time: docs/expert-cache.md "Where version 2 still runs"), so their decode steps run version 2 with
+one sequence at a time: docs/expert-cache.md "The decode step on the device"), so their decode steps run version 2 with
 the experts through the device slot pool, misses included (4 slots, pcie_frac 0.5: slot, spill and cpu paths all
 taken). Families: a plain GQA one, a Gated DeltaNet hybrid (recurrent state per slot) and MLA with expert groups.
 """
