@@ -7,7 +7,8 @@ wrapped without a copy; CuPy is never imported here):
   quant_matvec.py  matvec / matmul of raw GGML rows of every pymoe.quant format (VRAM slot or mapped host memory)
   moe.py           expert_block: SwiGLU gate+up fused, down with the routing weight accumulated into Y
   norm_rope.py     rmsnorm, rope (NEOX and normal pairing), add_bias
-  attention.py     decode_attention: one query token against the KV cache, GQA, causal by construction
+  attention.py     decode_attention (one query token), chunk_attention (a prompt chunk, one launch) against the KV
+                   cache, GQA, causal by construction
   mla.py           DeepSeek's MLA pieces: the compressed cache row, the absorbed query, the value up-projection
   route_groups.py  DeepSeek's group-limited router (top K within the best expert groups)
   step.py          the decode step on the device: embedding, residual adds, routers, routed experts, argmax
@@ -28,10 +29,10 @@ Numba CUDA itself: numba (0.60+) still ships the built-in `numba.cuda` target, d
 `numba-cuda` package, which, when installed, transparently replaces `numba.cuda` (it needs the `cuda-bindings`
 package even for the simulator). The code here uses only the API common to both.
 """
-from .attention import decode_attention
+from .attention import chunk_attention, decode_attention
 from .moe import expert_block
 from .norm_rope import add_bias, rmsnorm, rope
 from .quant_matvec import DEVICE_FORMATS, decode_rows_cpu, matmul, matvec
 
-__all__ = ["matvec", "matmul", "expert_block", "rmsnorm", "rope", "add_bias", "decode_attention", "DEVICE_FORMATS",
-           "decode_rows_cpu"]
+__all__ = ["matvec", "matmul", "expert_block", "rmsnorm", "rope", "add_bias", "decode_attention", "chunk_attention",
+           "DEVICE_FORMATS", "decode_rows_cpu"]

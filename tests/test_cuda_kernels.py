@@ -1,7 +1,7 @@
 """The Numba CUDA kernels (cuda_kernels/) against their NumPy references, in Numba's CUDA simulator (no GPU needed).
 
 What this is: every kernel on small odd shapes -- quantized matvec (versions 1 and 2) and matmul for every format in
-pymoe.quant.FORMATS, the MoE expert block, RMSNorm, RoPE (NEOX and normal), decode attention with GQA -- compared
+pymoe.quant.FORMATS, the MoE expert block, RMSNorm, RoPE (NEOX and normal), decode and chunk (prefill) attention with GQA -- compared
 with pymoe.quant.dequantize(w) @ x and the NumPy forms of pymoe.backends.reference (rmsnorm, apply_rope, attention,
 silu); plus the CPU twin of the device decoders bit-exact against `dequantize`, and (when a CUDA toolkit's NVVM is installed, no GPU needed)
 every kernel compiled to PTX for a real GPU, which the simulator cannot check: it runs the kernels as plain Python,
@@ -229,6 +229,58 @@ def test_decode_attention_matches_reference(pos):
     np.testing.assert_allclose(got.reshape(1, -1), ref, rtol=1e-5, atol=1e-6)
 
 
+# (T, p0, H, G, Dh, Dv, window, sinks, strided V): one token; a chunk at the start; a chunk starting mid-context; a
+# window with sinks (gpt-oss); MLA's form (one KV head, V the first Dv values of K's rows, a strided view); over
+# THREADS keys and Dv (two key tiles, two output dimensions per thread)
+CHUNKS = [(1, 4, 4, 2, 8, 6, 0, False, False), (3, 0, 4, 2, 8, 6, 0, False, False),
+          (4, 5, 6, 2, 8, 6, 0, False, False), (4, 5, 4, 2, 8, 6, 3, True, False),
+          (3, 2, 4, 1, 10, 6, 0, False, True), (2, 64, 2, 1, 4, 66, 0, False, False)]
+
+
+@in_process
+@pytest.mark.parametrize("T, p0, H, G, Dh, Dv, window, with_sinks, strided", CHUNKS,
+                         ids=["T1", "chunk-at-0", "mid-context", "window-sinks", "mla-strided-v", "two-tiles"])
+def test_chunk_attention_matches_reference_and_the_decode_kernel(T, p0, H, G, Dh, Dv, window, with_sinks, strided):
+    """T queries at positions p0..p0+T-1 in one launch against reference.attention (same tolerance as the decode
+    test above: float32 sums of a few terms in another order), and bit-equal to the decode kernel launched once per
+    token (decode_attention, or gpt_oss.decode_attention_ws with a window or sinks): the same float32 operations in
+    the same order. Cache rows after p0 + T hold 1e30 and NaN: any read of the future would show."""
+    from pymoe.cuda_kernels import gpt_oss
+
+    rng = np.random.default_rng(7 + T + p0)
+    S_max = p0 + T + 2
+    q = rng.standard_normal((T, H, Dh)).astype(np.float32)  # [T, H, Dh]
+    k = rng.standard_normal((S_max, G, Dh)).astype(np.float32)  # [S_max, G, Dh]
+    v = rng.standard_normal((S_max, G, Dv)).astype(np.float32)  # [S_max, G, Dv]
+    k[p0 + T:], v[p0 + T:] = 1e30, np.nan
+    sinks = rng.standard_normal(H).astype(np.float32) if with_sinks else None  # [H]
+    dk = cuda.to_device(k)
+    dv = dk[:, :, :Dv] if strided else cuda.to_device(v)  # MLA: V a view of K's first Dv values
+    if strided:
+        v = k[:, :, :Dv]
+    ds = None if sinks is None else cuda.to_device(sinks)
+    got = K.chunk_attention(cuda.to_device(q), dk, dv, p0, window, ds).copy_to_host()  # [T, H, Dv]
+    ref = attention(q, k[:p0 + T], v[:p0 + T], p0, window, sinks)  # [T, H * Dv]
+    np.testing.assert_allclose(got.reshape(T, -1), ref, rtol=1e-5, atol=1e-6)
+    scores = cuda.device_array((H, S_max), np.float32)
+    for t in range(T):
+        out = cuda.device_array((H, Dv), np.float32)
+        if window or with_sinks:
+            gpt_oss.decode_attention_ws(cuda.to_device(q[t]), dk, dv, p0 + t, window, ds, out, scores)
+        else:
+            K.decode_attention(cuda.to_device(q[t]), dk, dv, p0 + t, out=out, scores=scores)
+        np.testing.assert_array_equal(got[t], out.copy_to_host())
+
+
+@in_process
+def test_chunk_attention_refuses_what_does_not_fit():
+    q, k = cuda.to_device(np.zeros((2, 2, 4), np.float32)), cuda.to_device(np.zeros((5, 1, 4), np.float32))
+    with pytest.raises(ValueError, match=r"chunk_attention: positions 4..5 outside the cache of 5 rows"):
+        K.chunk_attention(q, k, k, 4)
+    with pytest.raises(ValueError, match="chunk_attention: value head size 513 over 512"):
+        K.chunk_attention(q, k, cuda.to_device(np.zeros((5, 1, 513), np.float32)), 0)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # What the simulator cannot check: that Numba's real CUDA target types and lowers every kernel (PTX, no GPU needed)
 
@@ -270,7 +322,8 @@ def compile_every_kernel_to_ptx():
              (N.rmsnorm_kernel, (f2, f1, nt.float32, f2)),
              (N.rope_kernel, (f3, f2, f2, nt.int64, nt.boolean)),
              (N.add_bias_kernel, (f2, f1)),
-             (A.decode_attention_kernel, (f2, f3, f3, nt.int64, nt.float32, f2, f2))]
+             (A.decode_attention_kernel, (f2, f3, f3, nt.int64, nt.float32, f2, f2)),
+             (A.chunk_attention_kernel, (f3, f3, f3, nt.int64, nt.int64, nt.float32, f1, nt.boolean, f3))]
     # the device decode step's kernels (cuda_kernels/step.py)
     from pymoe.cuda_kernels import step as S
     from pymoe.quant.layout import retarget
@@ -312,7 +365,8 @@ def compile_every_kernel_to_ptx():
              (MLA.mla_value_kernel, (f3, f3, f3)),
              (RG.route_groups_kernel, (f2, f1, nt.boolean, nt.boolean, nt.int64, nt.int64, nt.int64, nt.boolean,
                                        nt.float32, i2, f2)),
-             (A.decode_attention_kernel, (f2, f3, f3a, nt.int64, nt.float32, f2, f2))]
+             (A.decode_attention_kernel, (f2, f3, f3a, nt.int64, nt.float32, f2, f2)),
+             (A.chunk_attention_kernel, (f3, f3, f3a, nt.int64, nt.int64, nt.float32, f1, nt.boolean, f3))]
     # Gated DeltaNet's decode step and gated attention (cuda_kernels/deltanet.py, gated_attention.py)
     from pymoe.cuda_kernels import deltanet as DN, gated_attention as GA
 
@@ -334,8 +388,8 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 6 + 9 + 5 + 5 + 4  # + step.py's 9, gpt_oss.py's 5,
-    # MLA's and groups' 5, deltanet.py's and gated_attention.py's 4
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 6 + 4  # + step.py's 9, gpt_oss.py's 5,
+    # MLA's and groups' 6 (chunk attention with MLA's strided V among them), deltanet.py's and gated_attention.py's 4
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

@@ -89,6 +89,24 @@ def test_one_decode_token_with_every_expert_in_a_slot(micro_model, monkeypatch, 
 
 
 @in_process
+@pytest.mark.parametrize("version", [2, 3])
+def test_prefill_attention_is_one_launch_per_chunk(micro_model, monkeypatch, version):
+    """A prompt of 3 tokens (one chunk) over the device KV cache: one chunk_attention launch for the 1 layer and no
+    decode-attention launch; then a decode token: one decode_attention launch, no chunk_attention."""
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "1" if version == 3 else "0")
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, pcie_frac=1.0, backend_options=SIM)
+    b, ops = engine.backend, []
+    launch = b._launch
+    monkeypatch.setattr(b, "_launch", lambda op, *a: ops.append(op) or launch(op, *a))
+    kv = engine.model.new_kv(16)
+    engine.model.prefill(PROMPT + [9], kv)
+    assert (ops.count("chunk_attention"), ops.count("decode_attention")) == (1, 0), ops
+    ops.clear()
+    engine.model.decode_one_token(3, kv)
+    assert (ops.count("chunk_attention"), ops.count("decode_attention")) == (0, 1), ops
+
+
+@in_process
 def test_misses_add_their_pcie_bytes_and_the_cpu_ones_no_launches(micro_model, monkeypatch):
     """One slot, pcie_frac 0.5: the slot starts with the first expert of the start-up fill (experts/cache.py
     SlotCache.fill), so a step may hit it once, and at least one of a step's K = 2 experts misses (one slot serves one

@@ -129,7 +129,8 @@ def shaped(buf, shape: tuple):
 LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token tiles)
             "expert_block": 2,  # moe.expert_block: gate_up, then down
             "rmsnorm": 1, "rope": 1, "add_bias": 1,  # norm_rope: one each, grid (rows,)
-            "decode_attention": 1,  # attention.decode_attention: one per query token, grid (heads,)
+            "decode_attention": 1,  # attention.decode_attention: one token, grid (heads,)
+            "chunk_attention": 1,  # attention.chunk_attention: a prompt chunk of T tokens, grid (T, heads)
             # the device decode step (version 3, cuda_kernels/step.py): one each, routed_experts two (gate_up, down)
             "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2, "swiglu": 1,
             "sigmoid_gate": 1, "route_sigmoid": 1,
@@ -175,6 +176,11 @@ class DeviceKernels:
         from pymoe.cuda_kernels import attention
 
         return attention.decode_attention(q, k_cache, v_cache, pos, out=out, scores=scores, stream=stream)
+
+    def chunk_attention(self, q, k_cache, v_cache, p0, window, sinks, out, stream):
+        from pymoe.cuda_kernels import attention
+
+        return attention.chunk_attention(q, k_cache, v_cache, p0, window, sinks, out=out, stream=stream)
 
     # the device decode step (version 3)
     def embed(self, w, qtype, tokens, out, stream):
@@ -320,6 +326,13 @@ class ReferenceKernels:
         k, v = k_cache.copy_to_host()[:pos + 1], v_cache.copy_to_host()[:pos + 1]  # [S, G, Dh], [S, G, Dv]
         o = attention(q.copy_to_host()[None], k, v, pos)  # [1, H * Dv]
         out.copy_to_device(o.reshape(out.shape), stream=stream)
+        return out
+
+    def chunk_attention(self, q, k_cache, v_cache, p0, window, sinks, out, stream):
+        T = q.shape[0]
+        k, v = k_cache.copy_to_host()[:p0 + T], v_cache.copy_to_host()[:p0 + T]  # [S, G, Dh], [S, G, Dv]
+        o = attention(q.copy_to_host(), k, v, p0, window, None if sinks is None else sinks.copy_to_host())
+        out.copy_to_device(o.reshape(out.shape), stream=stream)  # [T, H * Dv] -> [T, H, Dv]
         return out
 
     def embed(self, w, qtype, tokens, out, stream):
@@ -1468,9 +1481,10 @@ class CUDABackend:
         return kv.read(layer, S)
 
     def attention(self, q, k, v, p0, window: int = 0, sinks=None):
-        """Over the device KV cache: one decode-attention launch per new token (token t attends to positions
-        0..p0 + t, all written before; with a sliding window or sinks, gpt-oss, the variant of
-        cuda_kernels/gpt_oss.py); over a host KV cache: on the CPU (q brought to the host)."""
+        """Over the device KV cache: one launch, token t attending to positions 0..p0 + t (all written before):
+        for one token the decode-attention kernel (with a sliding window or sinks, gpt-oss, the variant of
+        cuda_kernels/gpt_oss.py), for a chunk of T > 1 the chunk-attention kernel (window and sinks included; MLA's
+        V a strided view of its cache); over a host KV cache: on the CPU (q brought to the host)."""
         if isinstance(k, np.ndarray):
             return self.cpu.attention(self.to_host(q), self.to_host(k), self.to_host(v), p0, window, sinks)
         if isinstance(q, np.ndarray):  # a host query over the device KV cache (MLA's version 2, engine/mla.py)
@@ -1484,14 +1498,15 @@ class CUDABackend:
         Dv = v.shape[2]
         o = self._arena((T, H * Dv))  # [T, H * Dv]
         o3 = self._reshaped(o, (T, H, Dv))
-        scores = shaped(self.scratch["scores"], (H, self.n_ctx))
-        plain = not window and sinks is None
         dsinks = None if sinks is None else self._vec(sinks)  # [H]
-        for t in range(T):
-            if plain:
-                self._launch("decode_attention", q[t], k, v, p0 + t, o3[t], scores, self.compute)
-            else:
-                self._launch("decode_attention_ws", q[t], k, v, p0 + t, window, dsinks, o3[t], scores, self.compute)
+        if T > 1:
+            self._launch("chunk_attention", q, k, v, p0, window, dsinks, o3, self.compute)
+            return o
+        scores = shaped(self.scratch["scores"], (H, self.n_ctx))
+        if not window and sinks is None:
+            self._launch("decode_attention", q[0], k, v, p0, o3[0], scores, self.compute)
+        else:
+            self._launch("decode_attention_ws", q[0], k, v, p0, window, dsinks, o3[0], scores, self.compute)
         return o
 
     def route(self, logits, k, norm_topk):

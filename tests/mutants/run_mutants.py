@@ -956,6 +956,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_cuda_gpt_oss_kernels.py::test_decode_attention_with_window_and_sinks_matches_the_reference[*]",),
         "gpt-oss's device attention lets one position too many into the sliding window"),
     Mutant(
+        "chunk_attention_window_one_wider", "cuda_kernels/attention.py",
+        "        first = n_keys - window",
+        "        first = n_keys - window - 1",
+        ("tests/test_cuda_kernels.py::test_chunk_attention_matches_reference_and_the_decode_kernel[window-sinks]",),
+        "prefill attention on the device lets one position too many into the sliding window"),
+    Mutant(
         "gpt_oss_step_sink_not_in_denominator", "cuda_kernels/gpt_oss.py",
         "        total += math.exp(sinks[h] - best)",
         "        total += np.float32(0.0)",
