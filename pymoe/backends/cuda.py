@@ -57,7 +57,7 @@ from .pool import HostPool
 from .device_counts import DeviceCounts
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, Tensor
 from .cpu import CPUBackend, group_by_expert
-from .reference import apply_rope, attention, rmsnorm, rope_scaling, rope_tables, silu, swiglu_expert
+from .reference import apply_rope, attention, gdn_state_shapes, rmsnorm, rope_scaling, rope_tables, silu, swiglu_expert
 
 MiB = 2**20
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
@@ -922,8 +922,6 @@ class CUDABackend:
         mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
         rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
         kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
-        from pymoe.engine.deltanet import state_shapes as gdn_state_shapes
-
         gdn = [i for i in range(c.n_layers) if c.recurrent and c.recurrent[i] and (self.layers is None
                                                                                      or i in self.layers)]
         shapes = {name: (shape[0], shape[2], shape[1]) if name == "ssm" else shape  # (`transposed`)

@@ -58,6 +58,14 @@ class RopeScaling:
     #                       file): llama.cpp's attn factor becomes 1 there, its mscale goes to the attention scale
 
 
+def gdn_state_shapes(cfg) -> dict:
+    """One Gated DeltaNet layer's state (engine/deltanet.py; the CUDA backend's device copy, transposed): the
+    conv's last K - 1 inputs [K - 1, conv_dim] and M [nv, dv, dk] per v head."""
+    nv, dk = cfg.ssm_v_heads, cfg.ssm_state
+    return dict(conv=(cfg.ssm_conv - 1, 2 * cfg.ssm_k_heads * dk + cfg.ssm_inner),
+                ssm=(nv, cfg.ssm_inner // nv, dk))
+
+
 def rope_scaling(cfg) -> RopeScaling:
     """The RoPE scaling a ModelConfig's file asks for (engine/model.Model.rope_tables, the CUDA step's tables).
     DeepSeek's files carry a yarn_log_multiplier: llama.cpp's YaRN factor on cos/sin is then 1 (the mscale moves

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pymoe.backends.reference import rmsnorm, sigmoid, silu
+from pymoe.backends.reference import gdn_state_shapes, rmsnorm, sigmoid, silu
 from .kv import join_rows, segments
 
 CHUNK = 64  # tokens per block of the chunked form (llama.cpp's chunking uses 64 too)
@@ -49,13 +49,6 @@ def gdn_weights(b, lt, vec, tiled: bool) -> dict:
                 out=b.dense(lt("ssm_out.weight")),
                 conv=np.ascontiguousarray(lt("ssm_conv1d.weight").floats()),  # [conv_dim, K]
                 dt=vec("ssm_dt.bias"), a=vec("ssm_a"), norm=vec("ssm_norm.weight"))
-
-
-def state_shapes(cfg) -> dict:
-    """One layer's state: the conv's last K - 1 inputs [K - 1, conv_dim] and M [nv, dv, dk] per v head."""
-    nv, dk = cfg.ssm_v_heads, cfg.ssm_state
-    return dict(conv=(cfg.ssm_conv - 1, 2 * cfg.ssm_k_heads * dk + cfg.ssm_inner),
-                ssm=(nv, cfg.ssm_inner // nv, dk))
 
 
 def softplus(x: np.ndarray) -> np.ndarray:
@@ -148,7 +141,7 @@ def gdn_core(layer, qkv, z, ba: list, kv, layer_i: int, chunked=None) -> np.ndar
     T = qkv.shape[0]
     nk, nv, dk = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
     dv, r, key_dim = cfg.ssm_inner // nv, nv // nk, nk * cfg.ssm_state
-    st = kv.recurrent(layer_i, **state_shapes(cfg))
+    st = kv.recurrent(layer_i, **gdn_state_shapes(cfg))
     qkv, st["conv"] = causal_conv(qkv, st["conv"], w["conv"])
     qkv = silu(qkv)
     q = l2norm(qkv[:, :key_dim].reshape(T, nk, dk), cfg.rms_eps)  # [T, nk, dk]
