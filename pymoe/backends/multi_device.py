@@ -43,7 +43,7 @@ import numpy as np
 
 from pymoe.errors import PymoeError
 from .device_counts import DeviceCounts, _empty
-from pymoe.engine.kv import KVCache
+from .protocol import HostRecurrent
 from .cuda import DEFAULT_RESERVE, CUDABackend, DeviceKVCache, simulated, simulated_device_gib
 
 
@@ -122,9 +122,11 @@ class MultiCounts:
         return [c.snapshot(phase) for c in self.parts]
 
 
-class MultiKV:
+class MultiKV(HostRecurrent):
     """One sequence's KV cache over several devices: parts[d] a DeviceKVCache with device d's layers' rows. The
-    engine advances `n` (engine/model.py); the shards hand each layer its device's part (DeviceShard.kv_write)."""
+    engine advances `n` (engine/model.py); the shards hand each layer its device's part (DeviceShard.kv_write).
+    Gated DeltaNet's state (qwen3next, qwen35moe) stays on the host here (`HostRecurrent`: several devices run
+    version 2 only)."""
 
     def __init__(self, parts: list, n_ctx: int):
         self.parts, self.n_ctx, self.n = parts, n_ctx, 0
@@ -133,8 +135,6 @@ class MultiKV:
         self.n = 0
         self.__dict__.pop("_recurrent", None)
 
-    # Gated DeltaNet's state (qwen3next, qwen35moe) stays on the host here (several devices run version 2 only)
-    recurrent, save_recurrent, restore_recurrent = KVCache.recurrent, KVCache.save_recurrent, KVCache.restore_recurrent
 
 
 class DeviceShard:

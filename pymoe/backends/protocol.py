@@ -121,3 +121,29 @@ class Backend(Protocol):
 
 
 PRIMITIVES = [name for name in Backend.__dict__ if not name.startswith("_") and callable(Backend.__dict__[name])]
+
+
+class HostRecurrent:
+    """A sequence's recurrent state kept on the host, for a KV cache class to take in (engine/kv.KVCache, and
+    backends/multi_device.MultiKV, which keeps it on the host across several devices)."""
+
+    def recurrent(self, layer: int, **shapes) -> dict:
+        """The state a recurrent layer carries from call to call (Gated DeltaNet: conv [K - 1, C] and ssm
+        [H, dv, dk]), float32 zeros on first use; name -> shape as keyword arguments. Unlike K and V it cannot be
+        cut back to an earlier position: `clear()` is the only way back (prefix reuse checks
+        `ModelConfig.has_recurrent_state`)."""
+        states = self.__dict__.setdefault("_recurrent", {})
+        if layer not in states:
+            states[layer] = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
+        return states[layer]
+
+    def save_recurrent(self) -> dict:
+        """A copy of every recurrent layer's state, to go back to with `restore_recurrent` (speculative decoding
+        rolls back rejected drafts this way: engine/speculative.py)."""
+        return {layer: {name: a.copy() for name, a in st.items()} for layer, st in self.__dict__.get("_recurrent",
+                                                                                                      {}).items()}
+
+    def restore_recurrent(self, saved: dict) -> None:
+        states = self.__dict__.setdefault("_recurrent", {})
+        states.clear()
+        states.update({layer: {name: a.copy() for name, a in st.items()} for layer, st in saved.items()})

@@ -37,6 +37,7 @@ from typing import Optional
 import numpy as np
 
 from pymoe.backends.attention_simd import TILE_KEYS, KeyBlocks
+from pymoe.backends.protocol import HostRecurrent
 from pymoe.errors import PymoeError
 from pymoe.gguf.config import ModelConfig
 
@@ -44,7 +45,7 @@ KV_KINDS = ("f32", "f16", "int8")
 GROUP = 32  # int8 values per float16 scale, as in GGML's Q8_0 (llama.cpp's `--cache-type-k q8_0`)
 
 
-class KVCache:
+class KVCache(HostRecurrent):
     """Keys and values for one sequence: float32 K [L_kv, n_ctx, G, Dh] and V [L_kv, n_ctx, G, Dv] over the L_kv
     layers that keep them (`rows`: layer -> row; ModelConfig.kv_layers), `n` tokens stored so far; K stored in
     tiles of 64 positions (`KeyTiles`), which it reads and writes as that array. MLA's V is the first Dv values of
@@ -92,16 +93,6 @@ class KVCache:
         n = self.n if n is None else n
         return next((d for i, d in reversed(self.shifts) if i <= n), 0)
 
-    def recurrent(self, layer: int, **shapes) -> dict:
-        """The state a recurrent layer carries from call to call (Gated DeltaNet: conv [K - 1, C] and ssm
-        [H, dv, dk]), float32 zeros on first use; name -> shape as keyword arguments. Unlike K and V it cannot be
-        cut back to an earlier position: `clear()` is the only way back (prefix reuse checks
-        `ModelConfig.has_recurrent_state`)."""
-        states = self.__dict__.setdefault("_recurrent", {})
-        if layer not in states:
-            states[layer] = {name: np.zeros(shape, np.float32) for name, shape in shapes.items()}
-        return states[layer]
-
     def copy_from(self, other: "KVCache", n: int) -> None:
         """Become a copy of `other`'s first n positions: K/V rows of every layer (MLA: its latent rows), and the
         recurrent states (Gated DeltaNet: conv and ssm), which hold the whole past, so with them n must be other.n.
@@ -117,18 +108,6 @@ class KVCache:
         self.restore_recurrent(other.save_recurrent())
         self.n = n
         self.shifts = [(i, d) for i, d in getattr(other, "shifts", []) if i <= n]
-
-    def save_recurrent(self) -> dict:
-        """A copy of every recurrent layer's state, to go back to with `restore_recurrent` (speculative decoding
-        rolls back rejected drafts this way: engine/speculative.py)."""
-        return {layer: {name: a.copy() for name, a in st.items()} for layer, st in self.__dict__.get("_recurrent",
-                                                                                                      {}).items()}
-
-    def restore_recurrent(self, saved: dict) -> None:
-        states = self.__dict__.setdefault("_recurrent", {})
-        states.clear()
-        states.update({layer: {name: a.copy() for name, a in st.items()} for layer, st in saved.items()})
-
 
 # --- the rows of a block's input that belong to each sequence (engine/attention.py) ----------------------------
 
