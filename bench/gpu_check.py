@@ -5,8 +5,9 @@ hand:
     PYTHONPATH=. python bench/gpu_check.py [--model mid-q2_k.gguf] [--fractions 0,25,50,100]
         [--spill 0,0.5,1,3,5] [--tokens 64] [--report PATH]
 With no --model it writes the mid preset in llama.cpp's Q2_K mix to /tmp (tools/make-tiny-model, one process per
-core: about a minute on 16 cores). Stages, each timed (`== stage N s (total T s)`):
-  1. model: the file (written if not given);
+core: about a minute on 16 cores; scripts/gpu-check writes it while the CUDA tests run). Stages, each timed
+(`== stage: N s (total T s)`):
+  1. model: the file (written if not given and not there yet);
   2. probes: the PCIe probe (experts/probe.py: a pinned 64 MiB host->device copy, best of 4, and the CPU's expert
      rate, hence pcie_frac, which every run below uses unless --pcie-frac is given) and the device's memory
      bandwidth (experts/probe.device_bandwidth: a 256 MiB device-to-device copy, read + written bytes, best of 4);
@@ -20,8 +21,9 @@ core: about a minute on 16 cores). Stages, each timed (`== stage N s (total T s)
   4. forced spill: every expert in a slot, and a share s of the decode lookups served over PCIe anyway
      (experts/cache.py `SlotCache.force_spill`: each lookup forced with probability s, from a generator seeded per
      decode forward; the device step reads the same mask through its residency table), one measured request per
-     share: the spill cliff, beside the plan's tok/s at hit rate 1 - s;
-  5. the report.
+     share: the spill cliff, beside the plan's tok/s at hit rate 1 - s (its 0% row measures the 100% cache row
+     again: the spread of one measurement);
+then the report.
 Then the memory checks: pymoe's device allocations never above its budget, the driver's view of used device memory
 against pymoe's count, and host RAM: the anonymous (non-file) resident set must not grow by the experts' bytes (they
 stay in the file's page cache, pinned; the slots are on the device). Exit status 0, or 1 when the host RAM check
@@ -44,7 +46,7 @@ device and host memory), indented by two spaces, as it goes; then the report, pr
                          PCIe, counted by the cache: the share measured)
     ## Bandwidth         achieved GB/s at 100% of experts in slots against the device's copy bandwidth
     ## Memory            the device-budget and host-RAM verdicts
-    ## Time              table: stage | s  (the CUDA tests' from scripts/gpu-check, then each stage here)
+    ## Time              table: stage | s  (the CUDA tests' from scripts/gpu-check, each stage here, the total)
 docs/expert-cache.md ("scripts/gpu-check") shows a dry run's report.
 `--dry-run` (or `scripts/gpu-check --dry-run`; needs NUMBA_ENABLE_CUDASIM=1, which the script sets) runs the same
 code path in Numba's CUDA simulator with the NumPy reference kernels, on the `micro` preset (F32, written to /tmp),
@@ -122,7 +124,9 @@ def ensure_model(path, dry_run: bool = False):
         from pymoe.demo.tinymodel import write_model
 
         t0 = time.perf_counter()
-        write_model(path, "qwen3moe", "mid", "q2_k", seed=0, progress=True, jobs=os.cpu_count() or 1)
+        part = f"{path}.{os.getpid()}.part"  # renamed when whole: a run killed half-way leaves no truncated file
+        write_model(part, "qwen3moe", "mid", "q2_k", seed=0, progress=True, jobs=os.cpu_count() or 1)
+        os.replace(part, path)
         print(f"wrote {path} ({os.path.getsize(path) / 1e6:.0f} MB) in {time.perf_counter() - t0:.0f} s", flush=True)
     return path
 
@@ -316,7 +320,7 @@ def report(args, cfg, path, facts, probes, sizes, spill, ram, stages, now) -> st
     lines += ["", "## Memory", ""] + [f"- {r['pct']:g}%: {r['device_line']}" for r in sizes if "device_line" in r]
     lines += [f"- forced spill, 100%: {spill[0]['device_line']}"] if spill and "device_line" in spill[0] else []
     lines += [f"- {ram}", "", "## Time", ""]
-    lines += table(["stage", "s"], ([["CUDA tests", f"{args.tests_s:.0f}"]] if args.tests_s is not None else [])
+    lines += table(["stage", "s"], ([["CUDA tests (and the mid preset's writing beside them)", f"{args.tests_s:.0f}"]] if args.tests_s is not None else [])
                    + [[name, f"{dt:.1f}"] for name, dt in stages.times])
     return "\n".join(lines) + "\n"
 
@@ -361,8 +365,11 @@ def main(argv=None):
     ap.add_argument("--report", default=None, help="the markdown report's path (default: bench/results/gpu-check-"
                     "<date>-<device>.md)")
     ap.add_argument("--tests", default=None, help="the CUDA tests' summary line (scripts/gpu-check passes it)")
-    ap.add_argument("--tests-s", type=float, default=None, help="the CUDA tests' wall time, s (scripts/gpu-check)")
+    ap.add_argument("--tests-s", type=float, default=None, help="the CUDA tests' wall time, with the model's writing "
+                    "beside them, s (scripts/gpu-check)")
     ap.add_argument("--from-script", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--write-model", action="store_true", help="only write the mid preset to /tmp, if not there "
+                    "(scripts/gpu-check does it beside the CUDA tests)")
     ap.add_argument("--dry-run", action="store_true",
                     help="in the CUDA simulator (NUMBA_ENABLE_CUDASIM=1), reference kernels, the micro preset")
     argv = sys.argv[1:] if argv is None else list(argv)
@@ -381,6 +388,9 @@ def main(argv=None):
     args.prompt_tokens = args.prompt_tokens or (4 if args.dry_run else 128)
     args.fraction_list = [float(x) for x in args.fractions.split(",") if x.strip()]
     args.spill_list = [float(x) for x in args.spill.split(",") if x.strip()] if args.backend == "cuda" else []
+    if args.write_model:
+        ensure_model(args.model, args.dry_run)
+        return 0
     stages = Stages()
     now = datetime.datetime.now(datetime.timezone.utc)
     path = stages.run("model", ensure_model, args.model, args.dry_run)

@@ -41,6 +41,9 @@ at once (on a GPU: on the copy stream, overlapped with the attention of the laye
 layer's lookup hits them ("prefetch_hits").
 On the CPU backend nothing crosses PCIe: "spill" and "cpu" are the split a GPU would make (`gpu` False), and every
 expert is computed the same way.
+`force_spill(share)` (a measurement, not a policy: bench/gpu_check.py's spill cliff) serves a random share of the
+decode lookups that hit over PCIe instead, counted as spill; a device step reads the same choice through the
+residency table it is given (`step_table`).
 What this is not: a policy (policies.py), or the code that moves bytes to a GPU (backends/cuda.py does the copies;
 here the CPU backend's copies are plain NumPy).
 """
