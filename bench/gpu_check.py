@@ -31,8 +31,8 @@ fails.
 
 Output: each run's engine lines (start-up, `prompt ...`, `decode expert cache ...`, `decode device per token ...`,
 device and host memory), indented by two spaces, as it goes; then the report, printed and written as markdown to
---report (default bench/results/gpu-check-<UTC date>-<device>.md; a dry run's name ends in -dry-run.md, which
-.gitignore keeps out of git). The report, in this order:
+--report (default: in bench/results/, named "gpu-check-", the UTC date, "-", the device's name in lower case with
+dashes, ".md"; a dry run adds "-dry-run" before the ".md", and .gitignore keeps those out of git). In order:
     # pymoe GPU check: <device>, <UTC date and time>
     one bullet each: command, model (arch, layers x experts, top-K, bytes per expert slot, file size), the CUDA
       tests' summary line (scripts/gpu-check; "not run" otherwise), code (git describe);
