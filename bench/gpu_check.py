@@ -10,7 +10,8 @@ core: about a minute on 16 cores; scripts/gpu-check writes it while the CUDA tes
   1. model: the file (written if not given and not there yet);
   2. probes: the PCIe probe (experts/probe.py: a pinned 64 MiB host->device copy, best of 4, and the CPU's expert
      rate, hence pcie_frac, which every run below uses unless --pcie-frac is given) and the device's memory
-     bandwidth (experts/probe.device_bandwidth: a 256 MiB device-to-device copy, read + written bytes, best of 4);
+     bandwidth (experts/probe.device_bandwidth: 4 device-to-device copies of 512 MiB, read + written bytes, best
+     of 4);
   3. cache sizes: for each share of all experts in slots (0: no pool, every expert read over PCIe), one warm-up
      request (the cache adapts), then one measured request of a --prompt-tokens prompt and --tokens generated:
      prefill and decode tok/s, decode hit rate, spill and CPU shares of the routed lookups, achieved GB/s (weight
@@ -149,9 +150,10 @@ def run_probes(path, args) -> dict:
     nbytes = (16 if args.dry_run else 64) * MiB
     pcie = pcie_bandwidth(b.cuda, nbytes=nbytes)
     result = ProbeResult(pcie_gbs=pcie, cpu_gbs=cpu_expert_rate(load_gguf(path), b.cpu), threads=b.cpu.threads)
-    dev = device_bandwidth(b.cuda, nbytes=(16 if args.dry_run else 256) * MiB)
+    dev_nbytes = (16 if args.dry_run else 512) * MiB
+    dev = device_bandwidth(b.cuda, nbytes=dev_nbytes)
     out = dict(pcie=pcie, cpu=result.cpu_gbs, threads=result.threads, device=dev, pcie_nbytes=nbytes,
-               device_nbytes=(16 if args.dry_run else 256) * MiB, name=device_name(b.cuda, args.simulated),
+               device_nbytes=dev_nbytes, name=device_name(b.cuda, args.simulated),
                pcie_frac=result.pcie_frac if args.pcie_frac is None else args.pcie_frac)
     print(f"  {result.line()}\n  {result.cpu_line()}\n  device memory: {max(dev):.1f} GB/s device-to-device "
           f"(read + written, best of {' '.join(f'{g:.1f}' for g in sorted(dev))})"
@@ -282,7 +284,7 @@ def report(args, cfg, path, facts, probes, sizes, spill, ram, stages, now) -> st
              + " ".join(f"{g:.1f}" for g in sorted(p))],
             ["CPU expert rate", f"{probes['cpu']:.3g}", f"expert bytes computed per second, {probes['threads']} "
              "threads"],
-            ["device memory", f"{max(d):.1f}", f"device-to-device {probes['device_nbytes'] // MiB} MiB copy, read + "
+            ["device memory", f"{max(d):.1f}", f"4 device-to-device {probes['device_nbytes'] // MiB} MiB copies, read + "
              "written, best of " + " ".join(f"{g:.1f}" for g in sorted(d))]])
         lines += ["", f"pcie_frac {probes['pcie_frac']:.3g} for every run"
                   f"{' (--pcie-frac)' if args.pcie_frac is not None else ' (the probe)'}", ""]
@@ -374,7 +376,9 @@ def main(argv=None):
                     help="in the CUDA simulator (NUMBA_ENABLE_CUDASIM=1), reference kernels, the micro preset")
     argv = sys.argv[1:] if argv is None else list(argv)
     args = ap.parse_args(argv)
-    ARGV = [a for a in argv if a != "--from-script"]
+    ARGV = [a for i, a in enumerate(argv)  # as typed: what scripts/gpu-check adds left out
+            if a != "--from-script" and a not in ("--tests", "--tests-s") and argv[i - 1:i] not in (["--tests"],
+                                                                                                  ["--tests-s"])]
     from numba import config
 
     args.simulated = bool(config.ENABLE_CUDASIM)
