@@ -284,8 +284,8 @@ def report(args, cfg, path, facts, probes, sizes, spill, ram, stages, now) -> st
              + " ".join(f"{g:.1f}" for g in sorted(p))],
             ["CPU expert rate", f"{probes['cpu']:.3g}", f"expert bytes computed per second, {probes['threads']} "
              "threads"],
-            ["device memory", f"{max(d):.1f}", f"4 device-to-device {probes['device_nbytes'] // MiB} MiB copies, read + "
-             "written, best of " + " ".join(f"{g:.1f}" for g in sorted(d))]])
+            ["device memory", f"{max(d):.1f}", f"4 device-to-device {probes['device_nbytes'] // MiB} MiB copies, "
+             "read + written, best of " + " ".join(f"{g:.1f}" for g in sorted(d))]])
         lines += ["", f"pcie_frac {probes['pcie_frac']:.3g} for every run"
                   f"{' (--pcie-frac)' if args.pcie_frac is not None else ' (the probe)'}", ""]
     lines += ["## Cache sizes", ""]
@@ -322,8 +322,9 @@ def report(args, cfg, path, facts, probes, sizes, spill, ram, stages, now) -> st
     lines += ["", "## Memory", ""] + [f"- {r['pct']:g}%: {r['device_line']}" for r in sizes if "device_line" in r]
     lines += [f"- forced spill, 100%: {spill[0]['device_line']}"] if spill and "device_line" in spill[0] else []
     lines += [f"- {ram}", "", "## Time", ""]
-    lines += table(["stage", "s"], ([["CUDA tests (and the mid preset's writing beside them)", f"{args.tests_s:.0f}"]] if args.tests_s is not None else [])
-                   + [[name, f"{dt:.1f}"] for name, dt in stages.times])
+    tests = [["CUDA tests (and the mid preset's writing beside them)", f"{args.tests_s:.0f}"]] \
+        if args.tests_s is not None else []  # (scripts/gpu-check's)
+    lines += table(["stage", "s"], tests + [[name, f"{dt:.1f}"] for name, dt in stages.times])
     return "\n".join(lines) + "\n"
 
 
