@@ -375,7 +375,7 @@ def test_real_kernels_end_to_end_match_the_cpu_float_path(tiny_model, monkeypatc
 
 
 @in_process
-def test_the_gpu_check_script_runs(tiny_model, monkeypatch, capsys):
+def test_the_gpu_check_script_runs(tiny_model, monkeypatch, capsys, tmp_path):
     """bench/gpu_check.py (scripts/gpu-check's model part) end to end, here on the simulator with the reference
     kernels: so the one script a GPU session runs is known to work before it costs device time."""
     import os
@@ -387,13 +387,18 @@ def test_the_gpu_check_script_runs(tiny_model, monkeypatch, capsys):
     load = pymoe.load
     monkeypatch.setattr(pymoe, "load", lambda *a, **k: load(*a, **(dict(k, backend_options=SIM)
                                                                   if k.get("backend") == "cuda" else k)))
+    report = tmp_path / "report.md"
     rc = gpu_check.main(["--model", tiny_model("qwen3moe", "q2_k"), "--fractions", "0,25,100", "--tokens", "6",
-                         "--prompt-tokens", "12"])
+                         "--prompt-tokens", "12", "--spill", "100", "--report", str(report)])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "expert cache auto" not in out and "PCIe probe:" in out and "host RAM for experts: the mmap alone" in out
-    rows = [line.split() for line in out.splitlines() if line.strip().startswith(("0%", "25%", "100%"))]
-    assert [r[0] for r in rows] == ["0%", "25%", "100%"] and float(rows[0][5]) == 100.0  # no pool: all spill
+    assert report.read_text() in out
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("| ")]
+    sizes = [r for r in rows if r[0] in ("0", "25", "100") and len(r) == 13]  # the cache sizes' table
+    assert [r[0] for r in sizes] == ["0", "25", "100"] and float(sizes[0][7]) == 100.0  # no pool: all spill
+    forced = [r for r in rows if len(r) == 10 and r[0] == "100"]  # forced spill 100%: every lookup over PCIe
+    assert len(forced) == 1 and int(forced[0][1]) == int(forced[0][2]) > 0, forced
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

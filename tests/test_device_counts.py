@@ -186,32 +186,105 @@ def test_the_simulated_device_size(monkeypatch, value, gib):
             simulated_device_gib()
 
 
-def test_gpu_check_dry_run_in_the_simulator():
-    """scripts/gpu-check --dry-run: bench/gpu_check.py's code path in the simulator (reference kernels, the micro
-    preset, 3 decode steps per request, caches of 1, 2, 4 slots), --pcie-frac 1 (no probe; every miss read over
-    PCIe, so every expert launches). Its table: every row SLOT_TOKEN's launches and syncs; the bytes SLOT_TOKEN's plus
-    whole experts (spill reads and promotion copies) over the 3 decoded tokens. Version 2 (PYMOE_DEVICE_STEP=0), whose
-    counts these are; version 3's are held by test_one_decode_token_with_every_expert_in_a_slot and
-    tests/test_cuda_device_step.py. (Runs in its own process: no in_process mark needed.)"""
+@in_process
+@pytest.mark.parametrize("version", [2, 3])
+def test_forced_spill_reads_the_masked_lookups_over_pcie(micro_model, monkeypatch, version):
+    """SlotCache.force_spill (bench/gpu_check.py's spill cliff) with every expert in a slot: decode forward n masks
+    the (layer, expert) pairs where default_rng((seed, n)).random([L, E]) < share, and each lookup of a masked expert
+    is served over PCIe. Replayed here from the lookups the engine made (a spy on cache.lookup): the spill count is
+    exactly the masked lookups, the device counters read exactly those experts' bytes over PCIe, version 2 (served
+    by the lookup) and version 3 (the device step reads the masked table) alike, with one synchronisation per token
+    on version 3 still, and the greedy tokens are those of the run with no forcing (the cache never changes
+    results). share 0.5 over 15 decode steps: 30 lookups, so an error in the mask's draw or its use changes the
+    count."""
+    import numpy as np
+
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "1" if version == 3 else "0")
+    share, steps = 0.5, 15
+    profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)  # pre-fills all 4 slots
+
+    def run(forced: float):
+        engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
+                            backend_options=SIM)
+        engine.cache.force_spill(forced, seed=3)
+        calls, lookup = [], engine.cache.lookup
+        monkeypatch.setattr(engine.cache, "lookup", lambda layer, ids, phase, rows=None: calls.append(
+            (layer, np.array(ids), phase)) or lookup(layer, ids, phase, rows))
+        tokens = list(engine.generate(PROMPT, max_tokens=steps + 1, stop_at_eos=False))
+        return tokens, engine.last_stats, calls
+
+    plain, _, _ = run(0.0)
+    tokens, st, calls = run(share)
+    assert tokens == plain
+    decode_calls = [(layer, ids) for layer, ids, phase in calls if phase == "decode"]
+    assert len(decode_calls) == steps  # one MoE layer: one lookup per decode forward
+    want = distinct = 0
+    for n, (layer, ids) in enumerate(decode_calls):
+        mask = np.random.default_rng((3, n)).random((1, E)) < share  # [L, E]: forward n's mask
+        want += int(mask[layer, ids.reshape(-1)].sum())
+        distinct += int(mask[layer, np.unique(ids)].sum())
+    c, dev = st.decode, st.device
+    assert c["lookups"] == K * steps and c["spill"] == want and c["hits"] == K * steps - want, (c, want)
+    assert 0 < want < K * steps
+    assert dev["bytes"]["expert spill reads over PCIe"] == distinct * EXPERT_BYTES
+    if version == 3:
+        assert dev["synchronisations"] == steps  # the mask travels in the table rows: no more syncs
+
+
+def test_gpu_check_dry_run_in_the_simulator(tmp_path):
+    """scripts/gpu-check --dry-run: bench/gpu_check.py's every stage in the simulator (reference kernels, the micro
+    preset, 7 decode steps per request), its report read back from --report: the probes' table; caches of 0, 1, 2,
+    4 slots (0: no pool, every expert read over PCIe: STEP_TOKEN's bytes plus the K experts; 4: STEP_TOKEN's
+    counts exactly) beside plan's prediction (uniform routing: plan hit % = the share of experts in slots); forced
+    spill 0, 50, 100% at 4 slots: the spill column is what the cache served over PCIe (0: none, 100: every lookup),
+    every row one synchronisation per token (version 3: the mask travels in the residency table), and at 100% the
+    step's PCIe bytes are both experts of every token; the time table.
+    --pcie-frac 1: every miss over PCIe, so every step is version 3 with its lookups after it. (Runs in its own
+    process: no in_process mark needed.)"""
     import os
     import subprocess
     import sys
 
     from cuda_sim import ROOT
 
-    env = dict(os.environ, PYTHON=sys.executable, PYMOE_DEVICE_STEP="0")
-    p = subprocess.run(["bash", "scripts/gpu-check", "--dry-run", "--pcie-frac", "1"], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
+    out = tmp_path / "report.md"
+    env = dict(os.environ, PYTHON=sys.executable, PYMOE_DEVICE_STEP="1")
+    p = subprocess.run(["bash", "scripts/gpu-check", "--dry-run", "--pcie-frac", "1", "--spill", "0,50,100",
+                        "--report", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    lines = p.stdout.splitlines()
-    head = next(i for i, line in enumerate(lines) if line.split()[:2] == ["cache", "slots"])
-    rows = [line.split() for line in lines[head + 1:head + 4]]
-    assert [r[:2] for r in rows] == [["25%", "1"], ["50%", "2"], ["100%", "4"]], lines[head:]
-    base = sum(SLOT_TOKEN["bytes_by_name"].values())
-    for r in rows:
-        launches, syncs, nbytes = float(r[-3]), float(r[-2]), int(r[-1])
-        assert (launches, syncs) == (SLOT_TOKEN["launches"], SLOT_TOKEN["synchronisations"]), r
-        assert nbytes >= base and (nbytes - base) * (N_NEW - 1) % EXPERT_BYTES == 0, r
+    text = out.read_text()
+    assert text in p.stdout and text.startswith("# pymoe GPU check: simulator, ")
+    sections = [line for line in text.splitlines() if line.startswith("## ")]
+    assert sections == ["## Probes", "## Cache sizes", "## Forced spill", "## Bandwidth", "## Memory", "## Time"]
+
+    def rows(section):  # the markdown table under `## section`, as lists of cells (header first)
+        lines = text.split(f"## {section}\n\n", 1)[1].splitlines()
+        body = [line for line in lines[:next((i for i, x in enumerate(lines) if not x.startswith("|")), None)]]
+        return [[cell.strip() for cell in line.strip("|").split("|")] for line in body if "---" not in line]
+
+    assert [r[0] for r in rows("Probes")[1:]] == ["PCIe host->device", "CPU expert rate", "device memory"]
+    head, *sizes = rows("Cache sizes")
+    col = {name: i for i, name in enumerate(head)}
+    assert [(r[0], r[1]) for r in sizes] == [("0", "0"), ("25", "1"), ("50", "2"), ("100", "4")]
+    assert [float(r[col["plan hit %"]]) for r in sizes] == [0.0, 25.0, 50.0, 100.0]
+    step_bytes = sum(STEP_TOKEN["bytes_by_name"].values())
+    for r in sizes:
+        assert float(r[col["syncs/tok"]]) == 1.0 and float(r[col["launches/tok"]]) == STEP_TOKEN["launches"], r
+    assert float(sizes[0][col["spill %"]]) == 100.0 and int(sizes[0][col["bytes/tok"]]) == step_bytes + K * EXPERT_BYTES
+    assert float(sizes[-1][col["hit %"]]) == 100.0 and int(sizes[-1][col["bytes/tok"]]) == step_bytes
+    head, *spill = rows("Forced spill")
+    col = {name: i for i, name in enumerate(head)}
+    assert [r[0] for r in spill] == ["0", "50", "100"]
+    n = [int(r[col["lookups"]]) for r in spill]
+    got = [int(r[col["spill"]]) for r in spill]
+    assert n == [7 * K] * 3 and got[0] == 0 and 0 <= got[1] <= n[1] and got[2] == n[2], (n, got)
+    for r, k, m in zip(spill, got, n):
+        assert r[col["spill %"]] == f"{100 * k / m:.2f}" and float(r[col["syncs/tok"]]) == 1.0, r
+    assert int(spill[0][col["bytes/tok"]]) == step_bytes
+    # 100%: the device step read both experts of every token over PCIe (the masked table), and the table's one row
+    # went up when the mask changed it (at most once a step: E int32)
+    assert 0 <= int(spill[2][col["bytes/tok"]]) - (step_bytes + K * EXPERT_BYTES) <= E * 4, spill[2]
+    assert [r[0] for r in rows("Time")[1:]] == ["model", "probes", "cache sizes", "forced spill", "total"]
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

@@ -292,7 +292,8 @@ class Model:
             self.backend.counts.forward(phase, tokens.size)
         step = self._device_step(tokens, kv, phase, media)
         if step:  # the token id goes to the device, and the step stays there until its token comes back
-            tok = self.backend.begin_step(tokens, kv.n + _delta(kv), getattr(self.cache, "residency", None),
+            table = getattr(self.cache, "step_table", None)  # SlotCache: its residency table (force_spill masks)
+            tok = self.backend.begin_step(tokens, kv.n + _delta(kv), table() if table else None,
                                           inline=not self._misses_all_over_pcie())
             x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
         else:

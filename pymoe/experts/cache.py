@@ -41,6 +41,9 @@ at once (on a GPU: on the copy stream, overlapped with the attention of the laye
 layer's lookup hits them ("prefetch_hits").
 On the CPU backend nothing crosses PCIe: "spill" and "cpu" are the split a GPU would make (`gpu` False), and every
 expert is computed the same way.
+`force_spill(share)` (a measurement, not a policy: bench/gpu_check.py's spill cliff) serves a random share of the
+decode lookups that hit over PCIe instead, counted as spill; a device step reads the same choice through the
+residency table it is given (`step_table`).
 What this is not: a policy (policies.py), or the code that moves bytes to a GPU (backends/cuda.py does the copies;
 here the CPU backend's copies are plain NumPy).
 """
@@ -253,6 +256,9 @@ class SlotCache:
         self.stats = CacheStats()
         self.clock = 0  # one tick per lookup: the policy's notion of time
         self._pcie_credit = 0.0  # error diffusion of the spill/cpu split
+        self.forced_share, self._forced_seed = 0.0, 0  # force_spill(): off
+        self._forced = None  # bool [L, E]: this decode forward's forced-spill mask (None: off)
+        self._forced_n, self._forced_fresh = 0, False  # decode forwards drawn; a step_table() mask not yet used
 
     # --- bytes -------------------------------------------------------------------------------------------------
     def _copy_in(self, slot: int, layer: int, e: int) -> None:
@@ -297,6 +303,8 @@ class SlotCache:
         c = self.stats.counts[phase]
         _warm(self.heat, layer, expert_ids, phase)
         self._served = {}
+        if phase == "decode" and self.forced_share and layer == self.moe_layers[0]:  # a decode forward begins
+            self._next_forced(reuse=True)
         self.steps += 1
         prefetched = self._prefetched.pop(layer, ())  # experts the lookahead placed for this lookup
         for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
@@ -313,6 +321,8 @@ class SlotCache:
                 if served is None:  # the first pair of this call to choose e decides how e is served
                     served = (("slot", slot) if hit else ("staged", -1) if phase == "prefill"
                               else (self._miss_path(), -1))
+                    if hit and phase == "decode" and self._forced is not None and self._forced[layer, e]:
+                        served = ("spill", -1)  # force_spill(): this hit is read over PCIe
                     self._served[layer, e] = served
                 _count(counts, "lookups")
                 _count(counts, "hits" if served[0] == "slot" else served[0])
@@ -384,6 +394,42 @@ class SlotCache:
             self._pcie_credit -= 1.0
             return "spill"
         return "cpu"
+
+    # --- forced spill: what a spill share costs, at any hit rate (bench/gpu_check.py) ---------------------------
+    def force_spill(self, share: float, seed: int = 0) -> None:
+        """Serve about `share` of the decode lookups that hit over PCIe instead, as "spill" (and count them so), the
+        expert staying in its slot: the spill cliff measured with every expert resident (bench/gpu_check.py).
+
+        Each decode forward n draws a mask bool [L, E] from a generator seeded (seed, n): a lookup of a masked
+        resident expert is served as spill. Drawn per forward, not per lookup, because a device step (version 3)
+        reads its experts through the residency table before its routing is known on the host: `step_table()`
+        gives it the table with the masked experts set to -1 (their changed rows are uploaded as any promotion's
+        are), and the step's lookups, made after it, use that same mask. So each lookup is forced with probability
+        `share`, independently of the routing; the count over N lookups is binomial (mean share * N), not
+        round(share * N), and the counters say what was served. The policy sees every lookup as usual. Prefill is
+        never forced. share 0: off."""
+        if not 0.0 <= share <= 1.0:
+            raise PymoeError(f"forced spill share must be in [0, 1], got {share}")
+        self.forced_share, self._forced_seed = float(share), int(seed)
+        self._forced, self._forced_n, self._forced_fresh = None, 0, False
+
+    def _next_forced(self, reuse: bool = False) -> None:
+        """The mask of the decode forward that begins (reuse: the one step_table() drew for it, if any)."""
+        if reuse and self._forced_fresh:
+            self._forced_fresh = False
+            return
+        rng = np.random.default_rng((self._forced_seed, self._forced_n))
+        self._forced = rng.random(self.residency.shape) < self.forced_share  # [L, E]
+        self._forced_n += 1
+
+    def step_table(self) -> np.ndarray:
+        """The residency table a device step reads (int32 [L, E] -> slot or -1): `residency`, or with a forced spill
+        share, a copy with this step's masked experts at -1 (the step's lookups then use the same mask)."""
+        if not self.forced_share:
+            return self.residency
+        self._next_forced()
+        self._forced_fresh = True
+        return np.where(self._forced, -1, self.residency).astype(np.int32)
 
     # --- start-up ----------------------------------------------------------------------------------------------
     def profile_keys(self, profile) -> list[int]:

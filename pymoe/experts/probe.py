@@ -72,6 +72,31 @@ def pcie_bandwidth(cuda, nbytes: int = 64 * MiB, repeats: int = 4) -> list:
     return out
 
 
+def device_bandwidth(cuda, nbytes: int = 512 * MiB, repeats: int = 4, copies: int = 4) -> list:
+    """GB/s of device-to-device copies, bytes read + bytes written (as CUDA's bandwidthTest counts a copy), per
+    repeat of `copies` back-to-back copies and one synchronisation (after one unmeasured warm-up repeat): near what
+    a kernel streaming its weights from device memory can reach (bench/gpu_check.py sets it beside the decode's
+    achieved GB/s). Timed on the host: the copies are long enough (4 x 512 MiB, ~1.3 ms at 3.3 TB/s) that the launch
+    and synchronisation (tens of microseconds) move the figure by a few percent at most, downwards. In the
+    simulator: NumPy copies' rate."""
+    src = cuda.device_array(nbytes, dtype=np.uint8)
+    dst = cuda.device_array(nbytes, dtype=np.uint8)
+    stream = cuda.stream()
+    out = []
+    for i in range(repeats + 1):
+        t0 = time.perf_counter()
+        for _ in range(copies):
+            dst.copy_to_device(src, stream=stream)
+        stream.synchronize()
+        if i:
+            out.append(2 * copies * nbytes / (time.perf_counter() - t0) / 1e9)
+    del src, dst
+    dealloc = getattr(getattr(cuda.current_context(), "deallocations", None), "clear", None)
+    if dealloc:  # as pcie_bandwidth: free the buffers now
+        dealloc()
+    return out
+
+
 def cpu_expert_rate(file, cpu_backend, repeats: int = 4, layers: int = 4) -> float:
     """GB/s of expert weights the CPU path computes: the first K experts of up to `layers` MoE layers (the first
     ones: glm4moe and deepseek2 lead with dense layers, which have none), one token."""
