@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from .quant_matvec import check, on_device
-from .step import _chosen
+from .step import _chosen, _normalise_weights
 
 MAX_GROUPS = 64  # the kernel's per-thread table of kept groups
 
@@ -95,13 +95,7 @@ def route_groups_kernel(logits, bias, has_bias, softmax, groups, groups_used, k,
         ids[t, j] = best
         w[t, j] = bp
         total += bp
-    if total < np.float32(6.103515625e-5):
-        total = np.float32(6.103515625e-5)
-    for j in range(k):
-        v = w[t, j]
-        if norm_topk:
-            v = v / total
-        w[t, j] = v * scale
+    _normalise_weights(w, t, k, total, norm_topk, scale)
 
 
 def route_groups(logits, k: int, bias, softmax: bool, groups: int, groups_used: int, norm_topk: bool, ids, w,

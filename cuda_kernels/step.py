@@ -211,6 +211,19 @@ def route_softmax(logits, k: int, norm_topk: bool, ids, w, scale: float = 1.0, s
     return ids, w
 
 
+@cuda.jit(device=True)
+def _normalise_weights(w, t, k, total, norm_topk, scale):
+    """Row t's K chosen probabilities w[t, :k] (their sum `total`) -> the routing weights: / max(total, 2^-14) if
+    norm_topk (llama.cpp's clamp), then * scale. The sigmoid and group-limited routers' last step."""
+    if total < np.float32(6.103515625e-5):
+        total = np.float32(6.103515625e-5)
+    for j in range(k):
+        v = w[t, j]
+        if norm_topk:
+            v = v / total
+        w[t, j] = v * scale
+
+
 @cuda.jit
 def route_sigmoid_kernel(logits, bias, has_bias, k, norm_topk, scale, ids, w):
     """logits float32 [T, E], bias float32 [E] -> ids int32 [T, K], w float32 [T, K]; grid (T,), block (1,).
@@ -234,13 +247,7 @@ def route_sigmoid_kernel(logits, bias, has_bias, k, norm_topk, scale, ids, w):
         ids[t, j] = best
         w[t, j] = bp
         total += bp
-    if total < np.float32(6.103515625e-5):
-        total = np.float32(6.103515625e-5)
-    for j in range(k):
-        v = w[t, j]
-        if norm_topk:
-            v = v / total
-        w[t, j] = v * scale
+    _normalise_weights(w, t, k, total, norm_topk, scale)
 
 
 def route_sigmoid(logits, k: int, bias, norm_topk: bool, ids, w, scale: float = 1.0, stream=0):
