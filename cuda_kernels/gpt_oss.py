@@ -30,16 +30,12 @@ import math
 import numpy as np
 from numba import cuda
 
-from pymoe.quant import get_format
-
 from .attention import THREADS as ATTN_THREADS
-from .quant_matvec import THREADS, check, on_device, retarget, row_partial_for
-from .reduce import NEG_INF, block_max, block_sum, block_sum_rows
-from .step import _chosen
+from .quant_matvec import THREADS, check, on_device
+from .reduce import NEG_INF, block_max, block_sum
+from .step import _chosen, routed_experts
 
 ALPHA, LIMIT = 1.702, 7.0  # swiglu_oai's (ggml_swiglu_oai as llama.cpp calls it for gpt-oss; reference.swiglu_oai)
-GATE_PARTIAL = UP_PARTIAL = DOWN_PARTIAL = None  # per-format row_partial device functions, bound by retarget
-_KERNELS: dict = {}
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -163,91 +159,26 @@ def route_softmax_weight(logits, bias, k: int, ids, w, stream=0):
 # ----------------------------------------------------------------------------------------------------------------
 # The routed experts: biases and the clamped SwiGLU, read where the residency table says
 # ----------------------------------------------------------------------------------------------------------------
-def routed_gate_up_oai_kernel(slots, host, table, offsets, part_off, row_bytes, ids, X, b_gate, b_up, H):
-    """H[p, f] = swiglu_oai(gate_e row f . X[t] + b_gate[e, f], up_e row f . X[t] + b_up[e, f]) for pair
-    p = t * K + k, e = ids[t, k] (arguments as step.routed_gate_up_kernel; b_gate, b_up float32 [E, F]);
-    grid (F, P), block (THREADS,)."""
-    f = cuda.blockIdx.x
-    p = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    K = ids.shape[1]
-    t = p // K
-    e = ids[t, p - t * K]
-    s = table[e]
-    g = cuda.local.array(1, np.float32)
-    u = cuda.local.array(1, np.float32)
-    g[0] = 0.0
-    u[0] = 0.0
-    rg, ru = row_bytes[0], row_bytes[1]
-    if s >= 0:  # uniform in the block: the barriers below are reached by every thread
-        GATE_PARTIAL(slots[s, part_off[0] + f * rg:part_off[0] + (f + 1) * rg], X, t, 1, tid, THREADS, g)
-        UP_PARTIAL(slots[s, part_off[1] + f * ru:part_off[1] + (f + 1) * ru], X, t, 1, tid, THREADS, u)
-    elif s == -1:
-        GATE_PARTIAL(host[offsets[e, 0] + f * rg:offsets[e, 0] + (f + 1) * rg], X, t, 1, tid, THREADS, g)
-        UP_PARTIAL(host[offsets[e, 1] + f * ru:offsets[e, 1] + (f + 1) * ru], X, t, 1, tid, THREADS, u)
-    buf = cuda.shared.array((1, THREADS), np.float32)
-    block_sum_rows(buf, tid, g, 1)
-    block_sum_rows(buf, tid, u, 1)
-    if tid == 0:
-        a = g[0] + b_gate[e, f]
-        c = u[0] + b_up[e, f]
-        if a > np.float32(LIMIT):  # g = min(gate, limit), u = clamp(up, -limit, limit)
-            a = np.float32(LIMIT)
-        if c > np.float32(LIMIT):
-            c = np.float32(LIMIT)
-        if c < np.float32(-LIMIT):
-            c = np.float32(-LIMIT)
-        H[p, f] = a / (np.float32(1.0) + math.exp(np.float32(ALPHA) * -a)) * (c + np.float32(1.0))
-
-
-def routed_down_oai_kernel(slots, host, table, offsets, part_off, row_bytes, ids, w, H, b_down, Y):
-    """Y[t, d] = sum over k, in order, of w[t, k] * (down_e row d . H[t * K + k] + b_down[e, d]), experts left out
-    (table -2) skipped; b_down float32 [E, D]; grid (D, T), block (THREADS,)."""
-    d = cuda.blockIdx.x
-    t = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
-    K = ids.shape[1]
-    rd = row_bytes[2]
-    acc = cuda.local.array(1, np.float32)
-    buf = cuda.shared.array((1, THREADS), np.float32)
-    total = np.float32(0.0)
-    for j in range(K):
-        e = ids[t, j]
-        s = table[e]
-        p = t * K + j
-        acc[0] = 0.0
-        if s >= 0:
-            DOWN_PARTIAL(slots[s, part_off[2] + d * rd:part_off[2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
-        elif s == -1:
-            DOWN_PARTIAL(host[offsets[e, 2] + d * rd:offsets[e, 2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
-        block_sum_rows(buf, tid, acc, 1)
-        if s != -2:  # (-2: an expert computed elsewhere, bias included)
-            total += w[t, j] * (acc[0] + b_down[e, d])
-    if tid == 0:
-        Y[t, d] = total
+@cuda.jit(device=True)
+def swiglu_oai(a, c):
+    """gpt-oss's clamped SwiGLU for one element (reference.swiglu_oai): g = min(gate, limit), u = clamp(up, -limit,
+    limit); g sigmoid(alpha g) (u + 1). The routed experts' ACTIVATE in `routed_experts_oai`."""
+    if a > np.float32(LIMIT):
+        a = np.float32(LIMIT)
+    if c > np.float32(LIMIT):
+        c = np.float32(LIMIT)
+    if c < np.float32(-LIMIT):
+        c = np.float32(-LIMIT)
+    return a / (np.float32(1.0) + math.exp(np.float32(ALPHA) * -a)) * (c + np.float32(1.0))
 
 
 def routed_experts_oai(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, biases,
                        stream=0):
-    """Y [T, D] = the routed experts of one gpt-oss layer (see the module docstring); shape (D, F); H float32
-    [P, F] scratch; biases (gate [E, F], up [E, F], down [E, D]) float32 device arrays. Returns Y."""
-    D, F = shape
-    T, K = ids.shape
-    if T == 0:
-        return Y
-    key = tuple(get_format(types[p]).qtype for p in ("gate", "up", "down"))
-    if key not in _KERNELS:
-        gq, uq, dq = key
-        name = f"{gq.name}_{uq.name}_{dq.name}"
-        _KERNELS[key] = (
-            retarget(routed_gate_up_oai_kernel, cuda.jit, f"routed_gate_up_oai_{name}",
-                     GATE_PARTIAL=row_partial_for(gq), UP_PARTIAL=row_partial_for(uq)),
-            retarget(routed_down_oai_kernel, cuda.jit, f"routed_down_oai_{name}", DOWN_PARTIAL=row_partial_for(dq)))
-    gate_up, down = _KERNELS[key]
-    b_gate, b_up, b_down = biases
-    gate_up[(F, T * K), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, X, b_gate, b_up, H)
-    down[(D, T), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, w, H, b_down, Y)
-    return Y
+    """Y [T, D] = the routed experts of one gpt-oss layer (see the module docstring): step.routed_experts's
+    kernels with BIASED (biases (gate [E, F], up [E, F], down [E, D]) float32 device arrays) and swiglu_oai;
+    shape (D, F); H float32 [P, F] scratch. Returns Y."""
+    return routed_experts(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream,
+                          biases=biases, activate=swiglu_oai, form="oai")
 
 
 def routed_experts_oai_reference(read, types: dict, ids: np.ndarray, w: np.ndarray, X: np.ndarray,

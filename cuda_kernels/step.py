@@ -45,6 +45,10 @@ from .reduce import block_sum, block_sum_rows
 SCALE = CODE = None
 QK = TYPE_SIZE = GROUP = GROUPS = 0
 DECODE_ROW = GATE_PARTIAL = UP_PARTIAL = DOWN_PARTIAL = None
+# the routed experts' form, bound by retarget beside the row dots: BIASED adds each expert's gate/up/down biases,
+# ACTIVATE(gate, up) -> h (silu(gate) * up here; gpt-oss's clamped SwiGLU: cuda_kernels/gpt_oss.py)
+BIASED = False
+ACTIVATE = None
 _KERNELS: dict = {}
 
 
@@ -310,11 +314,18 @@ def argmax(logits, out, stream=0):
 # ----------------------------------------------------------------------------------------------------------------
 # The routed experts, read where the residency table says
 # ----------------------------------------------------------------------------------------------------------------
-def routed_gate_up_kernel(slots, host, table, offsets, part_off, row_bytes, ids, X, H):
-    """H[p, f] = silu(gate_e row f . X[t]) * (up_e row f . X[t]) for pair p = t * K + k, e = ids[t, k].
+@cuda.jit(device=True)
+def silu_times(a, c):
+    """silu(a) * c: SwiGLU's product for one element (the routed experts' ACTIVATE unless bound otherwise)."""
+    return a / (np.float32(1.0) + math.exp(-a)) * c
+
+
+def routed_gate_up_kernel(slots, host, table, offsets, part_off, row_bytes, ids, X, b_gate, b_up, H):
+    """H[p, f] = ACTIVATE(gate_e row f . X[t] (+ b_gate[e, f]), up_e row f . X[t] (+ b_up[e, f])) for pair
+    p = t * K + k, e = ids[t, k]; the biases only when BIASED.
     slots uint8 [N, slot_bytes]; host uint8 [file bytes] (mapped); table int32 [E]; offsets int64 [E, 3] (each
-    expert's gate/up/down bytes in the file); part_off int64 [3] (in a slot); row_bytes int64 [3];
-    grid (F, P), block (THREADS,)."""
+    expert's gate/up/down bytes in the file); part_off int64 [3] (in a slot); row_bytes int64 [3]; b_gate, b_up
+    float32 [E, F] (BIASED) or any float32 2-D array (not read); grid (F, P), block (THREADS,)."""
     f = cuda.blockIdx.x
     p = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -338,11 +349,17 @@ def routed_gate_up_kernel(slots, host, table, offsets, part_off, row_bytes, ids,
     block_sum_rows(buf, tid, u, 1)
     if tid == 0:
         a = g[0]
-        H[p, f] = a / (np.float32(1.0) + math.exp(-a)) * u[0]
+        c = u[0]
+        if BIASED:
+            a += b_gate[e, f]
+            c += b_up[e, f]
+        H[p, f] = ACTIVATE(a, c)
 
 
-def routed_down_kernel(slots, host, table, offsets, part_off, row_bytes, ids, w, H, Y):
-    """Y[t, d] = sum over k, in order, of w[t, k] * (down_e row d . H[t * K + k]); grid (D, T), block (THREADS,)."""
+def routed_down_kernel(slots, host, table, offsets, part_off, row_bytes, ids, w, H, b_down, Y):
+    """Y[t, d] = sum over k, in order, of w[t, k] * (down_e row d . H[t * K + k] (+ b_down[e, d] when BIASED)),
+    experts left out (table -2: computed elsewhere, bias included) skipped; b_down float32 [E, D] or any float32
+    2-D array (not read); grid (D, T), block (THREADS,)."""
     d = cuda.blockIdx.x
     t = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -360,30 +377,39 @@ def routed_down_kernel(slots, host, table, offsets, part_off, row_bytes, ids, w,
             DOWN_PARTIAL(slots[s, part_off[2] + d * rd:part_off[2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
         elif s == -1:
             DOWN_PARTIAL(host[offsets[e, 2] + d * rd:offsets[e, 2] + (d + 1) * rd], H, p, 1, tid, THREADS, acc)
-        block_sum_rows(buf, tid, acc, 1)  # (-2, an expert computed elsewhere: acc stays 0)
-        total += w[t, j] * acc[0]
+        block_sum_rows(buf, tid, acc, 1)
+        if s != -2:
+            if BIASED:
+                total += w[t, j] * (acc[0] + b_down[e, d])
+            else:
+                total += w[t, j] * acc[0]
     if tid == 0:
         Y[t, d] = total
 
 
-def routed_experts(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream=0):
+def routed_experts(slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream=0,
+                   biases=None, activate=silu_times, form: str = ""):
     """Y [T, D] = the routed experts of one layer (see the module docstring); shape (D, F); H float32 [P, F]
-    scratch. All arrays on the device (host: the mapped file); returns Y."""
+    scratch. All arrays on the device (host: the mapped file); returns Y. biases (gate [E, F], up [E, F], down
+    [E, D]) float32 device arrays, or None; activate: the device function (gate, up) -> h; form names the pair
+    (biases, activate) in the compiled kernels' names ("oai": gpt-oss's, gpt_oss.routed_experts_oai)."""
     D, F = shape
     T, K = ids.shape
     if T == 0:
         return Y
-    key = ("routed",) + tuple(get_format(types[p]).qtype for p in ("gate", "up", "down"))
+    key = ("routed", form) + tuple(get_format(types[p]).qtype for p in ("gate", "up", "down"))
     if key not in _KERNELS:
-        gq, uq, dq = key[1:]
-        name = f"{gq.name}_{uq.name}_{dq.name}"
+        gq, uq, dq = key[2:]
+        name = f"{form + '_' if form else ''}{gq.name}_{uq.name}_{dq.name}"
+        form_ = dict(BIASED=biases is not None, ACTIVATE=activate)
         _KERNELS[key] = (
             retarget(routed_gate_up_kernel, cuda.jit, f"routed_gate_up_{name}",
-                     GATE_PARTIAL=row_partial_for(gq), UP_PARTIAL=row_partial_for(uq)),
-            retarget(routed_down_kernel, cuda.jit, f"routed_down_{name}", DOWN_PARTIAL=row_partial_for(dq)))
+                     GATE_PARTIAL=row_partial_for(gq), UP_PARTIAL=row_partial_for(uq), **form_),
+            retarget(routed_down_kernel, cuda.jit, f"routed_down_{name}", DOWN_PARTIAL=row_partial_for(dq), **form_))
     gate_up, down = _KERNELS[key]
-    gate_up[(F, T * K), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, X, H)
-    down[(D, T), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, w, H, Y)
+    b_gate, b_up, b_down = (H, H, H) if biases is None else biases  # unbiased: never read, any float32 [:, :]
+    gate_up[(F, T * K), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, X, b_gate, b_up, H)
+    down[(D, T), THREADS, stream](slots, host, table, offsets, part_off, row_bytes, ids, w, H, b_down, Y)
     return Y
 
 

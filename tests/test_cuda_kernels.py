@@ -336,12 +336,13 @@ def compile_every_kernel_to_ptx():
              (S.route_softmax_kernel, (f2, nt.int64, nt.boolean, nt.float32, i2, f2)),
              (S.route_sigmoid_kernel, (f2, f1, nt.boolean, nt.int64, nt.boolean, nt.float32, i2, f2)),
              (S.argmax_kernel, (f2, i1)),
-             (retarget(S.routed_gate_up_kernel, cuda.jit, "routed_gate_up_Q2_K_Q4_K",
+             (retarget(S.routed_gate_up_kernel, cuda.jit, "routed_gate_up_Q2_K_Q4_K", ACTIVATE=S.silu_times,
                        GATE_PARTIAL=quant_matvec.row_partial_for(QType.Q2_K),
-                       UP_PARTIAL=quant_matvec.row_partial_for(QType.Q4_K)), (u8, u81, i1, l2, l1, l1, i2, f2, f2)),
+                       UP_PARTIAL=quant_matvec.row_partial_for(QType.Q4_K)),
+              (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2, f2)),
              (retarget(S.routed_down_kernel, cuda.jit, "routed_down_Q3_K",
                        DOWN_PARTIAL=quant_matvec.row_partial_for(QType.Q3_K)),
-              (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2))]
+              (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2, f2))]
     # gpt-oss's (cuda_kernels/gpt_oss.py)
     from pymoe.cuda_kernels import gpt_oss as O
 
@@ -349,11 +350,11 @@ def compile_every_kernel_to_ptx():
              (O.decode_attention_ws_kernel, (f2, f3, f3, nt.int64, nt.int64, nt.float32, nt.Array(nt.float32, 1, "A"),
                                              nt.boolean, f2, f2)),  # no sinks: a column of the scores stands in
              (O.route_softmax_weight_kernel, (f2, f1, nt.boolean, nt.int64, i2, f2)),
-             (retarget(O.routed_gate_up_oai_kernel, cuda.jit, "routed_gate_up_oai_Q2_K_Q4_K",
-                       GATE_PARTIAL=quant_matvec.row_partial_for(QType.Q2_K),
+             (retarget(S.routed_gate_up_kernel, cuda.jit, "routed_gate_up_oai_Q2_K_Q4_K", BIASED=True,
+                       ACTIVATE=O.swiglu_oai, GATE_PARTIAL=quant_matvec.row_partial_for(QType.Q2_K),
                        UP_PARTIAL=quant_matvec.row_partial_for(QType.Q4_K)),
               (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2, f2)),
-             (retarget(O.routed_down_oai_kernel, cuda.jit, "routed_down_oai_Q3_K",
+             (retarget(S.routed_down_kernel, cuda.jit, "routed_down_oai_Q3_K", BIASED=True,
                        DOWN_PARTIAL=quant_matvec.row_partial_for(QType.Q3_K)),
               (u8, u81, i1, l2, l1, l1, i2, f2, f2, f2, f2))]
     # DeepSeek's (cuda_kernels/mla.py, route_groups.py), and decode attention with V a strided view of the MLA cache

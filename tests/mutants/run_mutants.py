@@ -968,9 +968,9 @@ MUTANTS: list[Mutant] = [
         ("tests/test_cuda_gpt_oss_kernels.py::test_decode_attention_with_window_and_sinks_matches_the_reference[*]",),
         "gpt-oss's device attention takes the sink into the maximum but not into the softmax's denominator"),
     Mutant(
-        "gpt_oss_step_down_bias_dropped", "cuda_kernels/gpt_oss.py",
-        "            total += w[t, j] * (acc[0] + b_down[e, d])",
-        "            total += w[t, j] * acc[0]",
+        "gpt_oss_step_down_bias_dropped", "cuda_kernels/step.py",
+        "                total += w[t, j] * (acc[0] + b_down[e, d])",
+        "                total += w[t, j] * acc[0]",
         ("tests/test_cuda_gpt_oss_kernels.py::test_routed_oai_experts_read_slots_and_the_mapped_file_as_the_table_says",),
         "gpt-oss's device experts leave out the down projection's bias"),
 ]
