@@ -9,7 +9,10 @@ products with and without repacked copies, bit for bit, with a check that the co
 made by llama.cpp's quantizer decoded with and without repacking, bit for bit, and one MXFP4_MOE file likewise.
 What this is not: a speed test (bench/bench_forward.py with PYMOE_REPACK=0/1; docs/performance.md "Repacked 8-row tiles").
 """
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -227,7 +230,24 @@ def test_prefetch_hints_follow_the_cpu_and_the_environment(monkeypatch):
     assert qact._dense_locality() == 1
     if not repack.STREAM_AHEAD:
         return
-    for dots, locality in ((repack.TILE_DOTS_STREAM, qact.STREAM_LOCALITY), (repack.TILE_DOTS, qact.DENSE_LOCALITY)):
+    assert _dot_hints() == {"stream": {qact.STREAM_LOCALITY}, "dense": {qact.DENSE_LOCALITY}}
+    # and with both forced to values no CPU's default has, in a fresh interpreter (the dots are built at import):
+    # a dot that takes the other's hint, or a fixed one, shows here on any CPU
+    env = dict(os.environ, PYMOE_STREAM_LOCALITY="1", PYMOE_DENSE_LOCALITY="2")
+    env.pop("PYMOE_NT", None)
+    code = "import test_repack as t; print(sorted((k, sorted(v)) for k, v in t._dot_hints().items()))"
+    out = subprocess.run([sys.executable, "-c", code], env=env, cwd=os.path.dirname(os.path.abspath(__file__)),
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "[('dense', [2]), ('stream', [1])]", out.stdout
+
+
+def _dot_hints() -> dict:
+    """The prefetch localities (llvm.prefetch's third argument) in the IR of the Q4_K one-token tile dot compiled
+    for the experts (repack.TILE_DOTS_STREAM) and for the dense weights (repack.TILE_DOTS): {"stream": {...},
+    "dense": {...}}."""
+    out = {}
+    for which, dots in (("stream", repack.TILE_DOTS_STREAM), ("dense", repack.TILE_DOTS)):
         dot = dots[QType.Q4_K]
 
         @njit
@@ -239,7 +259,8 @@ def test_prefetch_hints_follow_the_cpu_and_the_environment(monkeypatch):
             np.zeros(8, np.float32))
         ir_text = next(iter(one.inspect_llvm().values()))
         hints = re.findall(r"call void @llvm\.prefetch[.\w]*\([^,]+, i32 0, i32 (\d), i32 1\)", ir_text)
-        assert hints and set(hints) == {str(locality)}, (locality, set(hints))
+        out[which] = {int(h) for h in hints}
+    return out
 
 
 _PAIR_RUNNERS = {}
