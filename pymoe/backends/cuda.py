@@ -846,6 +846,7 @@ class CUDABackend:
         self._steps = 0  # device steps begun so far (StepLogits checks its logits are still there)
         self._res = None  # the residual stream's device array during a step
         self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
+        self.recorder = None  # a device_counts.LaunchRecorder: each step's launches, when a test asks
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def attach(self, file, host: Optional[HostMapping] = None) -> None:
@@ -1013,6 +1014,8 @@ class CUDABackend:
         if self.cache_pool is not None:
             self.cache_pool.before_any_read()
         self._steps += 1
+        if self.recorder is not None:
+            self.recorder.begin()
         self._step = {"p0": int(p0), "inline": bool(inline)}
         self._arena_top = 0
         tok = self._sb["tok"]
@@ -1198,6 +1201,8 @@ class CUDABackend:
         K = self._moe[0]
         back = self._sb["back"]
         self._launch("argmax", logits, shaped(back, (1,)), self.compute)
+        if self.recorder is not None:
+            self.recorder.end()
         if self.cache_pool is not None:  # the step's kernels may have read any slot: copies into slots wait for them
             done = self.cuda.event()
             done.record(self.compute)
@@ -1286,6 +1291,8 @@ class CUDABackend:
     def _launch(self, op: str, *args):
         """Run kernel-set operation `op` (LAUNCHES[op] kernel launches) on the compute stream's arguments."""
         self.counts.launch(LAUNCHES[op])
+        if self.recorder is not None:
+            self.recorder.launch(op, args)
         return getattr(self.k, op)(*args)
 
     def _put(self, name: str, host: np.ndarray, what: str):
@@ -1464,6 +1471,8 @@ class CUDABackend:
         T = k.shape[0]
         if isinstance(kv, DeviceKVCache):
             r = kv.rows[layer]
+            if self.recorder is not None:
+                self.recorder.launch("device copy", (kv.k[r, p0:p0 + T], k))
             kv.k[r, p0:p0 + T].copy_to_device(k, stream=self.compute)  # device to device: no PCIe, not counted
             if v is not None:  # (MLA: V is part of the K row)
                 kv.v[r, p0:p0 + T].copy_to_device(v, stream=self.compute)
