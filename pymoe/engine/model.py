@@ -293,7 +293,7 @@ class Model:
         step = self._device_step(tokens, kv, phase, media)
         if step:  # the token id goes to the device, and the step stays there until its token comes back
             tok = self.backend.begin_step(tokens, kv.n + _delta(kv), getattr(self.cache, "residency", None),
-                                          inline=not self._misses_all_over_pcie())
+                                          inline=not self._misses_all_over_pcie(), row=kv.n)
             x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
         else:
             x = self.embed(tokens)  # [T, D]

@@ -1,0 +1,156 @@
+"""CUDA graphs for the device decode step (backends/cuda_graphs.py): what can be tested without a GPU, and the GPU test.
+
+A CUDA graph replays the launches it captured: the same kernels, grids, blocks and argument values (device
+pointers, shapes and strides of arrays, scalars). So the decode step can be captured once and replayed only if each
+step makes exactly the launches of the one before, whatever the position, the token or the residency table holds:
+those live in device arrays at fixed addresses (the step's `at` buffer, the residency table), uploaded before the
+launches. In Numba's CUDA simulator (no CuPy, no graphs) the property itself is tested: `LaunchRecorder`
+(backends/device_counts.py) records each step's launches with their arguments' fingerprints, and consecutive steps
+must record identical lists, on every family that runs the step, with every expert in a slot and across
+promotions that change the residency table. On a GPU (scripts/gpu-check), the step is captured and replayed for
+real, and decoding with graphs on and off gives the same tokens and the same logits
+(`test_graphs_on_and_off_decode_alike`).
+"""
+from cuda_sim import IN_PROCESS, IS_SIMULATOR, fresh_interpreter_test, in_process  # first: the simulator on
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+import pymoe  # noqa: E402
+from pymoe.backends.device_counts import LaunchRecorder, first_difference  # noqa: E402
+from pymoe.experts.profile import Profile  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+PROMPT = [5, 17]
+N_NEW = 5  # 4 decode steps
+MiB = 2**20
+SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
+FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss", "deepseek2",
+            "qwen3next", "qwen35moe"]  # tests/test_cuda_device_step.py's list (held to it below)
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    from pymoe.demo.tinymodel import write_model
+
+    root, made = tmp_path_factory.mktemp("micro"), {}
+
+    def make(arch):
+        if arch not in made:
+            made[arch] = str(root / f"micro-{arch}-f32.gguf")
+            write_model(made[arch], arch, "micro", "f32", seed=0)
+        return made[arch]
+
+    return make
+
+
+def load(path, setting: str, **options):
+    """"slots": a slot for every expert, pre-filled; "promotions": one slot, LRU, pcie_frac 1: every miss read over
+    PCIe and promoted, so the residency table changes at every step."""
+    if setting == "promotions":
+        return pymoe.load(path, backend="cuda", cache_slots=1, policy="lru", pcie_frac=1.0,
+                          backend_options=dict(SIM, **options))
+    cfg = pymoe.load(path, backend="reference").config
+    pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+    profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
+    return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
+                      backend_options=dict(SIM, **options))
+
+
+def test_the_families_are_the_device_steps():
+    import test_cuda_device_step
+
+    assert FAMILIES == test_cuda_device_step.FAMILIES
+
+
+@in_process
+@pytest.mark.parametrize("arch", FAMILIES)
+@pytest.mark.parametrize("setting", ["slots", "promotions"])
+def test_consecutive_steps_make_the_same_launches(micro, arch, setting):
+    """Every decode step's launches (operation, arguments: device pointers, shapes, strides, scalars) equal the
+    first step's: what one captured graph replays. "promotions": the residency table the kernels read changes
+    between the steps (its rows are uploaded into the same device array)."""
+    engine = load(micro(arch), setting)
+    recorder = engine.backend.recorder = LaunchRecorder()
+    tables = []
+    engine.backend.begin_step = record_tables(engine.backend, tables)
+    list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    assert len(recorder.steps) == N_NEW - 1 and len(recorder.steps[0]) > 0
+    for step in recorder.steps[1:]:
+        assert first_difference(recorder.steps[0], step) is None
+    if setting == "promotions":  # the test is about a table that changed: it did
+        assert engine.last_stats.decode["promoted"] > 0
+        assert any(not np.array_equal(tables[0], t) for t in tables[1:])
+
+
+def record_tables(backend, tables: list):
+    """begin_step, keeping a copy of the residency table each step's kernels read."""
+    begin = backend.begin_step
+
+    def begin_step(*args, **kw):
+        tok = begin(*args, **kw)
+        tables.append(backend._table_host.copy())
+        return tok
+
+    return begin_step
+
+
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2"])
+def test_the_real_kernels_launches_repeat(micro, monkeypatch, arch):
+    """The Numba kernel launches themselves (kernel, grid, block, arguments), as the simulator sees them, of the
+    kernels that take the step's position (RoPE, the KV store, attention: GQA, gpt-oss's window and sinks, MLA's
+    cache row and query); the other operations on the reference kernels (the real ones of every op cost minutes
+    here: tests/test_cuda_real_kernels_sim.py). Tokens still the reference backend's."""
+    from pymoe.backends import cuda as cuda_backend
+
+    real_ops = ("rope", "kv_store", "decode_attention", "decode_attention_ws", "mla_kv_row", "mla_query")
+
+    class Mixed(cuda_backend.ReferenceKernels):
+        name = "mixed"
+
+    for op in real_ops:
+        setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
+    monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
+    path = micro(arch)
+    want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    engine = load(path, "promotions", kernels="mixed")
+    recorder = engine.backend.recorder = LaunchRecorder()
+    with recorder.kernels():
+        assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
+    kernels = {name for name, grid, *_ in recorder.steps[0] if grid is not None}
+    assert {"rope_at_kernel", "kv_store_kernel"} <= kernels or {"mla_kv_row_at_kernel"} <= kernels
+    for step in recorder.steps[1:]:
+        assert first_difference(recorder.steps[0], step) is None
+
+
+@pytest.mark.skipif(IS_SIMULATOR, reason="GPU only: CUDA graphs need CuPy and a real device")
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2", "qwen3next"])
+def test_graphs_on_and_off_decode_alike(micro, monkeypatch, arch):
+    """On a GPU: greedy tokens and every step's logits with the step captured into a CUDA graph and replayed
+    (PYMOE_CUDA_GRAPHS=1) equal those of the same launches made directly (0), bit for bit (a replay runs the very
+    kernels on the very arguments); across promotions too. With graphs on, the steps after the first replay."""
+    path = micro(arch)
+    runs = {}
+    for graphs in ("0", "1"):
+        monkeypatch.setenv("PYMOE_CUDA_GRAPHS", graphs)
+        engine = load(path, "promotions", kernels="cuda_kernels")
+        kv = engine.model.new_kv(64)
+        engine.model.prefill(PROMPT, kv)
+        token, tokens, logits = 9, [], []
+        for _ in range(6):
+            out = engine.model.decode_one_token(token, kv)
+            logits.append(np.asarray(out).copy())
+            token = out.greedy_token
+            tokens.append(token)
+        runs[graphs] = tokens, logits, engine.backend.graphs
+    (t0, l0, off), (t1, l1, on) = runs["0"], runs["1"]
+    assert off is None and on is not None and on.replays >= 4
+    assert t0 == t1
+    for a, b in zip(l0, l1):
+        assert np.array_equal(a, b)
+
+
+if not IN_PROCESS:
+    test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
