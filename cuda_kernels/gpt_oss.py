@@ -182,7 +182,8 @@ def route_softmax_weight(logits, bias, k: int, ids, w, stream=0):
     check(w, "w", np.float32, 2)
     T, E = logits.shape
     has_bias = bias is not None
-    bias = on_device(bias, "bias") if has_bias else cuda.device_array(E, np.float32)
+    bias = (on_device(bias, "bias") if has_bias else logits[0] if T  # (a row standing in, unread: no
+            else cuda.device_array(E, np.float32))  # allocation, so that a CUDA graph replays the launch)
     if tuple(ids.shape) != (T, k) or tuple(w.shape) != (T, k) or tuple(bias.shape) != (E,) or not 1 <= k <= E:
         raise ValueError(f"route_softmax_weight: ids {tuple(ids.shape)}, w {tuple(w.shape)} must be ({T}, {k}), "
                          f"bias {tuple(bias.shape)} ({E},), k <= E")

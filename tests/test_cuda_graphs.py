@@ -97,15 +97,16 @@ def record_tables(backend, tables: list):
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "glm4moe", "gpt-oss", "deepseek2"])
 def test_the_real_kernels_launches_repeat(micro, monkeypatch, arch):
     """The Numba kernel launches themselves (kernel, grid, block, arguments), as the simulator sees them, of the
     kernels that take the step's position (RoPE, the KV store, attention: GQA, gpt-oss's window and sinks, MLA's
-    cache row and query); the other operations on the reference kernels (the real ones of every op cost minutes
-    here: tests/test_cuda_real_kernels_sim.py). Tokens still the reference backend's."""
+    cache row and query), of the routers, the norms, the adds and the argmax; the products and the routed experts on the reference kernels (the real ones of every op
+    cost minutes here: tests/test_cuda_real_kernels_sim.py). Tokens still the reference backend's."""
     from pymoe.backends import cuda as cuda_backend
 
-    real_ops = ("rope", "kv_store", "decode_attention", "decode_attention_ws", "mla_kv_row", "mla_query")
+    real_ops = ("rope", "kv_store", "decode_attention", "decode_attention_ws", "mla_kv_row", "mla_query",
+                "route_softmax", "route_sigmoid", "route_softmax_weight", "route_groups", "rmsnorm", "add", "argmax")
 
     class Mixed(cuda_backend.ReferenceKernels):
         name = "mixed"
