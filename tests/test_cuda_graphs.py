@@ -126,6 +126,62 @@ def test_the_real_kernels_launches_repeat(micro, monkeypatch, arch):
         assert first_difference(recorder.steps[0], step) is None
 
 
+class ReplayCapture:
+    """A stand-in for CuPy's capture (backends/cuda_graphs.CupyCapture) in the simulator, with a graph's semantics:
+    capturing keeps the step's launch calls with the arguments they were made with, unrun; launching the "graph"
+    makes those very calls again, whatever the step under way would have passed."""
+
+    def numba_stream(self, cuda):
+        return cuda.stream()
+
+    def capture(self, launches):
+        return list(launches)
+
+    def launch(self, graph):
+        for launch in graph:
+            launch()
+
+
+@in_process
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_graph_replay_keeps_the_tokens(micro, arch):
+    """backends/cuda_graphs.StepGraphs with the stand-in capture, across promotions: the first step's launches run
+    directly, the second's are captured, the rest replay the captured calls; every step's logits equal, bit for bit,
+    those of the same launches made directly (the same kernels on the same arguments), and the greedy tokens the
+    reference backend's. (Before the step's position lived in device memory, a replay attended and rotated at the
+    captured step's position.)"""
+    path = micro(arch)
+    runs = {}
+    for name, graphs in (("direct", None), ("graphs", ReplayCapture())):
+        engine = load(path, "promotions", graphs=graphs)
+        kv = engine.model.new_kv(64)
+        engine.model.prefill(PROMPT, kv)
+        token, logits = 9, []
+        for _ in range(6):
+            out = engine.model.decode_one_token(token, kv)
+            logits.append(np.asarray(out).copy())
+            token = out.greedy_token
+        runs[name] = logits, engine.backend.graphs
+    (direct, none), (replayed, g) = runs["direct"], runs["graphs"]
+    assert none is None and (g.direct, g.captured, g.replayed) == (1, 1, 4)
+    for a, b in zip(direct, replayed):
+        assert np.array_equal(a, b)
+    ref = pymoe.load(path, backend="reference")
+    want = list(ref.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    assert list(load(path, "promotions", graphs=ReplayCapture()).generate(PROMPT, max_tokens=N_NEW,
+                                                                          stop_at_eos=False)) == want
+
+
+@in_process
+def test_graphs_are_off_in_the_simulator(micro, monkeypatch):
+    """PYMOE_CUDA_GRAPHS unset: off in the simulator (CuPy cannot run there); 1: a one-line error saying why not."""
+    path = micro("qwen3moe")
+    assert load(path, "slots").backend.graphs is None
+    monkeypatch.setenv("PYMOE_CUDA_GRAPHS", "1")
+    with pytest.raises(pymoe.PymoeError, match="PYMOE_CUDA_GRAPHS=1 needs a GPU"):
+        load(path, "slots")
+
+
 @pytest.mark.skipif(IS_SIMULATOR, reason="GPU only: CUDA graphs need CuPy and a real device")
 @pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2", "qwen3next"])
 def test_graphs_on_and_off_decode_alike(micro, monkeypatch, arch):

@@ -526,6 +526,7 @@ class DeviceMemory:
 
     def __init__(self, cuda, limit: int, counts: DeviceCounts):
         self.cuda = cuda
+        self.allocate = lambda shape, dtype: cuda.device_array(shape, dtype=dtype)  # (CuPy's pool with graphs on)
         self.counts = counts
         self.limit = int(limit)
         self.used = 0
@@ -538,7 +539,7 @@ class DeviceMemory:
                              f"{(self.limit - self.used) / MiB:.1f} MiB of {self.limit / MiB:.1f} MiB left")
         self.used += nbytes
         self.by_what[what] = self.by_what.get(what, 0) + nbytes
-        return self.cuda.device_array(shape, dtype=dtype)
+        return self.allocate(shape, dtype)
 
     def upload(self, host: np.ndarray, what: str):
         dev = self.alloc(host.shape, host.dtype, what)
@@ -823,9 +824,10 @@ class CUDABackend:
     device_attention_kinds = frozenset({"mla"})  # attention.HOST_ATTENTION kinds this backend runs on the device
 
     def __init__(self, threads: Optional[int] = None, kernels: str = "cuda_kernels", reserve: int = DEFAULT_RESERVE,
-                 free_bytes: Optional[int] = None):
+                 free_bytes: Optional[int] = None, graphs=None):
         """`free_bytes`: device memory to plan with (default: what the driver reports free now; the simulator
-        reports infinity, so tests give a number)."""
+        reports infinity, so tests give a number). `graphs`: what captures the decode step into CUDA graphs
+        (backends/cuda_graphs.py; default: CuPy's, when PYMOE_CUDA_GRAPHS and the machine allow it)."""
         self.cuda = cuda = cuda_module()
         if kernels not in KERNEL_SETS:
             raise PymoeError(f"unknown kernel set {kernels!r} (choose from {', '.join(KERNEL_SETS)})")
@@ -835,7 +837,14 @@ class CUDABackend:
         self.cpu = CPUBackend(threads=threads, act_bits=0)
         self.host_backend = self.cpu  # where attention kinds without device kernels run (attention.HOST_ATTENTION)
         self.threads = self.cpu.threads
-        self.compute, self.copy = cuda.stream(), cuda.stream()
+        from .cuda_graphs import CupyCapture, StepGraphs, wanted
+
+        if graphs is None and wanted(kernels, simulated()):
+            graphs = CupyCapture()
+        self.graphs = StepGraphs(graphs) if graphs is not None else None  # the device step's CUDA graphs
+        # (with them, the compute stream is CuPy's, the Numba kernels launch on it)
+        self.compute = graphs.numba_stream(cuda) if graphs is not None else cuda.stream()
+        self.copy = cuda.stream()
         from pymoe.cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
 
         self._token_tile = TOKEN_TILE  # tokens one kernel block serves: below it, staging an expert gains nothing
@@ -853,6 +862,8 @@ class CUDABackend:
         self.reserve = int(reserve)
         self.counts = DeviceCounts()  # launches, host<->device bytes, syncs: backends/device_counts.py
         self.mem = DeviceMemory(cuda, self.free_at_start - self.reserve, self.counts)
+        if getattr(graphs, "allocate", None) is not None:  # CuPy's memory pool
+            self.mem.allocate = lambda shape, dtype: graphs.allocate(cuda, shape, dtype)
         self.host: Optional[HostMapping] = None
         self.scratch: dict = {}
         self.chunk = 1
@@ -1051,6 +1062,8 @@ class CUDABackend:
         at = np.array([np.asarray(tokens).reshape(-1)[0], p0, row], np.int32)  # [token, position, KV row]
         self._sb["at"].copy_to_device(at, stream=self.compute)
         self.counts.copy("token id and position to device", at.nbytes)
+        if self.graphs is not None and not inline:  # the step's launches: one CUDA graph (cuda_graphs.py)
+            self.graphs.begin()
         return self._at["token"]
 
     def keep_on_device(self, vectors: list) -> None:
@@ -1146,6 +1159,8 @@ class CUDABackend:
     def routing_to_host(self, ids, w, x) -> tuple:
         """A device step whose cache may send misses to the CPU: this layer's routing ids and weights and its
         input row come to the host now (one synchronisation) -> (ids int [1, K], w [1, K], x [1, D]), host."""
+        if self.graphs is not None:
+            self.graphs.flush()
         out = [a.copy_to_host(stream=self.compute) for a in (ids, w, x)]
         self.compute.synchronize()
         for a, what in zip(out, ("routing ids to host (cpu misses)", "routing weights to host (cpu misses)",
@@ -1233,6 +1248,8 @@ class CUDABackend:
         self._launch("argmax", logits, shaped(back, (1,)), self.compute)
         if self.recorder is not None:
             self.recorder.end()
+        if self.graphs is not None:  # the step's launches, held until now: a graph's replay (or run directly)
+            self.graphs.run()
         if self.cache_pool is not None:  # the step's kernels may have read any slot: copies into slots wait for them
             done = self.cuda.event()
             done.record(self.compute)
@@ -1323,6 +1340,9 @@ class CUDABackend:
         self.counts.launch(LAUNCHES[op])
         if self.recorder is not None:
             self.recorder.launch(op, args)
+        if self._step is not None and self.graphs is not None and \
+                self.graphs.defer(op, args, lambda: getattr(self.k, op)(*args)):
+            return None  # held for the step's graph (cuda_graphs.py)
         return getattr(self.k, op)(*args)
 
     def _put(self, name: str, host: np.ndarray, what: str):
@@ -1334,6 +1354,8 @@ class CUDABackend:
 
     def _get(self, dev, what: str) -> np.ndarray:
         """dev's bytes on the host, once the compute stream has run up to here (one host synchronisation)."""
+        if self.graphs is not None:  # launches held for a graph run first (cuda_graphs.py `flush`)
+            self.graphs.flush()
         out = dev.copy_to_host(stream=self.compute)
         self.compute.synchronize()  # the copy is asynchronous on the stream: its bytes are there only now
         self.counts.copy(what, out.nbytes)
