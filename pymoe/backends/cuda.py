@@ -840,7 +840,7 @@ class CUDABackend:
         from .cuda_graphs import CupyCapture, StepGraphs, wanted
 
         if graphs is None and wanted(kernels, simulated()):
-            graphs = CupyCapture()
+            graphs = CupyCapture(cuda)
         self.graphs = StepGraphs(graphs) if graphs is not None else None  # the device step's CUDA graphs
         # (with them, the compute stream is CuPy's, the Numba kernels launch on it)
         self.compute = graphs.numba_stream(cuda) if graphs is not None else cuda.stream()

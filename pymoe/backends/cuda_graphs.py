@@ -2,7 +2,7 @@
 
 What this is: `StepGraphs`, held by the CUDA backend (backends/cuda.py) when graphs are on (`wanted`:
 PYMOE_CUDA_GRAPHS=1, the default on a GPU with CuPy and the real kernels; 0, and always in Numba's simulator, where
-CuPy cannot run). CuPy owns the compute stream (`CupyCapture`: a non-blocking `cupy.cuda.Stream`; the Numba kernels
+CuPy cannot run). CuPy owns the compute stream (`CupyCapture`: a `cupy.cuda.Stream`; the Numba kernels
 launch on it through `numba.cuda.external_stream(stream.ptr)`), the device memory (CuPy's pool: `allocate`) and the
 graphs (`stream.begin_capture()` .. `end_capture()` -> `cupy.cuda.Graph`, `graph.launch(stream)`).
 
@@ -60,33 +60,39 @@ def _has_cupy() -> bool:
 
 class CupyCapture:
     """CuPy's side: the stream the step runs on, its capture into a graph, the graph's launch, and device memory
-    from CuPy's pool (imported only here, only when graphs are on)."""
+    from CuPy's pool (imported only here, only when graphs are on), all on the device of Numba's current context
+    (one of several: backends/multi_device.py makes each device's backend inside its context)."""
 
-    def __init__(self):
+    def __init__(self, cuda):
         import cupy
 
         self.cupy = cupy
-        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.device = cupy.cuda.Device(cuda.get_current_device().id)
+        with self.device:  # a blocking stream, as numba.cuda.stream() is: ordered after the default stream's
+            self.stream = cupy.cuda.Stream()  # synchronous uploads (weights, a norm's first use) as before
 
     def numba_stream(self, cuda):
         return cuda.external_stream(self.stream.ptr)
 
     def capture(self, launches: list):
         """The launches captured (not run) into a graph; the stream leaves capture mode whatever happens."""
-        self.stream.begin_capture()
-        try:
-            for launch in launches:
-                launch()
-        finally:
-            graph = self.stream.end_capture()
+        with self.device:
+            self.stream.begin_capture()
+            try:
+                for launch in launches:
+                    launch()
+            finally:
+                graph = self.stream.end_capture()
         return graph
 
     def launch(self, graph) -> None:
-        graph.launch(stream=self.stream)
+        with self.device:
+            graph.launch(stream=self.stream)
 
     def allocate(self, cuda, shape, dtype):
         """A Numba view of a CuPy array from CuPy's pool (the view keeps the array alive)."""
-        return cuda.as_cuda_array(self.cupy.empty(shape, dtype=dtype))
+        with self.device:
+            return cuda.as_cuda_array(self.cupy.empty(shape, dtype=dtype))
 
 
 class StepGraphs:
