@@ -125,7 +125,8 @@ def kv_store(k, v, k_cache, v_cache, at, stream=0):
     check(at, "at", np.int32, 1)
     for a, n in ((k, "k"), (v, "v"), (kc, "k_cache"), (vc, "v_cache")):
         check(a, n, np.float32, 3)
-    if tuple(k.shape[1:]) != tuple(kc.shape[1:]) or tuple(v.shape[1:]) != tuple(vc.shape[1:]) or k.shape[0] != v.shape[0]:
+    if tuple(k.shape[1:]) != tuple(kc.shape[1:]) or tuple(v.shape[1:]) != tuple(vc.shape[1:]) \
+            or k.shape[0] != v.shape[0]:
         raise ValueError(f"kv_store: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit k_cache {tuple(kc.shape)}, "
                          f"v_cache {tuple(vc.shape)}")
     if k.shape[0]:

@@ -4,8 +4,8 @@ What this is: on each converted family's `micro` file (F32), a decode step runs 
 greedy token: the counts per decoded token (exact in the simulator: backends/device_counts.py) are the issue's
 targets -- host<->device bytes = the token id in with its position and KV row (int32 [3], 12 bytes: the kernels
 read the position there, so that a CUDA graph replays every step, tests/test_cuda_graphs.py) and the token id plus
-every MoE layer's K routing ids out (4 (1 + n_moe K) bytes), one host synchronisation -- and the greedy tokens equal the reference backend's (the CPU
-float path's math, NumPy). With misses (one slot, pcie_frac 1: every miss read over PCIe and promoted) the expert
+every MoE layer's K routing ids out (4 (1 + n_moe K) bytes), one host synchronisation -- and the greedy tokens equal
+the reference backend's (the CPU float path's math, NumPy). With misses (one slot, pcie_frac 1: every miss read over PCIe and promoted) the expert
 cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the step's lookups are made after it, in
 the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
 with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.

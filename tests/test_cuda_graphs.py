@@ -101,8 +101,9 @@ def record_tables(backend, tables: list):
 def test_the_real_kernels_launches_repeat(micro, monkeypatch, arch):
     """The Numba kernel launches themselves (kernel, grid, block, arguments), as the simulator sees them, of the
     kernels that take the step's position (RoPE, the KV store, attention: GQA, gpt-oss's window and sinks, MLA's
-    cache row and query), of the routers, the norms, the adds and the argmax; the products and the routed experts on the reference kernels (the real ones of every op
-    cost minutes here: tests/test_cuda_real_kernels_sim.py). Tokens still the reference backend's."""
+    cache row and query), of the routers, the norms, the adds and the argmax; the products and the routed experts
+    on the reference kernels (the real ones of every op cost minutes here: tests/test_cuda_real_kernels_sim.py).
+    Tokens still the reference backend's."""
     from pymoe.backends import cuda as cuda_backend
 
     real_ops = ("rope", "kv_store", "decode_attention", "decode_attention_ws", "mla_kv_row", "mla_query",
