@@ -149,8 +149,8 @@ def test_graph_replay_keeps_the_tokens(micro, arch):
     """backends/cuda_graphs.StepGraphs with the stand-in capture, across promotions: the first step's launches run
     directly, the second's are captured, the rest replay the captured calls; every step's logits equal, bit for bit,
     those of the same launches made directly (the same kernels on the same arguments), and the greedy tokens the
-    reference backend's. (Before the step's position lived in device memory, a replay attended and rotated at the
-    captured step's position.)"""
+    reference backend's. A step whose position reached a kernel as a scalar would not repeat its launch list, so
+    it would never be captured (the counts of direct, captured and replayed steps say so)."""
     path = micro(arch)
     runs = {}
     for name, graphs in (("direct", None), ("graphs", ReplayCapture())):

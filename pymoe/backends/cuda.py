@@ -39,9 +39,12 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts
 Cost: every kernel launch, host<->device copy and host synchronisation is counted in `self.counts`
 (backends/device_counts.py; per decoded token in `pymoe run`'s last line and /v1/status). In the simulator
 (NUMBA_ENABLE_CUDASIM=1) the device stands for PYMOE_SIM_DEVICE_GIB GiB (default 8).
-What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (CUDA graphs, a
-KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
-with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
+  - CUDA graphs (backends/cuda_graphs.py, PYMOE_CUDA_GRAPHS): a device step's launches held and run as one graph
+    captured on CuPy's stream; what varies from step to step is read by the kernels from device arrays at fixed
+    addresses (`begin_step`'s `at`: the token id, its position, its KV row; the residency table).
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (a KV cache per
+server slot) and how this is tested without a GPU (the CUDA simulator, with `ReferenceKernels` or, on a micro model,
+the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
 
@@ -1518,8 +1521,9 @@ class CUDABackend:
         return x
 
     def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
-        """k [T, G, Dh], v [T, G, Dv] into kv at positions p0..: a device copy into the device KV cache, or, for a
-        host KV cache (a sequence without the device one), to the host."""
+        """k [T, G, Dh], v [T, G, Dv] into kv at positions p0..: a device copy into the device KV cache (in a device
+        step, the `kv_store` kernel, which reads the row from `at`), or, for a host KV cache (a sequence without the
+        device one), to the host."""
         T = k.shape[0]
         if isinstance(kv, DeviceKVCache) and self._in_step(p0, T) and v is not None:  # the row read on the device
             r = kv.rows[layer]

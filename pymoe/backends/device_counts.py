@@ -10,6 +10,9 @@ path's cost, counted").
 Byte names say what crosses and which way ("... to device", "... to host"); bytes a kernel reads from pinned,
 mapped host memory (the spill path) are PCIe bytes too, named "expert spill reads over PCIe". Device-to-device
 copies (the KV write of the attention block) do not cross PCIe and are not counted.
+Also here: `LaunchRecorder`, each device step's launches with their arguments' fingerprints (device pointers,
+shapes, strides, scalars), which must repeat from step to step for a CUDA graph to replay the step
+(backends/cuda_graphs.py, tests/test_cuda_graphs.py).
 What this is not: timing (no clock here), or the expert cache's own counters (experts/cache.py).
 """
 from __future__ import annotations
