@@ -7,7 +7,8 @@ those live in device arrays at fixed addresses (the step's `at` buffer, the resi
 launches. In Numba's CUDA simulator (no CuPy, no graphs) the property itself is tested: `LaunchRecorder`
 (backends/device_counts.py) records each step's launches with their arguments' fingerprints, and consecutive steps
 must record identical lists, on every family that runs the step, with every expert in a slot and across
-promotions that change the residency table. On a GPU (scripts/gpu-check), the step is captured and replayed for
+promotions that change the residency table; and backends/cuda_graphs.StepGraphs, given a stand-in capture with a
+graph's semantics (the captured calls made again on launch), keeps every step's logits bit-equal. On a GPU (scripts/gpu-check), the step is captured and replayed for
 real, and decoding with graphs on and off gives the same tokens and the same logits
 (`test_graphs_on_and_off_decode_alike`).
 """
