@@ -174,6 +174,46 @@ def test_graph_replay_keeps_the_tokens(micro, arch):
                                                                           stop_at_eos=False)) == want
 
 
+def test_step_graphs_choose_direct_capture_replay_flush():
+    """StepGraphs on its own, launches standing as calls that log their name: a list's first sight runs directly,
+    its second is captured then launched, later ones launch the graph; another list starts over; `flush` (the host
+    reading the device inside a step) runs what is held, in order, before the read, and the rest directly; a
+    capture that raises leaves every later step direct, its launches run all the same."""
+    from pymoe.backends.cuda_graphs import StepGraphs
+
+    ran = []
+
+    def step(graphs, names, read_after=None):
+        graphs.begin()
+        for name in names:
+            launch = (lambda n=name: ran.append(n))
+            if not graphs.defer(name, (len(name),), launch):
+                launch()
+            if name == read_after:
+                graphs.flush()
+                ran.append("read")
+        graphs.run()
+
+    g = StepGraphs(ReplayCapture())
+    for _ in range(3):
+        step(g, ["a", "b"])
+    assert (g.direct, g.captured, g.replayed) == (1, 1, 1) and ran == ["a", "b"] * 3
+    ran.clear()
+    step(g, ["a", "c"])  # a new list: direct first
+    step(g, ["a", "b", "c"], read_after="b")  # held a, b run before the read, c after it
+    assert ran == ["a", "c", "a", "b", "read", "c"] and (g.direct, g.captured, g.replayed) == (3, 1, 1)
+
+    class Refusing(ReplayCapture):
+        def capture(self, launches):
+            raise RuntimeError("capture refused")
+
+    ran.clear()
+    g = StepGraphs(Refusing())
+    for _ in range(3):
+        step(g, ["a", "b"])
+    assert ran == ["a", "b"] * 3 and g.failed == "RuntimeError: capture refused" and g.captured == 0
+
+
 @in_process
 def test_graphs_are_off_in_the_simulator(micro, monkeypatch):
     """PYMOE_CUDA_GRAPHS unset: off in the simulator (CuPy cannot run there); 1: a one-line error saying why not."""

@@ -104,6 +104,7 @@ class StepGraphs:
         self.graphs: dict = {}  # launch list -> graph
         self.seen: set = set()  # launch lists run once directly (their kernels compiled)
         self.direct = self.captured = self.replayed = 0  # steps, by how their launches ran
+        self.failed = None  # why a capture failed, if one did: the steps run directly from then on
         self._held = None  # the step under way: [(fingerprints, launch)], or None (launches run at once)
 
     def begin(self) -> None:
@@ -132,9 +133,12 @@ class StepGraphs:
         held, self._held = self._held, None
         key = tuple(k for k, _ in held)
         graph = self.graphs.get(key)
-        if graph is None and key in self.seen:
-            graph = self.graphs[key] = self.api.capture([launch for _, launch in held])
-            self.captured += 1
+        if graph is None and key in self.seen and self.failed is None:
+            try:
+                graph = self.graphs[key] = self.api.capture([launch for _, launch in held])
+                self.captured += 1
+            except Exception as e:  # noqa: BLE001  (a driver that refuses a capture: run as without graphs)
+                self.failed = f"{type(e).__name__}: {e}"
         elif graph is not None:
             self.replayed += 1
         if graph is None:
