@@ -12,7 +12,8 @@ step's end (`run`) the list of fingerprints is the graph's key -- the batch-size
 cache's arrays, the scratch's capacity all show in it, so a new shape is a new key, captured anew:
     a key seen for the first time   the launches run directly (a warm-up: each kernel is compiled at its first
                                     launch, and nothing may compile during a capture);
-    seen once before                the launches are captured on the stream into a graph, which is then launched;
+    seen once before                the launches are captured on the stream into a graph, which is then launched
+                                    (a capture that raises leaves this and every later step direct: `failed`);
     captured                        the graph is launched: one call for the whole step.
 So a graph replays only launches identical to the ones it captured, which is what makes replay correct: whatever
 varies from step to step (the token id, its position and KV row, the residency table, the routing) lives in device
