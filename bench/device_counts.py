@@ -69,7 +69,7 @@ def decode_counts(path: str, setting: str, tokens: int, version: int = 3) -> tup
 SHORT = [("residual to device", "residual in"), ("attention block to host", "attention out"), ("router:", "router"),
          ("expert inputs", "expert rows"), ("expert weights", "expert rows"), ("expert output zeros", "expert rows"),
          ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
-         ("token ids to device", "token id"), ("token and routing ids", "token + routing ids"),
+         ("token id and position to device", "token id + position"), ("token and routing ids", "token + routing ids"),
          ("residency table", "table rows"), ("logits to host", "logits"), ("cpu experts' output", "cpu misses"),
          ("expert input to host (cpu", "cpu misses"), ("routing ids to host (cpu", "cpu misses"),
          ("routing weights to host (cpu", "cpu misses"), ("served table row", "cpu misses"),

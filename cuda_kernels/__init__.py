@@ -8,7 +8,7 @@ wrapped without a copy; CuPy is never imported here):
   moe.py           expert_block: SwiGLU gate+up fused, down with the routing weight accumulated into Y
   norm_rope.py     rmsnorm, rope (NEOX and normal pairing), add_bias
   attention.py     decode_attention (one query token), chunk_attention (a prompt chunk, one launch) against the KV
-                   cache, GQA, causal by construction
+                   cache, GQA, causal by construction; kv_store (a device step's KV write at a row read on the device)
   mla.py           DeepSeek's MLA pieces: the compressed cache row, the absorbed query, the value up-projection
   route_groups.py  DeepSeek's group-limited router (top K within the best expert groups)
   step.py          the decode step on the device: embedding, residual adds, routers, routed experts, argmax
@@ -29,10 +29,10 @@ Numba CUDA itself: numba (0.60+) still ships the built-in `numba.cuda` target, d
 `numba-cuda` package, which, when installed, transparently replaces `numba.cuda` (it needs the `cuda-bindings`
 package even for the simulator). The code here uses only the API common to both.
 """
-from .attention import chunk_attention, decode_attention
+from .attention import chunk_attention, decode_attention, kv_store
 from .moe import expert_block
 from .norm_rope import add_bias, rmsnorm, rope
 from .quant_matvec import DEVICE_FORMATS, decode_rows_cpu, matmul, matvec
 
 __all__ = ["matvec", "matmul", "expert_block", "rmsnorm", "rope", "add_bias", "decode_attention", "chunk_attention",
-           "DEVICE_FORMATS", "decode_rows_cpu"]
+           "kv_store", "DEVICE_FORMATS", "decode_rows_cpu"]

@@ -47,15 +47,14 @@ THREADS = 64  # threads per block (a power of two: reduce.py); one block per que
 MAX_DV_PER_THREAD = 8  # chunk_attention's output accumulators per thread: Dv <= THREADS * 8 = 512 (MLA's C = 512)
 
 
-@cuda.jit
-def decode_attention_kernel(q, k, v, n_keys, scale, scores, out):
-    """q float32 [H, Dh], k float32 [S_max, G, Dh], v float32 [S_max, G, Dv], keys 0..n_keys-1 used;
-    scores float32 [H, >= n_keys] scratch; out float32 [H, Dv]. grid (H,), block (THREADS,)."""
+@cuda.jit(device=True)
+def _attend_one(q, k, v, n_keys, scale, scores, out, buf):
+    """Query head blockIdx.x of one token against keys 0..n_keys-1 (decode_attention_kernel's body; buf: the
+    block's shared float32 [THREADS])."""
     h = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     g = h // (q.shape[0] // k.shape[1])  # the KV head this query head reads
     Dh = q.shape[1]
-    buf = cuda.shared.array(THREADS, np.float32)  # [THREADS]
 
     # a. scaled scores and their maximum (subtracted before exp: no overflow)
     best = NEG_INF
@@ -85,9 +84,66 @@ def decode_attention_kernel(q, k, v, n_keys, scale, scores, out):
         out[h, d] = acc / total
 
 
+@cuda.jit
+def decode_attention_kernel(q, k, v, n_keys, scale, scores, out):
+    """q float32 [H, Dh], k float32 [S_max, G, Dh], v float32 [S_max, G, Dv], keys 0..n_keys-1 used;
+    scores float32 [H, >= n_keys] scratch; out float32 [H, Dv]. grid (H,), block (THREADS,)."""
+    buf = cuda.shared.array(THREADS, np.float32)  # [THREADS]
+    _attend_one(q, k, v, n_keys, scale, scores, out, buf)
+
+
+@cuda.jit
+def decode_attention_at_kernel(q, k, v, at, scale, scores, out):
+    """decode_attention_kernel at position at[0] (int32 in device memory: a device step's, so that a CUDA graph
+    replays the launch at every position): keys 0..at[0]; k, v the whole cache [S_max, ...], scores [H, S_max]."""
+    buf = cuda.shared.array(THREADS, np.float32)  # [THREADS]
+    n_keys = at[0] + 1
+    if n_keys > k.shape[0]:  # (the host checks the position before it uploads it)
+        n_keys = k.shape[0]
+    _attend_one(q, k, v, n_keys, scale, scores, out, buf)
+
+
+@cuda.jit
+def kv_store_kernel(k, v, k_cache, v_cache, at):
+    """k float32 [T, G, Dh], v [T, G, Dv] -> k_cache, v_cache rows at[0] + t (int32 in device memory: a device step's
+    KV row, so that a CUDA graph replays the write at every position); grid (T, G), block (THREADS,)."""
+    t = cuda.blockIdx.x
+    g = cuda.blockIdx.y
+    r = at[0] + t
+    if r < k_cache.shape[0]:
+        for d in range(cuda.threadIdx.x, k.shape[2], THREADS):
+            k_cache[r, g, d] = k[t, g, d]
+        for d in range(cuda.threadIdx.x, v.shape[2], THREADS):
+            v_cache[r, g, d] = v[t, g, d]
+
+
+def kv_store(k, v, k_cache, v_cache, at, stream=0):
+    """k [T, G, Dh], v [T, G, Dv] (device) into k_cache [S_max, G, Dh], v_cache [S_max, G, Dv] at rows at[0].. (at:
+    int32 [1] on the device); the device step's KV write (a copy into rows known only on the device)."""
+    k, v, kc, vc = (on_device(a, n) for a, n in ((k, "k"), (v, "v"), (k_cache, "k_cache"), (v_cache, "v_cache")))
+    at = on_device(at, "at")
+    check(at, "at", np.int32, 1)
+    for a, n in ((k, "k"), (v, "v"), (kc, "k_cache"), (vc, "v_cache")):
+        check(a, n, np.float32, 3)
+    if tuple(k.shape[1:]) != tuple(kc.shape[1:]) or tuple(v.shape[1:]) != tuple(vc.shape[1:]) \
+            or k.shape[0] != v.shape[0]:
+        raise ValueError(f"kv_store: k {tuple(k.shape)}, v {tuple(v.shape)} do not fit k_cache {tuple(kc.shape)}, "
+                         f"v_cache {tuple(vc.shape)}")
+    if k.shape[0]:
+        kv_store_kernel[(k.shape[0], k.shape[1]), THREADS, stream](k, v, kc, vc, at)
+    return kc, vc
+
+
+def kv_store_reference(k: np.ndarray, v: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, r0: int) -> None:
+    """NumPy twin: the rows written in place."""
+    k_cache[r0:r0 + k.shape[0]] = k
+    v_cache[r0:r0 + v.shape[0]] = v
+
+
 def decode_attention(q, k_cache, v_cache, pos: int, out=None, scores=None, stream=0):
     """q float32 [H, Dh] (one token at position pos), k_cache [S_max, G, Dh], v_cache [S_max, G, Dv] (device,
-    rows 0..pos filled) -> out float32 [H, Dv]. `scores` float32 [H, >= pos + 1] is optional scratch."""
+    rows 0..pos filled) -> out float32 [H, Dv]. `scores` float32 [H, >= pos + 1] is optional scratch. pos: an int,
+    or int32 [1] in device memory that the kernel reads (`decode_attention_at_kernel`; scores then [H, S_max])."""
     q, k, v = on_device(q, "q"), on_device(k_cache, "k_cache"), on_device(v_cache, "v_cache")
     check(q, "q", np.float32, 2)
     check(k, "k_cache", np.float32, 3)
@@ -98,6 +154,11 @@ def decode_attention(q, k_cache, v_cache, pos: int, out=None, scores=None, strea
     if k.shape[2] != Dh or v.shape[:2] != k.shape[:2] or G == 0 or H % G:
         raise ValueError(f"decode_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not "
                          f"fit (need k [S, G, {Dh}], v [S, G, Dv], {H} query heads a multiple of G)")
+    at = None
+    if not isinstance(pos, (int, np.integer)):  # int32 [1] on the device: decode_attention_at_kernel
+        at = on_device(pos, "pos")
+        check(at, "pos", np.int32, 1)
+        pos = S_max - 1  # (the scratch and the checks below: the whole cache)
     if not 0 <= pos < S_max:
         raise ValueError(f"decode_attention: position {pos} outside the cache of {S_max} rows")
     out = cuda.device_array((H, Dv), np.float32, stream=stream) if out is None else on_device(out, "out")
@@ -108,6 +169,9 @@ def decode_attention(q, k_cache, v_cache, pos: int, out=None, scores=None, strea
     if tuple(out.shape) != (H, Dv) or scores.shape[0] != H or scores.shape[1] < pos + 1:
         raise ValueError(f"decode_attention: out {tuple(out.shape)} must be {(H, Dv)}, scores "
                          f"{tuple(scores.shape)} at least {(H, pos + 1)}")
+    if at is not None:
+        decode_attention_at_kernel[H, THREADS, stream](q, k, v, at, np.float32(1.0 / math.sqrt(Dh)), scores, out)
+        return out
     decode_attention_kernel[H, THREADS, stream](q, k, v, pos + 1, np.float32(1.0 / math.sqrt(Dh)), scores, out)
     return out
 

@@ -41,16 +41,13 @@ ALPHA, LIMIT = 1.702, 7.0  # swiglu_oai's (ggml_swiglu_oai as llama.cpp calls it
 # ----------------------------------------------------------------------------------------------------------------
 # Attention: a sliding window and sinks
 # ----------------------------------------------------------------------------------------------------------------
-@cuda.jit
-def decode_attention_ws_kernel(q, k, v, first, n_keys, scale, sinks, has_sinks, scores, out):
-    """q float32 [H, Dh], k [S_max, G, Dh], v [S_max, G, Dv], keys first..n_keys-1; sinks float32 [H];
-    scores float32 [H, >= n_keys] scratch; out float32 [H, Dv]. grid (H,), block (ATTN_THREADS,).
-    out[h] = sum_s exp(s_s - m) v_s / (sum_s exp(s_s - m) + exp(sink_h - m)), m = max(max_s s_s, sink_h)."""
+@cuda.jit(device=True)
+def _attend_ws(q, k, v, first, n_keys, scale, sinks, has_sinks, scores, out, buf):
+    """decode_attention_ws_kernel's body (buf: the block's shared float32 [ATTN_THREADS])."""
     h = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     g = h // (q.shape[0] // k.shape[1])  # the KV head this query head reads
     Dh = q.shape[1]
-    buf = cuda.shared.array(ATTN_THREADS, np.float32)
 
     # a. scaled scores and their maximum (with the sink's logit: the maximum ggml subtracts)
     best = NEG_INF
@@ -84,15 +81,44 @@ def decode_attention_ws_kernel(q, k, v, first, n_keys, scale, sinks, has_sinks, 
         out[h, d] = acc / total
 
 
+@cuda.jit
+def decode_attention_ws_kernel(q, k, v, first, n_keys, scale, sinks, has_sinks, scores, out):
+    """q float32 [H, Dh], k [S_max, G, Dh], v [S_max, G, Dv], keys first..n_keys-1; sinks float32 [H];
+    scores float32 [H, >= n_keys] scratch; out float32 [H, Dv]. grid (H,), block (ATTN_THREADS,).
+    out[h] = sum_s exp(s_s - m) v_s / (sum_s exp(s_s - m) + exp(sink_h - m)), m = max(max_s s_s, sink_h)."""
+    buf = cuda.shared.array(ATTN_THREADS, np.float32)
+    _attend_ws(q, k, v, first, n_keys, scale, sinks, has_sinks, scores, out, buf)
+
+
+@cuda.jit
+def decode_attention_ws_at_kernel(q, k, v, at, window, scale, sinks, has_sinks, scores, out):
+    """decode_attention_ws_kernel at position at[0] (int32 in device memory: a device step's, so that a CUDA graph
+    replays the launch at every position): keys max(0, at[0] - window + 1)..at[0] (window 0: from 0)."""
+    buf = cuda.shared.array(ATTN_THREADS, np.float32)
+    n_keys = at[0] + 1
+    if n_keys > k.shape[0]:  # (the host checks the position before it uploads it)
+        n_keys = k.shape[0]
+    first = 0
+    if window > 0 and n_keys > window:
+        first = n_keys - window
+    _attend_ws(q, k, v, first, n_keys, scale, sinks, has_sinks, scores, out, buf)
+
+
 def decode_attention_ws(q, k_cache, v_cache, pos: int, window: int, sinks, out, scores, stream=0):
     """q float32 [H, Dh] (one token at position pos), k_cache [S_max, G, Dh], v_cache [S_max, G, Dv] (rows 0..pos
     filled), window (0: none), sinks float32 [H] or None (device) -> out float32 [H, Dv]; scores float32
-    [H, >= pos + 1] scratch."""
+    [H, >= pos + 1] scratch. pos: an int, or int32 [1] in device memory that the kernel reads
+    (`decode_attention_ws_at_kernel`; scores then [H, S_max])."""
     q, k, v = on_device(q, "q"), on_device(k_cache, "k_cache"), on_device(v_cache, "v_cache")
     out, scores = on_device(out, "out"), on_device(scores, "scores")
     check(q, "q", np.float32, 2)
     H, Dh = q.shape
     S_max, G, _ = k.shape
+    at = None
+    if not isinstance(pos, (int, np.integer)):  # int32 [1] on the device: decode_attention_ws_at_kernel
+        at = on_device(pos, "pos")
+        check(at, "pos", np.int32, 1)
+        pos = S_max - 1  # (the scratch and the checks below: the whole cache)
     if k.shape[2] != Dh or v.shape[:2] != k.shape[:2] or G == 0 or H % G or not 0 <= pos < S_max:
         raise ValueError(f"decode_attention_ws: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} at "
                          f"position {pos} do not fit")
@@ -101,6 +127,11 @@ def decode_attention_ws(q, k_cache, v_cache, pos: int, window: int, sinks, out, 
                          f"{tuple(scores.shape)} at least {(H, pos + 1)}")
     has_sinks = sinks is not None
     sinks = on_device(sinks, "sinks") if has_sinks else scores[:, 0]  # (unread without sinks)
+    if at is not None:
+        decode_attention_ws_at_kernel[H, ATTN_THREADS, stream](q, k, v, at, int(window),
+                                                               np.float32(1.0 / math.sqrt(Dh)), sinks, has_sinks,
+                                                               scores, out)
+        return out
     first = max(0, pos - window + 1) if window else 0
     decode_attention_ws_kernel[H, ATTN_THREADS, stream](q, k, v, first, pos + 1, np.float32(1.0 / math.sqrt(Dh)),
                                                         sinks, has_sinks, scores, out)
@@ -147,7 +178,8 @@ def route_softmax_weight(logits, bias, k: int, ids, w, stream=0):
     check(w, "w", np.float32, 2)
     T, E = logits.shape
     has_bias = bias is not None
-    bias = on_device(bias, "bias") if has_bias else cuda.device_array(E, np.float32)
+    bias = (on_device(bias, "bias") if has_bias else logits[0] if T  # (a row standing in, unread: no
+            else cuda.device_array(E, np.float32))  # allocation, so that a CUDA graph replays the launch)
     if tuple(ids.shape) != (T, k) or tuple(w.shape) != (T, k) or tuple(bias.shape) != (E,) or not 1 <= k <= E:
         raise ValueError(f"route_softmax_weight: ids {tuple(ids.shape)}, w {tuple(w.shape)} must be ({T}, {k}), "
                          f"bias {tuple(bias.shape)} ({E},), k <= E")

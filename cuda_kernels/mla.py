@@ -58,9 +58,9 @@ def _rotate(src, dst, i, half, neox, c, s, scale):
 # ----------------------------------------------------------------------------------------------------------------
 # The compressed cache row
 # ----------------------------------------------------------------------------------------------------------------
-@cuda.jit
-def mla_kv_row_kernel(ckv, w, eps, cos, sin, p0, neox, cache, r0):
-    """ckv float32 [T, C + R] -> cache[r0 + t, 0] float32 [C + R]; grid (T,), block (THREADS,)."""
+@cuda.jit(device=True)
+def _kv_row(ckv, w, eps, cos, sin, p0, neox, cache, r0, buf):
+    """mla_kv_row_kernel's body (buf: the block's shared float32 [THREADS])."""
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     C = w.shape[0]
@@ -68,7 +68,6 @@ def mla_kv_row_kernel(ckv, w, eps, cos, sin, p0, neox, cache, r0):
     acc = np.float32(0.0)
     for i in range(tid, C, THREADS):
         acc += ckv[t, i] * ckv[t, i]
-    buf = cuda.shared.array(THREADS, np.float32)
     ss = block_sum(buf, tid, acc)
     inv = np.float32(1.0) / math.sqrt(ss / np.float32(C) + eps)
     row = cache[r0 + t, 0]
@@ -78,14 +77,43 @@ def mla_kv_row_kernel(ckv, w, eps, cos, sin, p0, neox, cache, r0):
         _rotate(ckv[t, C:], row[C:], i, half, neox, cos[p0 + t, i], sin[p0 + t, i], np.float32(1.0))
 
 
+@cuda.jit
+def mla_kv_row_kernel(ckv, w, eps, cos, sin, p0, neox, cache, r0):
+    """ckv float32 [T, C + R] -> cache[r0 + t, 0] float32 [C + R]; grid (T,), block (THREADS,)."""
+    buf = cuda.shared.array(THREADS, np.float32)
+    _kv_row(ckv, w, eps, cos, sin, p0, neox, cache, r0, buf)
+
+
+@cuda.jit
+def mla_kv_row_at_kernel(ckv, w, eps, cos, sin, pos, neox, cache, row):
+    """mla_kv_row_kernel with p0 = pos[0] and r0 = row[0], int32 in device memory (a device step's position and
+    cache row: a CUDA graph replays the launch at every position); rows past the cache or the tables are not
+    written (the host checks them before it uploads them)."""
+    buf = cuda.shared.array(THREADS, np.float32)
+    if row[0] + ckv.shape[0] <= cache.shape[0] and pos[0] + ckv.shape[0] <= cos.shape[0]:
+        _kv_row(ckv, w, eps, cos, sin, pos[0], neox, cache, row[0], buf)
+
+
 def mla_kv_row(ckv, w, eps: float, cos, sin, p0: int, neox: bool, cache, r0: int, stream=0):
-    """Write T compressed rows at cache rows r0.. (positions p0.. for RoPE); returns cache."""
+    """Write T compressed rows at cache rows r0.. (positions p0.. for RoPE); returns cache. p0, r0: ints, or int32
+    [1] each in device memory that the kernel reads (`mla_kv_row_at_kernel`)."""
     ckv, w, cos, sin, cache = (on_device(a, n) for a, n in ((ckv, "ckv"), (w, "w"), (cos, "cos"), (sin, "sin"),
                                                             (cache, "cache")))
     check(ckv, "ckv", np.float32, 2)
     check(cache, "cache", np.float32, 3)
     T, CR = ckv.shape
     R = CR - w.shape[0]
+    if not isinstance(p0, (int, np.integer)):  # int32 [1] each on the device: mla_kv_row_at_kernel
+        pos, row = on_device(p0, "p0"), on_device(r0, "r0")
+        check(pos, "p0", np.int32, 1)
+        check(row, "r0", np.int32, 1)
+        if R <= 0 or R % 2 or tuple(cache.shape[1:]) != (1, CR) or cos.shape[1] != R // 2:
+            raise ValueError(f"mla_kv_row: ckv {tuple(ckv.shape)}, w {tuple(w.shape)}, cache {tuple(cache.shape)}, "
+                             f"cos {tuple(cos.shape)} do not fit (need cache [S, 1, C + R], cos [P, R / 2])")
+        if T:
+            mla_kv_row_at_kernel[(T,), THREADS, stream](ckv, w, np.float32(eps), cos, sin, pos, bool(neox), cache,
+                                                        row)
+        return cache
     if R <= 0 or R % 2 or tuple(cache.shape[1:]) != (1, CR) or r0 + T > cache.shape[0] or cos.shape[1] != R // 2 \
             or p0 + T > cos.shape[0]:
         raise ValueError(f"mla_kv_row: ckv {tuple(ckv.shape)}, w {tuple(w.shape)}, cache {tuple(cache.shape)} at "
@@ -108,9 +136,9 @@ def mla_kv_row_reference(ckv: np.ndarray, w: np.ndarray, eps: float, cos: np.nda
 # ----------------------------------------------------------------------------------------------------------------
 # The absorbed query
 # ----------------------------------------------------------------------------------------------------------------
-@cuda.jit
-def mla_query_kernel(q, k_b, cos, sin, p0, neox, scale, Q):
-    """q float32 [T, H, N + R], k_b float32 [H, C, N] -> Q float32 [T, H, C + R]; grid (T, H), block (THREADS,)."""
+@cuda.jit(device=True)
+def _query(q, k_b, cos, sin, p0, neox, scale, Q):
+    """mla_query_kernel's body."""
     t = cuda.blockIdx.x
     h = cuda.blockIdx.y
     tid = cuda.threadIdx.x
@@ -125,8 +153,23 @@ def mla_query_kernel(q, k_b, cos, sin, p0, neox, scale, Q):
         _rotate(q[t, h, N:], Q[t, h, C:], i, half, neox, cos[p0 + t, i], sin[p0 + t, i], scale)
 
 
+@cuda.jit
+def mla_query_kernel(q, k_b, cos, sin, p0, neox, scale, Q):
+    """q float32 [T, H, N + R], k_b float32 [H, C, N] -> Q float32 [T, H, C + R]; grid (T, H), block (THREADS,)."""
+    _query(q, k_b, cos, sin, p0, neox, scale, Q)
+
+
+@cuda.jit
+def mla_query_at_kernel(q, k_b, cos, sin, pos, neox, scale, Q):
+    """mla_query_kernel with p0 = pos[0], int32 in device memory (a device step's: a CUDA graph replays the launch
+    at every position); positions past the tables are not written (the host checks them before the upload)."""
+    if pos[0] + q.shape[0] <= cos.shape[0]:
+        _query(q, k_b, cos, sin, pos[0], neox, scale, Q)
+
+
 def mla_query(q, k_b, cos, sin, p0: int, neox: bool, scale: float, Q, stream=0):
-    """The absorbed, roped, scaled queries of T tokens at positions p0.. (see the module docstring); returns Q."""
+    """The absorbed, roped, scaled queries of T tokens at positions p0.. (see the module docstring); returns Q. p0:
+    an int, or int32 [1] in device memory that the kernel reads (`mla_query_at_kernel`)."""
     q, k_b, cos, sin, Q = (on_device(a, n) for a, n in ((q, "q"), (k_b, "k_b"), (cos, "cos"), (sin, "sin"),
                                                         (Q, "Q")))
     check(q, "q", np.float32, 3)
@@ -135,11 +178,18 @@ def mla_query(q, k_b, cos, sin, p0: int, neox: bool, scale: float, Q, stream=0):
     T, H, NR = q.shape
     _, C, N = k_b.shape
     R = NR - N
+    at = None
+    if not isinstance(p0, (int, np.integer)):  # int32 [1] on the device: mla_query_at_kernel
+        at = on_device(p0, "p0")
+        check(at, "p0", np.int32, 1)
+        p0 = 0  # (the checks below: the shapes only)
     if k_b.shape[0] != H or R <= 0 or R % 2 or tuple(Q.shape) != (T, H, C + R) or cos.shape[1] != R // 2 \
             or p0 + T > cos.shape[0]:
         raise ValueError(f"mla_query: q {tuple(q.shape)}, k_b {tuple(k_b.shape)}, Q {tuple(Q.shape)}, cos "
                          f"{tuple(cos.shape)} at {p0} do not fit (need k_b [H, C, N], Q [T, H, C + R])")
-    if T:
+    if T and at is not None:
+        mla_query_at_kernel[(T, H), THREADS, stream](q, k_b, cos, sin, at, bool(neox), np.float32(scale), Q)
+    elif T:
         mla_query_kernel[(T, H), THREADS, stream](q, k_b, cos, sin, p0, bool(neox), np.float32(scale), Q)
     return Q
 

@@ -1,7 +1,8 @@
 """RMSNorm, rotary position embedding (RoPE, NEOX and normal pairing) and a bias add on the GPU.
 
 What this is: `rmsnorm(X, w, eps)`, `rope(x, cos, sin, neox, p0)` and `add_bias(Y, b)`, each one small kernel plus
-its host wrapper.
+its host wrapper (rope's p0 an int, or int32 [1] in device memory that the kernel reads: a device step's position,
+so that a CUDA graph replays the launch at every position, backends/cuda_graphs.py).
 What this is not: the reference (pymoe.backends.reference.rmsnorm, pymoe.backends.reference.apply_rope, NumPy; tests compare), nor the
 computation of the rotation angles: `rope` takes the cos/sin tables that pymoe.backends.reference.rope_tables builds (float64
 angles rounded to float32, exactly the reference's values), typically once for the whole context, on the device.
@@ -53,11 +54,9 @@ def rmsnorm_kernel(X, w, eps, out):
         out[t, i] = X[t, i] / denom * w[i]
 
 
-@cuda.jit
-def rope_kernel(x, cos, sin, p0, neox):
-    """x float32 [T, Hh, Dh] rotated in place; cos, sin float32 [P, n]: token t uses row p0 + t.
-    grid (T,), block (THREADS,)."""
-    t = cuda.blockIdx.x
+@cuda.jit(device=True)
+def _rope_token(x, cos, sin, t, p, neox):
+    """Token t of x float32 [T, Hh, Dh] rotated in place by row p of cos, sin float32 [P, n] (the block's part)."""
     n = cos.shape[1]
     for j in range(cuda.threadIdx.x, x.shape[1] * n, THREADS):  # j = (head, pair)
         h = j // n
@@ -66,10 +65,29 @@ def rope_kernel(x, cos, sin, p0, neox):
             ia, ib = i, i + n
         else:
             ia, ib = 2 * i, 2 * i + 1
-        c, s = cos[p0 + t, i], sin[p0 + t, i]
+        c, s = cos[p, i], sin[p, i]
         a, b = x[t, h, ia], x[t, h, ib]
         x[t, h, ia] = a * c - b * s
         x[t, h, ib] = b * c + a * s
+
+
+@cuda.jit
+def rope_kernel(x, cos, sin, p0, neox):
+    """x float32 [T, Hh, Dh] rotated in place; cos, sin float32 [P, n]: token t uses row p0 + t.
+    grid (T,), block (THREADS,)."""
+    t = cuda.blockIdx.x
+    _rope_token(x, cos, sin, t, p0 + t, neox)
+
+
+@cuda.jit
+def rope_at_kernel(x, cos, sin, at, neox):
+    """rope_kernel with p0 = at[0], int32 in device memory (a device step's position: a CUDA graph replays the
+    launch whatever the position); a row past the tables is left as it is (the host checks p0 before it uploads
+    it). grid (T,), block (THREADS,)."""
+    t = cuda.blockIdx.x
+    p = at[0] + t
+    if p >= 0 and p < cos.shape[0]:
+        _rope_token(x, cos, sin, t, p, neox)
 
 
 @cuda.jit
@@ -113,7 +131,8 @@ def rmsnorm(X, w, eps: float, out=None, stream=0):
 
 
 def rope(x, cos, sin, neox: bool, p0: int = 0, stream=0):
-    """Rotate x float32 [T, Hh, Dh] in place (token t at table row p0 + t of cos, sin float32 [P, n]); returns x."""
+    """Rotate x float32 [T, Hh, Dh] in place (token t at table row p0 + t of cos, sin float32 [P, n]); returns x.
+    p0: an int, or int32 [1] in device memory (read by the kernel: `rope_at_kernel`)."""
     x, cos, sin = on_device(x, "x"), on_device(cos, "cos"), on_device(sin, "sin")
     check(x, "x", np.float32, 3)
     check(cos, "cos", np.float32, 2)
@@ -122,6 +141,11 @@ def rope(x, cos, sin, neox: bool, p0: int = 0, stream=0):
     if tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > Dh:
         raise ValueError(f"rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must match and rotate at most "
                          f"head size {Dh}")
+    if not isinstance(p0, (int, np.integer)):  # int32 [1] on the device: rope_at_kernel
+        check(on_device(p0, "p0"), "p0", np.int32, 1)
+        if T:
+            rope_at_kernel[T, THREADS, stream](x, cos, sin, p0, bool(neox))
+        return x
     if p0 < 0 or p0 + T > cos.shape[0]:
         raise ValueError(f"rope: positions {p0}..{p0 + T - 1} outside the {cos.shape[0]} rows of the tables")
     if T:

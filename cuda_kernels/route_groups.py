@@ -113,7 +113,8 @@ def route_groups(logits, k: int, bias, softmax: bool, groups: int, groups_used: 
         raise ValueError(f"route_groups: {groups} groups ({groups_used} used) must divide E = {E}, at most "
                          f"{MAX_GROUPS}")
     has_bias = bias is not None
-    bias = on_device(bias, "bias") if has_bias else cuda.device_array(E, np.float32)
+    bias = (on_device(bias, "bias") if has_bias else logits[0] if T  # (a row standing in, unread: no
+            else cuda.device_array(E, np.float32))  # allocation, so that a CUDA graph replays the launch)
     if T:
         route_groups_kernel[(T,), 1, stream](logits, bias, has_bias, bool(softmax), groups, groups_used, k,
                                              bool(norm_topk), np.float32(scale), ids, w)

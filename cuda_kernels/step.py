@@ -263,7 +263,8 @@ def route_sigmoid(logits, k: int, bias, norm_topk: bool, ids, w, scale: float = 
     if tuple(ids.shape) != (T, k) or tuple(w.shape) != (T, k) or not 1 <= k <= E:
         raise ValueError(f"route_sigmoid: ids {tuple(ids.shape)}, w {tuple(w.shape)} must be ({T}, {k}), k <= E = {E}")
     has_bias = bias is not None
-    bias = on_device(bias, "bias") if has_bias else cuda.device_array(E, np.float32)
+    bias = (on_device(bias, "bias") if has_bias else logits[0] if T  # (a row standing in, unread: no
+            else cuda.device_array(E, np.float32))  # allocation, so that a CUDA graph replays the launch)
     if T:
         route_sigmoid_kernel[(T,), 1, stream](logits, bias, has_bias, k, bool(norm_topk), np.float32(scale), ids, w)
     return ids, w

@@ -2,9 +2,10 @@
 
 What this is: on each converted family's `micro` file (F32), a decode step runs on the device from the token id to the
 greedy token: the counts per decoded token (exact in the simulator: backends/device_counts.py) are the issue's
-targets -- host<->device bytes = the token id in (4 bytes) and the token id plus every MoE layer's K routing ids out
-(4 (1 + n_moe K) bytes), one host synchronisation -- and the greedy tokens equal the reference backend's (the CPU
-float path's math, NumPy). With misses (one slot, pcie_frac 1: every miss read over PCIe and promoted) the expert
+targets -- host<->device bytes = the token id in with its position and KV row (int32 [3], 12 bytes: the kernels
+read the position there, so that a CUDA graph replays every step, tests/test_cuda_graphs.py) and the token id plus
+every MoE layer's K routing ids out (4 (1 + n_moe K) bytes), one host synchronisation -- and the greedy tokens equal
+the reference backend's (the CPU float path's math, NumPy). With misses (one slot, pcie_frac 1: every miss read over PCIe and promoted) the expert
 cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the step's lookups are made after it, in
 the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
 with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.
@@ -92,7 +93,7 @@ def test_a_device_step_moves_token_ids_and_routing_ids_only(micro, arch):
     assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
     cfg, m = engine.config, per_token(engine)
     ids_bytes = 4 * (1 + len(cfg.moe_layers) * cfg.n_expert_used)  # int32 token id + [n_moe, K] routing ids
-    assert m["bytes_by_name"] == {"token ids to device": 4, "token and routing ids to host": ids_bytes}
+    assert m["bytes_by_name"] == {"token id and position to device": 12, "token and routing ids to host": ids_bytes}
     assert m["synchronisations"] == 1
     assert engine.last_stats.decode["hits"] == (N_NEW - 1) * len(cfg.moe_layers) * cfg.n_expert_used
 
@@ -303,7 +304,7 @@ def test_deepseek_v2_lite_runs_the_step(tmp_path):
     engine = every_expert_in_a_slot(path)
     assert list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False)) == want
     m, cfg = per_token(engine), engine.config
-    assert m["bytes_by_name"] == {"token ids to device": 4,
+    assert m["bytes_by_name"] == {"token id and position to device": 12,
                                   "token and routing ids to host": 4 * (1 + len(cfg.moe_layers) * cfg.n_expert_used)}
     assert m["synchronisations"] == 1
     kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)

@@ -29,8 +29,9 @@ U = 2.0 ** -24  # float32 unit roundoff
 
 
 @in_process
+@pytest.mark.parametrize("given", ["int", "device"])  # the position: an int, or int32 [1] in device memory
 @pytest.mark.parametrize("window, with_sinks", [(5, True), (5, False), (0, True)])
-def test_decode_attention_with_window_and_sinks_matches_the_reference(window, with_sinks):
+def test_decode_attention_with_window_and_sinks_matches_the_reference(window, with_sinks, given):
     """4 query heads over 2 KV heads, Dh 8, Dv 6, the query at position 12 of a 16-row cache (rows after it
     garbage); window 5 sees keys 8..12 only (the rows before are garbage too: a read would show). Tolerance as
     test_cuda_kernels' decode attention (rtol 1e-5, atol 1e-6: an 8-term dot, a 13-term softmax sum)."""
@@ -46,7 +47,8 @@ def test_decode_attention_with_window_and_sinks_matches_the_reference(window, wi
     if window:
         kd[:pos - window + 1], vd[:pos - window + 1] = 1e30, np.nan  # out of the window: never read
     out, scores = cuda.device_array((H, Dv), np.float32), cuda.device_array((H, S_max), np.float32)
-    gpt_oss.decode_attention_ws(cuda.to_device(q), cuda.to_device(kd), cuda.to_device(vd), pos, window,
+    gpt_oss.decode_attention_ws(cuda.to_device(q), cuda.to_device(kd), cuda.to_device(vd),
+                                pos if given == "int" else cuda.to_device(np.array([pos], np.int32)), window,
                                 None if sinks is None else cuda.to_device(sinks), out, scores)
     np.testing.assert_allclose(out.copy_to_host().reshape(1, -1), want, rtol=1e-5, atol=1e-6)
     plain = attention(q[None], k[:pos + 1], v[:pos + 1], pos)

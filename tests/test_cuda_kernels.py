@@ -34,6 +34,12 @@ from pymoe.cuda_kernels import quant_matvec  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
+
+def at(p: int, given: str):
+    """A position as the kernels take it: an int, or ("device") int32 [1] in device memory (a device step's, read by
+    the kernel: the `_at_kernel` forms, which a CUDA graph replays at every position)."""
+    return cuda.to_device(np.array([p], np.int32)) if given == "device" else p
+
 FORMATS = sorted(Q.FORMATS.values(), key=lambda f: f.name)
 IDS = [f.name for f in FORMATS]
 U = 2.0 ** -24  # float32 unit roundoff
@@ -203,20 +209,22 @@ def test_add_bias_matches_reference():
 
 
 @in_process
+@pytest.mark.parametrize("given", ("int", "device"))
 @pytest.mark.parametrize("neox", (True, False), ids=("neox", "normal"))
-def test_rope_matches_reference(neox):
+def test_rope_matches_reference(neox, given):
     """Partial rotary (rope_dim 8 of head size 10), tables for the whole context, tokens at positions 2..4."""
     rng = np.random.default_rng(41)
     x = rng.standard_normal((3, 2, 10)).astype(np.float32)  # [T, heads, Dh]
     theta = np.arange(8)[:, None] * 10000.0 ** (-2.0 * np.arange(4) / 8)  # [P, rope_dim / 2]
     cos, sin = np.cos(theta).astype(np.float32), np.sin(theta).astype(np.float32)
-    got = K.rope(cuda.to_device(x), cuda.to_device(cos), cuda.to_device(sin), neox, p0=2).copy_to_host()
+    got = K.rope(cuda.to_device(x), cuda.to_device(cos), cuda.to_device(sin), neox, p0=at(2, given)).copy_to_host()
     np.testing.assert_allclose(got, apply_rope(x, cos[2:5], sin[2:5], neox), rtol=1e-6, atol=1e-6)
 
 
 @in_process
+@pytest.mark.parametrize("given", ("int", "device"))
 @pytest.mark.parametrize("pos", (0, 6))
-def test_decode_attention_matches_reference(pos):
+def test_decode_attention_matches_reference(pos, given):
     """4 query heads over 2 KV heads (GQA), Dh 8, Dv 6; the cache has 9 rows, garbage after pos (never read)."""
     rng = np.random.default_rng(42 + pos)
     H, G, Dh, Dv, S_max = 4, 2, 8, 6, 9
@@ -224,9 +232,26 @@ def test_decode_attention_matches_reference(pos):
     k = rng.standard_normal((S_max, G, Dh)).astype(np.float32)  # [S_max, G, Dh]
     v = rng.standard_normal((S_max, G, Dv)).astype(np.float32)  # [S_max, G, Dv]
     k[pos + 1:], v[pos + 1:] = 1e30, np.nan  # future rows: any read would show
-    got = K.decode_attention(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), pos).copy_to_host()
+    got = K.decode_attention(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), at(pos, given)).copy_to_host()
     ref = attention(q[None], k[:pos + 1], v[:pos + 1], pos)  # [1, H * Dv]
     np.testing.assert_allclose(got.reshape(1, -1), ref, rtol=1e-5, atol=1e-6)
+
+
+@in_process
+def test_kv_store_writes_the_rows_the_device_names():
+    """attention.kv_store (a device step's KV write, its row read from device memory) against its twin: the new
+    rows copied exactly, every other row untouched."""
+    from pymoe.cuda_kernels.attention import kv_store_reference
+
+    rng = np.random.default_rng(43)
+    G, Dh, Dv, S_max, r0 = 2, 8, 6, 9, 5
+    k, v = rng.standard_normal((1, G, Dh)).astype(np.float32), rng.standard_normal((1, G, Dv)).astype(np.float32)
+    kc, vc = np.full((S_max, G, Dh), 7.0, np.float32), np.full((S_max, G, Dv), 7.0, np.float32)
+    kd, vd = cuda.to_device(kc), cuda.to_device(vc)
+    K.kv_store(cuda.to_device(k), cuda.to_device(v), kd, vd, at(r0, "device"))
+    kv_store_reference(k, v, kc, vc, r0)
+    assert (kc[r0] != 7.0).all()  # (the twin wrote the row)
+    assert np.array_equal(kd.copy_to_host(), kc) and np.array_equal(vd.copy_to_host(), vc)
 
 
 # (T, p0, H, G, Dh, Dv, window, sinks, strided V): one token; a chunk at the start; a chunk starting mid-context; a

@@ -25,21 +25,27 @@ U = 2.0 ** -24  # float32 unit roundoff
 H, C, R, N, V = 3, 40, 8, 6, 5  # heads, kv_lora_rank, rope dims, nope dims, value dims (C > THREADS: strided)
 
 
+def at(p: int, given: str):
+    """A position as the kernels take it: an int, or ("device") int32 [1] in device memory (the `_at_kernel` forms)."""
+    return cuda.to_device(np.array([p], np.int32)) if given == "device" else p
+
+
 def tables(n_pos: int):
     return rope_tables(R, 10_000.0, np.arange(n_pos))  # [n_pos, R / 2] each
 
 
 @in_process
+@pytest.mark.parametrize("given", ["int", "device"])  # p0 and r0: ints, or int32 [1] each in device memory
 @pytest.mark.parametrize("neox", [False, True])
-def test_kv_row_is_the_normed_latent_and_the_roped_key(neox):
+def test_kv_row_is_the_normed_latent_and_the_roped_key(neox, given):
     rng = np.random.default_rng(1)
     T, p0, r0 = 2, 3, 5
     ckv = rng.standard_normal((T, C + R)).astype(np.float32)
     w = (1 + 0.1 * rng.standard_normal(C)).astype(np.float32)
     cos, sin = tables(8)
     cache = cuda.to_device(np.full((9, 1, C + R), 7.0, np.float32))
-    mla.mla_kv_row(cuda.to_device(ckv), cuda.to_device(w), 1e-6, cuda.to_device(cos), cuda.to_device(sin), p0, neox,
-                   cache, r0)
+    mla.mla_kv_row(cuda.to_device(ckv), cuda.to_device(w), 1e-6, cuda.to_device(cos), cuda.to_device(sin),
+                   at(p0, given), neox, cache, at(r0, given))
     got = cache.copy_to_host()
     want = mla.mla_kv_row_reference(ckv, w, 1e-6, cos[p0:p0 + T], sin[p0:p0 + T], neox)  # [T, C + R]
     # the norm: a C-term sum of squares (2 C u relative, doubled), then one multiply each
@@ -49,16 +55,17 @@ def test_kv_row_is_the_normed_latent_and_the_roped_key(neox):
 
 
 @in_process
+@pytest.mark.parametrize("given", ["int", "device"])
 @pytest.mark.parametrize("neox", [False, True])
-def test_query_is_absorbed_roped_and_scaled(neox):
+def test_query_is_absorbed_roped_and_scaled(neox, given):
     rng = np.random.default_rng(2)
     T, p0, scale = 2, 4, 1.7
     q = rng.standard_normal((T, H, N + R)).astype(np.float32)
     k_b = rng.standard_normal((H, C, N)).astype(np.float32)
     cos, sin = tables(8)
     Q = cuda.device_array((T, H, C + R), np.float32)
-    mla.mla_query(cuda.to_device(q), cuda.to_device(k_b), cuda.to_device(cos), cuda.to_device(sin), p0, neox, scale,
-                  Q)
+    mla.mla_query(cuda.to_device(q), cuda.to_device(k_b), cuda.to_device(cos), cuda.to_device(sin), at(p0, given),
+                  neox, scale, Q)
     want = mla.mla_query_reference(q, k_b, cos[p0:p0 + T], sin[p0:p0 + T], neox, scale)  # [T, H, C + R]
     terms = np.abs(np.einsum("thn,hcn->thcn", q[..., :N], k_b)).sum(-1) * scale  # [T, H, C] sums of |terms|
     got = Q.copy_to_host()

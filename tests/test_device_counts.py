@@ -44,15 +44,16 @@ SLOT_TOKEN = dict(launches=9 + 1 + 2 * K + 1, synchronisations=4, bytes_by_name=
     "output projection: input to device": D * F32, "output projection: output to host": V * F32})
 
 # One decode token of version 3 (the device step, backends/cuda.py `begin_step`), every expert in a slot:
-#   the token id in (int32) and 1 embed launch; per layer: rmsnorm (1), the attention block as above but on the
-#     normed residual already there and the context's RoPE tables already there (3 matmul, 2 rmsnorm, 2 rope,
+#   the token id, its position and its KV row in (int32 [3], one copy) and 1 embed launch; per layer: rmsnorm (1),
+#     the attention block as above but on the normed residual already there and the context's RoPE tables already
+#     there (3 matmul, 2 rmsnorm, 2 rope, the KV write as a kernel reading its row on the device (1 kv_store),
 #     1 decode_attention, 1 matmul), the residual add (1), rmsnorm (1), the router (1 matmul), its top-K (1
 #     route_softmax), the routed experts through the residency table (2: gate_up, down), the residual add (1)
-#                                                                                     -> 17 launches, nothing copied
+#                                                                                     -> 18 launches, nothing copied
 #   the output norm (1), the output projection (1 matmul), argmax (1); the token id and the K routing ids back in
 #     one copy: the step's one synchronisation
-STEP_TOKEN = dict(launches=1 + 17 + 3, synchronisations=1, bytes_by_name={
-    "token ids to device": 4, "token and routing ids to host": 4 * (1 + K)})
+STEP_TOKEN = dict(launches=1 + 18 + 3, synchronisations=1, bytes_by_name={
+    "token id and position to device": 12, "token and routing ids to host": 4 * (1 + K)})
 
 
 @pytest.fixture(scope="module")

@@ -39,9 +39,12 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts
 Cost: every kernel launch, host<->device copy and host synchronisation is counted in `self.counts`
 (backends/device_counts.py; per decoded token in `pymoe run`'s last line and /v1/status). In the simulator
 (NUMBA_ENABLE_CUDASIM=1) the device stands for PYMOE_SIM_DEVICE_GIB GiB (default 8).
-What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (CUDA graphs, a
-KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
-with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
+  - CUDA graphs (backends/cuda_graphs.py, PYMOE_CUDA_GRAPHS): a device step's launches held and run as one graph
+    captured on CuPy's stream; what varies from step to step is read by the kernels from device arrays at fixed
+    addresses (`begin_step`'s `at`: the token id, its position, its KV row; the residency table).
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (a KV cache per
+server slot) and how this is tested without a GPU (the CUDA simulator, with `ReferenceKernels` or, on a micro model,
+the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
 
@@ -139,7 +142,8 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             # DeepSeek-V2/V3 (cuda_kernels/mla.py, route_groups.py): one each
             "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1,
             # gated attention and Gated DeltaNet (qwen3next, qwen35moe: cuda_kernels/gated_attention.py, deltanet.py)
-            "split_gate": 1, "gate_output": 1, "conv_step": 1, "rule_step": 1}
+            "split_gate": 1, "gate_output": 1, "conv_step": 1, "rule_step": 1,
+            "kv_store": 1}  # a device step's KV write (attention.kv_store: the row read on the device)
 
 
 class DeviceKernels:
@@ -181,6 +185,11 @@ class DeviceKernels:
         from pymoe.cuda_kernels import attention
 
         return attention.chunk_attention(q, k_cache, v_cache, p0, window, sinks, out=out, stream=stream)
+
+    def kv_store(self, k, v, k_cache, v_cache, at, stream):
+        from pymoe.cuda_kernels import attention
+
+        return attention.kv_store(k, v, k_cache, v_cache, at, stream=stream)
 
     # the device decode step (version 3)
     def embed(self, w, qtype, tokens, out, stream):
@@ -312,7 +321,7 @@ class ReferenceKernels:
 
     def rope(self, x, cos, sin, neox, p0, stream):
 
-        T = x.shape[0]
+        T, p0 = x.shape[0], _at(p0)
         c, s = cos.copy_to_host()[p0:p0 + T], sin.copy_to_host()[p0:p0 + T]
         x.copy_to_device(apply_rope(x.copy_to_host(), c, s, neox), stream=stream)
         return x
@@ -323,10 +332,20 @@ class ReferenceKernels:
 
     def decode_attention(self, q, k_cache, v_cache, pos, out, scores, stream):
 
+        pos = _at(pos)
         k, v = k_cache.copy_to_host()[:pos + 1], v_cache.copy_to_host()[:pos + 1]  # [S, G, Dh], [S, G, Dv]
         o = attention(q.copy_to_host()[None], k, v, pos)  # [1, H * Dv]
         out.copy_to_device(o.reshape(out.shape), stream=stream)
         return out
+
+    def kv_store(self, k, v, k_cache, v_cache, at, stream):
+        from pymoe.cuda_kernels.attention import kv_store_reference
+
+        kc, vc = k_cache.copy_to_host(), v_cache.copy_to_host()
+        kv_store_reference(k.copy_to_host(), v.copy_to_host(), kc, vc, _at(at))
+        k_cache.copy_to_device(kc, stream=stream)
+        v_cache.copy_to_device(vc, stream=stream)
+        return k_cache, v_cache
 
     def chunk_attention(self, q, k_cache, v_cache, p0, window, sinks, out, stream):
         T = q.shape[0]
@@ -385,6 +404,7 @@ class ReferenceKernels:
         return Y
 
     def decode_attention_ws(self, q, k_cache, v_cache, pos, window, sinks, out, scores, stream):
+        pos = _at(pos)
         k, v = k_cache.copy_to_host()[:pos + 1], v_cache.copy_to_host()[:pos + 1]  # [S, G, Dh], [S, G, Dv]
         o = attention(q.copy_to_host()[None], k, v, pos, window, None if sinks is None else sinks.copy_to_host())
         out.copy_to_device(o.reshape(out.shape), stream=stream)
@@ -440,7 +460,7 @@ class ReferenceKernels:
     def mla_kv_row(self, ckv, w, eps, cos, sin, p0, neox, cache, r0, stream):
         from pymoe.cuda_kernels.mla import mla_kv_row_reference
 
-        T = ckv.shape[0]
+        T, p0, r0 = ckv.shape[0], _at(p0), _at(r0)
         rows = mla_kv_row_reference(ckv.copy_to_host(), w.copy_to_host(), eps, cos.copy_to_host()[p0:p0 + T],
                                     sin.copy_to_host()[p0:p0 + T], neox)  # [T, C + R]
         cache[r0:r0 + T].copy_to_device(np.ascontiguousarray(rows[:, None, :]), stream=stream)
@@ -449,7 +469,7 @@ class ReferenceKernels:
     def mla_query(self, q, k_b, cos, sin, p0, neox, scale, Q, stream):
         from pymoe.cuda_kernels.mla import mla_query_reference
 
-        T = q.shape[0]
+        T, p0 = q.shape[0], _at(p0)
         Q.copy_to_device(mla_query_reference(q.copy_to_host(), k_b.copy_to_host(), cos.copy_to_host()[p0:p0 + T],
                                              sin.copy_to_host()[p0:p0 + T], neox, scale), stream=stream)
         return Q
@@ -493,6 +513,11 @@ class ReferenceKernels:
         return o
 
 
+def _at(p) -> int:
+    """A position given as an int, or as int32 [1] in device memory (a device step's: `CUDABackend.begin_step`)."""
+    return int(p) if isinstance(p, (int, np.integer)) else int(p.copy_to_host()[0])
+
+
 KERNEL_SETS = {"cuda_kernels": DeviceKernels, "reference": ReferenceKernels}
 
 
@@ -504,6 +529,7 @@ class DeviceMemory:
 
     def __init__(self, cuda, limit: int, counts: DeviceCounts):
         self.cuda = cuda
+        self.allocate = lambda shape, dtype: cuda.device_array(shape, dtype=dtype)  # (CuPy's pool with graphs on)
         self.counts = counts
         self.limit = int(limit)
         self.used = 0
@@ -516,7 +542,7 @@ class DeviceMemory:
                              f"{(self.limit - self.used) / MiB:.1f} MiB of {self.limit / MiB:.1f} MiB left")
         self.used += nbytes
         self.by_what[what] = self.by_what.get(what, 0) + nbytes
-        return self.cuda.device_array(shape, dtype=dtype)
+        return self.allocate(shape, dtype)
 
     def upload(self, host: np.ndarray, what: str):
         dev = self.alloc(host.shape, host.dtype, what)
@@ -801,9 +827,10 @@ class CUDABackend:
     device_attention_kinds = frozenset({"mla"})  # attention.HOST_ATTENTION kinds this backend runs on the device
 
     def __init__(self, threads: Optional[int] = None, kernels: str = "cuda_kernels", reserve: int = DEFAULT_RESERVE,
-                 free_bytes: Optional[int] = None):
+                 free_bytes: Optional[int] = None, graphs=None):
         """`free_bytes`: device memory to plan with (default: what the driver reports free now; the simulator
-        reports infinity, so tests give a number)."""
+        reports infinity, so tests give a number). `graphs`: what captures the decode step into CUDA graphs
+        (backends/cuda_graphs.py; default: CuPy's, when PYMOE_CUDA_GRAPHS and the machine allow it)."""
         self.cuda = cuda = cuda_module()
         if kernels not in KERNEL_SETS:
             raise PymoeError(f"unknown kernel set {kernels!r} (choose from {', '.join(KERNEL_SETS)})")
@@ -813,7 +840,14 @@ class CUDABackend:
         self.cpu = CPUBackend(threads=threads, act_bits=0)
         self.host_backend = self.cpu  # where attention kinds without device kernels run (attention.HOST_ATTENTION)
         self.threads = self.cpu.threads
-        self.compute, self.copy = cuda.stream(), cuda.stream()
+        from .cuda_graphs import CupyCapture, StepGraphs, wanted
+
+        if graphs is None and wanted(kernels, simulated()):
+            graphs = CupyCapture(cuda)
+        self.graphs = StepGraphs(graphs) if graphs is not None else None  # the device step's CUDA graphs
+        # (with them, the compute stream is CuPy's, the Numba kernels launch on it)
+        self.compute = graphs.numba_stream(cuda) if graphs is not None else cuda.stream()
+        self.copy = cuda.stream()
         from pymoe.cuda_kernels.quant_matvec import TOKEN_TILE  # (numba.cuda is imported by now: safe to load the kernels)
 
         self._token_tile = TOKEN_TILE  # tokens one kernel block serves: below it, staging an expert gains nothing
@@ -831,6 +865,8 @@ class CUDABackend:
         self.reserve = int(reserve)
         self.counts = DeviceCounts()  # launches, host<->device bytes, syncs: backends/device_counts.py
         self.mem = DeviceMemory(cuda, self.free_at_start - self.reserve, self.counts)
+        if getattr(graphs, "allocate", None) is not None:  # CuPy's memory pool
+            self.mem.allocate = lambda shape, dtype: graphs.allocate(cuda, shape, dtype)
         self.host: Optional[HostMapping] = None
         self.scratch: dict = {}
         self.chunk = 1
@@ -846,6 +882,7 @@ class CUDABackend:
         self._steps = 0  # device steps begun so far (StepLogits checks its logits are still there)
         self._res = None  # the residual stream's device array during a step
         self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
+        self.recorder = None  # a device_counts.LaunchRecorder: each step's launches, when a test asks
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def attach(self, file, host: Optional[HostMapping] = None) -> None:
@@ -965,7 +1002,7 @@ class CUDABackend:
                 ex = f.expert(layer, e)
                 offsets[m, e] = [getattr(ex, p).ctypes.data - self.host.base for p in EXPERT_PROJ]
         alloc = self.mem.alloc
-        sb = self._sb = {"tok": alloc((1,), np.int32, "activations"),
+        sb = self._sb = {"at": alloc((3,), np.int32, "activations"),  # the token id, its RoPE position, its KV row
                          "back": alloc((1 + n_moe * K,), np.int32, "activations"),
                          "rw": alloc((n_moe * K,), np.float32, "activations"),
                          "res": alloc((1, D), np.float32, "activations"),
@@ -981,6 +1018,8 @@ class CUDABackend:
         self._rope_step = (cos, sin)  # host copies: a step checks that its tables are these rows
         self._host_file = self.host.device_view(self.host.mm.reshape(-1))  # the whole mapped file, uint8
         self._no_slots = self.mem.alloc((1, 1), np.uint8, "activations")  # the slots argument with no pool
+        at = sb["at"]  # what varies from step to step, read by the kernels from fixed addresses (a CUDA graph
+        self._at = {"token": at[0:1], "position": at[1:2], "row": at[2:3]}  # replays them: cuda_graphs.py)
 
     # --- the device decode step (version 3) ------------------------------------------------------------------------
     # One decoded token of a single sequence with the device KV cache runs on the device from the token id to the
@@ -1003,22 +1042,32 @@ class CUDABackend:
         """kv is this backend's device KV cache (a device step needs one)."""
         return isinstance(kv, DeviceKVCache)
 
-    def begin_step(self, tokens: np.ndarray, p0: int, residency: Optional[np.ndarray], inline: bool = False):
-        """Start a device step of one token at position p0: bring the residency table up to date (residency: the
-        cache's [L, E] -> slot or -1, or None with no pool), wait for copies in flight, put the token id on the
-        device; returns it (int32 [1], device). inline: the cache may send misses to the CPU, so each MoE layer's
-        lookup is made inside the step (`routing_to_host`, `experts_as_served`) and the table is not used."""
+    def begin_step(self, tokens: np.ndarray, p0: int, residency: Optional[np.ndarray], inline: bool = False,
+                   row: Optional[int] = None):
+        """Start a device step of one token at position p0 (its KV row: `row`, p0 unless an image shifted the
+        positions): bring the residency table up to date (residency: the cache's [L, E] -> slot or -1, or None with
+        no pool), wait for copies in flight, put the token id, p0 and the row on the device in one copy (`at`: the
+        kernels read them there, so each step makes the same launches, what a CUDA graph replays); returns the
+        token id (int32 [1], device). inline: the cache may send misses to the CPU, so each MoE layer's lookup is
+        made inside the step (`routing_to_host`, `experts_as_served`) and the table is not used."""
         if not inline:
             self.sync_table(residency)
         if self.cache_pool is not None:
             self.cache_pool.before_any_read()
         self._steps += 1
-        self._step = {"p0": int(p0), "inline": bool(inline)}
+        if self.recorder is not None:
+            self.recorder.begin()
+        row = int(p0 if row is None else row)
+        if not (0 <= row < self.n_ctx and 0 <= p0 < self.n_ctx):
+            raise PymoeError(f"backend 'cuda': position {p0} (KV row {row}) outside the device's {self.n_ctx}")
+        self._step = {"p0": int(p0), "row": row, "inline": bool(inline)}
         self._arena_top = 0
-        tok = self._sb["tok"]
-        tok.copy_to_device(np.asarray(tokens, np.int32).reshape(1), stream=self.compute)
-        self.counts.copy("token ids to device", 4)
-        return tok
+        at = np.array([np.asarray(tokens).reshape(-1)[0], p0, row], np.int32)  # [token, position, KV row]
+        self._sb["at"].copy_to_device(at, stream=self.compute)
+        self.counts.copy("token id and position to device", at.nbytes)
+        if self.graphs is not None and not inline:  # the step's launches: one CUDA graph (cuda_graphs.py)
+            self.graphs.begin()
+        return self._at["token"]
 
     def keep_on_device(self, vectors: list) -> None:
         """Upload these small float32 vectors now (a device step's norm weights), not in the first step."""
@@ -1113,6 +1162,8 @@ class CUDABackend:
     def routing_to_host(self, ids, w, x) -> tuple:
         """A device step whose cache may send misses to the CPU: this layer's routing ids and weights and its
         input row come to the host now (one synchronisation) -> (ids int [1, K], w [1, K], x [1, D]), host."""
+        if self.graphs is not None:
+            self.graphs.flush()
         out = [a.copy_to_host(stream=self.compute) for a in (ids, w, x)]
         self.compute.synchronize()
         for a, what in zip(out, ("routing ids to host (cpu misses)", "routing weights to host (cpu misses)",
@@ -1161,8 +1212,8 @@ class CUDABackend:
     def mla_kv_write(self, kv, layer: int, ckv, w: np.ndarray, eps: float, neox: bool) -> None:
         """A device step's compressed KV row (engine/mla.mla_step): ckv [1, C + R] (device) -> kv's row kv.n of
         `layer` = [rmsnorm(ckv[:C]) * w | rope(ckv[C:])] at the step's position (cuda_kernels/mla.py)."""
-        self._launch("mla_kv_row", ckv, self._vec(w), eps, self._sb["cos"], self._sb["sin"], self._step["p0"], neox,
-                     kv.k[kv.rows[layer]], kv.n, self.compute)
+        self._launch("mla_kv_row", ckv, self._vec(w), eps, self._sb["cos"], self._sb["sin"], self._at["position"],
+                     neox, kv.k[kv.rows[layer]], self._at["row"], self.compute)
 
     def mla_query(self, q, k_b: np.ndarray, scale: float, neox: bool):
         """A device step's absorbed query: q [1, H * (N + R)] (device), k_b float32 [H, C, N] -> Q [1, H, C + R] =
@@ -1172,7 +1223,7 @@ class CUDABackend:
         R = q.shape[1] // H - N
         Q = self._arena((T, H, C + R))
         self._launch("mla_query", self._reshaped(q, (T, H, N + R)), self._vec(k_b), self._sb["cos"], self._sb["sin"],
-                     self._step["p0"], neox, float(scale), Q, self.compute)
+                     self._at["position"], neox, float(scale), Q, self.compute)
         return Q
 
     def mla_value(self, a, v_b: np.ndarray):
@@ -1198,6 +1249,10 @@ class CUDABackend:
         K = self._moe[0]
         back = self._sb["back"]
         self._launch("argmax", logits, shaped(back, (1,)), self.compute)
+        if self.recorder is not None:
+            self.recorder.end()
+        if self.graphs is not None:  # the step's launches, held until now: a graph's replay (or run directly)
+            self.graphs.run()
         if self.cache_pool is not None:  # the step's kernels may have read any slot: copies into slots wait for them
             done = self.cuda.event()
             done.record(self.compute)
@@ -1286,6 +1341,11 @@ class CUDABackend:
     def _launch(self, op: str, *args):
         """Run kernel-set operation `op` (LAUNCHES[op] kernel launches) on the compute stream's arguments."""
         self.counts.launch(LAUNCHES[op])
+        if self.recorder is not None:
+            self.recorder.launch(op, args)
+        if self._step is not None and self.graphs is not None and \
+                self.graphs.defer(op, args, lambda: getattr(self.k, op)(*args)):
+            return None  # held for the step's graph (cuda_graphs.py)
         return getattr(self.k, op)(*args)
 
     def _put(self, name: str, host: np.ndarray, what: str):
@@ -1297,6 +1357,8 @@ class CUDABackend:
 
     def _get(self, dev, what: str) -> np.ndarray:
         """dev's bytes on the host, once the compute stream has run up to here (one host synchronisation)."""
+        if self.graphs is not None:  # launches held for a graph run first (cuda_graphs.py `flush`)
+            self.graphs.flush()
         out = dev.copy_to_host(stream=self.compute)
         self.compute.synchronize()  # the copy is asynchronous on the stream: its bytes are there only now
         self.counts.copy(what, out.nbytes)
@@ -1446,7 +1508,7 @@ class CUDABackend:
             p0, (c_all, s_all) = self._step["p0"], self._rope_step
             T = x.shape[0]
             if np.array_equal(cos, c_all[p0:p0 + T]) and np.array_equal(sin, s_all[p0:p0 + T]):
-                self._launch("rope", x, self._sb["cos"], self._sb["sin"], neox, p0, self.compute)
+                self._launch("rope", x, self._sb["cos"], self._sb["sin"], neox, self._at["position"], self.compute)
                 return x
         if self._rope_host is None or self._rope_host[0] is not cos:
             self._rope_host = (cos, sin)  # kept alive, so that `is` can recognise them
@@ -1459,11 +1521,17 @@ class CUDABackend:
         return x
 
     def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
-        """k [T, G, Dh], v [T, G, Dv] into kv at positions p0..: a device copy into the device KV cache, or, for a
-        host KV cache (a sequence without the device one), to the host."""
+        """k [T, G, Dh], v [T, G, Dv] into kv at positions p0..: a device copy into the device KV cache (in a device
+        step, the `kv_store` kernel, which reads the row from `at`), or, for a host KV cache (a sequence without the
+        device one), to the host."""
         T = k.shape[0]
-        if isinstance(kv, DeviceKVCache):
+        if isinstance(kv, DeviceKVCache) and self._in_step(p0, T) and v is not None:  # the row read on the device
             r = kv.rows[layer]
+            self._launch("kv_store", k, v, kv.k[r], kv.v[r], self._at["row"], self.compute)
+        elif isinstance(kv, DeviceKVCache):
+            r = kv.rows[layer]
+            if self.recorder is not None:
+                self.recorder.launch("device copy", (kv.k[r, p0:p0 + T], k))
             kv.k[r, p0:p0 + T].copy_to_device(k, stream=self.compute)  # device to device: no PCIe, not counted
             if v is not None:  # (MLA: V is part of the K row)
                 kv.v[r, p0:p0 + T].copy_to_device(v, stream=self.compute)
@@ -1473,7 +1541,13 @@ class CUDABackend:
         else:
             kv.write(layer, p0, self.to_host(k), None if v is None else self.to_host(v))
 
+    def _in_step(self, p0, T: int) -> bool:
+        """One token at the KV row of the device step under way: its position is read from `at` on the device."""
+        return self._step is not None and T == 1 and p0 == self._step["row"]
+
     def kv_read(self, kv, layer: int, S: int) -> tuple:
+        if isinstance(kv, DeviceKVCache) and self._in_step(S - 1, 1):  # the whole cache: attention reads its
+            return kv.k[kv.rows[layer]], kv.v[kv.rows[layer]]  # length from `at` (the same views every step)
         if isinstance(kv, DeviceKVCache):
             return kv.k[kv.rows[layer], :S], kv.v[kv.rows[layer], :S]  # device views
         return kv.read(layer, S)
@@ -1501,10 +1575,11 @@ class CUDABackend:
             self._launch("chunk_attention", q, k, v, p0, window, dsinks, o3, self.compute)
             return o
         scores = shaped(self.scratch["scores"], (H, self.n_ctx))
+        pos = self._at["row"] if self._in_step(p0, 1) else p0  # (a step: the position read on the device)
         if not window and sinks is None:
-            self._launch("decode_attention", q[0], k, v, p0, o3[0], scores, self.compute)
+            self._launch("decode_attention", q[0], k, v, pos, o3[0], scores, self.compute)
         else:
-            self._launch("decode_attention_ws", q[0], k, v, p0, window, dsinks, o3[0], scores, self.compute)
+            self._launch("decode_attention_ws", q[0], k, v, pos, window, dsinks, o3[0], scores, self.compute)
         return o
 
     def route(self, logits, k, norm_topk):

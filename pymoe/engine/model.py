@@ -294,7 +294,7 @@ class Model:
         if step:  # the token id goes to the device, and the step stays there until its token comes back
             table = getattr(self.cache, "step_table", None)  # SlotCache: its residency table (force_spill masks)
             tok = self.backend.begin_step(tokens, kv.n + _delta(kv), table() if table else None,
-                                          inline=not self._misses_all_over_pcie())
+                                          inline=not self._misses_all_over_pcie(), row=kv.n)
             x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
         else:
             x = self.embed(tokens)  # [T, D]
