@@ -57,7 +57,8 @@ from .pool import HostPool
 from .device_counts import DeviceCounts
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, Tensor
 from .cpu import CPUBackend, group_by_expert
-from .reference import apply_rope, attention, gdn_state_shapes, rmsnorm, rope_scaling, rope_tables, silu, swiglu_expert
+from .reference import (apply_rope, attention, gdn_state_bytes, gdn_state_shapes, rmsnorm, rope_scaling, rope_tables,
+                        silu, swiglu_expert)
 
 MiB = 2**20
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
@@ -846,6 +847,9 @@ class CUDABackend:
         self._steps = 0  # device steps begun so far (StepLogits checks its logits are still there)
         self._res = None  # the residual stream's device array during a step
         self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
+        self._kvs: list = []  # the device KV caches (`prepare`), one per sequence they can be lent to (`new_kv`)
+        self._kv_holders: list = []
+        self.kv_wanted = 0
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def attach(self, file, host: Optional[HostMapping] = None) -> None:
@@ -904,11 +908,21 @@ class CUDABackend:
         c = self._cfg
         return n_ctx * c.kv_values_per_token() * 4
 
-    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True) -> None:
+    def sequence_bytes(self, n_ctx: int) -> int:
+        """Device bytes of one sequence's device KV cache of n_ctx positions: K/V rows (MLA: its compressed rows)
+        and, with the device step, its Gated DeltaNet layers' conv and recurrent states."""
+        c = self._cfg
+        n_gdn = sum(1 for i in range(c.n_layers) if c.recurrent and c.recurrent[i]
+                    and (self.layers is None or i in self.layers))
+        states = n_gdn * gdn_state_bytes(c) if self.device_step else 0
+        return self.kv_bytes(n_ctx) + states
+
+    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0) -> None:
         """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
-        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions, with the device step's copy of
-        its Gated DeltaNet layers' state (not with `device_kv` False: a model whose attention runs on the host side
-        keeps its KV cache there, engine/model.Model.new_kv)."""
+        tokens, the RoPE tables and the device KV caches of `n_ctx` positions (`sequences` of them, as many as the
+        budget holds beyond `keep_free` bytes, one at least: the server's slots), each with the device step's copy
+        of its Gated DeltaNet layers' state (none with `device_kv` False: a model whose attention runs on the host
+        side keeps its KV caches there, engine/model.Model.new_kv)."""
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
@@ -919,6 +933,23 @@ class CUDABackend:
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
         self.counts.copy("RoPE tables to device", 4 * (cos.size + sin.size))
+        self._kvs = [self._device_kv(device_kv)]
+        if device_kv:  # the other sequences' caches: as many as fit, before the pool takes the rest
+            per_seq = max(self.sequence_bytes(self.n_ctx), 1)
+            room = (self.mem.limit - self.mem.used - int(keep_free)) // per_seq
+            self._kvs += [self._device_kv(True) for _ in range(max(0, min(int(sequences) - 1, room)))]
+        self.kv_wanted = int(sequences) if device_kv else 0  # (the start-up line says when fewer fit: memory_line)
+        self._kv = self._kvs[0]
+        self._kv_holders: list = [None] * len(self._kvs)  # weak references to the caches lent (`new_kv`)
+        ev = self.cuda.event
+        self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
+        if self.device_step and len(c.moe_layers) and device_kv:
+            self._prepare_step(cos, sin)
+
+    def _device_kv(self, device_kv: bool) -> "DeviceKVCache":
+        """One sequence's device KV cache of n_ctx positions (no rows without `device_kv`), with the device step's
+        copy of its Gated DeltaNet layers' state."""
+        c = self._cfg
         mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
         rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
         kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
@@ -933,12 +964,7 @@ class CUDABackend:
         # MLA caches one row [c | k_pe] per position: V is a view of its first kv_lora_rank values (config.kv_v_width)
         v = k[:, :, :, :c.head_dim_v] if c.traits.mla else self.mem.alloc((*kv_shape, c.head_dim_v), np.float32,
                                                                            "KV cache")
-        self._kv = DeviceKVCache(k, v, self.n_ctx, rows, states, self)
-        self._kv_holder = None
-        ev = self.cuda.event
-        self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
-        if self.device_step and len(c.moe_layers) and device_kv:
-            self._prepare_step(cos, sin)
+        return DeviceKVCache(k, v, self.n_ctx, rows, states, self)
 
     def _prepare_step(self, cos: np.ndarray, sin: np.ndarray) -> None:
         """The device decode step's buffers (one token): the residual stream, the normed input of a block, the MoE
@@ -1212,21 +1238,30 @@ class CUDABackend:
         return int(host[0]), ids, StepLogits(self, logits, int(host[0]), self._steps)
 
     def new_kv(self, n_ctx: int):
-        """The device KV cache for a new sequence, if it is free and big enough; else None (the caller then uses a
-        host KV cache, and attention runs on the CPU for that sequence)."""
+        """A free device KV cache for a new sequence (one not lent to a sequence still alive), if there is one and it
+        is big enough; else None (the caller then uses a host KV cache, and attention runs on the CPU for that
+        sequence)."""
         import weakref
 
-        holder = self._kv_holder() if self._kv_holder is not None else None
-        if holder is not None or n_ctx > self.n_ctx:
+        if n_ctx > self.n_ctx:
             return None
-        kv = DeviceKVCache(self._kv.k, self._kv.v, n_ctx, self._kv.rows, self._kv.states, self)
-        self._kv_holder = weakref.ref(kv)
-        return kv
+        for i, (held, own) in enumerate(zip(self._kv_holders, self._kvs)):
+            if held is None or held() is None:
+                kv = DeviceKVCache(own.k, own.v, n_ctx, own.rows, own.states, self)
+                self._kv_holders[i] = weakref.ref(kv)
+                return kv
+        return None
 
     def memory_line(self) -> str:
         parts = ", ".join(f"{what} {n / MiB:.1f} MiB" for what, n in self.mem.by_what.items())
-        return (f"device memory: {self.free_at_start / 2**30:.2f} GiB free at start; {parts} (the KV cache holds "
-                f"{self.n_ctx} positions in float32)")
+        caches = len(self._kvs) if self._kvs and self._kvs[0].rows else 0
+        line = (f"device memory: {self.free_at_start / 2**30:.2f} GiB free at start; {parts} (the KV cache holds "
+                f"{self.n_ctx} positions in float32{f', one per sequence for {caches}' if caches > 1 else ''})")
+        if caches < self.kv_wanted:  # the server's other slots keep host KV caches (attention on the CPU there)
+            line += (f"\ndevice KV caches: {caches} of the {self.kv_wanted} sequences asked for fit beside the "
+                     f"expert slots ({self.sequence_bytes(self.n_ctx) / MiB:.1f} MiB each); the others keep host "
+                     "KV caches and decode with attention on the CPU (version 2)")
+        return line
 
     def free_for_cache(self) -> int:
         """Device bytes free for the expert slots now: the budget left after weights and activations, plus the

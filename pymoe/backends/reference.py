@@ -25,6 +25,8 @@ from typing import Optional
 
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 
 from pymoe import quant
@@ -64,6 +66,14 @@ def gdn_state_shapes(cfg) -> dict:
     nv, dk = cfg.ssm_v_heads, cfg.ssm_state
     return dict(conv=(cfg.ssm_conv - 1, 2 * cfg.ssm_k_heads * dk + cfg.ssm_inner),
                 ssm=(nv, cfg.ssm_inner // nv, dk))
+
+
+def gdn_state_bytes(cfg) -> int:
+    """Bytes of one Gated DeltaNet layer's state in float32 (`gdn_state_shapes`: conv and recurrent), per sequence;
+    0 for a model without such layers."""
+    if not cfg.traits.hybrid:
+        return 0
+    return 4 * sum(math.prod(shape) for shape in gdn_state_shapes(cfg).values())
 
 
 def rope_scaling(cfg) -> RopeScaling:

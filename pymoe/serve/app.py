@@ -1006,7 +1006,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
             return n
 
         engine_options["n_ctx"] = fitted
-    engine = load(model, progress=True, log=log, **engine_options)
+    # -np N: N device KV caches where the backend has them (CUDA), sized before the expert slot pool; without -np the
+    # slot rule runs after loading (it reads the pool's coverage), and the first slot alone gets one
+    engine = load(model, progress=True, log=log, **{"sequences": parallel or 1, **engine_options})
     if parallel is None:
         parallel, why = default_parallel(engine.config, engine.backend.name, slot_coverage(engine), kv, given_ctx)
         log(f"{parallel} slot(s): {why}; -np overrides")
