@@ -664,6 +664,11 @@ class DeviceKVCache:
         self.shifts = []
         self._recurrent, self.fresh = {}, "host"
 
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of its K and V rows (MLA: V is a view of K, not counted twice)."""
+        return self.k.nbytes + (0 if self._backend is not None and self._backend._cfg.traits.mla else self.v.nbytes)
+
     def pos_delta(self, n: Optional[int] = None) -> int:
         """engine/kv.KVCache.pos_delta: rope position - storage index (0 until an image)."""
         n = self.n if n is None else n

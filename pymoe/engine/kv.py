@@ -329,5 +329,7 @@ def new_kv(cfg: ModelConfig, n_ctx: int, kind: str = "f32") -> KVCache:
 
 
 def kv_nbytes(kv: KVCache) -> int:
-    """Bytes the cache's K and V storage holds (all n_ctx positions, allocated up front)."""
+    """Bytes the cache's K and V storage holds (all n_ctx positions, allocated up front; a device KV cache says)."""
+    if hasattr(kv, "nbytes"):
+        return kv.nbytes
     return kv.k.nbytes + (kv.v.nbytes if kv.v is not None else 0)

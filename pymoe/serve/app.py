@@ -395,8 +395,10 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         scheduler.start()
-        log(f"engine loop: {parallel} slot(s) of {engine.n_ctx} tokens ({kv} KV, "
-            f"{kv_nbytes(scheduler.slots[0].kv) / 2**20:.1f} MiB each), queue of {max_queue}")
+        on_device = scheduler.device_slots()
+        where = f"{on_device} with a float32 KV cache on the device, the others " if on_device else ""
+        log(f"engine loop: {parallel} slot(s) of {engine.n_ctx} tokens ({where}{kv} KV, "
+            f"{kv_nbytes(scheduler.slots[-1].kv) / 2**20:.1f} MiB each), queue of {max_queue}")
         yield
         scheduler.stop()
 

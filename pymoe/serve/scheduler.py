@@ -263,13 +263,20 @@ class Scheduler:
     def _slot_kv(self):
         """A slot's KV cache: one the backend lends while it has one free (CUDA: a device KV cache, so the slot's
         attention and decode steps run on the device; `pymoe serve -np N` asks for N at load, api.Engine
-        `sequences`), else a host one of --kv's kind."""
-        own = None if self.model.host_attention else self.model.backend.new_kv(self.n_ctx)
+        `sequences`), else a host one of --kv's kind. Not with several devices (backends/multi_device.py): their
+        slots keep host caches."""
+        b = self.model.backend
+        own = (b.new_kv(self.n_ctx) if hasattr(b, "owns") and not hasattr(b, "shards") and not self.model.host_attention
+               else None)
         return own if own is not None else new_kv(self.engine.config, self.n_ctx, self.kv_kind)
 
     def _owns(self, kv) -> bool:
         owns = getattr(self.model.backend, "owns", None)
         return owns is not None and owns(kv)
+
+    def device_slots(self) -> int:
+        """Slots whose KV cache is on the device (float32; the others: host caches of --kv's kind)."""
+        return sum(self._owns(s.kv) for s in self.slots)
 
     # --- the consumers' calls (any thread) ----------------------------------------------------------------
     def submit(self, job: Job) -> Job:
