@@ -16,6 +16,7 @@ import pytest  # noqa: E402
 
 import pymoe  # noqa: E402
 from pymoe.engine.sampler import SamplingParams  # noqa: E402
+from pymoe.serve import scheduler  # noqa: E402
 from pymoe.serve.scheduler import Job, Scheduler  # noqa: E402
 
 pytestmark = pytest.mark.cuda
@@ -70,6 +71,44 @@ def test_slots_beyond_the_device_kv_caches_keep_host_ones(tiny_model):
     assert (max_batch, own) == (3, 1)
     assert steps == N_NEW - 1  # the one device slot's decode tokens
     assert got == want
+
+
+@in_process
+def test_speculation_and_shared_prompts_on_device_kv_caches(tiny_model, monkeypatch):
+    """Gated DeltaNet (a recurrent state per slot) on device KV caches: two slots speculating at once (--spec
+    ngram: verify forwards of version 2 over the device caches, the state restored and re-advanced after a
+    rejection), and the n = 3 choices of one request over 2 slots (one prefill; its KV copied device to device into
+    the other slot, and kept on the host for the third choice, which copies it back into a device cache when a slot
+    frees): every answer the reference's greedy tokens."""
+    path = tiny_model("qwen3next", "q2_k")
+    prompts = ([5, 17, 42, 7, 5, 17, 42, 7, 5, 17], [9, 12, 9, 12, 9, 12, 9])
+    ref = pymoe.load(path, backend="reference")
+    want = [list(ref.generate(p, max_tokens=N_NEW, stop_at_eos=False)) for p in prompts]
+    engine = pymoe.load(path, backend="cuda", backend_options=SIM, cache_slots=4, pcie_frac=0.5, sequences=2)
+    with Scheduler(engine, parallel=2, kv="f32", spec="ngram") as sched:
+        assert sched.device_slots() == 2
+        jobs = [sched.submit(Job(prompt_ids=list(p), max_tokens=N_NEW, ignore_eos=True,
+                                 sampling=SamplingParams(temperature=0))) for p in prompts]
+        for job in jobs:
+            list(job.events(timeout=600))
+        stats = [s.spec.stats for s in sched.slots]
+    assert [job.generated for job in jobs] == want
+    assert sum(st.drafted for st in stats) > 0 and sum(st.rollbacks for st in stats) > 0  # (drafts rejected too)
+    del sched  # its slots give their device KV caches back (backends/cuda.py `new_kv`)
+    copies, copy_kv = [], scheduler.copy_kv
+    monkeypatch.setattr(scheduler, "copy_kv", lambda b, cfg, dst, src, n: copies.append(
+        (type(dst).__name__, type(src).__name__)) or copy_kv(b, cfg, dst, src, n))
+    with Scheduler(engine, parallel=2, kv="f16") as sched:
+        assert sched.device_slots() == 2
+        first = Job(prompt_ids=list(prompts[0]), max_tokens=N_NEW, ignore_eos=True,
+                    sampling=SamplingParams(temperature=0))
+        jobs = [first, first.sibling(1), first.sibling(2)]
+        for job in jobs:
+            sched.submit(job)
+        for job in jobs:
+            list(job.events(timeout=600))
+    assert [job.generated for job in jobs] == [want[0]] * 3
+    assert copies == [("KVCache", "DeviceKVCache"), ("DeviceKVCache", "DeviceKVCache"), ("DeviceKVCache", "KVCache")]
 
 
 if not IN_PROCESS:
