@@ -111,5 +111,34 @@ def test_speculation_and_shared_prompts_on_device_kv_caches(tiny_model, monkeypa
     assert copies == [("KVCache", "DeviceKVCache"), ("DeviceKVCache", "DeviceKVCache"), ("DeviceKVCache", "KVCache")]
 
 
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3next", "deepseek2"])
+def test_device_kv_caches_are_sized_before_the_pool_and_pymoe_plan_counts_them(tiny_model, arch):
+    """Each sequence's device bytes (K/V rows, MLA's compressed rows, Gated DeltaNet's states) are what `pymoe plan
+    -np N` puts in its overhead; a device with room for 2 of 4 caches beside the pool asked for makes 2 and says so
+    in one start-up line."""
+    from pymoe.experts.plan import facts_from_gguf, overhead_for
+
+    path = tiny_model(arch, "q2_k")
+    one = pymoe.load(path, backend="cuda", backend_options=SIM, cache="none", sequences=1)
+    b, n_ctx = one.backend, one.n_ctx
+    per_seq = b.sequence_bytes(n_ctx)
+    kv = b.mem.by_what["KV cache"] + b.mem.by_what.get("recurrent state", 0)  # what prepare allocated for one
+    assert per_seq == kv and overhead_for(facts_from_gguf(path), n_ctx, 0, 4).kv == 4 * per_seq
+    if arch == "qwen3next":
+        assert b.mem.by_what["recurrent state"] > 0
+    before_pool = b.mem.used
+    slots = 4
+    free = 700 * MiB + before_pool + 1 * per_seq + slots * one.file.slot_bytes + per_seq // 2  # 2 caches, the pool
+    lines = []
+    engine = pymoe.load(path, backend="cuda", backend_options=dict(SIM, free_bytes=free), cache_slots=slots,
+                        pcie_frac=1.0, sequences=4, log=lines.append)
+    assert len(engine.backend._kvs) == 2 and engine.cache.n_slots == slots
+    said = [ln for ln in lines if ln.startswith("device KV caches:")]
+    assert said == [f"device KV caches: 2 of the 4 sequences asked for fit beside the expert slots "
+                    f"({per_seq / MiB:.1f} MiB each); the others keep host KV caches and decode with attention on "
+                    "the CPU (version 2)"]
+
+
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

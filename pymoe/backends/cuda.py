@@ -3,7 +3,8 @@
 What this is:
   - `CUDABackend`: the contract of backends/protocol.py. The engine's blocks run unchanged: the attention block
     moves its input to the device once (`to_device`), and its projections, biases, q/k norms, RoPE, the KV write
-    into the device KV cache (`DeviceKVCache`, lent to one sequence at a time by `new_kv`) and attention run there
+    into the device KV cache (`DeviceKVCache`, one per sequence: `prepare` allocates one for each of the server's
+    slots that fits, `new_kv` lends each to one sequence at a time) and attention run there
     until `to_host`. Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any supported
     type, F32 included) and are multiplied by the Numba CUDA kernels of cuda_kernels/
     (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly. Given host
@@ -39,8 +40,8 @@ Miss paths, as the expert cache tagged each expert (`ExpertBytes.where`, experts
 Cost: every kernel launch, host<->device copy and host synchronisation is counted in `self.counts`
 (backends/device_counts.py; per decoded token in `pymoe run`'s last line and /v1/status). In the simulator
 (NUMBA_ENABLE_CUDASIM=1) the device stands for PYMOE_SIM_DEVICE_GIB GiB (default 8).
-What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (CUDA graphs, a
-KV cache per server slot) and how this is tested without a GPU (the CUDA simulator,
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (CUDA graphs, one
+batched device step for the server's slots) and how this is tested without a GPU (the CUDA simulator,
 with `ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
@@ -641,8 +642,9 @@ def transposed(name: str, a: np.ndarray) -> np.ndarray:
 
 class DeviceKVCache:
     """Keys and values of one sequence in device memory: float32 [L_kv, n_ctx, G, Dh] each (the fields of
-    engine/kv.KVCache: n, n_ctx, rows, clear()). The backend owns one, allocated at start-up within the budget, and lends it
-    to one sequence at a time (`CUDABackend.new_kv`).
+    engine/kv.KVCache: n, n_ctx, rows, clear()). The backend owns one per sequence it was prepared for (the server's
+    slots: `CUDABackend.prepare`), allocated at start-up within the budget, and lends each to one sequence at a time
+    (`CUDABackend.new_kv`).
     Gated DeltaNet layers (qwen3next, qwen35moe) keep their conv and recurrent state here too, in two copies: on the
     device (`states`: layer -> {"conv" [K - 1, C], "ssm" [nv, dk, dv]: M transposed per head, the layout
     cuda_kernels/deltanet.py reads coalesced}, what the device step advances:
@@ -1014,7 +1016,7 @@ class CUDABackend:
         self._no_slots = self.mem.alloc((1, 1), np.uint8, "activations")  # the slots argument with no pool
 
     # --- the device decode step (version 3) ------------------------------------------------------------------------
-    # One decoded token of a single sequence with the device KV cache runs on the device from the token id to the
+    # One decoded token of a sequence with a device KV cache runs on the device from the token id to the
     # greedy token: the engine's forward calls `begin_step` (the token id goes in), `embed` (the row gathered
     # there), the same blocks as always on device arrays (the residual stream stays in `step res`: rmsnorm of it
     # writes `step hn`, `add` adds into it), `moe_on_device` per MoE layer (router top-K and the routed experts
