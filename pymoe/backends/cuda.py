@@ -855,6 +855,7 @@ class CUDABackend:
         self._res = None  # the residual stream's device array during a step
         self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
         self._kvs: list = []  # the device KV caches (`prepare`), one per sequence they can be lent to (`new_kv`)
+        self.kv_pool: tuple = ()  # their K and V planes, [S, L_kv, n_ctx, G, Dh] and [.., Dv] (`_kv_planes`)
         self._kv_holders: list = []
         self.kv_wanted = 0
 
@@ -940,11 +941,13 @@ class CUDABackend:
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
         self.counts.copy("RoPE tables to device", 4 * (cos.size + sin.size))
-        self._kvs = [self._device_kv(device_kv)]
+        n_seq = 1
         if device_kv:  # the other sequences' caches: as many as fit, before the pool takes the rest
             per_seq = max(self.sequence_bytes(self.n_ctx), 1)
-            room = (self.mem.limit - self.mem.used - int(keep_free)) // per_seq
-            self._kvs += [self._device_kv(True) for _ in range(max(0, min(int(sequences) - 1, room)))]
+            room = (self.mem.limit - self.mem.used - int(keep_free)) // per_seq - 1  # (the first is always made)
+            n_seq += max(0, min(int(sequences) - 1, room))
+        self.kv_pool = self._kv_planes(n_seq, device_kv)
+        self._kvs = [self._device_kv(s, device_kv) for s in range(n_seq)]
         self.kv_wanted = int(sequences) if device_kv else 0  # (the start-up line says when fewer fit: memory_line)
         self._kv = self._kvs[0]
         self._kv_holders: list = [None] * len(self._kvs)  # weak references to the caches lent (`new_kv`)
@@ -953,13 +956,24 @@ class CUDABackend:
         if self.device_step and len(c.moe_layers) and device_kv:
             self._prepare_step(cos, sin)
 
-    def _device_kv(self, device_kv: bool) -> "DeviceKVCache":
-        """One sequence's device KV cache of n_ctx positions (no rows without `device_kv`), with the device step's
-        copy of its Gated DeltaNet layers' state."""
+    def _kv_planes(self, n_seq: int, device_kv: bool) -> tuple:
+        """The K and V planes of every sequence's device KV cache, one pool each: float32 [S, L_kv, n_ctx, G, Dh]
+        and [S, L_kv, n_ctx, G, Dv] (no layers without `device_kv`). Sequence s's cache is slice s, so one layer's
+        caches of all sequences are one array, pool[:, row] (what cuda_kernels/ragged_attention.py reads). MLA caches
+        one row [c | k_pe] per position: V is a view of its first kv_lora_rank values (config.kv_v_width)."""
+        c = self._cfg
+        mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
+        shape = (n_seq, len(mine) if device_kv else 0, self.n_ctx, c.n_head_kv)
+        k = self.mem.alloc((*shape, c.head_dim), np.float32, "KV cache")
+        v = k[..., :c.head_dim_v] if c.traits.mla else self.mem.alloc((*shape, c.head_dim_v), np.float32, "KV cache")
+        return k, v
+
+    def _device_kv(self, s: int, device_kv: bool) -> "DeviceKVCache":
+        """Sequence s's device KV cache of n_ctx positions: slice s of the pool (`_kv_planes`; no rows without
+        `device_kv`), with the device step's copy of its Gated DeltaNet layers' state."""
         c = self._cfg
         mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
         rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
-        kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
         gdn = [i for i in range(c.n_layers) if c.recurrent and c.recurrent[i] and (self.layers is None
                                                                                      or i in self.layers)]
         shapes = {name: (shape[0], shape[2], shape[1]) if name == "ssm" else shape  # (`transposed`)
@@ -967,11 +981,8 @@ class CUDABackend:
         states = {i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps advance)
                       for name, shape in shapes.items()} for i in gdn} if device_kv and self.device_step \
             else {}
-        k = self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache")
-        # MLA caches one row [c | k_pe] per position: V is a view of its first kv_lora_rank values (config.kv_v_width)
-        v = k[:, :, :, :c.head_dim_v] if c.traits.mla else self.mem.alloc((*kv_shape, c.head_dim_v), np.float32,
-                                                                           "KV cache")
-        return DeviceKVCache(k, v, self.n_ctx, rows, states, self)
+        k, v = self.kv_pool
+        return DeviceKVCache(k[s], v[s], self.n_ctx, rows, states, self)
 
     def _prepare_step(self, cos: np.ndarray, sin: np.ndarray) -> None:
         """The device decode step's buffers (one token): the residual stream, the normed input of a block, the MoE
