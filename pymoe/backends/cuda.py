@@ -1273,8 +1273,9 @@ class CUDABackend:
     def memory_line(self) -> str:
         parts = ", ".join(f"{what} {n / MiB:.1f} MiB" for what, n in self.mem.by_what.items())
         caches = len(self._kvs) if self._kvs and self._kvs[0].rows else 0
-        line = (f"device memory: {self.free_at_start / 2**30:.2f} GiB free at start; {parts} (the KV cache holds "
-                f"{self.n_ctx} positions in float32{f', one per sequence for {caches}' if caches > 1 else ''})")
+        held = (f"{caches} KV caches, one per sequence, each of" if caches > 1 else "the KV cache holds")
+        line = (f"device memory: {self.free_at_start / 2**30:.2f} GiB free at start; {parts} ({held} "
+                f"{self.n_ctx} positions in float32)")
         if caches < self.kv_wanted:  # the server's other slots keep host KV caches (attention on the CPU there)
             line += (f"\ndevice KV caches: {caches} of the {self.kv_wanted} sequences asked for fit beside the "
                      f"expert slots ({self.sequence_bytes(self.n_ctx) / MiB:.1f} MiB each); the others keep host "
