@@ -21,11 +21,10 @@ D n_embd, E experts (K used per token), F one expert's hidden size, R x C a weig
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from dataclasses import dataclass
-
-import math
 
 import numpy as np
 

@@ -109,6 +109,7 @@ class KVCache(HostRecurrent):
         self.n = n
         self.shifts = [(i, d) for i, d in getattr(other, "shifts", []) if i <= n]
 
+
 def copy_kv(b, cfg: ModelConfig, dst, src, n: int) -> None:
     """dst becomes a copy of src's first n positions, whatever each is: two host caches of one kind by
     `KVCache.copy_from` (stored values as they are); with a device KV cache on either side (backends/cuda.py
