@@ -2,6 +2,7 @@
 by what they carry, host synchronisations (backends/device_counts.py), for each family's micro model.
 
     NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python bench/device_counts.py [--families qwen3moe,llama] [--tokens 4]
+        [--settings slots,spill,misses,"2 slots"]
 
 Each family's `micro` preset (pymoe/demo/tinymodel.py, F32, seed 0) is written to a temporary folder and decoded
 greedily from the prompt [5, 17] for --tokens new tokens (the first from the prefill, the rest one decode step
@@ -10,6 +11,9 @@ each), in three settings:
   spill:  one slot per MoE layer (LRU), pcie_frac 1: every miss is read over PCIe, and promoted;
   misses: one slot per MoE layer (LRU), pcie_frac 0.5: misses alternate between spill (read over PCIe) and the CPU,
           and each is promoted (version 3: each MoE layer's lookup inside the step).
+  2 slots: as "slots", two requests (prompts [5, 17] and [9, 12]) decoded at once by the server's scheduler
+          (serve/scheduler.py, --parallel 2), each slot on a device KV cache of its own (the engine loaded for 2
+          sequences): version 2 decodes both in one batched forward, version 3 runs one device step per slot.
 and in two versions of the GPU path: 2 (PYMOE_DEVICE_STEP=0: the residual stream on the host, three round trips
 per layer) and 3 (the default: a decode step on the device from token id to token where the family and the
 setting allow it, backends/cuda.py `begin_step`; elsewhere version 3 runs version 2, and the row says so).
@@ -37,6 +41,8 @@ from pymoe.gguf.config import ARCHS  # noqa: E402
 
 FAMILIES = list(ARCHS)  # every family pymoe runs (pymoe/gguf/config.py)
 PROMPT = [5, 17]
+PROMPT_2 = [9, 12]  # the second slot's ("2 slots")
+SETTINGS = ("slots", "spill", "misses", "2 slots")
 MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
 
@@ -44,12 +50,12 @@ SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "de
 def load(path: str, setting: str, version: int = 3):
     """The engine of one setting and version (see the module docstring)."""
     os.environ["PYMOE_DEVICE_STEP"] = "1" if version == 3 else "0"  # read when the backend is made
-    if setting == "slots":  # (a profile's layers are the MoE layers, numbered from 0: experts/trace.py)
+    if setting in ("slots", "2 slots"):  # (a profile's layers are the MoE layers, numbered from 0: experts/trace.py)
         cfg = pymoe.load(path, backend="reference").config
         pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
         profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
         return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
-                          backend_options=SIM)
+                          backend_options=SIM, sequences=2 if setting == "2 slots" else 1)
     cfg = pymoe.load(path, backend="reference").config
     return pymoe.load(path, backend="cuda", cache_slots=len(cfg.moe_layers), policy="lru",
                       pcie_frac=1.0 if setting == "spill" else 0.5, backend_options=SIM)
@@ -59,10 +65,34 @@ def decode_counts(path: str, setting: str, tokens: int, version: int = 3) -> tup
     """(per decoded token means, the decode cache counters, whether the decode steps ran on the device) of one
     greedy request."""
     engine = load(path, setting, version)
+    if setting == "2 slots":
+        return server_counts(engine, tokens)
     list(engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False))
     st = engine.last_stats
     on_device = engine.model.step_on_device and engine.model._cache_allows_step()
     return per_token({**st.device, "tokens": st.n_decoded}), st.decode, on_device
+
+
+def server_counts(engine, tokens: int) -> tuple[dict, dict, bool]:
+    """"2 slots": two greedy requests through the scheduler with 2 slots, the decode counts of the whole run per
+    decoded token (both slots' tokens), the decode cache counters, whether the decode steps ran on the device."""
+    from pymoe.backends.device_counts import difference
+    from pymoe.engine.sampler import SamplingParams
+    from pymoe.serve.scheduler import Job, Scheduler
+
+    counts, stats = engine.backend.counts, engine.cache.stats
+    before, cache_before, steps = counts.snapshot("decode"), stats.snapshot("decode"), engine.backend._steps
+    with Scheduler(engine, parallel=2, kv="f32") as sched:
+        if sched.device_slots() != 2:
+            raise SystemExit("2 slots: the slots did not get a device KV cache each")
+        jobs = [sched.submit(Job(prompt_ids=list(p), max_tokens=tokens, ignore_eos=True,
+                                 sampling=SamplingParams(temperature=0))) for p in (PROMPT, PROMPT_2)]
+        for job in jobs:
+            list(job.events(timeout=3600))
+        if sched.max_batch != 2:
+            raise SystemExit("2 slots: the two requests were never decoded in one step")
+    cache = {k: v - cache_before[k] for k, v in stats.snapshot("decode").items()}
+    return per_token(difference(counts.snapshot("decode"), before)), cache, engine.backend._steps > steps
 
 
 # The table's short names for DeviceCounts' byte names (backends/cuda.py), by the start of the name.
@@ -88,9 +118,10 @@ def row(arch: str, setting: str, version: str, m: dict, cache: dict) -> str:
     for w, b in m["bytes_by_name"].items():
         grouped[short(w)] = grouped.get(short(w), 0) + b
     names = ", ".join(f"{w} {b:,.0f}" for w, b in grouped.items())
-    how = (f"{cache.get('hits', 0)} hits" if setting == "slots" else
+    how = (f"{cache.get('hits', 0)} hits" if setting in ("slots", "2 slots") else
            f"{cache.get('hits', 0)} hits, {cache.get('spill', 0)} spill, {cache.get('cpu', 0)} cpu")
-    return (f"| {arch} | {setting} ({how}) | {version} | {m['launches']:g} | {m['synchronisations']:g} "
+    num = lambda x: f"{x:.1f}".removesuffix(".0")  # noqa: E731  (a mean over the tokens of several forwards)
+    return (f"| {arch} | {setting} ({how}) | {version} | {num(m['launches'])} | {num(m['synchronisations'])} "
             f"| {m['bytes']:,.0f} | {names} |")
 
 
@@ -98,7 +129,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated archs [default: all of them]")
     ap.add_argument("--tokens", type=int, default=4, help="new tokens per request (decode steps: one less)")
+    ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
     args = ap.parse_args()
+    settings = args.settings.split(",")
+    for setting in settings:
+        if setting not in SETTINGS:
+            raise SystemExit(f"--settings: unknown setting {setting!r} (choose from {', '.join(SETTINGS)})")
     from pymoe.demo.tinymodel import write_model
 
     print("| family | setting (decode lookups) | version | launches | syncs | host<->device bytes | bytes by name |")
@@ -107,7 +143,7 @@ def main() -> None:
         for arch in args.families.split(","):
             path = os.path.join(tmp, f"micro-{arch}-f32.gguf")
             write_model(path, arch, "micro", "f32", seed=0)
-            for setting in ("slots", "spill", "misses"):
+            for setting in settings:
                 for version in (2, 3):
                     m, cache, on_device = decode_counts(path, setting, args.tokens, version)
                     shown = "3" if on_device else "2" if version == 2 else "3 (runs 2)"

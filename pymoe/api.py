@@ -34,7 +34,8 @@ class Engine:
                  policy: str = DEFAULT_POLICY, profile: Optional[str] = None, pcie_frac: Optional[float] = None,
                  cache: str = "auto", chunk: int = 512, reserve_mib: float = 700, log=lambda line: None,
                  backend_options: Optional[dict] = None, admit: str = "all", max_inserts: int = 0,
-                 warm_set: int = 0, warm_inserts: int = 0, act_bits=None, devices: Optional[str] = None):
+                 warm_set: int = 0, warm_inserts: int = 0, act_bits=None, devices: Optional[str] = None,
+                 sequences: int = 1):
         """`cache_slots` / `cache_gib` size an expert slot pool; else `cache` = "auto" sizes it from the device's free
         memory (CUDA; on the CPU backend auto means no pool: every expert is read in place) or "none".
         `profile` (a path or a profile.Profile) pre-fills it; `pcie_frac` (None: measured by the PCIe probe on CUDA,
@@ -46,7 +47,9 @@ class Engine:
         `act_bits` (8, 16, 0 or "auto"; None: the backend's default): the CPU backend's activation width
         (quant/qact.py; "auto": 8 bits for the routed experts, 16 for the rest, backends/cpu.py ACT_MODES).
         `devices` ("0,1", or a count): the CUDA backend on several devices, the layers split by ranges, one slot
-        pool per device (backends/multi_device.py)."""
+        pool per device (backends/multi_device.py). `sequences`: how many sequences decode at once (`pymoe serve
+        -np`): CUDA gives each a device KV cache of n_ctx positions, as many as fit before the slot pool
+        (`_keep_for_pool`); the others keep host KV caches."""
         from .engine.tokenizer import Tokenizer
 
         if chunk < 1:
@@ -94,7 +97,8 @@ class Engine:
         self.model = Model(self.file, self.backend, None, progress=progress)  # dense weights land on the device
         self.model.chunk = int(chunk)
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
-            self.backend.prepare(chunk, self.n_ctx, device_kv=not self.model.host_attention)
+            self.backend.prepare(chunk, self.n_ctx, device_kv=not self.model.host_attention, sequences=sequences,
+                                 keep_free=self._keep_for_pool(cache, cache_slots, cache_gib))
             for line in self.backend.memory_line().splitlines():  # (several devices: one line each)
                 log(line)
         self.free_at_sizing = None  # device bytes free when --cache auto sized the pool (telemetry), if it did
@@ -115,6 +119,16 @@ class Engine:
             raise PymoeError(f"{path}: tokenizer.ggml.tokens has {self.tokenizer.n_vocab} tokens but the model has "
                              f"{self.config.n_vocab} (token_embd.weight rows)")
         self.last_stats = RequestStats()
+
+    def _keep_for_pool(self, mode: str, cache_slots, cache_gib) -> int:
+        """Device bytes the sequences' extra KV caches leave for the expert slot pool: a pool of a given size
+        (--cache-slots, --cache-gib) keeps its bytes; one sized by --cache auto gets what the KV caches leave, one
+        slot at least (KV first, as llama.cpp allocates it); --cache none keeps nothing."""
+        if cache_slots is not None:
+            return int(cache_slots) * self.file.slot_bytes
+        if cache_gib is not None:
+            return int(cache_gib * 2**30)
+        return self.file.slot_bytes if mode == "auto" else 0
 
     def _probe_pcie_frac(self, log) -> float:
         from .experts.probe import probe

@@ -521,6 +521,9 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
 @click.option("--runtime", default=plan_defaults.DEFAULT_RUNTIME, show_default=True,
               help="CUDA context and workspace (for --overhead auto).")
 @click.option("--ctx", "n_ctx", default=plan_defaults.DEFAULT_CTX, show_default=True, help="KV cache positions (for --overhead auto).")
+@click.option("-np", "--parallel", default=1, show_default=True, type=int,
+              help="Sequences decoded at once (pymoe serve -np): one KV cache of --ctx positions each (for --overhead "
+                   "auto), as the cuda backend allocates them before the slot pool.")
 @click.option("--device-bw", default=plan_defaults.DEFAULT_DEVICE_BW_GBS, show_default=True, help="Device memory bandwidth, GB/s (RTX 5090).")
 @click.option("--pcie", default=plan_defaults.DEFAULT_PCIE_GBS, show_default=True, help="Host->device bandwidth a miss is read at, GB/s.")
 @click.option("--fixed-ms", default=plan_defaults.DEFAULT_FIXED_MS, show_default=True,
@@ -537,8 +540,8 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
                    "one slot pool each; one line per card and the whole model (docs/scaling-out.md).")
 @click.option("--hop-us", default=None, type=Floats(min=0),
               help="With --devices: latency of one card-to-card hop of the residual stream, us [default: 10].")
-def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, device_bw, pcie, fixed_ms, targets,
-             trace_path, profile_path, plot_path, devices, hop_us):
+def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, parallel, device_bw, pcie, fixed_ms,
+             targets, trace_path, profile_path, plot_path, devices, hop_us):
     """Capacity plan for MODEL: VRAM -> slots -> coverage -> hit rate -> spill -> predicted decode tok/s, and back.
 
     Formulas and the reference article's numbers worked through: docs/planning.md."""
@@ -557,7 +560,7 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
     click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
                            device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
                            runtime=runtime, n_ctx=n_ctx, targets=targets, trace_path=trace_path,
-                           profile_path=profile_path, plot_path=plot_path))
+                           profile_path=profile_path, plot_path=plot_path, parallel=parallel))
 
 
 @cli.command("simulate")

@@ -155,6 +155,33 @@ def test_the_server_status_gives_the_counts_by_name(micro_model, monkeypatch):
 
 
 @in_process
+def test_two_server_slots_on_device_kv_caches_cost_one_step_each(micro_model):
+    """Two requests decoded at once by the server's scheduler, each slot on a device KV cache of its own (the engine
+    loaded for 2 sequences): each slot's decode token is a device step of its own, so the counts per decoded token in
+    /v1/status are one step's, STEP_TOKEN exactly (one synchronisation per token, B per scheduler step of B slots),
+    and each request's cache counters are its own tokens' lookups."""
+    from pymoe.engine.sampler import SamplingParams
+    from pymoe.serve.metrics import status_of
+    from pymoe.serve.scheduler import Job, Scheduler
+
+    profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
+                        backend_options=SIM, n_ctx=64, sequences=2)
+    with Scheduler(engine, parallel=2, kv="f32") as sched:
+        jobs = [sched.submit(Job(prompt_ids=p, max_tokens=N_NEW, ignore_eos=True,
+                                 sampling=SamplingParams(temperature=0))) for p in (PROMPT, [9, 12])]
+        for job in jobs:
+            list(job.events(timeout=120))
+        m = status_of(sched)["device"]["decode_per_token"]
+        assert sched.max_batch == 2 and sched.device_slots() == 2
+    assert m["tokens"] == 2 * (N_NEW - 1)
+    assert (m["launches"], m["synchronisations"]) == (STEP_TOKEN["launches"], STEP_TOKEN["synchronisations"])
+    assert m["bytes_by_name"] == STEP_TOKEN["bytes_by_name"]
+    for job in jobs:
+        assert job.stats.decode["hits"] == job.stats.decode["lookups"] == (N_NEW - 1) * K
+
+
+@in_process
 def test_pymoe_run_in_the_simulator(micro_model):
     """`NUMBA_ENABLE_CUDASIM=1 pymoe run FILE --backend cuda`, the real kernels (cuda_kernels/), a subprocess: the
     stated device size, then the device line last. --pcie-frac 1 (no probe): the auto-sized pool holds every expert

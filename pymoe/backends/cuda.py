@@ -3,7 +3,8 @@
 What this is:
   - `CUDABackend`: the contract of backends/protocol.py. The engine's blocks run unchanged: the attention block
     moves its input to the device once (`to_device`), and its projections, biases, q/k norms, RoPE, the KV write
-    into the device KV cache (`DeviceKVCache`, lent to one sequence at a time by `new_kv`) and attention run there
+    into the device KV cache (`DeviceKVCache`, one per sequence: `prepare` allocates one for each of the server's
+    slots that fits, `new_kv` lends each to one sequence at a time) and attention run there
     until `to_host`. Weight matrices live on the device as their raw GGUF rows (uint8 [R, row_bytes], any supported
     type, F32 included) and are multiplied by the Numba CUDA kernels of cuda_kernels/
     (quant_matvec.matmul, moe.expert_block, norm_rope, attention), which decode blocks on the fly. Given host
@@ -42,9 +43,9 @@ Cost: every kernel launch, host<->device copy and host synchronisation is counte
   - CUDA graphs (backends/cuda_graphs.py, PYMOE_CUDA_GRAPHS): a device step's launches held and run as one graph
     captured on CuPy's stream; what varies from step to step is read by the kernels from device arrays at fixed
     addresses (`begin_step`'s `at`: the token id, its position, its KV row; the residency table).
-What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (a KV cache per
-server slot) and how this is tested without a GPU (the CUDA simulator, with `ReferenceKernels` or, on a micro model,
-the real kernels): docs/expert-cache.md.
+What this is not: model math (engine/), or the cache's policy (experts/cache.py). What comes next (one batched
+device step for the server's slots) and how this is tested without a GPU (the CUDA simulator, with
+`ReferenceKernels` or, on a micro model, the real kernels): docs/expert-cache.md.
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ from .pool import HostPool
 from .device_counts import DeviceCounts
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, Tensor
 from .cpu import CPUBackend, group_by_expert
-from .reference import apply_rope, attention, gdn_state_shapes, rmsnorm, rope_scaling, rope_tables, silu, swiglu_expert
+from .reference import (apply_rope, attention, gdn_state_bytes, gdn_state_shapes, rmsnorm, rope_scaling, rope_tables,
+                        silu, swiglu_expert)
 
 MiB = 2**20
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
@@ -666,8 +668,9 @@ def transposed(name: str, a: np.ndarray) -> np.ndarray:
 
 class DeviceKVCache:
     """Keys and values of one sequence in device memory: float32 [L_kv, n_ctx, G, Dh] each (the fields of
-    engine/kv.KVCache: n, n_ctx, rows, clear()). The backend owns one, allocated at start-up within the budget, and lends it
-    to one sequence at a time (`CUDABackend.new_kv`).
+    engine/kv.KVCache: n, n_ctx, rows, clear()). The backend owns one per sequence it was prepared for (the server's
+    slots: `CUDABackend.prepare`), allocated at start-up within the budget, and lends each to one sequence at a time
+    (`CUDABackend.new_kv`).
     Gated DeltaNet layers (qwen3next, qwen35moe) keep their conv and recurrent state here too, in two copies: on the
     device (`states`: layer -> {"conv" [K - 1, C], "ssm" [nv, dk, dv]: M transposed per head, the layout
     cuda_kernels/deltanet.py reads coalesced}, what the device step advances:
@@ -688,6 +691,11 @@ class DeviceKVCache:
         self.n = 0
         self.shifts = []
         self._recurrent, self.fresh = {}, "host"
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes of its K and V rows (MLA: V is a view of K, not counted twice)."""
+        return self.k.nbytes + (0 if self._backend is not None and self._backend._cfg.traits.mla else self.v.nbytes)
 
     def pos_delta(self, n: Optional[int] = None) -> int:
         """engine/kv.KVCache.pos_delta: rope position - storage index (0 until an image)."""
@@ -883,6 +891,10 @@ class CUDABackend:
         self._res = None  # the residual stream's device array during a step
         self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
         self.recorder = None  # a device_counts.LaunchRecorder: each step's launches, when a test asks
+        self._kvs: list = []  # the device KV caches (`prepare`), one per sequence they can be lent to (`new_kv`)
+        self.kv_pool: tuple = ()  # their K and V planes, [S, L_kv, n_ctx, G, Dh] and [.., Dv] (`_kv_planes`)
+        self._kv_holders: list = []
+        self.kv_wanted = 0
 
     # --- set-up ------------------------------------------------------------------------------------------------
     def attach(self, file, host: Optional[HostMapping] = None) -> None:
@@ -941,11 +953,21 @@ class CUDABackend:
         c = self._cfg
         return n_ctx * c.kv_values_per_token() * 4
 
-    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True) -> None:
+    def sequence_bytes(self, n_ctx: int) -> int:
+        """Device bytes of one sequence's device KV cache of n_ctx positions: K/V rows (MLA: its compressed rows)
+        and, with the device step, its Gated DeltaNet layers' conv and recurrent states."""
+        c = self._cfg
+        n_gdn = sum(1 for i in range(c.n_layers) if c.recurrent and c.recurrent[i]
+                    and (self.layers is None or i in self.layers))
+        states = n_gdn * gdn_state_bytes(c) if self.device_step else 0
+        return self.kv_bytes(n_ctx) + states
+
+    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0) -> None:
         """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
-        tokens, the RoPE tables and one sequence's KV cache of `n_ctx` positions, with the device step's copy of
-        its Gated DeltaNet layers' state (not with `device_kv` False: a model whose attention runs on the host side
-        keeps its KV cache there, engine/model.Model.new_kv)."""
+        tokens, the RoPE tables and the device KV caches of `n_ctx` positions (`sequences` of them, as many as the
+        budget holds beyond `keep_free` bytes, one at least: the server's slots), each with the device step's copy
+        of its Gated DeltaNet layers' state (none with `device_kv` False: a model whose attention runs on the host
+        side keeps its KV caches there, engine/model.Model.new_kv)."""
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
@@ -956,9 +978,39 @@ class CUDABackend:
         self.rope_dev[0].copy_to_device(cos)
         self.rope_dev[1].copy_to_device(sin)
         self.counts.copy("RoPE tables to device", 4 * (cos.size + sin.size))
+        n_seq = 1
+        if device_kv:  # the other sequences' caches: as many as fit, before the pool takes the rest
+            per_seq = max(self.sequence_bytes(self.n_ctx), 1)
+            room = (self.mem.limit - self.mem.used - int(keep_free)) // per_seq - 1  # (the first is always made)
+            n_seq += max(0, min(int(sequences) - 1, room))
+        self.kv_pool = self._kv_planes(n_seq, device_kv)
+        self._kvs = [self._device_kv(s, device_kv) for s in range(n_seq)]
+        self.kv_wanted = int(sequences) if device_kv else 0  # (the start-up line says when fewer fit: memory_line)
+        self._kv = self._kvs[0]
+        self._kv_holders: list = [None] * len(self._kvs)  # weak references to the caches lent (`new_kv`)
+        ev = self.cuda.event
+        self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
+        if self.device_step and len(c.moe_layers) and device_kv:
+            self._prepare_step(cos, sin)
+
+    def _kv_planes(self, n_seq: int, device_kv: bool) -> tuple:
+        """The K and V planes of every sequence's device KV cache, one pool each: float32 [S, L_kv, n_ctx, G, Dh]
+        and [S, L_kv, n_ctx, G, Dv] (no layers without `device_kv`). Sequence s's cache is slice s, so one layer's
+        caches of all sequences are one array, pool[:, row] (what cuda_kernels/ragged_attention.py reads). MLA caches
+        one row [c | k_pe] per position: V is a view of its first kv_lora_rank values (config.kv_v_width)."""
+        c = self._cfg
+        mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
+        shape = (n_seq, len(mine) if device_kv else 0, self.n_ctx, c.n_head_kv)
+        k = self.mem.alloc((*shape, c.head_dim), np.float32, "KV cache")
+        v = k[..., :c.head_dim_v] if c.traits.mla else self.mem.alloc((*shape, c.head_dim_v), np.float32, "KV cache")
+        return k, v
+
+    def _device_kv(self, s: int, device_kv: bool) -> "DeviceKVCache":
+        """Sequence s's device KV cache of n_ctx positions: slice s of the pool (`_kv_planes`; no rows without
+        `device_kv`), with the device step's copy of its Gated DeltaNet layers' state."""
+        c = self._cfg
         mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
         rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
-        kv_shape = (len(rows), self.n_ctx, c.n_head_kv)
         gdn = [i for i in range(c.n_layers) if c.recurrent and c.recurrent[i] and (self.layers is None
                                                                                      or i in self.layers)]
         shapes = {name: (shape[0], shape[2], shape[1]) if name == "ssm" else shape  # (`transposed`)
@@ -966,16 +1018,8 @@ class CUDABackend:
         states = {i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps advance)
                       for name, shape in shapes.items()} for i in gdn} if device_kv and self.device_step \
             else {}
-        k = self.mem.alloc((*kv_shape, c.head_dim), np.float32, "KV cache")
-        # MLA caches one row [c | k_pe] per position: V is a view of its first kv_lora_rank values (config.kv_v_width)
-        v = k[:, :, :, :c.head_dim_v] if c.traits.mla else self.mem.alloc((*kv_shape, c.head_dim_v), np.float32,
-                                                                           "KV cache")
-        self._kv = DeviceKVCache(k, v, self.n_ctx, rows, states, self)
-        self._kv_holder = None
-        ev = self.cuda.event
-        self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
-        if self.device_step and len(c.moe_layers) and device_kv:
-            self._prepare_step(cos, sin)
+        k, v = self.kv_pool
+        return DeviceKVCache(k[s], v[s], self.n_ctx, rows, states, self)
 
     def _prepare_step(self, cos: np.ndarray, sin: np.ndarray) -> None:
         """The device decode step's buffers (one token): the residual stream, the normed input of a block, the MoE
@@ -1022,7 +1066,7 @@ class CUDABackend:
         self._at = {"token": at[0:1], "position": at[1:2], "row": at[2:3]}  # replays them: cuda_graphs.py)
 
     # --- the device decode step (version 3) ------------------------------------------------------------------------
-    # One decoded token of a single sequence with the device KV cache runs on the device from the token id to the
+    # One decoded token of a sequence with a device KV cache runs on the device from the token id to the
     # greedy token: the engine's forward calls `begin_step` (the token id goes in), `embed` (the row gathered
     # there), the same blocks as always on device arrays (the residual stream stays in `step res`: rmsnorm of it
     # writes `step hn`, `add` adds into it), `moe_on_device` per MoE layer (router top-K and the routed experts
@@ -1267,21 +1311,31 @@ class CUDABackend:
         return int(host[0]), ids, StepLogits(self, logits, int(host[0]), self._steps)
 
     def new_kv(self, n_ctx: int):
-        """The device KV cache for a new sequence, if it is free and big enough; else None (the caller then uses a
-        host KV cache, and attention runs on the CPU for that sequence)."""
+        """A free device KV cache for a new sequence (one not lent to a sequence still alive), if there is one and it
+        is big enough; else None (the caller then uses a host KV cache, and attention runs on the CPU for that
+        sequence)."""
         import weakref
 
-        holder = self._kv_holder() if self._kv_holder is not None else None
-        if holder is not None or n_ctx > self.n_ctx:
+        if n_ctx > self.n_ctx:
             return None
-        kv = DeviceKVCache(self._kv.k, self._kv.v, n_ctx, self._kv.rows, self._kv.states, self)
-        self._kv_holder = weakref.ref(kv)
-        return kv
+        for i, (held, own) in enumerate(zip(self._kv_holders, self._kvs)):
+            if held is None or held() is None:
+                kv = DeviceKVCache(own.k, own.v, n_ctx, own.rows, own.states, self)
+                self._kv_holders[i] = weakref.ref(kv)
+                return kv
+        return None
 
     def memory_line(self) -> str:
         parts = ", ".join(f"{what} {n / MiB:.1f} MiB" for what, n in self.mem.by_what.items())
-        return (f"device memory: {self.free_at_start / 2**30:.2f} GiB free at start; {parts} (the KV cache holds "
+        caches = len(self._kvs) if self._kvs and self._kvs[0].rows else 0
+        held = (f"{caches} KV caches, one per sequence, each of" if caches > 1 else "the KV cache holds")
+        line = (f"device memory: {self.free_at_start / 2**30:.2f} GiB free at start; {parts} ({held} "
                 f"{self.n_ctx} positions in float32)")
+        if caches < self.kv_wanted:  # the server's other slots keep host KV caches (attention on the CPU there)
+            line += (f"\ndevice KV caches: {caches} of the {self.kv_wanted} sequences asked for fit beside the "
+                     f"expert slots ({self.sequence_bytes(self.n_ctx) / MiB:.1f} MiB each); the others keep host "
+                     "KV caches and decode with attention on the CPU (version 2)")
+        return line
 
     def free_for_cache(self) -> int:
         """Device bytes free for the expert slots now: the budget left after weights and activations, plus the

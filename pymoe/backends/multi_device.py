@@ -253,11 +253,12 @@ class MultiDeviceBackend:
     def for_layer(self, i: int) -> DeviceShard:
         return self.shards[self.device_of(i)]
 
-    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True) -> None:
+    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0) -> None:
+        """Each device's buffers and KV caches (CUDABackend.prepare; each keeps `keep_free` bytes for its pool)."""
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for d, (i, b) in enumerate(zip(self.ids, self.devices)):
             with self.context(d)(), named(f"cuda:{i}"):
-                b.prepare(chunk, n_ctx, device_kv)
+                b.prepare(chunk, n_ctx, device_kv, sequences, keep_free)
 
     def memory_line(self) -> str:
         return "\n".join(f"cuda:{i} layers {r.start}-{r.stop - 1}: {b.memory_line()}"

@@ -21,6 +21,7 @@ D n_embd, E experts (K used per token), F one expert's hidden size, R x C a weig
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 from dataclasses import dataclass
@@ -64,6 +65,14 @@ def gdn_state_shapes(cfg) -> dict:
     nv, dk = cfg.ssm_v_heads, cfg.ssm_state
     return dict(conv=(cfg.ssm_conv - 1, 2 * cfg.ssm_k_heads * dk + cfg.ssm_inner),
                 ssm=(nv, cfg.ssm_inner // nv, dk))
+
+
+def gdn_state_bytes(cfg) -> int:
+    """Bytes of one Gated DeltaNet layer's state in float32 (`gdn_state_shapes`: conv and recurrent), per sequence;
+    0 for a model without such layers."""
+    if not cfg.traits.hybrid:
+        return 0
+    return 4 * sum(math.prod(shape) for shape in gdn_state_shapes(cfg).values())
 
 
 def rope_scaling(cfg) -> RopeScaling:

@@ -109,6 +109,28 @@ class KVCache(HostRecurrent):
         self.n = n
         self.shifts = [(i, d) for i, d in getattr(other, "shifts", []) if i <= n]
 
+
+def copy_kv(b, cfg: ModelConfig, dst, src, n: int) -> None:
+    """dst becomes a copy of src's first n positions, whatever each is: two host caches of one kind by
+    `KVCache.copy_from` (stored values as they are); with a device KV cache on either side (backends/cuda.py
+    `DeviceKVCache`) the float32 rows of every layer through the backend's kv_read / kv_write (device to device,
+    or across PCIe), and the recurrent states through their host copies. b: the backend that owns device caches."""
+    owns = getattr(b, "owns", lambda kv: False)
+    if type(dst) is type(src) and not owns(src):
+        return dst.copy_from(src, n)
+    saved = src.save_recurrent()
+    if n > min(dst.n_ctx, src.n) or dst.rows != src.rows or (saved and n != src.n):
+        raise PymoeError("copy_kv: the caches differ in layers, hold fewer positions than asked, or hold a "
+                         "recurrent state that cannot be cut to a prefix")
+    for layer in src.rows:
+        k, v = b.kv_read(src, layer, n)  # [n, G, Dh], [n, G, Dv] (MLA: V is part of the K row, not copied apart)
+        b.kv_write(dst, layer, 0, b.to_host(k) if not owns(dst) else k,
+                   None if not cfg.kv_v_width else b.to_host(v) if not owns(dst) else v)
+    dst.restore_recurrent(saved)
+    dst.n = n
+    dst.shifts = [(i, d) for i, d in getattr(src, "shifts", []) if i <= n]
+
+
 # --- the rows of a block's input that belong to each sequence (engine/attention.py) ----------------------------
 
 class Seqs(list):
@@ -308,5 +330,7 @@ def new_kv(cfg: ModelConfig, n_ctx: int, kind: str = "f32") -> KVCache:
 
 
 def kv_nbytes(kv: KVCache) -> int:
-    """Bytes the cache's K and V storage holds (all n_ctx positions, allocated up front)."""
+    """Bytes the cache's K and V storage holds (all n_ctx positions, allocated up front; a device KV cache says)."""
+    if hasattr(kv, "nbytes"):
+        return kv.nbytes
     return kv.k.nbytes + (kv.v.nbytes if kv.v is not None else 0)

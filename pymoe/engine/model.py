@@ -157,6 +157,11 @@ class Model:
             return False
         return self._cache_allows_step()
 
+    def steps_on_device(self, kv) -> bool:
+        """A decode token of the sequence in kv would run as a device step now (`_device_step`): the server runs
+        such slots' decode steps one sequence at a time (serve/scheduler.py), the others in one batched forward."""
+        return self._device_step(np.zeros(1, np.int64), kv, "decode", None)
+
     def _cache_allows_step(self) -> bool:
         """An expert cache the device step can serve: a SlotCache, or none on a GPU (every expert over PCIe)."""
         cache = self.cache

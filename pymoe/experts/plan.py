@@ -3,7 +3,8 @@
 What this is: the reference article's capacity-planning chain (its sections 2, 3, 6, 8.3 and 10.2) as small pure
 functions, one per link, computed for a real model file:
 
-    free bytes  = VRAM - overhead                     (dense weights + KV cache + runtime, or a probed/given value)
+    free bytes  = VRAM - overhead                     (dense weights + KV caches + runtime, or a probed/given value;
+                                                       one KV cache per sequence decoded at once, --parallel)
     slots       = floor((free - reserve - extra) / slot_bytes), capped at n_layers * n_expert
     coverage    = slots / (n_layers * n_expert)
     hit rate    = predicted: uniform routing (= coverage, a lower bound), a static profile's bound, or a simulation
@@ -148,6 +149,7 @@ class ModelFacts:
     kv_bytes_per_ctx_token: int = 0  # KV cache bytes per context position, all layers
     n_dense: int = 0  # leading dense layers (no experts): n_layers counts them; traces and profiles hold MoE layers
     n_embd: int = 0  # the residual width: what crosses from one card to the next (experts/multi.py)
+    state_bytes_per_seq: int = 0  # a sequence's fixed-size state beside its KV cache (Gated DeltaNet's, float32)
 
     @property
     def n_moe_layers(self) -> int:
@@ -187,6 +189,7 @@ def kv_bytes_per_ctx_token(cfg, bytes_per_value: int = KV_BYTES_PER_VALUE) -> in
 
 
 def facts_from_gguf(path) -> ModelFacts:
+    from pymoe.backends.reference import gdn_state_bytes
     from pymoe.gguf.loader import load_gguf
 
     m = load_gguf(path)
@@ -195,6 +198,7 @@ def facts_from_gguf(path) -> ModelFacts:
     return ModelFacts(name=str(path), n_layers=cfg.n_layers, n_expert=cfg.n_expert, k=cfg.n_expert_used,
                       slot_bytes=m.slot_bytes, dense_resident_bytes=resident, dense_bytes_per_token=per_token,
                       kv_bytes_per_ctx_token=kv_bytes_per_ctx_token(cfg), n_dense=cfg.n_dense_lead,
+                      state_bytes_per_seq=sum(1 for r in cfg.recurrent or () if r) * gdn_state_bytes(cfg),
                       n_embd=cfg.n_embd)
 
 
@@ -210,14 +214,18 @@ class Overhead:
     def total(self) -> int:
         return self.dense + self.kv + self.runtime
 
-    def describe(self, n_ctx: int) -> str:
-        return (f"{fmt_size(self.total)} = dense weights {fmt_size(self.dense)} + KV cache ({n_ctx} positions, "
+    def describe(self, n_ctx: int, sequences: int = 1) -> str:
+        caches = f"{sequences} KV caches" if sequences > 1 else "KV cache"
+        return (f"{fmt_size(self.total)} = dense weights {fmt_size(self.dense)} + {caches} ({n_ctx} positions, "
                 f"float32) {fmt_size(self.kv)} + runtime {fmt_size(self.runtime)}")
 
 
-def overhead_for(facts: ModelFacts, n_ctx: int = DEFAULT_CTX, runtime_bytes: int = parse_size(DEFAULT_RUNTIME)
-                 ) -> Overhead:
-    return Overhead(facts.dense_resident_bytes, facts.kv_bytes_per_ctx_token * n_ctx, runtime_bytes)
+def overhead_for(facts: ModelFacts, n_ctx: int = DEFAULT_CTX, runtime_bytes: int = parse_size(DEFAULT_RUNTIME),
+                 sequences: int = 1) -> Overhead:
+    """The overhead of `sequences` sequences decoded at once, each with its own device KV cache of n_ctx positions
+    and its recurrent state (the CUDA backend's `sequence_bytes`, allocated before the slot pool)."""
+    kv = (facts.kv_bytes_per_ctx_token * n_ctx + facts.state_bytes_per_seq) * sequences
+    return Overhead(facts.dense_resident_bytes, kv, runtime_bytes)
 
 
 # --- link 2: slots -> hit rate (three predictors, weakest assumption first) ------------------------------------
@@ -574,8 +582,9 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
                 pcie_gbs: float = DEFAULT_PCIE_GBS, fixed_ms: float = DEFAULT_FIXED_MS, overhead: str = "auto",
                 runtime: str = DEFAULT_RUNTIME, n_ctx: int = DEFAULT_CTX, targets: Sequence[float] = (),
                 trace_path: Optional[str] = None, profile_path: Optional[str] = None,
-                plot_path: Optional[str] = None) -> str:
+                plot_path: Optional[str] = None, parallel: int = 1) -> str:
     """Everything `pymoe plan` prints, as text: the inputs, the cost model, the table, the auto line, the inverse.
+    parallel: sequences decoded at once (`pymoe serve -np`), each a KV cache of n_ctx positions in the overhead.
     (`pymoe plan --devices`, several cards at once: experts/multi.py devices_plan_report.)"""
     reserve_b = parse_size(reserve, what="--reserve")
     extra_b = parse_size(extra_reserve, what="--extra-reserve")
@@ -585,11 +594,13 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
     cost = CostModel.from_options(device_bw_gbs, pcie_gbs, fixed_ms)
     if n_ctx < 0:
         raise PymoeError(f"--ctx {n_ctx}: must be zero or positive")
+    if parallel < 1:
+        raise PymoeError(f"--parallel {parallel}: must be >= 1")
 
     facts = facts_from_gguf(model_path)
     if str(overhead).lower() == "auto":
-        parts = overhead_for(facts, n_ctx, parse_size(runtime, what="--runtime"))
-        overhead_b, overhead_text = parts.total, parts.describe(n_ctx) + " (--overhead auto)"
+        parts = overhead_for(facts, n_ctx, parse_size(runtime, what="--runtime"), parallel)
+        overhead_b, overhead_text = parts.total, parts.describe(n_ctx, parallel) + " (--overhead auto)"
     else:
         overhead_b = parse_size(overhead, what="--overhead")
         overhead_text = f"{fmt_size(overhead_b)} (--overhead)"

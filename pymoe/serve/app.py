@@ -395,8 +395,10 @@ def create_app(engine, parallel: int = 1, max_queue: int = 16, kv: str = "f16", 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         scheduler.start()
-        log(f"engine loop: {parallel} slot(s) of {engine.n_ctx} tokens ({kv} KV, "
-            f"{kv_nbytes(scheduler.slots[0].kv) / 2**20:.1f} MiB each), queue of {max_queue}")
+        on_device = scheduler.device_slots()
+        where = f"{on_device} with a float32 KV cache on the device, the others " if on_device else ""
+        log(f"engine loop: {parallel} slot(s) of {engine.n_ctx} tokens ({where}{kv} KV, "
+            f"{kv_nbytes(scheduler.slots[-1].kv) / 2**20:.1f} MiB each), queue of {max_queue}")
         yield
         scheduler.stop()
 
@@ -1006,7 +1008,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
             return n
 
         engine_options["n_ctx"] = fitted
-    engine = load(model, progress=True, log=log, **engine_options)
+    # -np N: N device KV caches where the backend has them (CUDA), sized before the expert slot pool; without -np the
+    # slot rule runs after loading (it reads the pool's coverage), and the first slot alone gets one
+    engine = load(model, progress=True, log=log, **{"sequences": parallel or 1, **engine_options})
     if parallel is None:
         parallel, why = default_parallel(engine.config, engine.backend.name, slot_coverage(engine), kv, given_ctx)
         log(f"{parallel} slot(s): {why}; -np overrides")

@@ -35,7 +35,8 @@ def status_of(scheduler, experts: bool = False) -> dict:
     with S.lock:
         status = dict(
             model=model_id(eng), arch=cfg.arch, backend=eng.backend.name, n_ctx=S.n_ctx,
-            kv=S.kv_kind, kv_bytes_per_slot=kv_nbytes(S.slots[0].kv), parallel=len(S.slots),
+            kv=S.kv_kind, kv_bytes_per_slot=kv_nbytes(S.slots[-1].kv), parallel=len(S.slots),
+            device_kv_slots=S.device_slots(),
             max_queue=S.max_queue, prefill_chunk=S.prefill_chunk, queue_depth=S.waiting(),
             max_batch=S.max_batch,
             slots=[slot_of(s) for s in S.slots],

@@ -61,7 +61,7 @@ import numpy as np
 from pymoe.engine.batch import decode_batch, forward_batch
 from pymoe.engine.generate import RequestStats, TextStream
 from pymoe.engine.grammar import Grammar
-from pymoe.engine.kv import new_kv
+from pymoe.engine.kv import copy_kv, new_kv
 from pymoe.engine.sampler import Sampler, SamplingParams
 from pymoe.engine.speculative import SpecStats, Speculator, propose_all
 from pymoe.errors import PymoeError
@@ -235,7 +235,7 @@ class Scheduler:
             raise PymoeError(f"--max-queue must be >= 1, got {max_queue}")
         self.engine, self.model, self.tokenizer = engine, engine.model, engine.tokenizer
         self.n_ctx, self.kv_kind, self.log = engine.n_ctx, kv, log
-        self.slots = [Slot(i, new_kv(engine.config, engine.n_ctx, kv)) for i in range(parallel)]
+        self.slots = [Slot(i, self._slot_kv()) for i in range(parallel)]
         self.spec = spec
         if spec:  # a Speculator per slot (its counters, its back-off timing) and a drafter per slot: a draft
             # model's or an MTP block's own KV cache (`fork`: the weights are loaded once); prompt lookup is shared
@@ -259,6 +259,24 @@ class Scheduler:
         self.in_flight, self.load_area, self._load_t = 0, 0.0, time.perf_counter()
         self._stop = threading.Event()
         self.thread = threading.Thread(target=self.run, name="pymoe-engine", daemon=True)
+
+    def _slot_kv(self):
+        """A slot's KV cache: one the backend lends while it has one free (CUDA: a device KV cache, so the slot's
+        attention and decode steps run on the device; `pymoe serve -np N` asks for N at load, api.Engine
+        `sequences`), else a host one of --kv's kind. Not with several devices (backends/multi_device.py): their
+        slots keep host caches."""
+        b = self.model.backend
+        own = (b.new_kv(self.n_ctx) if hasattr(b, "owns") and not hasattr(b, "shards") and not self.model.host_attention
+               else None)
+        return own if own is not None else new_kv(self.engine.config, self.n_ctx, self.kv_kind)
+
+    def _owns(self, kv) -> bool:
+        owns = getattr(self.model.backend, "owns", None)
+        return owns is not None and owns(kv)
+
+    def device_slots(self) -> int:
+        """Slots whose KV cache is on the device (float32; the others: host caches of --kv's kind)."""
+        return sum(self._owns(s.kv) for s in self.slots)
 
     # --- the consumers' calls (any thread) ----------------------------------------------------------------
     def submit(self, job: Job) -> Job:
@@ -486,7 +504,7 @@ class Scheduler:
         """The prompt's KV, prefilled in a sibling's slot (or kept from it), into this slot; then the first token,
         sampled from the prompt's last logits with this job's own sampler."""
         job = slot.job
-        slot.kv.copy_from(kv, kv.n)
+        copy_kv(self.model.backend, self.engine.config, slot.kv, kv, kv.n)
         slot.tokens, slot.pending, slot.share = cache_keys(job.prompt_ids), [], None
         self._follow(slot, 0)  # the prompt's hidden states are the sibling's: an MTP drafter starts after them
         job.stats.n_reused = kv.n
@@ -504,8 +522,8 @@ class Scheduler:
             share.prefiller = None
             followers, share.followers = share.followers, []
             if share.waiting > 0:
-                kept = new_kv(self.engine.config, self.n_ctx, self.kv_kind)
-                kept.copy_from(slot.kv, slot.kv.n)
+                kept = new_kv(self.engine.config, self.n_ctx, "f32" if self._owns(slot.kv) else self.kv_kind)
+                copy_kv(self.model.backend, self.engine.config, kept, slot.kv, slot.kv.n)
                 share.kept = (kept, logits.copy())
             for f in followers:
                 self._for_job(f, self._copy_prompt, f, slot.kv, logits)
@@ -536,11 +554,41 @@ class Scheduler:
             self._prompt_read(slot, logits)
 
     def _decode_step(self, active: list) -> None:
-        """One batched forward: the last token of every busy slot -> their next logits. With --spec, a speculative
-        step instead (`_spec_step`). Batching shares the expert reads between slots, speculation between the
-        positions of one sequence; the two combine in one forward."""
+        """One decode step of every busy slot: the last token of each -> its next logits. A slot whose sequence
+        runs the device step (a device KV cache: engine/model.Model.steps_on_device) takes its own step, its
+        token sampled before the next slot's step begins (`_device_decode`); the others share one batched forward.
+        With --spec, a speculative step instead (`_spec_step`). Batching shares the expert reads between slots,
+        speculation between the positions of one sequence; the two combine in one forward."""
         if any(s.spec is not None and s.job.grammar is None for s in active):
             return self._spec_step(active)
+        t0 = time.perf_counter()
+        stepped = [s for s in active if not s.job.forced and self.model.steps_on_device(s.kv)]
+        for s in stepped:
+            self._for_job(s, self._device_decode, s)
+        batched = [s for s in active if s not in stepped]
+        n_tokens = len(stepped)
+        if batched:
+            n_tokens += self._batched_decode(batched)
+        self._account_step(time.perf_counter() - t0, n_tokens, len(active))
+
+    def _device_decode(self, s: Slot) -> None:
+        """One slot's decode token as a device step (engine/model.py `_device_step`: one synchronisation), then its
+        next token sampled at once (the step's logits stay on the device until the next step begins: a greedy
+        draw reads the argmax that came back with the token, others bring the logits over); the expert cache's
+        counters of the step go to the job's."""
+        job, cache_stats = s.job, self.model.cache.stats
+        before = cache_stats.snapshot("decode")
+        t0 = time.perf_counter()
+        logits = self.model.forward([job.next_token], s.kv, "decode")[0]  # [V] (backends/cuda.py StepLogits)
+        job.stats.decode_s += time.perf_counter() - t0
+        for name, n in cache_stats.snapshot("decode").items():
+            job.stats.decode[name] = job.stats.decode.get(name, 0) + n - before.get(name, 0)
+        s.tokens.append(job.next_token)
+        job.stats.n_decoded += 1
+        self._advance(s, logits)
+
+    def _batched_decode(self, active: list) -> int:
+        """One batched forward of these slots (engine/batch.py) and each one's next token -> the tokens read."""
         counts = [s.job.stats.decode for s in active]
         lists = [[s.job.next_token] + s.job.forced for s in active]
         t0 = time.perf_counter()
@@ -550,13 +598,13 @@ class Scheduler:
             last = np.cumsum([len(t) for t in lists]) - 1  # each slot's last row
             logits = forward_batch(self.model, lists, [s.kv for s in active], counts)[last]
         dt = time.perf_counter() - t0
-        self._account_step(dt, sum(map(len, lists)), len(active))
         for s, row, tokens in zip(active, logits, lists):
             s.tokens.extend(tokens)
             s.job.forced = []
             s.job.stats.decode_s += dt
             s.job.stats.n_decoded += len(tokens)
             self._for_job(s, self._advance, s, row)
+        return sum(map(len, lists))
 
     def _spec_step(self, active: list) -> None:
         """engine/speculative.Speculator.step for several slots around one forward: each speculating slot drafts
