@@ -10,7 +10,7 @@ What this is: one kernel plus its host wrapper and its NumPy twin:
 The host Sampler draws with `rng.choice(n, p=probs)`, which in NumPy's Generator (numpy/random/_generator.pyx,
 `choice` with replace=True) is: cdf = p.cumsum(); cdf /= cdf[-1]; u = self.random(); searchsorted(cdf, u,
 side='right'): one double from the generator, then a search. So the host draws u from the sampler's own generator
-(the generator advances as for a host draw; tests/test_sampler_device.py checks both facts) and the device repeats
+(the generator advances as for a host draw; tests/test_cuda_sample_kernel.py checks both facts) and the device repeats
 the host's arithmetic on the same candidates in the same order, in float64:
   1. candidates: the k = top_k (all V at 0) largest logits in the host's order (np.argsort(-logits, kind="stable"):
      larger first, ties by smaller id). Found by a radix select on the logits' order-preserving 32-bit keys (four
