@@ -224,7 +224,7 @@ def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, u, out):
     # 2. gather: every key above kth, and the first `take` keys equal to it in id order
     chunk = (V + nt - 1) // nt
     lo = tid * chunk
-    hi = min(V, lo + chunk)
+    hi = lo + chunk if lo + chunk < V else V
     c = 0
     for i in range(lo, hi):
         if order_key(bits[t, i]) == kth:
@@ -270,10 +270,10 @@ def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, u, out):
             p[i] = p[i] / s
         n = k
         if top_p < 1.0:
-            c = 0.0
+            cs = 0.0
             for i in range(k):
-                c += p[i]
-                if c >= top_p:
+                cs += p[i]
+                if cs >= top_p:
                     n = i + 1
                     break
         m = n
@@ -290,14 +290,16 @@ def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, u, out):
         else:
             zmax = z0
             for i in range(m):
-                zmax = max(zmax, np.float64(logits[t, sid[i]]) / temperature)
+                zi = np.float64(logits[t, sid[i]]) / temperature
+                if zi > zmax:
+                    zmax = zi
             for i in range(m):
                 p[i] = math.exp(np.float64(logits[t, sid[i]]) / temperature - zmax)
             s = pairwise_sum(p, m)
-            c = 0.0
+            cs = 0.0
             for i in range(m):  # the cumulative sum of probs = p / s, in place
-                c += p[i] / s
-                p[i] = c
+                cs += p[i] / s
+                p[i] = cs
             pick = m - 1
             for i in range(m):
                 if p[i] / p[m - 1] > u:  # searchsorted(cdf / cdf[-1], u, side='right')
