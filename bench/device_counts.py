@@ -2,11 +2,12 @@
 by what they carry, host synchronisations (backends/device_counts.py), for each family's micro model.
 
     NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python bench/device_counts.py [--families qwen3moe,llama] [--tokens 4]
-        [--settings slots,spill,misses,"2 slots"]
+        [--settings slots,spill,misses,"2 slots"] [--sample]
 
 Each family's `micro` preset (pymoe/demo/tinymodel.py, F32, seed 0) is written to a temporary folder and decoded
 greedily from the prompt [5, 17] for --tokens new tokens (the first from the prefill, the rest one decode step
-each), in three settings:
+each; with --sample, drawn at temperature 0.8, top-k 40, top-p 0.9, seed 1 instead: `SAMPLE`), in three
+settings:
   slots:  a slot for every expert, all pre-filled from a profile: every expert is served from a slot;
   spill:  one slot per MoE layer (LRU), pcie_frac 1: every miss is read over PCIe, and promoted;
   misses: one slot per MoE layer (LRU), pcie_frac 0.5: misses alternate between spill (read over PCIe) and the CPU,
@@ -43,6 +44,7 @@ FAMILIES = list(ARCHS)  # every family pymoe runs (pymoe/gguf/config.py)
 PROMPT = [5, 17]
 PROMPT_2 = [9, 12]  # the second slot's ("2 slots")
 SETTINGS = ("slots", "spill", "misses", "2 slots")
+SAMPLE = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1)  # --sample: a random draw the device makes
 MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
 
@@ -61,13 +63,13 @@ def load(path: str, setting: str, version: int = 3):
                       pcie_frac=1.0 if setting == "spill" else 0.5, backend_options=SIM)
 
 
-def decode_counts(path: str, setting: str, tokens: int, version: int = 3) -> tuple[dict, dict, bool]:
+def decode_counts(path: str, setting: str, tokens: int, version: int = 3, sampling=None) -> tuple[dict, dict, bool]:
     """(per decoded token means, the decode cache counters, whether the decode steps ran on the device) of one
-    greedy request."""
+    request, greedy or with `sampling` (generate's keywords)."""
     engine = load(path, setting, version)
     if setting == "2 slots":
         return server_counts(engine, tokens)
-    list(engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False))
+    list(engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False, **(sampling or {})))
     st = engine.last_stats
     on_device = engine.model.step_on_device and engine.model._cache_allows_step()
     return per_token({**st.device, "tokens": st.n_decoded}), st.decode, on_device
@@ -100,7 +102,8 @@ SHORT = [("residual to device", "residual in"), ("attention block to host", "att
          ("expert inputs", "expert rows"), ("expert weights", "expert rows"), ("expert output zeros", "expert rows"),
          ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
          ("token id and position to device", "token id + position"), ("token and routing ids", "token + routing ids"),
-         ("residency table", "table rows"), ("logits to host", "logits"), ("cpu experts' output", "cpu misses"),
+         ("residency table", "table rows"), ("logits to host", "logits"), ("sampled token id", "sampled token id"),
+         ("cpu experts' output", "cpu misses"),
          ("expert input to host (cpu", "cpu misses"), ("routing ids to host (cpu", "cpu misses"),
          ("routing weights to host (cpu", "cpu misses"), ("served table row", "cpu misses"),
          ("prefill staging", "staging"), ("output projection:", "logits"), ("RoPE", "RoPE"), ("KV", "KV"),
@@ -130,6 +133,8 @@ def main() -> None:
     ap.add_argument("--families", default=",".join(FAMILIES), help="comma-separated archs [default: all of them]")
     ap.add_argument("--tokens", type=int, default=4, help="new tokens per request (decode steps: one less)")
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
+    ap.add_argument("--sample", action="store_true", help="draw at temperature 0.8, top-k 40, top-p 0.9, seed 1 "
+                    "[default: greedy]")
     args = ap.parse_args()
     settings = args.settings.split(",")
     for setting in settings:
@@ -145,7 +150,8 @@ def main() -> None:
             write_model(path, arch, "micro", "f32", seed=0)
             for setting in settings:
                 for version in (2, 3):
-                    m, cache, on_device = decode_counts(path, setting, args.tokens, version)
+                    m, cache, on_device = decode_counts(path, setting, args.tokens, version,
+                                                   SAMPLE if args.sample else {})
                     shown = "3" if on_device else "2" if version == 2 else "3 (runs 2)"
                     print(row(arch, setting, shown, m, cache), flush=True)
 

@@ -403,13 +403,35 @@ def test_gpt_oss_steps_past_its_window_keep_the_float_paths_logits(micro):
     assert engine.backend.counts.snapshot("decode")["synchronisations"] == 2 * 3  # one per step, one per fetch
 
 
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1)  # pymoe run --temp 0.8 --top-k 40 --top-p 0.9 --seed 1
+
+
 @in_process
-def test_sampling_fetches_the_logits(micro):
-    """A sampled (temperature > 0) request reads the step's logits: one more copy of V floats and synchronisation."""
-    engine = every_expert_in_a_slot(micro("qwen3moe"))
-    list(engine.generate(PROMPT, max_tokens=3, stop_at_eos=False, temperature=0.8, seed=1))
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device(micro, arch):
+    """A seeded random draw (SAMPLED) is made on the device (cuda_kernels/sample.py) for the sampler's own uniform
+    number: the tokens equal the CPU backend's float path's for the seed (and are not the greedy ones), and per
+    token the sampled id (4 bytes) comes back after the step's copy, one more synchronisation, never the V logits.
+    A draw the device does not make (typical-p) reads the logits (V floats, one more synchronisation): the same
+    tokens for the same seed and typical-p on the CPU backend."""
+    path, n = micro(arch), 12
+    cpu = pymoe.load(path, backend="cpu", act_bits=0)
+    want = list(cpu.generate(PROMPT, max_tokens=n, stop_at_eos=False, **SAMPLED))
+    assert want != list(cpu.generate(PROMPT, max_tokens=n, stop_at_eos=False))  # the draw is not greedy here
+    engine = every_expert_in_a_slot(path)
+    assert engine.model.step_on_device
+    assert list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False, **SAMPLED)) == want
+    cfg, m = engine.config, per_token(engine)
+    ids_bytes = 4 * (1 + len(cfg.moe_layers) * cfg.n_expert_used)
+    assert m["bytes_by_name"] == {"token ids to device": 4, "token and routing ids to host": ids_bytes,
+                                  "sampled token id to host": 4}
+    assert m["synchronisations"] == 2
+    host_draw = dict(SAMPLED, typical_p=0.9)
+    want = list(cpu.generate(PROMPT, max_tokens=n, stop_at_eos=False, **host_draw))
+    assert list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False, **host_draw)) == want
     m = per_token(engine)
-    assert m["synchronisations"] == 2 and m["bytes_by_name"]["logits to host"] == 4 * engine.config.n_vocab
+    assert m["synchronisations"] == 2 and m["bytes_by_name"]["logits to host"] == 4 * cfg.n_vocab
+
 
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

@@ -399,6 +399,11 @@ def compile_every_kernel_to_ptx():
     jobs += [(DN.conv_step_kernel, (f1, f2, f2, f1)),
              (DN.rule_step_kernel, (f1, f1, f1, f1, f1, f1, f1, f3, f1, nt.int64, nt.boolean, nt.float32)),
              (GA.split_gate_kernel, (f2, f2, f2, nt.int64)), (GA.gate_output_kernel, (f2, f2))]
+    # the device draw (cuda_kernels/sample.py)
+    from pymoe.cuda_kernels import sample as SA
+
+    jobs += [(SA.sample_kernel, (f2, nt.Array(nt.uint32, 2, "C"), nt.float64, nt.int64, nt.float64, nt.float64,
+                                 nt.float64, i1))]
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
         print("ptx ok:", kernel.py_func.__name__, flush=True)
@@ -414,8 +419,9 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 6 + 4  # + step.py's 9, gpt_oss.py's 5,
-    # MLA's and groups' 6 (chunk attention with MLA's strided V among them), deltanet.py's and gated_attention.py's 4
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 6 + 4 + 1  # + step.py's 9, gpt_oss.py's
+    # 5, MLA's and groups' 6 (chunk attention with MLA's strided V among them), deltanet.py's and gated_attention.py's
+    # 4, sample.py's 1
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

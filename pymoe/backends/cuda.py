@@ -139,6 +139,7 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             # the device decode step (version 3, cuda_kernels/step.py): one each, routed_experts two (gate_up, down)
             "embed": 1, "add": 1, "route_softmax": 1, "argmax": 1, "routed_experts": 2, "swiglu": 1,
             "sigmoid_gate": 1, "route_sigmoid": 1,
+            "sample": 1,  # a random draw from a device step's logits (cuda_kernels/sample.py)
             # gpt-oss's (cuda_kernels/gpt_oss.py): attention with a window and sinks, its router, its experts
             "decode_attention_ws": 1, "route_softmax_weight": 1, "routed_experts_oai": 2,
             # DeepSeek-V2/V3 (cuda_kernels/mla.py, route_groups.py): one each
@@ -228,6 +229,11 @@ class DeviceKernels:
         from pymoe.cuda_kernels import step
 
         return step.argmax(logits, out, stream=stream)
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, u, out, stream):
+        from pymoe.cuda_kernels import sample
+
+        return sample.sample(logits, temperature, top_k, top_p, min_p, u, out, stream=stream)
 
     def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
         from pymoe.cuda_kernels import step
@@ -395,6 +401,12 @@ class ReferenceKernels:
 
     def argmax(self, logits, out, stream):
         out.copy_to_device(np.argmax(logits.copy_to_host(), axis=1).astype(np.int32), stream=stream)
+        return out
+
+    def sample(self, logits, temperature, top_k, top_p, min_p, u, out, stream):
+        from pymoe.cuda_kernels.sample import sample_reference
+
+        out.copy_to_device(sample_reference(logits.copy_to_host(), temperature, top_k, top_p, min_p, u), stream=stream)
         return out
 
     def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
@@ -760,9 +772,10 @@ class DeviceWeight:
 
 class StepLogits:
     """The logits [1, V] of a device decode step, left on the device. `greedy_token`: their argmax, computed there
-    and already on the host (the sampler's greedy draw needs nothing else: engine/sampler.py); anything else
-    (np.asarray, indexing) brings them over once (V floats, one more synchronisation), while they are still there:
-    until the next step begins."""
+    and already on the host (the sampler's greedy draw needs nothing else: engine/sampler.py); `sample`: a random
+    draw (temperature, top-k, top-p, min-p) made there for the sampler's uniform number (one launch, 4 bytes back,
+    one more synchronisation); anything else (np.asarray, indexing) brings them over once (V floats, one more
+    synchronisation), while they are still there: until the next step begins."""
 
     def __init__(self, backend: "CUDABackend", dev, token: int, step: int, parent: "StepLogits" = None):
         self._backend, self._dev, self.greedy_token, self._stepno = backend, dev, token, step
@@ -779,6 +792,21 @@ class StepLogits:
                                  "the next step)")
             self._host = self._backend._get(self._dev, "logits to host")
         return self._host
+
+    def can_sample(self, top_k: int) -> bool:
+        """`sample` takes a draw with this top-k (cuda_kernels/sample.fits: at most K_MAX candidates)."""
+        from pymoe.cuda_kernels.sample import fits
+
+        return fits(top_k, self.shape[-1])
+
+    def sample(self, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+        """The host sampler's draw for the uniform u (engine/sampler.Sampler: its generator's next random()), made on
+        the device: the token id."""
+        root = self if self._parent is None else self._parent
+        if self._backend._steps != self._stepno:
+            raise PymoeError("backend 'cuda': the logits of an earlier decode step are gone (sample them before the "
+                             "next step)")
+        return self._backend.sample_step(root._dev, temperature, top_k, top_p, min_p, u)
 
     def __array__(self, dtype=None, copy=None):
         a = self._fetch()
@@ -1054,7 +1082,8 @@ class CUDABackend:
                          "y": alloc((1, D), np.float32, "activations"),
                          "h": alloc((K, F), np.float32, "activations"),
                          "y_cpu": alloc((1, D), np.float32, "activations"),
-                         "table_now": alloc((E,), np.int32, "activations")}
+                         "table_now": alloc((E,), np.int32, "activations"),
+                         "drawn": alloc((1,), np.int32, "activations")}
         self._table_host = np.full((n_moe, E), -1, np.int32)
         for name, host in (("table", self._table_host), ("offsets", offsets), ("part_off", part_off),
                            ("row_bytes", row_bytes), ("cos", cos), ("sin", sin)):
@@ -1309,6 +1338,14 @@ class CUDABackend:
                     self.counts.copy("expert spill reads over PCIe", int(self._expert_nbytes[m]))
         self._step, self._res = None, None
         return int(host[0]), ids, StepLogits(self, logits, int(host[0]), self._steps)
+
+    def sample_step(self, logits, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
+        """A random draw from a finished step's logits [1, V] (device) for the uniform u: one launch, the token id
+        back (4 bytes, one synchronisation after the step's own)."""
+        drawn = self._sb["drawn"]
+        self._launch("sample", logits, float(temperature), int(top_k), float(top_p), float(min_p), float(u), drawn,
+                     self.compute)
+        return int(self._get(drawn, "sampled token id to host")[0])
 
     def new_kv(self, n_ctx: int):
         """A free device KV cache for a new sequence (one not lent to a sequence still alive), if there is one and it

@@ -302,11 +302,17 @@ class Sampler:
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits float32 [V] -> the next token id. Logits a device decode step left on the device
-        (backends/cuda.StepLogits) carry their argmax: a plain greedy draw takes it and never brings them over."""
+        (backends/cuda.StepLogits) carry their argmax: a plain greedy draw takes it and never brings them over; a
+        plain random draw (`_plain_random`) is made there, for this sampler's next uniform number, which is the one
+        rng.choice below would take (cuda_kernels/sample.py): the same tokens for a seed on every backend."""
         token = getattr(logits, "greedy_token", None)
         if token is not None and self._plain_greedy():
             self.n_drawn += 1
             return int(token)
+        p = self.params
+        if hasattr(logits, "can_sample") and self._plain_random() and logits.can_sample(p.top_k):
+            self.n_drawn += 1
+            return int(logits.sample(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random()))
         z = self._penalised(np.asarray(logits), history)
         if self.params.temperature == 0.0:
             token = int(np.argmax(z))
@@ -329,6 +335,15 @@ class Sampler:
         return (p.temperature == 0.0 and self.constraint is None and self.top_logprobs is None and not p.logit_bias
                 and p.repeat_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
                 and not p.dry_multiplier and not (self.n_drawn < p.min_tokens and self.end_ids.size))
+
+    def _plain_random(self) -> bool:
+        """The draw is temperature > 0 over top-k, top-p and min-p of the logits as they are: nothing that changes or
+        reads them (as `_plain_greedy`) and none of typical-p, top-n-sigma, XTC or mirostat."""
+        p = self.params
+        return (p.temperature > 0.0 and self.constraint is None and self.top_logprobs is None and not p.logit_bias
+                and p.repeat_penalty == 1.0 and not p.presence_penalty and not p.frequency_penalty
+                and not p.dry_multiplier and not (self.n_drawn < p.min_tokens and self.end_ids.size)
+                and p.typical_p >= 1.0 and p.top_n_sigma <= 0 and p.xtc_probability <= 0 and not p.mirostat)
 
     def _drawn(self, p: float) -> None:
         """After a random draw of a token of probability p (in the distribution drawn from): mirostat moves its target

@@ -645,6 +645,20 @@ MUTANTS: list[Mutant] = [
         ("tests/test_sampler.py::test_seed_minus_one_is_random",),
         "seed -1 (llama.cpp's random) reaches numpy, which raises in the engine thread"),
     Mutant(
+        "device_sample_ties_by_larger_id", "cuda_kernels/sample.py",
+        "            if keys[j] > ki or (keys[j] == ki and ids[j] < ii):",
+        "            if keys[j] > ki or (keys[j] == ki and ids[j] > ii):",
+        ("tests/test_cuda_sample_kernel.py::test_the_kernel_draws_the_twins_token[*]",),
+        "the device draw orders equal logits by the larger id first (the host's stable sort: the smaller)"),
+    Mutant(
+        "device_draw_takes_two_uniforms", "pymoe/engine/sampler.py",
+        "            return int(logits.sample(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random()))",
+        "            return int(logits.sample(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random() * 0 + "
+        "self.rng.random()))",
+        ("tests/test_cuda_device_step.py::"
+         "test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device[*]",),
+        "a device draw advances the sampler's generator twice: a seed gives other tokens than on the CPU backend"),
+    Mutant(
         "anthropic_tool_use_stop_reason_dropped", "pymoe/serve/app.py",
         "                if n_calls and stop_reason == \"end_turn\":\n                    stop_reason = \"tool_use\"",
         "                if False:  # MUTANT\n                    stop_reason = \"tool_use\"",
