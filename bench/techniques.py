@@ -1,6 +1,6 @@
 """Benchmark: what each CPU technique gives on the current code, one technique turned off at a time.
 
-What this is: the measurement behind docs/performance.md "The techniques, and what each gave". pymoe's CPU backend
+What this is: the measurement behind docs/performance.md "The techniques, and what each gives". pymoe's CPU backend
 on one file, once with everything on (the 8-bit path: `--act-bits 8`) and once per technique with only that one
 turned off through its switch (an environment variable the code reads at import, so each variant is its own worker
 process: the same fixed pseudo-random 128-token prompt, prefill tok/s, then decode tok/s of --gen-tokens greedy
@@ -60,7 +60,10 @@ def _worker(model: str, threads: int, n_ctx: int, act_bits: int, conn) -> None:
     model_ = engine.model
     conn.send(dict(arch=engine.config.arch))
     while True:
-        request = conn.recv()
+        try:
+            request = conn.recv()
+        except EOFError:  # the parent is gone
+            return
         if request is None:
             return
         prompt, n_gen = request
