@@ -423,7 +423,7 @@ def test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device(mi
     assert list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False, **SAMPLED)) == want
     cfg, m = engine.config, per_token(engine)
     ids_bytes = 4 * (1 + len(cfg.moe_layers) * cfg.n_expert_used)
-    assert m["bytes_by_name"] == {"token ids to device": 4, "token and routing ids to host": ids_bytes,
+    assert m["bytes_by_name"] == {"token id and position to device": 12, "token and routing ids to host": ids_bytes,
                                   "sampled token id to host": 4}
     assert m["synchronisations"] == 2
     host_draw = dict(SAMPLED, typical_p=0.9)
