@@ -548,6 +548,138 @@ class CoocPolicy(WindowPolicy):
         self.bonus[layer] = new
 
 
+DUEL_HALF_LIFE = 64  # tokens: the half-life of the decayed miss difference between the two shadows
+DUEL_BY_LAYER = False  # True: one difference per layer, the missing key's layer's decides; False: one for the pool
+# Both chosen on the tune traces only (docs/expert-cache.md, "Against Belady", `duel`).
+
+
+class _Shadow:
+    """A pool of `policy.capacity` keys run by `policy` alone over the lookups a DuelPolicy hears: resident keys only
+    (a set, no bytes), so its misses are the misses that policy would have had. `look` is a lookup (-> hit?),
+    `insert` the slot decision SlotTable._insert makes for an admitted miss."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.keys: set[int] = set()
+
+    def look(self, key: int, t: int) -> bool:
+        if key in self.keys:
+            self.policy.on_hit(key, t)
+            return True
+        self.policy.on_use(key, t)
+        return False
+
+    def insert(self, key: int, t: Optional[int]) -> None:
+        p = self.policy
+        if key in self.keys or p.capacity == 0 or (t is not None and not p.admit(key, t)):
+            return
+        if p.full:
+            gone = p.victim(t)
+            self.keys.discard(gone)
+            p.on_evict(gone)
+        self.keys.add(key)
+        p.on_insert(key, t)
+
+
+class DuelPolicy(Policy):
+    """Set dueling between `cooc` (CoocPolicy) and `llamacpp` (LlamaCppPolicy): follow whichever has been missing less.
+    Four instances hear every lookup:
+        shadows   each policy alone over a pool of its own (`_Shadow`: the keys it would hold), which counts its misses
+        rankers   each policy over the real residents (it hears the real on_insert / on_evict), so either can answer
+                  admit and victim for the real pool at any moment
+    and one number decides: d = sum over lookups i of (llamacpp's shadow missed_i - cooc's shadow missed_i) x
+    2^(-(now - i) / H), H = `half_life` tokens (DUEL_HALF_LIFE; a token = `lookups_per_token` lookups). A miss's admit
+    and victim are cooc's ranker's while d >= 0 (ties go to cooc, the default's), llamacpp's while d < 0. With
+    `by_layer` (and n_experts) there is one d per layer, updated by its own lookups, and the missing key's layer's
+    decides.
+    A shadow is told a lookup may take a slot as the real pool is: a miss takes one in the shadows only if the real
+    pool asks admit() for it (SlotTable: not on a prefill lookup, not when admission control refuses), and a lookup
+    the real pool hits takes one in a shadow that misses it if the last real miss reached admit() (decode, not
+    prefill). Placements (on_place, then admit) are placed in the shadows as in the pool. Memory: twice cooc's and
+    llamacpp's, plus the shadows' key sets (O(slots)) and d (one float, or one per layer); time per lookup: the four
+    policies' plus O(1)."""
+
+    name = "duel"
+
+    def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
+                 lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
+                 half_life: float = DUEL_HALF_LIFE, by_layer: bool = DUEL_BY_LAYER):
+        super().__init__(capacity)
+        cooc = lambda: CoocPolicy(capacity, profile_keys, lookups_per_token, n_experts, k)  # noqa: E731
+        llama = lambda: LlamaCppPolicy(capacity, lookups_per_token)  # noqa: E731
+        self.rankers = (cooc(), llama())  # over the real residents: 0 cooc, 1 llamacpp
+        self.shadows = (_Shadow(cooc()), _Shadow(llama()))
+        self.n_experts = int(n_experts) if by_layer and n_experts and k else None
+        per_token = int(k) if self.n_experts else max(1, int(lookups_per_token or capacity or 1))  # into one d
+        self.decay = 2.0 ** (-1.0 / (float(half_life) * per_token))  # per lookup; half_life inf: 1, a plain count
+        self.d: dict[int, float] = {}  # layer (0 for the whole pool) -> decayed (llamacpp's misses - cooc's)
+        self.pending: Optional[int] = None  # the key of the last miss or placement, until admit() or the next lookup
+        self.inserting = False  # did the last real miss reach admit()?
+        self.misses = [0, 0]  # the shadows' misses so far (cooc, llamacpp): for reports and tests
+
+    def _group(self, key: int) -> int:
+        return key // self.n_experts if self.n_experts else 0
+
+    def following(self, key: int = 0) -> int:
+        """0 while cooc decides for `key`'s group, 1 while llamacpp does."""
+        return 1 if self.d.get(self._group(key), 0.0) < 0.0 else 0
+
+    def _lookup(self, key: int, t: int) -> None:
+        if self.pending is not None:  # the last miss did not reach admit(): a prefill lookup or a refused one
+            self.inserting, self.pending = False, None
+        missed = [not s.look(key, t) for s in self.shadows]
+        self.misses[0] += missed[0]
+        self.misses[1] += missed[1]
+        g = self._group(key)
+        self.d[g] = self.d.get(g, 0.0) * self.decay + (missed[1] - missed[0])
+        return missed
+
+    def on_hit(self, key: int, t: int) -> None:
+        for r in self.rankers:
+            r.on_hit(key, t)
+        if any(self._lookup(key, t)) and self.inserting:
+            for s in self.shadows:
+                s.insert(key, t)
+
+    def on_use(self, key: int, t: int) -> None:
+        for r in self.rankers:
+            r.on_use(key, t)
+        self._lookup(key, t)
+        self.pending = key
+
+    def on_place(self, key: int, t: int) -> None:
+        for r in self.rankers:
+            r.on_place(key, t)
+        for s in self.shadows:
+            if key not in s.keys:
+                s.policy.on_place(key, t)
+        self.pending = key
+
+    def admit(self, key: int, t: int) -> bool:
+        if self.pending == key:
+            self.inserting, self.pending = True, None
+            for s in self.shadows:
+                s.insert(key, t)
+        self._leader = self.rankers[self.following(key)]
+        return self._leader.admit(key, t)
+
+    def victim(self, t: int) -> int:
+        return self._leader.victim(t)  # admit() chose the leader just before (SlotTable._insert)
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        for r in self.rankers:
+            r.on_insert(key, t)
+        if t is None:  # placed at start-up (SlotTable.prefill): the shadows start with the same keys
+            for s in self.shadows:
+                s.insert(key, None)
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        for r in self.rankers:
+            r.on_evict(key)
+
+
 class ARCPolicy(Policy):
     """ARC (Megiddo & Modha, FAST 2003): residents in T1 (seen once lately) and T2 (seen at least twice), ghosts of
     the recently evicted in B1 and B2 (keys only, at most `capacity` each), and a target size p for T1 that a ghost
@@ -848,13 +980,14 @@ POLICIES = {
     "lirs": LIRSPolicy,
     "window": WindowPolicy,
     "cooc": CoocPolicy,
+    "duel": DuelPolicy,
     "belady": BeladyPolicy,
 }
 PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
 OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
-TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc")  # count time in tokens: built with the pool's lookups per token
-PRIOR_POLICIES = ("window", "cooc")  # take a profile's ranking when there is one (`profile_keys`), and run without
-LAYER_POLICIES = ("cooc",)  # read a key's layer and cut its uses into tokens: built with `n_experts` and `k`
+TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel")  # count time in tokens: built with the pool's lookups per token
+PRIOR_POLICIES = ("window", "cooc", "duel")  # take a profile's ranking when there is one (`profile_keys`), and run without
+LAYER_POLICIES = ("cooc", "duel")  # read a key's layer and cut its uses into tokens: built with `n_experts` and `k`
 
 
 ENGINE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the engine can run
