@@ -33,7 +33,7 @@ def test_cache_never_changes_results(tiny_model, reference_tokens, mix, policy, 
     path = tiny_model("qwen3moe", mix)
     cfg = pymoe.load(path).config
     profile = None
-    if policy in ("static", "pinned-lru", "window-profile", "cooc-profile", "duel-profile"):  # -profile: with a profile's prior
+    if policy in ("static", "pinned-lru", "window-profile", "cooc-profile", "duel-profile"):  # -profile: with a prior
         from pymoe.experts.profile import Profile
 
         profile = Profile.from_heat(np.arange(cfg.n_layers * cfg.n_expert).reshape(cfg.n_layers, cfg.n_expert))

@@ -250,7 +250,7 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
             ("lirs", "all", 0, (0, 0)), ("window", "all", 0, (0, 0)), ("window", "second-miss", 1, (2, 0)),
             ("cooc", "all", 0, (0, 0)), ("cooc", "second-miss", 1, (2, 0)), ("duel", "second-miss", 1, (2, 0)))
     runs += tuple((name, "all", 0, (0, 0)) for name in ENGINE_POLICIES if name not in {r[0] for r in runs})
-    for policy, admit, max_inserts, warm in runs:  # every engine policy (the registry), some with admission and warm set
+    for policy, admit, max_inserts, warm in runs:  # every engine policy (the registry); some with admission, warm set
         trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}-{warm[0]}.npz"
         r = run_pymoe_here("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
                       "--cache-slots", "3", "--policy", policy, "--trace", str(trace2), "--admit", admit,

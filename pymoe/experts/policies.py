@@ -35,6 +35,9 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
     cooc        (the default) window's score plus a bonus for the experts the token a layer just routed makes likelier
                 at that layer's next token than their base rate, from next-token co-occurrence counted online
                 (CoocPolicy; LAYER_POLICIES: built with n_experts and k).
+    duel        set dueling: cooc and llamacpp each run alone in a shadow pool (keys only) over the same lookups;
+                each miss's admit and victim go to whichever shadow has been missing less (a decayed count,
+                DuelPolicy), asked of that policy run over the real residents.
     arc, s3fifo, s3fifo-c7, lirs   ARC; S3-FIFO (s3fifo-c7: counters capped at 7, tuned); a LIRS-style
                 reuse-distance policy. docs/expert-cache.md, "Baselines" and "Against Belady".
     belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
@@ -548,9 +551,9 @@ class CoocPolicy(WindowPolicy):
         self.bonus[layer] = new
 
 
-DUEL_HALF_LIFE = 64  # tokens: the half-life of the decayed miss difference between the two shadows
+DUEL_HALF_LIFE = 16  # tokens: the half-life of the decayed miss difference between the two shadows
 DUEL_BY_LAYER = False  # True: one difference per layer, the missing key's layer's decides; False: one for the pool
-# Both chosen on the tune traces only (docs/expert-cache.md, "Against Belady", `duel`).
+# Both chosen on the tune traces only (docs/expert-cache.md, "Against Belady", "Set dueling").
 
 
 class _Shadow:
@@ -616,6 +619,7 @@ class DuelPolicy(Policy):
         self.pending: Optional[int] = None  # the key of the last miss or placement, until admit() or the next lookup
         self.inserting = False  # did the last real miss reach admit()?
         self.misses = [0, 0]  # the shadows' misses so far (cooc, llamacpp): for reports and tests
+        self._leader = self.rankers[0]  # the ranker admit() last asked: victim() asks it too
 
     def _group(self, key: int) -> int:
         return key // self.n_experts if self.n_experts else 0
@@ -624,7 +628,8 @@ class DuelPolicy(Policy):
         """0 while cooc decides for `key`'s group, 1 while llamacpp does."""
         return 1 if self.d.get(self._group(key), 0.0) < 0.0 else 0
 
-    def _lookup(self, key: int, t: int) -> None:
+    def _lookup(self, key: int, t: int) -> list:
+        """The shadows' lookup -> [did cooc's miss, did llamacpp's]; the decayed difference moves."""
         if self.pending is not None:  # the last miss did not reach admit(): a prefill lookup or a refused one
             self.inserting, self.pending = False, None
         missed = [not s.look(key, t) for s in self.shadows]
@@ -985,8 +990,8 @@ POLICIES = {
 }
 PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
 OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
-TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel")  # count time in tokens: built with the pool's lookups per token
-PRIOR_POLICIES = ("window", "cooc", "duel")  # take a profile's ranking when there is one (`profile_keys`), and run without
+TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel")  # count time in tokens: built with lookups per token
+PRIOR_POLICIES = ("window", "cooc", "duel")  # take a profile's ranking if there is one (`profile_keys`), run without
 LAYER_POLICIES = ("cooc", "duel")  # read a key's layer and cut its uses into tokens: built with `n_experts` and `k`
 
 
