@@ -553,7 +553,8 @@ class CoocPolicy(WindowPolicy):
 
 DUEL_HALF_LIFE = 16  # tokens: the half-life of the decayed miss difference between the two shadows
 DUEL_BY_LAYER = False  # True: one difference per layer, the missing key's layer's decides; False: one for the pool
-# Both chosen on the tune traces only (docs/expert-cache.md, "Against Belady", "Set dueling").
+DUEL_DECODE_ONLY = True  # the difference counts only lookups that may take a slot (after a miss reached admit())
+# All three chosen on the tune traces only (docs/expert-cache.md, "Against Belady", "Set dueling").
 
 
 class _Shadow:
@@ -656,7 +657,9 @@ class DuelPolicy(Policy):
     either can answer admit and victim for the real pool at any moment. cooc's two rankings share one set of scores
     (`_TwinCooc`: each use counted once); llamacpp's are two LlamaCppPolicy instances (`_Shadow` for the shadow's).
     One number decides: d = sum over lookups i of (llamacpp's shadow missed_i - cooc's shadow missed_i) x
-    2^(-(now - i) / H), H = `half_life` tokens (DUEL_HALF_LIFE; a token = `lookups_per_token` lookups). A miss's admit
+    2^(-(now - i) / H), H = `half_life` tokens (DUEL_HALF_LIFE; a token = `lookups_per_token` lookups), over the
+    lookups that may take a slot (`decode_only`, DUEL_DECODE_ONLY: those after a miss that reached admit(), i.e.
+    decode, not prefill; all lookups without it; the misses of both kinds are counted in `misses`). A miss's admit
     and victim are cooc's ranking's while d >= 0 (ties go to cooc, the default's), llamacpp's while d < 0. With
     `by_layer` (and n_experts) there is one d per layer, updated by its own lookups, and the missing key's layer's
     decides.
@@ -671,8 +674,10 @@ class DuelPolicy(Policy):
 
     def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
                  lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
-                 half_life: float = DUEL_HALF_LIFE, by_layer: bool = DUEL_BY_LAYER):
+                 half_life: float = DUEL_HALF_LIFE, by_layer: bool = DUEL_BY_LAYER,
+                 decode_only: bool = DUEL_DECODE_ONLY):
         super().__init__(capacity)
+        self.decode_only = bool(decode_only)
         self.cooc = _TwinCooc(capacity, profile_keys, lookups_per_token, n_experts, k)  # side 0 real, 1 shadow
         self.llama = LlamaCppPolicy(capacity, lookups_per_token)  # over the real residents
         self.shadow = _Shadow(LlamaCppPolicy(capacity, lookups_per_token))  # llamacpp alone
@@ -700,8 +705,9 @@ class DuelPolicy(Policy):
         a, b = key not in self.cooc.sides[1][1], not self.shadow.look(key, t)
         self.misses[0] += a
         self.misses[1] += b
-        g = self._group(key)
-        self.d[g] = self.d.get(g, 0.0) * self.decay + (b - a)
+        if self.inserting or not self.decode_only:
+            g = self._group(key)
+            self.d[g] = self.d.get(g, 0.0) * self.decay + (b - a)
         return a, b
 
     def _shadow_insert(self, key: int, t: Optional[int], cooc: bool = True, llama: bool = True) -> None:
