@@ -511,3 +511,99 @@ def test_window_memory_stays_bounded_when_the_pool_rarely_evicts():
     assert longest_fifo <= policy.edges[-1]
     state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
     assert state and all(len(d) <= slots + n_keys for d in state)
+
+
+def duel_phases(n_a=300, n_b=300, shift=16):
+    """Two lookups per token, in two phases: A, `n_a` tokens of 2 distinct keys drawn iid from 32 with Zipf(1.2)
+    weights (a stable skewed hot set: a decayed frequency count's case); B, `n_b` tokens looping over 4 fresh keys
+    that change every `shift` tokens (working sets that move: recency's case, where a 128-token frequency keeps
+    the old keys). -> the lookups, phase A's count."""
+    rng = np.random.default_rng(0)
+    p = 1.0 / np.arange(1, 33) ** 1.2
+    seq = [int(k) for _ in range(n_a) for k in rng.choice(32, 2, replace=False, p=p / p.sum())]
+    for tok in range(n_b):
+        base = 100 + 4 * (tok // shift)
+        seq += [base + (2 * tok) % 4, base + (2 * tok + 1) % 4]
+    return seq, 2 * n_a
+
+
+def test_duel_follows_whichever_shadow_misses_less():
+    """DuelPolicy on duel_phases, 6 slots, one layer (n_experts 1000, k 2): llamacpp misses less in phase A, cooc in
+    phase B (measured: cooc 273 / 114 misses, llamacpp 227 / 600). The duel hands its decisions to llamacpp at the end
+    of A and to cooc at the end of B, its shadows count exactly what each policy alone misses, and over both phases it
+    misses less than either alone (measured 229 + 118 = 347): a duel that always followed one policy would miss as
+    that one does, so this fails for both. Per phase it is within 15 misses of the better policy (the decayed miss
+    difference takes a few tokens to turn after the change of phase; measured 2 and 4)."""
+    seq, n_a = duel_phases()
+    alone = {}
+    for name in ("cooc", "llamacpp"):
+        table = SlotTable(6, make_policy(name, 6, lookups_per_token=2, n_experts=1000, k=2))
+        hits = [table.access(k, t)[0] for t, k in enumerate(seq)]
+        alone[name] = (n_a - sum(hits[:n_a]), len(seq) - n_a - sum(hits[n_a:]))
+    assert alone["llamacpp"][0] < alone["cooc"][0] and alone["cooc"][1] < alone["llamacpp"][1]  # each wins a phase
+    duel = make_policy("duel", 6, lookups_per_token=2, n_experts=1000, k=2)
+    table = SlotTable(6, duel)
+    hits = [table.access(k, t)[0] for t, k in enumerate(seq[:n_a])]
+    assert duel.following() == 1  # llamacpp leads at the end of phase A
+    hits += [table.access(k, t)[0] for t, k in enumerate(seq[n_a:], start=n_a)]
+    assert duel.following() == 0  # cooc leads at the end of phase B
+    assert duel.misses == [sum(alone["cooc"]), sum(alone["llamacpp"])]  # the shadows are the policies alone
+    got = (n_a - sum(hits[:n_a]), len(seq) - n_a - sum(hits[n_a:]))
+    assert sum(got) < min(sum(alone["cooc"]), sum(alone["llamacpp"]))
+    assert got[0] <= alone["llamacpp"][0] + 15 and got[1] <= alone["cooc"][1] + 15
+
+
+def test_twin_cooc_sides_decide_as_two_cooc_policies():
+    """_TwinCooc (DuelPolicy's cooc: one set of scores ranking two pools) against its reference, two CoocPolicy
+    instances in two SlotTables hearing the same lookups: 4000 skewed lookups of 2 layers x 16 experts, top-2, 6 slots
+    each; pool 0 inserts only on even positions (as a pool whose misses are refused a slot at times), pool 1 on every
+    miss, so the two pools' contents differ. Every lookup's (hit, evicted key) is the same in each pool."""
+    from pymoe.experts.policies import CoocPolicy, _TwinCooc
+
+    rng = np.random.default_rng(0)
+    seq = (np.minimum(rng.zipf(1.3, 4000), 16) - 1 + 16 * (np.arange(4000) // 2 % 2)).tolist()  # layer 0, 0, 1, 1, ...
+    args = dict(lookups_per_token=4, n_experts=16, k=2)
+    refs = [SlotTable(6, CoocPolicy(6, **args)) for _ in range(2)]
+    twin = _TwinCooc(6, **args)
+    want, got = [[], []], [[], []]
+    for t, key in enumerate(seq):
+        for side, table in enumerate(refs):
+            hit, _, evicted = table.access(key, t, insert=side == 1 or t % 2 == 0)
+            want[side].append((hit, evicted))
+        hits = [key in res for _, res in twin.sides]
+        twin.look(key, t)
+        for side, (_, res) in enumerate(twin.sides):
+            evicted = None
+            if not hits[side] and (side == 1 or t % 2 == 0) and twin.side_admit(side, key):
+                if len(res) >= 6:
+                    evicted = twin.side_victim(side)
+                    twin.side_evict(side, evicted)
+                twin.side_insert(side, key)
+            got[side].append((hits[side], evicted))
+    assert got == want
+    assert all(sum(e is not None for _, e in w) > 300 for w in want)  # both pools evict: the rankings are exercised
+
+
+def test_duel_memory_stays_bounded_when_the_pool_rarely_evicts():
+    """As test_window_memory_stays_bounded_when_the_pool_rarely_evicts, for DuelPolicy (1,000,000 lookups, 60 slots,
+    64 keys of one layer, 10 per token, a profile ranking all 64): its cooc (two heaps, one per pool it ranks) and
+    its two llamacpp instances keep every heap <= 4 x (slots + 1) (HEAP_SLACK) and dicts <= slots + keys; the shadows
+    hold at most `slots` keys; the decayed miss difference is one number. O(slots + experts), whatever the lookups."""
+    slots, n_keys, per_token = 60, 64, 10
+    policy = make_policy("duel", slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token,
+                         n_experts=n_keys + 1, k=per_token)  # keys 1..64: one layer
+    table = SlotTable(slots, policy)
+    inner = [policy.cooc, policy.llama, policy.shadow.policy]
+    heaps = [policy.llama.heap, policy.shadow.policy.heap, *(heap for heap, _ in policy.cooc.sides)]
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = longest_shadow = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        longest = max(longest, *(len(h) for h in heaps))
+        if t % 1000 == 0:
+            longest_shadow = max(longest_shadow, len(policy.shadow.keys), len(policy.cooc.sides[1][1]))
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)
+    assert longest <= 4 * (slots + 1) and longest_shadow <= slots and len(policy.d) == 1
+    for p in (policy, *inner):
+        state = [d for d in vars(p).values() if isinstance(d, (dict, set))]
+        assert all(len(d) <= slots + n_keys for d in state), type(p).__name__

@@ -240,20 +240,17 @@ def test_trace_profile_run_round_trip_plumbing(tiny_model, tmp_path):
     r = run_tool(str(trace1), "-o", str(profile_path), "--slots", "3")
     assert r.returncode == 0, r.stderr
     profile = Profile.load(profile_path)
-    from pymoe.experts.policies import make_admission
-
-    from pymoe.experts.policies import make_warm_rule
+    from pymoe.experts.policies import ENGINE_POLICIES, make_admission, make_warm_rule
 
     warm_mattered = []
-    for policy, admit, max_inserts, warm in (("lru", "all", 0, (0, 0)), ("lfu", "all", 0, (0, 0)),
-                                             ("lfru", "all", 0, (0, 0)), ("lfru", "second-miss", 0, (0, 0)),
-                                             ("lru", "all", 1, (0, 0)), ("lfru", "second-miss", 1, (0, 0)),
-                                             ("lru", "all", 1, (2, 0)), ("lfru", "second-miss", 1, (3, 2)),
-                                             ("lfru", "all", 0, (1, 0)), ("llamacpp", "all", 0, (0, 0)),
-                                             ("arc", "all", 0, (0, 0)), ("s3fifo", "all", 0, (0, 0)),
-                                             ("lirs", "all", 0, (0, 0)), ("window", "all", 0, (0, 0)),
-                                             ("window", "second-miss", 1, (2, 0)), ("cooc", "all", 0, (0, 0)),
-                                             ("cooc", "second-miss", 1, (2, 0))):
+    runs = (("lru", "all", 0, (0, 0)), ("lfu", "all", 0, (0, 0)), ("lfru", "all", 0, (0, 0)),
+            ("lfru", "second-miss", 0, (0, 0)), ("lru", "all", 1, (0, 0)), ("lfru", "second-miss", 1, (0, 0)),
+            ("lru", "all", 1, (2, 0)), ("lfru", "second-miss", 1, (3, 2)), ("lfru", "all", 0, (1, 0)),
+            ("llamacpp", "all", 0, (0, 0)), ("arc", "all", 0, (0, 0)), ("s3fifo", "all", 0, (0, 0)),
+            ("lirs", "all", 0, (0, 0)), ("window", "all", 0, (0, 0)), ("window", "second-miss", 1, (2, 0)),
+            ("cooc", "all", 0, (0, 0)), ("cooc", "second-miss", 1, (2, 0)), ("duel", "second-miss", 1, (2, 0)))
+    runs += tuple((name, "all", 0, (0, 0)) for name in ENGINE_POLICIES if name not in {r[0] for r in runs})
+    for policy, admit, max_inserts, warm in runs:  # every engine policy (the registry); some with admission, warm set
         trace2 = tmp_path / f"t2-{policy}-{admit}-{max_inserts}-{warm[0]}.npz"
         r = run_pymoe_here("run", model, "-p", "a new prompt", "-n", "8", "--profile", str(profile_path),
                       "--cache-slots", "3", "--policy", policy, "--trace", str(trace2), "--admit", admit,

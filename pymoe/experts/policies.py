@@ -35,6 +35,9 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
     cooc        (the default) window's score plus a bonus for the experts the token a layer just routed makes likelier
                 at that layer's next token than their base rate, from next-token co-occurrence counted online
                 (CoocPolicy; LAYER_POLICIES: built with n_experts and k).
+    duel        set dueling: cooc and llamacpp each run alone in a shadow pool (keys only) over the same lookups;
+                each miss's admit and victim go to whichever shadow has been missing less (a decayed count,
+                DuelPolicy), asked of that policy ranking the real residents (cooc's two rankings: _TwinCooc).
     arc, s3fifo, s3fifo-c7, lirs   ARC; S3-FIFO (s3fifo-c7: counters capped at 7, tuned); a LIRS-style
                 reuse-distance policy. docs/expert-cache.md, "Baselines" and "Against Belady".
     belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
@@ -548,6 +551,216 @@ class CoocPolicy(WindowPolicy):
         self.bonus[layer] = new
 
 
+DUEL_HALF_LIFE = 16  # tokens: the half-life of the decayed miss difference between the two shadows
+DUEL_BY_LAYER = False  # True: one difference per layer, the missing key's layer's decides; False: one for the pool
+DUEL_DECODE_ONLY = True  # the difference counts only lookups that may take a slot (after a miss reached admit())
+# All three chosen on the tune traces only (docs/expert-cache.md, "Against Belady", "Set dueling").
+
+
+class _Shadow:
+    """A pool of `policy.capacity` keys run by `policy` alone over the lookups a DuelPolicy hears: resident keys only
+    (a set, no bytes), so its misses are the misses that policy would have had. `look` is a lookup (-> hit?),
+    `insert` the slot decision SlotTable._insert makes for an admitted miss."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.keys: set[int] = set()
+
+    def look(self, key: int, t: int) -> bool:
+        if key in self.keys:
+            self.policy.on_hit(key, t)
+            return True
+        self.policy.on_use(key, t)
+        return False
+
+    def insert(self, key: int, t: Optional[int]) -> None:
+        p = self.policy
+        if key in self.keys or p.capacity == 0 or (t is not None and not p.admit(key, t)):
+            return
+        if p.full:
+            gone = p.victim(t)
+            self.keys.discard(gone)
+            p.on_evict(gone)
+        self.keys.add(key)
+        p.on_insert(key, t)
+
+
+class _Either:
+    """`key in` either of two sets: what CoocPolicy's updates ask of `resident` (push the key if it is ranked)."""
+
+    def __init__(self, a: set, b: set):
+        self.a, self.b = a, b
+
+    def __contains__(self, key) -> bool:
+        return key in self.a or key in self.b
+
+
+class _TwinCooc(CoocPolicy):
+    """One CoocPolicy's scores, each use counted once, ranking two pools (sides): 0 the real pool's residents, 1 a
+    shadow pool's. Each side has its own residents and heap (compacted as WindowPolicy's); a score that changes is
+    pushed into the heap of each side that holds the key. `look` is one lookup's use (as on_hit / on_use: the window's
+    use, the key's push, the layer's routing), `place` a placement's (the window's use); `admit`, `victim`, `insert`,
+    `evict` take the side. The same decisions as two CoocPolicy instances hearing the same lookups, at one's cost."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sides = (([], set()), ([], set()))  # (heap of (score, last use, key), residents) per side
+        self.resident = _Either(self.sides[0][1], self.sides[1][1])
+
+    def _push(self, key: int) -> None:
+        for heap, res in self.sides:
+            if key in res:
+                heapq.heappush(heap, (self.score[key], self.last.get(key, 0), key))
+                if len(heap) > HEAP_SLACK * (len(res) + 1):  # rebuilt from the side's residents (LFUPolicy._compact)
+                    heap[:] = [(self.score[k], self.last.get(k, 0), k) for k in res]
+                    heapq.heapify(heap)
+
+    def look(self, key: int, t: int) -> None:
+        WindowPolicy._use(self, key)
+        self._push(key)
+        self._route(key)
+
+    def place(self, key: int, t: int) -> None:
+        WindowPolicy._use(self, key)
+        self._push(key)
+
+    def side_victim(self, side: int) -> int:
+        heap, res = self.sides[side]
+        while True:
+            score, last, key = heap[0]
+            if key in res and self.score[key] == score and self.last.get(key, 0) == last:
+                return key
+            heapq.heappop(heap)  # stale
+
+    def side_admit(self, side: int, key: int) -> bool:
+        res = self.sides[side][1]
+        return len(res) < self.capacity or self.score.get(key, 0.0) >= self.admit_ratio * self.score[
+            self.side_victim(side)]
+
+    def side_insert(self, side: int, key: int) -> None:
+        heap, res = self.sides[side]
+        res.add(key)
+        self.score.setdefault(key, 0.0)  # placed at start-up: its prior only (not a use)
+        heapq.heappush(heap, (self.score[key], self.last.get(key, 0), key))
+        if len(heap) > HEAP_SLACK * (len(res) + 1):
+            heap[:] = [(self.score[k], self.last.get(k, 0), k) for k in res]
+            heapq.heapify(heap)
+
+    def side_evict(self, side: int, key: int) -> None:
+        self.sides[side][1].discard(key)
+
+
+class DuelPolicy(Policy):
+    """Set dueling between `cooc` (CoocPolicy) and `llamacpp` (LlamaCppPolicy): follow whichever has been missing less.
+    Each policy runs alone in a shadow pool of the same size (its resident keys only, no bytes: its misses are that
+    policy's misses), and each also ranks the real pool's residents (it hears the real insertions and evictions), so
+    either can answer admit and victim for the real pool at any moment. cooc's two rankings share one set of scores
+    (`_TwinCooc`: each use counted once); llamacpp's are two LlamaCppPolicy instances (`_Shadow` for the shadow's).
+    One number decides: d = sum over lookups i of (llamacpp's shadow missed_i - cooc's shadow missed_i) x
+    2^(-(now - i) / H), H = `half_life` tokens (DUEL_HALF_LIFE; a token = `lookups_per_token` lookups), over the
+    lookups that may take a slot (`decode_only`, DUEL_DECODE_ONLY: those after a miss that reached admit(), i.e.
+    decode, not prefill; all lookups without it; the misses of both kinds are counted in `misses`). A miss's admit
+    and victim are cooc's ranking's while d >= 0 (ties go to cooc, the default's), llamacpp's while d < 0. With
+    `by_layer` (and n_experts) there is one d per layer, updated by its own lookups, and the missing key's layer's
+    decides.
+    A shadow is told a lookup may take a slot as the real pool is: a miss takes one in the shadows only if the real
+    pool asks admit() for it (SlotTable: not on a prefill lookup, not when admission control refuses), and a lookup
+    the real pool hits takes one in a shadow that misses it if the last real miss reached admit() (decode, not
+    prefill). Placements (on_place, then admit) are placed in the shadows as in the pool. Memory: cooc's plus a
+    second heap, two llamacpp's, the shadows' key sets (O(slots)) and d (one float, or one per layer); time per
+    lookup: cooc's, two llamacpp's, plus O(1)."""
+
+    name = "duel"
+
+    def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
+                 lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
+                 half_life: float = DUEL_HALF_LIFE, by_layer: bool = DUEL_BY_LAYER,
+                 decode_only: bool = DUEL_DECODE_ONLY):
+        super().__init__(capacity)
+        self.decode_only = bool(decode_only)
+        self.cooc = _TwinCooc(capacity, profile_keys, lookups_per_token, n_experts, k)  # side 0 real, 1 shadow
+        self.llama = LlamaCppPolicy(capacity, lookups_per_token)  # over the real residents
+        self.shadow = _Shadow(LlamaCppPolicy(capacity, lookups_per_token))  # llamacpp alone
+        self.n_experts = int(n_experts) if by_layer and n_experts and k else None
+        per_token = int(k) if self.n_experts else max(1, int(lookups_per_token or capacity or 1))  # into one d
+        self.decay = 2.0 ** (-1.0 / (float(half_life) * per_token))  # per lookup; half_life inf: 1, a plain count
+        self.d: dict[int, float] = {}  # layer (0 for the whole pool) -> decayed (llamacpp's misses - cooc's)
+        self.pending: Optional[int] = None  # the key of the last miss or placement, until admit() or the next lookup
+        self.inserting = False  # did the last real miss reach admit()?
+        self.misses = [0, 0]  # the shadows' misses so far (cooc, llamacpp): for reports and tests
+        self._leader = 0  # who admit() last asked (0 cooc, 1 llamacpp): victim() asks it too
+
+    def _group(self, key: int) -> int:
+        return key // self.n_experts if self.n_experts else 0
+
+    def following(self, key: int = 0) -> int:
+        """0 while cooc decides for `key`'s group, 1 while llamacpp does."""
+        return 1 if self.d.get(self._group(key), 0.0) < 0.0 else 0
+
+    def _lookup(self, key: int, t: int) -> tuple[bool, bool]:
+        """The shadows' lookup -> (did cooc's miss, did llamacpp's); the decayed difference moves."""
+        if self.pending is not None:  # the last miss did not reach admit(): a prefill lookup or a refused one
+            self.inserting, self.pending = False, None
+        self.cooc.look(key, t)  # the one use of cooc's scores, for both its rankings
+        a, b = key not in self.cooc.sides[1][1], not self.shadow.look(key, t)
+        self.misses[0] += a
+        self.misses[1] += b
+        if self.inserting or not self.decode_only:
+            g = self._group(key)
+            self.d[g] = self.d.get(g, 0.0) * self.decay + (b - a)
+        return a, b
+
+    def _shadow_insert(self, key: int, t: Optional[int], cooc: bool = True, llama: bool = True) -> None:
+        """An admitted miss (t None: a start-up placement) in the shadows: each its own admit and victim."""
+        res = self.cooc.sides[1][1]
+        if cooc and key not in res and self.capacity and (t is None or self.cooc.side_admit(1, key)):
+            if len(res) >= self.capacity:
+                self.cooc.side_evict(1, self.cooc.side_victim(1))
+            self.cooc.side_insert(1, key)
+        if llama:
+            self.shadow.insert(key, t)
+
+    def on_hit(self, key: int, t: int) -> None:
+        self.llama.on_hit(key, t)
+        a, b = self._lookup(key, t)
+        if (a or b) and self.inserting:
+            self._shadow_insert(key, t, a, b)
+
+    def on_use(self, key: int, t: int) -> None:
+        self.llama.on_use(key, t)
+        self._lookup(key, t)
+        self.pending = key
+
+    def on_place(self, key: int, t: int) -> None:
+        self.llama.on_place(key, t)
+        self.cooc.place(key, t)
+        if key not in self.shadow.keys:
+            self.shadow.policy.on_place(key, t)
+        self.pending = key
+
+    def admit(self, key: int, t: int) -> bool:
+        if self.pending == key:
+            self.inserting, self.pending = True, None
+            self._shadow_insert(key, t)
+        self._leader = self.following(key)
+        return self.llama.admit(key, t) if self._leader else self.cooc.side_admit(0, key)
+
+    def victim(self, t: int) -> int:
+        return self.llama.victim(t) if self._leader else self.cooc.side_victim(0)  # admit() chose just before
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        self.llama.on_insert(key, t)
+        self.cooc.side_insert(0, key)
+        if t is None:  # placed at start-up (SlotTable.prefill): the shadows start with the same keys
+            self._shadow_insert(key, None)
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        self.llama.on_evict(key)
+        self.cooc.side_evict(0, key)
+
+
 class ARCPolicy(Policy):
     """ARC (Megiddo & Modha, FAST 2003): residents in T1 (seen once lately) and T2 (seen at least twice), ghosts of
     the recently evicted in B1 and B2 (keys only, at most `capacity` each), and a target size p for T1 that a ghost
@@ -848,13 +1061,14 @@ POLICIES = {
     "lirs": LIRSPolicy,
     "window": WindowPolicy,
     "cooc": CoocPolicy,
+    "duel": DuelPolicy,
     "belady": BeladyPolicy,
 }
 PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
 OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
-TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc")  # count time in tokens: built with the pool's lookups per token
-PRIOR_POLICIES = ("window", "cooc")  # take a profile's ranking when there is one (`profile_keys`), and run without
-LAYER_POLICIES = ("cooc",)  # read a key's layer and cut its uses into tokens: built with `n_experts` and `k`
+TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel")  # count time in tokens: built with lookups per token
+PRIOR_POLICIES = ("window", "cooc", "duel")  # take a profile's ranking if there is one (`profile_keys`), run without
+LAYER_POLICIES = ("cooc", "duel")  # read a key's layer and cut its uses into tokens: built with `n_experts` and `k`
 
 
 ENGINE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the engine can run
