@@ -778,8 +778,8 @@ class StepLogits:
     and already on the host (the sampler's greedy draw needs nothing else: engine/sampler.py); `drawn_token`: the
     sampler's random draw the step was handed (`begin_step`'s draw), made there and back with the argmax, or None;
     `sample`: a random draw (temperature, top-k, top-p, min-p) made there for the sampler's uniform number after the
-    step (one launch, 4 bytes back, one more synchronisation); anything else (np.asarray, indexing) brings them over once (V floats, one more
-    synchronisation), while they are still there: until the next step begins."""
+    step (one launch, 4 bytes back, one more synchronisation); anything else (np.asarray, indexing) brings them over
+    once (V floats, one more synchronisation), while they are still there: until the next step begins."""
 
     def __init__(self, backend: "CUDABackend", dev, token: int, step: int, parent: "StepLogits" = None):
         self._backend, self._dev, self.greedy_token, self._stepno = backend, dev, token, step
