@@ -102,6 +102,8 @@ SHORT = [("residual to device", "residual in"), ("attention block to host", "att
          ("expert inputs", "expert rows"), ("expert weights", "expert rows"), ("expert output zeros", "expert rows"),
          ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
          ("token id and position to device", "token id + position"), ("token and routing ids", "token + routing ids"),
+         ("token id, position and draw", "token id + position + draw"),
+         ("token, routing and drawn ids", "token + routing + drawn ids"), ("draw to device", "draw settings"),
          ("residency table", "table rows"), ("logits to host", "logits"), ("sampled token id", "sampled token id"),
          ("cpu experts' output", "cpu misses"),
          ("expert input to host (cpu", "cpu misses"), ("routing ids to host (cpu", "cpu misses"),

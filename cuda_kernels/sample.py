@@ -1,11 +1,14 @@
 """Sampling on the device: the host sampler's random draw (engine/sampler.py, temperature > 0 with top-k, top-p and
 min-p) made where the logits are, so that a decode step sends 4 bytes back instead of V floats.
 
-What this is: one kernel plus its host wrapper and its NumPy twin:
+What this is: one kernel plus its host wrappers and its NumPy twin:
 
   sample(logits, temperature, top_k, top_p, min_p, u, out)
       logits float32 [T, V] (device), u a uniform double in [0, 1) -> out int32 [T]: row t's token, the one
       `sample_reference` (and the host Sampler, given the same u) picks.
+  sample_at(logits, draw_k, draw_f, out)
+      the same with the settings and u already in device memory (`draw_record`, `draw_views`): what a decode step
+      launches, its settings uploaded with its token id (backends/cuda.py `begin_step`), so a graph replays it.
 
 The host Sampler draws with `rng.choice(n, p=probs)`, which in NumPy's Generator (numpy/random/_generator.pyx,
 `choice` with replace=True) is: cdf = p.cumsum(); cdf /= cdf[-1]; u = self.random(); searchsorted(cdf, u,
@@ -179,12 +182,16 @@ def pairwise_sum(a, n):
 # The kernel
 # ----------------------------------------------------------------------------------------------------------------
 @cuda.jit
-def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, u, out):
-    """logits float32 [T, V], bits the same bytes as uint32 -> out[t]; grid (T,), block (<= THREADS,)."""
+def sample_kernel(logits, bits, draw_k, draw_f, out):
+    """logits float32 [T, V], bits the same bytes as uint32, the draw's settings in device memory (draw_k int32 [1]:
+    top_k; draw_f float64 [4]: temperature, top_p, min_p, u: `draw_record`) -> out[t]; grid (T,), block
+    (<= THREADS,)."""
     t = cuda.blockIdx.x
     tid = cuda.threadIdx.x
     nt = cuda.blockDim.x
     V = logits.shape[1]
+    top_k = draw_k[0]
+    temperature, top_p, min_p, u = draw_f[0], draw_f[1], draw_f[2], draw_f[3]
     k = V if top_k <= 0 or top_k > V else top_k
     hist = cuda.shared.array(BINS, np.int32)
     sel = cuda.shared.array(3, np.int64)  # the key's prefix so far, its mask, the ties at it still to take
@@ -308,18 +315,56 @@ def sample_kernel(logits, bits, temperature, top_k, top_p, min_p, u, out):
             out[t] = sid[pick]
 
 
+DRAW_WORDS = 9  # `draw_record`: 4 float64 as 8 int32 words, then top_k
+
+
+def draw_record(temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> np.ndarray:
+    """A draw's settings as int32 [DRAW_WORDS]: [temperature, top_p, min_p, u (float64, 2 words each), top_k]; at an
+    even int32 offset of a device array (8-byte aligned) its words are what `sample_kernel` reads as draw_f (float64
+    [4]) and draw_k (int32 [1]): `draw_views`."""
+    rec = np.zeros(DRAW_WORDS, np.int32)
+    rec[:8].view(np.float64)[:] = (temperature, top_p, min_p, u)
+    rec[8] = top_k
+    return rec
+
+
+def draw_views(buf, i: int):
+    """The device int32 array buf's words i .. i + DRAW_WORDS (a `draw_record`, i even) -> (draw_k int32 [1],
+    draw_f float64 [4]) for `sample_kernel`."""
+    if i % 2:
+        raise ValueError(f"a draw record at int32 offset {i}: its float64 words need an even offset")
+    return buf[i + 8:i + 9], buf[i:i + 8].view(np.float64)
+
+
+def check_draw(temperature: float, top_k: int, u: float, V: int) -> None:
+    """The draw's settings the kernel takes (ValueError otherwise)."""
+    if not fits(top_k, V):
+        raise ValueError(f"top_k {top_k} over a vocabulary of {V}: more than the kernel's {K_MAX} candidates")
+    if not (temperature > 0 and 0.0 <= u < 1.0):
+        raise ValueError("temperature must be > 0 and u in [0, 1)")
+
+
 def sample(logits, temperature: float, top_k: int, top_p: float, min_p: float, u: float, out, threads: int = THREADS,
            stream=0):
-    """logits float32 [T, V] (device) -> out int32 [T] (device, written): each row's draw for the uniform u."""
+    """logits float32 [T, V] (device) -> out int32 [T] (device, written): each row's draw for the uniform u (its
+    settings uploaded first: `draw_record`)."""
+    logits = on_device(logits, "logits")
+    check(logits, "logits", np.float32, 2)
+    check_draw(temperature, top_k, u, logits.shape[1])
+    rec = cuda.to_device(draw_record(temperature, top_k, top_p, min_p, u), stream=stream)
+    return sample_at(logits, *draw_views(rec, 0), out, threads=threads, stream=stream)
+
+
+def sample_at(logits, draw_k, draw_f, out, threads: int = THREADS, stream=0):
+    """logits float32 [T, V] (device), the draw's settings already on the device (`draw_views`: a step uploads them
+    with its token id, backends/cuda.py `begin_step`) -> out int32 [T] (device, written). The settings are the
+    caller's to check (`check_draw`): the kernel reads them where they are, so a CUDA graph replays it."""
     logits, out = on_device(logits, "logits"), on_device(out, "out")
     check(logits, "logits", np.float32, 2)
     check(out, "out", np.int32, 1)
-    T, V = logits.shape
-    if not fits(top_k, V):
-        raise ValueError(f"top_k {top_k} over a vocabulary of {V}: more than the kernel's {K_MAX} candidates")
-    if not (temperature > 0 and 0.0 <= u < 1.0 and 0 < threads <= THREADS):
-        raise ValueError(f"temperature must be > 0, u in [0, 1), threads in 1..{THREADS}")
+    if not 0 < threads <= THREADS:
+        raise ValueError(f"threads must be in 1..{THREADS}")
+    T = logits.shape[0]
     if T:
-        sample_kernel[(T,), threads, stream](logits, logits.view(np.uint32), float(temperature), int(top_k),
-                                             float(top_p), float(min_p), float(u), out)
+        sample_kernel[(T,), threads, stream](logits, logits.view(np.uint32), draw_k, draw_f, out)
     return out

@@ -411,7 +411,9 @@ SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1)  # pymoe run --temp
 def test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device(micro, arch):
     """A seeded random draw (SAMPLED) is made on the device (cuda_kernels/sample.py) for the sampler's own uniform
     number: the tokens equal the CPU backend's float path's for the seed (and are not the greedy ones), and per
-    token the sampled id (4 bytes) comes back after the step's copy, one more synchronisation, never the V logits.
+    token the draw rides the step: its settings and u go up with the token id (13 int32 words, one copy), the drawn
+    id (4 bytes) comes back in the step's one copy with the argmax and routing ids: one synchronisation, never the V
+    logits.
     A draw the device does not make (typical-p) reads the logits (V floats, one more synchronisation): the same
     tokens for the same seed and typical-p on the CPU backend."""
     path, n = micro(arch), 12
@@ -423,9 +425,9 @@ def test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device(mi
     assert list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False, **SAMPLED)) == want
     cfg, m = engine.config, per_token(engine)
     ids_bytes = 4 * (1 + len(cfg.moe_layers) * cfg.n_expert_used)
-    assert m["bytes_by_name"] == {"token id and position to device": 12, "token and routing ids to host": ids_bytes,
-                                  "sampled token id to host": 4}
-    assert m["synchronisations"] == 2
+    assert m["bytes_by_name"] == {"token id, position and draw to device": 52,
+                                  "token, routing and drawn ids to host": ids_bytes + 4}
+    assert m["synchronisations"] == 1
     host_draw = dict(SAMPLED, typical_p=0.9)
     want = list(cpu.generate(PROMPT, max_tokens=n, stop_at_eos=False, **host_draw))
     assert list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False, **host_draw)) == want

@@ -85,6 +85,24 @@ def test_consecutive_steps_make_the_same_launches(micro, arch, setting):
         assert any(not np.array_equal(tables[0], t) for t in tables[1:])
 
 
+SAMPLED = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1)  # pymoe run --temp 0.8 --top-k 40 --top-p 0.9 --seed 1
+
+
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_consecutive_sampled_steps_make_the_same_launches(micro, arch):
+    """A seeded sampled request: each step draws its token on the device (the sampler's draw handed to the step:
+    engine/model.Model.device_draw), the sample kernel reading the draw's settings and u from the step's `at`
+    buffer, so every step's launches, the sample launch among them, equal the first step's though u changes."""
+    engine = load(micro(arch), "slots")
+    recorder = engine.backend.recorder = LaunchRecorder()
+    list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False, **SAMPLED))
+    assert len(recorder.steps) == N_NEW - 1
+    assert [name for name, *_ in recorder.steps[0]].count("sample") == 1
+    for step in recorder.steps[1:]:
+        assert first_difference(recorder.steps[0], step) is None
+
+
 def record_tables(backend, tables: list):
     """begin_step, keeping a copy of the residency table each step's kernels read."""
     begin = backend.begin_step
@@ -102,9 +120,10 @@ def record_tables(backend, tables: list):
 def test_the_real_kernels_launches_repeat(micro, monkeypatch, arch):
     """The Numba kernel launches themselves (kernel, grid, block, arguments), as the simulator sees them, of the
     kernels that take the step's position (RoPE, the KV store, attention: GQA, gpt-oss's window and sinks, MLA's
-    cache row and query), of the routers, the norms, the adds and the argmax; the products and the routed experts
-    on the reference kernels (the real ones of every op cost minutes here: tests/test_cuda_real_kernels_sim.py).
-    Tokens still the reference backend's."""
+    cache row and query), of the routers, the norms, the adds and the argmax, and on qwen3moe a seeded random draw
+    (the sample kernel, its settings and u read from the step's `at` buffer: SAMPLED); the products and the routed
+    experts on the reference kernels (the real ones of every op cost minutes here: tests/test_cuda_real_kernels_sim.py).
+    Tokens still the reference backend's (for the seed: the host sampler's draw)."""
     from pymoe.backends import cuda as cuda_backend
 
     real_ops = ("rope", "kv_store", "decode_attention", "decode_attention_ws", "mla_kv_row", "mla_query",
@@ -113,17 +132,19 @@ def test_the_real_kernels_launches_repeat(micro, monkeypatch, arch):
     class Mixed(cuda_backend.ReferenceKernels):
         name = "mixed"
 
-    for op in real_ops:
+    for op in real_ops + ("sample",):
         setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
     monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
     path = micro(arch)
-    want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False))
+    draw = SAMPLED if arch == "qwen3moe" else {}  # one family draws on the device (the sample kernel), the rest greedy
+    want = list(pymoe.load(path, backend="reference").generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False, **draw))
     engine = load(path, "promotions", kernels="mixed")
     recorder = engine.backend.recorder = LaunchRecorder()
     with recorder.kernels():
-        assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False)) == want
+        assert list(engine.generate(PROMPT, max_tokens=N_NEW, stop_at_eos=False, **draw)) == want
     kernels = {name for name, grid, *_ in recorder.steps[0] if grid is not None}
     assert {"rope_at_kernel", "kv_store_kernel"} <= kernels or {"mla_kv_row_at_kernel"} <= kernels
+    assert ("sample_kernel" in kernels) == bool(draw)
     for step in recorder.steps[1:]:
         assert first_difference(recorder.steps[0], step) is None
 

@@ -19,23 +19,25 @@ import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
 
 from pymoe.cuda_kernels import sample  # noqa: E402
-from pymoe.engine.sampler import Sampler, SamplingParams  # noqa: E402
+from pymoe.engine.sampler import Sampler, SamplingParams, choice_for  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
 
 def test_numpy_choice_is_one_uniform_and_a_search():
-    """Generator.choice(n, p=p) == searchsorted(cdf / cdf[-1], rng.random(), 'right'), and it leaves the generator
-    where one random() does (the next numbers agree)."""
+    """Generator.choice(n, p=p) == searchsorted(cdf / cdf[-1], rng.random(), 'right') (written out, and as the
+    sampler's `choice_for`, its draw for a u handed to a device step that did not make it), and it leaves the
+    generator where one random() does (the next numbers agree)."""
     for seed in range(300):
-        a, b = np.random.default_rng(seed), np.random.default_rng(seed)
+        a, b, c = np.random.default_rng(seed), np.random.default_rng(seed), np.random.default_rng(seed)
         n = 1 + seed % 50
         p = np.exp(np.random.default_rng(10_000 + seed).standard_normal(n) * 3)
         p /= p.sum()
         cdf = p.cumsum()
         cdf /= cdf[-1]
-        assert a.choice(n, p=p) == int(cdf.searchsorted(b.random(), side="right"))
-        assert a.random() == b.random()
+        pick = a.choice(n, p=p)
+        assert pick == int(cdf.searchsorted(b.random(), side="right")) == choice_for(p, c.random())
+        assert a.random() == b.random() == c.random()
 
 
 def test_pairwise_sum_reference_is_numpys_sum():

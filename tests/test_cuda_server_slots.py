@@ -60,6 +60,36 @@ def test_two_and_three_server_slots_on_device_kv_caches_equal_their_solo_answers
 
 
 @in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "qwen3next"])
+def test_two_server_slots_draw_their_seeded_tokens_inside_their_device_steps(tiny_model, arch):
+    """Two seeded sampled requests (temperature 0.8, top-k 40, top-p 0.9; seeds 1 and 2) decoded at once, each slot's
+    draw handed to its own device step (serve/scheduler.py `_device_decode`, engine/model.Model.device_draw): the
+    tokens equal the CPU backend's float path's for each seed (and are not the greedy ones); every decode token's
+    draw went up with its token id and came back in its step's copy (never the logits, never a copy of its own)."""
+    path = tiny_model(arch, "f32")
+    cpu = pymoe.load(path, backend="cpu", act_bits=0)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=seed) for seed in (1, 2)]
+    want = [list(cpu.generate(p, max_tokens=N_NEW, stop_at_eos=False, temperature=0.8, top_k=40, top_p=0.9,
+                              seed=sp.seed)) for p, sp in zip(PROMPTS, params)]
+    assert want[0] != list(cpu.generate(PROMPTS[0], max_tokens=N_NEW, stop_at_eos=False))  # not greedy here
+    engine = pymoe.load(path, backend="cuda", backend_options=SIM, cache_slots=4, pcie_frac=0.5, sequences=3)
+    counts, steps0 = engine.backend.counts, engine.backend._steps
+    before = counts.snapshot("decode")["bytes"]
+    with Scheduler(engine, parallel=2, kv="f32") as sched:
+        jobs = [sched.submit(Job(prompt_ids=list(p), max_tokens=N_NEW, ignore_eos=True, sampling=sp))
+                for p, sp in zip(PROMPTS, params)]
+        for job in jobs:
+            list(job.events(timeout=600))
+        assert sched.max_batch == 2
+    assert [job.generated for job in jobs] == want
+    steps = engine.backend._steps - steps0
+    assert steps == 2 * (N_NEW - 1)  # every decode token a device step (the first token: the prefill's)
+    moved = {k: v - before.get(k, 0) for k, v in counts.snapshot("decode")["bytes"].items() if v != before.get(k, 0)}
+    assert moved["token id, position and draw to device"] == 4 * 13 * steps
+    assert "logits to host" not in moved and "sampled token id to host" not in moved
+
+
+@in_process
 def test_slots_beyond_the_device_kv_caches_keep_host_ones(tiny_model):
     """The device holds one KV cache (sequences=1): of 3 slots, the first decodes by device steps, the other two
     keep host KV caches and share a batched version 2 forward; every answer is still the reference's."""

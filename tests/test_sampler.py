@@ -276,3 +276,31 @@ def test_min_tokens_masks_the_end_ids_until_reached():
     assert Sampler(SamplingParams(temperature=0.0, min_tokens=2), constraint=OnlyTheEnd(), end_ids=(0,))(LOGITS) == 0
     s = Sampler(SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, min_tokens=1), end_ids=(0,))
     assert 0 not in s.distribution(LOGITS)[0][s.distribution(LOGITS)[1] > 0].tolist()
+
+
+def test_a_draw_handed_to_a_device_step_keeps_the_seeds_tokens():
+    """Sampler.device_draw takes the next uniform number of the generator ahead of the draw (for a device decode step
+    to draw with: backends/cuda.py `begin_step`); the token the step brought back (`drawn_token`) is returned as it
+    is, and logits that came without one are drawn from on the host for that very u (`choice_for`): either way the
+    generator gives one number per token in order, so a seed's tokens are those of a sampler never asked."""
+    params = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3)
+    logits = np.random.default_rng(0).standard_normal((20, 300)).astype(np.float32)
+    plain = Sampler(params)
+    want = [plain(row) for row in logits]
+    handed = Sampler(params)
+    got = []
+    for row in logits:
+        draw = handed.device_draw(lambda top_k: True)
+        assert (draw.temperature, draw.top_k, draw.top_p, draw.min_p) == (0.8, 40, 0.9, params.min_p)
+        got.append(handed(row))  # host logits: the step did not draw
+    assert got == want and plain.rng.random() == handed.rng.random()
+
+    class Drawn(np.ndarray):  # logits a device step brought back with its draw
+        drawn_token = 7
+
+    stepped = Sampler(params)
+    stepped.device_draw(lambda top_k: True)
+    assert stepped(logits[0].view(Drawn)) == 7 and stepped.n_drawn == 1
+    assert stepped(logits[1]) == want[1]  # nothing held: drawn here from the next number, as a plain sampler would
+    assert Sampler(params).device_draw(lambda top_k: False) is None  # a top-k the device does not take
+    assert Sampler(SamplingParams(temperature=0.8, typical_p=0.9)).device_draw(lambda top_k: True) is None

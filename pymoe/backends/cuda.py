@@ -65,6 +65,7 @@ from .reference import (apply_rope, attention, gdn_state_bytes, gdn_state_shapes
                         silu, swiglu_expert)
 
 MiB = 2**20
+AT_WORDS = 4 + 9  # a step's `at` buffer: token id, position, KV row, a word unused, cuda_kernels/sample.draw_record
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
 
 
@@ -230,10 +231,10 @@ class DeviceKernels:
 
         return step.argmax(logits, out, stream=stream)
 
-    def sample(self, logits, temperature, top_k, top_p, min_p, u, out, stream):
+    def sample(self, logits, draw_k, draw_f, out, stream):
         from pymoe.cuda_kernels import sample
 
-        return sample.sample(logits, temperature, top_k, top_p, min_p, u, out, stream=stream)
+        return sample.sample_at(logits, draw_k, draw_f, out, stream=stream)
 
     def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
         from pymoe.cuda_kernels import step
@@ -403,10 +404,12 @@ class ReferenceKernels:
         out.copy_to_device(np.argmax(logits.copy_to_host(), axis=1).astype(np.int32), stream=stream)
         return out
 
-    def sample(self, logits, temperature, top_k, top_p, min_p, u, out, stream):
+    def sample(self, logits, draw_k, draw_f, out, stream):
         from pymoe.cuda_kernels.sample import sample_reference
 
-        out.copy_to_device(sample_reference(logits.copy_to_host(), temperature, top_k, top_p, min_p, u), stream=stream)
+        (top_k,), (temperature, top_p, min_p, u) = draw_k.copy_to_host(), draw_f.copy_to_host()
+        out.copy_to_device(sample_reference(logits.copy_to_host(), temperature, int(top_k), top_p, min_p, u),
+                           stream=stream)
         return out
 
     def routed_experts(self, slots, host, table, offsets, part_off, row_bytes, types, shape, ids, w, X, Y, H, stream):
@@ -772,14 +775,16 @@ class DeviceWeight:
 
 class StepLogits:
     """The logits [1, V] of a device decode step, left on the device. `greedy_token`: their argmax, computed there
-    and already on the host (the sampler's greedy draw needs nothing else: engine/sampler.py); `sample`: a random
-    draw (temperature, top-k, top-p, min-p) made there for the sampler's uniform number (one launch, 4 bytes back,
-    one more synchronisation); anything else (np.asarray, indexing) brings them over once (V floats, one more
-    synchronisation), while they are still there: until the next step begins."""
+    and already on the host (the sampler's greedy draw needs nothing else: engine/sampler.py); `drawn_token`: the
+    sampler's random draw the step was handed (`begin_step`'s draw), made there and back with the argmax, or None;
+    `sample`: a random draw (temperature, top-k, top-p, min-p) made there for the sampler's uniform number after the
+    step (one launch, 4 bytes back, one more synchronisation); anything else (np.asarray, indexing) brings them over
+    once (V floats, one more synchronisation), while they are still there: until the next step begins."""
 
     def __init__(self, backend: "CUDABackend", dev, token: int, step: int, parent: "StepLogits" = None):
         self._backend, self._dev, self.greedy_token, self._stepno = backend, dev, token, step
         self._parent, self._host = parent, None
+        self.drawn_token = None  # the random draw begin_step was handed, made inside the step (end_step)
         self.shape = tuple(dev.shape) if parent is None else tuple(dev.shape)[1:]
         self.dtype, self.ndim = np.dtype(np.float32), len(self.shape)
 
@@ -814,7 +819,9 @@ class StepLogits:
 
     def __getitem__(self, i):
         if self._parent is None and isinstance(i, int) and i in (0, -1) and self.shape[0] == 1:
-            return StepLogits(self._backend, self._dev, self.greedy_token, self._stepno, parent=self)
+            row = StepLogits(self._backend, self._dev, self.greedy_token, self._stepno, parent=self)
+            row.drawn_token = self.drawn_token
+            return row
         return self._fetch()[i]
 
     def __len__(self) -> int:
@@ -1074,16 +1081,16 @@ class CUDABackend:
                 ex = f.expert(layer, e)
                 offsets[m, e] = [getattr(ex, p).ctypes.data - self.host.base for p in EXPERT_PROJ]
         alloc = self.mem.alloc
-        sb = self._sb = {"at": alloc((3,), np.int32, "activations"),  # the token id, its RoPE position, its KV row
-                         "back": alloc((1 + n_moe * K,), np.int32, "activations"),
+        sb = self._sb = {"at": alloc((AT_WORDS,), np.int32, "activations"),  # token id, RoPE position, KV row,
+                         # (a word unused), a random draw's settings (cuda_kernels/sample.draw_record)
+                         "back": alloc((2 + n_moe * K,), np.int32, "activations"),  # argmax, routing ids, the draw
                          "rw": alloc((n_moe * K,), np.float32, "activations"),
                          "res": alloc((1, D), np.float32, "activations"),
                          "hn": alloc((1, D), np.float32, "activations"),
                          "y": alloc((1, D), np.float32, "activations"),
                          "h": alloc((K, F), np.float32, "activations"),
                          "y_cpu": alloc((1, D), np.float32, "activations"),
-                         "table_now": alloc((E,), np.int32, "activations"),
-                         "drawn": alloc((1,), np.int32, "activations")}
+                         "table_now": alloc((E,), np.int32, "activations")}
         self._table_host = np.full((n_moe, E), -1, np.int32)
         for name, host in (("table", self._table_host), ("offsets", offsets), ("part_off", part_off),
                            ("row_bytes", row_bytes), ("cos", cos), ("sin", sin)):
@@ -1093,6 +1100,9 @@ class CUDABackend:
         self._no_slots = self.mem.alloc((1, 1), np.uint8, "activations")  # the slots argument with no pool
         at = sb["at"]  # what varies from step to step, read by the kernels from fixed addresses (a CUDA graph
         self._at = {"token": at[0:1], "position": at[1:2], "row": at[2:3]}  # replays them: cuda_graphs.py)
+        from pymoe.cuda_kernels.sample import draw_views
+
+        self._draw_at = draw_views(at, 4)  # (top_k int32 [1], temperature, top_p, min_p, u float64 [4]) on the device
 
     # --- the device decode step (version 3) ------------------------------------------------------------------------
     # One decoded token of a sequence with a device KV cache runs on the device from the token id to the
@@ -1115,14 +1125,23 @@ class CUDABackend:
         """kv is this backend's device KV cache (a device step needs one)."""
         return isinstance(kv, DeviceKVCache)
 
+    def can_sample(self, top_k: int) -> bool:
+        """A random draw with this top-k can be made on the device (cuda_kernels/sample.fits: at most K_MAX
+        candidates of the vocabulary)."""
+        from pymoe.cuda_kernels.sample import fits
+
+        return fits(top_k, self._cfg.n_vocab)
+
     def begin_step(self, tokens: np.ndarray, p0: int, residency: Optional[np.ndarray], inline: bool = False,
-                   row: Optional[int] = None):
+                   row: Optional[int] = None, draw=None):
         """Start a device step of one token at position p0 (its KV row: `row`, p0 unless an image shifted the
         positions): bring the residency table up to date (residency: the cache's [L, E] -> slot or -1, or None with
         no pool), wait for copies in flight, put the token id, p0 and the row on the device in one copy (`at`: the
         kernels read them there, so each step makes the same launches, what a CUDA graph replays); returns the
         token id (int32 [1], device). inline: the cache may send misses to the CPU, so each MoE layer's lookup is
-        made inside the step (`routing_to_host`, `experts_as_served`) and the table is not used."""
+        made inside the step (`routing_to_host`, `experts_as_served`) and the table is not used. draw: the sampler's
+        random draw (engine/sampler.DeviceDraw: its settings and its next uniform number), made inside the step
+        (`end_step`), its settings in the same copy as the token id, or None (the step brings back the argmax)."""
         if not inline:
             self.sync_table(residency)
         if self.cache_pool is not None:
@@ -1133,11 +1152,20 @@ class CUDABackend:
         row = int(p0 if row is None else row)
         if not (0 <= row < self.n_ctx and 0 <= p0 < self.n_ctx):
             raise PymoeError(f"backend 'cuda': position {p0} (KV row {row}) outside the device's {self.n_ctx}")
-        self._step = {"p0": int(p0), "row": row, "inline": bool(inline)}
+        self._step = {"p0": int(p0), "row": row, "inline": bool(inline), "draw": draw is not None}
         self._arena_top = 0
         at = np.array([np.asarray(tokens).reshape(-1)[0], p0, row], np.int32)  # [token, position, KV row]
-        self._sb["at"].copy_to_device(at, stream=self.compute)
-        self.counts.copy("token id and position to device", at.nbytes)
+        if draw is None:
+            shaped(self._sb["at"], (3,)).copy_to_device(at, stream=self.compute)
+            self.counts.copy("token id and position to device", at.nbytes)
+        else:  # [token, position, KV row, 0, draw_record] (AT_WORDS)
+            from pymoe.cuda_kernels.sample import check_draw, draw_record
+
+            check_draw(draw.temperature, draw.top_k, draw.u, self._cfg.n_vocab)
+            at = np.concatenate([at, [0], draw_record(draw.temperature, draw.top_k, draw.top_p, draw.min_p,
+                                                      draw.u)]).astype(np.int32)
+            self._sb["at"].copy_to_device(at, stream=self.compute)
+            self.counts.copy("token id, position and draw to device", at.nbytes)
         if self.graphs is not None and not inline:  # the step's launches: one CUDA graph (cuda_graphs.py)
             self.graphs.begin()
         return self._at["token"]
@@ -1316,12 +1344,16 @@ class CUDABackend:
         return self.linear(w["down"], g)
 
     def end_step(self, logits):
-        """Greedy argmax on the device, then the step's one copy back: the token id and every MoE layer's routing
-        ids -> (token, ids int32 [n_moe, K], StepLogits). Counts the PCIe reads of the experts the table sent to
-        the mapped file."""
+        """Greedy argmax on the device (and the step's random draw, if begin_step had one), then the step's one copy
+        back: the token id, every MoE layer's routing ids (and the drawn id) -> (token, ids int32 [n_moe, K],
+        StepLogits). Counts the PCIe reads of the experts the table sent to the mapped file."""
         K = self._moe[0]
         back = self._sb["back"]
+        n = back.shape[0] - 1  # the argmax and the routing ids; the drawn id after them
         self._launch("argmax", logits, shaped(back, (1,)), self.compute)
+        drawn = self._step["draw"]
+        if drawn:  # the sampler's draw, into the word after the routing ids
+            self._launch("sample", logits, *self._draw_at, back[n:n + 1], self.compute)
         if self.recorder is not None:
             self.recorder.end()
         if self.graphs is not None:  # the step's launches, held until now: a graph's replay (or run directly)
@@ -1330,22 +1362,33 @@ class CUDABackend:
             done = self.cuda.event()
             done.record(self.compute)
             self.cache_pool.step_read = done
-        host = self._get(back, "token and routing ids to host")
-        ids = host[1:].reshape(-1, K)  # [n_moe, K]
+        if drawn:
+            host = self._get(shaped(back, (n + 1,)), "token, routing and drawn ids to host")
+        else:
+            host = self._get(shaped(back, (n,)), "token and routing ids to host")
+        ids = host[1:n].reshape(-1, K)  # [n_moe, K]
         for m in range(0 if self._step["inline"] else ids.shape[0]):  # (inline: counted as served)
             for e in np.unique(ids[m]):
                 if self._table_host[m, e] < 0:
                     self.counts.copy("expert spill reads over PCIe", int(self._expert_nbytes[m]))
         self._step, self._res = None, None
-        return int(host[0]), ids, StepLogits(self, logits, int(host[0]), self._steps)
+        out = StepLogits(self, logits, int(host[0]), self._steps)
+        out.drawn_token = int(host[n]) if drawn else None
+        return int(host[0]), ids, out
 
     def sample_step(self, logits, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
-        """A random draw from a finished step's logits [1, V] (device) for the uniform u: one launch, the token id
-        back (4 bytes, one synchronisation after the step's own)."""
-        drawn = self._sb["drawn"]
-        self._launch("sample", logits, float(temperature), int(top_k), float(top_p), float(min_p), float(u), drawn,
-                     self.compute)
-        return int(self._get(drawn, "sampled token id to host")[0])
+        """A random draw from a finished step's logits [1, V] (device) for the uniform u, when the step was not handed
+        it (begin_step's `draw`): its settings up (36 bytes), one launch, the token id back (4 bytes, one
+        synchronisation after the step's own)."""
+        from pymoe.cuda_kernels.sample import check_draw, draw_record
+
+        check_draw(temperature, top_k, u, self._cfg.n_vocab)
+        rec = draw_record(temperature, top_k, top_p, min_p, u)
+        shaped(self._sb["at"][4:], rec.shape).copy_to_device(rec, stream=self.compute)
+        self.counts.copy("draw to device", rec.nbytes)
+        out = self._sb["back"][-1:]
+        self._launch("sample", logits, *self._draw_at, out, self.compute)
+        return int(self._get(out, "sampled token id to host")[0])
 
     def new_kv(self, n_ctx: int):
         """A free device KV cache for a new sequence (one not lent to a sequence still alive), if there is one and it

@@ -19,9 +19,10 @@ So a graph replays only launches identical to the ones it captured, which is wha
 varies from step to step (the token id, its position and KV row, the residency table, the routing) lives in device
 arrays at fixed addresses, written before the graph runs (tests/test_cuda_graphs.py holds every family's steps to
 identical launch lists in the simulator).
-Outside the graph, on the same stream: the upload of the token id and position and of the residency table's changed
-rows and the waits for the promotions' copies (before it), the event the slot copies wait for and the copy back of
-the token and routing ids (after it). A step whose cache lookups are made inside it ("cpu" misses: host round
+Outside the graph, on the same stream: the upload of the token id and position (and of a random draw's settings: the
+sample kernel reads them there) and of the residency table's changed rows and the waits for the promotions' copies
+(before it), the event the slot copies wait for and the copy back of the token and routing ids (and the drawn id)
+(after it). A step whose cache lookups are made inside it ("cpu" misses: host round
 trips per MoE layer) runs its launches directly, as does any step in which the host must read the device before
 the step ends (`flush`).
 What this is not: a second forward pass (the engine's forward runs every step, choosing the same launches), or a

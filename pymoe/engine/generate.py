@@ -185,7 +185,8 @@ def _decode(model, kv, prompt_ids, max_tokens, sampler, is_stop, stats, spec, lo
         if spec is not None:  # history[-1] is not in the KV cache yet: the speculator runs it with its drafts
             pending = spec.step(model, kv, history, sampler, max_tokens - stats.n_generated)
         else:
-            pending = [sampler(model.decode_one_token(history[-1], kv), history)]
+            draw = model.device_draw(sampler, kv)  # a draw made inside the step, or None
+            pending = [sampler(model.decode_one_token(history[-1], kv, draw), history)]
         stats.decode_s += time.perf_counter() - t1
         stats.decode = {k: v - before[k] for k, v in cache_stats.snapshot("decode").items()}
         if counts is not None:

@@ -162,6 +162,14 @@ class Model:
         such slots' decode steps one sequence at a time (serve/scheduler.py), the others in one batched forward."""
         return self._device_step(np.zeros(1, np.int64), kv, "decode", None)
 
+    def device_draw(self, sampler, kv):
+        """The sampler's next draw, handed to the device step of kv's next decode token so the drawn id comes back
+        in the step's one copy (engine/sampler.Sampler.device_draw, backends/cuda.py `begin_step`), or None: the
+        token does not run as a device step, or the draw is not one the device makes (the sampler draws as usual)."""
+        if not self.steps_on_device(kv):
+            return None
+        return sampler.device_draw(self.backend.can_sample)
+
     def _cache_allows_step(self) -> bool:
         """An expert cache the device step can serve: a SlotCache, or none on a GPU (every expert over PCIe)."""
         cache = self.cache
@@ -280,10 +288,11 @@ class Model:
                                for kv, rows in segments(kvs, T)])
 
     # --- the forward pass -------------------------------------------------------------------------------------
-    def forward(self, tokens, kv: KVCache, phase: str, media=None) -> np.ndarray:
+    def forward(self, tokens, kv: KVCache, phase: str, media=None, draw=None) -> np.ndarray:
         """tokens [T] appended at kv.n -> logits float32 [T, V]; advances kv.n by T. media: this call's slice of a
         prompt's images (engine/multimodal.PromptMedia): embedding rows that replace the image pad tokens' rows and
-        each row's (t, h, w) M-RoPE position."""
+        each row's (t, h, w) M-RoPE position. draw: the sampler's random draw for a device step to make
+        (`device_draw`)."""
         tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
         cfg = self.cfg
         if tokens.size == 0:
@@ -299,7 +308,7 @@ class Model:
         if step:  # the token id goes to the device, and the step stays there until its token comes back
             table = getattr(self.cache, "step_table", None)  # SlotCache: its residency table (force_spill masks)
             tok = self.backend.begin_step(tokens, kv.n + _delta(kv), table() if table else None,
-                                          inline=not self._misses_all_over_pcie(), row=kv.n)
+                                          inline=not self._misses_all_over_pcie(), row=kv.n, draw=draw)
             x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
         else:
             x = self.embed(tokens)  # [T, D]
@@ -376,8 +385,8 @@ class Model:
                                             None if media is None else media.slice(i, i + self.chunk))
                                for i in range(0, tokens.size, self.chunk)])  # [T, V]
 
-    def decode_one_token(self, token: int, kv: KVCache) -> np.ndarray:
-        return self.forward([token], kv, "decode")[0]
+    def decode_one_token(self, token: int, kv: KVCache, draw=None) -> np.ndarray:
+        return self.forward([token], kv, "decode", draw=draw)[0]
 
     def new_kv(self, n_ctx=None) -> KVCache:
         """A KV cache for a new sequence: the backend's own when it has one free (CUDA: in device memory, so that

@@ -286,6 +286,25 @@ def log_probs(z: np.ndarray, token: int, top: int) -> tuple:
     return float(z[token] - lse), [(int(t), float(z[t] - lse)) for t in best]
 
 
+@dataclass(frozen=True)
+class DeviceDraw:
+    """A plain random draw handed to a device decode step before it runs (`Sampler.device_draw`): the settings and
+    the uniform number u the sampler's generator gave for it (backends/cuda.py `begin_step`)."""
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    u: float
+
+
+def choice_for(probs: np.ndarray, u: float) -> int:
+    """Generator.choice(len(probs), p=probs) with its one uniform number given: the index whose normalised
+    cumulative sum first exceeds u (tests/test_cuda_sample_kernel.py checks the identity)."""
+    cdf = probs.cumsum()
+    cdf /= cdf[-1]
+    return int(cdf.searchsorted(u, side="right"))
+
+
 class Sampler:
     def __init__(self, params: SamplingParams = SamplingParams(), constraint=None, top_logprobs: Optional[int] = None,
                  end_ids=()):
@@ -299,12 +318,19 @@ class Sampler:
         self.last_logprobs: Optional[tuple] = None  # (log p(token), [(id, log p)] * top_logprobs) of the last draw
         self.mu = 2.0 * params.mirostat_tau  # mirostat's running target (llama.cpp starts it at 2 tau)
         self.n_drawn = 0  # tokens drawn so far (min_tokens)
+        self._held_u: Optional[float] = None  # the uniform number of a draw handed to a device step (device_draw)
 
     def __call__(self, logits: np.ndarray, history: Sequence[int] = ()) -> int:
         """logits float32 [V] -> the next token id. Logits a device decode step left on the device
         (backends/cuda.StepLogits) carry their argmax: a plain greedy draw takes it and never brings them over; a
         plain random draw (`_plain_random`) is made there, for this sampler's next uniform number, which is the one
-        rng.choice below would take (cuda_kernels/sample.py): the same tokens for a seed on every backend."""
+        rng.choice below would take (cuda_kernels/sample.py): the same tokens for a seed on every backend. After
+        `device_draw`, the token the step drew for its u (`drawn_token`), or, had the step not made it, the draw
+        here for that u."""
+        u, self._held_u = self._held_u, None
+        if u is not None and getattr(logits, "drawn_token", None) is not None:
+            self.n_drawn += 1
+            return int(logits.drawn_token)
         token = getattr(logits, "greedy_token", None)
         if token is not None and self._plain_greedy():
             self.n_drawn += 1
@@ -312,13 +338,13 @@ class Sampler:
         p = self.params
         if hasattr(logits, "can_sample") and self._plain_random() and logits.can_sample(p.top_k):
             self.n_drawn += 1
-            return int(logits.sample(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random()))
+            return int(logits.sample(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random() if u is None else u))
         z = self._penalised(np.asarray(logits), history)
         if self.params.temperature == 0.0:
             token = int(np.argmax(z))
         else:
             ids, probs = self._distribution(z)
-            pick = self.rng.choice(len(ids), p=probs)
+            pick = self.rng.choice(len(ids), p=probs) if u is None else choice_for(probs, u)
             token = int(ids[pick])
             self._drawn(probs[pick])
         if self.top_logprobs is not None:
@@ -327,6 +353,16 @@ class Sampler:
             self.constraint.accept(token)
         self.n_drawn += 1
         return token
+
+    def device_draw(self, can_sample) -> Optional[DeviceDraw]:
+        """The next draw, for a device decode step to make before this sampler is called on its logits: a plain
+        random draw (`_plain_random`) whose top-k the device takes (can_sample(top_k)), with its uniform number
+        drawn now, the one number the draw consumes either way (so a seed gives the same tokens); else None."""
+        p = self.params
+        if not (self._plain_random() and can_sample(p.top_k)):
+            return None
+        self._held_u = float(self.rng.random())
+        return DeviceDraw(p.temperature, p.top_k, p.top_p, p.min_p, self._held_u)
 
     def _plain_greedy(self) -> bool:
         """The draw is the argmax of the logits as they are: temperature 0 and nothing that changes or reads them

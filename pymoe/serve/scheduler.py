@@ -574,12 +574,14 @@ class Scheduler:
     def _device_decode(self, s: Slot) -> None:
         """One slot's decode token as a device step (engine/model.py `_device_step`: one synchronisation), then its
         next token sampled at once (the step's logits stay on the device until the next step begins: a greedy
-        draw reads the argmax that came back with the token, others bring the logits over); the expert cache's
+        draw reads the argmax that came back with the token, a plain random draw handed to the step its drawn id,
+        others bring the logits over); the expert cache's
         counters of the step go to the job's."""
         job, cache_stats = s.job, self.model.cache.stats
         before = cache_stats.snapshot("decode")
         t0 = time.perf_counter()
-        logits = self.model.forward([job.next_token], s.kv, "decode")[0]  # [V] (backends/cuda.py StepLogits)
+        draw = self.model.device_draw(job.sampler, s.kv)  # the slot's draw made inside its step, or None
+        logits = self.model.forward([job.next_token], s.kv, "decode", draw=draw)[0]  # [V] (cuda.py StepLogits)
         job.stats.decode_s += time.perf_counter() - t0
         for name, n in cache_stats.snapshot("decode").items():
             job.stats.decode[name] = job.stats.decode.get(name, 0) + n - before.get(name, 0)

@@ -652,9 +652,8 @@ MUTANTS: list[Mutant] = [
         "the device draw orders equal logits by the larger id first (the host's stable sort: the smaller)"),
     Mutant(
         "device_draw_takes_two_uniforms", "pymoe/engine/sampler.py",
-        "            return int(logits.sample(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random()))",
-        "            return int(logits.sample(p.temperature, p.top_k, p.top_p, p.min_p, self.rng.random() * 0 + "
-        "self.rng.random()))",
+        "        self._held_u = float(self.rng.random())",
+        "        self._held_u = float(self.rng.random() * 0 + self.rng.random())",
         ("tests/test_cuda_device_step.py::"
          "test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device[*]",),
         "a device draw advances the sampler's generator twice: a seed gives other tokens than on the CPU backend"),
