@@ -402,8 +402,8 @@ def compile_every_kernel_to_ptx():
     # the device draw (cuda_kernels/sample.py)
     from pymoe.cuda_kernels import sample as SA
 
-    jobs += [(SA.sample_kernel, (f2, nt.Array(nt.uint32, 2, "C"), nt.float64, nt.int64, nt.float64, nt.float64,
-                                 nt.float64, i1))]
+    jobs += [(SA.sample_kernel, (f2, nt.Array(nt.uint32, 2, "C"), nt.Array(nt.int32, 1, "A"),  # draw_k, draw_f:
+                                 nt.Array(nt.float64, 1, "A"), i1))]  # views of the step's `at` record
     for kernel, sig in jobs:
         cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
         print("ptx ok:", kernel.py_func.__name__, flush=True)
