@@ -66,6 +66,7 @@ from .reference import (apply_rope, attention, gdn_state_bytes, gdn_state_shapes
 
 MiB = 2**20
 AT_WORDS = 4 + 9  # a step's `at` buffer: token id, position, KV row, a word unused, cuda_kernels/sample.draw_record
+VERIFY_ROWS = 16  # the most rows (1 + drafts) of a verify step on the device (`begin_step`); more: version 2
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
 
 
@@ -779,18 +780,23 @@ class StepLogits:
     sampler's random draw the step was handed (`begin_step`'s draw), made there and back with the argmax, or None;
     `sample`: a random draw (temperature, top-k, top-p, min-p) made there for the sampler's uniform number after the
     step (one launch, 4 bytes back, one more synchronisation); anything else (np.asarray, indexing) brings them over
-    once (V floats, one more synchronisation), while they are still there: until the next step begins."""
+    once (V floats, one more synchronisation), while they are still there: until the next step begins.
+    A verify step's logits [T, V] (`begin_step` with T rows): row t (`logits[t]`) carries its argmax as its
+    `greedy_token`; a random draw brings them over (T V floats, one more synchronisation: sampled verification
+    is the host's, engine/sampler.Sampler.verify)."""
 
-    def __init__(self, backend: "CUDABackend", dev, token: int, step: int, parent: "StepLogits" = None):
+    def __init__(self, backend: "CUDABackend", dev, token: int, step: int, parent: "StepLogits" = None, row: int = 0,
+                 tokens=None):
         self._backend, self._dev, self.greedy_token, self._stepno = backend, dev, token, step
-        self._parent, self._host = parent, None
+        self._parent, self._host, self._row = parent, None, row
+        self._tokens = [token] if tokens is None else [int(t) for t in tokens]  # each row's argmax
         self.drawn_token = None  # the random draw begin_step was handed, made inside the step (end_step)
         self.shape = tuple(dev.shape) if parent is None else tuple(dev.shape)[1:]
         self.dtype, self.ndim = np.dtype(np.float32), len(self.shape)
 
     def _fetch(self) -> np.ndarray:
         if self._parent is not None:
-            return self._parent._fetch()[0]
+            return self._parent._fetch()[self._row]
         if self._host is None:
             if self._backend._steps != self._stepno:
                 raise PymoeError("backend 'cuda': the logits of an earlier decode step are gone (fetch them before "
@@ -799,10 +805,12 @@ class StepLogits:
         return self._host
 
     def can_sample(self, top_k: int) -> bool:
-        """`sample` takes a draw with this top-k (cuda_kernels/sample.fits: at most K_MAX candidates)."""
+        """`sample` takes a draw with this top-k (cuda_kernels/sample.fits: at most K_MAX candidates); not from a
+        verify step's rows (the sampler brings those over)."""
         from pymoe.cuda_kernels.sample import fits
 
-        return fits(top_k, self.shape[-1])
+        root = self if self._parent is None else self._parent
+        return root.shape[0] == 1 and fits(top_k, self.shape[-1])
 
     def sample(self, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:
         """The host sampler's draw for the uniform u (engine/sampler.Sampler: its generator's next random()), made on
@@ -818,8 +826,10 @@ class StepLogits:
         return a if dtype is None else a.astype(dtype)
 
     def __getitem__(self, i):
-        if self._parent is None and isinstance(i, int) and i in (0, -1) and self.shape[0] == 1:
-            row = StepLogits(self._backend, self._dev, self.greedy_token, self._stepno, parent=self)
+        T = self.shape[0]
+        if self._parent is None and isinstance(i, (int, np.integer)) and -T <= i < T:  # a row: its argmax kept
+            r = int(i) % T
+            row = StepLogits(self._backend, self._dev, self._tokens[r], self._stepno, parent=self, row=r)
             row.drawn_token = self.drawn_token
             return row
         return self._fetch()[i]
@@ -969,12 +979,19 @@ class CUDABackend:
                                         + w_out),  # (hybrid: query and gate, then each apart)
                                # a device step's (one token): the attention block's q, k, v, o, y, the router's
                                # logits, the shared expert's gate, up and output, the logits
-                               H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert
-                               + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
-                               + c.n_vocab + self._mla_step_floats() + gdn_step_floats(c)),), np.float32),
+                               self._step_floats(1) + self._mla_step_floats() + gdn_step_floats(c)),), np.float32),
                 "scores": ((H * n_ctx,), np.float32),
                 "rope_cos": ((n_ctx * (c.rope_dim // 2),), np.float32),
                 "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
+
+    def _step_floats(self, T: int) -> int:
+        """The arena floats of a device step of T rows of GQA layers (T > 1: a verify step): per row the attention
+        block's q, k, v, o, y, the router's logits, the shared expert's (or dense MLP's) gate, up and output, the
+        logits."""
+        c = self._cfg
+        H, G, Dh, Dv, D = c.n_head, c.n_head_kv, c.head_dim, c.head_dim_v, c.n_embd
+        return T * (H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
+                    + c.n_vocab)
 
     def _mla_step_floats(self) -> int:
         """A device step's MLA arrays beyond the GQA block's (engine/mla.mla_step): the q_a row, q [H, N + R] and
@@ -1103,6 +1120,30 @@ class CUDABackend:
         from pymoe.cuda_kernels.sample import draw_views
 
         self._draw_at = draw_views(at, 4)  # (top_k int32 [1], temperature, top_p, min_p, u float64 [4]) on the device
+        # A verify step's (T rows, `begin_step`): its own `at` [position, KV row, T token ids] and its copy back
+        # [T argmax ids, routing ids [n_moe, T, K]], routing weights; its float rows (residual, normed, MoE output
+        # [T, D], hidden [T K, F]) in the version 2 expert scratch, which no device step uses
+        R = self.verify_rows = min(VERIFY_ROWS, self.chunk)
+        sb["v_at"] = alloc((2 + R,), np.int32, "activations")
+        sb["v_back"] = alloc((R * (1 + n_moe * K),), np.int32, "activations")
+        sb["v_rw"] = alloc((R * n_moe * K,), np.float32, "activations")
+        self._plain = {name: sb[name] for name in ("res", "hn", "y", "h", "back", "rw")}
+        self._bufs, self._at_plain = self._plain, self._at  # the step under way's: these, or a verify step's
+
+    def _verify_buffers(self, T: int) -> dict:
+        """A verify step's views: res, hn, y [T, D], h [T K, F], back [T (1 + n_moe K)], rw [n_moe T K]."""
+        K, D, F = self._moe
+        n_moe, sb, s = len(self._cfg.moe_layers), self._sb, self.scratch
+        return {"res": shaped(s["xg"], (T, D)), "hn": shaped(s["yg"], (T, D)),
+                "y": shaped(s["yg"].reshape(-1)[T * D:], (T, D)), "h": shaped(s["h"], (T * K, F)),
+                "back": shaped(sb["v_back"], (T * (1 + n_moe * K),)), "rw": shaped(sb["v_rw"], (n_moe * T * K,))}
+
+    def verify_fits(self, T: int) -> bool:
+        """A verify forward of T rows fits a device step's buffers: at most `verify_rows` rows, its arena floats
+        (`_step_floats`), its residual, normed and MoE output rows in the expert scratch (xg, yg)."""
+        K, D, _ = self._moe
+        return (self.step_ready() and 1 < T <= self.verify_rows and 2 * T <= self.chunk * K
+                and self._step_floats(T) <= self.scratch["arena"].shape[0])
 
     # --- the device decode step (version 3) ------------------------------------------------------------------------
     # One decoded token of a sequence with a device KV cache runs on the device from the token id to the
@@ -1141,20 +1182,40 @@ class CUDABackend:
         token id (int32 [1], device). inline: the cache may send misses to the CPU, so each MoE layer's lookup is
         made inside the step (`routing_to_host`, `experts_as_served`) and the table is not used. draw: the sampler's
         random draw (engine/sampler.DeviceDraw: its settings and its next uniform number), made inside the step
-        (`end_step`), its settings in the same copy as the token id, or None (the step brings back the argmax)."""
+        (`end_step`), its settings in the same copy as the token id, or None (the step brings back the argmax).
+
+        T > 1 tokens: a verify step (speculation's last token and its drafts, positions p0 .. p0 + T - 1, KV rows
+        row ..; `verify_fits`): the position, the row and the T token ids go up in one copy (`v_at`), the blocks run
+        on T rows (the KV rows written by `kv_store`, causal attention over them by `chunk_attention`), and
+        `end_step` brings back the T argmax ids with the routing ids [n_moe, T, K]. Not inline, no draw, no graph.
+        Returns the token ids (int32 [T], device)."""
+        tokens = np.asarray(tokens).reshape(-1)
+        T = tokens.size
+        if T > 1 and (inline or draw is not None or not self.verify_fits(T)):
+            raise PymoeError(f"backend 'cuda': a verify step of {T} rows takes no cpu misses nor draw, and at most "
+                             f"{self.verify_rows} rows")
         if not inline:
             self.sync_table(residency)
         if self.cache_pool is not None:
             self.cache_pool.before_any_read()
         self._steps += 1
-        if self.recorder is not None:
+        if self.recorder is not None and T == 1:
             self.recorder.begin()
         row = int(p0 if row is None else row)
-        if not (0 <= row < self.n_ctx and 0 <= p0 < self.n_ctx):
+        if not (0 <= row and row + T <= self.n_ctx and 0 <= p0 and p0 + T <= self.n_ctx):
             raise PymoeError(f"backend 'cuda': position {p0} (KV row {row}) outside the device's {self.n_ctx}")
-        self._step = {"p0": int(p0), "row": row, "inline": bool(inline), "draw": draw is not None}
+        self._step = {"p0": int(p0), "row": row, "inline": bool(inline), "draw": draw is not None, "T": T}
         self._arena_top = 0
-        at = np.array([np.asarray(tokens).reshape(-1)[0], p0, row], np.int32)  # [token, position, KV row]
+        if T > 1:  # a verify step: [position, KV row, T token ids] up in one copy
+            v_at = self._sb["v_at"]
+            self._at = {"position": v_at[0:1], "row": v_at[1:2], "token": v_at[2:2 + T]}
+            self._bufs = self._verify_buffers(T)
+            data = np.concatenate([[p0, row], tokens]).astype(np.int32)
+            shaped(v_at, (2 + T,)).copy_to_device(data, stream=self.compute)
+            self.counts.copy("verify token ids and position to device", data.nbytes)
+            return self._at["token"]
+        self._at, self._bufs = self._at_plain, self._plain
+        at = np.array([tokens[0], p0, row], np.int32)  # [token, position, KV row]
         if draw is None:
             shaped(self._sb["at"], (3,)).copy_to_device(at, stream=self.compute)
             self.counts.copy("token id and position to device", at.nbytes)
@@ -1191,7 +1252,7 @@ class CUDABackend:
 
     def embed(self, w: "DeviceWeight", tokens):
         """The residual stream of the step: row tokens[0] of the embedding's raw rows w, decoded on the device."""
-        self._res = self._sb["res"]
+        self._res = self._bufs["res"]
         self._launch("embed", w.raw, w.qtype, tokens, self._res, self.compute)
         return self._res
 
@@ -1217,8 +1278,9 @@ class CUDABackend:
         (the ids in the buffer that comes back at the step's end)."""
         K = self._moe[0]
         m = layer - self._cfg.moe_layers.start
-        ids = shaped(self._sb["back"][1 + m * K:], (1, k))
-        w = shaped(self._sb["rw"][m * K:], (1, k))
+        T = self._step["T"]  # (1, or a verify step's rows: [T, K] each)
+        ids = shaped(self._bufs["back"][T + m * T * K:], (T, k))
+        w = shaped(self._bufs["rw"][m * T * K:], (T, k))
         if groups[0] > 1:  # DeepSeek: the top K within the best groups (cuda_kernels/route_groups.py)
             bias = None if expert_bias is None else self._vec(expert_bias)
             self._launch("route_groups", logits, k, bias, gating == "softmax", int(groups[0]), int(groups[1]),
@@ -1243,14 +1305,14 @@ class CUDABackend:
         offsets = shaped(sb["offsets"].reshape(-1)[m * E * 3:], (E, 3))
         part_off = shaped(sb["part_off"].reshape(-1)[m * 3:], (3,))
         row_bytes = shaped(sb["row_bytes"].reshape(-1)[m * 3:], (3,))
-        args = (slots, self._host_file, table, offsets, part_off, row_bytes, expert_types, (D, F), ids, w, x, sb["y"],
-                sb["h"])
+        args = (slots, self._host_file, table, offsets, part_off, row_bytes, expert_types, (D, F), ids, w, x,
+                self._bufs["y"], self._bufs["h"])
         if ffn is None:
             self._launch("routed_experts", *args, self.compute)
         else:
             biases = tuple(self._vec(ffn.bias[p]) for p in ("gate", "up", "down"))  # [E, F], [E, F], [E, D]
             self._launch("routed_experts_oai", *args, biases, self.compute)
-        return sb["y"]
+        return self._bufs["y"]
 
     def _add_shared(self, y, x, shared: Optional[dict]):
         if shared:
@@ -1346,15 +1408,17 @@ class CUDABackend:
     def end_step(self, logits):
         """Greedy argmax on the device (and the step's random draw, if begin_step had one), then the step's one copy
         back: the token id, every MoE layer's routing ids (and the drawn id) -> (token, ids int32 [n_moe, K],
-        StepLogits). Counts the PCIe reads of the experts the table sent to the mapped file."""
+        StepLogits). Counts the PCIe reads of the experts the table sent to the mapped file. A verify step (T rows):
+        the argmax of each row and the routing ids [n_moe, T K] (row t's K ids at t K ..), logits [T, V]."""
         K = self._moe[0]
-        back = self._sb["back"]
-        n = back.shape[0] - 1  # the argmax and the routing ids; the drawn id after them
-        self._launch("argmax", logits, shaped(back, (1,)), self.compute)
+        T = self._step["T"]
+        back = self._bufs["back"]
+        n = T * (1 + len(self._cfg.moe_layers) * K)  # the argmax ids and the routing ids; the drawn id after them
+        self._launch("argmax", logits, shaped(back, (T,)), self.compute)
         drawn = self._step["draw"]
         if drawn:  # the sampler's draw, into the word after the routing ids
             self._launch("sample", logits, *self._draw_at, back[n:n + 1], self.compute)
-        if self.recorder is not None:
+        if self.recorder is not None and T == 1:
             self.recorder.end()
         if self.graphs is not None:  # the step's launches, held until now: a graph's replay (or run directly)
             self.graphs.run()
@@ -1364,15 +1428,18 @@ class CUDABackend:
             self.cache_pool.step_read = done
         if drawn:
             host = self._get(shaped(back, (n + 1,)), "token, routing and drawn ids to host")
+        elif T > 1:
+            host = self._get(shaped(back, (n,)), "verify argmax and routing ids to host")
         else:
             host = self._get(shaped(back, (n,)), "token and routing ids to host")
-        ids = host[1:n].reshape(-1, K)  # [n_moe, K]
+        ids = host[T:n].reshape(-1, T * K)  # [n_moe, T K]
         for m in range(0 if self._step["inline"] else ids.shape[0]):  # (inline: counted as served)
             for e in np.unique(ids[m]):
                 if self._table_host[m, e] < 0:
                     self.counts.copy("expert spill reads over PCIe", int(self._expert_nbytes[m]))
         self._step, self._res = None, None
-        out = StepLogits(self, logits, int(host[0]), self._steps)
+        self._at, self._bufs = self._at_plain, self._plain
+        out = StepLogits(self, logits, int(host[0]) if T == 1 else None, self._steps, tokens=host[:T])
         out.drawn_token = int(host[n]) if drawn else None
         return int(host[0]), ids, out
 
@@ -1626,8 +1693,8 @@ class CUDABackend:
         if isinstance(x, np.ndarray):
             return self.cpu.rmsnorm(x, w, eps)
         if x is self._res:  # the residual stream of a device step: kept, the normed copy goes to `step hn`
-            self._launch("rmsnorm", x, self._vec(w), eps, self._sb["hn"], self.compute)
-            return self._sb["hn"]
+            self._launch("rmsnorm", x, self._vec(w), eps, self._bufs["hn"], self.compute)
+            return self._bufs["hn"]
         shape = tuple(x.shape)  # (the simulator's shape object takes no negative index)
         rows = self._reshaped(x, (math.prod(shape[:-1]), shape[-1]))  # [N, n]
         self._launch("rmsnorm", rows, self._vec(w), eps, rows, self.compute)
@@ -1676,8 +1743,9 @@ class CUDABackend:
             kv.write(layer, p0, self.to_host(k), None if v is None else self.to_host(v))
 
     def _in_step(self, p0, T: int) -> bool:
-        """One token at the KV row of the device step under way: its position is read from `at` on the device."""
-        return self._step is not None and T == 1 and p0 == self._step["row"]
+        """The rows of the device step under way (one token, or a verify step's T) at its KV row: their position
+        and row are read from `at` on the device."""
+        return self._step is not None and T == self._step["T"] and p0 == self._step["row"]
 
     def kv_read(self, kv, layer: int, S: int) -> tuple:
         if isinstance(kv, DeviceKVCache) and self._in_step(S - 1, 1):  # the whole cache: attention reads its

@@ -149,13 +149,28 @@ class Model:
         """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
         nothing that needs each layer's routing on the host as it happens (a trace, the lookahead, an MTP tap) and
         an expert cache it can serve (`_cache_allows_step`). Speculation's expert count comes from the routing ids
-        the step brings back (`_end_device_step`)."""
+        the step brings back (`_end_device_step`). Several tokens in decode: speculation's verify forward, a
+        device step of T rows where `verify_on_device` allows it."""
         b = self.backend
-        if not (self.step_on_device and phase == "decode" and tokens.size == 1 and media is None and b.step_ready()
+        if not (self.step_on_device and phase == "decode" and media is None and b.step_ready()
                 and b.owns(kv) and self.trace is None and self.lookahead is None
                 and id(kv) not in self.hidden_taps):
             return False
+        if tokens.size > 1 and not self.verify_on_device(tokens.size):
+            return False
         return self._cache_allows_step()
+
+    def verify_on_device(self, T: int) -> bool:
+        """A verify forward of T positions (the last token and its drafts, engine/speculative.py) runs as one device
+        step (backends/cuda.py `begin_step` with T rows): GQA attention in every layer (no recurrent state, whose
+        rollback would need the state before the drafts; no MLA, whose step kernels take one row), every miss read
+        over PCIe (the cache's lookups follow the step: one synchronisation), and rows that fit the step's buffers
+        (`verify_fits`). Its rollback is speculation's `kv.n = p0 + 1 + accepted`: the rejected rows' K/V stay in
+        the device cache past kv.n, where no query reads them (each query attends to rows 0 .. its own position) and
+        the next forward writes its rows before it attends."""
+        b = self.backend
+        return (all(la.plan.attention == "gqa" for la in self.layers) and self._misses_all_over_pcie()
+                and getattr(b, "verify_fits", lambda T: False)(T))
 
     def steps_on_device(self, kv) -> bool:
         """A decode token of the sequence in kv would run as a device step now (`_device_step`): the server runs
@@ -309,7 +324,7 @@ class Model:
             table = getattr(self.cache, "step_table", None)  # SlotCache: its residency table (force_spill masks)
             tok = self.backend.begin_step(tokens, kv.n + _delta(kv), table() if table else None,
                                           inline=not self._misses_all_over_pcie(), row=kv.n, draw=draw)
-            x = self.backend.embed(self.token_embd_dev, tok)  # [1, D] on the device
+            x = self.backend.embed(self.token_embd_dev, tok)  # [T, D] on the device (T > 1: a verify step)
         else:
             x = self.embed(tokens)  # [T, D]
         plus = self.backend.add if step else np.add  # the residual adds (on the device in a device step)
@@ -354,20 +369,22 @@ class Model:
         return self.backend.linear(self.output, x)  # [T, V]
 
     def _end_device_step(self, x, kv, phase: str):
-        """The end of a device step: output norm, logits and greedy argmax on the device; the token id and the
-        routing ids come back together; then the expert cache's lookups of this step, layer by layer in the order
-        the host-side forward makes them, so every counter and promotion is the one version 2 makes (the experts
-        were read where the residency table of the step's start said; promotions land before the next step)."""
+        """The end of a device step: output norm, logits and greedy argmax (of each row) on the device; the token
+        ids and the routing ids come back together; then the expert cache's lookups of this step, layer by layer in
+        the order the host-side forward makes them (a verify step's: each layer's [T, K] ids at once, as version 2's
+        verify forward looks them up), so every counter and promotion is the one version 2 makes (the experts were
+        read where the residency table of the step's start said; promotions land before the next step)."""
         inline = self.backend.lookups_in_step
         x = self.backend.rmsnorm(x, self.output_norm, self.cfg.rms_eps)
-        token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x))  # [1, V] on the device
-        if self.count_experts:  # speculation's plain steps: the distinct experts each MoE layer read
+        token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x))  # [T, V] on the device
+        K = self.cfg.n_expert_used
+        if self.count_experts:  # speculation's steps: the distinct experts each MoE layer read
             self.last_experts = sum(np.unique(row).size for row in ids)
         if not inline:  # (inline: each layer's lookup was made inside the step, engine/moe.py)
             for m, layer in enumerate(self.cfg.moe_layers):
-                self.cache.lookup(layer, ids[m].reshape(1, -1).astype(np.int64), phase)  # [1, K]
+                self.cache.lookup(layer, ids[m].reshape(-1, K).astype(np.int64), phase)  # [T, K]
                 self.cache.finish(layer)
-        kv.n += 1
+        kv.n += len(logits)
         return logits
 
     def prefill(self, tokens, kv: KVCache, media=None) -> np.ndarray:
