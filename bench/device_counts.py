@@ -2,7 +2,7 @@
 by what they carry, host synchronisations (backends/device_counts.py), for each family's micro model.
 
     NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python bench/device_counts.py [--families qwen3moe,llama] [--tokens 4]
-        [--settings slots,spill,misses,"2 slots"] [--sample]
+        [--settings slots,spill,misses,"2 slots","spec ngram verify"] [--sample]
 
 Each family's `micro` preset (pymoe/demo/tinymodel.py, F32, seed 0) is written to a temporary folder and decoded
 greedily from the prompt [5, 17] for --tokens new tokens (the first from the prefill, the rest one decode step
@@ -15,6 +15,11 @@ settings:
   2 slots: as "slots", two requests (prompts [5, 17] and [9, 12]) decoded at once by the server's scheduler
           (serve/scheduler.py, --parallel 2), each slot on a device KV cache of its own (the engine loaded for 2
           sequences): version 2 decodes both in one batched forward, version 3 runs one device step per slot.
+  spec ngram verify: as "slots", a greedy request with `--spec ngram` (k 3, no back-off) on a prompt of six random
+          tokens three times (`SPEC_PROMPT`: prompt lookup drafts, some drafts are kept, some rejected), 12 new
+          tokens; the row counts its verify forwards only, as means per verify forward (not per token), "rows"
+          their mean T = 1 + drafts: version 3 runs each as one device step of T rows where the family allows it
+          (engine/model.py `verify_on_device`: the GQA families), else version 2.
 and in two versions of the GPU path: 2 (PYMOE_DEVICE_STEP=0: the residual stream on the host, three round trips
 per layer) and 3 (the default: a decode step on the device from token id to token where the family and the
 setting allow it, backends/cuda.py `begin_step`; elsewhere version 3 runs version 2, and the row says so).
@@ -35,6 +40,8 @@ import tempfile
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
 
+import numpy as np  # noqa: E402
+
 import pymoe  # noqa: E402
 from pymoe.backends.device_counts import per_token  # noqa: E402
 from pymoe.experts.profile import Profile  # noqa: E402
@@ -43,7 +50,8 @@ from pymoe.gguf.config import ARCHS  # noqa: E402
 FAMILIES = list(ARCHS)  # every family pymoe runs (pymoe/gguf/config.py)
 PROMPT = [5, 17]
 PROMPT_2 = [9, 12]  # the second slot's ("2 slots")
-SETTINGS = ("slots", "spill", "misses", "2 slots")
+SETTINGS = ("slots", "spill", "misses", "2 slots", "spec ngram verify")
+SPEC_PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 250, 6)] * 3  # "spec ngram verify"
 SAMPLE = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1)  # --sample: a random draw the device makes
 MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
@@ -52,7 +60,7 @@ SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "de
 def load(path: str, setting: str, version: int = 3):
     """The engine of one setting and version (see the module docstring)."""
     os.environ["PYMOE_DEVICE_STEP"] = "1" if version == 3 else "0"  # read when the backend is made
-    if setting in ("slots", "2 slots"):  # (a profile's layers are the MoE layers, numbered from 0: experts/trace.py)
+    if setting in ("slots", "2 slots", "spec ngram verify"):  # (a profile's layers are the MoE layers, numbered from 0: experts/trace.py)
         cfg = pymoe.load(path, backend="reference").config
         pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
         profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
@@ -69,6 +77,8 @@ def decode_counts(path: str, setting: str, tokens: int, version: int = 3, sampli
     engine = load(path, setting, version)
     if setting == "2 slots":
         return server_counts(engine, tokens)
+    if setting == "spec ngram verify":
+        return verify_counts(engine)
     list(engine.generate(PROMPT, max_tokens=tokens, stop_at_eos=False, **(sampling or {})))
     st = engine.last_stats
     on_device = engine.model.step_on_device and engine.model._cache_allows_step()
@@ -97,12 +107,47 @@ def server_counts(engine, tokens: int) -> tuple[dict, dict, bool]:
     return per_token(difference(counts.snapshot("decode"), before)), cache, engine.backend._steps > steps
 
 
+def verify_counts(engine) -> tuple[dict, dict, bool]:
+    """"spec ngram verify": the counts of the request's verify forwards, means per verify forward ("tokens" = the
+    verify forwards, "rows" = their mean number of rows), the decode cache counters of the whole request, whether
+    the verify forwards ran as device steps."""
+    from pymoe.backends.device_counts import difference
+    from pymoe.engine.speculative import NgramDrafter, Speculator
+
+    counts, forward, total, rows = engine.backend.counts, engine.model.forward, None, []
+    steps = engine.backend._steps
+
+    def counted(tokens, kv, phase, *a, **k):
+        nonlocal total
+        before = counts.snapshot("decode")
+        out = forward(tokens, kv, phase, *a, **k)
+        if phase == "decode" and len(tokens) > 1:
+            d = difference(counts.snapshot("decode"), before)
+            total = d if total is None else {key: (total[key] + d[key] if key != "bytes" else
+                                                   {w: total["bytes"].get(w, 0) + d["bytes"].get(w, 0)
+                                                    for w in {*total["bytes"], *d["bytes"]}})
+                                             for key in total}
+            rows.append(len(tokens))
+        return out
+
+    engine.model.forward = counted
+    spec = Speculator(NgramDrafter(), k=3, backoff=False)
+    list(engine.generate(SPEC_PROMPT, max_tokens=12, stop_at_eos=False, spec=spec))
+    if not rows:
+        raise SystemExit("spec ngram verify: no verify forward (the drafter proposed nothing)")
+    m = per_token({**total, "tokens": len(rows)})
+    m["rows"] = sum(rows) / len(rows)
+    on_device = engine.backend._steps - steps > spec.stats.single_steps  # verify forwards began device steps
+    return m, engine.last_stats.decode, on_device
+
+
 # The table's short names for DeviceCounts' byte names (backends/cuda.py), by the start of the name.
 SHORT = [("residual to device", "residual in"), ("attention block to host", "attention out"), ("router:", "router"),
          ("expert inputs", "expert rows"), ("expert weights", "expert rows"), ("expert output zeros", "expert rows"),
          ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
          ("token id and position to device", "token id + position"), ("token and routing ids", "token + routing ids"),
          ("token id, position and draw", "token id + position + draw"),
+         ("verify token ids and position", "token ids + position"), ("verify argmax and routing", "argmax + routing ids"),
          ("token, routing and drawn ids", "token + routing + drawn ids"), ("draw to device", "draw settings"),
          ("residency table", "table rows"), ("logits to host", "logits"), ("sampled token id", "sampled token id"),
          ("cpu experts' output", "cpu misses"),
@@ -123,7 +168,8 @@ def row(arch: str, setting: str, version: str, m: dict, cache: dict) -> str:
     for w, b in m["bytes_by_name"].items():
         grouped[short(w)] = grouped.get(short(w), 0) + b
     names = ", ".join(f"{w} {b:,.0f}" for w, b in grouped.items())
-    how = (f"{cache.get('hits', 0)} hits" if setting in ("slots", "2 slots") else
+    how = (f"{m['rows']:.2f} rows; {cache.get('hits', 0)} hits" if setting == "spec ngram verify" else
+           f"{cache.get('hits', 0)} hits" if setting in ("slots", "2 slots") else
            f"{cache.get('hits', 0)} hits, {cache.get('spill', 0)} spill, {cache.get('cpu', 0)} cpu")
     num = lambda x: f"{x:.1f}".removesuffix(".0")  # noqa: E731  (a mean over the tokens of several forwards)
     return (f"| {arch} | {setting} ({how}) | {version} | {num(m['launches'])} | {num(m['synchronisations'])} "

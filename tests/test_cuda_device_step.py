@@ -357,25 +357,29 @@ LONG = [int(t) for t in np.random.default_rng(5).integers(0, 250, 6)] * 3  # 18 
 @in_process
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_prompt_lookup_speculation_keeps_the_cpu_float_paths_tokens(micro, monkeypatch, arch):
-    """`--spec ngram` on the CUDA backend: verify forwards (several positions) run version 2, the decode steps
-    without a draft run version 3 (begin_step); the greedy tokens equal the CPU backend's float path's, as do
-    plain decoding's; the speculation's counts (the distinct experts of its plain steps: from the routing ids a
-    step brings back) equal version 2's. A hybrid's (qwen3next, qwen35moe) rollbacks redo the kept tokens from the
-    saved recurrent state: where none was kept, that redo is a one-token forward, a device step too."""
+    """`--spec ngram` on the CUDA backend: the decode steps without a draft run version 3 (begin_step of one
+    token), and so do the verify forwards (several positions: begin_step of T rows) of the GQA families
+    (VERIFY_FAMILIES), while deepseek2's and the hybrids' run version 2; the greedy tokens equal the CPU backend's
+    float path's, as do plain decoding's; the speculation's counts (the distinct experts of each step: from the
+    routing ids a step brings back) equal version 2's. A hybrid's (qwen3next, qwen35moe) rollbacks redo the kept
+    tokens from the saved recurrent state: where none was kept, that redo is a one-token forward, a device step
+    too."""
     from pymoe.engine.speculative import NgramDrafter, Speculator
 
     path = micro(arch)
     want = list(pymoe.load(path, backend="cpu", act_bits=0).generate(LONG, max_tokens=12, stop_at_eos=False))
     engine = every_expert_in_a_slot(path)
     assert list(engine.generate(LONG, max_tokens=12, stop_at_eos=False)) == want
-    steps = []
+    steps, verify = [], []
     begin = engine.backend.begin_step
-    monkeypatch.setattr(engine.backend, "begin_step", lambda *a, **k: steps.append(1) or begin(*a, **k))
+    monkeypatch.setattr(engine.backend, "begin_step", lambda tokens, *a, **k: (
+        verify if np.asarray(tokens).size > 1 else steps).append(1) or begin(tokens, *a, **k))
     spec = Speculator(NgramDrafter(), k=3)
     assert list(engine.generate(LONG, max_tokens=12, stop_at_eos=False, spec=spec)) == want
     st = spec.stats  # (a hybrid's rollback re-advances its state over the kept part: a one-token forward, so a
     # device step too, where no draft was kept; other families have no rollbacks)
     assert st.steps > 0 and 0 < st.single_steps <= len(steps) <= st.single_steps + st.rollbacks, (st, len(steps))
+    assert len(verify) == (st.steps if arch in VERIFY_FAMILIES else 0)
     monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2 throughout: the same speculation, experts counted alike
     v2 = Speculator(NgramDrafter(), k=3)
     assert list(every_expert_in_a_slot(path).generate(LONG, max_tokens=12, stop_at_eos=False, spec=v2)) == want
@@ -433,6 +437,171 @@ def test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device(mi
     assert list(engine.generate(PROMPT, max_tokens=n, stop_at_eos=False, **host_draw)) == want
     m = per_token(engine)
     assert m["synchronisations"] == 2 and m["bytes_by_name"]["logits to host"] == 4 * cfg.n_vocab
+
+
+
+# --- speculation's verify forward as one device step (begin_step with T rows) --------------------------------------
+VERIFY_FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss"]  # GQA only
+SEEDS = {"glm4moe": 2, "qwen3vlmoe": 5}  # the repeated prompt per family whose drafts are partly rejected (else 0)
+
+
+def repeating(arch) -> list:
+    """Six random tokens three times: prompt lookup drafts what followed them, and, with this seed, the family's
+    micro model keeps some drafts and rejects others (found by running the CPU backend over seeds 0..7)."""
+    return [int(t) for t in np.random.default_rng(SEEDS.get(arch, 0)).integers(0, 250, 6)] * 3
+
+
+def verify_counts(engine) -> list:
+    """Hook the model's forward: the device counts of each verify forward (decode, several tokens) -> the list."""
+    from pymoe.backends.device_counts import difference
+
+    seen, forward, counts = [], engine.model.forward, engine.backend.counts
+
+    def counted(tokens, kv, phase, *a, **k):
+        before = counts.snapshot("decode")
+        out = forward(tokens, kv, phase, *a, **k)
+        if phase == "decode" and np.asarray(tokens).size > 1:
+            seen.append((np.asarray(tokens).size, difference(counts.snapshot("decode"), before)))
+        return out
+
+    engine.model.forward = counted
+    return seen
+
+
+@in_process
+def test_the_families_that_verify_on_the_device_are_these(micro):
+    """A verify forward runs as one device step exactly for the families whose every layer is GQA attention:
+    deepseek2 (MLA: its step kernels take one row) and the hybrids (a recurrent state to roll back) keep version 2."""
+    runs = [a for a in FAMILIES if every_expert_in_a_slot(micro(a)).model.verify_on_device(4)]
+    assert runs == VERIFY_FAMILIES
+
+
+@in_process
+@pytest.mark.parametrize("arch", VERIFY_FAMILIES)
+def test_a_verify_step_keeps_the_float_paths_tokens_with_rollbacks(micro, monkeypatch, arch):
+    """`--spec ngram` (k 3, no back-off) on a prompt whose drafts are partly kept, partly rejected (so the sequence
+    is rolled back to the accepted length after a verify step): the greedy tokens are the CPU float path's plain
+    decoding's. Each verify forward of T rows costs: its position, KV row and T token ids up (4 (2 + T) bytes, one
+    copy), its T argmax ids and every MoE layer's [T, K] routing ids back (4 T (1 + n_moe K) bytes, one copy), one
+    synchronisation, and as many launches as a one-token step (each kernel takes the T rows). The speculation's
+    counts and the expert cache's decode counters equal version 2's (PYMOE_DEVICE_STEP=0)."""
+    from pymoe.engine.speculative import NgramDrafter, Speculator
+
+    path, prompt = micro(arch), repeating(arch)
+    want = list(pymoe.load(path, backend="cpu", act_bits=0).generate(prompt, max_tokens=12, stop_at_eos=False))
+    engine = every_expert_in_a_slot(path)
+    list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=False))  # one plain device step: its launches
+    step_launches = engine.last_stats.device["launches"]
+    seen = verify_counts(engine)
+    spec = Speculator(NgramDrafter(), k=3, backoff=False)
+    assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec)) == want
+    st = spec.stats
+    assert 0 < st.accepted < st.drafted and len(seen) == st.steps, (st, len(seen))
+    cfg = engine.config
+    n_ids = len(cfg.moe_layers) * cfg.n_expert_used
+    for T, c in seen:
+        assert c["bytes"] == {"verify token ids and position to device": 4 * (2 + T),
+                              "verify argmax and routing ids to host": 4 * T * (1 + n_ids)}
+        assert (c["synchronisations"], c["launches"]) == (1, step_launches)
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2: the same speculation and cache counters
+    v2_engine = every_expert_in_a_slot(path)
+    v2 = Speculator(NgramDrafter(), k=3, backoff=False)
+    assert list(v2_engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=v2)) == want
+    assert v2.stats == st and v2_engine.last_stats.decode == engine.last_stats.decode
+
+
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_a_rollback_leaves_rows_that_no_query_reads(micro, arch):
+    """A verify step's logits (each of its T rows) are the reference's for the same positions; rolled back to one
+    kept token (kv.n = p0 + 1, as speculation does after rejecting every draft), the device cache still holds the
+    rejected drafts' K/V in the rows past kv.n, yet the next step's logits are the reference's: a query attends to
+    rows 0 .. its own position only, and each forward writes its rows before it attends. Tolerance: ULPS (the
+    module docstring)."""
+    path, prompt = micro(arch), repeating(arch)[:10]  # (gpt-oss: past its window of 8)
+    ref, engine = pymoe.load(path, backend="reference"), every_expert_in_a_slot(path)
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(prompt, kv_ref)
+    engine.model.prefill(prompt, kv)
+    p0, rows = kv.n, [9, 200, 31, 77]  # the last token and three drafts
+    want = ref.model.forward(rows, kv_ref, "decode")  # [4, V]
+    got = engine.model.forward(rows, kv, "decode")
+    assert engine.backend.counts.snapshot("decode")["synchronisations"] == 1  # the verify step's one
+    assert [got[t].greedy_token for t in range(4)] == [int(np.argmax(w)) for w in want]
+    s = np.float32(np.abs(want).max())
+    assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+    kv_ref.n = kv.n = p0 + 1  # the rollback: every draft rejected
+    layer = next(iter(kv.rows))
+    stale = np.asarray(kv.k[kv.rows[layer], p0 + 1:p0 + 4].copy_to_host())
+    assert np.abs(stale).max() > 0  # the rejected drafts' keys are there, past kv.n
+    for token in (5, 6):
+        want, got = ref.model.decode_one_token(token, kv_ref), engine.model.decode_one_token(token, kv)
+        assert got.greedy_token == int(np.argmax(want))
+        s = np.float32(np.abs(want).max())
+        assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+
+
+@in_process
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_simulator_replays_a_speculative_device_run_with_its_counts(micro, tmp_path, policy):
+    """As test_the_simulator_replays_a_device_step_run_with_its_counts, with `--spec ngram`: the trace of the same
+    speculative greedy request (recorded on the reference backend, version 2: its verify forwards marked "verify"),
+    replayed with the same profile, policy and two slots (misses read over PCIe and promoted), gives the engine's
+    decode hits and lookups, its verify forwards run as device steps (one lookup call per MoE layer for the T rows
+    after each, as version 2's verify forward makes it)."""
+    from pymoe.engine.speculative import NgramDrafter, Speculator
+    from pymoe.experts.simulate import sweep
+    from pymoe.experts.trace import Trace
+
+    path, prompt = micro("qwen3moe"), repeating("qwen3moe")
+    ref = pymoe.load(path, backend="reference")
+    recorder = ref.record_trace()
+    spec = Speculator(NgramDrafter(), k=3, backoff=False)
+    want = list(ref.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec))
+    recorder.save(tmp_path / "t.npz")
+    profile = Profile(1, 4, pairs=[(0, 3), (0, 1)], counts=[2, 1])
+    engine = pymoe.load(path, backend="cuda", cache_slots=2, profile=profile, policy=policy, pcie_frac=1.0,
+                        backend_options=SIM)
+    seen = verify_counts(engine)
+    spec3 = Speculator(NgramDrafter(), k=3, backoff=False)
+    assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec3)) == want
+    assert len(seen) == spec3.stats.steps > 0 and all(c["synchronisations"] == 1 for _, c in seen)
+    d = engine.last_stats.decode
+    (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [2], ["global"], profile=profile, phase="decode")
+    assert (sim.hits, sim.lookups) == (d["hits"], d["lookups"]) and 0 < d["hits"] < d["lookups"], (sim, d)
+
+
+@in_process
+def test_sampled_verification_reads_the_logits_on_the_host(micro):
+    """Speculation at temperature > 0 (SAMPLED at temperature 0.2, low enough that the output repeats and prompt
+    lookup drafts): the verify step runs on the device, and Sampler.verify's draws are made on the host from its
+    logits [T, V], brought over once per verify forward (4 T V bytes, one more synchronisation); the tokens are the
+    CPU float path's for the seed."""
+    from pymoe.engine.speculative import NgramDrafter, Speculator
+
+    path, prompt, sampled = micro("qwen3moe"), repeating("qwen3moe"), dict(SAMPLED, temperature=0.2)
+    spec = Speculator(NgramDrafter(), k=3, backoff=False)
+    want = list(pymoe.load(path, backend="cpu", act_bits=0).generate(prompt, max_tokens=12, stop_at_eos=False,
+                                                                     spec=spec, **sampled))
+    from pymoe.backends.device_counts import difference
+
+    engine = every_expert_in_a_slot(path)
+    spec3 = Speculator(NgramDrafter(), k=3, backoff=False)
+    seen, step, counts, st = [], spec3.step, engine.backend.counts, spec3.stats
+
+    def counted(*a, **k):  # the device counts of each speculation step that verified (its forward and its draws)
+        before, n, drafted = counts.snapshot("decode"), st.steps, st.drafted
+        out = step(*a, **k)
+        if st.steps > n:
+            seen.append((1 + st.drafted - drafted, difference(counts.snapshot("decode"), before)))
+        return out
+
+    spec3.step = counted
+    assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec3, **sampled)) == want
+    assert st == spec.stats and len(seen) == st.steps > 0
+    V = engine.config.n_vocab
+    for T, c in seen:
+        assert c["synchronisations"] == 2 and c["bytes"]["logits to host"] == 4 * T * V
 
 
 if not IN_PROCESS:

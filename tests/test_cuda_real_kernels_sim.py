@@ -198,5 +198,50 @@ def test_real_kernels_of_a_deepseek2_step_in_the_simulator(tmp_path):
     assert len(launched) == (43 if IS_SIMULATOR else 0)  # (on a GPU the simulator's launcher is not used)
 
 
+
+@in_process
+def test_real_kernels_of_a_verify_step_in_the_simulator(micro_model):
+    """Speculation's verify forward as one device step (begin_step with T = 3 rows: the last token and two drafts)
+    with the real kernels: the T embedding rows, RoPE and the KV write from the step's device `at` (rope_at_kernel,
+    kv_store_kernel over T rows), chunk attention over the device cache, the router and the routed experts on T
+    rows, the argmax of each row. The prompt runs with the reference kernels (as the deepseek2 test above), then
+    the real kernel set takes the verify step. Each row's argmax and logits against the reference backend's forward
+    of the same rows (the bound ATOL: float32 sums in other orders); one synchronisation; the launches counted are
+    the simulator's."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    from pymoe.backends.cuda import DeviceKernels
+
+    ref = pymoe.load(micro_model, backend="reference")
+    cfg = ref.config
+    pairs = [(0, e) for e in range(cfg.n_expert)]
+    engine = pymoe.load(micro_model, backend="cuda", cache_slots=len(pairs), pcie_frac=1.0, chunk=8,
+                        profile=Profile(1, cfg.n_expert, pairs=pairs, counts=[1] * len(pairs)),
+                        backend_options=dict(free_bytes=FREE, kernels="reference"))
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    rows = [9, 200, 31]
+    want = ref.model.forward(rows, kv_ref, "decode")  # [3, V]
+    b = engine.backend
+    assert engine.model.verify_on_device(len(rows))
+    b.k = DeviceKernels()
+    launched = []
+    before = b.counts.snapshot("decode")
+    configure = FakeCUDAKernel.__getitem__
+    FakeCUDAKernel.__getitem__ = lambda k, c: launched.append(k) or configure(k, c)
+    try:
+        got = engine.model.forward(rows, kv, "decode")
+    finally:
+        FakeCUDAKernel.__getitem__ = configure
+    after = b.counts.snapshot("decode")
+    assert after["synchronisations"] - before["synchronisations"] == 1
+    assert [got[t].greedy_token for t in range(len(rows))] == [int(np.argmax(w)) for w in want]
+    diff = float(np.abs(np.asarray(got) - want).max())
+    assert diff <= ATOL, f"max |logit diff| {diff:.3g} > {ATOL:.3g}"
+    n = after["launches"] - before["launches"]
+    assert n > 0 and len(launched) == (n if IS_SIMULATOR else 0)  # (on a GPU the simulator's launcher is not used)
+
+
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

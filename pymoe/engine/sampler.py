@@ -424,8 +424,9 @@ class Sampler:
         return logits
 
     def distribution(self, logits: np.ndarray, history: Sequence[int] = ()) -> tuple[np.ndarray, np.ndarray]:
-        """The distribution a draw at temperature > 0 samples from: (candidate ids [C], probabilities [C])."""
-        return self._distribution(self._penalised(logits, history))
+        """The distribution a draw at temperature > 0 samples from: (candidate ids [C], probabilities [C]). logits:
+        an array, or a row a device step left on the device (backends/cuda.StepLogits: brought over here)."""
+        return self._distribution(self._penalised(np.asarray(logits), history))
 
     def _distribution(self, z: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The penalised logits -> (candidate ids, their probabilities): the truncation steps and the temperature
