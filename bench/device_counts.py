@@ -114,14 +114,15 @@ def verify_counts(engine) -> tuple[dict, dict, bool]:
     from pymoe.backends.device_counts import difference
     from pymoe.engine.speculative import NgramDrafter, Speculator
 
-    counts, forward, total, rows = engine.backend.counts, engine.model.forward, None, []
-    steps = engine.backend._steps
+    counts, forward, total, rows, b = engine.backend.counts, engine.model.forward, None, [], engine.backend
+    on_device = []  # per verify forward: whether it began a device step
 
     def counted(tokens, kv, phase, *a, **k):
         nonlocal total
-        before = counts.snapshot("decode")
+        before, steps = counts.snapshot("decode"), b._steps
         out = forward(tokens, kv, phase, *a, **k)
         if phase == "decode" and len(tokens) > 1:
+            on_device.append(b._steps > steps)
             d = difference(counts.snapshot("decode"), before)
             total = d if total is None else {key: (total[key] + d[key] if key != "bytes" else
                                                    {w: total["bytes"].get(w, 0) + d["bytes"].get(w, 0)
@@ -133,12 +134,11 @@ def verify_counts(engine) -> tuple[dict, dict, bool]:
     engine.model.forward = counted
     spec = Speculator(NgramDrafter(), k=3, backoff=False)
     list(engine.generate(SPEC_PROMPT, max_tokens=12, stop_at_eos=False, spec=spec))
-    if not rows:
-        raise SystemExit("spec ngram verify: no verify forward (the drafter proposed nothing)")
+    if not rows:  # (the drafter proposed nothing on this prompt: the row says so)
+        total = {"forwards": 0, "tokens": 0, "launches": 0, "synchronisations": 0, "bytes": {}}
     m = per_token({**total, "tokens": len(rows)})
-    m["rows"] = sum(rows) / len(rows)
-    on_device = engine.backend._steps - steps > spec.stats.single_steps  # verify forwards began device steps
-    return m, engine.last_stats.decode, on_device
+    m["rows"] = sum(rows) / max(len(rows), 1)
+    return m, engine.last_stats.decode, bool(on_device) and all(on_device)
 
 
 # The table's short names for DeviceCounts' byte names (backends/cuda.py), by the start of the name.
@@ -168,7 +168,8 @@ def row(arch: str, setting: str, version: str, m: dict, cache: dict) -> str:
     for w, b in m["bytes_by_name"].items():
         grouped[short(w)] = grouped.get(short(w), 0) + b
     names = ", ".join(f"{w} {b:,.0f}" for w, b in grouped.items())
-    how = (f"{m['rows']:.2f} rows; {cache.get('hits', 0)} hits" if setting == "spec ngram verify" else
+    how = (("no verify forward: nothing drafted" if not m["tokens"] else f"{m['rows']:.2f} rows; "
+            f"{cache.get('hits', 0)} hits") if setting == "spec ngram verify" else
            f"{cache.get('hits', 0)} hits" if setting in ("slots", "2 slots") else
            f"{cache.get('hits', 0)} hits, {cache.get('spill', 0)} spill, {cache.get('cpu', 0)} cpu")
     num = lambda x: f"{x:.1f}".removesuffix(".0")  # noqa: E731  (a mean over the tokens of several forwards)
