@@ -604,5 +604,55 @@ def test_sampled_verification_reads_the_logits_on_the_host(micro):
         assert c["synchronisations"] == 2 and c["bytes"]["logits to host"] == 4 * T * V
 
 
+
+@in_process
+def test_mtp_speculation_runs_its_steps_on_the_device(micro, monkeypatch):
+    """`--spec mtp` (glm4moe's micro file with an MTP block, k 3, no back-off): the MTP drafter's tap takes the normed
+    last hidden states [T, D] of every forward of its sequence; a device step (plain or verify) brings them back
+    before its ids, in its one synchronisation (4 T D bytes more), so the plain steps and the verify forwards run on
+    the device. The tokens are the CPU float path's plain decoding's, the speculation's counts the CPU backend's
+    (the micro block is random: every draft is rejected, each verify step rolled back), and the hidden states the
+    drafter was handed are the CPU's within the module's bound (ULPS of their largest magnitude: the same float32
+    operations in other orders)."""
+    from pymoe.demo.tinymodel import write_model
+    from pymoe.engine.mtp import MtpDrafter
+
+    handed, keep = {}, MtpDrafter._keep  # each drafter's hidden state of every position, as its tap was handed it
+
+    def kept(self, p0, h):
+        for j, row in enumerate(np.asarray(h)):
+            handed.setdefault(id(self), {})[p0 + j] = row.copy()
+        return keep(self, p0, h)
+
+    monkeypatch.setattr(MtpDrafter, "_keep", kept)
+
+    path = micro("glm4moe").replace(".gguf", "-mtp.gguf")
+    write_model(path, "glm4moe", "micro", "f32", seed=0, mtp=True)
+    prompt = repeating("glm4moe")
+    cpu = pymoe.load(path, backend="cpu", act_bits=0)
+    want = list(cpu.generate(prompt, max_tokens=10, stop_at_eos=False))
+    spec_cpu = cpu.speculator("mtp", 3)
+    spec_cpu.backoff, spec_cpu.pause = False, 0
+    assert list(cpu.generate(prompt, max_tokens=10, stop_at_eos=False, spec=spec_cpu)) == want
+    engine = every_expert_in_a_slot(path)
+    steps, begin = [], engine.backend.begin_step
+    engine.backend.begin_step = lambda tokens, *a, **k: steps.append(np.asarray(tokens).size) or begin(tokens, *a,
+                                                                                                       **k)
+    seen = verify_counts(engine)
+    spec = engine.speculator("mtp", 3)
+    spec.backoff, spec.pause = False, 0
+    assert list(engine.generate(prompt, max_tokens=10, stop_at_eos=False, spec=spec)) == want
+    st = spec.stats
+    assert st == spec_cpu.stats and st.steps > 0 and st.drafted > st.accepted
+    assert sorted(steps) == sorted([1] * st.single_steps + [T for T, _ in seen]) and len(seen) == st.steps
+    D = engine.config.n_embd
+    for T, c in seen:
+        assert c["synchronisations"] == 1 and c["bytes"]["hidden states to host (mtp)"] == 4 * T * D
+    got, ref = handed[id(spec.drafter)], handed[id(spec_cpu.drafter)]
+    assert got.keys() == ref.keys() and len(got) > len(prompt)
+    for p, h in ref.items():
+        assert np.abs(got[p] - h).max() <= ULPS * np.spacing(np.float32(np.abs(h).max()))
+
+
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

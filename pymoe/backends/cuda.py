@@ -791,6 +791,7 @@ class StepLogits:
         self._parent, self._host, self._row = parent, None, row
         self._tokens = [token] if tokens is None else [int(t) for t in tokens]  # each row's argmax
         self.drawn_token = None  # the random draw begin_step was handed, made inside the step (end_step)
+        self.hidden = None  # the step's normed last hidden states [T, D] (host), when end_step was asked for them
         self.shape = tuple(dev.shape) if parent is None else tuple(dev.shape)[1:]
         self.dtype, self.ndim = np.dtype(np.float32), len(self.shape)
 
@@ -1405,11 +1406,13 @@ class CUDABackend:
         self._launch("swiglu", g, u, self.compute)
         return self.linear(w["down"], g)
 
-    def end_step(self, logits):
+    def end_step(self, logits, hidden=None):
         """Greedy argmax on the device (and the step's random draw, if begin_step had one), then the step's one copy
         back: the token id, every MoE layer's routing ids (and the drawn id) -> (token, ids int32 [n_moe, K],
         StepLogits). Counts the PCIe reads of the experts the table sent to the mapped file. A verify step (T rows):
-        the argmax of each row and the routing ids [n_moe, T K] (row t's K ids at t K ..), logits [T, V]."""
+        the argmax of each row and the routing ids [n_moe, T K] (row t's K ids at t K ..), logits [T, V]. hidden:
+        the step's normed last hidden states [T, D] (device), copied back before the ids, in the same
+        synchronisation (an MTP drafter reads them: engine/mtp.py), as the StepLogits' `hidden` (host)."""
         K = self._moe[0]
         T = self._step["T"]
         back = self._bufs["back"]
@@ -1426,6 +1429,10 @@ class CUDABackend:
             done = self.cuda.event()
             done.record(self.compute)
             self.cache_pool.step_read = done
+        h_host = None
+        if hidden is not None:  # on the stream before the ids' copy: on the host once `_get` has synchronised
+            h_host = hidden.copy_to_host(stream=self.compute)
+            self.counts.copy("hidden states to host (mtp)", h_host.nbytes)
         if drawn:
             host = self._get(shaped(back, (n + 1,)), "token, routing and drawn ids to host")
         elif T > 1:
@@ -1441,6 +1448,7 @@ class CUDABackend:
         self._at, self._bufs = self._at_plain, self._plain
         out = StepLogits(self, logits, int(host[0]) if T == 1 else None, self._steps, tokens=host[:T])
         out.drawn_token = int(host[n]) if drawn else None
+        out.hidden = h_host
         return int(host[0]), ids, out
 
     def sample_step(self, logits, temperature: float, top_k: int, top_p: float, min_p: float, u: float) -> int:

@@ -147,14 +147,14 @@ class Model:
 
     def _device_step(self, tokens: np.ndarray, kv, phase: str, media) -> bool:
         """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
-        nothing that needs each layer's routing on the host as it happens (a trace, the lookahead, an MTP tap) and
-        an expert cache it can serve (`_cache_allows_step`). Speculation's expert count comes from the routing ids
+        nothing that needs each layer's routing on the host as it happens (a trace, the lookahead) and an expert
+        cache it can serve (`_cache_allows_step`); an MTP drafter's tap (`hidden_taps`) gets the step's normed last
+        hidden states, which come back with its ids (`_end_device_step`). Speculation's expert count comes from the routing ids
         the step brings back (`_end_device_step`). Several tokens in decode: speculation's verify forward, a
         device step of T rows where `verify_on_device` allows it."""
         b = self.backend
         if not (self.step_on_device and phase == "decode" and media is None and b.step_ready()
-                and b.owns(kv) and self.trace is None and self.lookahead is None
-                and id(kv) not in self.hidden_taps):
+                and b.owns(kv) and self.trace is None and self.lookahead is None):
             return False
         if tokens.size > 1 and not self.verify_on_device(tokens.size):
             return False
@@ -376,7 +376,11 @@ class Model:
         read where the residency table of the step's start said; promotions land before the next step)."""
         inline = self.backend.lookups_in_step
         x = self.backend.rmsnorm(x, self.output_norm, self.cfg.rms_eps)
-        token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x))  # [T, V] on the device
+        tap = self.hidden_taps.get(id(kv))  # an MTP drafter's: the normed rows x [T, D] come back in the same sync
+        token, ids, logits = self.backend.end_step(self.backend.linear(self.output, x),  # [T, V] on the device
+                                                   hidden=x if tap is not None else None)
+        if tap is not None:
+            tap(kv.n, logits.hidden)
         K = self.cfg.n_expert_used
         if self.count_experts:  # speculation's steps: the distinct experts each MoE layer read
             self.last_experts = sum(np.unique(row).size for row in ids)
