@@ -9,6 +9,9 @@ the reference backend's (the CPU float path's math, NumPy). With misses (one slo
 cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the step's lookups are made after it, in
 the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
 with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.
+Speculation's verify forward (T = 1 + drafts rows) is one device step too on the GQA families (VERIFY_FAMILIES):
+the position, KV row and T token ids in, the T argmax ids and [n_moe, T, K] routing ids out, one synchronisation;
+its rows' logits, a rollback's next step, and `--spec mtp`'s hidden states are held to the same bound.
 The backend runs the reference kernels here (tests/test_cuda_backend.py says why); the real ones:
 tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_sim.py (end to end).
 
