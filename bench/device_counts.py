@@ -60,7 +60,8 @@ SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "de
 def load(path: str, setting: str, version: int = 3):
     """The engine of one setting and version (see the module docstring)."""
     os.environ["PYMOE_DEVICE_STEP"] = "1" if version == 3 else "0"  # read when the backend is made
-    if setting in ("slots", "2 slots", "spec ngram verify"):  # (a profile's layers are the MoE layers, numbered from 0: experts/trace.py)
+    if setting in ("slots", "2 slots", "spec ngram verify"):  # (a profile's layers are the MoE layers, numbered
+        # from 0: experts/trace.py)
         cfg = pymoe.load(path, backend="reference").config
         pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
         profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
@@ -147,7 +148,8 @@ SHORT = [("residual to device", "residual in"), ("attention block to host", "att
          ("expert outputs", "expert rows"), ("expert spill", "spill (PCIe reads)"), ("slot copies", "promotions"),
          ("token id and position to device", "token id + position"), ("token and routing ids", "token + routing ids"),
          ("token id, position and draw", "token id + position + draw"),
-         ("verify token ids and position", "token ids + position"), ("verify argmax and routing", "argmax + routing ids"),
+         ("verify token ids and position", "token ids + position"),
+         ("verify argmax and routing", "argmax + routing ids"),
          ("token, routing and drawn ids", "token + routing + drawn ids"), ("draw to device", "draw settings"),
          ("residency table", "table rows"), ("logits to host", "logits"), ("sampled token id", "sampled token id"),
          ("cpu experts' output", "cpu misses"),

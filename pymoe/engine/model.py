@@ -149,9 +149,9 @@ class Model:
         """This forward is a device step: one decode token of one sequence in the backend's device KV cache, with
         nothing that needs each layer's routing on the host as it happens (a trace, the lookahead) and an expert
         cache it can serve (`_cache_allows_step`); an MTP drafter's tap (`hidden_taps`) gets the step's normed last
-        hidden states, which come back with its ids (`_end_device_step`). Speculation's expert count comes from the routing ids
-        the step brings back (`_end_device_step`). Several tokens in decode: speculation's verify forward, a
-        device step of T rows where `verify_on_device` allows it."""
+        hidden states, which come back with its ids (`_end_device_step`). Speculation's expert count comes from the
+        routing ids the step brings back (`_end_device_step`). Several tokens in decode: speculation's verify
+        forward, a device step of T rows where `verify_on_device` allows it."""
         b = self.backend
         if not (self.step_on_device and phase == "decode" and media is None and b.step_ready()
                 and b.owns(kv) and self.trace is None and self.lookahead is None):
