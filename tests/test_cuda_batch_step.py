@@ -1,0 +1,270 @@
+"""The batched device step (engine/device_batch.py: B sequences' decode tokens in one step) in Numba's CUDA simulator.
+
+What this holds: its two kernels of its own (cuda_kernels/batch_step.py) against their NumPy twins and, bit for bit,
+against the single step's kernels row by row; on every GQA family, a batched step's greedy tokens equal to B single
+steps' and the CPU backend's float path's, its logits within float32 summation error of the single steps', and the
+expert cache's counters equal to those of the same single steps made one after the other; its cost counted per
+step (launches, bytes by name, one synchronisation for the B rows); and, for CUDA graphs, consecutive batched steps of
+one batch size making the same launches (one graph per batch size) and the stand-in capture replaying them with
+bit-equal logits.
+"""
+from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from numba import cuda  # noqa: E402
+
+import pymoe  # noqa: E402
+from pymoe.backends.device_counts import LaunchRecorder, difference, first_difference  # noqa: E402
+from pymoe.engine.device_batch import batch_step_possible, decode_steps  # noqa: E402
+from pymoe.experts.profile import Profile  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+MiB = 2**20
+SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
+PROMPTS = ([5, 17], [9, 12, 40], [3])
+GQA_FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss"]
+N_TICKS = 4
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+    from pymoe.demo.tinymodel import write_model
+
+    root, made = tmp_path_factory.mktemp("micro"), {}
+
+    def make(arch):
+        if arch not in made:
+            made[arch] = str(root / f"micro-{arch}-f32.gguf")
+            write_model(made[arch], arch, "micro", "f32", seed=0)
+        return made[arch]
+
+    return make
+
+
+def load(path, setting: str, sequences: int = 3, **options):
+    """"slots": a slot for every expert, pre-filled; "promotions": one slot, LRU, pcie_frac 1 (every miss read over
+    PCIe and promoted: the residency table changes at every step)."""
+    if setting == "promotions":
+        return pymoe.load(path, backend="cuda", cache_slots=1, policy="lru", pcie_frac=1.0, sequences=sequences,
+                          n_ctx=64, backend_options=dict(SIM, **options))
+    cfg = pymoe.load(path, backend="reference").config
+    pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+    profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
+    return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
+                      sequences=sequences, n_ctx=64, backend_options=dict(SIM, **options))
+
+
+def prefilled(engine, prompts):
+    """A device KV cache per prompt, the prompt prefilled -> (caches, each prompt's first greedy token)."""
+    kvs = [engine.model.new_kv(64) for _ in prompts]
+    firsts = [int(np.argmax(engine.model.prefill(p, kv)[-1])) for p, kv in zip(prompts, kvs)]
+    return kvs, firsts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The kernels
+# ---------------------------------------------------------------------------------------------------------------
+@in_process
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_rows_matches_its_twin_and_the_single_steps_kernel(neox):
+    """Each row rotated at its own position: against the twin (reference.apply_rope: the same float32 products
+    and sums, so within an ulp or two of float32 where a fused multiply-add rounds once: rtol 1e-6), and bit for bit
+    against norm_rope.rope_at_kernel run on that row alone at that position (the same device function)."""
+    from pymoe.backends.reference import rope_tables
+    from pymoe.cuda_kernels.batch_step import rope_rows, rope_rows_reference
+    from pymoe.cuda_kernels.norm_rope import rope
+
+    rng = np.random.default_rng(3)
+    B, Hh, Dh, P = 3, 2, 8, 12
+    cos, sin = (t.astype(np.float32) for t in rope_tables(6, 10000.0, np.arange(P)))  # [P, 3]: partial RoPE
+    x = rng.standard_normal((B, Hh, Dh)).astype(np.float32)
+    pos = np.array([7, 0, 11], np.int32)
+    got = rope_rows(cuda.to_device(x), cuda.to_device(cos), cuda.to_device(sin), cuda.to_device(pos),
+                    neox).copy_to_host()
+    np.testing.assert_allclose(got, rope_rows_reference(x, cos, sin, pos, neox), rtol=1e-6, atol=1e-7)
+    for b in range(B):
+        alone = rope(cuda.to_device(x[b:b + 1].copy()), cuda.to_device(cos), cuda.to_device(sin), neox,
+                     cuda.to_device(pos[b:b + 1].copy())).copy_to_host()
+        assert np.array_equal(got[b:b + 1], alone)
+    assert not np.array_equal(got[0], rope_rows_reference(x, cos, sin, pos[[1, 1, 1]], neox)[0])  # pos is read
+
+
+@in_process
+def test_kv_store_rows_writes_each_row_into_its_own_cache():
+    """Row b lands in cache seqs[b] at row rows[b] and nowhere else (a copy: equal bits), as its twin writes it; a
+    pool layer's view (kv_pool[:, layer row]: strided) is what it writes through."""
+    from pymoe.cuda_kernels.batch_step import kv_store_rows, kv_store_rows_reference
+
+    rng = np.random.default_rng(5)
+    S, L, S_max, G, Dh, Dv = 3, 2, 6, 2, 4, 3
+    k_pool = rng.standard_normal((S, L, S_max, G, Dh)).astype(np.float32)
+    v_pool = rng.standard_normal((S, L, S_max, G, Dv)).astype(np.float32)
+    k = rng.standard_normal((2, G, Dh)).astype(np.float32)
+    v = rng.standard_normal((2, G, Dv)).astype(np.float32)
+    seqs, rows = np.array([2, 0], np.int32), np.array([5, 1], np.int32)
+    dk, dv = cuda.to_device(k_pool), cuda.to_device(v_pool)
+    kv_store_rows(cuda.to_device(k), cuda.to_device(v), dk[:, 1], dv[:, 1], cuda.to_device(seqs),
+                  cuda.to_device(rows))
+    want_k, want_v = k_pool.copy(), v_pool.copy()
+    kv_store_rows_reference(k, v, want_k[:, 1], want_v[:, 1], seqs, rows)
+    assert np.array_equal(dk.copy_to_host(), want_k) and np.array_equal(dv.copy_to_host(), want_v)
+    assert (want_k != k_pool).any(axis=(3, 4)).sum() == 2  # exactly the two rows changed
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------------------------------
+@in_process
+@pytest.mark.parametrize("arch", GQA_FAMILIES)
+def test_a_batched_step_equals_single_steps(micro, arch):
+    """Three sequences of different lengths decoded N_TICKS tokens each, with one slot (LRU, pcie_frac 1: the
+    residency table changes every step): by batched steps, and by single steps one sequence after the other.
+    Greedy tokens equal to each other and to the CPU backend's float path; logits within float32 summation error
+    of the single steps' (the reference kernels' products of B rows and of 1 row are NumPy matmuls that BLAS may sum
+    in another order: a few ulps of the logits' scale, bounded by 1e-5 of it); the expert cache's decode counters
+    and its residency table at the end equal (the lookups are made row by row, layer by layer, as single steps
+    make them); one synchronisation per batched step."""
+    path = micro(arch)
+    cpu = pymoe.load(path, backend="cpu", act_bits=0)
+    want = [list(cpu.generate(p, max_tokens=N_TICKS + 1, stop_at_eos=False)) for p in PROMPTS]
+    runs = {}
+    for how in ("batched", "single"):
+        engine = load(path, "promotions")
+        kvs, tokens = prefilled(engine, PROMPTS)
+        got, logits, syncs = [[t] for t in tokens], [], 0
+        counts = engine.backend.counts
+        for _ in range(N_TICKS):
+            before = counts.snapshot("decode")
+            if how == "batched":
+                assert batch_step_possible(engine.model, kvs)
+                rows = decode_steps(engine.model, tokens, kvs)
+                syncs += difference(counts.snapshot("decode"), before)["synchronisations"]
+                logits.append(np.stack([np.asarray(r).reshape(-1) for r in rows]))  # [B, V] (a sync each)
+                tokens = [r.greedy_token for r in rows]
+            else:
+                out = []
+                for t, kv in zip(tokens, kvs):
+                    before = counts.snapshot("decode")
+                    r = engine.model.decode_one_token(t, kv)
+                    syncs += difference(counts.snapshot("decode"), before)["synchronisations"]
+                    out.append((np.asarray(r).copy(), r.greedy_token))  # fetched before the next step
+                logits.append(np.stack([row for row, _ in out]))  # [B, V]
+                tokens = [t for _, t in out]
+            for g, t in zip(got, tokens):
+                g.append(t)
+        runs[how] = got, logits, engine.cache.stats.counts["decode"].copy(), engine.cache.residency.copy(), syncs
+    (got_b, logits_b, stats_b, table_b, syncs_b), (got_s, logits_s, stats_s, table_s, syncs_s) = \
+        runs["batched"], runs["single"]
+    assert got_b == got_s == want
+    for a, b in zip(logits_b, logits_s):
+        np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
+    assert stats_b == stats_s and stats_b["promoted"] > 0
+    assert np.array_equal(table_b, table_s)
+    assert (syncs_b, syncs_s) == (N_TICKS, N_TICKS * len(PROMPTS))
+
+
+@in_process
+def test_a_batched_step_costs_one_copy_each_way_and_one_synchronisation(micro):
+    """qwen3moe micro (1 layer, K = 2, every expert in a slot), 2 then 3 rows: each step makes the single step's 22
+    launches (tests/test_device_counts.py STEP_TOKEN: the embedding; per layer 2 norms, the q, k, v products, the
+    q/k norms, RoPE of q and k (one launch each for all rows), the KV write (one for all rows), attention (one, ragged),
+    the output product, 2 adds, the router's product and top-K, the routed experts (2); the output norm, logits and
+    argmax), one copy up of 4 int32 per row (token id, position, KV row, sequence), one copy back of 1 + K int32
+    per row (token id, routing ids), one synchronisation."""
+    engine = load(micro("qwen3moe"), "slots")
+    counts = engine.backend.counts
+    kvs, tokens = prefilled(engine, PROMPTS)
+    for B in (2, 3, 3):
+        before = counts.snapshot("decode")
+        rows = decode_steps(engine.model, tokens[:B], kvs[:B])
+        tokens[:B] = [r.greedy_token for r in rows]
+        d = difference(counts.snapshot("decode"), before)
+        assert (d["forwards"], d["tokens"], d["launches"], d["synchronisations"]) == (1, B, 22, 1)
+        assert d["bytes"] == {"token ids, positions and sequence table to device": 4 * 4 * B,
+                              "token and routing ids to host (batch)": 4 * (1 + 2) * B}
+
+
+@in_process
+def test_seeded_draws_in_a_batched_step_are_the_cpu_backends(micro):
+    """Two seeded sampled sequences (temperature 0.8, top-k 40, top-p 0.9; seeds 1 and 2), each row's draw handed
+    to the batched step (one record per row in the one copy up, a sample launch per row reading it there): each
+    sequence's tokens equal the CPU backend's float path's for its seed, the drawn ids come back in the step's copy
+    (never the logits)."""
+    from pymoe.engine.sampler import Sampler, SamplingParams
+
+    path = micro("qwen3moe")
+    cpu = pymoe.load(path, backend="cpu", act_bits=0)
+    settings = dict(temperature=0.8, top_k=40, top_p=0.9)
+    want = [list(cpu.generate(p, max_tokens=N_TICKS + 1, stop_at_eos=False, seed=s, **settings))
+            for p, s in zip(PROMPTS[:2], (1, 2))]
+    engine = load(path, "slots")
+    counts = engine.backend.counts
+    samplers = [Sampler(SamplingParams(seed=s, **settings)) for s in (1, 2)]
+    kvs = [engine.model.new_kv(64) for _ in range(2)]
+    tokens = [int(sm(engine.model.prefill(p, kv)[-1], list(p))) for sm, p, kv in zip(samplers, PROMPTS, kvs)]
+    got = [[t] for t in tokens]
+    before = counts.snapshot("decode")
+    for _ in range(N_TICKS):
+        draws = [engine.model.device_draw(sm, kv) for sm, kv in zip(samplers, kvs)]
+        assert all(d is not None for d in draws)
+        rows = decode_steps(engine.model, tokens, kvs, draws)
+        tokens = [int(sm(r[0], g)) for sm, r, g in zip(samplers, rows, got)]
+        for g, t in zip(got, tokens):
+            g.append(t)
+    assert got == want and want[0] != list(cpu.generate(PROMPTS[0], max_tokens=N_TICKS + 1, stop_at_eos=False))
+    d = difference(counts.snapshot("decode"), before)
+    assert d["synchronisations"] == N_TICKS and d["launches"] == N_TICKS * (22 + 2)  # a sample launch per row
+    assert set(d["bytes"]) == {"token ids, positions, sequence table and draws to device",
+                               "token, routing and drawn ids to host (batch)"}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CUDA graphs: one per batch size
+# ---------------------------------------------------------------------------------------------------------------
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_consecutive_batched_steps_make_the_same_launches(micro, arch):
+    """Batched steps of one batch size record identical launch lists (operation, arguments' pointers, shapes,
+    strides, scalars) across promotions that change the residency table: one graph per batch size replays them; a
+    step of another size is a list (a bucket) of its own."""
+    engine = load(micro(arch), "promotions")
+    kvs, tokens = prefilled(engine, PROMPTS)
+    recorder = engine.backend.recorder = LaunchRecorder()
+    for B in (2, 2, 2, 3, 3):
+        rows = decode_steps(engine.model, tokens[:B], kvs[:B])
+        tokens[:B] = [r.greedy_token for r in rows]
+    steps = recorder.steps
+    assert len(steps) == 5 and len(steps[0]) > 0
+    assert first_difference(steps[0], steps[1]) is None and first_difference(steps[0], steps[2]) is None
+    assert first_difference(steps[3], steps[4]) is None and first_difference(steps[0], steps[3]) is not None
+    assert engine.cache.stats.counts["decode"]["promoted"] > 0
+
+
+@in_process
+def test_batched_graph_replay_keeps_the_logits(micro):
+    """backends/cuda_graphs.StepGraphs with the stand-in capture (test_cuda_graphs.ReplayCapture: the captured calls
+    made again on launch): batched steps of 2 rows, the first direct, the second captured, the rest replayed, give
+    logits equal bit for bit to the same steps launched directly."""
+    from test_cuda_graphs import ReplayCapture
+
+    path = micro("qwen3moe")
+    runs = {}
+    for name, graphs in (("direct", None), ("graphs", ReplayCapture())):
+        engine = load(path, "promotions", graphs=graphs)
+        kvs, tokens = prefilled(engine, PROMPTS[:2])
+        logits = []
+        for _ in range(5):
+            rows = decode_steps(engine.model, tokens, kvs)
+            logits.append(np.stack([np.asarray(r).reshape(-1) for r in rows]))
+            tokens = [r.greedy_token for r in rows]
+        runs[name] = logits, engine.backend.graphs
+    (direct, _), (replayed, g) = runs["direct"], runs["graphs"]
+    assert (g.direct, g.captured, g.replayed) == (1, 1, 3)
+    for a, b in zip(direct, replayed):
+        assert np.array_equal(a, b)
+
+
+if not IN_PROCESS:
+    test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
