@@ -31,6 +31,7 @@ SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "de
 PROMPTS = ([5, 17], [9, 12, 40], [3])
 GQA_FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss"]
 N_TICKS = 4
+REAL_ATOL = 2e-6  # tests/test_cuda_real_kernels_sim.py's bound for the single step's real kernels against the reference
 
 
 @pytest.fixture(scope="module")
@@ -223,6 +224,41 @@ def test_seeded_draws_in_a_batched_step_are_the_cpu_backends(micro):
     assert d["synchronisations"] == N_TICKS and d["launches"] == N_TICKS * (22 + 2)  # a sample launch per row
     assert set(d["bytes"]) == {"token ids, positions, sequence table and draws to device",
                                "token, routing and drawn ids to host (batch)"}
+
+
+@in_process
+def test_real_kernels_of_a_batched_step_in_the_simulator(micro, monkeypatch):
+    """qwen3moe micro, two sequences, one batched step with the real kernels (the prompts run with the reference
+    kernels, then the backend takes cuda_kernels for the step, as tests/test_cuda_real_kernels_sim.py does for
+    deepseek2): the embedding, products, norms, RoPE per row, the KV write per row, the ragged attention, the router,
+    the routed experts of 2 rows, the argmax. Each row's greedy token and logits against the reference backend's
+    single decode step of that sequence, within REAL_ATOL (float32 sums in other orders: thread-tree reductions
+    against NumPy's dot products); the launches counted are the ones the simulator saw (22)."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    from pymoe.backends.cuda import DeviceKernels
+
+    path = micro("qwen3moe")
+    ref = pymoe.load(path, backend="reference")
+    engine = load(path, "slots", sequences=2)
+    kvs, tokens = prefilled(engine, PROMPTS[:2])
+    want = []
+    for p, t in zip(PROMPTS[:2], tokens):
+        kv = ref.model.new_kv(64)
+        ref.model.prefill(p, kv)
+        want.append(ref.model.decode_one_token(t, kv))
+    b = engine.backend
+    b.k = DeviceKernels()
+    launched = []
+    configure = FakeCUDAKernel.__getitem__
+    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", lambda k, c: launched.append(k) or configure(k, c))
+    before = b.counts.snapshot("decode")["launches"]
+    rows = decode_steps(engine.model, tokens, kvs)
+    assert b.counts.snapshot("decode")["launches"] - before == len(launched) == 22
+    for row, w in zip(rows, want):
+        assert row.greedy_token == int(np.argmax(w))
+        diff = float(np.abs(np.asarray(row).reshape(-1) - w).max())
+        assert diff <= REAL_ATOL, f"max |logit diff| {diff:.3g} > {REAL_ATOL:.3g}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
