@@ -40,11 +40,11 @@ def micro(tmp_path_factory):
 
     root, made = tmp_path_factory.mktemp("micro"), {}
 
-    def make(arch):
-        if arch not in made:
-            made[arch] = str(root / f"micro-{arch}-f32.gguf")
-            write_model(made[arch], arch, "micro", "f32", seed=0)
-        return made[arch]
+    def make(arch, preset="micro"):
+        if (arch, preset) not in made:
+            made[arch, preset] = str(root / f"{preset}-{arch}-f32.gguf")
+            write_model(made[arch, preset], arch, preset, "f32", seed=0)
+        return made[arch, preset]
 
     return make
 
@@ -67,6 +67,19 @@ def prefilled(engine, prompts):
     kvs = [engine.model.new_kv(64) for _ in prompts]
     firsts = [int(np.argmax(engine.model.prefill(p, kv)[-1])) for p, kv in zip(prompts, kvs)]
     return kvs, firsts
+
+
+def recorded_lookups(cache) -> list:
+    """The cache's decode lookups from now on, in order: [(layer, ids as lists)]."""
+    seen, lookup = [], cache.lookup
+
+    def recording(layer, ids, phase, **kw):
+        if phase == "decode":
+            seen.append((layer, np.asarray(ids).tolist()))
+        return lookup(layer, ids, phase, **kw)
+
+    cache.lookup = recording
+    return seen
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -123,22 +136,26 @@ def test_kv_store_rows_writes_each_row_into_its_own_cache():
 # The step
 # ---------------------------------------------------------------------------------------------------------------
 @in_process
-@pytest.mark.parametrize("arch", GQA_FAMILIES)
-def test_a_batched_step_equals_single_steps(micro, arch):
+@pytest.mark.parametrize("arch, preset", [(a, "micro") for a in GQA_FAMILIES] + [("llama", "tiny"),
+                                                                                 ("gpt-oss", "tiny")])
+def test_a_batched_step_equals_single_steps(micro, arch, preset):
     """Three sequences of different lengths decoded N_TICKS tokens each, with one slot (LRU, pcie_frac 1: the
     residency table changes every step): by batched steps, and by single steps one sequence after the other.
     Greedy tokens equal to each other and to the CPU backend's float path; logits within float32 summation error
     of the single steps' (the reference kernels' products of B rows and of 1 row are NumPy matmuls that BLAS may sum
     in another order: a few ulps of the logits' scale, bounded by 1e-5 of it); the expert cache's decode counters
-    and its residency table at the end equal (the lookups are made row by row, layer by layer, as single steps
-    make them); one synchronisation per batched step."""
-    path = micro(arch)
+    and its residency table at the end equal, and so is the sequence of lookups the cache sees (row by row, layer by
+    layer, as single steps make them); one synchronisation per batched step. The micro files route every token of these prompts to the same
+    experts (so do most tiny ones); llama's and gpt-oss's tiny files route the rows apart, so a row's lookups made
+    with another row's routing ids show there."""
+    path = micro(arch, preset)
     cpu = pymoe.load(path, backend="cpu", act_bits=0)
     want = [list(cpu.generate(p, max_tokens=N_TICKS + 1, stop_at_eos=False)) for p in PROMPTS]
     runs = {}
     for how in ("batched", "single"):
         engine = load(path, "promotions")
         kvs, tokens = prefilled(engine, PROMPTS)
+        lookups = recorded_lookups(engine.cache)
         got, logits, syncs = [[t] for t in tokens], [], 0
         counts = engine.backend.counts
         for _ in range(N_TICKS):
@@ -160,10 +177,12 @@ def test_a_batched_step_equals_single_steps(micro, arch):
                 tokens = [t for _, t in out]
             for g, t in zip(got, tokens):
                 g.append(t)
-        runs[how] = got, logits, engine.cache.stats.counts["decode"].copy(), engine.cache.residency.copy(), syncs
-    (got_b, logits_b, stats_b, table_b, syncs_b), (got_s, logits_s, stats_s, table_s, syncs_s) = \
-        runs["batched"], runs["single"]
+        runs[how] = (got, logits, engine.cache.stats.counts["decode"].copy(), engine.cache.residency.copy(), syncs,
+                     lookups)
+    (got_b, logits_b, stats_b, table_b, syncs_b, lookups_b), (got_s, logits_s, stats_s, table_s, syncs_s, lookups_s) \
+        = runs["batched"], runs["single"]
     assert got_b == got_s == want
+    assert lookups_b == lookups_s and len(lookups_b) == N_TICKS * len(PROMPTS) * len(engine.config.moe_layers)
     for a, b in zip(logits_b, logits_s):
         np.testing.assert_allclose(a, b, rtol=0, atol=1e-5 * np.abs(b).max())
     assert stats_b == stats_s and stats_b["promoted"] > 0
