@@ -304,6 +304,50 @@ def test_consecutive_batched_steps_make_the_same_launches(micro, arch):
 
 
 @in_process
+def test_the_real_kernels_launches_of_batched_steps_repeat(micro, monkeypatch):
+    """The Numba kernel launches themselves (kernel, grid, block, arguments), as the simulator sees them, of the
+    batched step's row-table readers (RoPE per row, the KV write per row, the ragged attention, the sample kernel of
+    each row reading its draw record), the router, the norms, the adds and the argmax, over consecutive batched steps
+    of 2 seeded sampled rows: identical lists, what one graph per batch size replays (the products and the routed
+    experts on the reference kernels, as tests/test_cuda_graphs.py's single-step form has them). The tokens are the
+    CPU backend's for each seed."""
+    from pymoe.backends import cuda as cuda_backend
+    from pymoe.engine.sampler import Sampler, SamplingParams
+
+    real_ops = ("rope_rows", "kv_store_rows", "ragged_attention", "route_softmax", "rmsnorm", "add", "argmax",
+                "sample")
+
+    class Mixed(cuda_backend.ReferenceKernels):
+        name = "mixed"
+
+    for op in real_ops:
+        setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
+    monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
+    path = micro("qwen3moe")
+    settings = dict(temperature=0.8, top_k=40, top_p=0.9)
+    cpu = pymoe.load(path, backend="cpu", act_bits=0)
+    want = [list(cpu.generate(p, max_tokens=4, stop_at_eos=False, seed=s, **settings))
+            for p, s in zip(PROMPTS[:2], (1, 2))]
+    engine = load(path, "promotions", kernels="mixed")
+    samplers = [Sampler(SamplingParams(seed=s, **settings)) for s in (1, 2)]
+    kvs = [engine.model.new_kv(64) for _ in range(2)]
+    got = [[int(sm(engine.model.prefill(p, kv)[-1], list(p)))] for sm, p, kv in zip(samplers, PROMPTS, kvs)]
+    recorder = engine.backend.recorder = LaunchRecorder()
+    with recorder.kernels():
+        for _ in range(3):
+            draws = [engine.model.device_draw(sm, kv) for sm, kv in zip(samplers, kvs)]
+            rows = decode_steps(engine.model, [g[-1] for g in got], kvs, draws)
+            for sm, r, g in zip(samplers, rows, got):
+                g.append(int(sm(r[0], g)))
+    assert got == want
+    kernels = [name for name, grid, *_ in recorder.steps[0] if grid is not None]
+    assert {"rope_rows_kernel", "kv_store_rows_kernel", "ragged_decode_attention_kernel"} <= set(kernels)
+    assert kernels.count("sample_kernel") == 2
+    for step in recorder.steps[1:]:
+        assert first_difference(recorder.steps[0], step) is None
+
+
+@in_process
 def test_batched_graph_replay_keeps_the_logits(micro):
     """backends/cuda_graphs.StepGraphs with the stand-in capture (test_cuda_graphs.ReplayCapture: the captured calls
     made again on launch): batched steps of 2 rows, the first direct, the second captured, the rest replayed, give
