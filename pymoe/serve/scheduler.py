@@ -21,7 +21,9 @@ What this is, in the order a job meets it:
             prompt to a waiting one
     step:   one batched decode of the slots that are decoding (batch.decode_batch: the projections of all slots as
             one matmul, attention per slot over its own cache, one MoE call so expert lookups are grouped per
-            expert) -> sample -> TextStream (UTF-8, stop strings) -> an event for the job; then one chunk
+            expert; on cuda the slots on device KV caches decode by device steps instead: one batched device step
+            for them where engine/device_batch.py can run it, else one each) -> sample -> TextStream (UTF-8, stop
+            strings) -> an event for the job; then one chunk
             (--prefill-chunk tokens) of the oldest pending prompt, whose first token is sampled after its last chunk
             (chunked prefill: a long prompt never stalls the others for more than a chunk; docs/server.md has the
             numbers). With --spec the step is a speculative one for every busy slot at once: each slot drafts, one
