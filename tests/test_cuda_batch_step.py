@@ -3,10 +3,11 @@
 What this holds: its two kernels of its own (cuda_kernels/batch_step.py) against their NumPy twins and, bit for bit,
 against the single step's kernels row by row; on every GQA family, a batched step's greedy tokens equal to B single
 steps' and the CPU backend's float path's, its logits within float32 summation error of the single steps', and the
-expert cache's counters equal to those of the same single steps made one after the other; its cost counted per
-step (launches, bytes by name, one synchronisation for the B rows); and, for CUDA graphs, consecutive batched steps of
-one batch size making the same launches (one graph per batch size) and the stand-in capture replaying them with
-bit-equal logits.
+expert cache's lookups and counters those of the same single steps made one after the other, and the simulator's
+replay of their trace; its cost counted per step (launches, bytes by name, one synchronisation for the B rows);
+seeded draws per row; one step with the real kernels; and, for CUDA graphs, consecutive batched steps of one batch
+size making the same launches (with the real kernels of the row-table readers too: one graph per batch size) and the
+stand-in capture replaying them with bit-equal logits; the two kernels compiled to PTX.
 """
 from cuda_sim import IN_PROCESS, IS_SIMULATOR, ROOT, fresh_interpreter_test, in_process  # first: the simulator on
 
@@ -188,6 +189,46 @@ def test_a_batched_step_equals_single_steps(micro, arch, preset):
     assert stats_b == stats_s and stats_b["promoted"] > 0
     assert np.array_equal(table_b, table_s)
     assert (syncs_b, syncs_s) == (N_TICKS, N_TICKS * len(PROMPTS))
+
+
+@in_process
+@pytest.mark.parametrize("policy", ["lru", "lfu"])
+def test_the_simulator_replays_a_batched_run_with_its_counts(micro, tmp_path, policy):
+    """Plumbing (the engine and experts/simulate.py run the same SlotTable): a trace of the three sequences decoded
+    one token each in turn, recorded on the reference backend (version 2: a trace needs each layer's routing on the
+    host), replayed with the same profile, policy and slots, gives the batched engine's decode hits and lookups
+    and promotions (llama's tiny file: its rows route apart, so the replay's order matters)."""
+    from pymoe.experts.simulate import sweep
+    from pymoe.experts.trace import Trace
+
+    SLOTS = 4  # (of 16: 37 hits of 48 lookups; a batch whose rows' lookups took row 0's ids makes 44)
+    path = micro("llama", "tiny")
+    ref = pymoe.load(path, backend="reference")
+    recorder = ref.record_trace()
+    kvs = [ref.model.new_kv(64) for _ in PROMPTS]
+    tokens = [int(np.argmax(ref.model.prefill(p, kv)[-1])) for p, kv in zip(PROMPTS, kvs)]
+    want = [[t] for t in tokens]
+    for _ in range(N_TICKS):
+        tokens = [int(np.argmax(ref.model.decode_one_token(t, kv))) for t, kv in zip(tokens, kvs)]
+        for w, t in zip(want, tokens):
+            w.append(t)
+    recorder.save(tmp_path / "t.npz")
+    cfg = ref.config
+    pairs = [(m, e) for m in range(len(cfg.moe_layers)) for e in range(SLOTS // 2)]
+    profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=list(range(len(pairs), 0, -1)))
+    engine = pymoe.load(path, backend="cuda", cache_slots=SLOTS, profile=profile, policy=policy, pcie_frac=1.0,
+                        sequences=3, n_ctx=64, backend_options=SIM)
+    kvs, tokens = prefilled(engine, PROMPTS)
+    got = [[t] for t in tokens]
+    for _ in range(N_TICKS):
+        tokens = [r.greedy_token for r in decode_steps(engine.model, tokens, kvs)]
+        for g, t in zip(got, tokens):
+            g.append(t)
+    assert got == want
+    d = engine.cache.stats.counts["decode"]
+    (sim,) = sweep(Trace.load(tmp_path / "t.npz"), [policy], [SLOTS], ["global"], profile=profile, phase="decode")
+    assert (sim.hits, sim.lookups, sim.promoted) == (d["hits"], d["lookups"], d["promoted"]), (sim, d)
+    assert 0 < d["hits"] < d["lookups"] and d["promoted"] > 0
 
 
 @in_process
