@@ -2,7 +2,7 @@
 by what they carry, host synchronisations (backends/device_counts.py), for each family's micro model.
 
     NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python bench/device_counts.py [--families qwen3moe,llama] [--tokens 4]
-        [--settings slots,spill,misses,"2 slots","spec ngram verify"] [--sample]
+        [--settings slots,spill,misses,"2 slots","2 slots, one step","spec ngram verify"] [--sample]
 
 Each family's `micro` preset (pymoe/demo/tinymodel.py, F32, seed 0) is written to a temporary folder and decoded
 greedily from the prompt [5, 17] for --tokens new tokens (the first from the prefill, the rest one decode step
@@ -14,7 +14,10 @@ settings:
           and each is promoted (version 3: each MoE layer's lookup inside the step).
   2 slots: as "slots", two requests (prompts [5, 17] and [9, 12]) decoded at once by the server's scheduler
           (serve/scheduler.py, --parallel 2), each slot on a device KV cache of its own (the engine loaded for 2
-          sequences): version 2 decodes both in one batched forward, version 3 runs one device step per slot.
+          sequences): version 2 decodes both in one batched forward, version 3 runs one device step per slot
+          (PYMOE_BATCH_STEP=0);
+  2 slots, one step: as "2 slots", version 3 only, the default: a scheduler step in which both slots decode is one
+          batched device step for the two (engine/device_batch.py; a step with one slot decoding is a single step).
   spec ngram verify: as "slots", a greedy request with `--spec ngram` (k 3, no back-off) on a prompt of six random
           tokens three times (`SPEC_PROMPT`: prompt lookup drafts, some drafts are kept, some rejected), 12 new
           tokens; the row counts its verify forwards only, as means per verify forward (not per token), "rows"
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 
@@ -50,7 +54,8 @@ from pymoe.gguf.config import ARCHS  # noqa: E402
 FAMILIES = list(ARCHS)  # every family pymoe runs (pymoe/gguf/config.py)
 PROMPT = [5, 17]
 PROMPT_2 = [9, 12]  # the second slot's ("2 slots")
-SETTINGS = ("slots", "spill", "misses", "2 slots", "spec ngram verify")
+SETTINGS = ("slots", "spill", "misses", "2 slots", "2 slots, one step", "spec ngram verify")
+SERVER = ("2 slots", "2 slots, one step")  # the settings run through the server's scheduler
 SPEC_PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 250, 6)] * 3  # "spec ngram verify"
 SAMPLE = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1)  # --sample: a random draw the device makes
 MiB = 2**20
@@ -60,13 +65,13 @@ SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "de
 def load(path: str, setting: str, version: int = 3):
     """The engine of one setting and version (see the module docstring)."""
     os.environ["PYMOE_DEVICE_STEP"] = "1" if version == 3 else "0"  # read when the backend is made
-    if setting in ("slots", "2 slots", "spec ngram verify"):  # (a profile's layers are the MoE layers, numbered
+    if setting in ("slots", *SERVER, "spec ngram verify"):  # (a profile's layers are the MoE layers, numbered
         # from 0: experts/trace.py)
         cfg = pymoe.load(path, backend="reference").config
         pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
         profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
         return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
-                          backend_options=SIM, sequences=2 if setting == "2 slots" else 1)
+                          backend_options=SIM, sequences=2 if setting in SERVER else 1)
     cfg = pymoe.load(path, backend="reference").config
     return pymoe.load(path, backend="cuda", cache_slots=len(cfg.moe_layers), policy="lru",
                       pcie_frac=1.0 if setting == "spill" else 0.5, backend_options=SIM)
@@ -76,7 +81,8 @@ def decode_counts(path: str, setting: str, tokens: int, version: int = 3, sampli
     """(per decoded token means, the decode cache counters, whether the decode steps ran on the device) of one
     request, greedy or with `sampling` (generate's keywords)."""
     engine = load(path, setting, version)
-    if setting == "2 slots":
+    if setting in SERVER:  # "2 slots": a device step per slot; "2 slots, one step": one for both where both decode
+        os.environ["PYMOE_BATCH_STEP"] = "0" if setting == "2 slots" else "1"
         return server_counts(engine, tokens)
     if setting == "spec ngram verify":
         return verify_counts(engine)
@@ -150,6 +156,8 @@ SHORT = [("residual to device", "residual in"), ("attention block to host", "att
          ("token id, position and draw", "token id + position + draw"),
          ("verify token ids and position", "token ids + position"),
          ("verify argmax and routing", "argmax + routing ids"),
+         ("token ids, positions and sequence table", "token ids + positions + sequences"),
+         ("token ids, positions, sequence table and draws", "token ids + positions + sequences + draws"),
          ("token, routing and drawn ids", "token + routing + drawn ids"), ("draw to device", "draw settings"),
          ("residency table", "table rows"), ("logits to host", "logits"), ("sampled token id", "sampled token id"),
          ("cpu experts' output", "cpu misses"),
@@ -172,7 +180,7 @@ def row(arch: str, setting: str, version: str, m: dict, cache: dict) -> str:
     names = ", ".join(f"{w} {b:,.0f}" for w, b in grouped.items())
     how = (("no verify forward: nothing drafted" if not m["tokens"] else f"{m['rows']:.2f} rows; "
             f"{cache.get('hits', 0)} hits") if setting == "spec ngram verify" else
-           f"{cache.get('hits', 0)} hits" if setting in ("slots", "2 slots") else
+           f"{cache.get('hits', 0)} hits" if setting in ("slots", *SERVER) else
            f"{cache.get('hits', 0)} hits, {cache.get('spill', 0)} spill, {cache.get('cpu', 0)} cpu")
     num = lambda x: f"{x:.1f}".removesuffix(".0")  # noqa: E731  (a mean over the tokens of several forwards)
     return (f"| {arch} | {setting} ({how}) | {version} | {num(m['launches'])} | {num(m['synchronisations'])} "
@@ -187,7 +195,7 @@ def main() -> None:
     ap.add_argument("--sample", action="store_true", help="draw at temperature 0.8, top-k 40, top-p 0.9, seed 1 "
                     "[default: greedy]")
     args = ap.parse_args()
-    settings = args.settings.split(",")
+    settings = re.split(r",(?! )", args.settings)  # (a comma and a space: inside "2 slots, one step")
     for setting in settings:
         if setting not in SETTINGS:
             raise SystemExit(f"--settings: unknown setting {setting!r} (choose from {', '.join(SETTINGS)})")
@@ -200,7 +208,7 @@ def main() -> None:
             path = os.path.join(tmp, f"micro-{arch}-f32.gguf")
             write_model(path, arch, "micro", "f32", seed=0)
             for setting in settings:
-                for version in (2, 3):
+                for version in (2, 3) if setting != "2 slots, one step" else (3,):
                     m, cache, on_device = decode_counts(path, setting, args.tokens, version,
                                                    SAMPLE if args.sample else {})
                     shown = "3" if on_device else "2" if version == 2 else "3 (runs 2)"

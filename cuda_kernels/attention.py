@@ -176,23 +176,17 @@ def decode_attention(q, k_cache, v_cache, pos: int, out=None, scores=None, strea
     return out
 
 
-@cuda.jit
-def chunk_attention_kernel(q, k, v, p0, window, scale, sinks, has_sinks, out):
-    """q float32 [T, H, Dh] (positions p0..p0+T-1), k float32 [S_max, G, Dh], v float32 [S_max, G, Dv] (any strides),
-    rows 0..p0+T-1 filled; window (0: none); sinks float32 [H] (read only with has_sinks); out float32 [T, H, Dv].
-    grid (T, H), block (THREADS,). Query t sees keys first..n_keys-1, n_keys = p0 + t + 1."""
-    t = cuda.blockIdx.x
-    h = cuda.blockIdx.y
+@cuda.jit(device=True)
+def attend_tiled(q, t, h, k, v, first, n_keys, scale, sinks, has_sinks, out, buf, tile):
+    """Query t, head h (one block) of q float32 [T, H, Dh] against keys first..n_keys-1 of k [S_max, G, Dh], v
+    [S_max, G, Dv] (any strides) -> out[t, h, :] float32 [Dv]; sinks float32 [H] read only with has_sinks; buf, tile:
+    the block's shared float32 [THREADS]. The body of chunk_attention_kernel and of
+    ragged_attention.ragged_decode_attention_kernel (one device function: the same float32 operations in the same
+    order, so each row of either equals the decode kernel's bits)."""
     tid = cuda.threadIdx.x
     g = h // (q.shape[1] // k.shape[1])  # the KV head this query head reads
     Dh = q.shape[2]
     Dv = v.shape[2]
-    n_keys = p0 + t + 1  # causal: this query's own key is the last it sees
-    first = 0
-    if window > 0 and n_keys > window:
-        first = n_keys - window
-    buf = cuda.shared.array(THREADS, np.float32)  # [THREADS] the reductions'
-    tile = cuda.shared.array(THREADS, np.float32)  # [THREADS] one tile's scores, then their exp(score - max)
 
     # a. the scaled scores' maximum (with the sink's logit: the maximum ggml subtracts)
     best = NEG_INF
@@ -242,6 +236,21 @@ def chunk_attention_kernel(q, k, v, p0, window, scale, sinks, has_sinks, out):
         d = tid + i * THREADS
         if d < Dv:
             out[t, h, d] = acc[i] / total
+
+
+@cuda.jit
+def chunk_attention_kernel(q, k, v, p0, window, scale, sinks, has_sinks, out):
+    """q float32 [T, H, Dh] (positions p0..p0+T-1), k float32 [S_max, G, Dh], v float32 [S_max, G, Dv] (any strides),
+    rows 0..p0+T-1 filled; window (0: none); sinks float32 [H] (read only with has_sinks); out float32 [T, H, Dv].
+    grid (T, H), block (THREADS,). Query t sees keys first..n_keys-1, n_keys = p0 + t + 1."""
+    t = cuda.blockIdx.x
+    n_keys = p0 + t + 1  # causal: this query's own key is the last it sees
+    first = 0
+    if window > 0 and n_keys > window:
+        first = n_keys - window
+    buf = cuda.shared.array(THREADS, np.float32)  # [THREADS] the reductions'
+    tile = cuda.shared.array(THREADS, np.float32)  # [THREADS] one tile's scores, then their exp(score - max)
+    attend_tiled(q, t, cuda.blockIdx.y, k, v, first, n_keys, scale, sinks, has_sinks, out, buf, tile)
 
 
 def chunk_attention(q, k_cache, v_cache, p0: int, window: int = 0, sinks=None, out=None, stream=0):

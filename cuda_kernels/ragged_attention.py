@@ -10,13 +10,14 @@ pool, `CUDABackend.kv_pool`: k_all = pool[:, layer row], [S, S_max, G, Dh], any 
 is two device arrays: seqs int32 [B] (which cache row b reads) and pos int32 [B] (its query's position: keys
 0..pos[b], written before, its own included). A sliding window (keys from pos - window + 1) and per-head sinks
 (gpt-oss) as attention.chunk_attention has them.
-What this is not: the KV writes or RoPE; the rest of a batched device step (the step runs one sequence now:
-backends/cuda.py `begin_step`).
+What this is not: the KV writes or RoPE (cuda_kernels/batch_step.py); the rest of the batched device step that
+launches it (engine/device_batch.py, backends/cuda.py `attention_batch`).
 The reference is `ragged_decode_attention_reference` (below): reference.attention of each row over its own cache.
 
-Versions: 1 (this). One block per (row, query head), attention.chunk_attention_kernel's passes with n_keys =
-pos[b] + 1 and the cache row seq[b]: each float32 operation in the same order, so row b equals the decode-attention
-kernel run alone on its sequence's cache (tests/test_cuda_ragged_attention.py holds both).
+Versions: 1 (this). One block per (row, query head), attention.chunk_attention_kernel's body (the device function
+attention.attend_tiled) with n_keys = pos[b] + 1 over cache seqs[b]: each float32 operation in the same order, so
+row b equals the decode-attention kernel run alone on its sequence's cache (tests/test_cuda_ragged_attention.py holds
+both).
 Shape legend: B rows (sequences), H query heads, G KV heads, Dh / Dv key / value head size, S caches in the pool,
 S_max positions per cache.
 """
@@ -27,78 +28,25 @@ import math
 import numpy as np
 from numba import cuda
 
-from .attention import MAX_DV_PER_THREAD, THREADS
+from .attention import MAX_DV_PER_THREAD, THREADS, attend_tiled
 from .quant_matvec import check, on_device
-from .reduce import NEG_INF, block_max, block_sum
 
 
 @cuda.jit
 def ragged_decode_attention_kernel(q, k_all, v_all, seqs, pos, window, scale, sinks, has_sinks, out):
     """q float32 [B, H, Dh]; k_all float32 [S, S_max, G, Dh], v_all float32 [S, S_max, G, Dv] (any strides); seqs,
     pos int32 [B]; window (0: none); sinks float32 [H] (read only with has_sinks); out float32 [B, H, Dv].
-    grid (B, H), block (THREADS,). Row b sees keys first..pos[b] of cache seqs[b]."""
+    grid (B, H), block (THREADS,). Row b sees keys first..pos[b] of cache seqs[b]: attention.attend_tiled over
+    that cache (chunk_attention_kernel's body)."""
     b = cuda.blockIdx.x
-    h = cuda.blockIdx.y
-    tid = cuda.threadIdx.x
     c = seqs[b]
-    g = h // (q.shape[1] // k_all.shape[2])  # the KV head this query head reads
-    Dh = q.shape[2]
-    Dv = v_all.shape[3]
     n_keys = pos[b] + 1  # causal: this query's own key is the last it sees
     first = 0
     if window > 0 and n_keys > window:
         first = n_keys - window
     buf = cuda.shared.array(THREADS, np.float32)  # [THREADS] the reductions'
     tile = cuda.shared.array(THREADS, np.float32)  # [THREADS] one tile's scores, then their exp(score - max)
-
-    # a. the scaled scores' maximum (with the sink's logit)
-    best = NEG_INF
-    for s in range(first + tid, n_keys, THREADS):
-        dot = np.float32(0.0)
-        for d in range(Dh):
-            dot += q[b, h, d] * k_all[c, s, g, d]
-        score = dot * scale
-        if score > best:
-            best = score
-    best = block_max(buf, tid, best)
-    if has_sinks and sinks[h] > best:
-        best = sinks[h]
-
-    # b+c. tile by tile: the unnormalised probabilities (their sum per thread), then the values they weight
-    acc = cuda.local.array(MAX_DV_PER_THREAD, np.float32)  # [Dv / THREADS] this thread's output dimensions
-    for i in range(MAX_DV_PER_THREAD):
-        acc[i] = np.float32(0.0)
-    total = np.float32(0.0)
-    for base in range(first, n_keys, THREADS):
-        s = base + tid
-        if s < n_keys:
-            dot = np.float32(0.0)
-            for d in range(Dh):
-                dot += q[b, h, d] * k_all[c, s, g, d]
-            tile[tid] = dot * scale  # stored, so rounded to float32 as the decode kernel's scores
-        cuda.syncthreads()
-        if s < n_keys:
-            e = math.exp(tile[tid] - best)
-            tile[tid] = e
-            total += e
-        cuda.syncthreads()
-        m = n_keys - base  # keys in this tile
-        if m > THREADS:
-            m = THREADS
-        for j in range(m):
-            w = tile[j]
-            for i in range(MAX_DV_PER_THREAD):
-                d = tid + i * THREADS
-                if d < Dv:
-                    acc[i] += w * v_all[c, base + j, g, d]
-        cuda.syncthreads()  # everyone has read the tile before the next one overwrites it
-    total = block_sum(buf, tid, total)
-    if has_sinks:
-        total += math.exp(sinks[h] - best)
-    for i in range(MAX_DV_PER_THREAD):
-        d = tid + i * THREADS
-        if d < Dv:
-            out[b, h, d] = acc[i] / total
+    attend_tiled(q, b, cuda.blockIdx.y, k_all[c], v_all[c], first, n_keys, scale, sinks, has_sinks, out, buf, tile)
 
 
 def ragged_decode_attention(q, k_all, v_all, seqs, pos, window: int = 0, sinks=None, out=None, stream=0):

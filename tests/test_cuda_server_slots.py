@@ -27,14 +27,16 @@ PROMPTS = ([5, 17, 42, 7, 99, 3, 250, 11], [64, 128, 200, 31, 9, 12], [1, 2, 3, 
 N_NEW = 8
 
 
-def run(engine, prompts, parallel):
-    """Each prompt's greedy tokens through the scheduler with `parallel` slots, all submitted at once -> (tokens of
-    each, the largest batch, how many slots had a device KV cache, device steps run)."""
+def run(engine, prompts, parallel, sampling=None):
+    """Each prompt's greedy tokens (or with sampling[i]: SamplingParams) through the scheduler with `parallel` slots,
+    all submitted at once -> (tokens of each, the largest batch, how many slots had a device KV cache, device steps
+    run)."""
     steps0 = engine.backend._steps
     with Scheduler(engine, parallel=parallel, kv="f32") as sched:
         own = sum(engine.backend.owns(s.kv) for s in sched.slots)
         jobs = [sched.submit(Job(prompt_ids=list(p), max_tokens=N_NEW, ignore_eos=True,
-                                 sampling=SamplingParams(temperature=0))) for p in prompts]
+                                 sampling=SamplingParams(temperature=0) if sampling is None else sampling[i]))
+                for i, p in enumerate(prompts)]
         for job in jobs:
             list(job.events(timeout=600))
         return [job.generated for job in jobs], sched.max_batch, own, engine.backend._steps - steps0
@@ -87,6 +89,51 @@ def test_two_server_slots_draw_their_seeded_tokens_inside_their_device_steps(tin
     moved = {k: v - before.get(k, 0) for k, v in counts.snapshot("decode")["bytes"].items() if v != before.get(k, 0)}
     assert moved["token id, position and draw to device"] == 4 * 13 * steps
     assert "logits to host" not in moved and "sampled token id to host" not in moved
+
+
+def batched_steps(engine):
+    """Counts the batched device steps (engine/device_batch.py) the engine's backend begins from now on."""
+    b, n = engine.backend, [0]
+    begin = b.begin_batch
+
+    def counted(*args, **kw):
+        n[0] += 1
+        return begin(*args, **kw)
+
+    b.begin_batch = counted
+    return n
+
+
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_slots_decoding_at_once_share_one_device_step(tiny_model, arch):
+    """No "cpu" misses (4 slots, pcie_frac 1: slot and spill paths): every scheduler step in which two or three slots
+    decode on device KV caches is one batched device step for them (engine/device_batch.py, one synchronisation),
+    and each answer equals its solo answer and the reference backend's greedy tokens; each request's decode
+    Seeded sampled requests (temperature 0.8, top-k 40,
+    top-p 0.9; seeds 1 and 2) draw inside the batched step, each equal to the CPU backend's tokens for its seed."""
+    path = tiny_model(arch, "q2_k")
+    ref = pymoe.load(path, backend="reference")
+    want = [list(ref.generate(p, max_tokens=N_NEW, stop_at_eos=False)) for p in PROMPTS]
+    engine = pymoe.load(path, backend="cuda", backend_options=SIM, cache_slots=4, pcie_frac=1.0, sequences=3)
+    solo = [run(engine, [p], 1)[0][0] for p in PROMPTS]
+    together = batched_steps(engine)
+    assert together[0] == 0  # (one slot alone: single steps)
+    for n in (2, 3):
+        before = together[0]
+        got, max_batch, own, steps = run(engine, PROMPTS[:n], n)
+        assert (max_batch, own) == (n, n) and together[0] > before
+        assert steps < n * (N_NEW - 1)  # fewer device steps than decode tokens: some decoded n at once
+        assert got == solo[:n] == want[:n]
+    if arch != "qwen3moe":
+        return
+    cpu = pymoe.load(path, backend="cpu", act_bits=0)
+    params = [SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=seed) for seed in (1, 2)]
+    want = [list(cpu.generate(p, max_tokens=N_NEW, stop_at_eos=False, temperature=0.8, top_k=40, top_p=0.9,
+                              seed=sp.seed)) for p, sp in zip(PROMPTS, params)]
+    before = together[0]
+    assert run(engine, PROMPTS[:2], 2, params)[0] == want
+    assert together[0] > before
 
 
 @in_process

@@ -182,18 +182,24 @@ def test_the_server_status_gives_the_counts_by_name(micro_model, monkeypatch):
 
 
 @in_process
-def test_two_server_slots_on_device_kv_caches_cost_one_step_each(micro_model):
+@pytest.mark.parametrize("together", [False, True])
+def test_two_server_slots_on_device_kv_caches_cost_one_step_per_tick(micro_model, monkeypatch, together):
     """Two requests decoded at once by the server's scheduler, each slot on a device KV cache of its own (the engine
-    loaded for 2 sequences): each slot's decode token is a device step of its own, so the counts per decoded token in
-    /v1/status are one step's, STEP_TOKEN exactly (one synchronisation per token, B per scheduler step of B slots),
-    and each request's cache counters are its own tokens' lookups."""
+    loaded for 2 sequences). PYMOE_BATCH_STEP=0: each slot's decode token is a device step of its own, so the counts
+    per decoded token in /v1/status are one step's, STEP_TOKEN exactly (one synchronisation per token, B per
+    scheduler step of B slots). By default the ticks where both decode run one batched step for the two
+    (engine/device_batch.py): the single step's 22 launches and one synchronisation for 2 tokens, 4 int32 per row
+    up (token id, position, KV row, sequence) and 1 + K per row back; a tick with one slot decoding is a single step.
+    Each request's cache counters are its own tokens' lookups either way."""
     from pymoe.engine.sampler import SamplingParams
     from pymoe.serve.metrics import status_of
     from pymoe.serve.scheduler import Job, Scheduler
 
+    monkeypatch.setenv("PYMOE_BATCH_STEP", "1" if together else "0")
     profile = Profile(1, E, pairs=[(0, e) for e in range(E)], counts=[1] * E)
     engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
                         backend_options=SIM, n_ctx=64, sequences=2)
+    steps0 = engine.backend._steps
     with Scheduler(engine, parallel=2, kv="f32") as sched:
         jobs = [sched.submit(Job(prompt_ids=p, max_tokens=N_NEW, ignore_eos=True,
                                  sampling=SamplingParams(temperature=0))) for p in (PROMPT, [9, 12])]
@@ -201,9 +207,18 @@ def test_two_server_slots_on_device_kv_caches_cost_one_step_each(micro_model):
             list(job.events(timeout=120))
         m = status_of(sched)["device"]["decode_per_token"]
         assert sched.max_batch == 2 and sched.device_slots() == 2
-    assert m["tokens"] == 2 * (N_NEW - 1)
-    assert (m["launches"], m["synchronisations"]) == (STEP_TOKEN["launches"], STEP_TOKEN["synchronisations"])
-    assert m["bytes_by_name"] == STEP_TOKEN["bytes_by_name"]
+    n = 2 * (N_NEW - 1)
+    assert m["tokens"] == n
+    steps = engine.backend._steps - steps0
+    together_steps = n - steps  # a batched step of 2 rows decodes one token more than a single step
+    assert (together_steps > 0) == together
+    single = steps - together_steps
+    assert (m["launches"], m["synchronisations"]) == (STEP_TOKEN["launches"] * steps / n, steps / n)
+    want = {name: b * single / n for name, b in STEP_TOKEN["bytes_by_name"].items()}
+    if together:
+        want.update({"token ids, positions and sequence table to device": 4 * 4 * 2 * together_steps / n,
+                     "token and routing ids to host (batch)": 4 * (1 + K) * 2 * together_steps / n})
+    assert m["bytes_by_name"] == want
     for job in jobs:
         assert job.stats.decode["hits"] == job.stats.decode["lookups"] == (N_NEW - 1) * K
 

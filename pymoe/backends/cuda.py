@@ -65,6 +65,7 @@ from .reference import (apply_rope, attention, gdn_state_bytes, gdn_state_shapes
                         silu, swiglu_expert)
 
 MiB = 2**20
+BATCH_DRAW = 10  # int32 words per row's draw record in a batched step's `at` (DRAW_WORDS, rounded up to even)
 AT_WORDS = 4 + 9  # a step's `at` buffer: token id, position, KV row, a word unused, cuda_kernels/sample.draw_record
 VERIFY_ROWS = 16  # the most rows (1 + drafts) of a verify step on the device (`begin_step`); more: version 2
 DEFAULT_RESERVE = 700 * MiB  # left free on the device for the CUDA context, the kernels' code and the allocator
@@ -148,7 +149,9 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1,
             # gated attention and Gated DeltaNet (qwen3next, qwen35moe: cuda_kernels/gated_attention.py, deltanet.py)
             "split_gate": 1, "gate_output": 1, "conv_step": 1, "rule_step": 1,
-            "kv_store": 1}  # a device step's KV write (attention.kv_store: the row read on the device)
+            "kv_store": 1,  # a device step's KV write (attention.kv_store: the row read on the device)
+            # the batched device step of B sequences (cuda_kernels/batch_step.py, ragged_attention.py): one each
+            "rope_rows": 1, "kv_store_rows": 1, "ragged_attention": 1}
 
 
 class DeviceKernels:
@@ -195,6 +198,23 @@ class DeviceKernels:
         from pymoe.cuda_kernels import attention
 
         return attention.kv_store(k, v, k_cache, v_cache, at, stream=stream)
+
+    # the batched device step (B sequences)
+    def rope_rows(self, x, cos, sin, neox, pos, stream):
+        from pymoe.cuda_kernels import batch_step
+
+        return batch_step.rope_rows(x, cos, sin, pos, neox, stream=stream)
+
+    def kv_store_rows(self, k, v, k_all, v_all, seqs, rows, stream):
+        from pymoe.cuda_kernels import batch_step
+
+        return batch_step.kv_store_rows(k, v, k_all, v_all, seqs, rows, stream=stream)
+
+    def ragged_attention(self, q, k_all, v_all, seqs, pos, window, sinks, out, stream):
+        from pymoe.cuda_kernels import ragged_attention
+
+        return ragged_attention.ragged_decode_attention(q, k_all, v_all, seqs, pos, window, sinks, out=out,
+                                                        stream=stream)
 
     # the device decode step (version 3)
     def embed(self, w, qtype, tokens, out, stream):
@@ -356,6 +376,29 @@ class ReferenceKernels:
         k_cache.copy_to_device(kc, stream=stream)
         v_cache.copy_to_device(vc, stream=stream)
         return k_cache, v_cache
+
+    def rope_rows(self, x, cos, sin, neox, pos, stream):
+        from pymoe.cuda_kernels.batch_step import rope_rows_reference
+
+        x.copy_to_device(rope_rows_reference(x.copy_to_host(), cos.copy_to_host(), sin.copy_to_host(),
+                                             pos.copy_to_host(), neox), stream=stream)
+        return x
+
+    def kv_store_rows(self, k, v, k_all, v_all, seqs, rows, stream):
+        kh, vh = k.copy_to_host(), v.copy_to_host()  # (batch_step.kv_store_rows_reference, row by row: each
+        for b, (c, r) in enumerate(zip(seqs.copy_to_host().tolist(), rows.copy_to_host().tolist())):  # a
+            k_all[c, r].copy_to_device(np.ascontiguousarray(kh[b]), stream=stream)  # contiguous [G, Dh] on a GPU
+            v_all[c, r].copy_to_device(np.ascontiguousarray(vh[b]), stream=stream)
+        return k_all, v_all
+
+    def ragged_attention(self, q, k_all, v_all, seqs, pos, window, sinks, out, stream):
+        qh, sk = q.copy_to_host(), None if sinks is None else sinks.copy_to_host()  # [B, H, Dh]
+        o = np.empty(tuple(out.shape), np.float32)  # [B, H, Dv]: ragged_decode_attention_reference, row by row
+        for b, (c, p) in enumerate(zip(seqs.copy_to_host().tolist(), pos.copy_to_host().tolist())):
+            k, v = k_all[c].copy_to_host()[:p + 1], v_all[c].copy_to_host()[:p + 1]  # [p + 1, G, Dh], [.., Dv]
+            o[b] = attention(qh[b][None], k, v, p, window, sk).reshape(o.shape[1:])
+        out.copy_to_device(o, stream=stream)
+        return out
 
     def chunk_attention(self, q, k_cache, v_cache, p0, window, sinks, out, stream):
         T = q.shape[0]
@@ -936,6 +979,10 @@ class CUDABackend:
         self._steps = 0  # device steps begun so far (StepLogits checks its logits are still there)
         self._res = None  # the residual stream's device array during a step
         self._table_host = None  # int32 [n_moe, E]: what the device residency table holds now
+        self._hn = None  # the normed copy of the residual stream during a step
+        self._bb = None  # the batched step's buffers (`_prepare_batch`), for up to `batch_max` sequences
+        self.batch_max = 0
+        self._batch = None  # the batched step under way: its B rows' views of `_bb` (`begin_batch`)
         self.recorder = None  # a device_counts.LaunchRecorder: each step's launches, when a test asks
         self._kvs: list = []  # the device KV caches (`prepare`), one per sequence they can be lent to (`new_kv`)
         self.kv_pool: tuple = ()  # their K and V planes, [S, L_kv, n_ctx, G, Dh] and [.., Dv] (`_kv_planes`)
@@ -1045,6 +1092,8 @@ class CUDABackend:
         self._stage = {"free": [ev(), ev()], "ready": [ev(), ev()], "used": [False, False]}
         if self.device_step and len(c.moe_layers) and device_kv:
             self._prepare_step(cos, sin)
+            if n_seq > 1:
+                self._prepare_batch(n_seq)
 
     def _kv_planes(self, n_seq: int, device_kv: bool) -> tuple:
         """The K and V planes of every sequence's device KV cache, one pool each: float32 [S, L_kv, n_ctx, G, Dh]
@@ -1072,7 +1121,9 @@ class CUDABackend:
                       for name, shape in shapes.items()} for i in gdn} if device_kv and self.device_step \
             else {}
         k, v = self.kv_pool
-        return DeviceKVCache(k[s], v[s], self.n_ctx, rows, states, self)
+        kv = DeviceKVCache(k[s], v[s], self.n_ctx, rows, states, self)
+        kv.seq = s  # its slice of the pool (what a batched step's sequence table names)
+        return kv
 
     def _prepare_step(self, cos: np.ndarray, sin: np.ndarray) -> None:
         """The device decode step's buffers (one token): the residual stream, the normed input of a block, the MoE
@@ -1253,7 +1304,7 @@ class CUDABackend:
 
     def embed(self, w: "DeviceWeight", tokens):
         """The residual stream of the step: row tokens[0] of the embedding's raw rows w, decoded on the device."""
-        self._res = self._bufs["res"]
+        self._res, self._hn = self._bufs["res"], self._bufs["hn"]
         self._launch("embed", w.raw, w.qtype, tokens, self._res, self.compute)
         return self._res
 
@@ -1279,9 +1330,12 @@ class CUDABackend:
         (the ids in the buffer that comes back at the step's end)."""
         K = self._moe[0]
         m = layer - self._cfg.moe_layers.start
-        T = self._step["T"]  # (1, or a verify step's rows: [T, K] each)
-        ids = shaped(self._bufs["back"][T + m * T * K:], (T, k))
-        w = shaped(self._bufs["rw"][m * T * K:], (T, k))
+        if self._batch is not None:  # B rows: the layer's [B, K] in the batch's buffers (`begin_batch`)
+            ids, w = self._batch["ids"][m], self._batch["w"][m]
+        else:
+            T = self._step["T"]  # (1, or a verify step's rows: [T, K] each)
+            ids = shaped(self._bufs["back"][T + m * T * K:], (T, k))
+            w = shaped(self._bufs["rw"][m * T * K:], (T, k))
         if groups[0] > 1:  # DeepSeek: the top K within the best groups (cuda_kernels/route_groups.py)
             bias = None if expert_bias is None else self._vec(expert_bias)
             self._launch("route_groups", logits, k, bias, gating == "softmax", int(groups[0]), int(groups[1]),
@@ -1306,14 +1360,15 @@ class CUDABackend:
         offsets = shaped(sb["offsets"].reshape(-1)[m * E * 3:], (E, 3))
         part_off = shaped(sb["part_off"].reshape(-1)[m * 3:], (3,))
         row_bytes = shaped(sb["row_bytes"].reshape(-1)[m * 3:], (3,))
-        args = (slots, self._host_file, table, offsets, part_off, row_bytes, expert_types, (D, F), ids, w, x,
-                self._bufs["y"], self._bufs["h"])
+        Y, H = ((self._bufs["y"], self._bufs["h"]) if self._batch is None
+                else (self._batch["y"], self._batch["h"]))
+        args = (slots, self._host_file, table, offsets, part_off, row_bytes, expert_types, (D, F), ids, w, x, Y, H)
         if ffn is None:
             self._launch("routed_experts", *args, self.compute)
         else:
             biases = tuple(self._vec(ffn.bias[p]) for p in ("gate", "up", "down"))  # [E, F], [E, F], [E, D]
             self._launch("routed_experts_oai", *args, biases, self.compute)
-        return self._bufs["y"]
+        return Y
 
     def _add_shared(self, y, x, shared: Optional[dict]):
         if shared:
@@ -1465,6 +1520,174 @@ class CUDABackend:
         self._launch("sample", logits, *self._draw_at, out, self.compute)
         return int(self._get(out, "sampled token id to host")[0])
 
+    # --- the batched device step: B sequences' decode tokens in one step (engine/device_batch.py) ----------------
+    # The version 3 step over B rows at once: one copy up (B token ids, RoPE positions, KV rows, sequence ids, and
+    # each row's draw), the same kernels on [B, ..] arrays (embedding, norms, products, routers, routed experts,
+    # argmax), RoPE and the KV write per row (cuda_kernels/batch_step.py), attention over each row's own cache in one
+    # launch (cuda_kernels/ragged_attention.py), and one copy back (B token ids, every MoE layer's [B, K] routing
+    # ids, the drawn ids): one host synchronisation for the B sequences.
+    def _prepare_batch(self, n: int) -> None:
+        """The batched step's buffers for up to n rows: `at` int32 [4 n + BATCH_DRAW n] (token ids, positions, KV rows,
+        sequence ids, then a draw record per row at an even offset), `back` int32 [2 n + n_moe n K] (argmax, routing
+        ids layer by layer [B, K], drawn ids), the routing weights, the residual stream, its normed copy, the MoE
+        output [n, D] and hidden rows [n K, F]."""
+        K, D, F = self._moe
+        n_moe = len(self._cfg.moe_layers)
+        alloc = self.mem.alloc
+        self._bb = {"at": alloc((n * (4 + BATCH_DRAW),), np.int32, "activations"),
+                    "back": alloc((n * (2 + n_moe * K),), np.int32, "activations"),
+                    "rw": alloc((n * n_moe * K,), np.float32, "activations"),
+                    "res": alloc((n, D), np.float32, "activations"), "hn": alloc((n, D), np.float32, "activations"),
+                    "y": alloc((n, D), np.float32, "activations"), "h": alloc((n * K * F,), np.float32, "activations")}
+        self.batch_max, self._batch_views = n, {}
+
+    def _views(self, B: int) -> dict:
+        """Views of the batch buffers for B rows (the same views every step of B rows: a CUDA graph's bucket)."""
+        if B in self._batch_views:
+            return self._batch_views[B]
+        from pymoe.cuda_kernels.sample import draw_views
+
+        K, D, F = self._moe
+        n_moe, bb = len(self._cfg.moe_layers), self._bb
+        at, back = bb["at"], bb["back"]
+        n_ids = n_moe * B * K
+        v = {"tokens": at[0:B], "pos": at[B:2 * B], "rows": at[2 * B:3 * B], "seqs": at[3 * B:4 * B],
+             "draws": [draw_views(at, 4 * B + BATCH_DRAW * b) for b in range(B)],
+             "argmax": back[0:B], "drawn": back[B + n_ids:2 * B + n_ids],
+             "ids": [shaped(back[B + m * B * K:], (B, K)) for m in range(n_moe)],
+             "w": [shaped(bb["rw"][m * B * K:], (B, K)) for m in range(n_moe)],
+             "res": shaped(bb["res"].reshape(-1), (B, D)), "hn": shaped(bb["hn"].reshape(-1), (B, D)),
+             "y": shaped(bb["y"].reshape(-1), (B, D)), "h": shaped(bb["h"], (B * K, F)), "B": B}
+        self._batch_views[B] = v
+        return v
+
+    def batch_ready(self, B: int) -> bool:
+        """A batched step of B rows fits the buffers: 2 <= B <= batch_max, and the arena holds B rows of a step's
+        arrays (the attention block's, the router's logits, the shared expert's, the logits)."""
+        if not (self.step_ready() and self._bb is not None and 2 <= B <= self.batch_max):
+            return False
+        c = self._cfg
+        H, G, Dh, Dv, D = c.n_head, c.n_head_kv, c.head_dim, c.head_dim_v, c.n_embd
+        per_row = (H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert + 2 * max(c.n_ff_shexp or 0, c.n_ff) + D
+                   + c.n_vocab)
+        return B * per_row <= self.scratch["arena"].shape[0]
+
+    def begin_batch(self, tokens: np.ndarray, positions: np.ndarray, rows: np.ndarray, kvs: list,
+                    residency: Optional[np.ndarray], draws: list):
+        """Start a device step of B sequences' decode tokens (kvs: their device KV caches, distinct; row b: token
+        tokens[b] at RoPE position positions[b], KV row rows[b]): the residency table brought up to date, the copies
+        in flight waited for, then one copy up of the row table (and each row's draw: engine/sampler.DeviceDraw or
+        None) -> the token ids, int32 [B] on the device."""
+        B = len(kvs)
+        if not self.batch_ready(B):
+            raise PymoeError(f"backend 'cuda': a batched step of {B} rows (the buffers hold 2..{self.batch_max})")
+        seqs = [getattr(kv, "seq", -1) for kv in kvs]
+        if min(seqs) < 0 or len(set(seqs)) != B:
+            raise PymoeError("backend 'cuda': a batched step needs B distinct device KV caches")
+        positions, rows = np.asarray(positions, np.int64), np.asarray(rows, np.int64)
+        if positions.min() < 0 or positions.max() >= self.n_ctx or rows.min() < 0 or rows.max() >= self.n_ctx:
+            raise PymoeError(f"backend 'cuda': a position or KV row outside the device's {self.n_ctx}")
+        self.sync_table(residency)
+        if self.cache_pool is not None:
+            self.cache_pool.before_any_read()
+        self._steps += 1
+        if self.recorder is not None:
+            self.recorder.begin()
+        drawn = [d is not None for d in draws]
+        self._step = {"p0": None, "row": None, "inline": False, "draw": any(drawn), "drawn": drawn, "batch": B}
+        self._batch = v = self._views(B)
+        self._arena_top = 0
+        table = np.concatenate([np.asarray(tokens, np.int64).reshape(-1), positions, rows, seqs]).astype(np.int32)
+        if not any(drawn):
+            shaped(self._bb["at"], table.shape).copy_to_device(table, stream=self.compute)
+            self.counts.copy("token ids, positions and sequence table to device", table.nbytes)
+        else:  # each row's draw record after the table (rows without one: zeros, not read)
+            from pymoe.cuda_kernels.sample import check_draw, draw_record
+
+            recs = np.zeros((B, BATCH_DRAW), np.int32)
+            for b, d in enumerate(draws):
+                if d is not None:
+                    check_draw(d.temperature, d.top_k, d.u, self._cfg.n_vocab)
+                    rec = draw_record(d.temperature, d.top_k, d.top_p, d.min_p, d.u)  # [DRAW_WORDS]
+                    recs[b, :rec.size] = rec
+            table = np.concatenate([table, recs.reshape(-1)])
+            shaped(self._bb["at"], table.shape).copy_to_device(table, stream=self.compute)
+            self.counts.copy("token ids, positions, sequence table and draws to device", table.nbytes)
+        if self.graphs is not None:  # the batch's launches: one CUDA graph per batch size (cuda_graphs.py)
+            self.graphs.begin()
+        return v["tokens"]
+
+    def embed_batch(self, w: "DeviceWeight", tokens):
+        """The batch's residual stream [B, D]: rows tokens[b] of the embedding's raw rows w, decoded on the device."""
+        self._res, self._hn = self._batch["res"], self._batch["hn"]
+        self._launch("embed", w.raw, w.qtype, tokens, self._res, self.compute)
+        return self._res
+
+    def rope_batch(self, x, neox: bool):
+        """x [B, heads, Dh] (device) rotated in place, row b at its position (the step's tables, the positions read
+        on the device)."""
+        self._launch("rope_rows", x, self._sb["cos"], self._sb["sin"], neox, self._batch["pos"], self.compute)
+        return x
+
+    def _layer_planes(self, layer: int) -> tuple:
+        """One layer's K and V caches of every sequence: kv_pool[:, row] -> [S, n_ctx, G, Dh], [S, n_ctx, G, Dv]."""
+        r = self._kvs[0].rows[layer]
+        return self.kv_pool[0][:, r], self.kv_pool[1][:, r]
+
+    def kv_write_batch(self, layer: int, k, v) -> None:
+        """k [B, G, Dh], v [B, G, Dv] (device): row b into its sequence's cache at its KV row."""
+        ka, va = self._layer_planes(layer)
+        self._launch("kv_store_rows", k, v, ka, va, self._batch["seqs"], self._batch["rows"], self.compute)
+
+    def attention_batch(self, layer: int, q, window: int = 0, sinks=None):
+        """q [B, H, Dh] (device) -> [B, H * Dv] (arena): row b over its sequence's cache, keys 0..its KV row (its own
+        just written), in one launch (ragged attention; gpt-oss's window and sinks included)."""
+        ka, va = self._layer_planes(layer)
+        B, H, _ = q.shape
+        Dv = va.shape[3]
+        o = self._arena((B, H * Dv))
+        dsinks = None if sinks is None else self._vec(sinks)
+        self._launch("ragged_attention", q, ka, va, self._batch["seqs"], self._batch["rows"], int(window), dsinks,
+                     self._reshaped(o, (B, H, Dv)), self.compute)
+        return o
+
+    def end_batch(self, logits) -> tuple:
+        """Greedy argmax of each row (and each handed draw) on the device, then the one copy back -> (tokens int
+        [B], ids int32 [B, n_moe, K], [StepLogits per row]). Counts each row's PCIe reads as its own step would."""
+        K = self._moe[0]
+        v, B = self._batch, self._batch["B"]
+        n_moe = len(self._cfg.moe_layers)
+        self._launch("argmax", logits, v["argmax"], self.compute)
+        drawn = self._step["drawn"]
+        for b in range(B):
+            if drawn[b]:
+                self._launch("sample", logits[b:b + 1], *v["draws"][b], v["drawn"][b:b + 1], self.compute)
+        if self.recorder is not None:
+            self.recorder.end()
+        if self.graphs is not None:
+            self.graphs.run()
+        if self.cache_pool is not None:  # the step's kernels may have read any slot: copies into slots wait for them
+            done = self.cuda.event()
+            done.record(self.compute)
+            self.cache_pool.step_read = done
+        n = B * (1 + n_moe * K) + (B if any(drawn) else 0)
+        what = "token, routing and drawn ids to host" if any(drawn) else "token and routing ids to host"
+        host = self._get(self._bb["back"][:n], what + " (batch)")
+        tokens = host[:B]
+        ids = host[B:B * (1 + n_moe * K)].reshape(n_moe, B, K).transpose(1, 0, 2)  # [B, n_moe, K]
+        for b in range(B):
+            for m in range(n_moe):
+                for e in np.unique(ids[b, m]):
+                    if self._table_host[m, e] < 0:
+                        self.counts.copy("expert spill reads over PCIe", int(self._expert_nbytes[m]))
+        self._step, self._res, self._batch = None, None, None
+        outs = []
+        for b in range(B):
+            out = StepLogits(self, logits[b:b + 1], int(tokens[b]), self._steps)
+            out.drawn_token = int(host[B * (1 + n_moe * K) + b]) if drawn[b] else None
+            outs.append(out)
+        return tokens.astype(np.int64), ids, outs
+
     def new_kv(self, n_ctx: int):
         """A free device KV cache for a new sequence (one not lent to a sequence still alive), if there is one and it
         is big enough; else None (the caller then uses a host KV cache, and attention runs on the CPU for that
@@ -1476,6 +1699,7 @@ class CUDABackend:
         for i, (held, own) in enumerate(zip(self._kv_holders, self._kvs)):
             if held is None or held() is None:
                 kv = DeviceKVCache(own.k, own.v, n_ctx, own.rows, own.states, self)
+                kv.seq = i
                 self._kv_holders[i] = weakref.ref(kv)
                 return kv
         return None
@@ -1701,8 +1925,8 @@ class CUDABackend:
         if isinstance(x, np.ndarray):
             return self.cpu.rmsnorm(x, w, eps)
         if x is self._res:  # the residual stream of a device step: kept, the normed copy goes to `step hn`
-            self._launch("rmsnorm", x, self._vec(w), eps, self._bufs["hn"], self.compute)
-            return self._bufs["hn"]
+            self._launch("rmsnorm", x, self._vec(w), eps, self._hn, self.compute)
+            return self._hn
         shape = tuple(x.shape)  # (the simulator's shape object takes no negative index)
         rows = self._reshaped(x, (math.prod(shape[:-1]), shape[-1]))  # [N, n]
         self._launch("rmsnorm", rows, self._vec(w), eps, rows, self.compute)

@@ -6,10 +6,12 @@ CuPy cannot run). CuPy owns the compute stream (`CupyCapture`: a `cupy.cuda.Stre
 launch on it through `numba.cuda.external_stream(stream.ptr)`), the device memory (CuPy's pool: `allocate`) and the
 graphs (`stream.begin_capture()` .. `end_capture()` -> `cupy.cuda.Graph`, `graph.launch(stream)`).
 
-During a device step (`CUDABackend.begin_step` .. `end_step`) each launch is held back (`defer`) with its
+During a device step (`CUDABackend.begin_step` .. `end_step`, or a batched one of B sequences: `begin_batch` ..
+`end_batch`, engine/device_batch.py) each launch is held back (`defer`) with its
 arguments' fingerprints (backends/device_counts.fingerprint: device pointers, shapes, strides, scalars). At the
-step's end (`run`) the list of fingerprints is the graph's key -- the batch-size bucket (one sequence today), the KV
-cache's arrays, the scratch's capacity all show in it, so a new shape is a new key, captured anew:
+step's end (`run`) the list of fingerprints is the graph's key -- the batch size (a single step, or the B rows of a
+batched one: the shapes of its arrays and views), the KV cache's arrays, the scratch's capacity all show in it, so a
+new shape is a new key, captured anew (one graph per batch size):
     a key seen for the first time   the launches run directly (a warm-up: each kernel is compiled at its first
                                     launch, and nothing may compile during a capture);
     seen once before                the launches are captured on the stream into a graph, which is then launched

@@ -174,7 +174,8 @@ class Model:
 
     def steps_on_device(self, kv) -> bool:
         """A decode token of the sequence in kv would run as a device step now (`_device_step`): the server runs
-        such slots' decode steps one sequence at a time (serve/scheduler.py), the others in one batched forward."""
+        such slots' decode tokens as one batched device step where it can (engine/device_batch.py), else one step
+        per sequence (serve/scheduler.py), the others in one batched forward."""
         return self._device_step(np.zeros(1, np.int64), kv, "decode", None)
 
     def device_draw(self, sampler, kv):

@@ -21,7 +21,9 @@ What this is, in the order a job meets it:
             prompt to a waiting one
     step:   one batched decode of the slots that are decoding (batch.decode_batch: the projections of all slots as
             one matmul, attention per slot over its own cache, one MoE call so expert lookups are grouped per
-            expert) -> sample -> TextStream (UTF-8, stop strings) -> an event for the job; then one chunk
+            expert; on cuda the slots on device KV caches decode by device steps instead: one batched device step
+            for them where engine/device_batch.py can run it, else one each) -> sample -> TextStream (UTF-8, stop
+            strings) -> an event for the job; then one chunk
             (--prefill-chunk tokens) of the oldest pending prompt, whose first token is sampled after its last chunk
             (chunked prefill: a long prompt never stalls the others for more than a chunk; docs/server.md has the
             numbers). With --spec the step is a speculative one for every busy slot at once: each slot drafts, one
@@ -59,6 +61,7 @@ from typing import Callable, Iterator, Optional
 import numpy as np
 
 from pymoe.engine.batch import decode_batch, forward_batch
+from pymoe.engine.device_batch import batch_step_possible, decode_steps
 from pymoe.engine.generate import RequestStats, TextStream
 from pymoe.engine.grammar import Grammar
 from pymoe.engine.kv import copy_kv, new_kv
@@ -555,16 +558,21 @@ class Scheduler:
 
     def _decode_step(self, active: list) -> None:
         """One decode step of every busy slot: the last token of each -> its next logits. A slot whose sequence
-        runs the device step (a device KV cache: engine/model.Model.steps_on_device) takes its own step, its
-        token sampled before the next slot's step begins (`_device_decode`); the others share one batched forward.
+        runs the device step (a device KV cache: engine/model.Model.steps_on_device) decodes on the device: two or
+        more such slots in one batched device step (`_device_decode_together`, engine/device_batch.py) where it can
+        run, else each in its own step, its token sampled before the next slot's step begins (`_device_decode`);
+        the others share one batched forward.
         With --spec, a speculative step instead (`_spec_step`). Batching shares the expert reads between slots,
         speculation between the positions of one sequence; the two combine in one forward."""
         if any(s.spec is not None and s.job.grammar is None for s in active):
             return self._spec_step(active)
         t0 = time.perf_counter()
         stepped = [s for s in active if not s.job.forced and self.model.steps_on_device(s.kv)]
-        for s in stepped:
-            self._for_job(s, self._device_decode, s)
+        if batch_step_possible(self.model, [s.kv for s in stepped]):
+            self._device_decode_together(stepped)
+        else:
+            for s in stepped:
+                self._for_job(s, self._device_decode, s)
         batched = [s for s in active if s not in stepped]
         n_tokens = len(stepped)
         if batched:
@@ -588,6 +596,26 @@ class Scheduler:
         s.tokens.append(job.next_token)
         job.stats.n_decoded += 1
         self._advance(s, logits)
+
+    def _device_decode_together(self, stepped: list) -> None:
+        """These slots' decode tokens as one device step (engine/device_batch.decode_steps: one synchronisation for
+        all), each row's plain random draw handed to it; then each slot's next token from its row, and the expert
+        cache's counters of each row to its job. A failure of the step ends each of these jobs with an error."""
+        t0 = time.perf_counter()
+        try:
+            draws = [self.model.device_draw(s.job.sampler, s.kv) for s in stepped]
+            rows = decode_steps(self.model, [s.job.next_token for s in stepped], [s.kv for s in stepped], draws,
+                                [s.job.stats.decode for s in stepped])  # B StepLogits [1, V]
+        except Exception as e:
+            for s in stepped:
+                self._fail(s, s.job, e)
+            return
+        dt = time.perf_counter() - t0
+        for s, row in zip(stepped, rows):
+            s.job.stats.decode_s += dt
+            s.tokens.append(s.job.next_token)
+            s.job.stats.n_decoded += 1
+            self._for_job(s, self._advance, s, row[0])
 
     def _batched_decode(self, active: list) -> int:
         """One batched forward of these slots (engine/batch.py) and each one's next token -> the tokens read."""

@@ -989,6 +989,19 @@ MUTANTS: list[Mutant] = [
         "                total += w[t, j] * acc[0]",
         ("tests/test_cuda_gpt_oss_kernels.py::test_routed_oai_experts_read_slots_and_the_mapped_file_as_the_table_says",),
         "gpt-oss's device experts leave out the down projection's bias"),
+    Mutant(
+        "batch_kv_rows_all_into_the_first_cache", "cuda_kernels/batch_step.py",
+        "    c = seqs[b]",
+        "    c = seqs[0]",
+        ("tests/test_cuda_batch_step.py::test_kv_store_rows_writes_each_row_into_its_own_cache",),
+        "the batched step writes every row's K/V into the first row's sequence"),
+    Mutant(
+        "batch_lookups_of_the_first_row", "pymoe/engine/device_batch.py",
+        "cache.lookup(layer, ids[j, m].reshape(1, -1)",
+        "cache.lookup(layer, ids[0, m].reshape(1, -1)",
+        ("tests/test_cuda_batch_step.py::test_a_batched_step_equals_single_steps[*tiny*]",
+         "tests/test_cuda_batch_step.py::test_the_simulator_replays_a_batched_run_with_its_counts[*]"),
+        "the batched step's cache lookups use the first row's routing ids for every row"),
 ]
 
 
