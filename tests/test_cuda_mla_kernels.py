@@ -18,7 +18,7 @@ from numba import cuda  # noqa: E402
 
 from pymoe.backends.reference import attention, rope_tables, route_sigmoid  # noqa: E402
 from pymoe.cuda_kernels import mla, route_groups  # noqa: E402
-from pymoe.cuda_kernels.attention import decode_attention  # noqa: E402
+from pymoe.cuda_kernels.attention import chunk_attention, decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 U = 2.0 ** -24  # float32 unit roundoff
@@ -102,6 +102,21 @@ def test_attention_over_the_compressed_cache_reads_v_from_k():
     tol = 4 * (S + C + R) * U * np.abs(cache).max()
     np.testing.assert_allclose(out.copy_to_host().reshape(1, -1), want, rtol=0, atol=tol)
 
+
+@in_process
+def test_chunk_attention_over_the_compressed_cache_reads_v_from_k():
+    """A prompt chunk's MLA attention (engine/mla.mla_device, T > 1): chunk_attention with one KV head and V the
+    first C values of each row (a strided view), causal within the chunk (token t sees rows 0..p0 + t), against
+    reference.attention over the same rows; the bound as the decode test's."""
+    rng = np.random.default_rng(5)
+    S, p0, T = 9, 3, 4
+    cache = rng.standard_normal((S, 1, C + R)).astype(np.float32)
+    q = (0.2 * rng.standard_normal((T, H, C + R))).astype(np.float32)
+    dev = cuda.to_device(cache)
+    out = chunk_attention(cuda.to_device(q), dev, dev[:, :, :C], p0)  # [T, H, C]
+    want = attention(q, cache[:p0 + T], cache[:p0 + T, :, :C], p0)  # [T, H * C]
+    tol = 4 * (S + C + R) * U * np.abs(cache).max()
+    np.testing.assert_allclose(out.copy_to_host().reshape(T, -1), want, rtol=0, atol=tol)
 
 @in_process
 @pytest.mark.parametrize("gating, with_bias, norm_topk", [("sigmoid", True, True), ("softmax", False, False),

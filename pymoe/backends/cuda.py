@@ -480,7 +480,7 @@ class ReferenceKernels:
         T, p0, r0 = ckv.shape[0], _at(p0), _at(r0)
         rows = mla_kv_row_reference(ckv.copy_to_host(), w.copy_to_host(), eps, cos.copy_to_host()[p0:p0 + T],
                                     sin.copy_to_host()[p0:p0 + T], neox)  # [T, C + R]
-        cache[r0:r0 + T].copy_to_device(np.ascontiguousarray(rows[:, None, :]), stream=stream)
+        cache[r0:r0 + T].copy_to_device(rows.reshape(T, 1, -1).copy(), stream=stream)  # (no stride-0 unit axis)
         return cache
 
     def mla_query(self, q, k_b, cos, sin, p0, neox, scale, Q, stream):
@@ -966,7 +966,8 @@ class CUDABackend:
                 # the attention block's device arrays (x, q, k, v, o, y of one block call), reused from the
                 # start at each `to_device` (engine/attention.py: one per block)
                 "arena": ((max(chunk * (w_in + H * Dh * (4 if c.traits.hybrid else 1) + G * Dh + G * Dv + H * Dv
-                                        + w_out),  # (hybrid: query and gate, then each apart)
+                                        + w_out + self._mla_step_floats()),  # (hybrid: query and gate, then each
+                               # apart; MLA: engine/mla.mla_device's q_a, q and value rows besides)
                                # a device step's (one token): the attention block's q, k, v, o, y, the router's
                                # logits, the shared expert's gate, up and output, the logits
                                H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert
@@ -977,8 +978,8 @@ class CUDABackend:
                 "rope_sin": ((n_ctx * (c.rope_dim // 2),), np.float32)}
 
     def _mla_step_floats(self) -> int:
-        """A device step's MLA arrays beyond the GQA block's (engine/mla.mla_step): the q_a row, q [H, N + R] and
-        the value up-projection's output [H, V]; 0 for a model without MLA."""
+        """MLA's arrays per row beyond the GQA block's (engine/mla.mla_device): the q_a row, q [H, N + R] and the
+        value up-projection's output [H, V]; 0 for a model without MLA."""
         c = self._cfg
         if not c.traits.mla:
             return 0
@@ -1310,25 +1311,40 @@ class CUDABackend:
             self._launch("add", y, dev, self.compute)
         return self._add_shared(y, x, shared)
 
-    def mla_kv_write(self, kv, layer: int, ckv, w: np.ndarray, eps: float, neox: bool) -> None:
-        """A device step's compressed KV row (engine/mla.mla_step): ckv [1, C + R] (device) -> kv's row kv.n of
-        `layer` = [rmsnorm(ckv[:C]) * w | rope(ckv[C:])] at the step's position (cuda_kernels/mla.py)."""
-        self._launch("mla_kv_row", ckv, self._vec(w), eps, self._sb["cos"], self._sb["sin"], self._at["position"],
-                     neox, kv.k[kv.rows[layer]], self._at["row"], self.compute)
+    def mla_on_device(self, kv) -> bool:
+        """engine/mla.mla_block runs `mla_device` (T rows on the device, one copy up and one back) over kv: this
+        backend's device KV cache, with the device step on (PYMOE_DEVICE_STEP=0: the host form, version 2's)."""
+        return self.device_step and isinstance(kv, DeviceKVCache)
 
-    def mla_query(self, q, k_b: np.ndarray, scale: float, neox: bool):
-        """A device step's absorbed query: q [1, H * (N + R)] (device), k_b float32 [H, C, N] -> Q [1, H, C + R] =
-        scale * [q_nope @ k_b[h].T | rope(q_pe)], in the arena (cuda_kernels/mla.py)."""
+    def _positions(self, p0: int, T: int, rope: tuple) -> tuple:
+        """(cos, sin, position) a MLA kernel reads for T rows at KV row p0: in a device step the whole context's
+        tables and the position in `at`; else this forward's tables [T, R / 2] (uploaded once per forward) from 0."""
+        if self._in_step(p0, T):
+            return self._sb["cos"], self._sb["sin"], self._at["position"]
+        return (*self._rope_tables(*rope), 0)
+
+    def mla_kv_write(self, kv, layer: int, p0: int, ckv, w: np.ndarray, eps: float, neox: bool, rope: tuple) -> None:
+        """engine/mla.mla_device's compressed KV rows: ckv [T, C + R] (device) -> kv's rows p0.. of `layer` =
+        [rmsnorm(ckv[:C]) * w | rope(ckv[C:])] (cuda_kernels/mla.py; in a device step row and position from `at`)."""
+        cos, sin, pos = self._positions(p0, ckv.shape[0], rope)
+        row = self._at["row"] if self._in_step(p0, ckv.shape[0]) else p0
+        self._launch("mla_kv_row", ckv, self._vec(w), eps, cos, sin, pos, neox, kv.k[kv.rows[layer]], row,
+                     self.compute)
+
+    def mla_query(self, q, k_b: np.ndarray, scale: float, neox: bool, p0: int, rope: tuple):
+        """engine/mla.mla_device's absorbed queries: q [T, H * (N + R)] (device) at KV rows p0.., k_b float32
+        [H, C, N] -> Q [T, H, C + R] = scale * [q_nope @ k_b[h].T | rope(q_pe)], in the arena (cuda_kernels/mla.py)."""
         H, C, N = k_b.shape
         T = q.shape[0]
         R = q.shape[1] // H - N
         Q = self._arena((T, H, C + R))
-        self._launch("mla_query", self._reshaped(q, (T, H, N + R)), self._vec(k_b), self._sb["cos"], self._sb["sin"],
-                     self._at["position"], neox, float(scale), Q, self.compute)
+        cos, sin, pos = self._positions(p0, T, rope)
+        self._launch("mla_query", self._reshaped(q, (T, H, N + R)), self._vec(k_b), cos, sin, pos, neox,
+                     float(scale), Q, self.compute)
         return Q
 
     def mla_value(self, a, v_b: np.ndarray):
-        """The value up-projection of a device step: a [1, H * C] (device), v_b float32 [H, V, C] -> [1, H * V]."""
+        """The value up-projection: a [T, H * C] (device), v_b float32 [H, V, C] -> [T, H * V], in the arena."""
         H, V, C = v_b.shape
         T = a.shape[0]
         out = self._arena((T, H * V))
@@ -1644,15 +1660,19 @@ class CUDABackend:
             if np.array_equal(cos, c_all[p0:p0 + T]) and np.array_equal(sin, s_all[p0:p0 + T]):
                 self._launch("rope", x, self._sb["cos"], self._sb["sin"], neox, self._at["position"], self.compute)
                 return x
+        self._launch("rope", x, *self._rope_tables(cos, sin), neox, 0, self.compute)
+        return x
+
+    def _rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple:
+        """This forward's RoPE tables [T, rope_dim / 2] on the device: uploaded once per forward call (every layer's
+        q and k share them)."""
         if self._rope_host is None or self._rope_host[0] is not cos:
             self._rope_host = (cos, sin)  # kept alive, so that `is` can recognise them
             for name, table in (("rope_cos", cos), ("rope_sin", sin)):
                 data = np.ascontiguousarray(table, np.float32)
                 shaped(self.scratch[name], table.shape).copy_to_device(data, stream=self.compute)
                 self.counts.copy("RoPE tables to device", data.nbytes)
-        dcos, dsin = (shaped(self.scratch[name], cos.shape) for name in ("rope_cos", "rope_sin"))
-        self._launch("rope", x, dcos, dsin, neox, 0, self.compute)
-        return x
+        return tuple(shaped(self.scratch[name], cos.shape) for name in ("rope_cos", "rope_sin"))
 
     def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
         """k [T, G, Dh], v [T, G, Dv] into kv at positions p0..: a device copy into the device KV cache (in a device
