@@ -1,5 +1,6 @@
-"""A prompt's attention blocks on the device, in Numba's CUDA simulator: MLA (deepseek2, engine/mla.mla_device) over
-T rows of a prompt chunk, one copy up and one back per layer.
+"""A prompt's attention blocks on the device, in Numba's CUDA simulator: MLA (deepseek2, engine/mla.mla_device) and
+Gated DeltaNet (qwen3next, qwen35moe, engine/deltanet.gdn_device) over T rows of a prompt chunk, one copy up and one
+back per layer, the recurrent state left on the device for the decode steps.
 
 What this is: on the micro files (F32), a prompt of several chunks (`--chunk` 4) on the CUDA backend gives the CPU
 backend's greedy tokens, its prefill logits are the reference backend's within a float32 bound, and the counts of
@@ -7,7 +8,9 @@ one prompt chunk (backends/device_counts.py: exact in the simulator) are the one
 
 Tolerance of the logits: the same float32 operations in other orders (other reduction trees in the products and the
 attention), so the logits differ by a few roundings of their own size s = max |logit|: ULPS = 8 ulp of s, as
-tests/test_cuda_device_step.py (its docstring gives the measured spread, 1.5 ulp on deepseek2).
+tests/test_cuda_device_step.py (its docstring gives the measured spread: 1.5 ulp on deepseek2, 2.25 on the
+hybrids). The prompts here are shorter than engine/deltanet.CHUNK, so the CPU backend runs the recurrent form of the
+rule, as the device's kernels do (cuda_kernels/deltanet.py rule_chunk; its test holds it to the chunked form too).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
@@ -22,6 +25,7 @@ MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
 CHUNK = 4
 PROMPT = [5, 17, 42, 9, 3, 7, 11, 2, 8, 13]  # 3 chunks: 4 + 4 + 2
+ARCHS = ["deepseek2", "qwen3next", "qwen35moe"]
 ULPS = 8  # of the logit scale s: see the module docstring
 F32 = 4
 
@@ -46,7 +50,7 @@ def on_cuda(path):
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["deepseek2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_a_prompt_of_several_chunks_gives_the_cpu_float_paths_tokens(micro, arch):
     path = micro(arch)
     want = list(pymoe.load(path, backend="cpu", chunk=CHUNK).generate(PROMPT, max_tokens=4, stop_at_eos=False))
@@ -55,7 +59,7 @@ def test_a_prompt_of_several_chunks_gives_the_cpu_float_paths_tokens(micro, arch
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["deepseek2"])
+@pytest.mark.parametrize("arch", ARCHS)
 def test_prefill_logits_match_the_float_path(micro, arch):
     path = micro(arch)
     ref = pymoe.load(path, backend="reference", chunk=CHUNK)
@@ -82,21 +86,11 @@ def mla_chunk_counts(cfg, T: int) -> dict:
 def test_a_prompt_chunks_mla_is_one_round_trip_per_layer(micro, monkeypatch):
     """One prompt chunk's MLA blocks (their own launches, copies and syncs, counted around each call of
     engine/mla.mla_device): one round trip per layer, no host-side product, no query or attention output crossing."""
-    from pymoe.backends.device_counts import difference
     from pymoe.engine import mla
 
     engine = on_cuda(micro("deepseek2"))
-    cfg, counts = engine.config, engine.backend.counts
-    seen = []
-    inner = mla.mla_device
-
-    def counted(b, *args):
-        before = counts.snapshot("prefill")
-        y = inner(b, *args)
-        seen.append(difference(counts.snapshot("prefill"), before))
-        return y
-
-    monkeypatch.setattr(mla, "mla_device", counted)
+    cfg = engine.config
+    seen = counted_blocks(monkeypatch, mla, "mla_device", engine.backend.counts)
     engine.model.prefill(PROMPT[:CHUNK], engine.model.new_kv(32))
     total = {"launches": sum(s["launches"] for s in seen),
              "synchronisations": sum(s["synchronisations"] for s in seen), "bytes_by_name": {}}
@@ -105,6 +99,50 @@ def test_a_prompt_chunks_mla_is_one_round_trip_per_layer(micro, monkeypatch):
             total["bytes_by_name"][w] = total["bytes_by_name"].get(w, 0) + n
     assert total == mla_chunk_counts(cfg, CHUNK)
 
+
+
+def counted_blocks(monkeypatch, module, name: str, counts) -> list:
+    """Wrap module.name (a block) so that each call's own counts (backends/device_counts.difference) are kept."""
+    from pymoe.backends.device_counts import difference
+
+    seen, inner = [], getattr(module, name)
+
+    def counted(b, *args):
+        before = counts.snapshot("prefill")
+        y = inner(b, *args)
+        seen.append(difference(counts.snapshot("prefill"), before))
+        return y
+
+    monkeypatch.setattr(module, name, counted)
+    return seen
+
+
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_a_prompt_chunks_gated_deltanet_is_one_round_trip_per_layer(micro, monkeypatch, arch):
+    """One prompt chunk's Gated DeltaNet blocks, from the code (engine/deltanet.gdn_device): per layer the normed
+    residual [T, D] up, the products qkv, gate, ba (qwen35moe: beta and alpha apart), conv_chunk, rule_chunk,
+    ssm_out, [T, D] back (one sync); the recurrent state is on the device afterwards (no copy at the prefill's end,
+    none at the first decode step)."""
+    from pymoe.engine import deltanet
+
+    engine = on_cuda(micro(arch))
+    cfg = engine.config
+    seen = counted_blocks(monkeypatch, deltanet, "gdn_device", engine.backend.counts)
+    kv = engine.model.new_kv(32)
+    engine.model.prefill(PROMPT[:CHUNK], kv)
+    n = sum(1 for p in cfg.layer_plan() if p.attention == "gdn")
+    products = 4 if cfg.traits.gdn_tiled else 3
+    assert len(seen) == n
+    for s in seen:
+        assert (s["launches"], s["synchronisations"]) == (products + 2 + 1, 1)
+        assert {w: b for w, b in s["bytes"].items() if w != "recurrent state to device"} == {
+            "residual to device (attention block)": CHUNK * cfg.n_embd * F32,
+            "attention block to host": CHUNK * cfg.n_embd * F32}
+    assert kv.fresh == "device"
+    before = engine.backend.counts.snapshot("decode")["bytes"].get("recurrent state to device", 0)
+    engine.model.decode_one_token(3, kv)
+    assert engine.backend.counts.snapshot("decode")["bytes"].get("recurrent state to device", 0) == before
 
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)

@@ -147,6 +147,7 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1,
             # gated attention and Gated DeltaNet (qwen3next, qwen35moe: cuda_kernels/gated_attention.py, deltanet.py)
             "split_gate": 1, "gate_output": 1, "conv_step": 1, "rule_step": 1,
+            "conv_chunk": 1, "rule_chunk": 1,  # a prompt chunk's Gated DeltaNet core (T tokens, one launch each)
             "kv_store": 1}  # a device step's KV write (attention.kv_store: the row read on the device)
 
 
@@ -301,6 +302,16 @@ class DeviceKernels:
         from pymoe.cuda_kernels import deltanet
 
         return deltanet.rule_step(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream=stream)
+
+    def conv_chunk(self, x, state, w, out, stream):
+        from pymoe.cuda_kernels import deltanet
+
+        return deltanet.conv_chunk(x, state, w, out, stream=stream)
+
+    def rule_chunk(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
+        from pymoe.cuda_kernels import deltanet
+
+        return deltanet.rule_chunk(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream=stream)
 
 
 class ReferenceKernels:
@@ -525,6 +536,24 @@ class ReferenceKernels:
         m = M.copy_to_host()
         h = lambda d: d.copy_to_host()  # noqa: E731
         o.copy_to_device(rule_step_reference(h(qkvc), h(z), h(b), h(a), h(dt), h(A), h(norm), m, nk, tiled, eps),
+                         stream=stream)
+        M.copy_to_device(m, stream=stream)
+        return o
+
+    def conv_chunk(self, x, state, w, out, stream):
+        from pymoe.cuda_kernels.deltanet import conv_chunk_reference
+
+        st = state.copy_to_host()
+        out.copy_to_device(conv_chunk_reference(x.copy_to_host(), st, w.copy_to_host()), stream=stream)
+        state.copy_to_device(st, stream=stream)
+        return out
+
+    def rule_chunk(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
+        from pymoe.cuda_kernels.deltanet import rule_chunk_reference
+
+        m = M.copy_to_host()
+        h = lambda d: d.copy_to_host()  # noqa: E731
+        o.copy_to_device(rule_chunk_reference(h(qkvc), h(z), h(b), h(a), h(dt), h(A), h(norm), m, nk, tiled, eps),
                          stream=stream)
         M.copy_to_device(m, stream=stream)
         return o
@@ -966,8 +995,9 @@ class CUDABackend:
                 # the attention block's device arrays (x, q, k, v, o, y of one block call), reused from the
                 # start at each `to_device` (engine/attention.py: one per block)
                 "arena": ((max(chunk * (w_in + H * Dh * (4 if c.traits.hybrid else 1) + G * Dh + G * Dv + H * Dv
-                                        + w_out + self._mla_step_floats()),  # (hybrid: query and gate, then each
-                               # apart; MLA: engine/mla.mla_device's q_a, q and value rows besides)
+                                        + w_out + self._mla_step_floats() + gdn_step_floats(c)),  # (hybrid:
+                               # query and gate, then each apart; MLA: engine/mla.mla_device's q_a, q and value rows
+                               # besides; Gated DeltaNet: engine/deltanet.gdn_device's rows)
                                # a device step's (one token): the attention block's q, k, v, o, y, the router's
                                # logits, the shared expert's gate, up and output, the logits
                                H * Dh + G * Dh + G * Dv + H * Dv + D + c.n_expert
@@ -1629,6 +1659,26 @@ class CUDABackend:
         self._launch("rule_step", qkvc, self._reshaped(z, (z.shape[1],)), b, a, self._vec(w["dt"]), self._vec(w["a"]),
                      self._vec(w["norm"]), st["ssm"], self._reshaped(o, (z.shape[1],)), cfg.ssm_k_heads,
                      cfg.traits.gdn_tiled, cfg.rms_eps, self.compute)
+        return o
+
+    def gdn_on_device(self, kv) -> bool:
+        """engine/deltanet.gdn_block runs `gdn_device` (T rows on the device, one copy up and one back) over kv: this
+        backend's device KV cache with the device copy of the recurrent state (the device step on)."""
+        return self.device_step and isinstance(kv, DeviceKVCache) and bool(kv.states)
+
+    def gdn_chunk(self, kv, layer_i: int, cfg, w: dict, qkv, z, ba: list):
+        """engine/deltanet.gdn_device's core for T tokens of one sequence: qkv [T, conv_dim], z [T, nv dv], ba
+        [T, 2 nv] or beta, alpha [T, nv] (device) -> o [T, nv dv] (device, before ssm_out), advancing the layer's
+        conv and recurrent state in kv's device copy (cuda_kernels/deltanet.py: conv_chunk, rule_chunk, one launch
+        each for the T tokens)."""
+        st = kv.device_state(layer_i)
+        T, conv_dim = qkv.shape
+        qkvc = self._arena((T, conv_dim))
+        self._launch("conv_chunk", qkv, st["conv"], self._vec(w["conv"]), qkvc, self.compute)
+        b, a = (ba[0], ba[1]) if len(ba) == 2 else (ba[0], ba[0])
+        o = self._arena((T, z.shape[1]))
+        self._launch("rule_chunk", qkvc, z, b, a, self._vec(w["dt"]), self._vec(w["a"]), self._vec(w["norm"]),
+                     st["ssm"], o, cfg.ssm_k_heads, cfg.traits.gdn_tiled, cfg.rms_eps, self.compute)
         return o
 
     def state_to_device(self, kv) -> None:
