@@ -1,8 +1,10 @@
-"""Gated DeltaNet's decode step on the device (qwen3next, qwen35moe): the short conv and the gated delta rule of one
-token, on the conv and recurrent state the device KV cache keeps for its sequence (backends/cuda.py
-`DeviceKVCache`).
+"""Gated DeltaNet on the device (qwen3next, qwen35moe): the short conv and the gated delta rule of one token (a decode
+step) or of a prompt chunk's T tokens in order, on the conv and recurrent state the device KV cache keeps for its
+sequence (backends/cuda.py `DeviceKVCache`).
 
-What this is: two kernels plus their host wrappers, taking and returning device arrays (one token, T = 1):
+What this is: two kernels plus their host wrappers, taking and returning device arrays (one token, T = 1), and their
+chunk forms `conv_chunk` and `rule_chunk` (the same per-token bodies, `_conv_token` and `_rule_token`, stepped
+through T tokens inside one launch: x, qkvc, z, b, a, o gain a leading T axis):
 
   conv_step(x, state, w, out)     out = silu(sum_i [state; x][i] * w[:, i]), then state = its last K - 1 rows
                                   x float32 [C] (attn_qkv's product), state float32 [K - 1, C], w float32 [C, K]
@@ -18,11 +20,13 @@ What this is: two kernels plus their host wrappers, taking and returning device 
                                   sit: `tiled` (qwen35moe) b[h], a[h] (ssm_beta's, ssm_alpha's products); else
                                   (qwen3next, ssm_ba grouped by q/k head: r betas, then r alphas) b = a = the
                                   product, b at kh 2r + h % r, a at kh 2r + r + h % r
-The references (tests/test_cuda_deltanet_kernels.py compares each kernel with them): `conv_step_reference` and
-`rule_step_reference`, written with engine/deltanet.py's own functions (causal_conv, l2norm, softplus,
-delta_rule_recurrent) and reference.rmsnorm: the host decode's math.
-What this is not: the projections (quant_matvec.matmul), or prefill (the chunked form runs on the host,
-engine/deltanet.py).
+The references (tests/test_cuda_deltanet_kernels.py compares each kernel with them): `conv_step_reference`,
+`rule_step_reference`, `conv_chunk_reference` and `rule_chunk_reference`, written with engine/deltanet.py's own
+functions (causal_conv, l2norm, softplus, delta_rule_recurrent, or delta_rule_chunked with `chunked`) and
+reference.rmsnorm: the host's math.
+What this is not: the projections (quant_matvec.matmul), or the chunked (WY) form of the rule: rule_chunk steps
+through the chunk's tokens one after the other (T sequential steps per v head), where engine/deltanet.py's chunked
+form does matrix products per block of 64.
 
 Version 1 (these): the conv one thread per channel; the rule one block of RULE_THREADS threads per v head, each
 thread owning rows of M_h (a row is read and written twice, decayed and corrected, with no barrier between rows: rows

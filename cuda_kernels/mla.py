@@ -1,5 +1,5 @@
-"""Multi-head latent attention (engine/mla.py) on the device: the kernels of a decode step's MLA block that the
-generic ones (quant_matvec.matmul for the projections, norm_rope.rmsnorm for the q_a norm, attention.decode_attention
+"""Multi-head latent attention (engine/mla.py) on the device: the kernels of the MLA block (a decode step's token or a
+prompt chunk's T rows, engine/mla.mla_device) that the generic ones (quant_matvec.matmul for the projections, norm_rope.rmsnorm for the q_a norm, attention.decode_attention
 for the attention itself) do not cover.
 
 What this is: three small kernels plus their host wrappers, taking and returning device arrays, and their NumPy twins
@@ -16,7 +16,8 @@ each kernel with its twin):
         out[t, h] = v_b[h] @ a[t, h]                                                    the value up-projection
         a float32 [T, H, C] (attention over the cache), v_b float32 [H, V, C] (attn_v_b), out float32 [T, H, V]
 
-Between mla_query and mla_value, attention.decode_attention runs over the cache rows as one KV head: K = the whole
+Between mla_query and mla_value, attention.decode_attention (one token) or attention.chunk_attention (T rows,
+causal within the chunk) runs over the cache rows as one KV head: K = the whole
 row [c | k_pe], V = its first C values (a view of the same device array, never a second copy), its scale
 1 / sqrt(C + R) times the `scale` mla_query folded into Q (engine/mla.py: mla_scale(cfg) * sqrt(C + R)).
 RoPE rows come from the cos/sin tables of the whole context (backends/reference.rope_tables with the file's scaling,

@@ -5,9 +5,11 @@ forms of the gated delta rule: `delta_rule_recurrent` (token by token: what deco
 (blocks of C tokens with matrix products inside a block: the prefill form), tested against each other in
 tests/test_deltanet.py and, through the whole model, against llama.cpp (llama.cpp's qwen3next.cpp and
 delta-net-base.cpp, read in the llama.cpp that llama-cpp-python 0.3.36 vendors).
-On the CUDA backend the projections run on the device; in a decode step on the device (its input a device array)
-so do the conv, the rule and the gated norm of the one token (`CUDABackend.gdn_step`, cuda_kernels/deltanet.py,
-whose references are this file's functions), on the state the device KV cache keeps.
+On the CUDA backend, over one sequence's device KV cache, the whole layer runs on the device, on the state the device
+KV cache keeps: one token of a decode step (its input a device array: `CUDABackend.gdn_step`) or T rows of a prompt
+chunk or a verify forward (`gdn_device`: `CUDABackend.gdn_chunk`, the recurrent form over the T tokens in order);
+the kernels are cuda_kernels/deltanet.py's, whose references are this file's functions. Several sequences at once
+(the server's batched forward) run `gdn_core` on the host, the projections on the device.
 What this is not: a device kernel, or softmax attention (engine/attention.py).
 
 The layer, for T tokens (shapes in brackets; nk q/k heads of size dk, nv v heads of size dv, nv = r * nk):
