@@ -389,6 +389,9 @@ def compile_every_kernel_to_ptx():
     jobs += [(MLA.mla_kv_row_kernel, (f2, f1, nt.float32, f2, f2, nt.int64, nt.boolean, f3, nt.int64)),
              (MLA.mla_query_kernel, (f3, f3, f2, f2, nt.int64, nt.boolean, nt.float32, f3)),
              (MLA.mla_value_kernel, (f3, f3, f3)),
+             (MLA._for(MLA.mla_query_q_kernel, QType.Q8_0), (f3, u8, f2, f2, nt.int64, nt.boolean, nt.float32, f3)),
+             (MLA._for(MLA.mla_query_q_at_kernel, QType.F16), (f3, u8, f2, f2, i1, nt.boolean, nt.float32, f3)),
+             (MLA._for(MLA.mla_value_q_kernel, QType.Q4_K), (f3, u8, f3)),
              (RG.route_groups_kernel, (f2, f1, nt.boolean, nt.boolean, nt.int64, nt.int64, nt.int64, nt.boolean,
                                        nt.float32, i2, f2)),
              (A.decode_attention_kernel, (f2, f3, f3a, nt.int64, nt.float32, f2, f2)),
@@ -398,6 +401,8 @@ def compile_every_kernel_to_ptx():
 
     jobs += [(DN.conv_step_kernel, (f1, f2, f2, f1)),
              (DN.rule_step_kernel, (f1, f1, f1, f1, f1, f1, f1, f3, f1, nt.int64, nt.boolean, nt.float32)),
+             (DN.conv_chunk_kernel, (f2, f2, f2, f2)),
+             (DN.rule_chunk_kernel, (f2, f2, f2, f2, f1, f1, f1, f3, f2, nt.int64, nt.boolean, nt.float32)),
              (GA.split_gate_kernel, (f2, f2, f2, nt.int64)), (GA.gate_output_kernel, (f2, f2))]
     # the device draw (cuda_kernels/sample.py)
     from pymoe.cuda_kernels import sample as SA

@@ -36,11 +36,11 @@ def micro(tmp_path_factory):
 
     root, made = tmp_path_factory.mktemp("micro"), {}
 
-    def make(arch):
-        if arch not in made:
-            made[arch] = str(root / f"micro-{arch}-f32.gguf")
-            write_model(made[arch], arch, "micro", "f32", seed=0)
-        return made[arch]
+    def make(arch, mix="f32"):
+        if (arch, mix) not in made:
+            made[arch, mix] = str(root / f"micro-{arch}-{mix}.gguf")
+            write_model(made[arch, mix], arch, "micro", mix, seed=0)
+        return made[arch, mix]
 
     return make
 
@@ -50,9 +50,11 @@ def on_cuda(path):
 
 
 @in_process
-@pytest.mark.parametrize("arch", ARCHS)
-def test_a_prompt_of_several_chunks_gives_the_cpu_float_paths_tokens(micro, arch):
-    path = micro(arch)
+@pytest.mark.parametrize("arch, mix", [(a, "f32") for a in ARCHS] + [("deepseek2", "q2_k")])
+def test_a_prompt_of_several_chunks_gives_the_cpu_float_paths_tokens(micro, arch, mix):
+    """q2_k: MLA's k_b and v_b stored as Q4_0 (the mix's fallback for rows not whole K-quant blocks), read so on
+    the device (cuda_kernels/mla.py mla_query_q, mla_value_q) and dequantized on the CPU."""
+    path = micro(arch, mix)
     want = list(pymoe.load(path, backend="cpu", chunk=CHUNK).generate(PROMPT, max_tokens=4, stop_at_eos=False))
     engine = on_cuda(path)
     assert list(engine.generate(PROMPT, max_tokens=4, stop_at_eos=False)) == want
@@ -100,6 +102,22 @@ def test_a_prompt_chunks_mla_is_one_round_trip_per_layer(micro, monkeypatch):
     assert total == mla_chunk_counts(cfg, CHUNK)
 
 
+
+
+@in_process
+def test_mla_reads_k_b_and_v_b_in_their_stored_type(micro):
+    """The device holds attn_k_b and attn_v_b as the file's rows (q2_k mix: Q4_0), not float32 copies: the layer's
+    device weights are those rows, byte for byte, and no float32 [H, C, N] / [H, V, C] array was uploaded."""
+    from pymoe.quant import QType
+
+    engine = on_cuda(micro("deepseek2", "q2_k"))
+    list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=False))
+    for la in engine.model.layers:
+        for name in ("k_b", "v_b"):
+            rows = la.mla[f"{name}_rows"]
+            assert rows.qtype == QType.Q4_0
+            assert rows.raw.nbytes == la.mla[name].size // 32 * 18  # Q4_0: 18 bytes per 32 weights
+            assert id(la.mla[name]) not in engine.backend._vectors
 
 def counted_blocks(monkeypatch, module, name: str, counts) -> list:
     """Wrap module.name (a block) so that each call's own counts (backends/device_counts.difference) are kept."""

@@ -145,6 +145,7 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "decode_attention_ws": 1, "route_softmax_weight": 1, "routed_experts_oai": 2,
             # DeepSeek-V2/V3 (cuda_kernels/mla.py, route_groups.py): one each
             "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1,
+            "mla_query_q": 1, "mla_value_q": 1,  # (k_b, v_b read in their stored type)
             # gated attention and Gated DeltaNet (qwen3next, qwen35moe: cuda_kernels/gated_attention.py, deltanet.py)
             "split_gate": 1, "gate_output": 1, "conv_step": 1, "rule_step": 1,
             "conv_chunk": 1, "rule_chunk": 1,  # a prompt chunk's Gated DeltaNet core (T tokens, one launch each)
@@ -282,6 +283,16 @@ class DeviceKernels:
         from pymoe.cuda_kernels import mla
 
         return mla.mla_value(a, v_b, out, stream=stream)
+
+    def mla_query_q(self, q, k_b, qtype, cos, sin, p0, neox, scale, Q, stream):
+        from pymoe.cuda_kernels import mla
+
+        return mla.mla_query_q(q, k_b, qtype, cos, sin, p0, neox, scale, Q, stream=stream)
+
+    def mla_value_q(self, a, v_b, qtype, out, stream):
+        from pymoe.cuda_kernels import mla
+
+        return mla.mla_value_q(a, v_b, qtype, out, stream=stream)
     # gated attention and Gated DeltaNet (qwen3next, qwen35moe)
     def split_gate(self, qg, q, gate, Dh, stream):
         from pymoe.cuda_kernels import gated_attention
@@ -506,6 +517,21 @@ class ReferenceKernels:
         from pymoe.cuda_kernels.mla import mla_value_reference
 
         out.copy_to_device(mla_value_reference(a.copy_to_host(), v_b.copy_to_host()), stream=stream)
+        return out
+
+    def mla_query_q(self, q, k_b, qtype, cos, sin, p0, neox, scale, Q, stream):
+        from pymoe.cuda_kernels.mla import mla_query_q_reference
+
+        T, p0 = q.shape[0], _at(p0)
+        Q.copy_to_device(mla_query_q_reference(q.copy_to_host(), k_b.copy_to_host(), qtype,
+                                               cos.copy_to_host()[p0:p0 + T], sin.copy_to_host()[p0:p0 + T], neox,
+                                               scale), stream=stream)
+        return Q
+
+    def mla_value_q(self, a, v_b, qtype, out, stream):
+        from pymoe.cuda_kernels.mla import mla_value_q_reference
+
+        out.copy_to_device(mla_value_q_reference(a.copy_to_host(), v_b.copy_to_host(), qtype), stream=stream)
         return out
 
     def split_gate(self, qg, q, gate, Dh, stream):
@@ -1361,25 +1387,27 @@ class CUDABackend:
         self._launch("mla_kv_row", ckv, self._vec(w), eps, cos, sin, pos, neox, kv.k[kv.rows[layer]], row,
                      self.compute)
 
-    def mla_query(self, q, k_b: np.ndarray, scale: float, neox: bool, p0: int, rope: tuple):
-        """engine/mla.mla_device's absorbed queries: q [T, H * (N + R)] (device) at KV rows p0.., k_b float32
-        [H, C, N] -> Q [T, H, C + R] = scale * [q_nope @ k_b[h].T | rope(q_pe)], in the arena (cuda_kernels/mla.py)."""
+    def mla_query(self, q, k_b: DeviceWeight, scale: float, neox: bool, p0: int, rope: tuple):
+        """engine/mla.mla_device's absorbed queries: q [T, H * (N + R)] (device) at KV rows p0.., k_b attn_k_b's
+        stored rows [H * C, S] ([H, C, N]) -> Q [T, H, C + R] = scale * [q_nope @ k_b[h].T | rope(q_pe)], in the
+        arena (cuda_kernels/mla.py mla_query_q: k_b read in its stored type)."""
         H, C, N = k_b.shape
         T = q.shape[0]
         R = q.shape[1] // H - N
         Q = self._arena((T, H, C + R))
         cos, sin, pos = self._positions(p0, T, rope)
-        self._launch("mla_query", self._reshaped(q, (T, H, N + R)), self._vec(k_b), cos, sin, pos, neox,
+        self._launch("mla_query_q", self._reshaped(q, (T, H, N + R)), k_b.raw, k_b.qtype, cos, sin, pos, neox,
                      float(scale), Q, self.compute)
         return Q
 
-    def mla_value(self, a, v_b: np.ndarray):
-        """The value up-projection: a [T, H * C] (device), v_b float32 [H, V, C] -> [T, H * V], in the arena."""
+    def mla_value(self, a, v_b: DeviceWeight):
+        """The value up-projection: a [T, H * C] (device), v_b attn_v_b's stored rows [H * V, S] ([H, V, C]) ->
+        [T, H * V], in the arena (cuda_kernels/mla.py mla_value_q)."""
         H, V, C = v_b.shape
         T = a.shape[0]
         out = self._arena((T, H * V))
-        self._launch("mla_value", self._reshaped(a, (T, H, C)), self._vec(v_b), self._reshaped(out, (T, H, V)),
-                     self.compute)
+        self._launch("mla_value_q", self._reshaped(a, (T, H, C)), v_b.raw, v_b.qtype,
+                     self._reshaped(out, (T, H, V)), self.compute)
         return out
 
     def mlp_on_device(self, w: dict, x):

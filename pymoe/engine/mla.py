@@ -36,12 +36,16 @@ from .kv import join_rows, segments
 
 
 def mla_weights(b, lt, cfg) -> dict:
-    """The layer's MLA tensors: projections as backend weights, the absorbed per-head matrices as float32."""
+    """The layer's MLA tensors: projections as backend weights, the absorbed per-head matrices as float32 (the host
+    form's) and, on a backend that runs the block on the device (`mla_on_device`), also as their stored rows there
+    (k_b_rows [H * C, S], v_b_rows [H * V, S] of the file's type: cuda_kernels/mla.py reads them as they are)."""
     f32 = lambda name: np.ascontiguousarray(quant.dequantize(  # noqa: E731  small 3-D tensors, dequantized once
         np.asarray(lt(name).data).view(np.uint8), lt(name).qtype)).reshape(lt(name).shape) \
         if lt(name).qtype != quant.QType.F32 else np.asarray(lt(name).data, np.float32)
     w = dict(kv_a=b.dense(lt("attn_kv_a_mqa.weight")), kv_a_norm=b.vector(lt("attn_kv_a_norm.weight")),
              k_b=f32("attn_k_b.weight"), v_b=f32("attn_v_b.weight"), out=b.dense(lt("attn_output.weight")))
+    if hasattr(b, "mla_on_device"):
+        w.update(k_b_rows=b.dense(lt("attn_k_b.weight")), v_b_rows=b.dense(lt("attn_v_b.weight")))
     if cfg.q_lora_rank:
         w.update(q_a=b.dense(lt("attn_q_a.weight")), q_a_norm=b.vector(lt("attn_q_a_norm.weight")),
                  q_b=b.dense(lt("attn_q_b.weight")))
@@ -117,7 +121,7 @@ def mla_device(b, layer, x, kv, layer_i: int, rope: tuple):
     ckv = b.linear(w["kv_a"], x)  # [T, C + R]
     b.mla_kv_write(kv, layer_i, kv.n, ckv, w["kv_a_norm"], eps, cfg.rope_neox, rope)  # rows kv.n .. kv.n + T - 1
     # attention() scales by 1 / sqrt(C + R); MLA's scale is mla_scale: the queries carry the ratio (as mla_core)
-    Q = b.mla_query(q, w["k_b"], float(np.float32(mla_scale(cfg) * np.sqrt(C + R))), cfg.rope_neox, kv.n,
+    Q = b.mla_query(q, w["k_b_rows"], float(np.float32(mla_scale(cfg) * np.sqrt(C + R))), cfg.rope_neox, kv.n,
                     rope)  # [T, H, C + R]
     a = b.attention(Q, *b.kv_read(kv, layer_i, kv.n + T), kv.n)  # [T, H * C]
-    return b.to_host(b.linear(w["out"], b.mla_value(a, w["v_b"])))  # [T, H * V] -> [T, D]
+    return b.to_host(b.linear(w["out"], b.mla_value(a, w["v_b_rows"])))  # [T, H * V] -> [T, D]
