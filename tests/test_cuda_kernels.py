@@ -424,9 +424,9 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 6 + 4 + 1  # + step.py's 9, gpt_oss.py's
-    # 5, MLA's and groups' 6 (chunk attention with MLA's strided V among them), deltanet.py's and gated_attention.py's
-    # 4, sample.py's 1
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 9 + 6 + 1  # + step.py's 9, gpt_oss.py's
+    # 5, MLA's and groups' 9 (chunk attention with MLA's strided V among them; k_b and v_b in their stored type: 3),
+    # deltanet.py's and gated_attention.py's 6 (the chunk's conv and rule: 2), sample.py's 1
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
