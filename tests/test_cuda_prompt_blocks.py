@@ -119,6 +119,31 @@ def test_mla_reads_k_b_and_v_b_in_their_stored_type(micro):
             assert rows.raw.nbytes == la.mla[name].size // 32 * 18  # Q4_0: 18 bytes per 32 weights
             assert id(la.mla[name]) not in engine.backend._vectors
 
+
+BLOCK_OPS = ("mla_kv_row", "mla_query_q", "mla_value_q", "chunk_attention", "decode_attention", "rmsnorm",
+             "conv_chunk", "rule_chunk", "conv_step", "rule_step")  # the blocks' own kernels (not the products)
+
+
+@in_process
+@pytest.mark.parametrize("arch, mix", [("deepseek2", "f32"), ("deepseek2", "q2_k"), ("qwen3next", "f32"),
+                                       ("qwen35moe", "f32")])
+def test_the_blocks_real_kernels_give_the_cpu_float_paths_tokens(micro, monkeypatch, arch, mix):
+    """The prompt chunks and decode steps with the real kernels of the blocks (BLOCK_OPS: on the backend's own
+    device views, strided ones included), the products and experts on the reference kernels (the real ones of every
+    op cost minutes here: tests/test_cuda_real_kernels_sim.py)."""
+    from pymoe.backends import cuda as cuda_backend
+
+    class Mixed(cuda_backend.ReferenceKernels):
+        name = "mixed"
+
+    for op in BLOCK_OPS:
+        setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
+    monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
+    path = micro(arch, mix)
+    want = list(pymoe.load(path, backend="cpu", chunk=CHUNK).generate(PROMPT, max_tokens=2, stop_at_eos=False))
+    engine = pymoe.load(path, backend="cuda", chunk=CHUNK, backend_options=dict(SIM, kernels="mixed"))
+    assert list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=False)) == want  # 3 chunks, 1 decode step
+
 def counted_blocks(monkeypatch, module, name: str, counts) -> list:
     """Wrap module.name (a block) so that each call's own counts (backends/device_counts.difference) are kept."""
     from pymoe.backends.device_counts import difference
