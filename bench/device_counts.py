@@ -3,6 +3,7 @@ by what they carry, host synchronisations (backends/device_counts.py), for each 
 
     NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python bench/device_counts.py [--families qwen3moe,llama] [--tokens 4]
         [--settings slots,spill,misses,"2 slots","2 slots, one step","spec ngram verify"] [--sample]
+    NUMBA_ENABLE_CUDASIM=1 PYTHONPATH=. python bench/device_counts.py --prefill [--families deepseek2,qwen3next]
 
 Each family's `micro` preset (pymoe/demo/tinymodel.py, F32, seed 0) is written to a temporary folder and decoded
 greedily from the prompt [5, 17] for --tokens new tokens (the first from the prefill, the rest one decode step
@@ -26,6 +27,10 @@ settings:
 and in two versions of the GPU path: 2 (PYMOE_DEVICE_STEP=0: the residual stream on the host, three round trips
 per layer) and 3 (the default: a decode step on the device from token id to token where the family and the
 setting allow it, backends/cuda.py `begin_step`; elsewhere version 3 runs version 2, and the row says so).
+--prefill: instead, per prompt chunk: the prompt `PREFILL_PROMPT` (12 tokens) in chunks of `PREFILL_CHUNK` (4), a
+slot for every expert ("slots"), the prefill phase's counts divided by its 3 forward calls, in both versions
+(version 3 runs the MLA and Gated DeltaNet blocks of a chunk on the device: engine/mla.mla_device,
+engine/deltanet.gdn_device; the rest of a prompt's forward is version 2's in both).
 The counts are exact (the simulator runs the same launches, copies and syncs as a GPU would; the reference
 kernels stand in for the real ones, which the counts do not depend on: backends/cuda.py LAUNCHES). Prints one
 Markdown row per family and setting: the table of docs/expert-cache.md ("The GPU path's cost, counted"), the
@@ -57,6 +62,7 @@ PROMPT_2 = [9, 12]  # the second slot's ("2 slots")
 SETTINGS = ("slots", "spill", "misses", "2 slots", "2 slots, one step", "spec ngram verify")
 SERVER = ("2 slots", "2 slots, one step")  # the settings run through the server's scheduler
 SPEC_PROMPT = [int(t) for t in np.random.default_rng(0).integers(0, 250, 6)] * 3  # "spec ngram verify"
+PREFILL_PROMPT, PREFILL_CHUNK = list(range(3, 15)), 4  # --prefill: 3 chunks
 SAMPLE = dict(temperature=0.8, top_k=40, top_p=0.9, seed=1)  # --sample: a random draw the device makes
 MiB = 2**20
 SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "device" beyond the reserve
@@ -146,6 +152,17 @@ def verify_counts(engine) -> tuple[dict, dict, bool]:
     m = per_token({**total, "tokens": len(rows)})
     m["rows"] = sum(rows) / max(len(rows), 1)
     return m, engine.last_stats.decode, bool(on_device) and all(on_device)
+def prefill_counts(path: str, version: int) -> dict:
+    """--prefill: the prefill phase's counts per forward call (per prompt chunk), a slot for every expert."""
+    os.environ["PYMOE_DEVICE_STEP"] = "1" if version == 3 else "0"
+    cfg = pymoe.load(path, backend="reference").config
+    pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+    profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
+    engine = pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
+                        backend_options=SIM, chunk=PREFILL_CHUNK)
+    engine.model.prefill(PREFILL_PROMPT, engine.model.new_kv(64))
+    c = engine.backend.counts.snapshot("prefill")
+    return per_token({**c, "tokens": c["forwards"]})  # (per forward call: "tokens" is the divisor)
 
 
 # The table's short names for DeviceCounts' byte names (backends/cuda.py), by the start of the name.
@@ -194,11 +211,14 @@ def main() -> None:
     ap.add_argument("--settings", default=",".join(SETTINGS), help="comma-separated, of: " + ", ".join(SETTINGS))
     ap.add_argument("--sample", action="store_true", help="draw at temperature 0.8, top-k 40, top-p 0.9, seed 1 "
                     "[default: greedy]")
+    ap.add_argument("--prefill", action="store_true", help="count per prompt chunk instead (see the docstring)")
     args = ap.parse_args()
     settings = re.split(r",(?! )", args.settings)  # (a comma and a space: inside "2 slots, one step")
     for setting in settings:
         if setting not in SETTINGS:
             raise SystemExit(f"--settings: unknown setting {setting!r} (choose from {', '.join(SETTINGS)})")
+    if args.prefill:
+        return main_prefill(args.families.split(","))
     from pymoe.demo.tinymodel import write_model
 
     print("| family | setting (decode lookups) | version | launches | syncs | host<->device bytes | bytes by name |")
@@ -213,6 +233,26 @@ def main() -> None:
                                                    SAMPLE if args.sample else {})
                     shown = "3" if on_device else "2" if version == 2 else "3 (runs 2)"
                     print(row(arch, setting, shown, m, cache), flush=True)
+
+
+def main_prefill(families: list) -> None:
+    from pymoe.demo.tinymodel import write_model
+
+    print("| family | prompt chunk | version | launches | syncs | host<->device bytes | bytes by name |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in families:
+            path = os.path.join(tmp, f"micro-{arch}-f32.gguf")
+            write_model(path, arch, "micro", "f32", seed=0)
+            for version in (2, 3):
+                m = prefill_counts(path, version)
+                grouped: dict = {}
+                for w, b in m["bytes_by_name"].items():
+                    grouped[short(w)] = grouped.get(short(w), 0) + b
+                names = ", ".join(f"{w} {b:,.0f}" for w, b in grouped.items())
+                num = lambda x: f"{x:.1f}".removesuffix(".0")  # noqa: E731
+                print(f"| {arch} | {PREFILL_CHUNK} tokens | {version} | {num(m['launches'])} "
+                      f"| {num(m['synchronisations'])} | {m['bytes']:,.0f} | {names} |", flush=True)
 
 
 if __name__ == "__main__":

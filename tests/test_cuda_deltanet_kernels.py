@@ -68,6 +68,54 @@ def test_rule_step_matches_the_reference(tiled):
 
 
 @in_process
+def test_conv_chunk_is_the_conv_step_token_after_token():
+    """A prompt chunk's conv (T tokens in one launch) against the reference of T tokens at once (causal_conv), the
+    state moved on by T; the output bound as the conv step's."""
+    rng = np.random.default_rng(4)
+    T, C, K = 5, 37, 4  # T > K - 1: the state comes wholly from the chunk
+    state = rng.standard_normal((K - 1, C)).astype(np.float32)
+    w = (rng.standard_normal((C, K)) / 2).astype(np.float32)
+    x = rng.standard_normal((T, C)).astype(np.float32)
+    ds, out = cuda.to_device(state), cuda.device_array((T, C), np.float32)
+    want = deltanet.conv_chunk_reference(x, state, w)  # [T, C]; state moved on
+    deltanet.conv_chunk(cuda.to_device(x), ds, cuda.to_device(w), out)
+    np.testing.assert_array_equal(ds.copy_to_host(), state)
+    np.testing.assert_array_equal(state, x[T - (K - 1):])
+    np.testing.assert_allclose(out.copy_to_host(), want, rtol=0, atol=4 * U * np.abs(want).max())
+
+
+@in_process
+@pytest.mark.parametrize("tiled", [False, True], ids=["grouped (qwen3next)", "tiled (qwen35moe)"])
+def test_rule_chunk_matches_both_forms_of_the_rule(tiled):
+    """A prompt chunk's rule (T tokens in one launch): against the recurrent reference with the rule step's bound
+    per token (4 (dk + dv) u of max |o| per token, T tokens), and against engine/deltanet.py's chunked form (what
+    the host runs for long prompts) with test_deltanet.py's FORMS_REL between the two forms."""
+    rng = np.random.default_rng(5 + tiled)
+    T, nk, nv, dk, dv = 5, 2, 4, 136, 132
+    M = (rng.standard_normal((nv, dk, dv)) / 4).astype(np.float32)
+    dt = rng.standard_normal(nv).astype(np.float32)
+    A = -np.exp(rng.standard_normal(nv) / 2).astype(np.float32)
+    norm = (1 + rng.standard_normal(dv) / 4).astype(np.float32)
+    qkvc = rng.standard_normal((T, 2 * nk * dk + nv * dv)).astype(np.float32)
+    z = rng.standard_normal((T, nv * dv)).astype(np.float32)
+    b = rng.standard_normal((T, nv if tiled else 2 * nv)).astype(np.float32)
+    a = rng.standard_normal(b.shape).astype(np.float32) if tiled else b
+    M_rec, M_chunk = M.copy(), M.copy()
+    want = deltanet.rule_chunk_reference(qkvc, z, b, a, dt, A, norm, M_rec, nk, tiled, 1e-6)  # [T, nv dv]
+    forms = deltanet.rule_chunk_reference(qkvc, z, b, a, dt, A, norm, M_chunk, nk, tiled, 1e-6, chunked=True)
+    dM, o, db = cuda.to_device(M), cuda.device_array((T, nv * dv), np.float32), cuda.to_device(b)
+    deltanet.rule_chunk(cuda.to_device(qkvc), cuda.to_device(z), db, cuda.to_device(a) if tiled else db,
+                        cuda.to_device(dt), cuda.to_device(A), cuda.to_device(norm), dM, o, nk, tiled, 1e-6)
+    got, got_M = o.copy_to_host(), dM.copy_to_host()
+    bound = 4 * T * (dk + dv) * U
+    np.testing.assert_allclose(got, want, rtol=0, atol=bound * np.abs(want).max())
+    np.testing.assert_allclose(got_M, M_rec, rtol=0, atol=bound * np.abs(M_rec).max())
+    forms_rel = 1e-4  # tests/test_deltanet.py FORMS_REL
+    assert np.abs(got - forms).max() <= forms_rel * np.abs(forms).max()
+    assert np.abs(got_M - M_chunk).max() <= forms_rel * np.abs(M_chunk).max()
+    assert np.abs(want).max() > 0.1 and not np.allclose(got_M, M)  # (the state moved)
+
+@in_process
 def test_rule_step_refuses_wrong_shapes():
     M = cuda.device_array((4, 8, 8), np.float32)
     v = lambda n: cuda.device_array(n, np.float32)  # noqa: E731

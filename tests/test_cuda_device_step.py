@@ -187,10 +187,11 @@ HYBRIDS = ["qwen3next", "qwen35moe"]  # Gated DeltaNet + gated attention: a recu
 @pytest.mark.parametrize("arch", HYBRIDS)
 def test_the_recurrent_state_stays_coherent_across_versions(micro, arch):
     """A sequence whose decode alternates device steps (version 3: the Gated DeltaNet state advanced on the device)
-    with host-side forwards (version 2: a verify forward of 3 positions and its rollback, as speculation makes them,
-    on the host copy) gives the reference's logits at every step: each copy of the state is brought over whole when
-    the other side needs it (one copy each way, named in the counts), and the prefill's state goes to the device
-    before the first step (a prefill cost, not a decode one)."""
+    with a verify forward of 3 positions and its rollback, as speculation makes them (the state saved to and
+    restored from the host copy; the forward's Gated DeltaNet blocks on the device, engine/deltanet.gdn_device),
+    gives the reference's logits at every step: each copy of the state is brought over whole when the other side
+    needs it (one copy each way, named in the counts), and the prefill leaves the state on the device (its upload a
+    prefill cost, not a decode one)."""
     path = micro(arch)
     ref = pymoe.load(path, backend="reference")
     engine = every_expert_in_a_slot(path)
@@ -321,9 +322,11 @@ def test_deepseek_v2_lite_runs_the_step(tmp_path):
 @in_process
 def test_speculation_runs_its_plain_steps_on_the_device(micro):
     """--spec ngram on deepseek2 (MLA over the device's compressed cache, expert groups): the verify forwards of
-    several positions run version 2 (MLA's host form, its cache rows written to and attended over on the device),
-    the single steps between them version 3 (speculation's expert count from the routing ids the step brings
-    back); the greedy tokens are the reference backend's plain decoding. The prompt repeats, so ngram drafts."""
+    several positions run version 2 with their MLA blocks on the device (engine/mla.mla_device over T rows: no
+    host-side MLA), the single steps between them version 3 (speculation's expert count from the routing ids the
+    step brings back); the greedy tokens are the reference backend's plain decoding. The prompt repeats, so ngram
+    drafts."""
+    from pymoe.engine import mla
     from pymoe.engine.speculative import Speculator, NgramDrafter
 
     path, prompt = micro("deepseek2"), [5, 17, 42, 5, 17, 42, 5, 17]
@@ -331,8 +334,15 @@ def test_speculation_runs_its_plain_steps_on_the_device(micro):
     engine = every_expert_in_a_slot(path)
     steps, begin = [], engine.backend.begin_step
     engine.backend.begin_step = lambda *a, **k: steps.append(1) or begin(*a, **k)
-    spec = Speculator(NgramDrafter(), k=4)
-    assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec)) == want
+    rows, device = [], mla.mla_device
+    mla.mla_device = lambda b, layer, x, *a: rows.append(x.shape[0]) or device(b, layer, x, *a)
+    try:
+        spec = Speculator(NgramDrafter(), k=4)
+        assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec)) == want
+    finally:
+        mla.mla_device = device
+    assert engine.backend.counts.snapshot("decode")["bytes"].get("MLA queries to device", 0) == 0
+    assert any(1 < n <= 5 for n in rows)  # a verify forward's rows (k + 1 at most; the prompt's forward: 8 rows)
     st = spec.stats
     assert st.steps > 0 and st.accepted > 0 and len(steps) == st.single_steps > 0
     assert st.single_experts == st.single_steps * len(engine.config.moe_layers) * engine.config.n_expert_used

@@ -126,7 +126,7 @@ def test_the_real_kernels_launches_repeat(micro, monkeypatch, arch):
     Tokens still the reference backend's (for the seed: the host sampler's draw)."""
     from pymoe.backends import cuda as cuda_backend
 
-    real_ops = ("rope", "kv_store", "decode_attention", "decode_attention_ws", "mla_kv_row", "mla_query",
+    real_ops = ("rope", "kv_store", "decode_attention", "decode_attention_ws", "mla_kv_row", "mla_query_q",
                 "route_softmax", "route_sigmoid", "route_softmax_weight", "route_groups", "rmsnorm", "add", "argmax")
 
     class Mixed(cuda_backend.ReferenceKernels):

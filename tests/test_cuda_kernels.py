@@ -389,6 +389,9 @@ def compile_every_kernel_to_ptx():
     jobs += [(MLA.mla_kv_row_kernel, (f2, f1, nt.float32, f2, f2, nt.int64, nt.boolean, f3, nt.int64)),
              (MLA.mla_query_kernel, (f3, f3, f2, f2, nt.int64, nt.boolean, nt.float32, f3)),
              (MLA.mla_value_kernel, (f3, f3, f3)),
+             (MLA._for(MLA.mla_query_q_kernel, QType.Q8_0), (f3, u8, f2, f2, nt.int64, nt.boolean, nt.float32, f3)),
+             (MLA._for(MLA.mla_query_q_at_kernel, QType.F16), (f3, u8, f2, f2, i1, nt.boolean, nt.float32, f3)),
+             (MLA._for(MLA.mla_value_q_kernel, QType.Q4_K), (f3, u8, f3)),
              (RG.route_groups_kernel, (f2, f1, nt.boolean, nt.boolean, nt.int64, nt.int64, nt.int64, nt.boolean,
                                        nt.float32, i2, f2)),
              (A.decode_attention_kernel, (f2, f3, f3a, nt.int64, nt.float32, f2, f2)),
@@ -398,6 +401,8 @@ def compile_every_kernel_to_ptx():
 
     jobs += [(DN.conv_step_kernel, (f1, f2, f2, f1)),
              (DN.rule_step_kernel, (f1, f1, f1, f1, f1, f1, f1, f3, f1, nt.int64, nt.boolean, nt.float32)),
+             (DN.conv_chunk_kernel, (f2, f2, f2, f2)),
+             (DN.rule_chunk_kernel, (f2, f2, f2, f2, f1, f1, f1, f3, f2, nt.int64, nt.boolean, nt.float32)),
              (GA.split_gate_kernel, (f2, f2, f2, nt.int64)), (GA.gate_output_kernel, (f2, f2))]
     # the device draw (cuda_kernels/sample.py)
     from pymoe.cuda_kernels import sample as SA
@@ -419,9 +424,9 @@ def test_every_kernel_compiles_for_a_real_gpu():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     if "ptx unavailable:" in proc.stdout:
         pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 6 + 4 + 1  # + step.py's 9, gpt_oss.py's
-    # 5, MLA's and groups' 6 (chunk attention with MLA's strided V among them), deltanet.py's and gated_attention.py's
-    # 4, sample.py's 1
+    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 9 + 6 + 1  # + step.py's 9, gpt_oss.py's
+    # 5, MLA's and groups' 9 (chunk attention with MLA's strided V among them; k_b and v_b in their stored type: 3),
+    # deltanet.py's and gated_attention.py's 6 (the chunk's conv and rule: 2), sample.py's 1
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)

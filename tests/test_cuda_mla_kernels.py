@@ -18,7 +18,7 @@ from numba import cuda  # noqa: E402
 
 from pymoe.backends.reference import attention, rope_tables, route_sigmoid  # noqa: E402
 from pymoe.cuda_kernels import mla, route_groups  # noqa: E402
-from pymoe.cuda_kernels.attention import decode_attention  # noqa: E402
+from pymoe.cuda_kernels.attention import chunk_attention, decode_attention  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 U = 2.0 ** -24  # float32 unit roundoff
@@ -102,6 +102,68 @@ def test_attention_over_the_compressed_cache_reads_v_from_k():
     tol = 4 * (S + C + R) * U * np.abs(cache).max()
     np.testing.assert_allclose(out.copy_to_host().reshape(1, -1), want, rtol=0, atol=tol)
 
+
+@in_process
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0"])
+@pytest.mark.parametrize("given", ["int", "device"])
+def test_query_reads_k_b_in_its_stored_type(qtype, given):
+    """mla_query_q (k_b as its stored rows [H * C, S]) against mla_query_reference on the dequantized rows; the bound
+    as test_query_is_absorbed_roped_and_scaled's (an N-term dot product per value; the decoded weights are exact:
+    tests/test_cuda_kernels.py)."""
+    from quant_helpers import random_rows
+
+    from pymoe.quant import QType
+
+    rng = np.random.default_rng(6)
+    T, p0, scale, Hq, Cq, Nq = 2, 4, 1.7, 2, 33, 32  # N: one Q8_0 block; C > THREADS: strided
+    rows = random_rows(QType[qtype], Hq * Cq, Nq, rng)  # uint8 [H * C, S]
+    q = rng.standard_normal((T, Hq, Nq + R)).astype(np.float32)
+    cos, sin = tables(p0 + T)
+    Q = cuda.device_array((T, Hq, Cq + R), np.float32)
+    mla.mla_query_q(cuda.to_device(q), cuda.to_device(rows), QType[qtype], cuda.to_device(cos), cuda.to_device(sin),
+                    at(p0, given), False, scale, Q)
+    want = mla.mla_query_q_reference(q, rows, QType[qtype], cos[p0:p0 + T], sin[p0:p0 + T], False, scale)
+    k_b = mla.head_floats(rows, QType[qtype], Hq)  # [H, C, N]
+    terms = np.abs(np.einsum("thn,hcn->thcn", q[..., :Nq], k_b)).sum(-1) * scale  # [T, H, C]
+    got = Q.copy_to_host()
+    np.testing.assert_array_less(np.abs(got[..., :Cq] - want[..., :Cq]), 2 * Nq * U * terms + 1e-30)
+    np.testing.assert_allclose(got[..., Cq:], want[..., Cq:], rtol=4 * U, atol=4 * U * np.abs(want).max())
+
+
+@in_process
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_K"])
+def test_value_up_projection_reads_v_b_in_its_stored_type(qtype):
+    """mla_value_q (v_b as its stored rows [H * V, S]) against mla_value_reference on the dequantized rows: a C-term
+    dot product per value, within 2 C u of the sum of |terms|."""
+    from quant_helpers import random_rows
+
+    from pymoe.quant import QType, get_format
+
+    rng = np.random.default_rng(7)
+    T, Hv, Vv = 2, 2, 3
+    Cv = get_format(QType[qtype]).block_size * (1 if qtype == "Q4_K" else 2)
+    rows = random_rows(QType[qtype], Hv * Vv, Cv, rng)  # uint8 [H * V, S]
+    a = rng.standard_normal((T, Hv, Cv)).astype(np.float32)
+    out = cuda.device_array((T, Hv, Vv), np.float32)
+    mla.mla_value_q(cuda.to_device(a), cuda.to_device(rows), QType[qtype], out)
+    want = mla.mla_value_q_reference(a, rows, QType[qtype])
+    terms = np.einsum("thc,hvc->thv", np.abs(a), np.abs(mla.head_floats(rows, QType[qtype], Hv)))  # [T, H, V]
+    np.testing.assert_array_less(np.abs(out.copy_to_host() - want), 2 * Cv * U * terms + 1e-30)
+
+@in_process
+def test_chunk_attention_over_the_compressed_cache_reads_v_from_k():
+    """A prompt chunk's MLA attention (engine/mla.mla_device, T > 1): chunk_attention with one KV head and V the
+    first C values of each row (a strided view), causal within the chunk (token t sees rows 0..p0 + t), against
+    reference.attention over the same rows; the bound as the decode test's."""
+    rng = np.random.default_rng(5)
+    S, p0, T = 9, 3, 4
+    cache = rng.standard_normal((S, 1, C + R)).astype(np.float32)
+    q = (0.2 * rng.standard_normal((T, H, C + R))).astype(np.float32)
+    dev = cuda.to_device(cache)
+    out = chunk_attention(cuda.to_device(q), dev, dev[:, :, :C], p0)  # [T, H, C]
+    want = attention(q, cache[:p0 + T], cache[:p0 + T, :, :C], p0)  # [T, H * C]
+    tol = 4 * (S + C + R) * U * np.abs(cache).max()
+    np.testing.assert_allclose(out.copy_to_host().reshape(T, -1), want, rtol=0, atol=tol)
 
 @in_process
 @pytest.mark.parametrize("gating, with_bias, norm_topk", [("sigmoid", True, True), ("softmax", False, False),

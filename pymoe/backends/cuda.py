@@ -147,8 +147,10 @@ LAUNCHES = {"matmul": 1,  # quant_matvec.matmul: one kernel, grid (rows, token t
             "decode_attention_ws": 1, "route_softmax_weight": 1, "routed_experts_oai": 2,
             # DeepSeek-V2/V3 (cuda_kernels/mla.py, route_groups.py): one each
             "mla_kv_row": 1, "mla_query": 1, "mla_value": 1, "route_groups": 1,
+            "mla_query_q": 1, "mla_value_q": 1,  # (k_b, v_b read in their stored type)
             # gated attention and Gated DeltaNet (qwen3next, qwen35moe: cuda_kernels/gated_attention.py, deltanet.py)
             "split_gate": 1, "gate_output": 1, "conv_step": 1, "rule_step": 1,
+            "conv_chunk": 1, "rule_chunk": 1,  # a prompt chunk's Gated DeltaNet core (T tokens, one launch each)
             "kv_store": 1,  # a device step's KV write (attention.kv_store: the row read on the device)
             # the batched device step of B sequences (cuda_kernels/batch_step.py, ragged_attention.py): one each
             "rope_rows": 1, "kv_store_rows": 1, "ragged_attention": 1}
@@ -302,6 +304,16 @@ class DeviceKernels:
         from pymoe.cuda_kernels import mla
 
         return mla.mla_value(a, v_b, out, stream=stream)
+
+    def mla_query_q(self, q, k_b, qtype, cos, sin, p0, neox, scale, Q, stream):
+        from pymoe.cuda_kernels import mla
+
+        return mla.mla_query_q(q, k_b, qtype, cos, sin, p0, neox, scale, Q, stream=stream)
+
+    def mla_value_q(self, a, v_b, qtype, out, stream):
+        from pymoe.cuda_kernels import mla
+
+        return mla.mla_value_q(a, v_b, qtype, out, stream=stream)
     # gated attention and Gated DeltaNet (qwen3next, qwen35moe)
     def split_gate(self, qg, q, gate, Dh, stream):
         from pymoe.cuda_kernels import gated_attention
@@ -322,6 +334,16 @@ class DeviceKernels:
         from pymoe.cuda_kernels import deltanet
 
         return deltanet.rule_step(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream=stream)
+
+    def conv_chunk(self, x, state, w, out, stream):
+        from pymoe.cuda_kernels import deltanet
+
+        return deltanet.conv_chunk(x, state, w, out, stream=stream)
+
+    def rule_chunk(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
+        from pymoe.cuda_kernels import deltanet
+
+        return deltanet.rule_chunk(qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream=stream)
 
 
 class ReferenceKernels:
@@ -524,7 +546,7 @@ class ReferenceKernels:
         T, p0, r0 = ckv.shape[0], _at(p0), _at(r0)
         rows = mla_kv_row_reference(ckv.copy_to_host(), w.copy_to_host(), eps, cos.copy_to_host()[p0:p0 + T],
                                     sin.copy_to_host()[p0:p0 + T], neox)  # [T, C + R]
-        cache[r0:r0 + T].copy_to_device(np.ascontiguousarray(rows[:, None, :]), stream=stream)
+        cache[r0:r0 + T].copy_to_device(rows.reshape(T, 1, -1).copy(), stream=stream)  # (no stride-0 unit axis)
         return cache
 
     def mla_query(self, q, k_b, cos, sin, p0, neox, scale, Q, stream):
@@ -539,6 +561,21 @@ class ReferenceKernels:
         from pymoe.cuda_kernels.mla import mla_value_reference
 
         out.copy_to_device(mla_value_reference(a.copy_to_host(), v_b.copy_to_host()), stream=stream)
+        return out
+
+    def mla_query_q(self, q, k_b, qtype, cos, sin, p0, neox, scale, Q, stream):
+        from pymoe.cuda_kernels.mla import mla_query_q_reference
+
+        T, p0 = q.shape[0], _at(p0)
+        Q.copy_to_device(mla_query_q_reference(q.copy_to_host(), k_b.copy_to_host(), qtype,
+                                               cos.copy_to_host()[p0:p0 + T], sin.copy_to_host()[p0:p0 + T], neox,
+                                               scale), stream=stream)
+        return Q
+
+    def mla_value_q(self, a, v_b, qtype, out, stream):
+        from pymoe.cuda_kernels.mla import mla_value_q_reference
+
+        out.copy_to_device(mla_value_q_reference(a.copy_to_host(), v_b.copy_to_host(), qtype), stream=stream)
         return out
 
     def split_gate(self, qg, q, gate, Dh, stream):
@@ -569,6 +606,24 @@ class ReferenceKernels:
         m = M.copy_to_host()
         h = lambda d: d.copy_to_host()  # noqa: E731
         o.copy_to_device(rule_step_reference(h(qkvc), h(z), h(b), h(a), h(dt), h(A), h(norm), m, nk, tiled, eps),
+                         stream=stream)
+        M.copy_to_device(m, stream=stream)
+        return o
+
+    def conv_chunk(self, x, state, w, out, stream):
+        from pymoe.cuda_kernels.deltanet import conv_chunk_reference
+
+        st = state.copy_to_host()
+        out.copy_to_device(conv_chunk_reference(x.copy_to_host(), st, w.copy_to_host()), stream=stream)
+        state.copy_to_device(st, stream=stream)
+        return out
+
+    def rule_chunk(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
+        from pymoe.cuda_kernels.deltanet import rule_chunk_reference
+
+        m = M.copy_to_host()
+        h = lambda d: d.copy_to_host()  # noqa: E731
+        o.copy_to_device(rule_chunk_reference(h(qkvc), h(z), h(b), h(a), h(dt), h(A), h(norm), m, nk, tiled, eps),
                          stream=stream)
         M.copy_to_device(m, stream=stream)
         return o
@@ -1024,7 +1079,9 @@ class CUDABackend:
                 # the attention block's device arrays (x, q, k, v, o, y of one block call), reused from the
                 # start at each `to_device` (engine/attention.py: one per block)
                 "arena": ((max(chunk * (w_in + H * Dh * (4 if c.traits.hybrid else 1) + G * Dh + G * Dv + H * Dv
-                                        + w_out),  # (hybrid: query and gate, then each apart)
+                                        + w_out + self._mla_step_floats() + gdn_step_floats(c)),  # (hybrid:
+                               # query and gate, then each apart; MLA: engine/mla.mla_device's q_a, q and value rows
+                               # besides; Gated DeltaNet: engine/deltanet.gdn_device's rows)
                                # a device step's (one token): the attention block's q, k, v, o, y, the router's
                                # logits, the shared expert's gate, up and output, the logits
                                self._step_floats(1) + self._mla_step_floats() + gdn_step_floats(c)),), np.float32),
@@ -1042,8 +1099,8 @@ class CUDABackend:
                     + c.n_vocab)
 
     def _mla_step_floats(self) -> int:
-        """A device step's MLA arrays beyond the GQA block's (engine/mla.mla_step): the q_a row, q [H, N + R] and
-        the value up-projection's output [H, V]; 0 for a model without MLA."""
+        """MLA's arrays per row beyond the GQA block's (engine/mla.mla_device): the q_a row, q [H, N + R] and the
+        value up-projection's output [H, V]; 0 for a model without MLA."""
         c = self._cfg
         if not c.traits.mla:
             return 0
@@ -1428,30 +1485,47 @@ class CUDABackend:
             self._launch("add", y, dev, self.compute)
         return self._add_shared(y, x, shared)
 
-    def mla_kv_write(self, kv, layer: int, ckv, w: np.ndarray, eps: float, neox: bool) -> None:
-        """A device step's compressed KV row (engine/mla.mla_step): ckv [1, C + R] (device) -> kv's row kv.n of
-        `layer` = [rmsnorm(ckv[:C]) * w | rope(ckv[C:])] at the step's position (cuda_kernels/mla.py)."""
-        self._launch("mla_kv_row", ckv, self._vec(w), eps, self._sb["cos"], self._sb["sin"], self._at["position"],
-                     neox, kv.k[kv.rows[layer]], self._at["row"], self.compute)
+    def mla_on_device(self, kv) -> bool:
+        """engine/mla.mla_block runs `mla_device` (T rows on the device, one copy up and one back) over kv: this
+        backend's device KV cache, with the device step on (PYMOE_DEVICE_STEP=0: the host form, version 2's)."""
+        return self.device_step and isinstance(kv, DeviceKVCache)
 
-    def mla_query(self, q, k_b: np.ndarray, scale: float, neox: bool):
-        """A device step's absorbed query: q [1, H * (N + R)] (device), k_b float32 [H, C, N] -> Q [1, H, C + R] =
-        scale * [q_nope @ k_b[h].T | rope(q_pe)], in the arena (cuda_kernels/mla.py)."""
+    def _positions(self, p0: int, T: int, rope: tuple) -> tuple:
+        """(cos, sin, position) a MLA kernel reads for T rows at KV row p0: in a device step the whole context's
+        tables and the position in `at`; else this forward's tables [T, R / 2] (uploaded once per forward) from 0."""
+        if self._in_step(p0, T):
+            return self._sb["cos"], self._sb["sin"], self._at["position"]
+        return (*self._rope_tables(*rope), 0)
+
+    def mla_kv_write(self, kv, layer: int, p0: int, ckv, w: np.ndarray, eps: float, neox: bool, rope: tuple) -> None:
+        """engine/mla.mla_device's compressed KV rows: ckv [T, C + R] (device) -> kv's rows p0.. of `layer` =
+        [rmsnorm(ckv[:C]) * w | rope(ckv[C:])] (cuda_kernels/mla.py; in a device step row and position from `at`)."""
+        cos, sin, pos = self._positions(p0, ckv.shape[0], rope)
+        row = self._at["row"] if self._in_step(p0, ckv.shape[0]) else p0
+        self._launch("mla_kv_row", ckv, self._vec(w), eps, cos, sin, pos, neox, kv.k[kv.rows[layer]], row,
+                     self.compute)
+
+    def mla_query(self, q, k_b: DeviceWeight, scale: float, neox: bool, p0: int, rope: tuple):
+        """engine/mla.mla_device's absorbed queries: q [T, H * (N + R)] (device) at KV rows p0.., k_b attn_k_b's
+        stored rows [H * C, S] ([H, C, N]) -> Q [T, H, C + R] = scale * [q_nope @ k_b[h].T | rope(q_pe)], in the
+        arena (cuda_kernels/mla.py mla_query_q: k_b read in its stored type)."""
         H, C, N = k_b.shape
         T = q.shape[0]
         R = q.shape[1] // H - N
         Q = self._arena((T, H, C + R))
-        self._launch("mla_query", self._reshaped(q, (T, H, N + R)), self._vec(k_b), self._sb["cos"], self._sb["sin"],
-                     self._at["position"], neox, float(scale), Q, self.compute)
+        cos, sin, pos = self._positions(p0, T, rope)
+        self._launch("mla_query_q", self._reshaped(q, (T, H, N + R)), k_b.raw, k_b.qtype, cos, sin, pos, neox,
+                     float(scale), Q, self.compute)
         return Q
 
-    def mla_value(self, a, v_b: np.ndarray):
-        """The value up-projection of a device step: a [1, H * C] (device), v_b float32 [H, V, C] -> [1, H * V]."""
+    def mla_value(self, a, v_b: DeviceWeight):
+        """The value up-projection: a [T, H * C] (device), v_b attn_v_b's stored rows [H * V, S] ([H, V, C]) ->
+        [T, H * V], in the arena (cuda_kernels/mla.py mla_value_q)."""
         H, V, C = v_b.shape
         T = a.shape[0]
         out = self._arena((T, H * V))
-        self._launch("mla_value", self._reshaped(a, (T, H, C)), self._vec(v_b), self._reshaped(out, (T, H, V)),
-                     self.compute)
+        self._launch("mla_value_q", self._reshaped(a, (T, H, C)), v_b.raw, v_b.qtype,
+                     self._reshaped(out, (T, H, V)), self.compute)
         return out
 
     def mlp_on_device(self, w: dict, x):
@@ -1914,6 +1988,26 @@ class CUDABackend:
                      cfg.traits.gdn_tiled, cfg.rms_eps, self.compute)
         return o
 
+    def gdn_on_device(self, kv) -> bool:
+        """engine/deltanet.gdn_block runs `gdn_device` (T rows on the device, one copy up and one back) over kv: this
+        backend's device KV cache with the device copy of the recurrent state (the device step on)."""
+        return self.device_step and isinstance(kv, DeviceKVCache) and bool(kv.states)
+
+    def gdn_chunk(self, kv, layer_i: int, cfg, w: dict, qkv, z, ba: list):
+        """engine/deltanet.gdn_device's core for T tokens of one sequence: qkv [T, conv_dim], z [T, nv dv], ba
+        [T, 2 nv] or beta, alpha [T, nv] (device) -> o [T, nv dv] (device, before ssm_out), advancing the layer's
+        conv and recurrent state in kv's device copy (cuda_kernels/deltanet.py: conv_chunk, rule_chunk, one launch
+        each for the T tokens)."""
+        st = kv.device_state(layer_i)
+        T, conv_dim = qkv.shape
+        qkvc = self._arena((T, conv_dim))
+        self._launch("conv_chunk", qkv, st["conv"], self._vec(w["conv"]), qkvc, self.compute)
+        b, a = (ba[0], ba[1]) if len(ba) == 2 else (ba[0], ba[0])
+        o = self._arena((T, z.shape[1]))
+        self._launch("rule_chunk", qkvc, z, b, a, self._vec(w["dt"]), self._vec(w["a"]), self._vec(w["norm"]),
+                     st["ssm"], o, cfg.ssm_k_heads, cfg.traits.gdn_tiled, cfg.rms_eps, self.compute)
+        return o
+
     def state_to_device(self, kv) -> None:
         """A sequence's recurrent state, as a host-side forward (prefill) left it, to the device now, so that the
         decode steps that follow move no state."""
@@ -1943,15 +2037,19 @@ class CUDABackend:
             if np.array_equal(cos, c_all[p0:p0 + T]) and np.array_equal(sin, s_all[p0:p0 + T]):
                 self._launch("rope", x, self._sb["cos"], self._sb["sin"], neox, self._at["position"], self.compute)
                 return x
+        self._launch("rope", x, *self._rope_tables(cos, sin), neox, 0, self.compute)
+        return x
+
+    def _rope_tables(self, cos: np.ndarray, sin: np.ndarray) -> tuple:
+        """This forward's RoPE tables [T, rope_dim / 2] on the device: uploaded once per forward call (every layer's
+        q and k share them)."""
         if self._rope_host is None or self._rope_host[0] is not cos:
             self._rope_host = (cos, sin)  # kept alive, so that `is` can recognise them
             for name, table in (("rope_cos", cos), ("rope_sin", sin)):
                 data = np.ascontiguousarray(table, np.float32)
                 shaped(self.scratch[name], table.shape).copy_to_device(data, stream=self.compute)
                 self.counts.copy("RoPE tables to device", data.nbytes)
-        dcos, dsin = (shaped(self.scratch[name], cos.shape) for name in ("rope_cos", "rope_sin"))
-        self._launch("rope", x, dcos, dsin, neox, 0, self.compute)
-        return x
+        return tuple(shaped(self.scratch[name], cos.shape) for name in ("rope_cos", "rope_sin"))
 
     def kv_write(self, kv, layer: int, p0: int, k, v) -> None:
         """k [T, G, Dh], v [T, G, Dv] into kv at positions p0..: a device copy into the device KV cache (in a device

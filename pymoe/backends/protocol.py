@@ -9,8 +9,10 @@ A device backend may also run a whole decode step on the device (version 3, back
 `device_step` True and the methods the engine calls for it -- `step_ready`, `owns(kv)`, `begin_step`, `embed`,
 `moe_on_device` (route + routed and shared experts of one MoE layer), `mlp_on_device` (a dense layer's MLP),
 `end_step`, `sync_table`, `keep_on_device` -- and its primitives take and return device arrays during the step
-(engine/model.py `Model.device_step_possible`; docs/expert-cache.md "The decode step on the device"). Host
-backends have none of these and the forward never asks them.
+(engine/model.py `Model.device_step_possible`; docs/expert-cache.md "The decode step on the device"). It may
+also run an MLA or Gated DeltaNet block of T rows of one sequence on the device (`mla_on_device(kv)`,
+`gdn_on_device(kv)`: engine/mla.mla_device, engine/deltanet.gdn_device). Host backends have none of these and the
+forward never asks them.
 `typing.Protocol` checks nothing at run time: tests/test_backends.py holds every backend to this list, and each
 primitive to the reference's results.
 

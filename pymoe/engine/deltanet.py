@@ -5,9 +5,11 @@ forms of the gated delta rule: `delta_rule_recurrent` (token by token: what deco
 (blocks of C tokens with matrix products inside a block: the prefill form), tested against each other in
 tests/test_deltanet.py and, through the whole model, against llama.cpp (llama.cpp's qwen3next.cpp and
 delta-net-base.cpp, read in the llama.cpp that llama-cpp-python 0.3.36 vendors).
-On the CUDA backend the projections run on the device; in a decode step on the device (its input a device array)
-so do the conv, the rule and the gated norm of the one token (`CUDABackend.gdn_step`, cuda_kernels/deltanet.py,
-whose references are this file's functions), on the state the device KV cache keeps.
+On the CUDA backend, over one sequence's device KV cache, the whole layer runs on the device, on the state the device
+KV cache keeps: one token of a decode step (its input a device array: `CUDABackend.gdn_step`) or T rows of a prompt
+chunk or a verify forward (`gdn_device`: `CUDABackend.gdn_chunk`, the recurrent form over the T tokens in order);
+the kernels are cuda_kernels/deltanet.py's, whose references are this file's functions. Several sequences at once
+(the server's batched forward) run `gdn_core` on the host, the projections on the device.
 What this is not: a device kernel, or softmax attention (engine/attention.py).
 
 The layer, for T tokens (shapes in brackets; nk q/k heads of size dk, nv v heads of size dv, nv = r * nk):
@@ -126,11 +128,24 @@ def gdn_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope=None, chunk
         x = b.to_device(x)  # rule and the gated norm run there too, on the state the device KV cache keeps
         qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [1, conv_dim], [1, nv dv], ba or beta, alpha
         return b.linear(w["out"], b.gdn_step(kvs[0], layer_i, cfg, w, qkv, z, ba))  # [1, D] (device)
+    if len(kvs) == 1 and getattr(b, "gdn_on_device", lambda kv: False)(kvs[0]):
+        return gdn_device(b, layer, x, kvs[0], layer_i)  # T rows of one sequence over its device state
     qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
     qkv, z, ba = np.asarray(qkv, np.float32), np.asarray(z, np.float32), [np.asarray(m, np.float32) for m in ba]
     o = join_rows(b, [gdn_core(layer, qkv[rows], z[rows], [m[rows] for m in ba], kv, layer_i, chunked)
                       for kv, rows in segments(kvs, T)])  # [T, nv dv]
     return b.linear(w["out"], np.ascontiguousarray(o, np.float32))  # [T, D]
+
+
+def gdn_device(b, layer, x: np.ndarray, kv, layer_i: int) -> np.ndarray:
+    """T rows of one sequence on the device (backends/cuda.py): x [T, D] (attn-normed, host) goes up once, the
+    projections, the conv and the rule over the T tokens in order (`CUDABackend.gdn_chunk`: the recurrent form, one
+    launch each, on the state the device KV cache keeps) and ssm_out run there, [T, D] comes back once."""
+    cfg, w = layer.cfg, layer.gdn
+    mix = [w["beta"], w["alpha"]] if cfg.traits.gdn_tiled else [w["ba"]]
+    x = b.to_device(x)  # [T, D]
+    qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
+    return b.to_host(b.linear(w["out"], b.gdn_chunk(kv, layer_i, cfg, w, qkv, z, ba)))  # [T, D]
 
 
 def gdn_core(layer, qkv, z, ba: list, kv, layer_i: int, chunked=None) -> np.ndarray:

@@ -4,11 +4,12 @@ What this is: `mla_block(backend, layer, x, kvs, layer_i, rope)`, the layer plan
 llama.cpp's deepseek2.cpp computes it with the absorption trick (read in the llama.cpp that llama-cpp-python 0.3.36
 vendors; the converter splits kv_b_proj into attn_k_b and attn_v_b for it). Tested through the whole model against
 llama.cpp (tests/test_model_vs_llamacpp.py, arch deepseek2).
-A device decode step (backends/cuda.py, version 3: x a device array) runs `mla_step`: the same math, its
-MLA-specific parts (the cache row, the absorbed query, the value up-projection) in cuda_kernels/mla.py, the attention
-over the device copy of the compressed cache; elsewhere on the CUDA backend (a prompt, speculation's verify
-forwards) this file's host form runs with the projections on the device and the cache rows written to, and attended
-over, the same device cache.
+On the CUDA backend, over one sequence's device KV cache, the block is `mla_device`: the same math with its
+MLA-specific parts (the cache rows, the absorbed query, the value up-projection) in cuda_kernels/mla.py and the
+attention over the device copy of the compressed cache, for one token of a device decode step (version 3: x a device
+array) and for T rows of a prompt chunk or a verify forward (x on the host: it goes up once and the block's output
+comes back once). The host form (`mla_core`) runs on the other backends and for several sequences at once (the
+server's batched forward).
 What this is not: the uncompressed form (a KV of H full heads: mathematically the same, H times the memory), or a
 kernel.
 
@@ -35,12 +36,16 @@ from .kv import join_rows, segments
 
 
 def mla_weights(b, lt, cfg) -> dict:
-    """The layer's MLA tensors: projections as backend weights, the absorbed per-head matrices as float32."""
+    """The layer's MLA tensors: projections as backend weights, the absorbed per-head matrices as float32 (the host
+    form's) and, on a backend that runs the block on the device (`mla_on_device`), also as their stored rows there
+    (k_b_rows [H * C, S], v_b_rows [H * V, S] of the file's type: cuda_kernels/mla.py reads them as they are)."""
     f32 = lambda name: np.ascontiguousarray(quant.dequantize(  # noqa: E731  small 3-D tensors, dequantized once
         np.asarray(lt(name).data).view(np.uint8), lt(name).qtype)).reshape(lt(name).shape) \
         if lt(name).qtype != quant.QType.F32 else np.asarray(lt(name).data, np.float32)
     w = dict(kv_a=b.dense(lt("attn_kv_a_mqa.weight")), kv_a_norm=b.vector(lt("attn_kv_a_norm.weight")),
              k_b=f32("attn_k_b.weight"), v_b=f32("attn_v_b.weight"), out=b.dense(lt("attn_output.weight")))
+    if hasattr(b, "mla_on_device"):
+        w.update(k_b_rows=b.dense(lt("attn_k_b.weight")), v_b_rows=b.dense(lt("attn_v_b.weight")))
     if cfg.q_lora_rank:
         w.update(q_a=b.dense(lt("attn_q_a.weight")), q_a_norm=b.vector(lt("attn_q_a_norm.weight")),
                  q_b=b.dense(lt("attn_q_b.weight")))
@@ -61,8 +66,8 @@ def mla_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope: tuple) -> 
     """x [T, D] (attn-normed, host) -> [T, D]; writes the compressed K and V of each sequence's new tokens at its
     kv.n .. kvs: one cache (x: its next T tokens) or N (x: one row each; engine/kv.py `segments`). Projections, norms
     and RoPE run once over all T rows; the absorbed products, the cache write and attention per sequence."""
-    if not isinstance(x, np.ndarray):  # a device decode step: one token, one sequence
-        return mla_step(b, layer, x, kvs[0], layer_i)
+    if not isinstance(x, np.ndarray) or (len(kvs) == 1 and getattr(b, "mla_on_device", lambda kv: False)(kvs[0])):
+        return mla_device(b, layer, x, kvs[0], layer_i, rope)  # a device step's token, or T rows of one sequence
     cfg, w, eps = layer.cfg, layer.mla, layer.cfg.rms_eps
     T, H = x.shape[0], cfg.n_head
     C, R = cfg.kv_lora_rank, cfg.rope_dim
@@ -98,20 +103,25 @@ def mla_core(b, layer, q_nope, q_pe, c, k_pe, kv, layer_i: int) -> np.ndarray:
     return np.einsum("thc,hvc->thv", a, w["v_b"]).astype(np.float32).reshape(T, H * cfg.head_dim_v_mla)
 
 
-def mla_step(b, layer, x, kv, layer_i: int):
-    """A device decode step's MLA (backends/cuda.py `begin_step`): x [1, D] (attn-normed, device) -> [1, D] (device);
-    mla_block and mla_core's math, with the backend's MLA primitives: the cache row [c | k_pe] written at kv.n
-    (`mla_kv_write`: rmsnorm and RoPE), the absorbed, roped query with the scale folded in (`mla_query`), attention
-    over the device cache (V = K[..., :C]), the value up-projection (`mla_value`)."""
+def mla_device(b, layer, x, kv, layer_i: int, rope: tuple):
+    """MLA on the device for one sequence's T rows (backends/cuda.py): x [T, D] (attn-normed; a device array in a
+    device decode step, T = 1, else a host array sent up once) -> [T, D] (device in a step, else host: one copy back);
+    mla_block and mla_core's math with the backend's MLA primitives: the cache rows [c | k_pe] written at kv.n..
+    (`mla_kv_write`: rmsnorm and RoPE), the absorbed, roped queries with the scale folded in (`mla_query`), attention
+    over the device cache (V = K[..., :C]; token t sees positions 0..kv.n + t), the value up-projection
+    (`mla_value`). rope: (cos, sin) [T, R / 2] of the rows' positions (a device step reads its own on the device)."""
     cfg, w, eps = layer.cfg, layer.mla, layer.cfg.rms_eps
     C, R = cfg.kv_lora_rank, cfg.rope_dim
-    x = b.to_device(x)  # (a device array stays; the backend's scratch for this block starts afresh)
+    x = b.to_device(x)  # [T, D] (a device array stays; the backend's scratch for this block starts afresh)
+    T = x.shape[0]
     if cfg.q_lora_rank:
-        q = b.linear(w["q_b"], b.rmsnorm(b.linear(w["q_a"], x), w["q_a_norm"], eps))  # [1, H * (N + R)]
+        q = b.linear(w["q_b"], b.rmsnorm(b.linear(w["q_a"], x), w["q_a_norm"], eps))  # [T, H * (N + R)]
     else:
         q = b.linear(w["q"], x)
-    b.mla_kv_write(kv, layer_i, b.linear(w["kv_a"], x), w["kv_a_norm"], eps, cfg.rope_neox)  # ckv [1, C + R]
+    ckv = b.linear(w["kv_a"], x)  # [T, C + R]
+    b.mla_kv_write(kv, layer_i, kv.n, ckv, w["kv_a_norm"], eps, cfg.rope_neox, rope)  # rows kv.n .. kv.n + T - 1
     # attention() scales by 1 / sqrt(C + R); MLA's scale is mla_scale: the queries carry the ratio (as mla_core)
-    Q = b.mla_query(q, w["k_b"], float(np.float32(mla_scale(cfg) * np.sqrt(C + R))), cfg.rope_neox)  # [1, H, C + R]
-    a = b.attention(Q, *b.kv_read(kv, layer_i, kv.n + 1), kv.n)  # [1, H * C]
-    return b.to_host(b.linear(w["out"], b.mla_value(a, w["v_b"])))  # [1, H * V] -> [1, D]
+    Q = b.mla_query(q, w["k_b_rows"], float(np.float32(mla_scale(cfg) * np.sqrt(C + R))), cfg.rope_neox, kv.n,
+                    rope)  # [T, H, C + R]
+    a = b.attention(Q, *b.kv_read(kv, layer_i, kv.n + T), kv.n)  # [T, H * C]
+    return b.to_host(b.linear(w["out"], b.mla_value(a, w["v_b_rows"])))  # [T, H * V] -> [T, D]

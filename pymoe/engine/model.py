@@ -122,8 +122,9 @@ class Model:
                              + [v for la in self.layers for v in (la.sinks, la.out_bias, la.router_bias)
                                 if v is not None]  # gpt-oss's, and its experts' biases:
                              + [la.ffn.bias[p] for la in self.layers if la.ffn is not None for p in EXPERT_PROJ]
-                             + [v for la in self.layers if la.mla for v in la.mla.values()
-                                if isinstance(v, np.ndarray)]  # MLA's norms and absorbed k_b, v_b
+                             + [v for la in self.layers if la.mla for k, v in la.mla.items()
+                                if isinstance(v, np.ndarray) and k not in ("k_b", "v_b")]  # MLA's norms (k_b and
+                             # v_b: the host form's floats; the device reads their stored rows, engine/mla.py)
                              + [la.gdn[n] for la in self.layers if la.gdn for n in ("conv", "dt", "a", "norm")])
 
     def device_step_possible(self) -> bool:
