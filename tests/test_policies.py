@@ -426,6 +426,67 @@ def test_cooc_by_hand_next_token_lift():
     assert q.n_experts is None and replay(q, seq, 3) == replay(make_policy("window", 3, lookups_per_token=2), seq, 3)
 
 
+def test_reuse_by_hand_gap_histogram_hazard():
+    """ReusePolicy with the window and the bonus switched off (a use weighs 0, no profile, admission 1x), so a key's
+    score is weight x soon(k) alone: capacity 2, 1 lookup per token, gap bins (<= 1, 2, 3, > 3 tokens), horizon 2
+    tokens (soon at age bin i: the mass of bins i and i + 1 over bins >= i), no pooling (smooth 0), weight 1.
+    seq 1 9 9 1 5 7 1, clocks c1..c7:
+      c1 1, c2 9 miss into the free slots (no gaps yet: soon 0).
+      c3 9 hits: gap 1 -> 9's histogram [1, 0, 0, 0]; soon(9, age bin 0) = 1.
+      c4 1 hits: gap 3 -> 1's histogram [0, 0, 1, 0]; soon(1, bin 0) = (0 + 0) / 1 = 0. 9 is 1 token old: bin 1,
+         soon = 0 / 0 -> 0 (nothing in 9's history comes back after more than 1 token).
+      c5 5 misses (soon 0 >= 1 x the victim's 0: admitted). 1 is 1 token old: soon(1, bin 1) = (0 + 1) / 1 = 1;
+         9 (0, last used c3) is the victim.
+      c6 7 misses: 1 is 2 tokens old, bin 2: soon = 1 / 1 = 1; 5 has no gap: 0. The victim is 5, the more recent
+         key: 1's history says it is back within the horizon. LRU evicts 1 here.
+      c7 1 hits (LRU: misses). 3 hits to LRU's 2."""
+    from pymoe.experts.policies import ReusePolicy
+
+    p = ReusePolicy(2, lookups_per_token=1, gaps=(1, 2, 3), weight=1.0, horizon=2, smooth=0.0, edges=(1,),
+                    weights=(0.0,), admit=1.0)
+    seq = [1, 9, 9, 1, 5, 7, 1]
+    hits, evicted, steps = replay(p, seq, 2)
+    assert steps == [(False, 0, None), (False, 1, None), (True, 1, None), (True, 0, None), (False, 1, 9),
+                     (False, 1, 5), (True, 0, None)]
+    assert (hits, evicted) == (3, [9, 5])
+    assert p.hist[1] == [0.0, 0.0, 2.0, 0.0] and p.hist[9] == [1.0, 0.0, 0.0, 0.0]
+    assert replay(LRUPolicy(2), seq, 2)[:2] == (2, [9, 1, 5])
+    # pooling: a key with no gap of its own takes its group's (layer, count class) shape, `smooth` pseudo-gaps of it
+    q = ReusePolicy(2, lookups_per_token=1, gaps=(1, 2, 3), horizon=1, smooth=2.0, n_experts=100, k=1)
+    q.pooled[(0, 0)] = [3.0, 1.0, 0.0, 0.0]  # the count class of a key with no gaps: 0
+    assert q._soon(5, 0) == 0.75 and q._soon(5, 1) == 1.0 and q._soon(5, 2) == 0.0
+    q.hist[5] = [0.0, 0.0, 0.0, 1.0]  # one gap of its own: class 1, whose pool is empty: its own histogram alone
+    assert q._soon(5, 0) == 0.0 and q._soon(5, 3) == 1.0
+    # horizon 4 tokens: from age bin 0 the bins whose lower edge is < 4 (gaps <= 4), from bin 1 (> 1) those < 5
+    r = ReusePolicy(40, lookups_per_token=10, horizon=4, gaps=(1, 2, 3, 4, 6), weight=4.0, fade=2.0)
+    assert r.reach == [3, 4, 4, 5, 5, 5]
+    assert r.reuse_weight == 2.0  # the pool holds 40 / 10 = 4 tokens' lookups: the weight x fade / 4
+    with pytest.raises(ValueError, match="gaps"):
+        ReusePolicy(2, gaps=(3, 1))
+
+
+def test_reuse_memory_stays_bounded_when_the_pool_rarely_evicts():
+    """As test_window_memory_stays_bounded_when_the_pool_rarely_evicts, for ReusePolicy (1,000,000 lookups, 60 slots,
+    64 keys, one layer, a profile ranking all 64): heap <= 4 x (slots + 1) (HEAP_SLACK), dicts <= slots + keys
+    (histograms per key; pooled ones per count class: log2 of 10^6 gaps), each gap edge's FIFO at most the uses of
+    its last gaps[-1] tokens (64 x 10 lookups per token here)."""
+    slots, n_keys, per_token = 60, 64, 10
+    policy = make_policy("reuse", slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token,
+                         n_experts=n_keys + 1, k=per_token)
+    table = SlotTable(slots, policy)
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = longest_fifo = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        longest = max(longest, len(policy.heap))
+        if t % 1000 == 0:
+            longest_fifo = max(longest_fifo, *(len(q) for q in policy.gap_due))
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)
+    assert longest <= 4 * (slots + 1) and longest_fifo <= policy.gap_uses[-1]
+    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
+    assert state and all(len(d) <= slots + n_keys for d in state)
+
+
 class BruteWindow:
     """WindowPolicy's rule from its definition, rescanning every use of every resident at each miss (no heap, no
     FIFOs): score(k) = prior(k) + sum of w(now - c_u) over k's uses, victim = min (score, last use, key)."""
