@@ -41,6 +41,7 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
     reuse       cooc's score plus each key's reuse-distance hazard: from the histogram of its past gaps between uses
                 (pooled per layer and count class while it has few), the chance it is used again within a few tokens
                 given the tokens since its last use (ReusePolicy; LAYER_POLICIES).
+    duel-reuse  duel with reuse in place of cooc (DuelReusePolicy): the lowest held-out misses on the fixed split.
     arc, s3fifo, s3fifo-c7, lirs   ARC; S3-FIFO (s3fifo-c7: counters capped at 7, tuned); a LIRS-style
                 reuse-distance policy. docs/expert-cache.md, "Baselines" and "Against Belady".
     belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
@@ -712,12 +713,12 @@ class _TwinCooc(CoocPolicy):
                     heapq.heapify(heap)
 
     def look(self, key: int, t: int) -> None:
-        WindowPolicy._use(self, key)
+        self._use(key)
         self._push(key)
         self._route(key)
 
     def place(self, key: int, t: int) -> None:
-        WindowPolicy._use(self, key)
+        self._use(key)
         self._push(key)
 
     def side_victim(self, side: int) -> int:
@@ -746,6 +747,10 @@ class _TwinCooc(CoocPolicy):
         self.sides[side][1].discard(key)
 
 
+class _TwinReuse(_TwinCooc, ReusePolicy):
+    """_TwinCooc's two rankings on ReusePolicy's scores (the hazard term included): what `duel-reuse` duels with."""
+
+
 class DuelPolicy(Policy):
     """Set dueling between `cooc` (CoocPolicy) and `llamacpp` (LlamaCppPolicy): follow whichever has been missing less.
     Each policy runs alone in a shadow pool of the same size (its resident keys only, no bytes: its misses are that
@@ -767,6 +772,7 @@ class DuelPolicy(Policy):
     lookup: cooc's, two llamacpp's, plus O(1)."""
 
     name = "duel"
+    twin = _TwinCooc  # the scores that rank for cooc's side (DuelReusePolicy: ReusePolicy's)
 
     def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
                  lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
@@ -774,7 +780,7 @@ class DuelPolicy(Policy):
                  decode_only: bool = DUEL_DECODE_ONLY):
         super().__init__(capacity)
         self.decode_only = bool(decode_only)
-        self.cooc = _TwinCooc(capacity, profile_keys, lookups_per_token, n_experts, k)  # side 0 real, 1 shadow
+        self.cooc = self.twin(capacity, profile_keys, lookups_per_token, n_experts, k)  # side 0 real, 1 shadow
         self.llama = LlamaCppPolicy(capacity, lookups_per_token)  # over the real residents
         self.shadow = _Shadow(LlamaCppPolicy(capacity, lookups_per_token))  # llamacpp alone
         self.n_experts = int(n_experts) if by_layer and n_experts and k else None
@@ -855,6 +861,13 @@ class DuelPolicy(Policy):
         super().on_evict(key)
         self.llama.on_evict(key)
         self.cooc.side_evict(0, key)
+
+
+class DuelReusePolicy(DuelPolicy):
+    """DuelPolicy with `reuse` (ReusePolicy) in place of `cooc`: set dueling between reuse and llamacpp."""
+
+    name = "duel-reuse"
+    twin = _TwinReuse
 
 
 class ARCPolicy(Policy):
@@ -1159,16 +1172,17 @@ POLICIES = {
     "cooc": CoocPolicy,
     "duel": DuelPolicy,
     "reuse": ReusePolicy,
+    "duel-reuse": DuelReusePolicy,
     "belady": BeladyPolicy,
 }
 PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
 OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
-TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel", "reuse")  # count time in tokens: built with
-# lookups per token
-PRIOR_POLICIES = ("window", "cooc", "duel", "reuse")  # take a profile's ranking if there is one (`profile_keys`),
-# run without
-LAYER_POLICIES = ("cooc", "duel", "reuse")  # read a key's layer and cut its uses into tokens: built with
-# `n_experts` and `k`
+TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel", "reuse", "duel-reuse")  # count time in tokens:
+# built with lookups per token
+PRIOR_POLICIES = ("window", "cooc", "duel", "reuse", "duel-reuse")  # take a profile's ranking if there is one
+# (`profile_keys`), run without
+LAYER_POLICIES = ("cooc", "duel", "reuse", "duel-reuse")  # read a key's layer and cut its uses into tokens: built
+# with `n_experts` and `k`
 
 
 ENGINE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the engine can run
