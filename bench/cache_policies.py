@@ -303,7 +303,8 @@ def main():
     ap.add_argument("--no-profile", action="store_true", help="the ratios with every profile empty (the engine "
                     "without --profile); implies --ratios")
     ap.add_argument("--policies", default=None, help="comma-separated: only these policies in the ratios (the "
-                    "default policy and llamacpp are added for the bar; implies --ratios): a quicker loop while designing one")
+                    "default policy and llamacpp are added; issue 48's bar for each but llamacpp; implies --ratios): "
+                    "a quicker loop while designing one")
     ap.add_argument("--tune-only", action="store_true", help="the ratios on the tune traces only (no held-out "
                     "half: what a policy's constants may be chosen on; implies --ratios)")
     ap.add_argument("--by-age", action="store_true", help="after the ratios, the tune traces' misses at 25%% "
@@ -327,7 +328,8 @@ def main():
         traces = [t for t in traces if not t[1]]
     ratios = belady_ratios(traces, pols)
     print(ratio_markdown(traces, ratios, pols))
-    print(bar_report(traces, ratios))
+    bars = [p for p in pols if p != "llamacpp"]  # the default's, then each named policy's
+    print("\n".join(bar_report(traces, ratios, p) for p in bars))
     stored = stored_split_traces(args.stored) if args.stored else []
     if args.no_profile:
         stored = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))
@@ -340,7 +342,7 @@ def main():
             stored = [t for t in stored if not t[1]]
         ratios_s = belady_ratios(stored, pols)
         print(ratio_markdown(stored, ratios_s, pols))
-        print(bar_report(stored, ratios_s))
+        print("\n".join(bar_report(stored, ratios_s, p) for p in bars))
     if args.by_age:
         print(f"decode misses at 25% coverage by tokens since the key's last use (tune traces):")
         print(misses_by_age(traces + stored))

@@ -28,12 +28,13 @@ def reference_tokens(tiny_model):
                                                ("llamacpp", 0.4), ("arc", 0.4), ("s3fifo", 0.4), ("s3fifo-c7", 0.4),
                                                ("lirs", 0.4), ("window", 0.4), ("window-profile", 0.4),
                                                ("cooc", 0.4), ("cooc-profile", 0.4), ("duel", 0.4),
-                                               ("duel-profile", 0.4)])
+                                               ("duel-profile", 0.4), ("reuse", 0.4), ("reuse-profile", 0.4),
+                                               ("duel-reuse", 0.4), ("duel-reuse-profile", 0.4)])
 def test_cache_never_changes_results(tiny_model, reference_tokens, mix, policy, pcie_frac):
     path = tiny_model("qwen3moe", mix)
     cfg = pymoe.load(path).config
     profile = None
-    if policy in ("static", "pinned-lru", "window-profile", "cooc-profile", "duel-profile"):  # -profile: with a prior
+    if policy.endswith("-profile") or policy in ("static", "pinned-lru"):  # -profile: with a prior
         from pymoe.experts.profile import Profile
 
         profile = Profile.from_heat(np.arange(cfg.n_layers * cfg.n_expert).reshape(cfg.n_layers, cfg.n_expert))

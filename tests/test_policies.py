@@ -426,6 +426,67 @@ def test_cooc_by_hand_next_token_lift():
     assert q.n_experts is None and replay(q, seq, 3) == replay(make_policy("window", 3, lookups_per_token=2), seq, 3)
 
 
+def test_reuse_by_hand_gap_histogram_hazard():
+    """ReusePolicy with the window and the bonus switched off (a use weighs 0, no profile, admission 1x), so a key's
+    score is weight x soon(k) alone: capacity 2, 1 lookup per token, gap bins (<= 1, 2, 3, > 3 tokens), horizon 2
+    tokens (soon at age bin i: the mass of bins i and i + 1 over bins >= i), no pooling (smooth 0), weight 1.
+    seq 1 9 9 1 5 7 1, clocks c1..c7:
+      c1 1, c2 9 miss into the free slots (no gaps yet: soon 0).
+      c3 9 hits: gap 1 -> 9's histogram [1, 0, 0, 0]; soon(9, age bin 0) = 1.
+      c4 1 hits: gap 3 -> 1's histogram [0, 0, 1, 0]; soon(1, bin 0) = (0 + 0) / 1 = 0. 9 is 1 token old: bin 1,
+         soon = 0 / 0 -> 0 (nothing in 9's history comes back after more than 1 token).
+      c5 5 misses (soon 0 >= 1 x the victim's 0: admitted). 1 is 1 token old: soon(1, bin 1) = (0 + 1) / 1 = 1;
+         9 (0, last used c3) is the victim.
+      c6 7 misses: 1 is 2 tokens old, bin 2: soon = 1 / 1 = 1; 5 has no gap: 0. The victim is 5, the more recent
+         key: 1's history says it is back within the horizon. LRU evicts 1 here.
+      c7 1 hits (LRU: misses). 3 hits to LRU's 2."""
+    from pymoe.experts.policies import ReusePolicy
+
+    p = ReusePolicy(2, lookups_per_token=1, gaps=(1, 2, 3), weight=1.0, horizon=2, smooth=0.0, edges=(1,),
+                    weights=(0.0,), admit=1.0)
+    seq = [1, 9, 9, 1, 5, 7, 1]
+    hits, evicted, steps = replay(p, seq, 2)
+    assert steps == [(False, 0, None), (False, 1, None), (True, 1, None), (True, 0, None), (False, 1, 9),
+                     (False, 1, 5), (True, 0, None)]
+    assert (hits, evicted) == (3, [9, 5])
+    assert p.hist[1] == [0.0, 0.0, 2.0, 0.0] and p.hist[9] == [1.0, 0.0, 0.0, 0.0]
+    assert replay(LRUPolicy(2), seq, 2)[:2] == (2, [9, 1, 5])
+    # pooling: a key with no gap of its own takes its group's (layer, count class) shape, `smooth` pseudo-gaps of it
+    q = ReusePolicy(2, lookups_per_token=1, gaps=(1, 2, 3), horizon=1, smooth=2.0, n_experts=100, k=1)
+    q.pooled[(0, 0)] = [3.0, 1.0, 0.0, 0.0]  # the count class of a key with no gaps: 0
+    assert q._soon(5, 0) == 0.75 and q._soon(5, 1) == 1.0 and q._soon(5, 2) == 0.0
+    q.hist[5] = [0.0, 0.0, 0.0, 1.0]  # one gap of its own: class 1, whose pool is empty: its own histogram alone
+    assert q._soon(5, 0) == 0.0 and q._soon(5, 3) == 1.0
+    # horizon 4 tokens: from age bin 0 the bins whose lower edge is < 4 (gaps <= 4), from bin 1 (> 1) those < 5
+    r = ReusePolicy(40, lookups_per_token=10, horizon=4, gaps=(1, 2, 3, 4, 6), weight=4.0, fade=2.0)
+    assert r.reach == [3, 4, 4, 5, 5, 5]
+    assert r.reuse_weight == 2.0  # the pool holds 40 / 10 = 4 tokens' lookups: the weight x fade / 4
+    with pytest.raises(ValueError, match="gaps"):
+        ReusePolicy(2, gaps=(3, 1))
+
+
+def test_reuse_memory_stays_bounded_when_the_pool_rarely_evicts():
+    """As test_window_memory_stays_bounded_when_the_pool_rarely_evicts, for ReusePolicy (1,000,000 lookups, 60 slots,
+    64 keys, one layer, a profile ranking all 64): heap <= 4 x (slots + 1) (HEAP_SLACK), dicts <= slots + keys
+    (histograms per key; pooled ones per count class: log2 of 10^6 gaps), each gap edge's FIFO at most the uses of
+    its last gaps[-1] tokens (64 x 10 lookups per token here)."""
+    slots, n_keys, per_token = 60, 64, 10
+    policy = make_policy("reuse", slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token,
+                         n_experts=n_keys + 1, k=per_token)
+    table = SlotTable(slots, policy)
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = longest_fifo = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        longest = max(longest, len(policy.heap))
+        if t % 1000 == 0:
+            longest_fifo = max(longest_fifo, *(len(q) for q in policy.gap_due))
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)
+    assert longest <= 4 * (slots + 1) and longest_fifo <= policy.gap_uses[-1]
+    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
+    assert state and all(len(d) <= slots + n_keys for d in state)
+
+
 class BruteWindow:
     """WindowPolicy's rule from its definition, rescanning every use of every resident at each miss (no heap, no
     FIFOs): score(k) = prior(k) + sum of w(now - c_u) over k's uses, victim = min (score, last use, key)."""
@@ -553,18 +614,21 @@ def test_duel_follows_whichever_shadow_misses_less():
     assert got[0] <= alone["llamacpp"][0] + 15 and got[1] <= alone["cooc"][1] + 15
 
 
-def test_twin_cooc_sides_decide_as_two_cooc_policies():
+@pytest.mark.parametrize("pair", ["cooc", "reuse"])
+def test_twin_cooc_sides_decide_as_two_cooc_policies(pair):
     """_TwinCooc (DuelPolicy's cooc: one set of scores ranking two pools) against its reference, two CoocPolicy
     instances in two SlotTables hearing the same lookups: 4000 skewed lookups of 2 layers x 16 experts, top-2, 6 slots
     each; pool 0 inserts only on even positions (as a pool whose misses are refused a slot at times), pool 1 on every
-    miss, so the two pools' contents differ. Every lookup's (hit, evicted key) is the same in each pool."""
-    from pymoe.experts.policies import CoocPolicy, _TwinCooc
+    miss, so the two pools' contents differ. Every lookup's (hit, evicted key) is the same in each pool. The same for
+    _TwinReuse (duel-reuse's) against two ReusePolicy instances."""
+    from pymoe.experts.policies import CoocPolicy, ReusePolicy, _TwinCooc, _TwinReuse
 
+    Single, Twin = {"cooc": (CoocPolicy, _TwinCooc), "reuse": (ReusePolicy, _TwinReuse)}[pair]
     rng = np.random.default_rng(0)
     seq = (np.minimum(rng.zipf(1.3, 4000), 16) - 1 + 16 * (np.arange(4000) // 2 % 2)).tolist()  # layer 0, 0, 1, 1, ...
     args = dict(lookups_per_token=4, n_experts=16, k=2)
-    refs = [SlotTable(6, CoocPolicy(6, **args)) for _ in range(2)]
-    twin = _TwinCooc(6, **args)
+    refs = [SlotTable(6, Single(6, **args)) for _ in range(2)]
+    twin = Twin(6, **args)
     want, got = [[], []], [[], []]
     for t, key in enumerate(seq):
         for side, table in enumerate(refs):
@@ -581,16 +645,19 @@ def test_twin_cooc_sides_decide_as_two_cooc_policies():
                 twin.side_insert(side, key)
             got[side].append((hits[side], evicted))
     assert got == want
-    assert all(sum(e is not None for _, e in w) > 300 for w in want)  # both pools evict: the rankings are exercised
+    least = 300 if pair == "cooc" else 100  # reuse's hazard term makes payback admission refuse more: 162 / 256
+    assert all(sum(e is not None for _, e in w) > least for w in want)  # both pools evict: the rankings are exercised
 
 
-def test_duel_memory_stays_bounded_when_the_pool_rarely_evicts():
-    """As test_window_memory_stays_bounded_when_the_pool_rarely_evicts, for DuelPolicy (1,000,000 lookups, 60 slots,
-    64 keys of one layer, 10 per token, a profile ranking all 64): its cooc (two heaps, one per pool it ranks) and
-    its two llamacpp instances keep every heap <= 4 x (slots + 1) (HEAP_SLACK) and dicts <= slots + keys; the shadows
-    hold at most `slots` keys; the decayed miss difference is one number. O(slots + experts), whatever the lookups."""
+@pytest.mark.parametrize("name", ["duel", "duel-reuse"])
+def test_duel_memory_stays_bounded_when_the_pool_rarely_evicts(name):
+    """As test_window_memory_stays_bounded_when_the_pool_rarely_evicts, for DuelPolicy and DuelReusePolicy (1,000,000
+    lookups, 60 slots, 64 keys of one layer, 10 per token, a profile ranking all 64): its cooc or reuse (two heaps, one
+    per pool it ranks) and its two llamacpp instances keep every heap <= 4 x (slots + 1) (HEAP_SLACK) and dicts <=
+    slots + keys; the shadows hold at most `slots` keys; the decayed miss difference is one number. O(slots +
+    experts), whatever the lookups."""
     slots, n_keys, per_token = 60, 64, 10
-    policy = make_policy("duel", slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token,
+    policy = make_policy(name, slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token,
                          n_experts=n_keys + 1, k=per_token)  # keys 1..64: one layer
     table = SlotTable(slots, policy)
     inner = [policy.cooc, policy.llama, policy.shadow.policy]

@@ -38,6 +38,10 @@ The policies (`POLICIES`, built with `make_policy(name, capacity, profile_keys, 
     duel        set dueling: cooc and llamacpp each run alone in a shadow pool (keys only) over the same lookups;
                 each miss's admit and victim go to whichever shadow has been missing less (a decayed count,
                 DuelPolicy), asked of that policy ranking the real residents (cooc's two rankings: _TwinCooc).
+    reuse       cooc's score plus each key's reuse-distance hazard: from the histogram of its past gaps between uses
+                (pooled per layer and count class while it has few), the chance it is used again within a few tokens
+                given the tokens since its last use (ReusePolicy; LAYER_POLICIES).
+    duel-reuse  duel with reuse in place of cooc (DuelReusePolicy): the lowest held-out misses on the fixed split.
     arc, s3fifo, s3fifo-c7, lirs   ARC; S3-FIFO (s3fifo-c7: counters capped at 7, tuned); a LIRS-style
                 reuse-distance policy. docs/expert-cache.md, "Baselines" and "Against Belady".
     belady      MIN, the offline optimum: needs the whole future access sequence, so simulation only. This is the
@@ -53,6 +57,7 @@ entry per hit.
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import math
 from collections import OrderedDict, deque
@@ -551,6 +556,98 @@ class CoocPolicy(WindowPolicy):
         self.bonus[layer] = new
 
 
+REUSE_GAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tokens: the gap histogram's bin edges (the last bin: > 64)
+REUSE_HORIZON = 4  # tokens: "used soon" is a next use within this many tokens of the key's present age
+REUSE_WEIGHT = 4.0  # the term of a key sure to be used soon, in uses (WindowPolicy's score units), in a small pool ...
+REUSE_FADE = 2.0  # ... of up to this many tokens' lookups; in a larger one the weight is x REUSE_FADE / its tokens
+REUSE_SMOOTH = 4.0  # pseudo-gaps of its group's pooled histogram added to each key's own
+# All chosen on the tune traces only (docs/expert-cache.md, "Reuse-distance hazard: `reuse`").
+
+
+class ReusePolicy(CoocPolicy):
+    """CoocPolicy plus each key's own reuse-distance hazard: the chance, given the tokens since the key's last use,
+    that it is used again within the next `horizon` tokens, learned online from the key's past gaps between uses.
+    Belady evicts the resident used furthest in the future; an online cache can estimate how soon that is per key from
+    the distribution of its reuse distances (an expert back every other token, one used in bursts, one used once in a
+    long while) and its age:
+        h[k, j]    the uses of k whose gap since k's previous use fell in bin j (edges `gaps` tokens; last: beyond)
+        g[G, j]    the same pooled over a group G = (layer, count class: the bit length of k's number of gaps so
+                   far), so a key with few gaps borrows the shape of keys as often used as it: h'[k] = h[k] +
+                   `smooth` x g[G(k)] / sum(g[G(k)])
+        i          the bin of k's age (tokens since its last use, a in (gaps[i-1], gaps[i]] -> bin i; 0 when used now)
+        soon(k)    = sum of h'[k, j] over the bins j >= i whose lower edge is < the lower edge of bin i + `horizon`
+                     / sum of h'[k, j] over j >= i          (P(next use within the horizon | no use for a tokens))
+        score      CoocPolicy's score + w x soon(k),  w = `weight` x min(1, `fade` / (capacity / lookups per token))
+    The weight fades in pools that hold more than `fade` tokens' lookups: there the residents at the margin are
+    judged over many tokens, which the prior and the use count already rank (on the tune traces the full weight
+    raised misses at 50% coverage). The victim, ties and payback admission are WindowPolicy's, on this score.
+    soon(k) is recomputed when k is used and when its age crosses an edge (one event per edge per use, in a FIFO per
+    edge, as WindowPolicy's; an event whose use is no longer the key's last is skipped); a change of the pooled
+    histogram reaches a key's term at its next recomputation. Memory: len(gaps) + 1 counts per key seen and per group
+    (layers x log2 of the lookups: O(experts)), the FIFOs the uses of the last gaps[-1] tokens (64), besides
+    CoocPolicy's."""
+
+    name = "reuse"
+
+    def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
+                 lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
+                 gaps: Sequence[float] = REUSE_GAPS, horizon: float = REUSE_HORIZON, weight: float = REUSE_WEIGHT,
+                 fade: float = REUSE_FADE, smooth: float = REUSE_SMOOTH, **cooc):
+        super().__init__(capacity, profile_keys, lookups_per_token, n_experts, k, **cooc)
+        if not gaps or list(gaps) != sorted(gaps) or min(gaps) <= 0:
+            raise ValueError(f"reuse: gaps must be increasing and positive; got {gaps}")
+        self.gap_uses = [max(1, int(round(g * self.per_token))) for g in gaps]  # bin edges in uses
+        lower = (0.0,) + tuple(float(g) for g in gaps)  # [bins] each bin's lower edge, in tokens
+        self.reach = [max(j for j in range(len(lower)) if lower[j] < lower[i] + horizon) for i in range(len(lower))]
+        self.reuse_weight = float(weight) * min(1.0, fade * self.per_token / max(capacity, 1))
+        self.smooth = float(smooth)
+        self.hist: dict[int, list] = {}  # key -> [bins] its gaps' counts
+        self.pooled: dict[tuple, list] = {}  # (layer, count class) -> [bins] gaps' counts
+        self.term: dict[int, float] = {}  # key -> w x soon(k) as it stands in the score
+        self.gap_due: list[deque] = [deque() for _ in self.gap_uses]  # per edge: (clock crossed, key, use clock)
+
+    def _group(self, key: int, own: list) -> tuple[int, int]:
+        """The pooled histogram a key shares: its layer's and count class's (the bit length of its gaps so far)."""
+        return (key // self.n_experts if self.n_experts else 0), int(sum(own)).bit_length()
+
+    def _soon(self, key: int, i: int) -> float:
+        """P(k's next use within the horizon | its age in bin i), from its smoothed gap histogram (0 without data)."""
+        nb = len(self.gap_uses) + 1
+        own = self.hist.get(key, [0.0] * nb)
+        pool = self.pooled.get(self._group(key, own))
+        h = own[i:] if pool is None else [own[j] + self.smooth * pool[j] / sum(pool) for j in range(i, nb)]
+        alive = sum(h)
+        return sum(h[:self.reach[i] - i + 1]) / alive if alive > 0 else 0.0
+
+    def _set_term(self, key: int, i: int) -> None:
+        new = self.reuse_weight * self._soon(key, i)
+        change = new - self.term.get(key, 0.0)
+        if change:
+            self.term[key] = new
+            self.score[key] = self.score.get(key, 0.0) + change
+
+    def _use(self, key: int) -> None:
+        prev = self.last.get(key)
+        super()._use(key)  # the clock, the window's events and the use
+        now = self.clock
+        for i, q in enumerate(self.gap_due):  # keys whose age crossed edge i by now: bin i + 1
+            while q and q[0][0] <= now:
+                _, k, used = q.popleft()
+                if self.last.get(k) == used and k != key:
+                    self._set_term(k, i + 1)
+                    if k in self.resident:
+                        self._push(k)
+        if prev is not None:  # the gap since the key's previous use, into its histogram and its group's
+            j = bisect.bisect_left(self.gap_uses, now - prev)
+            nb = len(self.gap_uses) + 1
+            own = self.hist.setdefault(key, [0.0] * nb)
+            self.pooled.setdefault(self._group(key, own), [0.0] * nb)[j] += 1.0
+            own[j] += 1.0
+        self._set_term(key, 0)
+        for q, edge in zip(self.gap_due, self.gap_uses):
+            q.append((now + edge, key, now))
+
+
 DUEL_HALF_LIFE = 16  # tokens: the half-life of the decayed miss difference between the two shadows
 DUEL_BY_LAYER = False  # True: one difference per layer, the missing key's layer's decides; False: one for the pool
 DUEL_DECODE_ONLY = True  # the difference counts only lookups that may take a slot (after a miss reached admit())
@@ -616,12 +713,12 @@ class _TwinCooc(CoocPolicy):
                     heapq.heapify(heap)
 
     def look(self, key: int, t: int) -> None:
-        WindowPolicy._use(self, key)
+        self._use(key)
         self._push(key)
         self._route(key)
 
     def place(self, key: int, t: int) -> None:
-        WindowPolicy._use(self, key)
+        self._use(key)
         self._push(key)
 
     def side_victim(self, side: int) -> int:
@@ -650,6 +747,10 @@ class _TwinCooc(CoocPolicy):
         self.sides[side][1].discard(key)
 
 
+class _TwinReuse(_TwinCooc, ReusePolicy):
+    """_TwinCooc's two rankings on ReusePolicy's scores (the hazard term included): what `duel-reuse` duels with."""
+
+
 class DuelPolicy(Policy):
     """Set dueling between `cooc` (CoocPolicy) and `llamacpp` (LlamaCppPolicy): follow whichever has been missing less.
     Each policy runs alone in a shadow pool of the same size (its resident keys only, no bytes: its misses are that
@@ -671,6 +772,7 @@ class DuelPolicy(Policy):
     lookup: cooc's, two llamacpp's, plus O(1)."""
 
     name = "duel"
+    twin = _TwinCooc  # the scores that rank for cooc's side (DuelReusePolicy: ReusePolicy's)
 
     def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
                  lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
@@ -678,7 +780,7 @@ class DuelPolicy(Policy):
                  decode_only: bool = DUEL_DECODE_ONLY):
         super().__init__(capacity)
         self.decode_only = bool(decode_only)
-        self.cooc = _TwinCooc(capacity, profile_keys, lookups_per_token, n_experts, k)  # side 0 real, 1 shadow
+        self.cooc = self.twin(capacity, profile_keys, lookups_per_token, n_experts, k)  # side 0 real, 1 shadow
         self.llama = LlamaCppPolicy(capacity, lookups_per_token)  # over the real residents
         self.shadow = _Shadow(LlamaCppPolicy(capacity, lookups_per_token))  # llamacpp alone
         self.n_experts = int(n_experts) if by_layer and n_experts and k else None
@@ -759,6 +861,13 @@ class DuelPolicy(Policy):
         super().on_evict(key)
         self.llama.on_evict(key)
         self.cooc.side_evict(0, key)
+
+
+class DuelReusePolicy(DuelPolicy):
+    """DuelPolicy with `reuse` (ReusePolicy) in place of `cooc`: set dueling between reuse and llamacpp."""
+
+    name = "duel-reuse"
+    twin = _TwinReuse
 
 
 class ARCPolicy(Policy):
@@ -1062,13 +1171,18 @@ POLICIES = {
     "window": WindowPolicy,
     "cooc": CoocPolicy,
     "duel": DuelPolicy,
+    "reuse": ReusePolicy,
+    "duel-reuse": DuelReusePolicy,
     "belady": BeladyPolicy,
 }
 PROFILE_POLICIES = ("static", "pinned-lru")  # built from a profile's ranking (`profile_keys`)
 OFFLINE_POLICIES = ("belady",)  # built from the whole future access sequence: simulation only
-TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel")  # count time in tokens: built with lookups per token
-PRIOR_POLICIES = ("window", "cooc", "duel")  # take a profile's ranking if there is one (`profile_keys`), run without
-LAYER_POLICIES = ("cooc", "duel")  # read a key's layer and cut its uses into tokens: built with `n_experts` and `k`
+TOKEN_CLOCK_POLICIES = ("llamacpp", "window", "cooc", "duel", "reuse", "duel-reuse")  # count time in tokens:
+# built with lookups per token
+PRIOR_POLICIES = ("window", "cooc", "duel", "reuse", "duel-reuse")  # take a profile's ranking if there is one
+# (`profile_keys`), run without
+LAYER_POLICIES = ("cooc", "duel", "reuse", "duel-reuse")  # read a key's layer and cut its uses into tokens: built
+# with `n_experts` and `k`
 
 
 ENGINE_POLICIES = tuple(name for name in POLICIES if name not in OFFLINE_POLICIES)  # what the engine can run

@@ -597,6 +597,18 @@ MUTANTS: list[Mutant] = [
         ("tests/test_policies.py::test_cooc_by_hand_next_token_lift",),
         "cooc: a layer's old bonuses stay when it routes its next token"),
     Mutant(
+        "reuse_hazard_never_ages", "pymoe/experts/policies.py",
+        "                    self._set_term(k, i + 1)\n",
+        "                    pass  # MUTANT\n",
+        ("tests/test_policies.py::test_reuse_by_hand_gap_histogram_hazard",),
+        "reuse: a key's hazard term stays at its value when last used (its age never moves it to the next bin)"),
+    Mutant(
+        "reuse_gap_not_counted", "pymoe/experts/policies.py",
+        "            own[j] += 1.0\n",
+        "            pass  # MUTANT\n",
+        ("tests/test_policies.py::test_reuse_by_hand_gap_histogram_hazard",),
+        "reuse: a key's own gaps never reach its histogram (only its group's pooled one)"),
+    Mutant(
         "grammar_mask_not_applied", "pymoe/engine/sampler.py",
         "            logits = np.where(self.constraint.allowed(), logits, np.float32(-np.inf))",
         "            logits = logits  # MUTANT",
