@@ -52,7 +52,7 @@ from pymoe.quant.qact import QK_K, has_int_dot, prefetch_line
 # --act-bits -> (the dense products' activation width, the routed experts'): 16 and 8 all at one width, 0 float
 # kernels only; "auto" 8-bit x for the routed experts (the bulk of a token's weights), 16-bit for the rest
 # (attention, shared expert, output head: docs/performance.md "Accuracy")
-ACT_MODES = {"16": (16, 16), "8": (8, 8), "0": (0, 0), "auto": (16, 8)}
+ACT_MODES = {"16": (16, 16), "8": (8, 8), "15": (15, 15), "0": (0, 0), "auto": (16, 8)}
 DEFAULT_ACT_BITS = "16"
 HEAD_NAMES = ("output.weight", "token_embd.weight")  # the output head's tensor (token_embd: a tied head)
 
@@ -62,7 +62,7 @@ def act_mode(act_bits) -> tuple:
     dense bits, expert bits)."""
     key = str(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", DEFAULT_ACT_BITS))
     if key not in ACT_MODES:
-        raise ValueError(f"act_bits must be 0 (float), 8, 16 or auto, got {key}")
+        raise ValueError(f"act_bits must be 0 (float), 8, 15, 16 or auto, got {key}")
     return (key if key == "auto" else int(key)), *ACT_MODES[key]
 
 
@@ -382,8 +382,8 @@ class CPUBackend(HostArrays):
         self._team = {}  # calling thread's ident -> the team size set there (Numba's count is per calling thread)
         self.act_bits, self.dense_bits, self.expert_bits = act_mode(act_bits)  # (see ACT_MODES)
         self.head_bits = None if head_bits is None else int(head_bits)
-        self.repack = 8 in (self.dense_bits, self.expert_bits, self.head_bits) and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
-                                              else bool(repack))
+        self.repack = bool({8, qact.PLANES} & {self.dense_bits, self.expert_bits, self.head_bits}) and (
+            os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None else bool(repack))
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
         self._eps = {}  # rmsnorm's eps -> np.float32(eps)
@@ -460,7 +460,7 @@ class CPUBackend(HostArrays):
         if self.head_bits is not None and t.name in HEAD_NAMES:
             w = replace(w, bits=self.head_bits)
         bits = self.dense_bits if w.bits is None else w.bits
-        if self.repack and bits == 8 and repack.fits(w.qtype, *w.shape):
+        if self.repack and bits in (8, qact.PLANES) and repack.fits(w.qtype, *w.shape):
             w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token
             # products (decode)
         elif self.repack and self._arena.enabled:
@@ -487,7 +487,7 @@ class CPUBackend(HostArrays):
             return None
         if not host:
             return (*raw, *NO_TILES)
-        fits = [self.repack and self.expert_bits == 8 and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
+        fits = [self.repack and self.expert_bits in (8, qact.PLANES) and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
                 for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]
         mats = [repack.repack(m, q, self._arena.empty) if f else None
                 for q, m, f in zip(qtypes, (ex.gate, ex.up, ex.down), fits)]  # [rows / 8, row_tiles] or None
@@ -500,9 +500,11 @@ class CPUBackend(HostArrays):
 
     def linear(self, w: DenseWeight, x: np.ndarray) -> np.ndarray:
         """x float32 [T, C] -> [T, R]."""
-        if w.tiles is not None:  # repacked: x quantized to 8 bits, the bits of matmul_act on the raw rows
-            return repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_for(np.ascontiguousarray(x, np.float32),
-                                                                             w.qtype, 8))
+        if w.tiles is not None:  # repacked: x quantized to 8 bits (or two planes), the bits of matmul_act on the raw
+            bits = self.dense_bits if w.bits is None else w.bits  # rows
+            y = repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_for(np.ascontiguousarray(x, np.float32), w.qtype,
+                                                                          bits))
+            return qact.sum_planes(y) if bits == qact.PLANES else y
         return self.linear_raw(w.raw, w.qtype, x, w.bits)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
@@ -560,8 +562,9 @@ class CPUBackend(HostArrays):
         groups = {qact.act_group(w.qtype, self.dense_bits) for w in ws}  # x's layout for each (qact.act_group)
         if (x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None for w in ws)
                 and len(groups) == 1):  # decode's q, k, v repacked: one quantization, one call for the three
-            xact = qact.quantize_rows(x, 8, groups.pop())
-            return repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
+            xact = qact.quantize_rows(x, self.dense_bits, groups.pop())  # 8 bits, or two planes
+            ys = repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
+            return [qact.sum_planes(y) for y in ys] if self.dense_bits == qact.PLANES else ys
         xacts = {}  # values per scale -> x quantized so, once for every weight that takes it
         out = []
         for w in ws:
@@ -572,7 +575,8 @@ class CPUBackend(HostArrays):
                     xact = xacts[group] = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32),
                                                              self.dense_bits, group)
                 if w.tiles is not None:
-                    out.append(repack.tile_matmul(w.tiles, w.qtype, *xact))
+                    y = repack.tile_matmul(w.tiles, w.qtype, *xact)
+                    out.append(qact.sum_planes(y) if self.dense_bits == qact.PLANES else y)
                     continue
                 out.append(kernels.matmul_act(w.raw, w.qtype, x, self.dense_bits, xact=xact))
             else:

@@ -1215,22 +1215,23 @@ def decoded_values(tiles: np.ndarray) -> np.ndarray:
 
 
 def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2):
-    # One token times three matrices that share it (a layer's q, k and v): one parallel region over all their
-    # row-groups, 4 a task, so the short k and v share the threads with q instead of each paying a call and a
-    # region of its own. Each row has the bits of tile_matmul's one-token call (the same TILE_DOT, the same order),
-    # whose block loop asks for the bytes ahead (STREAM_AHEAD).
+    # One token (or a token's two planes: xq [2, C], qact.quantize_planes_ref) times three matrices that share it (a
+    # layer's q, k and v): one parallel region over all their row-groups, 4 a task, so the short k and v share the
+    # threads with q instead of each paying a call and a region of its own. Each row has the bits of tile_matmul's
+    # one-token call (the same TILE_DOT, the same order), whose block loop asks for the bytes ahead (STREAM_AHEAD).
     n0, n1, n2 = t0.shape[0], t1.shape[0], t2.shape[0]
     b0, b1 = (n0 + 3) // 4, (n1 + 3) // 4  # tasks of the first two matrices
     for task in prange(b0 + b1 + (n2 + 3) // 4):
-        if task < b0:
-            for g in range(4 * task, min(n0, 4 * task + 4)):
-                TILE_DOT_0(t0[g], xq[0], xd[0], xbs[0], y0[0, g * ROWS:(g + 1) * ROWS])
-        elif task < b0 + b1:
-            for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):
-                TILE_DOT_1(t1[g], xq[0], xd[0], xbs[0], y1[0, g * ROWS:(g + 1) * ROWS])
-        else:
-            for g in range(4 * (task - b0 - b1), min(n2, 4 * (task - b0 - b1) + 4)):
-                TILE_DOT_2(t2[g], xq[0], xd[0], xbs[0], y2[0, g * ROWS:(g + 1) * ROWS])
+        for t in range(xq.shape[0]):
+            if task < b0:
+                for g in range(4 * task, min(n0, 4 * task + 4)):
+                    TILE_DOT_0(t0[g], xq[t], xd[t], xbs[t], y0[t, g * ROWS:(g + 1) * ROWS])
+            elif task < b0 + b1:
+                for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):
+                    TILE_DOT_1(t1[g], xq[t], xd[t], xbs[t], y1[t, g * ROWS:(g + 1) * ROWS])
+            else:
+                for g in range(4 * (task - b0 - b1), min(n2, 4 * (task - b0 - b1) + 4)):
+                    TILE_DOT_2(t2[g], xq[t], xd[t], xbs[t], y2[t, g * ROWS:(g + 1) * ROWS])
 
 
 _MATVEC3 = {}  # (three QTypes) -> the compiled _tile_matvec3_template
@@ -1245,8 +1246,8 @@ def _check_x(qtype, xq: np.ndarray, xd: np.ndarray) -> None:
 
 def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> list:
     """[tile_matmul(t, q, xq, xd, xbs) for t, q in zip(tiles, qtypes)] for three matrices and one token (xq int8
-    [1, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of call and region each). The
-    three take x in one layout (qact.act_group)."""
+    [1, C]; or its two planes, [2, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of
+    call and region each). The three take x in one layout (qact.act_group)."""
     for q in qtypes:
         _check_x(q, xq, xd)
     key = tuple(qtypes)  # QType is an IntEnum: an int key finds its member's entry (no enum call per token)
@@ -1255,7 +1256,7 @@ def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs:
         key = tuple(QType(q) for q in qtypes)
         fn = _MATVEC3[key] = _compile(_tile_matvec3_template, "tile_matvec3_" + "_".join(q.name for q in key),
                                       {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)})
-    ys = [np.empty((1, t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1, R_i]
+    ys = [np.empty((xq.shape[0], t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1 or 2, R_i]
     fn(*tiles, xq, xd, xbs, *ys)
     return ys
 
