@@ -5,7 +5,8 @@ quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weigh
 the memory map) through `f32_matmul` (bits independent of T). Small float vectors (norms, biases, the shared-expert
 gate) are read once as float32.
 Two paths for quantized weights, chosen once by `act_bits`:
-  - integer (act_bits 16, the default, 8 = llama.cpp's, or "auto": 8 for the routed experts, 16 for the rest,
+  - integer (act_bits 16, the default, 8 = llama.cpp's, 15 = two 8-bit planes (qact.quantize_planes_ref: 16-bit
+    accuracy through the 8-bit dots and tiles), or "auto": 8 for the routed experts, 16 for the rest,
     `ACT_MODES`; PYMOE_ACT_BITS=8): weights of a type in `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0,
     Q2_0; rows of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values (at 8
     bits per 32 for the formats llama.cpp pairs with block_q8_0: `qact.act_group`) and each block is dotted in
@@ -14,7 +15,7 @@ Two paths for quantized weights, chosen once by `act_bits`:
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).
-Repacked weights (the products at 8 bits): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
+Repacked weights (the products at 8 bits and at 15, two 8-bit planes): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
 (quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
 with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
 (`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read). The copies are
@@ -49,7 +50,7 @@ from pymoe.quant import kernels, qact, repack
 from pymoe.quant.kernels import dot, exp_f32
 from pymoe.quant.qact import QK_K, has_int_dot, prefetch_line
 
-# --act-bits -> (the dense products' activation width, the routed experts'): 16 and 8 all at one width, 0 float
+# --act-bits -> (the dense products' activation width, the routed experts'): 16, 15 and 8 all at one width, 0 float
 # kernels only; "auto" 8-bit x for the routed experts (the bulk of a token's weights), 16-bit for the rest
 # (attention, shared expert, output head: docs/performance.md "Accuracy")
 ACT_MODES = {"16": (16, 16), "8": (8, 8), "15": (15, 15), "0": (0, 0), "auto": (16, 8)}
@@ -58,7 +59,7 @@ HEAD_NAMES = ("output.weight", "token_embd.weight")  # the output head's tensor 
 
 
 def act_mode(act_bits) -> tuple:
-    """--act-bits (8, 16, 0, "auto"; None: PYMOE_ACT_BITS, else DEFAULT_ACT_BITS) -> (its name, 8 / 16 / 0 / "auto",
+    """--act-bits (8, 15, 16, 0, "auto"; None: PYMOE_ACT_BITS, else DEFAULT_ACT_BITS) -> (its name, 8 / 15 / 16 / 0 / "auto",
     dense bits, expert bits)."""
     key = str(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", DEFAULT_ACT_BITS))
     if key not in ACT_MODES:
@@ -370,7 +371,8 @@ class CPUBackend(HostArrays):
 
     def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None,
                  head_bits: Optional[int] = None):
-        """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only;
+        """act_bits: 16 (default), 8 or 15 (two 8-bit planes): the integer path's activations (quant/qact.py); 0:
+        float kernels only;
         "auto": 8 bits for the routed experts, 16 for the dense products (ACT_MODES). head_bits: the output
         head's own width (default: the dense products'; bench/act_accuracy.py measures what it costs).
         repack: keep 8-row repacked copies of the weights that have a layout (quant/repack.py) for the products

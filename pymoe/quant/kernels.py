@@ -225,6 +225,7 @@ from .repack import MANY as TILE_MANY, ROWS as TILE_ROWS, TOKENS as TILE_TOKENS 
 VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
 ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc float32 [n, 16], out float32 [n])
 GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per 256 weights of the gate, up and down types
+TILE2_GATE = TILE2_UP = TILE2_DOWN = None  # their tile dots of two rows of x (a token's two planes: decode)
 TILE_GATE = TILE_UP = TILE_DOWN = None  # their repacked layouts' tile dots (quant/repack.py; any one for a type
 GATE_TILE = UP_TILE = DOWN_TILE = 0  # without a layout: never called), and bytes per 8 rows and 256 columns
 PAIR_GATE_UP = PAIR_DOWN = False  # whether their many-token tile dots take two row-groups a call (repack.PAIRS)
@@ -348,7 +349,9 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     tile dot reads for all its pairs (TILE_DECODED), again with the bits of the raw rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); hq
-    [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype). y float32
+    [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype; PLANE_QMAX:
+    two int8 planes, each pair two consecutive rows, its hi and its lo plane, whose gate x and up x are added before
+    SwiGLU, and whose down products both add into y with the pair's weight: moe_act_table doubles the pairs). y float32
     [T, D] (accumulated into). Decode (T = 1, every matrix repacked, the experts a multiple of the threads:
     BY_EXPERT): one parallel phase, a task per expert (its gate, up, SwiGLU and down, one stream of its bytes), the
     experts' outputs then added into y in order. Otherwise two parallel phases (three in prefill): quantize x per
@@ -442,14 +445,20 @@ def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
         hb = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
         g2 = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # the lo plane's gate x, up x
         u2 = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
+        o2 = np.empty((2, TILE_ROWS), dtype=np.float32)  # a two-plane call's results: [hi, lo] x 8 rows
         for r0 in range(0, F, MOE_ROWS_PER_TASK):
             for q in range(r0 // TILE_ROWS, (r0 + MOE_ROWS_PER_TASK) // TILE_ROWS):
                 c = q * TILE_ROWS - r0
-                TILE_GATE(gt[q], xq[a], xd[a], xbs[a], g[c:c + TILE_ROWS])
-                TILE_UP(ut[q], xq[a], xd[a], xbs[a], u[c:c + TILE_ROWS])
-                if planes:
-                    TILE_GATE(gt[q], xq[a + 1], xd[a + 1], xbs[a + 1], g2[c:c + TILE_ROWS])
-                    TILE_UP(ut[q], xq[a + 1], xd[a + 1], xbs[a + 1], u2[c:c + TILE_ROWS])
+                if planes:  # both planes in one call: the tile unpacked once (the bits of two one-token calls)
+                    TILE2_GATE(gt[q], xq[a:a + 2], xd[a:a + 2], xbs[a:a + 2], o2)
+                    g[c:c + TILE_ROWS] = o2[0]
+                    g2[c:c + TILE_ROWS] = o2[1]
+                    TILE2_UP(ut[q], xq[a:a + 2], xd[a:a + 2], xbs[a:a + 2], o2)
+                    u[c:c + TILE_ROWS] = o2[0]
+                    u2[c:c + TILE_ROWS] = o2[1]
+                else:
+                    TILE_GATE(gt[q], xq[a], xd[a], xbs[a], g[c:c + TILE_ROWS])
+                    TILE_UP(ut[q], xq[a], xd[a], xbs[a], u[c:c + TILE_ROWS])
             if planes:  # hi's plus lo's (as in the gate/up tasks below)
                 for j in range(MOE_ROWS_PER_TASK):
                     g[j] += g2[j]
@@ -463,9 +472,12 @@ def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
             else:
                 quantize_act_in(hb, hq[a, r0:r1], hd[a, r0 // hg:r1 // hg], hbs[a, r0 // SUB:r1 // SUB], qmax, hg)
         for q in range(D // TILE_ROWS):
-            TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[2 * k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
             if planes:
-                TILE_DOWN(dt[q], hq[a + 1], hd[a + 1], hbs[a + 1], o[2 * k + 1, q * TILE_ROWS:(q + 1) * TILE_ROWS])
+                TILE2_DOWN(dt[q], hq[a:a + 2], hd[a:a + 2], hbs[a:a + 2], o2)
+                o[2 * k, q * TILE_ROWS:(q + 1) * TILE_ROWS] = o2[0]
+                o[2 * k + 1, q * TILE_ROWS:(q + 1) * TILE_ROWS] = o2[1]
+            else:
+                TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[2 * k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
     for k in range(n_exp):  # y += weight * o[k], expert by expert, plane by plane (the down tasks' order)
         wk = weight[start[k]]
         for r in range(D):
@@ -816,12 +828,14 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     rows = [rows_dot(q) for q in qtypes]
     sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
     tiles = [tile_dots.get(q, _never_tile_dot) for q in qtypes]
+    tiles2 = [repack.TILE_DOTS2_STREAM.get(q, _never_tile_dot) for q in qtypes]
     tile_bytes = [repack.TILE_BYTES.get(q, 0) for q in qtypes]
     decoders = [qact.ROW_DECODES.get(q, _never_row_decode) for q in qtypes]
     any_decoded = any(q in qact.ROW_DECODES for q in qtypes)
     return dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
                 ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
-                TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], GATE_TILE=tile_bytes[0],
+                TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], TILE2_GATE=tiles2[0], TILE2_UP=tiles2[1],
+                TILE2_DOWN=tiles2[2], GATE_TILE=tile_bytes[0],
                 UP_TILE=tile_bytes[1], DOWN_TILE=tile_bytes[2],
                 PAIR_GATE_UP=qtypes[0] in repack.PAIRS and qtypes[1] in repack.PAIRS,
                 PAIR_DOWN=qtypes[2] in repack.PAIRS,
@@ -835,7 +849,8 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
 
 def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=None) -> np.ndarray:
     """Y = X W^T by the integer path: w_raw uint8 [R, row_bytes] of a K type, X float32 [T, C] -> float32 [T, R],
-    X quantized to `bits` (16 or 8) per 256 values, or per 32 (8 bits, `qact.act_group`). T = 1 runs the mat-vec
+    X quantized to `bits` (16 or 8) per 256 values, or per 32 (8 bits, `qact.act_group`); bits 15 (qact.PLANES):
+    two 8-bit planes per token, run as 2T rows of 8-bit x and added (qact.sum_planes). T = 1 runs the mat-vec
     kernel. xact: X already quantized (`qact.quantize_for(X, qtype, bits)`), to share one quantization between
     matrices that multiply the same X."""
     fmt = get_format(qtype)

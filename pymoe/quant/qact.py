@@ -19,6 +19,12 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
         d     float32 [C / 32]      fp16(max|x| / 127) as float32, q = roundf(x / (max|x| / 127))
      (qs and bsums as above). `act_group(qtype, bits)` says which; the row dots of those formats multiply each
      group's weight scale by its own d of x (`_GroupScaleCode.times_dx`).
+     Two planes (act_bits PLANES = 15, `quantize_planes_ref`, twin `quantize_planes`): x rounded to q in
+     -32512..32512 against a power-of-two d per 256 values (per 32 for ACT32_TYPES), written q = 255 hi + lo with
+     hi and lo int8 in -127..127; each plane is an 8-bit activation row (hi with scale 255 d, lo with d, bsums of
+     its own), so every 8-bit dot, tile dot and fused kernel computes dot(w, d q) as the sum of its results on the
+     two planes: 16 bits' accuracy (q is 16 bits' q wherever max|x| / 32512 and max|x| / 32767 round up to the same
+     power of two) with the 8-bit integer path's instructions, tiles and bounds, at two 8-bit dots per weight.
   2. Row dots, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation to 64 bits,
      and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the IR states the
      narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpmaddubsw` / `vpdpbusd`):
@@ -42,10 +48,13 @@ What this is not: the kernels that loop over rows and tokens (kernels.py), nor t
 reference of `vec_dot(w, act)` is `dequantize(w) @ dequantize_act(act)` (tests/test_kernels_qact.py).
 
 Numerics. Each sub-block sum is an exact integer (a 32-lane sum of products < 2^6 * 2^15 * 32 < 2^31; the sums
-over sub-blocks are int64, or, in row_dot, int32 lanes with the bound stated there). Per block, the float result is
+over sub-blocks are int64, or, in row_dot, int32 lanes with the bound stated there; two planes: each plane is an
+8-bit row, |hi|, |lo| <= 127, so the 8-bit bounds hold for each, and the planes meet only in float32, hi's result
+plus lo's). Per block, the float result is
     d_w * d_x * sum_s sc_s * isum_s  -  dmin_w * d_x * sum_s m_s * bsum_s
 so the integer path differs from the float path only by the rounding of x: |x_i - d q_i| <= d / 2 per value,
-hence |y_int - y_float| <= sum_blocks (d_b / 2) * sum_{i in b} |w_i|, plus float32 rounding (what the tests check).
+hence |y_int - y_float| <= sum_blocks (d_b / 2) * sum_{i in b} |w_i|, plus float32 rounding (what the tests check;
+two planes: d_b the lo plane's d, x - d q exact).
 
 Weight layouts: the diagrams in kquants.py. Shape legend: T rows (tokens), C values, nb = C / 256 blocks.
 """

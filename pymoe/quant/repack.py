@@ -1054,6 +1054,32 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     return tile_dot
 
 
+def _make_tile_dot2(qtype, locality: int = None, ahead: int = None):
+    """-> tile_dot2(tiles uint8 [nb * TILE_BYTES], xq int8 [2, nb * 256], xd float32 [2, nb] (or [2, 8 nb]: per-32
+    x), xbs int32 [2, nb * 16], out float32 [2, 8]): the row-group's 8 rows times two activation rows at once, the
+    weights unpacked once for both: a token's two planes (qact.quantize_planes_ref) in decode. The one-token dot's
+    instructions and hints (`_make_tile_dot`'s defaults), run for two rows of x: each row's results are the bits of
+    its one-token call."""
+    ahead = STREAM_AHEAD if ahead is None else ahead
+    locality = qact.DENSE_LOCALITY if locality is None else locality
+    qtype = _key(qtype)
+    codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, _WIDE and qtype in WIDE, ahead, locality)
+
+    def trap(context, builder, signature, args):  # (int16 x: typed so that a kernel for both widths holds the call)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    @intrinsic
+    def tile_dot2(typingctx, tiles, xq, xd, xbs, out):
+        if (_c(tiles, types.uint8) and isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)
+                and _c(xq, xq.dtype, 2) and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2)
+                and _c(out, types.float32, 2)):
+            return types.none(tiles, xq, xd, xbs, out), codegen if xq.dtype == types.int8 else trap
+
+    return tile_dot2
+
+
 def _host_vnni() -> tuple[bool, bool]:
     """-> (vnni, wide): whether the tile dots may use vpdpbusd on 256-bit vectors (this CPU, `qact.host_features`,
     has AVX-512 VNNI with AVX-512VL, or AVX-VNNI), and on 512-bit ones (AVX-512 VNNI with AVX-512BW). PYMOE_VNNI=0 /
@@ -1105,6 +1131,8 @@ TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=qact.STREAM_LOCALITY) for q in
 # hint for bytes read once)
 # the decoded layout's (a scratch tile, in L1: no hints ahead)
 tile_dot_decoded = _make_tile_dot(DECODED, ahead=0)
+# two rows of x a call (a token's two planes): the experts' (the hint for bytes read once)
+TILE_DOTS2_STREAM = {q: _make_tile_dot2(q, locality=qact.STREAM_LOCALITY) for q in TILE_DOTS}
 
 
 TILE_DOT, TILE_PAIR = None, False  # bound per format by _compile_matmul
