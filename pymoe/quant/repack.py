@@ -1131,11 +1131,12 @@ TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=qact.STREAM_LOCALITY) for q in
 # hint for bytes read once)
 # the decoded layout's (a scratch tile, in L1: no hints ahead)
 tile_dot_decoded = _make_tile_dot(DECODED, ahead=0)
-# two rows of x a call (a token's two planes): the experts' (the hint for bytes read once)
+# two rows of x a call (a token's two planes): the dense weights' and the experts' (the hint for bytes read once)
+TILE_DOTS2 = {q: _make_tile_dot2(q) for q in TILE_DOTS}
 TILE_DOTS2_STREAM = {q: _make_tile_dot2(q, locality=qact.STREAM_LOCALITY) for q in TILE_DOTS}
 
 
-TILE_DOT, TILE_PAIR = None, False  # bound per format by _compile_matmul
+TILE_DOT, TILE_DOT2, TILE_PAIR = None, None, False  # bound per format by _compile_matmul
 AHEAD = 4096  # bytes of tiles requested ahead of the row-group being read by the many-token product (as
 # kernels.PREFETCH_AHEAD; decode of the mid Q4_K_M file, 0 / 4096 alternated in one process, when one-token products
 # took this way too: p20 5.32 / 5.15 ms a token, median 5.70 / 5.56). The one-token dot asks for its own
@@ -1173,6 +1174,12 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
                         for i in range(MANY):
                             y[t + i, g * ROWS:(g + 1) * ROWS] = out[i]
                     t += MANY
+                if t1 - t == 2 and xq.itemsize == 1:  # two rows left (decode's two planes of one token): one call
+                    for h in range(g, g + m):  # of the two-row dot each, the tile unpacked once (the same bits)
+                        TILE_DOT2(tiles[h], xq[t:t1], xd[t:t1], xbs[t:t1], out[:2])
+                        y[t, h * ROWS:(h + 1) * ROWS] = out[0]
+                        y[t + 1, h * ROWS:(h + 1) * ROWS] = out[1]
+                    t = t1
                 for h in range(g, g + m):
                     for u in range(t, t1):
                         TILE_DOT(tiles[h], xq[u], xd[u], xbs[u], y[u, h * ROWS:(h + 1) * ROWS])
@@ -1189,12 +1196,13 @@ def _compile(template, name: str, constants: dict):
 
 def _compile_matmul(qtype):
     return _compile(_tile_matmul_template, f"tile_matmul_{qtype.name}",
-                    {"TILE_DOT": TILE_DOTS[qtype], "TILE_PAIR": qtype in PAIRS})
+                    {"TILE_DOT": TILE_DOTS[qtype], "TILE_DOT2": TILE_DOTS2[qtype], "TILE_PAIR": qtype in PAIRS})
 
 
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}
 _MATMULS[DECODED] = _compile(_tile_matmul_template, "tile_matmul_decoded",
-                             {"TILE_DOT": tile_dot_decoded, "TILE_PAIR": DECODED in PAIRS})
+                             {"TILE_DOT": tile_dot_decoded, "TILE_DOT2": _make_tile_dot2(DECODED, ahead=0),
+                              "TILE_PAIR": DECODED in PAIRS})
 
 
 def _decode_template(raw, out):
@@ -1250,16 +1258,30 @@ def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2):
     n0, n1, n2 = t0.shape[0], t1.shape[0], t2.shape[0]
     b0, b1 = (n0 + 3) // 4, (n1 + 3) // 4  # tasks of the first two matrices
     for task in prange(b0 + b1 + (n2 + 3) // 4):
-        for t in range(xq.shape[0]):
+        if xq.shape[0] == 2:  # a token's two planes: the two-row dots, each tile unpacked once
+            o = np.empty((2, ROWS), dtype=np.float32)
             if task < b0:
                 for g in range(4 * task, min(n0, 4 * task + 4)):
-                    TILE_DOT_0(t0[g], xq[t], xd[t], xbs[t], y0[t, g * ROWS:(g + 1) * ROWS])
+                    TILE_DOT2_0(t0[g], xq, xd, xbs, o)
+                    y0[:, g * ROWS:(g + 1) * ROWS] = o
             elif task < b0 + b1:
                 for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):
-                    TILE_DOT_1(t1[g], xq[t], xd[t], xbs[t], y1[t, g * ROWS:(g + 1) * ROWS])
+                    TILE_DOT2_1(t1[g], xq, xd, xbs, o)
+                    y1[:, g * ROWS:(g + 1) * ROWS] = o
             else:
                 for g in range(4 * (task - b0 - b1), min(n2, 4 * (task - b0 - b1) + 4)):
-                    TILE_DOT_2(t2[g], xq[t], xd[t], xbs[t], y2[t, g * ROWS:(g + 1) * ROWS])
+                    TILE_DOT2_2(t2[g], xq, xd, xbs, o)
+                    y2[:, g * ROWS:(g + 1) * ROWS] = o
+            continue
+        if task < b0:
+            for g in range(4 * task, min(n0, 4 * task + 4)):
+                TILE_DOT_0(t0[g], xq[0], xd[0], xbs[0], y0[0, g * ROWS:(g + 1) * ROWS])
+        elif task < b0 + b1:
+            for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):
+                TILE_DOT_1(t1[g], xq[0], xd[0], xbs[0], y1[0, g * ROWS:(g + 1) * ROWS])
+        else:
+            for g in range(4 * (task - b0 - b1), min(n2, 4 * (task - b0 - b1) + 4)):
+                TILE_DOT_2(t2[g], xq[0], xd[0], xbs[0], y2[0, g * ROWS:(g + 1) * ROWS])
 
 
 _MATVEC3 = {}  # (three QTypes) -> the compiled _tile_matvec3_template
@@ -1283,7 +1305,8 @@ def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs:
     if fn is None:
         key = tuple(QType(q) for q in qtypes)
         fn = _MATVEC3[key] = _compile(_tile_matvec3_template, "tile_matvec3_" + "_".join(q.name for q in key),
-                                      {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)})
+                                      {**{f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)},
+                                       **{f"TILE_DOT2_{i}": TILE_DOTS2[q] for i, q in enumerate(key)}})
     ys = [np.empty((xq.shape[0], t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1 or 2, R_i]
     fn(*tiles, xq, xd, xbs, *ys)
     return ys
