@@ -107,6 +107,27 @@ def test_three_matrix_decode_call_has_the_bits_of_three_calls(types):
         assert np.array_equal(y, repack.tile_matmul(t, q, xq, xd, xbs))
 
 
+@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q2_K, QType.Q3_K, QType.Q5_K),
+                                   (QType.Q8_0, QType.MXFP4, QType.Q8_0), (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS)],
+                         ids=lambda t: "-".join(q.name for q in t))
+def test_two_plane_decode_calls_have_the_bits_of_one_token_calls(types):
+    """A token's two planes (qact.quantize_planes_ref: xq int8 [2, C]) through the two-row tile dot (repack.TILE_DOTS2:
+    tile_matmul's last two rows, tile_matvec3's q, k, v) give, row by row, the one-token call's bits on each plane."""
+    rng = np.random.default_rng(5)
+    C = 512
+    raws = [random_rows(q, R, C, rng) for q, R in zip(types, (72, 48, 40))]
+    tiles = [repack.repack(r, q) for r, q in zip(raws, types)]
+    xq, xd, xbs = qact.quantize_for(rng.standard_normal((1, C)).astype(np.float32), types[0], qact.PLANES)  # [2, C]
+    assert xq.shape == (2, C) and xq.dtype == np.int8
+    alone = [np.concatenate([repack.tile_matmul(t, q, xq[i:i + 1], xd[i:i + 1], xbs[i:i + 1]) for i in range(2)])
+             for t, q in zip(tiles, types)]  # [2, R] one one-token call per plane
+    for y, want, t, q, raw in zip(repack.tile_matvec3(tiles, types, xq, xd, xbs), alone, tiles, types, raws):
+        assert np.array_equal(y, want)
+        assert np.array_equal(repack.tile_matmul(t, q, xq, xd, xbs), want)
+        assert np.array_equal(kernels.matmul_act(raw, q, np.zeros((1, C), np.float32), qact.PLANES, xact=(xq, xd, xbs)),
+                              want[:1] + want[1:])  # the raw rows' product: the planes' sum
+
+
 def _extreme_rows(qtype) -> np.ndarray:
     """8 rows of 256 weights at the largest integer magnitude of the format: every quant bit set (Q2_K q = 3, Q3_K
     q' = 7, Q4_K q = 15, Q5_K q = 31, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3
