@@ -1,13 +1,14 @@
 #!/usr/bin/env python3
 """How close each activation width comes to the float model, beside llama.cpp's own run of the same file.
 
-Usage:  PYTHONPATH=. python bench/act_accuracy.py [--archs A,B] [--ftypes F,G] [--preset tiny]
+Usage:  PYTHONPATH=. python bench/act_accuracy.py [--archs A,B] [--ftypes F,G] [--preset tiny] [--columns C,D]
 
 For each family x file type: the tiny random F32 model (make-tiny-model), quantized by llama.cpp's own quantizer
 (`llama_model_quantize`), and
   - the float model: llama.cpp on an F32 copy of the quantized file (the same weights, float math, F32 KV cache);
   - "llama.cpp": llama.cpp on the quantized file itself (its own 8-bit activation blocks: Q8_K, Q8_0, Q8_1);
-  - "pymoe 16", "pymoe 8", "pymoe auto": pymoe's CPU backend on the file with 16- and 8-bit activations, and with
+  - "pymoe 16", "pymoe 15", "pymoe 8", "pymoe auto": pymoe's CPU backend on the file with 16-bit activations, 15-bit
+    ones as two 8-bit planes (qact.quantize_planes_ref), 8-bit ones, and with
     `--act-bits auto` (8-bit x for the routed experts, 16-bit for the rest); "auto, head 8": auto with the output
     head at 8 bits too (what the head's width costs).
 Each column is mean |logit - float logit| over 50 random positions x the whole vocabulary, and (in brackets) the
@@ -32,8 +33,8 @@ FAMILIES = tuple(ARCHS)  # every family pymoe reads
 FTYPES = ("Q2_K", "Q4_K_M", "Q2_0", "MXFP4_MOE", "IQ4_XS")
 N_POS = 50
 # column -> the CPU backend's options (backends/cpu.py: act_bits, head_bits)
-CONFIGS = {"pymoe 16": dict(act_bits=16), "pymoe 8": dict(act_bits=8), "pymoe auto": dict(act_bits="auto"),
-           "auto, head 8": dict(act_bits="auto", head_bits=8)}
+CONFIGS = {"pymoe 16": dict(act_bits=16), "pymoe 15": dict(act_bits=15), "pymoe 8": dict(act_bits=8),
+           "pymoe auto": dict(act_bits="auto"), "auto, head 8": dict(act_bits="auto", head_bits=8)}
 
 
 def distance(logits: np.ndarray, ref: np.ndarray) -> tuple:
@@ -71,15 +72,17 @@ def main():
     ap.add_argument("--archs", default=",".join(FAMILIES))
     ap.add_argument("--ftypes", default=",".join(FTYPES))
     ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--columns", default=",".join(CONFIGS), help="pymoe's columns to run (of CONFIGS)")
     a = ap.parse_args()
+    configs = {c: CONFIGS[c] for c in a.columns.split(",")}
     from pymoe.demo.tinymodel import write_model
 
-    cols = ("llama.cpp", *CONFIGS)
-    over = [c for c in CONFIGS if c != "pymoe 16"]  # the columns set beside llama.cpp's as a ratio
+    cols = ("llama.cpp", *configs)
+    over = [c for c in configs if c != "pymoe 16"]  # the columns set beside llama.cpp's as a ratio
     print(f"| family | file | {' | '.join(cols)} | {' | '.join(f'{c} / llama.cpp' for c in over)} |")
     print("| --- | --- |" + " --- |" * (len(cols) + len(over)))
     ratios = {c: [] for c in over}
-    within = {c: 0 for c in CONFIGS}  # files where the column is at or under llama.cpp's |Δ| with its top-1 or more
+    within = {c: 0 for c in configs}  # files where the column is at or under llama.cpp's |Δ| with its top-1 or more
     n_files = 0
     with tempfile.TemporaryDirectory() as tmp:
         for arch in a.archs.split(","):
@@ -87,12 +90,12 @@ def main():
             write_model(f32, arch, a.preset, "f32", seed=0)
             for ftype in a.ftypes.split(","):
                 try:
-                    r = measure(f32, ftype, tmp)
+                    r = measure(f32, ftype, tmp, configs)
                 except Exception as e:  # a format the family's shapes cannot take (rows not a multiple of 256, ...)
                     print(f"| {arch} | {ftype} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
                     continue
                 n_files += 1
-                for c in CONFIGS:
+                for c in configs:
                     within[c] += r[c][0] <= r["llama.cpp"][0] and r[c][1] >= r["llama.cpp"][1]
                 for c in over:
                     ratios[c].append(r[c][0] / max(r["llama.cpp"][0], 1e-12))
@@ -102,7 +105,7 @@ def main():
     for c in over if n_files else ():
         print(f"\n{c} / llama.cpp mean |Δ|: median {np.median(ratios[c]):.2f}, max {max(ratios[c]):.2f} over "
               f"{n_files} files")
-    for c in CONFIGS if n_files else ():
+    for c in configs if n_files else ():
         print(f"{c}: at or under llama.cpp's |Δ| with top-1 >= llama.cpp's on {within[c]} of {n_files} files")
 
 

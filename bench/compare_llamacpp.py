@@ -141,8 +141,8 @@ def main():
     args = ap.parse_args()
     plain = args.llama_plain or cpu_reports_amx()
     widths = [0] if args.exact else [int(b) for b in args.act_bits.split(",")] if args.act_bits else [None]
-    if any(b not in (0, 8, 16, None) for b in widths):
-        raise SystemExit(f"compare_llamacpp: --act-bits takes 8 and/or 16, got {args.act_bits}")
+    if any(b not in (0, 8, 15, 16, None) for b in widths):
+        raise SystemExit(f"compare_llamacpp: --act-bits takes 8, 15 (two 8-bit planes) and/or 16, got {args.act_bits}")
 
     load_before = os.getloadavg()
     lengths = [int(n) for n in args.prompt_tokens.split(",")]

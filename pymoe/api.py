@@ -44,7 +44,7 @@ class Engine:
         the backend (tests). `admit` ("all" or "second-miss") and `max_inserts` (per layer per step, 0: no cap):
         the slot pool's admission control (experts/policies.Admission). `warm_set` N, `warm_inserts` M: at the end of
         each prompt, copy the experts of its last N tokens into the pool, at most M (0: no cap; policies.WarmSet).
-        `act_bits` (8, 16, 0 or "auto"; None: the backend's default): the CPU backend's activation width
+        `act_bits` (8, 15, 16, 0 or "auto"; None: the backend's default): the CPU backend's activation width
         (quant/qact.py; "auto": 8 bits for the routed experts, 16 for the rest, backends/cpu.py ACT_MODES).
         `devices` ("0,1", or a count): the CUDA backend on several devices, the layers split by ranges, one slot
         pool per device (backends/multi_device.py). `sequences`: how many sequences decode at once (`pymoe serve

@@ -106,12 +106,13 @@ def test_auto_width_is_8_bits_for_the_experts_and_16_for_the_rest():
         CPUBackend(act_bits="7")
 
 
-@pytest.mark.parametrize("act_bits", [0, 16])
+@pytest.mark.parametrize("act_bits", [0, 16, 15])
 def test_cpu_experts_against_the_reference(act_bits):
     """One MoE layer's experts (Q2_K gate/up, Q3_K down; 256 wide so the integer path applies): the CPU backend's
-    fused integer kernel (act_bits 16) and its float kernels one expert at a time (act_bits 0) against the
-    reference's dequantize-and-multiply. Bounds: float kernels, float32 rounding (measured 2e-7 of the output's
-    max); 16-bit activations, tests/test_kernels_qact.py's measured 2.1e-4, here 5e-4 as there."""
+    fused integer kernel (act_bits 16, and 15: two 8-bit planes) and its float kernels one expert at a time
+    (act_bits 0) against the reference's dequantize-and-multiply. Bounds: float kernels, float32 rounding (measured
+    2e-7 of the output's max); 16-bit activations, tests/test_kernels_qact.py's measured 2.1e-4, here 5e-4 as there
+    (two planes: the same measured 2.1e-4 there, the same bound)."""
     D, F, E, K, T = 256, 256, 4, 2, 3
     types = {"gate": QType.Q2_K, "up": QType.Q2_K, "down": QType.Q3_K}
     experts = {e: ExpertBytes(0, e, random_rows(QType.Q2_K, F, D, RNG), random_rows(QType.Q2_K, F, D, RNG),

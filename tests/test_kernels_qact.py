@@ -30,17 +30,29 @@ U = 2.0 ** -24
 
 def act_ref(X, qtype, bits):
     """The NumPy reference of x in the layout a weight of this type takes (qact.act_group)."""
+    if bits == qact.PLANES:
+        return qact.quantize_planes_ref(X, qact.act_group(qtype, bits))
     return qact.quantize_act32_ref(X) if qact.act_group(qtype, bits) == 32 else qact.quantize_act_ref(X, bits)
+
+
+def act_values(X, qtype, bits):
+    """-> (the values the integer path multiplies float32 [T, C], each block's rounding step d float32 [T, nb])."""
+    qs, d, _ = act_ref(X, qtype, bits)
+    if bits == qact.PLANES:
+        return qact.dequantize_planes(qs, d), d[1::2]  # the lo plane's scale: q's step
+    return qact.dequantize_act(qs, d), d
 
 
 def quant_error_bound(w_deq, X, bits, qtype=QType.Q4_K):
     """Max |y_int - y_float| per [T, R] entry from rounding X [T, C]: sum_b d_b / 2 * sum_{i in b} |w_i|. Per-32
-    blocks: q is rounded against the float32 d, the dot multiplies by its fp16 rounding d_b (|d - d_b| <= 2^-11 d_b
-    (1 + 2^-10)), so each value moves by d_b (1/2 + 127 2^-11) at most, times 1 + 2^-10."""
-    _, d, _ = act_ref(X, qtype, bits)  # [T, nb]
+    blocks of 8-bit x: q is rounded against the float32 d, the dot multiplies by its fp16 rounding d_b (|d - d_b| <=
+    2^-11 d_b (1 + 2^-10)), so each value moves by d_b (1/2 + 127 2^-11) at most, times 1 + 2^-10 (two planes: a
+    power-of-two d per 32, exact as per 256)."""
+    _, d = act_values(X, qtype, bits)  # [T, nb]
     R, C = w_deq.shape
     abs_w_blocks = np.abs(w_deq).reshape(R, d.shape[1], -1).sum(-1)  # [R, nb]
-    step = 0.5 * (1 + 2.0 ** -20) if d.shape[1] * 256 == C else (0.5 + 127 * 2.0 ** -11) * (1 + 2.0 ** -10)
+    exact = d.shape[1] * 256 == C or bits == qact.PLANES
+    step = 0.5 * (1 + 2.0 ** -20) if exact else (0.5 + 127 * 2.0 ** -11) * (1 + 2.0 ** -10)
     return step * d @ abs_w_blocks.T  # [T, R]
 
 
@@ -71,6 +83,31 @@ def test_quantize_act_matches_reference(bits):
     # x * iscale and 1 / iscale are each rounded once, |q| <= 127: at most 2 * 127 * 2^-24 of d more
     slack = 1e-6 if bits == 16 else 2 * 127 * 2.0 ** -24
     assert (err <= d[:, :, None] * (0.5 + slack)).all()
+
+
+@pytest.mark.parametrize("group", [256, 32])
+def test_two_planes_match_reference_and_hold_q(group):
+    """x as two int8 planes (qact.quantize_planes_ref): the Numba quantizer's bits; hi and lo within -127..127 (the
+    8-bit dots' range); 255 d hi + d lo = d q within d / 2 of x (d a power of two: exact, no float slack); q reaches
+    +-32512 at a block's max (the top of the range is used)."""
+    rng = np.random.default_rng(1)
+    X = rng.standard_normal((4, 768)).astype(np.float32) * np.float32(3)
+    X[1, 256:512] = 0  # an all-zero block: d = 2^-100, q = 0
+    X[2, 5] = 1e4  # one large value: the rest of its block rounds to 0
+    # max|x| just under 32512 d, d = 2^-7 (at exactly 32512 d the power of two above the ratio is 2 d)
+    X[3, :group] = np.linspace(-1, 1, group, dtype=np.float32) * np.float32(32512 * 2.0 ** -7 * (1 - 2.0 ** -20))
+    ref, got = qact.quantize_planes_ref(X, group), qact.quantize_rows(X, qact.PLANES, group)
+    for a, b in zip(ref, got):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    qs, d, bsums = ref
+    assert qs.shape == (8, 768) and d.shape == (8, 768 // group) and bsums.shape == (8, 768 // 16)
+    assert np.abs(qs.astype(int)).max() <= 127
+    assert np.array_equal(d[0::2], d[1::2] * np.float32(qact.PLANE_BASE))  # hi's scale is 255 times lo's
+    q = qact.PLANE_BASE * qs[0::2].astype(int) + qs[1::2].astype(int)  # [T, C]
+    assert np.abs(q).max() == qact.PLANE_QMAX and q[3, 0] == -qact.PLANE_QMAX
+    step = np.repeat(d[1::2], group, axis=1)  # [T, C] each value's d
+    assert (np.abs(qact.dequantize_planes(qs, d) - X) <= step / 2).all()
+    assert np.array_equal(bsums, qs.reshape(8, -1, 16).astype(np.int32).sum(-1))
 
 
 def test_8bit_activations_are_llama_cpps_q8_k_blocks():
@@ -134,7 +171,7 @@ def test_8bit_activations_per_32_are_llama_cpps_q8_0_blocks():
     assert all(qact.act_group(q, 16) == 256 for q in qact.ACT_DOTS)
 
 
-@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("bits", [16, 8, qact.PLANES])
 @pytest.mark.parametrize("qtype", INT_TYPES, ids=IDS)
 def test_int_matvec_and_matmul(qtype, bits):
     rng = np.random.default_rng(2)
@@ -147,9 +184,8 @@ def test_int_matvec_and_matmul(qtype, bits):
                 X = rng.standard_normal((T, cols)).astype(np.float32)  # [T, C]
                 Y = kernels.matmul_act(w, qtype, X, bits)  # [T, R]
                 assert Y.shape == (T, rows) and Y.dtype == np.float32
-                qs, d, _ = act_ref(X, qtype, bits)
+                Xq, d = act_values(X, qtype, bits)  # the activations the integer path multiplies
                 assert d.shape[1] * qact.act_group(qtype, bits) == cols
-                Xq = qact.dequantize_act(qs, d)  # the activations the integer path multiplies
                 assert (np.abs(Y - Xq @ w_deq.T) <= float_bound(w_deq, Xq) + 1e-30).all()
                 bound = quant_error_bound(w_deq, X, bits, qtype) + float_bound(w_deq, X) + float_bound(w_deq, Xq)
                 assert (np.abs(Y - X @ w_deq.T) <= bound).all()
@@ -165,8 +201,10 @@ def _expert_ffn_ref(ex, qtypes, x):
 
 @pytest.mark.parametrize("bits, qtypes", [(16, (QType.Q2_K, QType.Q2_K, QType.Q3_K)),
                                           (8, (QType.Q2_K, QType.Q2_K, QType.Q3_K)),
-                                          (8, (QType.Q2_0, QType.Q2_0, QType.MXFP4))],
-                         ids=["16-Q2_K", "8-Q2_K", "8-Q2_0-MXFP4"])
+                                          (8, (QType.Q2_0, QType.Q2_0, QType.MXFP4)),
+                                          (qact.PLANES, (QType.Q2_K, QType.Q2_K, QType.Q3_K)),
+                                          (qact.PLANES, (QType.Q2_0, QType.Q2_0, QType.MXFP4))],
+                         ids=["16-Q2_K", "8-Q2_K", "8-Q2_0-MXFP4", "15-Q2_K", "15-Q2_0-MXFP4"])
 def test_fused_moe_kernel_against_per_expert_reference(bits, qtypes):
     """moe_act (all experts, all tokens, one call) = sum of w * expert(x), with x and h rounded to `bits` (Q2_0 and
     MXFP4 at 8 bits: per 32 values, qact.act_group, the kernel's x and h blocks)."""
@@ -193,7 +231,8 @@ def test_fused_moe_kernel_against_per_expert_reference(bits, qtypes):
     # 1.5e-2 at 8 bits and 2.1e-4 at 16 bits; bounds 2.5x those (the 2^8 ratio of the step sizes does not carry over
     # whole: h's rounding is relative to each block's max, and the sums average part of it out). Measured again
     # 2026-12-06 with llama.cpp's 8-bit scales: 2.6e-2 (Q2_K, per 256 values), 9.4e-3 (Q2_0 + MXFP4, per 32: each
-    # block rounds against a nearer max).
+    # block rounds against a nearer max). Two planes (15 bits, 2026-12-06): 2.1e-4 (Q2_K) and 7.0e-5 (Q2_0 + MXFP4),
+    # held to the 16-bit bound (their q is 16 bits' wherever max|x| / 32512 and max|x| / 32767 share a power of two).
     rel = np.abs(y - ref).max() / np.abs(ref).max()
     assert rel < (0.04 if bits == 8 else 5e-4), rel
     # One token alone (decode) gets exactly its row of the batched result (prefill).

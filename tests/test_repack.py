@@ -107,6 +107,27 @@ def test_three_matrix_decode_call_has_the_bits_of_three_calls(types):
         assert np.array_equal(y, repack.tile_matmul(t, q, xq, xd, xbs))
 
 
+@pytest.mark.parametrize("types", [(QType.Q4_K, QType.Q4_K, QType.Q6_K), (QType.Q2_K, QType.Q3_K, QType.Q5_K),
+                                   (QType.Q8_0, QType.MXFP4, QType.Q8_0), (QType.IQ4_XS, QType.IQ4_XS, QType.IQ4_XS)],
+                         ids=lambda t: "-".join(q.name for q in t))
+def test_two_plane_decode_calls_have_the_bits_of_one_token_calls(types):
+    """A token's two planes (qact.quantize_planes_ref: xq int8 [2, C]) through the two-row tile dot (repack.TILE_DOTS2:
+    tile_matmul's last two rows, tile_matvec3's q, k, v) give, row by row, the one-token call's bits on each plane."""
+    rng = np.random.default_rng(5)
+    C = 512
+    raws = [random_rows(q, R, C, rng) for q, R in zip(types, (72, 48, 40))]
+    tiles = [repack.repack(r, q) for r, q in zip(raws, types)]
+    xq, xd, xbs = qact.quantize_for(rng.standard_normal((1, C)).astype(np.float32), types[0], qact.PLANES)  # [2, C]
+    assert xq.shape == (2, C) and xq.dtype == np.int8
+    alone = [np.concatenate([repack.tile_matmul(t, q, xq[i:i + 1], xd[i:i + 1], xbs[i:i + 1]) for i in range(2)])
+             for t, q in zip(tiles, types)]  # [2, R] one one-token call per plane
+    for y, want, t, q, raw in zip(repack.tile_matvec3(tiles, types, xq, xd, xbs), alone, tiles, types, raws):
+        assert np.array_equal(y, want)
+        assert np.array_equal(repack.tile_matmul(t, q, xq, xd, xbs), want)
+        assert np.array_equal(kernels.matmul_act(raw, q, np.zeros((1, C), np.float32), qact.PLANES, xact=(xq, xd, xbs)),
+                              want[:1] + want[1:])  # the raw rows' product: the planes' sum
+
+
 def _extreme_rows(qtype) -> np.ndarray:
     """8 rows of 256 weights at the largest integer magnitude of the format: every quant bit set (Q2_K q = 3, Q3_K
     q' = 7, Q4_K q = 15, Q5_K q = 31, Q6_K q' = 63) with the largest scales (and mins); MXFP4 level 12 in rows 0-3
@@ -400,9 +421,10 @@ def test_fused_moe_kernel_reads_the_tiles_with_the_same_bits(types):
             return kernels.moe_act_grouped(experts, types, x, start, tok, weight, bits,
                                            None if tiles is None else [_addresses(m) for m in tiles])
 
-        plain = run(None)
-        assert np.array_equal(run(mats), plain)
-        assert not np.array_equal(run(zeroed), plain)
+        for bits in (8, qact.PLANES):  # 8-bit x, and x as two 8-bit planes (the same compiled kernel)
+            plain = run(None, bits)
+            assert np.array_equal(run(mats, bits), plain)
+            assert not np.array_equal(run(zeroed, bits), plain)
         if types[2] == QType.Q4_0:  # at 16 bits the copies are not read (their dots are 8-bit only): the same
             assert np.array_equal(run(zeroed, 16), run(None, 16))  # result with zeroed ones (one triple: compile time)
 
@@ -427,15 +449,16 @@ def llama_quantized(tiny_model, tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("ftype", ["Q4_K_M", "MXFP4_MOE", "Q2_K", "IQ4_XS", "Q5_K_M", "Q8_0"])
-def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, ftype):
-    """The whole model at 8 bits: prefill, then greedy decode with the repacked copies (dense and experts) against
-    the same without, logits bit for bit; the copies were made and used."""
+@pytest.mark.parametrize("ftype, bits", [("Q4_K_M", 8), ("MXFP4_MOE", 8), ("Q2_K", 8), ("IQ4_XS", 8), ("Q5_K_M", 8),
+                                         ("Q8_0", 8), ("Q4_K_M", 15), ("MXFP4_MOE", 15)])
+def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, ftype, bits):
+    """The whole model at 8 bits (and as two 8-bit planes, 15): prefill, then greedy decode with the repacked copies
+    (dense and experts) against the same without, logits bit for bit; the copies were made and used."""
     path = llama_quantized(ftype)
     prompt = [5, 17, 42, 7, 99, 3, 250, 11]
     runs = {}
     for rp in (True, False):
-        eng = pymoe.load(path, backend_options={"act_bits": 8, "repack": rp})
+        eng = pymoe.load(path, backend_options={"act_bits": bits, "repack": rp})
         m = eng.model
         kv = m.new_kv(64)
         logits = [m.prefill(prompt, kv)[-1]]
@@ -454,7 +477,7 @@ def test_decode_with_repacking_has_the_bits_of_decode_without(llama_quantized, f
 
 
 def test_repacking_is_off_at_16_bits_and_by_request(monkeypatch):
-    assert CPUBackend(act_bits=8).repack and not CPUBackend(act_bits=16).repack
+    assert CPUBackend(act_bits=8).repack and CPUBackend(act_bits=15).repack and not CPUBackend(act_bits=16).repack
     assert not CPUBackend(act_bits=8, repack=False).repack
     monkeypatch.setenv("PYMOE_REPACK", "0")
     assert not CPUBackend(act_bits=8).repack
@@ -481,14 +504,14 @@ def test_decode_one_task_per_expert_has_the_bits_of_the_row_tasks():
         x = rng.standard_normal((1, D)).astype(np.float32)
         start, tok = np.arange(S + 1, dtype=np.int64), np.zeros(S, np.int64)
         weight = rng.uniform(0.1, 1, S).astype(np.float32)
-        for threads in (1, 2, 4):
+        for threads, bits in ((1, 8), (2, 8), (4, 8), (1, qact.PLANES), (2, qact.PLANES)):  # (15: two planes)
             got = {}
             for name, fn in (("rows", rows_form), ("experts", by_expert)):
                 saved = kernels._ACT_KERNELS.get(("_moe_kernel",) + types)
                 kernels._ACT_KERNELS[("_moe_kernel",) + types] = fn
                 try:
-                    got[name] = kernels.moe_act_table(addr, types, F, x, start, tok, weight, 8, threads)
+                    got[name] = kernels.moe_act_table(addr, types, F, x, start, tok, weight, bits, threads)
                 finally:
                     kernels._ACT_KERNELS[("_moe_kernel",) + types] = saved
-            assert np.array_equal(got["rows"], got["experts"]), (S, threads)
+            assert np.array_equal(got["rows"], got["experts"]), (S, threads, bits)
             assert np.abs(got["rows"]).max() > 0

@@ -5,7 +5,8 @@ quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weigh
 the memory map) through `f32_matmul` (bits independent of T). Small float vectors (norms, biases, the shared-expert
 gate) are read once as float32.
 Two paths for quantized weights, chosen once by `act_bits`:
-  - integer (act_bits 16, the default, 8 = llama.cpp's, or "auto": 8 for the routed experts, 16 for the rest,
+  - integer (act_bits 16, the default, 8 = llama.cpp's, 15 = two 8-bit planes (qact.quantize_planes_ref: 16-bit
+    accuracy through the 8-bit dots and tiles), or "auto": 8 for the routed experts, 16 for the rest,
     `ACT_MODES`; PYMOE_ACT_BITS=8): weights of a type in `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0,
     Q2_0; rows of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values (at 8
     bits per 32 for the formats llama.cpp pairs with block_q8_0: `qact.act_group`) and each block is dotted in
@@ -14,7 +15,7 @@ Two paths for quantized weights, chosen once by `act_bits`:
   - float (act_bits 0; every other type always): the float kernels decode a block to float32 and dot it with
     float x; the experts run one at a time. The CUDA backend computes its "cpu" misses this way (float math, as
     its kernels do).
-Repacked weights (the products at 8 bits): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
+Repacked weights (the products at 8 bits and at 15, two 8-bit planes): Q2_K..Q6_K, Q8_0, MXFP4 and IQ4_XS matrices are also kept 8 rows interleaved
 (quant/repack.py); every product then reads 8 rows per call (one token, or a prefill chunk's tokens 4 at a time)
 with the same bits: the dense weights repacked at load (`dense`), a routed expert the first time it runs
 (`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read). The copies are
@@ -49,20 +50,20 @@ from pymoe.quant import kernels, qact, repack
 from pymoe.quant.kernels import dot, exp_f32
 from pymoe.quant.qact import QK_K, has_int_dot, prefetch_line
 
-# --act-bits -> (the dense products' activation width, the routed experts'): 16 and 8 all at one width, 0 float
+# --act-bits -> (the dense products' activation width, the routed experts'): 16, 15 and 8 all at one width, 0 float
 # kernels only; "auto" 8-bit x for the routed experts (the bulk of a token's weights), 16-bit for the rest
 # (attention, shared expert, output head: docs/performance.md "Accuracy")
-ACT_MODES = {"16": (16, 16), "8": (8, 8), "0": (0, 0), "auto": (16, 8)}
+ACT_MODES = {"16": (16, 16), "8": (8, 8), "15": (15, 15), "0": (0, 0), "auto": (16, 8)}
 DEFAULT_ACT_BITS = "16"
 HEAD_NAMES = ("output.weight", "token_embd.weight")  # the output head's tensor (token_embd: a tied head)
 
 
 def act_mode(act_bits) -> tuple:
-    """--act-bits (8, 16, 0, "auto"; None: PYMOE_ACT_BITS, else DEFAULT_ACT_BITS) -> (its name, 8 / 16 / 0 / "auto",
+    """--act-bits (8, 15, 16, 0, "auto"; None: PYMOE_ACT_BITS, else DEFAULT_ACT_BITS) -> (its name, 8 / 15 / 16 / 0 / "auto",
     dense bits, expert bits)."""
     key = str(act_bits if act_bits is not None else os.environ.get("PYMOE_ACT_BITS", DEFAULT_ACT_BITS))
     if key not in ACT_MODES:
-        raise ValueError(f"act_bits must be 0 (float), 8, 16 or auto, got {key}")
+        raise ValueError(f"act_bits must be 0 (float), 8, 15, 16 or auto, got {key}")
     return (key if key == "auto" else int(key)), *ACT_MODES[key]
 
 
@@ -370,7 +371,8 @@ class CPUBackend(HostArrays):
 
     def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None,
                  head_bits: Optional[int] = None):
-        """act_bits: 16 (default) or 8: the integer path's activations (quant/qact.py); 0: float kernels only;
+        """act_bits: 16 (default), 8 or 15 (two 8-bit planes): the integer path's activations (quant/qact.py); 0:
+        float kernels only;
         "auto": 8 bits for the routed experts, 16 for the dense products (ACT_MODES). head_bits: the output
         head's own width (default: the dense products'; bench/act_accuracy.py measures what it costs).
         repack: keep 8-row repacked copies of the weights that have a layout (quant/repack.py) for the products
@@ -382,8 +384,8 @@ class CPUBackend(HostArrays):
         self._team = {}  # calling thread's ident -> the team size set there (Numba's count is per calling thread)
         self.act_bits, self.dense_bits, self.expert_bits = act_mode(act_bits)  # (see ACT_MODES)
         self.head_bits = None if head_bits is None else int(head_bits)
-        self.repack = 8 in (self.dense_bits, self.expert_bits, self.head_bits) and (os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None
-                                              else bool(repack))
+        self.repack = bool({8, qact.PLANES} & {self.dense_bits, self.expert_bits, self.head_bits}) and (
+            os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None else bool(repack))
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
         self._eps = {}  # rmsnorm's eps -> np.float32(eps)
@@ -460,7 +462,7 @@ class CPUBackend(HostArrays):
         if self.head_bits is not None and t.name in HEAD_NAMES:
             w = replace(w, bits=self.head_bits)
         bits = self.dense_bits if w.bits is None else w.bits
-        if self.repack and bits == 8 and repack.fits(w.qtype, *w.shape):
+        if self.repack and bits in (8, qact.PLANES) and repack.fits(w.qtype, *w.shape):
             w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token
             # products (decode)
         elif self.repack and self._arena.enabled:
@@ -487,7 +489,7 @@ class CPUBackend(HostArrays):
             return None
         if not host:
             return (*raw, *NO_TILES)
-        fits = [self.repack and self.expert_bits == 8 and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
+        fits = [self.repack and self.expert_bits in (8, qact.PLANES) and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
                 for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]
         mats = [repack.repack(m, q, self._arena.empty) if f else None
                 for q, m, f in zip(qtypes, (ex.gate, ex.up, ex.down), fits)]  # [rows / 8, row_tiles] or None
@@ -500,9 +502,11 @@ class CPUBackend(HostArrays):
 
     def linear(self, w: DenseWeight, x: np.ndarray) -> np.ndarray:
         """x float32 [T, C] -> [T, R]."""
-        if w.tiles is not None:  # repacked: x quantized to 8 bits, the bits of matmul_act on the raw rows
-            return repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_for(np.ascontiguousarray(x, np.float32),
-                                                                             w.qtype, 8))
+        if w.tiles is not None:  # repacked: x quantized to 8 bits (or two planes), the bits of matmul_act on the raw
+            bits = self.dense_bits if w.bits is None else w.bits  # rows
+            y = repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_for(np.ascontiguousarray(x, np.float32), w.qtype,
+                                                                          bits))
+            return qact.sum_planes(y) if bits == qact.PLANES else y
         return self.linear_raw(w.raw, w.qtype, x, w.bits)
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
@@ -560,8 +564,9 @@ class CPUBackend(HostArrays):
         groups = {qact.act_group(w.qtype, self.dense_bits) for w in ws}  # x's layout for each (qact.act_group)
         if (x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None for w in ws)
                 and len(groups) == 1):  # decode's q, k, v repacked: one quantization, one call for the three
-            xact = qact.quantize_rows(x, 8, groups.pop())
-            return repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
+            xact = qact.quantize_rows(x, self.dense_bits, groups.pop())  # 8 bits, or two planes
+            ys = repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
+            return [qact.sum_planes(y) for y in ys] if self.dense_bits == qact.PLANES else ys
         xacts = {}  # values per scale -> x quantized so, once for every weight that takes it
         out = []
         for w in ws:
@@ -572,7 +577,8 @@ class CPUBackend(HostArrays):
                     xact = xacts[group] = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32),
                                                              self.dense_bits, group)
                 if w.tiles is not None:
-                    out.append(repack.tile_matmul(w.tiles, w.qtype, *xact))
+                    y = repack.tile_matmul(w.tiles, w.qtype, *xact)
+                    out.append(qact.sum_planes(y) if self.dense_bits == qact.PLANES else y)
                     continue
                 out.append(kernels.matmul_act(w.raw, w.qtype, x, self.dense_bits, xact=xact))
             else:

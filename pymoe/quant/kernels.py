@@ -218,13 +218,14 @@ from numba import carray, types as nbtypes  # noqa: E402
 from numba.extending import intrinsic  # noqa: E402
 
 from . import qact  # noqa: E402  (qact imports the registry filled above)
-from .qact import QK_K, SUB, prefetch_ahead, quantize_act_in  # noqa: E402
+from .qact import PLANE_QMAX, QK_K, SUB, prefetch_ahead, quantize_act_in, quantize_planes  # noqa: E402
 from . import repack  # noqa: E402
 from .repack import MANY as TILE_MANY, ROWS as TILE_ROWS, TOKENS as TILE_TOKENS  # noqa: E402
 
 VEC_DOT = VEC_DOT_GATE = VEC_DOT_UP = VEC_DOT_DOWN = None  # bound per format by _compile
 ROWS_GATE = ROWS_UP = ROWS_DOWN = ROWS = None  # (w_row, xq [n, C], xd, xbs, acc float32 [n, 16], out float32 [n])
 GATE_SIZE = UP_SIZE = DOWN_SIZE = 0  # bytes per 256 weights of the gate, up and down types
+TILE2_GATE = TILE2_UP = TILE2_DOWN = None  # their tile dots of two rows of x (a token's two planes: decode)
 TILE_GATE = TILE_UP = TILE_DOWN = None  # their repacked layouts' tile dots (quant/repack.py; any one for a type
 GATE_TILE = UP_TILE = DOWN_TILE = 0  # without a layout: never called), and bytes per 8 rows and 256 columns
 PAIR_GATE_UP = PAIR_DOWN = False  # whether their many-token tile dots take two row-groups a call (repack.PAIRS)
@@ -348,7 +349,9 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     tile dot reads for all its pairs (TILE_DECODED), again with the bits of the raw rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); hq
-    [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype). y float32
+    [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype; PLANE_QMAX:
+    two int8 planes, each pair two consecutive rows, its hi and its lo plane, whose gate x and up x are added before
+    SwiGLU, and whose down products both add into y with the pair's weight: moe_act_table doubles the pairs). y float32
     [T, D] (accumulated into). Decode (T = 1, every matrix repacked, the experts a multiple of the threads:
     BY_EXPERT): one parallel phase, a task per expert (its gate, up, SwiGLU and down, one stream of its bytes), the
     experts' outputs then added into y in order. Otherwise two parallel phases (three in prefill): quantize x per
@@ -391,6 +394,17 @@ def _moe_quantize_x(x, D, tok, xq, xd, xbs, qmax):
     # quantizing, one more region). The same function on the same row: the same bits either way.
     T, P = x.shape[0], tok.shape[0]
     group = D // xd.shape[1]  # values per scale of x: 256, or 32 (qact.act_group of the gate and up type)
+    if qmax == PLANE_QMAX:  # two planes (qact.quantize_planes_ref): pair rows 2 i (hi) and 2 i + 1 (lo) of one pair
+        if T == 1:
+            quantize_planes(x[0], xq[0:2], xd[0:2], xbs[0:2], group)
+            for p in range(2, P):
+                xq[p] = xq[p % 2]
+                xd[p] = xd[p % 2]
+                xbs[p] = xbs[p % 2]
+        else:
+            for p in prange(P // 2):
+                quantize_planes(x[tok[2 * p]], xq[2 * p:2 * p + 2], xd[2 * p:2 * p + 2], xbs[2 * p:2 * p + 2], group)
+        return
     if T == 1:  # decode: the one row quantized once, here, and copied to its K pairs (a parallel region to quantize
         # K copies of one row cost ~3 us of launch a layer)
         quantize_act_in(x[0], xq[0], xd[0], xbs[0], qmax, group)
@@ -419,30 +433,58 @@ def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
     its own row of `o`; the experts' outputs then added into y[0] in expert order, with their routing weights."""
     n_exp = tiles.shape[0]
     hg = F // hd.shape[1]  # values per scale of h: 256, or 32 (qact.act_group of the down type)
-    o = np.empty((n_exp, D), dtype=np.float32)  # [S, D] each expert's down(h), before its routing weight
+    planes = qmax == PLANE_QMAX  # two planes: the expert's pair is rows a (hi) and a + 1 (lo), each dotted alone
+    o = np.empty((2 * n_exp, D), dtype=np.float32)  # [2S, D] each expert's down(h) (per plane), before its weight
     for k in prange(n_exp):
-        a = start[k]  # its one pair
+        a = start[k]  # its one pair (two rows with planes)
         gt = carray(bytes_at(tiles[k, 0]), (F // TILE_ROWS, D // QK_K * GATE_TILE))  # [F / 8, row_tiles(D)]
         ut = carray(bytes_at(tiles[k, 1]), (F // TILE_ROWS, D // QK_K * UP_TILE))
         dt = carray(bytes_at(tiles[k, 2]), (D // TILE_ROWS, F // QK_K * DOWN_TILE))  # [D / 8, row_tiles(F)]
         g = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # [rows] one block of gate x, up x, h
         u = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
         hb = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
+        g2 = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # the lo plane's gate x, up x
+        u2 = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
+        o2 = np.empty((2, TILE_ROWS), dtype=np.float32)  # a two-plane call's results: [hi, lo] x 8 rows
         for r0 in range(0, F, MOE_ROWS_PER_TASK):
             for q in range(r0 // TILE_ROWS, (r0 + MOE_ROWS_PER_TASK) // TILE_ROWS):
                 c = q * TILE_ROWS - r0
-                TILE_GATE(gt[q], xq[a], xd[a], xbs[a], g[c:c + TILE_ROWS])
-                TILE_UP(ut[q], xq[a], xd[a], xbs[a], u[c:c + TILE_ROWS])
+                if planes:  # both planes in one call: the tile unpacked once (the bits of two one-token calls)
+                    TILE2_GATE(gt[q], xq[a:a + 2], xd[a:a + 2], xbs[a:a + 2], o2)
+                    g[c:c + TILE_ROWS] = o2[0]
+                    g2[c:c + TILE_ROWS] = o2[1]
+                    TILE2_UP(ut[q], xq[a:a + 2], xd[a:a + 2], xbs[a:a + 2], o2)
+                    u[c:c + TILE_ROWS] = o2[0]
+                    u2[c:c + TILE_ROWS] = o2[1]
+                else:
+                    TILE_GATE(gt[q], xq[a], xd[a], xbs[a], g[c:c + TILE_ROWS])
+                    TILE_UP(ut[q], xq[a], xd[a], xbs[a], u[c:c + TILE_ROWS])
+            if planes:  # hi's plus lo's (as in the gate/up tasks below)
+                for j in range(MOE_ROWS_PER_TASK):
+                    g[j] += g2[j]
+                    u[j] += u2[j]
             for j in range(MOE_ROWS_PER_TASK):  # (as in the gate/up tasks below)
                 hb[j] = g[j] / (np.float32(1.0) + exp_f32(-g[j])) * u[j]
             r1 = r0 + MOE_ROWS_PER_TASK
-            quantize_act_in(hb, hq[a, r0:r1], hd[a, r0 // hg:r1 // hg], hbs[a, r0 // SUB:r1 // SUB], qmax, hg)
+            if planes:
+                quantize_planes(hb, hq[a:a + 2, r0:r1], hd[a:a + 2, r0 // hg:r1 // hg], hbs[a:a + 2, r0 // SUB:r1 // SUB],
+                                hg)
+            else:
+                quantize_act_in(hb, hq[a, r0:r1], hd[a, r0 // hg:r1 // hg], hbs[a, r0 // SUB:r1 // SUB], qmax, hg)
         for q in range(D // TILE_ROWS):
-            TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
-    for k in range(n_exp):  # y += weight * o[k], expert by expert (the down tasks' order)
+            if planes:
+                TILE2_DOWN(dt[q], hq[a:a + 2], hd[a:a + 2], hbs[a:a + 2], o2)
+                o[2 * k, q * TILE_ROWS:(q + 1) * TILE_ROWS] = o2[0]
+                o[2 * k + 1, q * TILE_ROWS:(q + 1) * TILE_ROWS] = o2[1]
+            else:
+                TILE_DOWN(dt[q], hq[a], hd[a], hbs[a], o[2 * k, q * TILE_ROWS:(q + 1) * TILE_ROWS])
+    for k in range(n_exp):  # y += weight * o[k], expert by expert, plane by plane (the down tasks' order)
         wk = weight[start[k]]
         for r in range(D):
-            y[0, r] += wk * o[k, r]
+            y[0, r] += wk * o[2 * k, r]
+        if planes:
+            for r in range(D):
+                y[0, r] += wk * o[2 * k + 1, r]
 
 
 def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead):
@@ -451,6 +493,7 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
     then silu(gate x) * up x quantized into its block of hq, hd, hbs."""
     n_exp = addr.shape[0]
     hg = F // hd.shape[1]  # values per scale of h: 256, or 32 (qact.act_group of the down type)
+    planes = qmax == PLANE_QMAX  # two planes: a pair is two rows of xq and hq (qact.quantize_planes_ref)
     gate_bytes = D // QK_K * GATE_SIZE
     up_bytes = D // QK_K * UP_SIZE
     blocks_f = F // MOE_ROWS_PER_TASK  # (F: whole 256-blocks, or no integer path: qact.has_int_dot)
@@ -462,7 +505,7 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
         r0 = (task % blocks_f) * MOE_ROWS_PER_TASK
         r1 = r0 + MOE_ROWS_PER_TASK
         repacked = tiles[k, 0] != 0 and tiles[k, 1] != 0  # both repacked: 8 rows a call
-        decoded = not repacked and DECODED_GATE_UP and qmax == 127 and b - a >= DECODE_MIN_TOKENS  # 8-bit x: IQ
+        decoded = not repacked and DECODED_GATE_UP and xq.itemsize == 1 and b - a >= DECODE_MIN_TOKENS  # 8-bit x: IQ
         # rows decoded 16 at a time
         # The expert's pairs in chunks: TILE_TOKENS at a time over repacked tiles (the task's tiles stay in L2 from one
         # chunk to the next, the chunk's activations and its rows of g and u in L2 too), all at once otherwise
@@ -555,6 +598,15 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
                     else:
                         ROWS_GATE(gate[r], xq[a:b], xd[a:b], xbs[a:b], acc, g[:, r - r0])
                         ROWS_UP(up[r], xq[a:b], xd[a:b], xbs[a:b], acc, u[:, r - r0])
+            if planes:  # a pair's two rows (hi, lo) of g and u added, then h quantized into its two planes
+                for i in range(c0, c1, 2):
+                    gh, gl, uh, ul = g[i - c0], g[i - c0 + 1], u[i - c0], u[i - c0 + 1]
+                    for j in range(MOE_ROWS_PER_TASK):
+                        gj = gh[j] + gl[j]
+                        hb[j] = gj / (np.float32(1.0) + exp_f32(-gj)) * (uh[j] + ul[j])
+                    quantize_planes(hb, hq[a + i:a + i + 2, r0:r1], hd[a + i:a + i + 2, r0 // hg:r1 // hg],
+                                    hbs[a + i:a + i + 2, r0 // SUB:r1 // SUB], hg)
+                continue
             for i in range(c0, c1):  # silu(g) * u, a vector loop over the rows (exp_f32: no libm call per value)
                 gi, ui = g[i - c0], u[i - c0]
                 for j in range(MOE_ROWS_PER_TASK):
@@ -621,7 +673,7 @@ def _moe_down(addr, tiles, F, D, start, tok, weight, hq, hd, hbs, qmax, y, threa
                                     y[tok[a + m], q * TILE_ROWS + j] += weight[a + m] * out8[j]
                         r += n_rg * TILE_ROWS
                 continue
-            if DECODED_DOWN and qmax == 127 and b - a >= DECODE_MIN_TOKENS and D % TILE_ROWS == 0:  # (as above)
+            if DECODED_DOWN and hq.itemsize == 1 and b - a >= DECODE_MIN_TOKENS and D % TILE_ROWS == 0:  # (as above)
                 r = r0
                 while r < r1:
                     n_rg = 2 if PAIR_DECODED and r + 2 * TILE_ROWS <= r1 else 1
@@ -776,12 +828,14 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     rows = [rows_dot(q) for q in qtypes]
     sizes = [get_format(q).row_bytes(QK_K) for q in qtypes]  # bytes per 256 weights
     tiles = [tile_dots.get(q, _never_tile_dot) for q in qtypes]
+    tiles2 = [repack.TILE_DOTS2_STREAM.get(q, _never_tile_dot) for q in qtypes]
     tile_bytes = [repack.TILE_BYTES.get(q, 0) for q in qtypes]
     decoders = [qact.ROW_DECODES.get(q, _never_row_decode) for q in qtypes]
     any_decoded = any(q in qact.ROW_DECODES for q in qtypes)
     return dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
                 ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
-                TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], GATE_TILE=tile_bytes[0],
+                TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], TILE2_GATE=tiles2[0], TILE2_UP=tiles2[1],
+                TILE2_DOWN=tiles2[2], GATE_TILE=tile_bytes[0],
                 UP_TILE=tile_bytes[1], DOWN_TILE=tile_bytes[2],
                 PAIR_GATE_UP=qtypes[0] in repack.PAIRS and qtypes[1] in repack.PAIRS,
                 PAIR_DOWN=qtypes[2] in repack.PAIRS,
@@ -795,7 +849,8 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
 
 def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=None) -> np.ndarray:
     """Y = X W^T by the integer path: w_raw uint8 [R, row_bytes] of a K type, X float32 [T, C] -> float32 [T, R],
-    X quantized to `bits` (16 or 8) per 256 values, or per 32 (8 bits, `qact.act_group`). T = 1 runs the mat-vec
+    X quantized to `bits` (16 or 8) per 256 values, or per 32 (8 bits, `qact.act_group`); bits 15 (qact.PLANES):
+    two 8-bit planes per token, run as 2T rows of 8-bit x and added (qact.sum_planes). T = 1 runs the mat-vec
     kernel. xact: X already quantized (`qact.quantize_for(X, qtype, bits)`), to share one quantization between
     matrices that multiply the same X."""
     fmt = get_format(qtype)
@@ -809,14 +864,21 @@ def matmul_act(w_raw: np.ndarray, qtype, X: np.ndarray, bits: int = 16, xact=Non
     if xd.shape[1] * qact.act_group(fmt.qtype, xq.dtype.itemsize * 8) != X.shape[1]:
         raise ValueError(f"matmul_act: {fmt.name} takes x with a scale per {qact.act_group(fmt.qtype, bits)} values, "
                          f"got xd of shape {xd.shape}")
-    if (xq.dtype == np.int8 and X.shape[0] >= DECODE_MIN_TOKENS and _DECODE and fmt.qtype in qact.ROW_DECODES
+    if bits == qact.PLANES:  # 2T rows of 8-bit x, token t's planes at 2t, 2t + 1: the 8-bit product, then their sum
+        return qact.sum_planes(_matmul_act8(w, fmt.qtype, xq, xd, xbs))
+    return _matmul_act8(w, fmt.qtype, xq, xd, xbs)
+
+
+def _matmul_act8(w: np.ndarray, qtype, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> np.ndarray:
+    """matmul_act's kernels: w uint8 [R, row_bytes], x quantized (xq [T, C] int8 or int16) -> float32 [T, R]."""
+    if (xq.dtype == np.int8 and xq.shape[0] >= DECODE_MIN_TOKENS and _DECODE and qtype in qact.ROW_DECODES
             and w.shape[0] % TILE_ROWS == 0):  # IQ1-IQ3 in prefill: the matrix decoded, then tiles: the same bits
-        return repack.decoded_matmul(w, fmt.qtype, xq, xd, xbs)
-    Y = np.empty((X.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
-    if X.shape[0] == 1:
-        act_kernel(_matvec_act_kernel, fmt.qtype)(w, xq[0], xd[0], xbs[0], Y[0])
+        return repack.decoded_matmul(w, qtype, xq, xd, xbs)
+    Y = np.empty((xq.shape[0], w.shape[0]), dtype=np.float32)  # [T, R]
+    if xq.shape[0] == 1:
+        act_kernel(_matvec_act_kernel, qtype)(w, xq[0], xd[0], xbs[0], Y[0])
     else:
-        act_kernel(_matmul_act_kernel, fmt.qtype)(w, xq, xd, xbs, Y)
+        act_kernel(_matmul_act_kernel, qtype)(w, xq, xd, xbs, Y)
     return Y
 
 
@@ -855,7 +917,7 @@ def moe_act_grouped(experts: list, qtypes, x: np.ndarray, start: np.ndarray, tok
                                  f"F={F}")
             keep.append((gate, up, down))
             table[i, :3] = [m.ctypes.data for m in (gate, up, down)]
-    if tiles is not None and bits == 8:  # 0: no repacked copy
+    if tiles is not None and qact.ACT_DTYPES[bits] == np.int8:  # 8 bits or two 8-bit planes; 0: no repacked copy
         table[:, 3:] = tiles
     return moe_act_table(table, qtypes, F, x, start, tok, weight, bits)
 
@@ -880,6 +942,9 @@ def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.nda
     down rows are split (0: asked of Numba, ~1 us of interpreter and a lock each time; any value gives the same
     bits)."""
     T, D = x.shape
+    if bits == qact.PLANES:  # each pair twice, its hi and its lo plane (rows 2 i, 2 i + 1): the down phase adds
+        # weight * down h for both, the gate/up phase adds their g and u before SwiGLU
+        start, tok, weight = 2 * start, np.repeat(tok, 2), np.repeat(weight, 2)
     P = tok.shape[0]
     dtype = qact.ACT_DTYPES[bits]
     xg, hg = moe_groups(qtypes, bits)
@@ -891,6 +956,7 @@ def moe_act_table(addr: np.ndarray, qtypes, F: int, x: np.ndarray, start: np.nda
     hbs = np.empty((P, F // qact.SUB), dtype=np.int32)
     y = np.zeros((T, D), dtype=np.float32)  # [T, D]
     act_kernel(_moe_kernel, *qtypes)(addr, F, D, start, tok, weight, np.ascontiguousarray(x, dtype=np.float32), xq, xd,
-                                     xbs, hq, hd, hbs, qact.qmax_of(xq.dtype), y, threads or get_num_threads(),
+                                     xbs, hq, hd, hbs, qact.PLANE_QMAX if bits == qact.PLANES else qact.qmax_of(dtype),
+                                     y, threads or get_num_threads(),
                                      PREFETCH_AHEAD)
     return y

@@ -19,6 +19,12 @@ in integer arithmetic; floats appear only once per block (the block's scales). T
         d     float32 [C / 32]      fp16(max|x| / 127) as float32, q = roundf(x / (max|x| / 127))
      (qs and bsums as above). `act_group(qtype, bits)` says which; the row dots of those formats multiply each
      group's weight scale by its own d of x (`_GroupScaleCode.times_dx`).
+     Two planes (act_bits PLANES = 15, `quantize_planes_ref`, twin `quantize_planes`): x rounded to q in
+     -32512..32512 against a power-of-two d per 256 values (per 32 for ACT32_TYPES), written q = 255 hi + lo with
+     hi and lo int8 in -127..127; each plane is an 8-bit activation row (hi with scale 255 d, lo with d, bsums of
+     its own), so every 8-bit dot, tile dot and fused kernel computes dot(w, d q) as the sum of its results on the
+     two planes: 16 bits' accuracy (q is 16 bits' q wherever max|x| / 32512 and max|x| / 32767 round up to the same
+     power of two) with the 8-bit integer path's instructions, tiles and bounds, at two 8-bit dots per weight.
   2. Row dots, the only code in pymoe that writes LLVM IR (Numba widens every integer scalar operation to 64 bits,
      and LLVM then vectorises a loop of small-integer products in 64-bit lanes, or not at all; the IR states the
      narrow lanes explicitly and LLVM emits `vpmaddwd` / `vpmaddubsw` / `vpdpbusd`):
@@ -42,10 +48,13 @@ What this is not: the kernels that loop over rows and tokens (kernels.py), nor t
 reference of `vec_dot(w, act)` is `dequantize(w) @ dequantize_act(act)` (tests/test_kernels_qact.py).
 
 Numerics. Each sub-block sum is an exact integer (a 32-lane sum of products < 2^6 * 2^15 * 32 < 2^31; the sums
-over sub-blocks are int64, or, in row_dot, int32 lanes with the bound stated there). Per block, the float result is
+over sub-blocks are int64, or, in row_dot, int32 lanes with the bound stated there; two planes: each plane is an
+8-bit row, |hi|, |lo| <= 127, so the 8-bit bounds hold for each, and the planes meet only in float32, hi's result
+plus lo's). Per block, the float result is
     d_w * d_x * sum_s sc_s * isum_s  -  dmin_w * d_x * sum_s m_s * bsum_s
 so the integer path differs from the float path only by the rounding of x: |x_i - d q_i| <= d / 2 per value,
-hence |y_int - y_float| <= sum_blocks (d_b / 2) * sum_{i in b} |w_i|, plus float32 rounding (what the tests check).
+hence |y_int - y_float| <= sum_blocks (d_b / 2) * sum_{i in b} |w_i|, plus float32 rounding (what the tests check;
+two planes: d_b the lo plane's d, x - d q exact).
 
 Weight layouts: the diagrams in kquants.py. Shape legend: T rows (tokens), C values, nb = C / 256 blocks.
 """
@@ -67,7 +76,10 @@ from .kquants import Q2_K_SIZE, Q3_K_SIZE, Q4_K_SIZE, Q5_K_SIZE, Q6_K_SIZE, QK_K
 
 
 SUB = 16  # values per bsum: the smallest sub-block of any K-quant
-ACT_DTYPES = {8: np.int8, 16: np.int16}  # activation width (bits) -> dtype of qs
+PLANES = 15  # the activation width carried as two int8 planes (`quantize_planes_ref`): 8-bit dots, 15-bit x
+ACT_DTYPES = {8: np.int8, 16: np.int16, PLANES: np.int8}  # activation width (bits) -> dtype of qs
+PLANE_BASE = 255  # q = PLANE_BASE * hi + lo, hi and lo int8 in -127..127
+PLANE_QMAX = PLANE_BASE * 127 + 127  # 32512: the largest |q| two planes hold (every integer up to it, once)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -132,9 +144,52 @@ QK8_0 = 32  # values per block_q8_0
 
 
 def act_group(qtype, bits: int) -> int:
-    """The values per activation scale that a weight of this type is dotted with: 32 (8-bit x for a Q8_0-paired
-    format, llama.cpp's block_q8_0), else 256 (block_q8_K at 8 bits; every format at 16 bits)."""
-    return QK8_0 if bits == 8 and qtype in ACT32_TYPES else QK_K
+    """The values per activation scale that a weight of this type is dotted with: 32 (8-bit x, or two 8-bit planes,
+    for a Q8_0-paired format, llama.cpp's block_q8_0 layout), else 256 (block_q8_K at 8 bits; every format at 16
+    bits)."""
+    return QK8_0 if bits in (8, PLANES) and qtype in ACT32_TYPES else QK_K
+
+
+# Two int8 planes ("15-bit x on the 8-bit dots", act_bits PLANES): x is rounded to q in -32512..32512 against a
+# power-of-two scale d per group (256 or 32 values: the 8-bit layout of the weight's type, `act_group`), and q is
+# written in base 255 as q = 255 hi + lo, hi = rint(q / 255) and lo = q - 255 hi both in -127..127 (255 is odd: q /
+# 255 is never a tie, so hi is unique and |lo| <= 127). Each plane is an ordinary 8-bit activation row, hi with scale
+# 255 d, lo with d, and bsums of its own: every 8-bit dot is linear in (q, bsums) for a fixed scale, so
+#     dot(w, d q) = dot8(w, hi, 255 d, bsums(hi)) + dot8(w, lo, d, bsums(lo))
+# with both integer dots inside the 8-bit path's bounds (|hi|, |lo| <= 127). Rows: token t's hi plane is row 2 t,
+# its lo plane row 2 t + 1 (so a token's two planes are a C-contiguous [2, C] block, the 8-bit kernels' "two tokens").
+# Base 256 would leave q = 256 k + 128 without a representation within -127..127 (vpsignb cannot negate -128).
+def quantize_planes_ref(x: np.ndarray, group: int = QK_K) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """x float32 [T, C] (C a multiple of 256) -> (qs int8 [2T, C], d float32 [2T, C/group], bsums int32 [2T, C/16]),
+    rows 2t (hi, scale 255 d) and 2t + 1 (lo, scale d) of token t. Per group: d = the smallest power of two >=
+    max|x| / 32512 (at least 2^-100; `quantize_act_ref`'s 16-bit rule with QMAX 32512), q = rint(x / d) (exact
+    scaling; |q| <= 32512 without a clamp, as there), hi = rint(q / 255), lo = q - 255 hi."""
+    x = np.asarray(x, dtype=np.float32)
+    T, C = x.shape
+    blocks = x.reshape(T, C // group, group)  # [T, ng, group]
+    amax = np.abs(blocks).max(axis=-1, keepdims=True)  # [T, ng, 1]
+    _, e = np.frexp(amax.astype(np.float64) / PLANE_QMAX)  # 2^e >= max|x| / QMAX
+    e = np.maximum(e, -100)
+    d = np.ldexp(1.0, e).astype(np.float32)  # [T, ng, 1]
+    q = np.rint(blocks * np.ldexp(1.0, -e).astype(np.float32)).astype(np.int32)  # [T, ng, group]
+    hi = np.rint(q / PLANE_BASE).astype(np.int32)  # (float64: q / 255 exact enough, never a tie)
+    lo = q - PLANE_BASE * hi
+    qs = np.stack([hi.reshape(T, C), lo.reshape(T, C)], axis=1).reshape(2 * T, C).astype(np.int8)  # [2T, C]
+    ds = np.stack([d.reshape(T, -1) * np.float32(PLANE_BASE), d.reshape(T, -1)], axis=1)  # [T, 2, ng]
+    bsums = qs.reshape(2 * T, C // SUB, SUB).astype(np.int32).sum(axis=-1)  # [2T, C/16]
+    return qs, ds.reshape(2 * T, C // group).astype(np.float32), bsums.astype(np.int32)
+
+
+def dequantize_planes(qs: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """The values the two-plane path multiplies: qs int8 [2T, C], d [2T, C/group] -> float32 [T, C] = 255 d hi + d
+    lo (exact: the sum is d q, q an integer below 2^15, d a power of two)."""
+    planes = dequantize_act(qs, d)  # [2T, C]
+    return planes[0::2] + planes[1::2]
+
+
+def sum_planes(y: np.ndarray) -> np.ndarray:
+    """A product's result over the two planes, float32 [2T, R] -> [T, R]: hi's row plus lo's."""
+    return y[0::2] + y[1::2]
 
 
 def quantize_act32_ref(x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -227,6 +282,33 @@ def quantize_act32(x, qs, d, bsums):
         bsums[s] = acc
 
 
+@njit(cache=True)
+def quantize_planes(x, qs, d, bsums, group):
+    """One row x float32 [C] -> its two planes: qs int8 [2, C], d float32 [2, C/group], bsums int32 [2, C/16]
+    (written; row 0 hi, row 1 lo). Twin of `quantize_planes_ref`, bit for bit."""
+    for b in range(x.shape[0] // group):
+        xb = x[b * group:(b + 1) * group]
+        amax = np.float32(0.0)
+        for i in range(group):
+            amax = max(amax, abs(xb[i]))
+        e = max(math.frexp(np.float64(amax) / PLANE_QMAX)[1], -100)
+        db = np.float32(math.ldexp(1.0, e))
+        iscale = np.float32(math.ldexp(1.0, -e))
+        d[0, b] = db * np.float32(PLANE_BASE)
+        d[1, b] = db
+        for i in range(group):
+            q = np.int32(np.rint(xb[i] * iscale))
+            h = np.int32(np.rint(np.float64(q) / PLANE_BASE))
+            qs[0, b * group + i] = h
+            qs[1, b * group + i] = q - PLANE_BASE * h
+    for p in range(2):
+        for s in range(x.shape[0] // SUB):
+            acc = np.int32(0)
+            for i in range(SUB * s, SUB * s + SUB):
+                acc += np.int32(qs[p, i])
+            bsums[p, s] = acc
+
+
 @njit(cache=True, inline="always")
 def quantize_act_in(x, qs, d, bsums, qmax, group):
     """quantize_act (group 256) or quantize_act32 (group 32, qmax 127) of one row: what the kernels call, the
@@ -244,13 +326,26 @@ def quantize_act_rows(x, qs, d, bsums, qmax, group):
         quantize_act_in(x[t], qs[t], d[t], bsums[t], qmax, group)
 
 
+@njit(cache=True)
+def quantize_planes_rows(x, qs, d, bsums, group):
+    """x float32 [T, C] -> qs int8 [2T, C], d [2T, C/group], bsums [2T, C/16] (written), token by token."""
+    for t in range(x.shape[0]):
+        quantize_planes(x[t], qs[2 * t:2 * t + 2], d[2 * t:2 * t + 2], bsums[2 * t:2 * t + 2], group)
+
+
 def quantize_rows(x: np.ndarray, bits: int = 16, group: int = QK_K) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """x float32 [T, C] -> fresh (qs, d, bsums) of T rows (the Numba quantizer); group 32 (8 bits only): one scale
-    per 32 values (`act_group`)."""
+    """x float32 [T, C] -> fresh (qs, d, bsums) of T rows (the Numba quantizer); group 32 (8 bits or PLANES): one
+    scale per 32 values (`act_group`). bits PLANES: 2T rows, each token's hi and lo planes (`quantize_planes_ref`)."""
     dtype = np.dtype(ACT_DTYPES[bits])
-    if group != QK_K and (group != QK8_0 or bits != 8):
+    if group != QK_K and (group != QK8_0 or bits not in (8, PLANES)):
         raise ValueError(f"activation group must be 256, or 32 at 8 bits; got {group} at {bits}")
     T, C = x.shape
+    if bits == PLANES:
+        qs = np.empty((2 * T, C), dtype=np.int8)  # [2T, C]
+        d = np.empty((2 * T, C // group), dtype=np.float32)  # [2T, C/group]
+        bsums = np.empty((2 * T, C // SUB), dtype=np.int32)  # [2T, C/16]
+        quantize_planes_rows(np.ascontiguousarray(x, dtype=np.float32), qs, d, bsums, group)
+        return qs, d, bsums
     qs = np.empty((T, C), dtype=dtype)  # [T, C]
     d = np.empty((T, C // group), dtype=np.float32)  # [T, C/group]
     bsums = np.empty((T, C // SUB), dtype=np.int32)  # [T, C/16]

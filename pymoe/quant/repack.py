@@ -1054,6 +1054,32 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     return tile_dot
 
 
+def _make_tile_dot2(qtype, locality: int = None, ahead: int = None):
+    """-> tile_dot2(tiles uint8 [nb * TILE_BYTES], xq int8 [2, nb * 256], xd float32 [2, nb] (or [2, 8 nb]: per-32
+    x), xbs int32 [2, nb * 16], out float32 [2, 8]): the row-group's 8 rows times two activation rows at once, the
+    weights unpacked once for both: a token's two planes (qact.quantize_planes_ref) in decode. The one-token dot's
+    instructions and hints (`_make_tile_dot`'s defaults), run for two rows of x: each row's results are the bits of
+    its one-token call."""
+    ahead = STREAM_AHEAD if ahead is None else ahead
+    locality = qact.DENSE_LOCALITY if locality is None else locality
+    qtype = _key(qtype)
+    codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, _WIDE and qtype in WIDE, ahead, locality)
+
+    def trap(context, builder, signature, args):  # (int16 x: typed so that a kernel for both widths holds the call)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    @intrinsic
+    def tile_dot2(typingctx, tiles, xq, xd, xbs, out):
+        if (_c(tiles, types.uint8) and isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)
+                and _c(xq, xq.dtype, 2) and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2)
+                and _c(out, types.float32, 2)):
+            return types.none(tiles, xq, xd, xbs, out), codegen if xq.dtype == types.int8 else trap
+
+    return tile_dot2
+
+
 def _host_vnni() -> tuple[bool, bool]:
     """-> (vnni, wide): whether the tile dots may use vpdpbusd on 256-bit vectors (this CPU, `qact.host_features`,
     has AVX-512 VNNI with AVX-512VL, or AVX-VNNI), and on 512-bit ones (AVX-512 VNNI with AVX-512BW). PYMOE_VNNI=0 /
@@ -1105,9 +1131,12 @@ TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=qact.STREAM_LOCALITY) for q in
 # hint for bytes read once)
 # the decoded layout's (a scratch tile, in L1: no hints ahead)
 tile_dot_decoded = _make_tile_dot(DECODED, ahead=0)
+# two rows of x a call (a token's two planes): the dense weights' and the experts' (the hint for bytes read once)
+TILE_DOTS2 = {q: _make_tile_dot2(q) for q in TILE_DOTS}
+TILE_DOTS2_STREAM = {q: _make_tile_dot2(q, locality=qact.STREAM_LOCALITY) for q in TILE_DOTS}
 
 
-TILE_DOT, TILE_PAIR = None, False  # bound per format by _compile_matmul
+TILE_DOT, TILE_DOT2, TILE_PAIR = None, None, False  # bound per format by _compile_matmul
 AHEAD = 4096  # bytes of tiles requested ahead of the row-group being read by the many-token product (as
 # kernels.PREFETCH_AHEAD; decode of the mid Q4_K_M file, 0 / 4096 alternated in one process, when one-token products
 # took this way too: p20 5.32 / 5.15 ms a token, median 5.70 / 5.56). The one-token dot asks for its own
@@ -1145,6 +1174,12 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
                         for i in range(MANY):
                             y[t + i, g * ROWS:(g + 1) * ROWS] = out[i]
                     t += MANY
+                if t1 - t == 2 and xq.itemsize == 1:  # two rows left (decode's two planes of one token): one call
+                    for h in range(g, g + m):  # of the two-row dot each, the tile unpacked once (the same bits)
+                        TILE_DOT2(tiles[h], xq[t:t1], xd[t:t1], xbs[t:t1], out[:2])
+                        y[t, h * ROWS:(h + 1) * ROWS] = out[0]
+                        y[t + 1, h * ROWS:(h + 1) * ROWS] = out[1]
+                    t = t1
                 for h in range(g, g + m):
                     for u in range(t, t1):
                         TILE_DOT(tiles[h], xq[u], xd[u], xbs[u], y[u, h * ROWS:(h + 1) * ROWS])
@@ -1161,12 +1196,13 @@ def _compile(template, name: str, constants: dict):
 
 def _compile_matmul(qtype):
     return _compile(_tile_matmul_template, f"tile_matmul_{qtype.name}",
-                    {"TILE_DOT": TILE_DOTS[qtype], "TILE_PAIR": qtype in PAIRS})
+                    {"TILE_DOT": TILE_DOTS[qtype], "TILE_DOT2": TILE_DOTS2[qtype], "TILE_PAIR": qtype in PAIRS})
 
 
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}
 _MATMULS[DECODED] = _compile(_tile_matmul_template, "tile_matmul_decoded",
-                             {"TILE_DOT": tile_dot_decoded, "TILE_PAIR": DECODED in PAIRS})
+                             {"TILE_DOT": tile_dot_decoded, "TILE_DOT2": _make_tile_dot2(DECODED, ahead=0),
+                              "TILE_PAIR": DECODED in PAIRS})
 
 
 def _decode_template(raw, out):
@@ -1215,13 +1251,28 @@ def decoded_values(tiles: np.ndarray) -> np.ndarray:
 
 
 def _tile_matvec3_template(t0, t1, t2, xq, xd, xbs, y0, y1, y2):
-    # One token times three matrices that share it (a layer's q, k and v): one parallel region over all their
-    # row-groups, 4 a task, so the short k and v share the threads with q instead of each paying a call and a
-    # region of its own. Each row has the bits of tile_matmul's one-token call (the same TILE_DOT, the same order),
-    # whose block loop asks for the bytes ahead (STREAM_AHEAD).
+    # One token (or a token's two planes: xq [2, C], qact.quantize_planes_ref) times three matrices that share it (a
+    # layer's q, k and v): one parallel region over all their row-groups, 4 a task, so the short k and v share the
+    # threads with q instead of each paying a call and a region of its own. Each row has the bits of tile_matmul's
+    # one-token call (the same TILE_DOT, the same order), whose block loop asks for the bytes ahead (STREAM_AHEAD).
     n0, n1, n2 = t0.shape[0], t1.shape[0], t2.shape[0]
     b0, b1 = (n0 + 3) // 4, (n1 + 3) // 4  # tasks of the first two matrices
     for task in prange(b0 + b1 + (n2 + 3) // 4):
+        if xq.shape[0] == 2:  # a token's two planes: the two-row dots, each tile unpacked once
+            o = np.empty((2, ROWS), dtype=np.float32)
+            if task < b0:
+                for g in range(4 * task, min(n0, 4 * task + 4)):
+                    TILE_DOT2_0(t0[g], xq, xd, xbs, o)
+                    y0[:, g * ROWS:(g + 1) * ROWS] = o
+            elif task < b0 + b1:
+                for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):
+                    TILE_DOT2_1(t1[g], xq, xd, xbs, o)
+                    y1[:, g * ROWS:(g + 1) * ROWS] = o
+            else:
+                for g in range(4 * (task - b0 - b1), min(n2, 4 * (task - b0 - b1) + 4)):
+                    TILE_DOT2_2(t2[g], xq, xd, xbs, o)
+                    y2[:, g * ROWS:(g + 1) * ROWS] = o
+            continue
         if task < b0:
             for g in range(4 * task, min(n0, 4 * task + 4)):
                 TILE_DOT_0(t0[g], xq[0], xd[0], xbs[0], y0[0, g * ROWS:(g + 1) * ROWS])
@@ -1245,8 +1296,8 @@ def _check_x(qtype, xq: np.ndarray, xd: np.ndarray) -> None:
 
 def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> list:
     """[tile_matmul(t, q, xq, xd, xbs) for t, q in zip(tiles, qtypes)] for three matrices and one token (xq int8
-    [1, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of call and region each). The
-    three take x in one layout (qact.act_group)."""
+    [1, C]; or its two planes, [2, C]): the same bits, in one compiled call (a decode step's q, k and v: ~4 us of
+    call and region each). The three take x in one layout (qact.act_group)."""
     for q in qtypes:
         _check_x(q, xq, xd)
     key = tuple(qtypes)  # QType is an IntEnum: an int key finds its member's entry (no enum call per token)
@@ -1254,8 +1305,9 @@ def tile_matvec3(tiles: list, qtypes: list, xq: np.ndarray, xd: np.ndarray, xbs:
     if fn is None:
         key = tuple(QType(q) for q in qtypes)
         fn = _MATVEC3[key] = _compile(_tile_matvec3_template, "tile_matvec3_" + "_".join(q.name for q in key),
-                                      {f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)})
-    ys = [np.empty((1, t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1, R_i]
+                                      {**{f"TILE_DOT_{i}": TILE_DOTS[q] for i, q in enumerate(key)},
+                                       **{f"TILE_DOT2_{i}": TILE_DOTS2[q] for i, q in enumerate(key)}})
+    ys = [np.empty((xq.shape[0], t.shape[0] * ROWS), dtype=np.float32) for t in tiles]  # [1 or 2, R_i]
     fn(*tiles, xq, xd, xbs, *ys)
     return ys
 
