@@ -118,3 +118,28 @@ def test_repack_budget_keeps_the_bits(mini):
     assert runs[None][1] > 0 and runs[None][2] == 0
     assert runs[0][1] == 0 and runs[0][2] > 0
     assert np.array_equal(runs[None][0], runs[0][0])
+
+
+def test_repeated_layers_have_the_types_of_a_whole_quantization(tmp_path):
+    """make --layers 6 on a 16-layer preset: llama.cpp quantizes 6 random layers, write_repeated_layers repeats them
+    to 16, each where a layer of its types belongs; every tensor's name and type equal those of llama.cpp's
+    quantization of all 16 layers (Q4_K_M keeps ffn_down and attn_v in Q6_K in some layers: use_more_bits), layers
+    of one source layer hold the same bytes, and pymoe runs the file. In 16 layers the Q6_K ones are 0, 1, 4, 7, 10,
+    13, 14, 15; in the 6 quantized, 2 and 5; so layers 0 and 4 are both source layer 2, layer 1 source layer 5."""
+    import gguf
+    import real_shape
+
+    require_llama_cpp()
+    deep = tm.Preset(**{**MINI.__dict__, "n_layers": 16})
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(tm.PRESETS, "real-deep", deep)
+        real_shape.make(str(tmp_path / "part.gguf"), "real-deep", jobs=1, threads=2, layers=6)
+        real_shape.make(str(tmp_path / "whole.gguf"), "real-deep", jobs=1, threads=2, layers=0)
+    part = {t.name: t for t in gguf.GGUFReader(str(tmp_path / "part.gguf")).tensors}
+    whole = {t.name: t.tensor_type for t in gguf.GGUFReader(str(tmp_path / "whole.gguf")).tensors}
+    assert {n: t.tensor_type for n, t in part.items()} == whole
+    assert {t.tensor_type.name for n, t in part.items() if "ffn_down" in n} == {"Q4_K", "Q6_K"}
+    down = lambda i: np.asarray(part[f"blk.{i}.ffn_down_exps.weight"].data)  # noqa: E731
+    assert np.array_equal(down(0), down(4)) and not np.array_equal(down(0), down(1))
+    m = pymoe.load(str(tmp_path / "part.gguf"))
+    assert m.config.n_layers == 16 and np.isfinite(m.logits([1, 2, 3])).all()
