@@ -4,7 +4,9 @@ What this is: two steps.
   make: write the `qwen3-30b-a3b` preset (pymoe/demo/tinymodel.py) as random Q2_K blocks (no float weights: an F32
         source would be 122 GB; tinymodel.write_random_quantized, `--jobs` processes), requantize it to Q4_K_M with
         llama.cpp's own quantizer (`llama_model_quantize`, allow_requantize, its per-tensor log on stderr as the
-        progress), then delete the source. ~10 GB of source, ~17 GB of Q4_K_M: keep both out of git.
+        progress), then delete the source. `--layers N` (default 6) writes and quantizes N layers only and repeats
+        them to the preset's depth, each where a layer of its types belongs (`layer_sources`,
+        tinymodel.write_repeated_layers): all 48 took ~90 s a layer on 2 busy cores. ~17 GB of Q4_K_M: out of git.
   run:  each engine in its own worker process, one after another (never two big engines at once: the file is ~17 GB
         and each engine maps it), in the same thread count: pymoe's default path (16-bit activations), pymoe
         --act-bits 8 (its experts repacked 8 rows at a time on first use, into anonymous memory: cpu.py
