@@ -74,8 +74,10 @@ class Engine:
         if getattr(self.backend, "repack", False):  # CPU, 8-bit activations (backends/cpu.py, quant/repack.py)
             from .quant.repack import TILE_BYTES
             tiled = ", ".join(q.name for q in TILE_BYTES)
+            budget = getattr(self.backend, "expert_budget", 0) / 2**30
             log(f"8-bit activations: {tiled} weights are repacked 8 rows at a time, the dense ones now, an expert "
-                "when it first runs (a copy beside the memory map; PYMOE_REPACK=0: off)")
+                f"when it first runs (a copy beside the memory map, at most {budget:.1f} GiB of experts' copies, "
+                "then read in place: PYMOE_REPACK_MIB; PYMOE_REPACK=0: off)")
         if hasattr(self.backend, "attach"):  # CUDA: pin and map the model file
             self.backend.attach(self.file)
         self.profile = profile

@@ -93,7 +93,8 @@ def engine_options(f):
         click.option("--act-bits", default=None, type=click.Choice(["8", "15", "16", "auto", "0"]),
                      help="CPU backend: the activations' width on its integer path: 16 (default: within ~1e-4 of "
                           "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K-Q6_K, Q8_0, "
-                          "MXFP4 and IQ4_XS weights repacked 8 rows at a time, unless PYMOE_REPACK=0; IQ1-IQ3 experts "
+                          "MXFP4 and IQ4_XS weights repacked 8 rows at a time, unless PYMOE_REPACK=0, the experts' "
+                          "copies up to half the available memory, PYMOE_REPACK_MIB; IQ1-IQ3 experts "
                           "decoded into 8-row tiles in prefill, unless PYMOE_DECODE=0; coarser), 15 (x to 15 bits as "
                           "two 8-bit planes through the 8-bit dots and repacked rows: 16's accuracy), auto (8 bits for "
                           "the routed experts, 16 for attention, shared expert and output head), 0 (float kernels)."),

@@ -21,7 +21,11 @@ with the same bits: the dense weights repacked at load (`dense`), a routed exper
 (`expert_row`; a copy in RAM beside the memory map, whose pages these products no longer read). The copies are
 cut from chunks of 2 MiB pages (backends/arena.py: a decoded token reads ~100 MiB of them; in 4 KiB pages each
 page is a TLB miss).
-`CPUBackend(repack=False)` or PYMOE_REPACK=0 turns it off.
+`CPUBackend(repack=False)` or PYMOE_REPACK=0 turns it off. The experts' copies are anonymous memory that the
+system cannot drop as it drops the file's pages, so they stop at a budget (`repack_budget`: half the memory
+available when the backend is made, or PYMOE_REPACK_MIB); an expert first run beyond it is read in place from the
+memory map, by the same kernel with the same bits (a file of ~17 GB of experts on a 24 GiB machine would
+otherwise end in the out-of-memory killer).
 It implements every primitive of backends/protocol.py; rmsnorm and rope give the NumPy reference's bits exactly,
 route the same experts (weights within exp's rounding), attention and F32 products the reference's math in an
 order that does not depend on T (so a token gives the same bits decoded alone or in a prefill). The reference is backends/reference.py (`--backend reference`),
@@ -361,6 +365,17 @@ def rope_rows(x, cos, sin, neox):
                 x[t, h, ib] = b * c + a * s
 
 
+def repack_budget() -> int:
+    """Bytes of experts' repacked copies a CPU backend may make: half of MemAvailable (/proc/meminfo) now, the rest
+    left to the file's pages, the KV cache and other processes; no limit where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return 1 << 62
+    return avail // 2
+
+
 NO_TILES = (0, 0, 0)  # an expert without repacked matrices
 _NO_KEYS = np.zeros((0, 1, 1), dtype=np.float32)  # attention_rows' k when kt holds the keys
 _NO_SINKS = np.zeros(0, np.float32)  # attention_rows' sinks for a model without them
@@ -370,13 +385,14 @@ class CPUBackend(HostArrays):
     name = "cpu"
 
     def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None,
-                 head_bits: Optional[int] = None):
+                 head_bits: Optional[int] = None, repack_mib: Optional[float] = None):
         """act_bits: 16 (default), 8 or 15 (two 8-bit planes): the integer path's activations (quant/qact.py); 0:
         float kernels only;
         "auto": 8 bits for the routed experts, 16 for the dense products (ACT_MODES). head_bits: the output
         head's own width (default: the dense products'; bench/act_accuracy.py measures what it costs).
         repack: keep 8-row repacked copies of the weights that have a layout (quant/repack.py) for the products
-        at 8 bits (default: yes, unless PYMOE_REPACK=0)."""
+        at 8 bits (default: yes, unless PYMOE_REPACK=0). repack_mib: the most MiB of experts' repacked copies
+        (default: PYMOE_REPACK_MIB, else `repack_budget`'s half of the available memory)."""
         if threads:
             numba.set_num_threads(max(1, min(int(threads), numba.config.NUMBA_NUM_THREADS)))
         self.threads = self.most = numba.get_num_threads()  # this forward call's team / the team on a quiet machine
@@ -390,6 +406,11 @@ class CPUBackend(HostArrays):
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
         self._eps = {}  # rmsnorm's eps -> np.float32(eps)
         self._arena = HugeArena()  # the repacked copies, in 2 MiB pages (~100 MiB of them read a decoded token)
+        if repack_mib is None and os.environ.get("PYMOE_REPACK_MIB"):
+            repack_mib = float(os.environ["PYMOE_REPACK_MIB"])
+        self.expert_budget = repack_budget() if repack_mib is None else int(repack_mib * 2**20)  # bytes
+        self.expert_copies = 0  # bytes of the experts' repacked copies made
+        self.experts_in_place = 0  # experts first run once the budget was spent (read from the memory map)
 
     def share_cpu(self) -> None:
         """Before a forward call: its team of threads, the cores other processes leave free (backends/threads.py),
@@ -491,8 +512,13 @@ class CPUBackend(HostArrays):
             return (*raw, *NO_TILES)
         fits = [self.repack and self.expert_bits in (8, qact.PLANES) and repack.fits(q, m.shape[0], kernels.cols_of(m, quant.get_format(q)))
                 for q, m in zip(qtypes, (ex.gate, ex.up, ex.down))]
+        need = sum(m.nbytes for m, f in zip((ex.gate, ex.up, ex.down), fits) if f)  # ~ the copies' size
+        if need and self.expert_copies + need > self.expert_budget:  # budget spent: this expert stays in place
+            fits = [False] * 3
+            self.experts_in_place += 1
         mats = [repack.repack(m, q, self._arena.empty) if f else None
                 for q, m, f in zip(qtypes, (ex.gate, ex.up, ex.down), fits)]  # [rows / 8, row_tiles] or None
+        self.expert_copies += sum(m.nbytes for m in mats if m is not None)
         row = (*raw, *(0 if m is None else m.ctypes.data for m in mats))
         self._rows[id(ex)] = (ex, mats, row)  # ex kept alive: its id stays its own
         return row

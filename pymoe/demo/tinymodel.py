@@ -81,6 +81,7 @@ class Preset:
     n_ff_shexp: int = 0
     n_ctx: int = 512
     n_vocab: int = 512  # target size of the trained BPE vocabulary (specials + 256 bytes + merges)
+    pad_vocab: bool = False  # pad the trained vocabulary to exactly n_vocab with [PAD{i}] tokens (`padded_vocab`)
 
 
 PRESETS: dict[str, Preset] = {
@@ -96,6 +97,12 @@ PRESETS: dict[str, Preset] = {
     # rows of 32 values take Q4_0 in the q2_k mix.
     "micro": Preset(n_layers=1, n_embd=32, n_head=2, n_head_kv=1, head_dim=16, n_expert=4, n_expert_used=2,
                     n_ff_exp=32, n_ff_shexp=32, n_ctx=256, n_vocab=264),
+    # a real family's shapes: Qwen3-30B-A3B's config.json (qwen3moe; ~30.5 B weights, ~17 GB at Q4_K_M), its padded
+    # vocabulary of 151936 rows included (the output head is 311 M weights of a token's ~3.3 B). Written only
+    # through `write_random_quantized` (random quantized blocks, no float weights: an F32 source would be 122 GB),
+    # then requantized by llama.cpp's quantizer (bench/real_shape.py make).
+    "qwen3-30b-a3b": Preset(n_layers=48, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128, n_expert=128,
+                            n_expert_used=8, n_ff_exp=768, n_ctx=40960, n_vocab=151936, pad_vocab=True),
 }
 
 # Per-arch tweaks of a preset, so that the tiny files exercise what each arch does differently.
@@ -340,6 +347,9 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
     tensor, so the trunk's weights are those of the file without it."""
     from tqdm import tqdm
 
+    if preset in LARGE_PRESETS:
+        raise ValueError(f"preset {preset!r} is written by write_random_quantized (bench/real_shape.py make): its "
+                         "float weights would not fit")
     p = PRESETS[preset]
     tokens, types, merges = train_tokenizer(p.n_vocab)
     cfg = make_config(arch, preset, n_vocab=len(tokens), variant=variant)
@@ -357,6 +367,113 @@ def write_model(path: str, arch: str = "qwen3moe", preset: str = "tiny", mix: st
                for name, shape in tqdm({**shapes, **extra}.items(), desc=f"writing {path}", unit="tensor",
                                        disable=None if progress else True))
     write_gguf(path, cfg, tokens, types, merges, mix, weights, jobs=jobs, extra_shapes=extra)
+    return cfg
+
+
+# --- real shapes: random quantized blocks, written without float weights -------------------------------------------
+
+LARGE_PRESETS = ("qwen3-30b-a3b",)  # written by write_random_quantized only (write_model's float weights won't fit)
+
+
+def padded_vocab(tokens: list, types: list, n_vocab: int) -> tuple:
+    """The trained vocabulary padded to n_vocab rows with `[PAD{i}]` tokens of type UNUSED, as llama.cpp's
+    convert_hf_to_gguf.py pads a vocabulary whose config.json counts more rows than its tokenizer has ids (Qwen3:
+    151669 ids in 151936 rows). -> (tokens, types)."""
+    if len(tokens) > n_vocab:
+        raise ValueError(f"the trained vocabulary has {len(tokens)} tokens, more than n_vocab {n_vocab}")
+    pad = range(len(tokens), n_vocab)
+    return tokens + [f"[PAD{i}]" for i in pad], types + [int(TokenType.UNUSED)] * len(pad)
+
+
+def random_q2_k(shape: tuple, seed) -> np.ndarray:
+    """Random Q2_K blocks for a float matrix of `shape` ([..., rows, cols], cols a multiple of 256) -> uint8
+    [..., rows, cols / 256 * 84], with weights of mean 0 and std ~1/sqrt(cols), as random_tensor draws them.
+
+    Q2_K block (84 bytes / 256 weights): scales[16] | qs[64] | d fp16 | dmin fp16; weight = d*(sc & 15)*q -
+    dmin*(sc >> 4) for a 2-bit q. Here each sub-block's scale byte is s | s << 4 (s uniform in 1..15) and
+    dmin = 1.5 d, so every weight is d*s*(q - 1.5): mean 0, std d * rms(s) * rms(q - 1.5) = d * 9.09 * 1.118.
+    `seed`: anything np.random.default_rng takes; the bytes depend on it alone (so tensors can be drawn in any
+    process, in any order)."""
+    fmt = quant.get_format(Q.Q2_K)
+    *lead, cols = shape
+    if cols % fmt.block_size:
+        raise ValueError(f"random_q2_k: {cols} columns are not whole 256-blocks")
+    rng = np.random.default_rng(seed)
+    n_blocks = int(np.prod(lead, dtype=np.int64)) * (cols // fmt.block_size)
+    blocks = np.empty((n_blocks, fmt.type_size), np.uint8)  # [blocks, 84]
+    s = rng.integers(1, 16, size=(n_blocks, 16), dtype=np.uint8)  # [blocks, 16] sub-block scales
+    blocks[:, :16] = s | (s << 4)
+    blocks[:, 16:80] = rng.integers(0, 256, size=(n_blocks, 64), dtype=np.uint8)  # 4 codes per byte
+    rms_s = np.sqrt(np.mean(np.arange(1, 16) ** 2))  # 9.09
+    rms_q = np.sqrt(np.mean((np.arange(4) - 1.5) ** 2))  # 1.118
+    d = np.float16(1.0 / (np.sqrt(cols) * rms_s * rms_q))
+    blocks[:, 80:82] = np.frombuffer(d.tobytes(), np.uint8)
+    blocks[:, 82:84] = np.frombuffer(np.float16(1.5 * np.float32(d)).tobytes(), np.uint8)
+    return blocks.reshape(*lead, cols // fmt.block_size * fmt.type_size)
+
+
+def write_random_quantized(path: str, preset: str, arch: str = "qwen3moe", seed: int = 0, jobs: int = 1,
+                           progress: bool = False, n_layers: Optional[int] = None) -> ModelConfig:
+    """Write a GGUF of a preset's shapes whose matrices are random Q2_K blocks (`random_q2_k`) and whose norms and
+    routers are random_tensor's F32 values: a source for llama.cpp's quantizer (bench/real_shape.py requantizes it
+    to Q4_K_M) at sizes where float weights would not fit on disk or in memory. The vocabulary is the tiny trained
+    one, padded to the preset's n_vocab when it asks (`padded_vocab`). Tensors are drawn by `jobs` processes, each
+    from its own seed (seed, tensor index), and written in order one at a time by gguf-py's writer (at most 2 * jobs
+    in memory), so the file is the same for any `jobs`. The file type says Q2_K (what the big matrices are).
+    n_layers: fewer layers than the preset's (the first of a file `write_repeated_layers` completes)."""
+    from collections import deque
+    from concurrent.futures import ProcessPoolExecutor
+    from tqdm import tqdm
+
+    p = PRESETS[preset]
+    tokens, types, merges = train_tokenizer(min(p.n_vocab, 512))
+    if p.pad_vocab:
+        tokens, types = padded_vocab(tokens, types, p.n_vocab)
+    cfg = make_config(arch, preset, n_vocab=len(tokens))
+    if n_layers is not None:
+        cfg = replace(cfg, n_layers=n_layers)
+    rng = np.random.default_rng(seed)
+    common = rng.standard_normal(cfg.n_embd)  # [D]
+    ranks = np.argsort(rng.random((cfg.n_layers, cfg.n_expert)), axis=1)
+    popularity = (1.0 / (1.0 + ranks)) - 1.0 / cfg.n_expert  # [L, E], as write_model's
+
+    shapes = expected_tensors(cfg)
+    floats = {name: len(shape) == 1 or name.endswith("ffn_gate_inp.weight") for name, shape in shapes.items()}
+    w = GGUFWriter(path, cfg.arch)
+    _write_metadata(w, cfg, tokens, types, merges, "q2_k")
+    fmt = quant.get_format(Q.Q2_K)
+    for name, shape in shapes.items():
+        if floats[name]:
+            w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape)))
+        else:
+            byte_shape = (*shape[:-1], shape[-1] // fmt.block_size * fmt.type_size)
+            w.add_tensor_info(name, byte_shape, np.dtype(np.uint8), int(np.prod(byte_shape)), raw_dtype=Q.Q2_K)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    bar = tqdm(total=total, desc=f"writing {path}", unit="weight", unit_scale=True, disable=None if progress else True)
+    with ProcessPoolExecutor(max(1, jobs)) as pool:
+        pending = deque()
+
+        def flush_one():
+            name, data = pending.popleft()
+            w.write_tensor_data(data if isinstance(data, np.ndarray) else data.result())
+            bar.update(int(np.prod(shapes[name])))
+
+        for i, (name, shape) in enumerate(shapes.items()):
+            if floats[name]:  # small: drawn here, in order, from the one generator
+                pending.append((name, random_tensor(name, shape, cfg, rng, common, popularity)))
+            elif jobs <= 1:
+                pending.append((name, random_q2_k(shape, (seed, i))))
+            else:
+                pending.append((name, pool.submit(random_q2_k, shape, (seed, i))))
+            if len(pending) >= 2 * max(1, jobs):
+                flush_one()
+        while pending:
+            flush_one()
+    bar.close()
+    w.close()
     return cfg
 
 
@@ -502,7 +619,7 @@ def main_args(argv: Optional[list] = None):  # pragma: no cover - thin wrapper u
     ap = argparse.ArgumentParser(prog="make-tiny-model", description=__doc__.split("\n\n")[0])
     ap.add_argument("-o", "--output", required=True, help="GGUF file to write")
     ap.add_argument("--arch", default="qwen3moe", choices=list(ARCHS), help="architecture (default qwen3moe)")
-    ap.add_argument("--preset", default="tiny", choices=list(PRESETS), help="size preset (default tiny)")
+    ap.add_argument("--preset", default="tiny", choices=[p for p in PRESETS if p not in LARGE_PRESETS], help="size preset (default tiny)")
     ap.add_argument("--quant", default="f32", choices=QUANT_MIXES, help="quant mix (default f32)")
     ap.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
     ap.add_argument("--variant", default="", help="a variant of the arch's tiny config: deepseek2 'lite' "
@@ -569,6 +686,41 @@ def write_first_layers(src: str, dst: str, n_layers: int) -> None:
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file(progress=False)
+    w.close()
+
+
+def write_repeated_layers(src: str, dst: str, sources: list) -> None:
+    """A GGUF whose layer i is layer sources[i] of `src`, byte for byte (every blk.{sources[i]}.* tensor renamed
+    blk.{i}.*), the other tensors and the metadata as in src but block_count len(sources). Written one tensor at a
+    time from src's memory map by gguf-py's writer, so a file larger than memory can be made: the real-shape file
+    (bench/real_shape.py) is llama.cpp's quantization of a few random layers, repeated to the family's depth."""
+    from gguf import GGUFReader
+
+    r = GGUFReader(src)
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    n_src = int(r.fields[f"{arch}.block_count"].parts[-1][0])
+    if not sources or not all(0 <= j < n_src for j in sources):
+        raise ValueError(f"{src}: layers to repeat must lie in 0 .. {n_src - 1}, got {sources}")
+    by_layer = {}  # source layer -> [(suffix, tensor)] in file order
+    head, tail = [], []  # the tensors before the first layer's, and after
+    for t in r.tensors:
+        if t.name.startswith("blk."):
+            layer, suffix = t.name.split(".", 2)[1:]
+            by_layer.setdefault(int(layer), []).append((suffix, t))
+        else:
+            (tail if by_layer else head).append((t.name, t))
+    order = head + [(f"blk.{i}.{suffix}", t) for i, j in enumerate(sources) for suffix, t in by_layer[j]] + tail
+    w = GGUFWriter(dst, arch)
+    copy_metadata(r, w, change={f"{arch}.block_count": len(sources)})
+    for name, t in order:
+        data = t.data
+        w.add_tensor_info(name, data.shape, data.dtype, data.nbytes,
+                          raw_dtype=None if t.tensor_type in (Q.F32, Q.F16) else t.tensor_type)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_ti_data_to_file()
+    for _, t in order:
+        w.write_tensor_data(t.data)
     w.close()
 
 
