@@ -9,7 +9,8 @@ the reference backend's (the CPU float path's math, NumPy). With misses (one slo
 cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the step's lookups are made after it, in
 the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
 with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.
-Speculation's verify forward (T = 1 + drafts rows) is one device step too on the GQA families (VERIFY_FAMILIES):
+Speculation's verify forward (T = 1 + drafts rows) is one device step too on the GQA and MLA families
+(VERIFY_FAMILIES):
 the position, KV row and T token ids in, the T argmax ids and [n_moe, T, K] routing ids out, one synchronisation;
 its rows' logits, a rollback's next step, and `--spec mtp`'s hidden states are held to the same bound.
 The backend runs the reference kernels here (tests/test_cuda_backend.py says why); the real ones:
@@ -20,7 +21,7 @@ experts in k order, the reference in ascending expert order; other reduction tre
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
 "cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7); on gpt-oss 3 ulp (slots,
 "cpu misses") and 2 ulp past its window, version 2 the same; on deepseek2 at most 1.5 ulp (3.6e-7, "cpu misses";
-s 2.7-3.8); qwen3next and qwen35moe (three Gated DeltaNet layers and a gated attention layer, each MoE): at most 2.25
+s 2.7-3.8), its verify step 2 ulp (test_a_rollback_leaves_rows_that_no_query_reads); qwen3next and qwen35moe (three Gated DeltaNet layers and a gated attention layer, each MoE): at most 2.25
 ulp of s with the reference kernels, and within the bound with the real Gated DeltaNet and gated attention kernels
 (`test_the_hybrids_real_kernels_in_the_step`); the bound is 8 ulp of s (2.7x).
 """
@@ -322,10 +323,10 @@ def test_deepseek_v2_lite_runs_the_step(tmp_path):
 @in_process
 def test_speculation_runs_its_plain_steps_on_the_device(micro):
     """--spec ngram on deepseek2 (MLA over the device's compressed cache, expert groups): the verify forwards of
-    several positions run version 2 with their MLA blocks on the device (engine/mla.mla_device over T rows: no
-    host-side MLA), the single steps between them version 3 (speculation's expert count from the routing ids the
-    step brings back); the greedy tokens are the reference backend's plain decoding. The prompt repeats, so ngram
-    drafts."""
+    several positions and the single steps between them each run as one device step (begin_step; the verify
+    forwards' MLA blocks engine/mla.mla_device over T rows: no host-side MLA; speculation's expert count from the
+    routing ids the step brings back); the greedy tokens are the reference backend's plain decoding. The prompt
+    repeats, so ngram drafts."""
     from pymoe.engine import mla
     from pymoe.engine.speculative import Speculator, NgramDrafter
 
@@ -344,7 +345,7 @@ def test_speculation_runs_its_plain_steps_on_the_device(micro):
     assert engine.backend.counts.snapshot("decode")["bytes"].get("MLA queries to device", 0) == 0
     assert any(1 < n <= 5 for n in rows)  # a verify forward's rows (k + 1 at most; the prompt's forward: 8 rows)
     st = spec.stats
-    assert st.steps > 0 and st.accepted > 0 and len(steps) == st.single_steps > 0
+    assert st.steps > 0 and st.accepted > 0 and st.single_steps > 0 and len(steps) == st.single_steps + st.steps
     assert st.single_experts == st.single_steps * len(engine.config.moe_layers) * engine.config.n_expert_used
 
 
@@ -371,8 +372,8 @@ LONG = [int(t) for t in np.random.default_rng(5).integers(0, 250, 6)] * 3  # 18 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_prompt_lookup_speculation_keeps_the_cpu_float_paths_tokens(micro, monkeypatch, arch):
     """`--spec ngram` on the CUDA backend: the decode steps without a draft run version 3 (begin_step of one
-    token), and so do the verify forwards (several positions: begin_step of T rows) of the GQA families
-    (VERIFY_FAMILIES), while deepseek2's and the hybrids' run version 2; the greedy tokens equal the CPU backend's
+    token), and so do the verify forwards (several positions: begin_step of T rows) of the GQA and MLA families
+    (VERIFY_FAMILIES), while the hybrids' run version 2; the greedy tokens equal the CPU backend's
     float path's, as do plain decoding's; the speculation's counts (the distinct experts of each step: from the
     routing ids a step brings back) equal version 2's. A hybrid's (qwen3next, qwen35moe) rollbacks redo the kept
     tokens from the saved recurrent state: where none was kept, that redo is a one-token forward, a device step
@@ -454,8 +455,9 @@ def test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device(mi
 
 
 # --- speculation's verify forward as one device step (begin_step with T rows) --------------------------------------
-VERIFY_FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss"]  # GQA only
-SEEDS = {"glm4moe": 2, "qwen3vlmoe": 5}  # the repeated prompt per family whose drafts are partly rejected (else 0)
+VERIFY_FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss",
+                   "deepseek2"]  # GQA and MLA
+SEEDS = {"glm4moe": 2, "qwen3vlmoe": 5, "deepseek2": 1}  # the repeated prompt per family whose drafts are partly rejected (else 0)
 
 
 def repeating(arch) -> list:
@@ -483,8 +485,8 @@ def verify_counts(engine) -> list:
 
 @in_process
 def test_the_families_that_verify_on_the_device_are_these(micro):
-    """A verify forward runs as one device step exactly for the families whose every layer is GQA attention:
-    deepseek2 (MLA: its step kernels take one row) and the hybrids (a recurrent state to roll back) keep version 2."""
+    """A verify forward runs as one device step exactly for the families whose every layer is GQA attention or MLA
+    (deepseek2): the hybrids (a recurrent state to roll back) keep version 2."""
     runs = [a for a in FAMILIES if every_expert_in_a_slot(micro(a)).model.verify_on_device(4)]
     assert runs == VERIFY_FAMILIES
 
@@ -524,7 +526,7 @@ def test_a_verify_step_keeps_the_float_paths_tokens_with_rollbacks(micro, monkey
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2"])
 def test_a_rollback_leaves_rows_that_no_query_reads(micro, arch):
     """A verify step's logits (each of its T rows) are the reference's for the same positions; rolled back to one
     kept token (kv.n = p0 + 1, as speculation does after rejecting every draft), the device cache still holds the

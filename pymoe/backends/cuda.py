@@ -1249,10 +1249,10 @@ class CUDABackend:
 
     def verify_fits(self, T: int) -> bool:
         """A verify forward of T rows fits a device step's buffers: at most `verify_rows` rows, its arena floats
-        (`_step_floats`), its residual, normed and MoE output rows in the expert scratch (xg, yg)."""
+        (`_step_floats`, MLA's rows besides), its residual, normed and MoE output rows in the expert scratch (xg, yg)."""
         K, D, _ = self._moe
         return (self.step_ready() and 1 < T <= self.verify_rows and 2 * T <= self.chunk * K
-                and self._step_floats(T) <= self.scratch["arena"].shape[0])
+                and self._step_floats(T) + T * self._mla_step_floats() <= self.scratch["arena"].shape[0])
 
     # --- the device decode step (version 3) ------------------------------------------------------------------------
     # One decoded token of a sequence with a device KV cache runs on the device from the token id to the
