@@ -145,15 +145,17 @@ def test_the_blocks_real_kernels_give_the_cpu_float_paths_tokens(micro, monkeypa
     assert list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=False)) == want  # 3 chunks, 1 decode step
 
 @in_process
-@pytest.mark.parametrize("mix", ["f32", "q2_k"])
-def test_a_verify_steps_mla_with_the_real_block_kernels(micro, monkeypatch, mix):
-    """Speculation's verify forward on deepseek2 as one device step of T = 3 rows (the last token and two drafts)
-    with the real kernels of the blocks (BLOCK_OPS; the products and experts on the reference kernels): the cache
+@pytest.mark.parametrize("arch, mix", [("deepseek2", "f32"), ("deepseek2", "q2_k"), ("qwen3next", "f32"),
+                                       ("qwen35moe", "f32")])
+def test_a_verify_steps_blocks_with_the_real_block_kernels(micro, monkeypatch, arch, mix):
+    """Speculation's verify forward as one device step of T = 3 rows (the last token and two drafts) with the real
+    kernels of the blocks (BLOCK_OPS; the products and experts on the reference kernels): on deepseek2 the cache
     rows written from the step's `at` over the T rows (mla_kv_row's at-kernel), the absorbed queries
-    (mla_query_q's), causal chunk attention over the compressed cache, the values. Each row's argmax and logits
-    against the reference backend's forward of the same rows (ULPS: the module docstring; measured 4.5 ulp of s on
-    f32, 3.5 on q2_k); one synchronisation, no copy but the step's two (its ids and position up, its argmax and
-    routing ids back)."""
+    (mla_query_q's), causal chunk attention over the compressed cache, the values; on the hybrids the conv and the
+    rule over the T rows on the device state (conv_chunk, rule_chunk) and the gated attention's chunk attention.
+    Each row's argmax and logits against the reference backend's forward of the same rows (ULPS: the module
+    docstring; measured 4.5 ulp of s on deepseek2 f32, 3.5 on q2_k, 5 on qwen3next, 3 on qwen35moe); one synchronisation, no copy but the
+    step's two (its ids and position up, its argmax and routing ids back)."""
     from pymoe.backends import cuda as cuda_backend
     from pymoe.backends.device_counts import difference
     from pymoe.experts.profile import Profile
@@ -164,7 +166,7 @@ def test_a_verify_steps_mla_with_the_real_block_kernels(micro, monkeypatch, mix)
     for op in BLOCK_OPS:
         setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
     monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
-    path = micro("deepseek2", mix)
+    path = micro(arch, mix)
     ref = pymoe.load(path, backend="reference", chunk=CHUNK)
     cfg = ref.config
     pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
