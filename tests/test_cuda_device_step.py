@@ -10,8 +10,9 @@ cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the st
 the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
 with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.
 Speculation's verify forward (T = 1 + drafts rows) is one device step too on every family (VERIFY_FAMILIES; the
-hybrids roll back to a device snapshot of their state): the position, KV row and T token ids in, the T argmax ids and [n_moe, T, K] routing ids out, one synchronisation;
-its rows' logits, a rollback's next step, and `--spec mtp`'s hidden states are held to the same bound.
+hybrids roll back to a device snapshot of their state): the position, KV row and T token ids in, the T argmax ids
+and [n_moe, T, K] routing ids out, one synchronisation; its rows' logits, a rollback's next step, and `--spec mtp`'s
+hidden states are held to the same bound.
 The backend runs the reference kernels here (tests/test_cuda_backend.py says why); the real ones:
 tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_sim.py (end to end).
 
@@ -20,8 +21,9 @@ experts in k order, the reference in ascending expert order; other reduction tre
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
 "cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7); on gpt-oss 3 ulp (slots,
 "cpu misses") and 2 ulp past its window, version 2 the same; on deepseek2 at most 1.5 ulp (3.6e-7, "cpu misses";
-s 2.7-3.8), its verify step 2 ulp (test_a_rollback_leaves_rows_that_no_query_reads); qwen3next and qwen35moe (three Gated DeltaNet layers and a gated attention layer, each MoE): at most 2.25
-ulp of s with the reference kernels, and within the bound with the real Gated DeltaNet and gated attention kernels
+s 2.7-3.8), its verify step 2 ulp (test_a_rollback_leaves_rows_that_no_query_reads); qwen3next and qwen35moe
+(three Gated DeltaNet layers and a gated attention layer, each MoE): at most 2.25 ulp of s with the reference kernels,
+and within the bound with the real Gated DeltaNet and gated attention kernels
 (`test_the_hybrids_real_kernels_in_the_step`); the bound is 8 ulp of s (2.7x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on

@@ -154,8 +154,8 @@ def test_a_verify_steps_blocks_with_the_real_block_kernels(micro, monkeypatch, a
     (mla_query_q's), causal chunk attention over the compressed cache, the values; on the hybrids the conv and the
     rule over the T rows on the device state (conv_chunk, rule_chunk) and the gated attention's chunk attention.
     Each row's argmax and logits against the reference backend's forward of the same rows (ULPS: the module
-    docstring; measured 4.5 ulp of s on deepseek2 f32, 3.5 on q2_k, 5 on qwen3next, 3 on qwen35moe); one synchronisation, no copy but the
-    step's two (its ids and position up, its argmax and routing ids back)."""
+    docstring; measured 4.5 ulp of s on deepseek2 f32, 3.5 on q2_k, 5 on qwen3next, 3 on qwen35moe); one
+    synchronisation, no copy but the step's two (its ids and position up, its argmax and routing ids back)."""
     from pymoe.backends import cuda as cuda_backend
     from pymoe.backends.device_counts import difference
     from pymoe.experts.profile import Profile

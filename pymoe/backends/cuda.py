@@ -788,8 +788,8 @@ class DeviceKVCache:
     Gated DeltaNet layers (qwen3next, qwen35moe) keep their conv and recurrent state here too, in two copies: on the
     device (`states`: layer -> {"conv" [K - 1, C], "ssm" [nv, dk, dv]: M transposed per head, the layout
     cuda_kernels/deltanet.py reads coalesced}, what the device step advances:
-    `CUDABackend.gdn_step`) and on the host (what the host-side forwards advance: prefill, speculation's verify
-    forwards, through `recurrent` as engine/kv.KVCache's). `fresh` says which copy holds the present; the other is
+    `CUDABackend.gdn_step`) and on the host (what the host-side forwards advance: the server's batched forwards,
+    through `recurrent` as engine/kv.KVCache's). `fresh` says which copy holds the present; the other is
     brought over whole, once, when it is next needed (`host_state`, `device_state`: one copy each way, counted).
     `snapshot` (the same shapes on the device) holds the device state saved before a speculative verify forward
     (`snapshot_recurrent`), what a rollback goes back to without a host round trip."""
@@ -1283,7 +1283,8 @@ class CUDABackend:
 
     def verify_fits(self, T: int) -> bool:
         """A verify forward of T rows fits a device step's buffers: at most `verify_rows` rows, its arena floats
-        (`_step_floats`, MLA's rows besides), its residual, normed and MoE output rows in the expert scratch (xg, yg)."""
+        (`_step_floats`, MLA's and Gated DeltaNet's rows besides), its residual, normed and MoE output rows in the
+        expert scratch (xg, yg)."""
         K, D, _ = self._moe
         return (self.step_ready() and 1 < T <= self.verify_rows and 2 * T <= self.chunk * K
                 and self._step_floats(T) + T * (self._mla_step_floats() + gdn_step_floats(self._cfg))

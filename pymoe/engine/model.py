@@ -173,8 +173,8 @@ class Model:
         a recurrent state goes back to its device snapshot taken before the forward and redoes the kept rows as
         another device step (`DeviceKVCache.snapshot_recurrent`, engine/speculative.py)."""
         b = self.backend
-        return (all(la.plan.attention in DEVICE_STEP_ATTENTION for la in self.layers) and self._misses_all_over_pcie()
-                and getattr(b, "verify_fits", lambda T: False)(T))
+        return (all(la.plan.attention in DEVICE_STEP_ATTENTION for la in self.layers)
+                and self._misses_all_over_pcie() and getattr(b, "verify_fits", lambda T: False)(T))
 
     def steps_on_device(self, kv) -> bool:
         """A decode token of the sequence in kv would run as a device step now (`_device_step`): the server runs
