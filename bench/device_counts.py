@@ -23,7 +23,7 @@ settings:
           tokens three times (`SPEC_PROMPT`: prompt lookup drafts, some drafts are kept, some rejected), 12 new
           tokens; the row counts its verify forwards only, as means per verify forward (not per token), "rows"
           their mean T = 1 + drafts: version 3 runs each as one device step of T rows where the family allows it
-          (engine/model.py `verify_on_device`: the GQA families), else version 2.
+          (engine/model.py `verify_on_device`: every family), else version 2.
 and in two versions of the GPU path: 2 (PYMOE_DEVICE_STEP=0: the residual stream on the host, three round trips
 per layer) and 3 (the default: a decode step on the device from token id to token where the family and the
 setting allow it, backends/cuda.py `begin_step`; elsewhere version 3 runs version 2, and the row says so).

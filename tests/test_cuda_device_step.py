@@ -9,9 +9,10 @@ the reference backend's (the CPU float path's math, NumPy). With misses (one slo
 cache's counters equal version 2's on the same run (PYMOE_DEVICE_STEP=0): the step's lookups are made after it, in
 the order version 2 makes them, so the telemetry and the simulator's replay (experts/simulate.py) keep their meaning;
 with "cpu" misses (pcie_frac 0.5) each MoE layer's lookup is made inside the step, one more synchronisation each.
-Speculation's verify forward (T = 1 + drafts rows) is one device step too on the GQA families (VERIFY_FAMILIES):
-the position, KV row and T token ids in, the T argmax ids and [n_moe, T, K] routing ids out, one synchronisation;
-its rows' logits, a rollback's next step, and `--spec mtp`'s hidden states are held to the same bound.
+Speculation's verify forward (T = 1 + drafts rows) is one device step too on every family (VERIFY_FAMILIES; the
+hybrids roll back to a device snapshot of their state): the position, KV row and T token ids in, the T argmax ids
+and [n_moe, T, K] routing ids out, one synchronisation; its rows' logits, a rollback's next step, and `--spec mtp`'s
+hidden states are held to the same bound.
 The backend runs the reference kernels here (tests/test_cuda_backend.py says why); the real ones:
 tests/test_cuda_step_kernels.py (each kernel) and tests/test_cuda_real_kernels_sim.py (end to end).
 
@@ -20,8 +21,9 @@ experts in k order, the reference in ascending expert order; other reduction tre
 roundings of their own size: measured on qwen3moe, qwen2moe, llama, olmoe and glm4moe (3 steps each, slots and
 "cpu misses") at most 7.2e-7 = 3 ulp of s = max |logit| (2.5-3.2, where one ulp is 2.4e-7); on gpt-oss 3 ulp (slots,
 "cpu misses") and 2 ulp past its window, version 2 the same; on deepseek2 at most 1.5 ulp (3.6e-7, "cpu misses";
-s 2.7-3.8); qwen3next and qwen35moe (three Gated DeltaNet layers and a gated attention layer, each MoE): at most 2.25
-ulp of s with the reference kernels, and within the bound with the real Gated DeltaNet and gated attention kernels
+s 2.7-3.8), its verify step 2 ulp (test_a_rollback_leaves_rows_that_no_query_reads); qwen3next and qwen35moe
+(three Gated DeltaNet layers and a gated attention layer, each MoE): at most 2.25 ulp of s with the reference kernels,
+and within the bound with the real Gated DeltaNet and gated attention kernels
 (`test_the_hybrids_real_kernels_in_the_step`); the bound is 8 ulp of s (2.7x).
 """
 from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
@@ -322,10 +324,10 @@ def test_deepseek_v2_lite_runs_the_step(tmp_path):
 @in_process
 def test_speculation_runs_its_plain_steps_on_the_device(micro):
     """--spec ngram on deepseek2 (MLA over the device's compressed cache, expert groups): the verify forwards of
-    several positions run version 2 with their MLA blocks on the device (engine/mla.mla_device over T rows: no
-    host-side MLA), the single steps between them version 3 (speculation's expert count from the routing ids the
-    step brings back); the greedy tokens are the reference backend's plain decoding. The prompt repeats, so ngram
-    drafts."""
+    several positions and the single steps between them each run as one device step (begin_step; the verify
+    forwards' MLA blocks engine/mla.mla_device over T rows: no host-side MLA; speculation's expert count from the
+    routing ids the step brings back); the greedy tokens are the reference backend's plain decoding. The prompt
+    repeats, so ngram drafts."""
     from pymoe.engine import mla
     from pymoe.engine.speculative import Speculator, NgramDrafter
 
@@ -344,7 +346,7 @@ def test_speculation_runs_its_plain_steps_on_the_device(micro):
     assert engine.backend.counts.snapshot("decode")["bytes"].get("MLA queries to device", 0) == 0
     assert any(1 < n <= 5 for n in rows)  # a verify forward's rows (k + 1 at most; the prompt's forward: 8 rows)
     st = spec.stats
-    assert st.steps > 0 and st.accepted > 0 and len(steps) == st.single_steps > 0
+    assert st.steps > 0 and st.accepted > 0 and st.single_steps > 0 and len(steps) == st.single_steps + st.steps
     assert st.single_experts == st.single_steps * len(engine.config.moe_layers) * engine.config.n_expert_used
 
 
@@ -371,12 +373,11 @@ LONG = [int(t) for t in np.random.default_rng(5).integers(0, 250, 6)] * 3  # 18 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_prompt_lookup_speculation_keeps_the_cpu_float_paths_tokens(micro, monkeypatch, arch):
     """`--spec ngram` on the CUDA backend: the decode steps without a draft run version 3 (begin_step of one
-    token), and so do the verify forwards (several positions: begin_step of T rows) of the GQA families
-    (VERIFY_FAMILIES), while deepseek2's and the hybrids' run version 2; the greedy tokens equal the CPU backend's
-    float path's, as do plain decoding's; the speculation's counts (the distinct experts of each step: from the
-    routing ids a step brings back) equal version 2's. A hybrid's (qwen3next, qwen35moe) rollbacks redo the kept
-    tokens from the saved recurrent state: where none was kept, that redo is a one-token forward, a device step
-    too."""
+    token), and so do the verify forwards (several positions: begin_step of T rows; VERIFY_FAMILIES: every
+    family); the greedy tokens equal the CPU backend's float path's, as do plain decoding's; the speculation's counts
+    (the distinct experts of each step: from the routing ids a step brings back) equal version 2's. A hybrid's
+    (qwen3next, qwen35moe) rollbacks redo the kept tokens from the state's device snapshot: a device step too (one
+    token where none was kept, else a verify step of the kept rows)."""
     from pymoe.engine.speculative import NgramDrafter, Speculator
 
     path = micro(arch)
@@ -389,10 +390,11 @@ def test_prompt_lookup_speculation_keeps_the_cpu_float_paths_tokens(micro, monke
         verify if np.asarray(tokens).size > 1 else steps).append(1) or begin(tokens, *a, **k))
     spec = Speculator(NgramDrafter(), k=3)
     assert list(engine.generate(LONG, max_tokens=12, stop_at_eos=False, spec=spec)) == want
-    st = spec.stats  # (a hybrid's rollback re-advances its state over the kept part: a one-token forward, so a
-    # device step too, where no draft was kept; other families have no rollbacks)
+    st = spec.stats  # (a hybrid's rollback re-advances its state over the kept part: a device step of one token
+    # where no draft was kept, else of the kept rows; other families have no rollbacks)
     assert st.steps > 0 and 0 < st.single_steps <= len(steps) <= st.single_steps + st.rollbacks, (st, len(steps))
-    assert len(verify) == (st.steps if arch in VERIFY_FAMILIES else 0)
+    assert st.steps <= len(verify) <= st.steps + st.rollbacks, (st, len(verify))
+    assert len(steps) + len(verify) == st.single_steps + st.steps + st.rollbacks
     monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2 throughout: the same speculation, experts counted alike
     v2 = Speculator(NgramDrafter(), k=3)
     assert list(every_expert_in_a_slot(path).generate(LONG, max_tokens=12, stop_at_eos=False, spec=v2)) == want
@@ -454,8 +456,9 @@ def test_a_seeded_sampled_request_draws_the_cpu_backends_tokens_on_the_device(mi
 
 
 # --- speculation's verify forward as one device step (begin_step with T rows) --------------------------------------
-VERIFY_FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss"]  # GQA only
-SEEDS = {"glm4moe": 2, "qwen3vlmoe": 5}  # the repeated prompt per family whose drafts are partly rejected (else 0)
+VERIFY_FAMILIES = FAMILIES  # GQA, MLA, and the hybrids (their rollback from a device snapshot)
+SEEDS = {"glm4moe": 2, "qwen3vlmoe": 5, "deepseek2": 1, "qwen3next": 17, "qwen35moe": 7}  # the repeated prompt
+# per family whose drafts are partly rejected (else 0)
 
 
 def repeating(arch) -> list:
@@ -483,8 +486,8 @@ def verify_counts(engine) -> list:
 
 @in_process
 def test_the_families_that_verify_on_the_device_are_these(micro):
-    """A verify forward runs as one device step exactly for the families whose every layer is GQA attention:
-    deepseek2 (MLA: its step kernels take one row) and the hybrids (a recurrent state to roll back) keep version 2."""
+    """A verify forward runs as one device step on every converted family: GQA attention, MLA (deepseek2) and the
+    hybrids (a recurrent state rolled back from its device snapshot)."""
     runs = [a for a in FAMILIES if every_expert_in_a_slot(micro(a)).model.verify_on_device(4)]
     assert runs == VERIFY_FAMILIES
 
@@ -497,7 +500,10 @@ def test_a_verify_step_keeps_the_float_paths_tokens_with_rollbacks(micro, monkey
     decoding's. Each verify forward of T rows costs: its position, KV row and T token ids up (4 (2 + T) bytes, one
     copy), its T argmax ids and every MoE layer's [T, K] routing ids back (4 T (1 + n_moe K) bytes, one copy), one
     synchronisation, and as many launches as a one-token step (each kernel takes the T rows). The speculation's
-    counts and the expert cache's decode counters equal version 2's (PYMOE_DEVICE_STEP=0)."""
+    counts and the expert cache's decode counters equal version 2's (PYMOE_DEVICE_STEP=0). The hybrids (qwen3next,
+    qwen35moe) roll back to the device snapshot of their state taken before the verify forward
+    (`DeviceKVCache.snapshot_recurrent`) and redo the kept rows as a device step (a verify step where more than one
+    row is kept, counted among the verify forwards here): no recurrent state crosses to the host."""
     from pymoe.engine.speculative import NgramDrafter, Speculator
 
     path, prompt = micro(arch), repeating(arch)
@@ -509,8 +515,12 @@ def test_a_verify_step_keeps_the_float_paths_tokens_with_rollbacks(micro, monkey
     spec = Speculator(NgramDrafter(), k=3, backoff=False)
     assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec)) == want
     st = spec.stats
-    assert 0 < st.accepted < st.drafted and len(seen) == st.steps, (st, len(seen))
     cfg = engine.config
+    hybrid = cfg.has_recurrent_state
+    assert 0 < st.accepted < st.drafted and (st.rollbacks > 0) == hybrid, st
+    assert (st.steps <= len(seen) <= st.steps + st.rollbacks) if hybrid else len(seen) == st.steps, (st, len(seen))
+    if hybrid:  # the rollbacks went back to the device snapshot: no state crossed PCIe
+        assert not [w for w in engine.backend.counts.snapshot("decode")["bytes"] if "recurrent state" in w]
     n_ids = len(cfg.moe_layers) * cfg.n_expert_used
     for T, c in seen:
         assert c["bytes"] == {"verify token ids and position to device": 4 * (2 + T),
@@ -524,7 +534,7 @@ def test_a_verify_step_keeps_the_float_paths_tokens_with_rollbacks(micro, monkey
 
 
 @in_process
-@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss", "deepseek2"])
 def test_a_rollback_leaves_rows_that_no_query_reads(micro, arch):
     """A verify step's logits (each of its T rows) are the reference's for the same positions; rolled back to one
     kept token (kv.n = p0 + 1, as speculation does after rejecting every draft), the device cache still holds the
@@ -552,6 +562,44 @@ def test_a_rollback_leaves_rows_that_no_query_reads(micro, arch):
         assert got.greedy_token == int(np.argmax(want))
         s = np.float32(np.abs(want).max())
         assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+
+
+@in_process
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_a_hybrids_rollback_goes_back_to_the_device_snapshot(micro, arch):
+    """Speculation's rollback on a hybrid, as engine/speculative.py makes it: the state snapshot on the device
+    before a verify step of 4 rows (`DeviceKVCache.snapshot_recurrent`: a device copy, no PCIe), the step's logits
+    the reference's, then every draft rejected: the snapshot copied back (`restore_recurrent`), the kept token
+    redone, and the next steps' logits the reference's (which restored its host copy) -- had the state kept the
+    rejected drafts, they would differ. No recurrent state crossed PCIe; a later snapshot voids the earlier token.
+    Tolerance: ULPS (the module docstring)."""
+    from pymoe.backends.cuda import DeviceSnapshot
+    from pymoe.errors import PymoeError
+
+    path, prompt = micro(arch), repeating(arch)[:10]
+    ref, engine = pymoe.load(path, backend="reference"), every_expert_in_a_slot(path)
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(prompt, kv_ref)
+    engine.model.prefill(prompt, kv)
+    p0, rows = kv.n, [9, 200, 31, 77]  # the last token and three drafts
+    saved_ref, saved = kv_ref.save_recurrent(), kv.snapshot_recurrent()
+    assert isinstance(saved, DeviceSnapshot)
+    want, got = ref.model.forward(rows, kv_ref, "decode"), engine.model.forward(rows, kv, "decode")  # [4, V]
+    assert engine.backend.counts.snapshot("decode")["synchronisations"] == 1  # the verify step's one
+    s = np.float32(np.abs(want).max())
+    assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+    kv_ref.restore_recurrent(saved_ref)
+    kv.restore_recurrent(saved)
+    kv_ref.n = kv.n = p0  # every draft rejected: redo the kept token
+    for token in (9, 5, 6):
+        want, got = ref.model.decode_one_token(token, kv_ref), engine.model.decode_one_token(token, kv)
+        assert got.greedy_token == int(np.argmax(want))
+        s = np.float32(np.abs(want).max())
+        assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+    assert not [w for w in engine.backend.counts.snapshot("decode")["bytes"] if "recurrent state" in w]
+    kv.snapshot_recurrent()
+    with pytest.raises(PymoeError):
+        kv.restore_recurrent(saved)
 
 
 @in_process

@@ -144,6 +144,53 @@ def test_the_blocks_real_kernels_give_the_cpu_float_paths_tokens(micro, monkeypa
     engine = pymoe.load(path, backend="cuda", chunk=CHUNK, backend_options=dict(SIM, kernels="mixed"))
     assert list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=False)) == want  # 3 chunks, 1 decode step
 
+@in_process
+@pytest.mark.parametrize("arch, mix", [("deepseek2", "f32"), ("deepseek2", "q2_k"), ("qwen3next", "f32"),
+                                       ("qwen35moe", "f32")])
+def test_a_verify_steps_blocks_with_the_real_block_kernels(micro, monkeypatch, arch, mix):
+    """Speculation's verify forward as one device step of T = 3 rows (the last token and two drafts) with the real
+    kernels of the blocks (BLOCK_OPS; the products and experts on the reference kernels): on deepseek2 the cache
+    rows written from the step's `at` over the T rows (mla_kv_row's at-kernel), the absorbed queries
+    (mla_query_q's), causal chunk attention over the compressed cache, the values; on the hybrids the conv and the
+    rule over the T rows on the device state (conv_chunk, rule_chunk) and the gated attention's chunk attention.
+    Each row's argmax and logits against the reference backend's forward of the same rows (ULPS: the module
+    docstring; measured 4.5 ulp of s on deepseek2 f32, 3.5 on q2_k, 5 on qwen3next, 3 on qwen35moe); one
+    synchronisation, no copy but the step's two (its ids and position up, its argmax and routing ids back)."""
+    from pymoe.backends import cuda as cuda_backend
+    from pymoe.backends.device_counts import difference
+    from pymoe.experts.profile import Profile
+
+    class Mixed(cuda_backend.ReferenceKernels):
+        name = "mixed"
+
+    for op in BLOCK_OPS:
+        setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
+    monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
+    path = micro(arch, mix)
+    ref = pymoe.load(path, backend="reference", chunk=CHUNK)
+    cfg = ref.config
+    pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
+    engine = pymoe.load(path, backend="cuda", chunk=CHUNK, cache_slots=len(pairs), pcie_frac=1.0,
+                        profile=Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs)),
+                        backend_options=dict(SIM, kernels="mixed"))
+    kv_ref, kv = ref.model.new_kv(32), engine.model.new_kv(32)
+    ref.model.prefill(PROMPT[:6], kv_ref)
+    engine.model.prefill(PROMPT[:6], kv)
+    rows = [9, 200, 31]
+    assert engine.model.verify_on_device(len(rows))
+    want = ref.model.forward(rows, kv_ref, "decode")  # [3, V]
+    before = engine.backend.counts.snapshot("decode")
+    got = engine.model.forward(rows, kv, "decode")
+    c = difference(engine.backend.counts.snapshot("decode"), before)
+    T, n_ids = len(rows), len(cfg.moe_layers) * cfg.n_expert_used
+    assert c["synchronisations"] == 1
+    assert c["bytes"] == {"verify token ids and position to device": 4 * (2 + T),
+                          "verify argmax and routing ids to host": 4 * T * (1 + n_ids)}
+    assert [got[t].greedy_token for t in range(len(rows))] == [int(np.argmax(w)) for w in want]
+    s = np.float32(np.abs(want).max())
+    assert np.abs(np.asarray(got) - want).max() <= ULPS * np.spacing(s)
+
+
 def counted_blocks(monkeypatch, module, name: str, counts) -> list:
     """Wrap module.name (a block) so that each call's own counts (backends/device_counts.difference) are kept."""
     from pymoe.backends.device_counts import difference

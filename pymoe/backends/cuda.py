@@ -788,11 +788,14 @@ class DeviceKVCache:
     Gated DeltaNet layers (qwen3next, qwen35moe) keep their conv and recurrent state here too, in two copies: on the
     device (`states`: layer -> {"conv" [K - 1, C], "ssm" [nv, dk, dv]: M transposed per head, the layout
     cuda_kernels/deltanet.py reads coalesced}, what the device step advances:
-    `CUDABackend.gdn_step`) and on the host (what the host-side forwards advance: prefill, speculation's verify
-    forwards, through `recurrent` as engine/kv.KVCache's). `fresh` says which copy holds the present; the other is
-    brought over whole, once, when it is next needed (`host_state`, `device_state`: one copy each way, counted)."""
+    `CUDABackend.gdn_step`) and on the host (what the host-side forwards advance: the server's batched forwards,
+    through `recurrent` as engine/kv.KVCache's). `fresh` says which copy holds the present; the other is
+    brought over whole, once, when it is next needed (`host_state`, `device_state`: one copy each way, counted).
+    `snapshot` (the same shapes on the device) holds the device state saved before a speculative verify forward
+    (`snapshot_recurrent`), what a rollback goes back to without a host round trip."""
 
-    def __init__(self, k, v, n_ctx: int, rows: dict, states: Optional[dict] = None, backend=None):
+    def __init__(self, k, v, n_ctx: int, rows: dict, states: Optional[dict] = None, backend=None,
+                 snapshot: Optional[dict] = None):
         self.k, self.v = k, v  # device [L_kv, capacity, G, Dh], [L_kv, capacity, G, Dv]
         self.n_ctx, self.rows = n_ctx, rows  # rows: layer -> row (ModelConfig.kv_layers)
         self.n = 0
@@ -800,6 +803,7 @@ class DeviceKVCache:
         self.states, self._backend = states or {}, backend
         self._recurrent: dict = {}  # layer -> {"conv", "ssm"} host float32 arrays (engine/kv.KVCache.recurrent)
         self.fresh = "host"  # where the recurrent state's present is: "host" or "device"
+        self.snapshot, self._saved = snapshot or {}, None  # the device snapshot and the token of its last save
 
     def clear(self) -> None:
         self.n = 0
@@ -827,9 +831,34 @@ class DeviceKVCache:
     def save_recurrent(self) -> dict:
         return {layer: {name: a.copy() for name, a in st.items()} for layer, st in self.host_state().items()}
 
-    def restore_recurrent(self, saved: dict) -> None:
+    def restore_recurrent(self, saved) -> None:
+        """Back to `saved`: a host copy (`save_recurrent`), or the token of the last `snapshot_recurrent`, whose
+        device snapshot is copied back into the device state (device to device: no PCIe), made the present."""
+        if isinstance(saved, DeviceSnapshot):
+            if saved is not self._saved:
+                raise PymoeError("restore_recurrent: the device snapshot was taken again since this save")
+            b = self._backend
+            for i, st in self.states.items():
+                for name, dev in st.items():
+                    dev.copy_to_device(self.snapshot[i][name], stream=b.compute)
+            self.fresh = "device"
+            return
         self.host_state()
         self._recurrent = {layer: {name: a.copy() for name, a in st.items()} for layer, st in saved.items()}
+
+    def snapshot_recurrent(self):
+        """What speculation saves before a verify forward (engine/speculative.py): while the device holds the
+        present (after device steps or a prompt's device blocks), a copy of every layer's state into `snapshot`
+        on the device (no PCIe, no synchronisation), -> its token (`DeviceSnapshot`); else the host copy
+        (`save_recurrent`)."""
+        if self.fresh != "device" or not self.snapshot:
+            return self.save_recurrent()
+        b = self._backend
+        for i, st in self.states.items():
+            for name, dev in st.items():
+                self.snapshot[i][name].copy_to_device(dev, stream=b.compute)
+        self._saved = DeviceSnapshot()
+        return self._saved
 
     def host_state(self) -> dict:
         """The host copy, made the present: after device steps, every layer's state comes back (one copy, one
@@ -860,6 +889,10 @@ class DeviceKVCache:
             b.counts.copy("recurrent state to device", n)
             self.fresh = "device"
         return self.states[layer]
+
+
+class DeviceSnapshot:
+    """The token of one `DeviceKVCache.snapshot_recurrent` (only the latest one restores)."""
 
 
 @dataclass(frozen=True)
@@ -1112,11 +1145,12 @@ class CUDABackend:
 
     def sequence_bytes(self, n_ctx: int) -> int:
         """Device bytes of one sequence's device KV cache of n_ctx positions: K/V rows (MLA: its compressed rows)
-        and, with the device step, its Gated DeltaNet layers' conv and recurrent states."""
+        and, with the device step, its Gated DeltaNet layers' conv and recurrent states, twice (the state and the
+        snapshot a speculative rollback goes back to: `DeviceKVCache.snapshot_recurrent`)."""
         c = self._cfg
         n_gdn = sum(1 for i in range(c.n_layers) if c.recurrent and c.recurrent[i]
                     and (self.layers is None or i in self.layers))
-        states = n_gdn * gdn_state_bytes(c) if self.device_step else 0
+        states = 2 * n_gdn * gdn_state_bytes(c) if self.device_step else 0  # (the state and its snapshot)
         return self.kv_bytes(n_ctx) + states
 
     def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0) -> None:
@@ -1174,11 +1208,11 @@ class CUDABackend:
                                                                                      or i in self.layers)]
         shapes = {name: (shape[0], shape[2], shape[1]) if name == "ssm" else shape  # (`transposed`)
                   for name, shape in gdn_state_shapes(c).items()} if gdn else {}
-        states = {i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps advance)
-                      for name, shape in shapes.items()} for i in gdn} if device_kv and self.device_step \
-            else {}
+        states, snapshot = ({i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps
+                                 for name, shape in shapes.items()} for i in gdn}  # advance; then its snapshot)
+                            if device_kv and self.device_step else {} for _ in range(2))
         k, v = self.kv_pool
-        kv = DeviceKVCache(k[s], v[s], self.n_ctx, rows, states, self)
+        kv = DeviceKVCache(k[s], v[s], self.n_ctx, rows, states, self, snapshot)
         kv.seq = s  # its slice of the pool (what a batched step's sequence table names)
         return kv
 
@@ -1249,10 +1283,12 @@ class CUDABackend:
 
     def verify_fits(self, T: int) -> bool:
         """A verify forward of T rows fits a device step's buffers: at most `verify_rows` rows, its arena floats
-        (`_step_floats`), its residual, normed and MoE output rows in the expert scratch (xg, yg)."""
+        (`_step_floats`, MLA's and Gated DeltaNet's rows besides), its residual, normed and MoE output rows in the
+        expert scratch (xg, yg)."""
         K, D, _ = self._moe
         return (self.step_ready() and 1 < T <= self.verify_rows and 2 * T <= self.chunk * K
-                and self._step_floats(T) <= self.scratch["arena"].shape[0])
+                and self._step_floats(T) + T * (self._mla_step_floats() + gdn_step_floats(self._cfg))
+                <= self.scratch["arena"].shape[0])
 
     # --- the device decode step (version 3) ------------------------------------------------------------------------
     # One decoded token of a sequence with a device KV cache runs on the device from the token id to the
@@ -1772,7 +1808,7 @@ class CUDABackend:
             return None
         for i, (held, own) in enumerate(zip(self._kv_holders, self._kvs)):
             if held is None or held() is None:
-                kv = DeviceKVCache(own.k, own.v, n_ctx, own.rows, own.states, self)
+                kv = DeviceKVCache(own.k, own.v, n_ctx, own.rows, own.states, self, own.snapshot)
                 kv.seq = i
                 self._kv_holders[i] = weakref.ref(kv)
                 return kv

@@ -124,12 +124,12 @@ def gdn_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope=None, chunk
     T = x.shape[0]
     nv, dv = cfg.ssm_v_heads, cfg.ssm_inner // cfg.ssm_v_heads
     mix = [w["beta"], w["alpha"]] if cfg.traits.gdn_tiled else [w["ba"]]
-    if not isinstance(x, np.ndarray):  # a device decode step's normed residual (backends/cuda.py): the conv, the
-        x = b.to_device(x)  # rule and the gated norm run there too, on the state the device KV cache keeps
+    if not isinstance(x, np.ndarray) and x.shape[0] == 1:  # a device decode step's normed residual (backends/
+        x = b.to_device(x)  # cuda.py): the conv, the rule and the gated norm run there too, on the device state
         qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [1, conv_dim], [1, nv dv], ba or beta, alpha
         return b.linear(w["out"], b.gdn_step(kvs[0], layer_i, cfg, w, qkv, z, ba))  # [1, D] (device)
-    if len(kvs) == 1 and getattr(b, "gdn_on_device", lambda kv: False)(kvs[0]):
-        return gdn_device(b, layer, x, kvs[0], layer_i)  # T rows of one sequence over its device state
+    if not isinstance(x, np.ndarray) or (len(kvs) == 1 and getattr(b, "gdn_on_device", lambda kv: False)(kvs[0])):
+        return gdn_device(b, layer, x, kvs[0], layer_i)  # T rows of one sequence (a verify step's: on the device)
     qkv, z, *ba = b.linear_many([w["qkv"], w["gate"], *mix], x)  # [T, conv_dim], [T, nv dv], [T, 2 nv] or 2 x [T, nv]
     qkv, z, ba = np.asarray(qkv, np.float32), np.asarray(z, np.float32), [np.asarray(m, np.float32) for m in ba]
     o = join_rows(b, [gdn_core(layer, qkv[rows], z[rows], [m[rows] for m in ba], kv, layer_i, chunked)
@@ -138,9 +138,10 @@ def gdn_block(b, layer, x: np.ndarray, kvs: list, layer_i: int, rope=None, chunk
 
 
 def gdn_device(b, layer, x: np.ndarray, kv, layer_i: int) -> np.ndarray:
-    """T rows of one sequence on the device (backends/cuda.py): x [T, D] (attn-normed, host) goes up once, the
-    projections, the conv and the rule over the T tokens in order (`CUDABackend.gdn_chunk`: the recurrent form, one
-    launch each, on the state the device KV cache keeps) and ssm_out run there, [T, D] comes back once."""
+    """T rows of one sequence on the device (backends/cuda.py): x [T, D] (attn-normed; host: it goes up once and
+    [T, D] comes back once; a device array in a verify step: it stays there), the projections, the conv and the
+    rule over the T tokens in order (`CUDABackend.gdn_chunk`: the recurrent form, one launch each, on the state
+    the device KV cache keeps) and ssm_out run there."""
     cfg, w = layer.cfg, layer.gdn
     mix = [w["beta"], w["alpha"]] if cfg.traits.gdn_tiled else [w["ba"]]
     x = b.to_device(x)  # [T, D]

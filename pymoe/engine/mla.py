@@ -6,8 +6,9 @@ vendors; the converter splits kv_b_proj into attn_k_b and attn_v_b for it). Test
 llama.cpp (tests/test_model_vs_llamacpp.py, arch deepseek2).
 On the CUDA backend, over one sequence's device KV cache, the block is `mla_device`: the same math with its
 MLA-specific parts (the cache rows, the absorbed query, the value up-projection) in cuda_kernels/mla.py and the
-attention over the device copy of the compressed cache, for one token of a device decode step (version 3: x a device
-array) and for T rows of a prompt chunk or a verify forward (x on the host: it goes up once and the block's output
+attention over the device copy of the compressed cache, for the rows of a device step (version 3: x a device array;
+one decode token, or speculation's verify forward of T rows, engine/model.py `verify_on_device`) and for T rows of a
+prompt chunk or of a verify forward outside a device step (x on the host: it goes up once and the block's output
 comes back once). The host form (`mla_core`) runs on the other backends and for several sequences at once (the
 server's batched forward).
 What this is not: the uncompressed form (a KV of H full heads: mathematically the same, H times the memory), or a
@@ -105,7 +106,8 @@ def mla_core(b, layer, q_nope, q_pe, c, k_pe, kv, layer_i: int) -> np.ndarray:
 
 def mla_device(b, layer, x, kv, layer_i: int, rope: tuple):
     """MLA on the device for one sequence's T rows (backends/cuda.py): x [T, D] (attn-normed; a device array in a
-    device decode step, T = 1, else a host array sent up once) -> [T, D] (device in a step, else host: one copy back);
+    device step, one token or a verify step's T rows, else a host array sent up once) -> [T, D] (device in a step,
+    else host: one copy back);
     mla_block and mla_core's math with the backend's MLA primitives: the cache rows [c | k_pe] written at kv.n..
     (`mla_kv_write`: rmsnorm and RoPE), the absorbed, roped queries with the scale folded in (`mla_query`), attention
     over the device cache (V = K[..., :C]; token t sees positions 0..kv.n + t), the value up-projection

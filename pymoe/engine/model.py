@@ -163,15 +163,18 @@ class Model:
 
     def verify_on_device(self, T: int) -> bool:
         """A verify forward of T positions (the last token and its drafts, engine/speculative.py) runs as one device
-        step (backends/cuda.py `begin_step` with T rows): GQA attention in every layer (no recurrent state, whose
-        rollback would need the state before the drafts; no MLA, whose step kernels take one row), every miss read
-        over PCIe (the cache's lookups follow the step: one synchronisation), and rows that fit the step's buffers
-        (`verify_fits`). Its rollback is speculation's `kv.n = p0 + 1 + accepted`: the rejected rows' K/V stay in
-        the device cache past kv.n, where no query reads them (each query attends to rows 0 .. its own position) and
-        the next forward writes its rows before it attends."""
+        step (backends/cuda.py `begin_step` with T rows): every layer a kind the device step runs (GQA and gated
+        attention; MLA, engine/mla.mla_device over the T rows: cache rows, absorbed queries, causal attention over
+        the compressed cache, values; Gated DeltaNet, engine/deltanet.gdn_device: the conv and the rule over the T
+        rows in order), every miss read over PCIe (the cache's lookups follow the step: one synchronisation), and
+        rows that fit the step's buffers (`verify_fits`). Its rollback is speculation's `kv.n = p0 + 1 + accepted`:
+        the rejected rows' K/V (MLA: compressed rows) stay in the device cache past kv.n, where no query reads them
+        (each query attends to rows 0 .. its own position) and the next forward writes its rows before it attends;
+        a recurrent state goes back to its device snapshot taken before the forward and redoes the kept rows as
+        another device step (`DeviceKVCache.snapshot_recurrent`, engine/speculative.py)."""
         b = self.backend
-        return (all(la.plan.attention == "gqa" for la in self.layers) and self._misses_all_over_pcie()
-                and getattr(b, "verify_fits", lambda T: False)(T))
+        return (all(la.plan.attention in DEVICE_STEP_ATTENTION for la in self.layers)
+                and self._misses_all_over_pcie() and getattr(b, "verify_fits", lambda T: False)(T))
 
     def steps_on_device(self, kv) -> bool:
         """A decode token of the sequence in kv would run as a device step now (`_device_step`): the server runs

@@ -15,7 +15,8 @@ and the target's choice is made by the same sampler on the same history. At temp
 exactly the target's distribution (`Sampler.verify`; tests/test_speculative.py tests it statistically).
 Recurrent state (Gated DeltaNet layers) cannot be cut back by moving kv.n: it is saved before the verification
 forward and, when a draft was rejected, restored and advanced over the kept tokens only (one more forward of
-1 + accepted positions).
+1 + accepted positions); on a device KV cache whose state the device holds, the save is a device snapshot
+(backends/cuda.py `DeviceKVCache.snapshot_recurrent`), so the rollback moves no state over PCIe.
 
 Drafters (one interface, `propose(history, k) -> list of at most k ids`):
     ngram        prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens
@@ -192,7 +193,7 @@ class Speculator:
             self.plain(model.last_experts)
             return self.timed("single", [sampler(logits, history)], t0)
         p0 = kv.n
-        saved = kv.save_recurrent() if model.cfg.has_recurrent_state else None
+        saved = getattr(kv, "snapshot_recurrent", kv.save_recurrent)() if model.cfg.has_recurrent_state else None
         logits = model.forward([token] + drafts, kv, "decode")  # [k + 1, V]
         out = self.judge(logits, drafts, history, sampler, model.last_experts)
         accepted = len(out) - 1

@@ -149,7 +149,8 @@ class ModelFacts:
     kv_bytes_per_ctx_token: int = 0  # KV cache bytes per context position, all layers
     n_dense: int = 0  # leading dense layers (no experts): n_layers counts them; traces and profiles hold MoE layers
     n_embd: int = 0  # the residual width: what crosses from one card to the next (experts/multi.py)
-    state_bytes_per_seq: int = 0  # a sequence's fixed-size state beside its KV cache (Gated DeltaNet's, float32)
+    state_bytes_per_seq: int = 0  # a sequence's fixed-size state beside its KV cache (Gated DeltaNet's, float32;
+    # twice: the state and its snapshot for speculation's rollback, backends/cuda.py DeviceKVCache.snapshot_recurrent)
 
     @property
     def n_moe_layers(self) -> int:
@@ -198,7 +199,7 @@ def facts_from_gguf(path) -> ModelFacts:
     return ModelFacts(name=str(path), n_layers=cfg.n_layers, n_expert=cfg.n_expert, k=cfg.n_expert_used,
                       slot_bytes=m.slot_bytes, dense_resident_bytes=resident, dense_bytes_per_token=per_token,
                       kv_bytes_per_ctx_token=kv_bytes_per_ctx_token(cfg), n_dense=cfg.n_dense_lead,
-                      state_bytes_per_seq=sum(1 for r in cfg.recurrent or () if r) * gdn_state_bytes(cfg),
+                      state_bytes_per_seq=2 * sum(1 for r in cfg.recurrent or () if r) * gdn_state_bytes(cfg),
                       n_embd=cfg.n_embd)
 
 
