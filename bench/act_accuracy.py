@@ -33,7 +33,9 @@ FAMILIES = tuple(ARCHS)  # every family pymoe reads
 FTYPES = ("Q2_K", "Q4_K_M", "Q2_0", "MXFP4_MOE", "IQ4_XS")
 N_POS = 50
 # column -> the CPU backend's options (backends/cpu.py: act_bits, head_bits)
-CONFIGS = {"pymoe 16": dict(act_bits=16), "pymoe 15": dict(act_bits=15), "pymoe 8": dict(act_bits=8),
+# ("pymoe default": no --act-bits, the width the file gets: backends/cpu.py `default_width`)
+CONFIGS = {"pymoe default": dict(), "pymoe 16": dict(act_bits=16), "pymoe 15": dict(act_bits=15),
+           "pymoe 8": dict(act_bits=8),
            "pymoe auto": dict(act_bits="auto"), "auto, head 8": dict(act_bits="auto", head_bits=8)}
 
 

@@ -71,11 +71,14 @@ class Engine:
         log(f"backend {self.backend.name}")
         if getattr(self.backend, "note", None):  # CUDA in the simulator: the device size it stands for
             log(self.backend.note)
-        if getattr(self.backend, "repack", False):  # CPU, 8-bit activations (backends/cpu.py, quant/repack.py)
+        if hasattr(self.backend, "fit_width"):  # CPU: the width a file runs at by default (backends/cpu.py)
+            self.backend.fit_width(self.file)
+        if getattr(self.backend, "repack", False):  # CPU, 8-bit dots (backends/cpu.py, quant/repack.py)
             from .quant.repack import TILE_BYTES
             tiled = ", ".join(q.name for q in TILE_BYTES)
             budget = getattr(self.backend, "expert_budget", 0) / 2**30
-            log(f"8-bit activations: {tiled} weights are repacked 8 rows at a time, the dense ones now, an expert "
+            log(f"--act-bits {self.backend.act_bits} (8-bit dots): {tiled} weights are repacked 8 rows at a time, "
+                "the dense ones now, an expert "
                 f"when it first runs (a copy beside the memory map, at most {budget:.1f} GiB of experts' copies, "
                 "then read in place: PYMOE_REPACK_MIB; PYMOE_REPACK=0: off)")
         if hasattr(self.backend, "attach"):  # CUDA: pin and map the model file

@@ -91,8 +91,8 @@ def engine_options(f):
                      help="Share of decode cache misses read over PCIe (spill); the rest are computed on the CPU "
                           "[default: measured by the PCIe probe on cuda; 0 on cpu, as the probe says with no GPU]."),
         click.option("--act-bits", default=None, type=click.Choice(["8", "15", "16", "auto", "0"]),
-                     help="CPU backend: the activations' width on its integer path: 16 (default: within ~1e-4 of "
-                          "float math), 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K-Q6_K, Q8_0, "
+                     help="CPU backend: the activations' width on its integer path (default: 15 when every routed "
+                          "expert matrix has 8-row tiles, else 16; both within ~1e-4 of float math): 16, 8 (llama.cpp's choice, about twice as fast per weight, and Q2_K-Q6_K, Q8_0, "
                           "MXFP4 and IQ4_XS weights repacked 8 rows at a time, unless PYMOE_REPACK=0, the experts' "
                           "copies up to half the available memory, PYMOE_REPACK_MIB; IQ1-IQ3 experts "
                           "decoded into 8-row tiles in prefill, unless PYMOE_DECODE=0; coarser), 15 (x to 15 bits as "

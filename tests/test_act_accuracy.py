@@ -22,21 +22,22 @@ CASES = [("qwen3moe", "Q4_K_M"), ("qwen3next", "Q4_K_M"), ("qwen3moe", "MXFP4_MO
 # other files of bench/act_accuracy.py (docs/performance.md "Accuracy"). 1.25 is 3.5x the largest excess seen
 # before per-32 blocks (1.07); a power-of-two scale measured 1.28-1.47, per-256 x for MXFP4 and Q2_0 1.2-1.5.
 RATIO_8 = 1.25
-COLUMN = {"16": "pymoe 16", "15": "pymoe 15", "8": "pymoe 8", "auto": "pymoe auto"}  # --act-bits -> bench/act_accuracy.py's column
+# --act-bits -> bench/act_accuracy.py's column ("default": no --act-bits, the file's own width: backends/cpu.py
+# `default_width`)
+COLUMN = {"default": "pymoe default", "16": "pymoe 16", "15": "pymoe 15", "8": "pymoe 8", "auto": "pymoe auto"}
 
 
 @pytest.mark.parametrize("arch, ftype", CASES)
 def test_each_width_against_llama_cpps_own_distance_from_float(arch, ftype, tiny_model, tmp_path):
     from act_accuracy import CONFIGS, measure
 
-    from pymoe.backends.cpu import DEFAULT_ACT_BITS
-
     r = measure(tiny_model(arch, "f32"), ftype, str(tmp_path), {c: CONFIGS[c] for c in COLUMN.values()})
     llama, p16, p15, p8, auto = r["llama.cpp"], r["pymoe 16"], r["pymoe 15"], r["pymoe 8"], r["pymoe auto"]
     assert llama[0] > 0  # llama.cpp's 8-bit run does move off the float model: the comparison means something
     # what a user gets by default is at least as close to float as llama.cpp, and picks the same tokens or more
-    default = r[COLUMN[DEFAULT_ACT_BITS]]
+    default = r["pymoe default"]
     assert default[0] <= llama[0] and default[1] >= llama[1], r
+    assert default == p15, r  # every expert matrix of these files has 8-row tiles: the default is two 8-bit planes
     assert p16[0] <= llama[0] and p16[1] >= llama[1], r  # the precise mode, whatever the default
     assert p15[0] <= llama[0] and p15[1] >= llama[1], r  # two 8-bit planes: 16 bits' accuracy on the 8-bit dots
     # auto (8-bit experts, the rest 16-bit) is nearer float than llama.cpp by its mean |Δ| (measured 0.60-0.65x);

@@ -5,8 +5,9 @@ quantized W as a whole (quant/kernels.py decodes one block at a time). F32 weigh
 the memory map) through `f32_matmul` (bits independent of T). Small float vectors (norms, biases, the shared-expert
 gate) are read once as float32.
 Two paths for quantized weights, chosen once by `act_bits`:
-  - integer (act_bits 16, the default, 8 = llama.cpp's, 15 = two 8-bit planes (qact.quantize_planes_ref: 16-bit
-    accuracy through the 8-bit dots and tiles), or "auto": 8 for the routed experts, 16 for the rest,
+  - integer (act_bits 15 = two 8-bit planes (qact.quantize_planes_ref: 16-bit accuracy through the 8-bit dots and
+    tiles), the default when the experts have tiles (`default_width`), else 16, the default otherwise; 8 =
+    llama.cpp's; or "auto": 8 for the routed experts, 16 for the rest,
     `ACT_MODES`; PYMOE_ACT_BITS=8): weights of a type in `qact.ACT_DOTS` (the K-quants, IQ1-IQ4, MXFP4, Q8_0, Q4_0,
     Q2_0; rows of whole 256-blocks) take the integer path, as llama.cpp does: x is quantized per 256 values (at 8
     bits per 32 for the formats llama.cpp pairs with block_q8_0: `qact.act_group`) and each block is dotted in
@@ -58,8 +59,24 @@ from pymoe.quant.qact import QK_K, has_int_dot, prefetch_line
 # kernels only; "auto" 8-bit x for the routed experts (the bulk of a token's weights), 16-bit for the rest
 # (attention, shared expert, output head: docs/performance.md "Accuracy")
 ACT_MODES = {"16": (16, 16), "8": (8, 8), "15": (15, 15), "0": (0, 0), "auto": (16, 8)}
-DEFAULT_ACT_BITS = "16"
+DEFAULT_ACT_BITS = "16"  # without a file to look at (a CPUBackend made on its own); a model's: `default_width`
 HEAD_NAMES = ("output.weight", "token_embd.weight")  # the output head's tensor (token_embd: a tied head)
+
+
+def default_width(file) -> str:
+    """The width a model runs at without --act-bits or PYMOE_ACT_BITS: "15" (two 8-bit planes: the 16-bit path's
+    accuracy through the 8-bit dots, docs/performance.md "Accuracy: each activation width against the float model,
+    beside llama.cpp") when every routed expert matrix of the file has a repacked layout (quant/repack.py `fits`: 8-row
+    tiles of a K-quant, IQ4_XS or MXFP4), else "16": on raw rows two 8-bit dots a weight are slower than one 16-bit
+    dot (Q2_0, the IQ1-IQ3 grids, rows that are not whole tiles)."""
+    from pymoe.quant import repack
+
+    for i in file.config.moe_layers:
+        for p in ("gate", "up", "down"):
+            t = file.layer_tensor(i, f"ffn_{p}_exps.weight")
+            if not repack.fits(t.qtype, *t.shape[-2:]):  # shape [E, rows, cols]
+                return "16"
+    return "15"
 
 
 def act_mode(act_bits) -> tuple:
@@ -386,8 +403,8 @@ class CPUBackend(HostArrays):
 
     def __init__(self, threads: Optional[int] = None, act_bits: Optional[int] = None, repack: Optional[bool] = None,
                  head_bits: Optional[int] = None, repack_mib: Optional[float] = None):
-        """act_bits: 16 (default), 8 or 15 (two 8-bit planes): the integer path's activations (quant/qact.py); 0:
-        float kernels only;
+        """act_bits: 16, 8 or 15 (two 8-bit planes): the integer path's activations (quant/qact.py); 0: float
+        kernels only; None: PYMOE_ACT_BITS, else 16 until `fit_width` picks the model's default (`default_width`);
         "auto": 8 bits for the routed experts, 16 for the dense products (ACT_MODES). head_bits: the output
         head's own width (default: the dense products'; bench/act_accuracy.py measures what it costs).
         repack: keep 8-row repacked copies of the weights that have a layout (quant/repack.py) for the products
@@ -398,10 +415,11 @@ class CPUBackend(HostArrays):
         self.threads = self.most = numba.get_num_threads()  # this forward call's team / the team on a quiet machine
         self.governor = ThreadGovernor(self.most) if adaptive(threads) else None  # backends/threads.py
         self._team = {}  # calling thread's ident -> the team size set there (Numba's count is per calling thread)
-        self.act_bits, self.dense_bits, self.expert_bits = act_mode(act_bits)  # (see ACT_MODES)
+        # a width given here or in PYMOE_ACT_BITS holds; else the model's (`fit_width`, called by api.Engine)
+        self.width_given = act_bits is not None or "PYMOE_ACT_BITS" in os.environ
         self.head_bits = None if head_bits is None else int(head_bits)
-        self.repack = bool({8, qact.PLANES} & {self.dense_bits, self.expert_bits, self.head_bits}) and (
-            os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None else bool(repack))
+        self._repack_option = repack
+        self._set_width(act_bits)
         self._rows = {}  # id(ExpertBytes) -> (the ExpertBytes, its repacked matrices, its row of addresses)
         self._fused = {}  # (expert types, D, F) -> whether moe_experts takes the fused kernel
         self._eps = {}  # rmsnorm's eps -> np.float32(eps)
@@ -411,6 +429,17 @@ class CPUBackend(HostArrays):
         self.expert_budget = repack_budget() if repack_mib is None else int(repack_mib * 2**20)  # bytes
         self.expert_copies = 0  # bytes of the experts' repacked copies made
         self.experts_in_place = 0  # experts first run once the budget was spent (read from the memory map)
+
+    def _set_width(self, act_bits) -> None:
+        self.act_bits, self.dense_bits, self.expert_bits = act_mode(act_bits)  # (see ACT_MODES)
+        repack = self._repack_option
+        self.repack = bool({8, qact.PLANES} & {self.dense_bits, self.expert_bits, self.head_bits}) and (
+            os.environ.get("PYMOE_REPACK", "1") != "0" if repack is None else bool(repack))
+
+    def fit_width(self, file) -> None:
+        """Before any weight is prepared: with no width given, the model's default (`default_width`)."""
+        if not self.width_given:
+            self._set_width(default_width(file))
 
     def share_cpu(self) -> None:
         """Before a forward call: its team of threads, the cores other processes leave free (backends/threads.py),
