@@ -96,7 +96,7 @@ at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS 2 * 127 * 127 =
 Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by; on a
 CPU with 512-bit VNNI the formats in PAIR read two row-groups per call (16 rows in the lanes of one vector, each row's
 integers and float operations those of its own row-group's call: the same bits; `_Emit`).
-What this is not: a 16-bit-activation path (its sums need qact's 16-lane split, so the default activations read the
+What this is not: a 16-bit-activation path (its sums need qact's 16-lane split, so 16-bit activations read the
 raw rows).
 """
 from __future__ import annotations
