@@ -711,8 +711,8 @@ MUTANTS: list[Mutant] = [
         "the repacked Q4_K dot multiplies each row's sub-block sums by the next row's scales"),
     Mutant(
         "tile_matvec3_skips_a_row_group_of_k", "pymoe/quant/repack.py",
-        "for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):",
-        "for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 3)):",
+        "for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 4)):\n                TILE_DOT_1(",
+        "for g in range(4 * (task - b0), min(n1, 4 * (task - b0) + 3)):\n                TILE_DOT_1(",
         ("tests/test_repack.py::test_three_matrix_decode_call_has_the_bits_of_three_calls[*]",),
         "the three-matrix decode call (q, k, v) leaves one row-group of k's in four unwritten"),
     Mutant(
