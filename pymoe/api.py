@@ -35,7 +35,7 @@ class Engine:
                  cache: str = "auto", chunk: int = 512, reserve_mib: float = 700, log=lambda line: None,
                  backend_options: Optional[dict] = None, admit: str = "all", max_inserts: int = 0,
                  warm_set: int = 0, warm_inserts: int = 0, act_bits=None, devices: Optional[str] = None,
-                 sequences: int = 1):
+                 sequences: int = 1, speculation: bool = False):
         """`cache_slots` / `cache_gib` size an expert slot pool; else `cache` = "auto" sizes it from the device's free
         memory (CUDA; on the CPU backend auto means no pool: every expert is read in place) or "none".
         `profile` (a path or a profile.Profile) pre-fills it; `pcie_frac` (None: measured by the PCIe probe on CUDA,
@@ -49,7 +49,12 @@ class Engine:
         `devices` ("0,1", or a count): the CUDA backend on several devices, the layers split by ranges, one slot
         pool per device (backends/multi_device.py). `sequences`: how many sequences decode at once (`pymoe serve
         -np`): CUDA gives each a device KV cache of n_ctx positions, as many as fit before the slot pool
-        (`_keep_for_pool`); the others keep host KV caches."""
+        (`_keep_for_pool`); the others keep host KV caches. `speculation`: the engine will decode with
+        `generate(spec=...)` (`pymoe run --spec`): CUDA then gives each device KV cache of a hybrid (qwen3next,
+        qwen35moe) a device snapshot of its Gated DeltaNet state, as large as the state, what a rejected draft's
+        rollback goes back to without PCIe (backends/cuda.py `DeviceKVCache.snapshot_recurrent`). Without it,
+        `generate(spec=...)` still works (the same tokens): each verify forward saves the state on the host instead,
+        one copy to the host and one synchronisation per verify forward, and a rollback copies it back."""
         from .engine.tokenizer import Tokenizer
 
         if chunk < 1:
@@ -103,7 +108,8 @@ class Engine:
         self.model.chunk = int(chunk)
         if hasattr(self.backend, "prepare"):  # CUDA: activation buffers, RoPE tables, one sequence's KV cache
             self.backend.prepare(chunk, self.n_ctx, device_kv=not self.model.host_attention, sequences=sequences,
-                                 keep_free=self._keep_for_pool(cache, cache_slots, cache_gib))
+                                 keep_free=self._keep_for_pool(cache, cache_slots, cache_gib),
+                                 speculation=speculation)
             for line in self.backend.memory_line().splitlines():  # (several devices: one line each)
                 log(line)
         self.free_at_sizing = None  # device bytes free when --cache auto sized the pool (telemetry), if it did

@@ -341,7 +341,7 @@ def run_cmd(model, prompt, prompt_file, n_predict, chat, interactive, temp, top_
     image_bytes = [_read_image(path) for path in images]  # before the model loads: a bad path fails fast
     if image_bytes and spec:
         raise PymoeError("--spec does not take images (its drafter reads token ids only): use one of them")
-    engine = _load(model, ctx, chat_template, log, **engine_opts)
+    engine = _load(model, ctx, chat_template, log, speculation=bool(spec), **engine_opts)
     if image_bytes or mmproj:
         engine.attach_mmproj(mmproj, log)
         for path, data in zip(images, image_bytes):
@@ -542,8 +542,12 @@ def _chat(model, system, n_predict, temp, top_k, top_p, min_p, repeat_penalty, s
                    "one slot pool each; one line per card and the whole model (docs/scaling-out.md).")
 @click.option("--hop-us", default=None, type=Floats(min=0),
               help="With --devices: latency of one card-to-card hop of the residual stream, us [default: 10].")
+@click.option("--spec", "speculation", is_flag=True,
+              help="Plan for speculative decoding (pymoe run --spec): a hybrid's (qwen3next, qwen35moe) recurrent "
+                   "state counted twice per sequence, the state and the device snapshot a rollback goes back to "
+                   "(for --overhead auto).")
 def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx, parallel, device_bw, pcie, fixed_ms,
-             targets, trace_path, profile_path, plot_path, devices, hop_us):
+             targets, trace_path, profile_path, plot_path, devices, hop_us, speculation):
     """Capacity plan for MODEL: VRAM -> slots -> coverage -> hit rate -> spill -> predicted decode tok/s, and back.
 
     Formulas and the reference article's numbers worked through: docs/planning.md."""
@@ -562,7 +566,8 @@ def plan_cmd(model, vram, free, reserve, extra_reserve, overhead, runtime, n_ctx
     click.echo(plan_report(model, vram=vram, free=free, reserve=reserve, extra_reserve=extra_reserve,
                            device_bw_gbs=device_bw, pcie_gbs=pcie, fixed_ms=fixed_ms, overhead=overhead,
                            runtime=runtime, n_ctx=n_ctx, targets=targets, trace_path=trace_path,
-                           profile_path=profile_path, plot_path=plot_path, parallel=parallel))
+                           profile_path=profile_path, plot_path=plot_path, parallel=parallel,
+                           speculation=speculation))
 
 
 @cli.command("simulate")

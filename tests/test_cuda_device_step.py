@@ -58,12 +58,13 @@ def micro(tmp_path_factory):
     return make
 
 
-def every_expert_in_a_slot(path):
+def every_expert_in_a_slot(path, speculation=False):
+    """speculation: api.Engine's (`pymoe run --spec`: a hybrid's device KV cache gets its state's device snapshot)."""
     cfg = pymoe.load(path, backend="reference").config
     pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
     profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
     return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
-                      backend_options=SIM)
+                      backend_options=SIM, speculation=speculation)
 
 
 def per_token(engine):
@@ -382,7 +383,7 @@ def test_prompt_lookup_speculation_keeps_the_cpu_float_paths_tokens(micro, monke
 
     path = micro(arch)
     want = list(pymoe.load(path, backend="cpu", act_bits=0).generate(LONG, max_tokens=12, stop_at_eos=False))
-    engine = every_expert_in_a_slot(path)
+    engine = every_expert_in_a_slot(path, speculation=True)
     assert list(engine.generate(LONG, max_tokens=12, stop_at_eos=False)) == want
     steps, verify = [], []
     begin = engine.backend.begin_step
@@ -397,7 +398,8 @@ def test_prompt_lookup_speculation_keeps_the_cpu_float_paths_tokens(micro, monke
     assert len(steps) + len(verify) == st.single_steps + st.steps + st.rollbacks
     monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2 throughout: the same speculation, experts counted alike
     v2 = Speculator(NgramDrafter(), k=3)
-    assert list(every_expert_in_a_slot(path).generate(LONG, max_tokens=12, stop_at_eos=False, spec=v2)) == want
+    assert list(every_expert_in_a_slot(path, speculation=True).generate(LONG, max_tokens=12, stop_at_eos=False,
+                                                                          spec=v2)) == want
     assert v2.stats == spec.stats
 
 
@@ -508,7 +510,7 @@ def test_a_verify_step_keeps_the_float_paths_tokens_with_rollbacks(micro, monkey
 
     path, prompt = micro(arch), repeating(arch)
     want = list(pymoe.load(path, backend="cpu", act_bits=0).generate(prompt, max_tokens=12, stop_at_eos=False))
-    engine = every_expert_in_a_slot(path)
+    engine = every_expert_in_a_slot(path, speculation=True)
     list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=False))  # one plain device step: its launches
     step_launches = engine.last_stats.device["launches"]
     seen = verify_counts(engine)
@@ -527,7 +529,7 @@ def test_a_verify_step_keeps_the_float_paths_tokens_with_rollbacks(micro, monkey
                               "verify argmax and routing ids to host": 4 * T * (1 + n_ids)}
         assert (c["synchronisations"], c["launches"]) == (1, step_launches)
     monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2: the same speculation and cache counters
-    v2_engine = every_expert_in_a_slot(path)
+    v2_engine = every_expert_in_a_slot(path, speculation=True)
     v2 = Speculator(NgramDrafter(), k=3, backoff=False)
     assert list(v2_engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=v2)) == want
     assert v2.stats == st and v2_engine.last_stats.decode == engine.last_stats.decode
@@ -577,7 +579,7 @@ def test_a_hybrids_rollback_goes_back_to_the_device_snapshot(micro, arch):
     from pymoe.errors import PymoeError
 
     path, prompt = micro(arch), repeating(arch)[:10]
-    ref, engine = pymoe.load(path, backend="reference"), every_expert_in_a_slot(path)
+    ref, engine = pymoe.load(path, backend="reference"), every_expert_in_a_slot(path, speculation=True)
     kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
     ref.model.prefill(prompt, kv_ref)
     engine.model.prefill(prompt, kv)
@@ -600,6 +602,57 @@ def test_a_hybrids_rollback_goes_back_to_the_device_snapshot(micro, arch):
     kv.snapshot_recurrent()
     with pytest.raises(PymoeError):
         kv.restore_recurrent(saved)
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_a_hybrids_state_snapshot_is_allocated_for_speculation_only(micro, arch):
+    """A hybrid's device KV cache holds its Gated DeltaNet state once; an engine prepared for speculation
+    (api.Engine `speculation`, `pymoe run --spec`) gives it the device snapshot too, as large. The backend's
+    `sequence_bytes` counts what `prepare` allocated, and `pymoe plan`'s overhead (`--spec` or not) agrees."""
+    from pymoe.backends.reference import gdn_state_bytes
+    from pymoe.experts.plan import facts_from_gguf, overhead_for
+
+    path = micro(arch)
+    facts = facts_from_gguf(path)
+    for speculation, copies in ((False, 1), (True, 2)):
+        engine = every_expert_in_a_slot(path, speculation)
+        b, cfg = engine.backend, engine.config
+        state = sum(cfg.recurrent) * gdn_state_bytes(cfg)  # conv + recurrent state of every Gated DeltaNet layer
+        assert state > 0 and b.mem.by_what["recurrent state"] == copies * state
+        per_seq = b.sequence_bytes(b.n_ctx)
+        assert per_seq == b.kv_bytes(b.n_ctx) + copies * state == b.mem.by_what["KV cache"] + copies * state
+        assert overhead_for(facts, b.n_ctx, 0, 1, speculation).kv == per_seq
+        kv = b._kvs[0]
+        assert len(kv.states) == sum(cfg.recurrent) and set(kv.snapshot) == (set(kv.states) if speculation else set())
+
+
+@in_process
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_speculation_without_a_device_snapshot_saves_the_state_on_the_host(micro, arch):
+    """`generate(spec=...)` on an engine not prepared for speculation (no device snapshot): the same tokens (the CPU
+    float path's) and the same speculation counts as with the snapshot; each verify forward saves the state on the
+    host instead (`DeviceKVCache.snapshot_recurrent` -> `save_recurrent`: one copy to the host, one more
+    synchronisation), the verify forward copies it back to the device, and so does the redo after a rollback (the
+    saved copy, made the present). With the snapshot no recurrent state crosses PCIe."""
+    from pymoe.backends.reference import gdn_state_bytes
+    from pymoe.engine.speculative import NgramDrafter, Speculator
+
+    path, prompt = micro(arch), repeating(arch)
+    want = list(pymoe.load(path, backend="cpu", act_bits=0).generate(prompt, max_tokens=12, stop_at_eos=False))
+    runs = {}
+    for speculation in (True, False):
+        engine = every_expert_in_a_slot(path, speculation)
+        spec = Speculator(NgramDrafter(), k=3, backoff=False)
+        assert list(engine.generate(prompt, max_tokens=12, stop_at_eos=False, spec=spec)) == want
+        runs[speculation] = spec.stats, engine.backend.counts.snapshot("decode")
+    (st, device), (st_host, host) = runs[True], runs[False]
+    assert st_host == st and st.steps > 0 and st.rollbacks > 0, st
+    state = sum(engine.config.recurrent) * gdn_state_bytes(engine.config)
+    assert not [w for w in device["bytes"] if "recurrent state" in w]
+    assert host["bytes"]["recurrent state to host"] == st.steps * state
+    assert host["bytes"]["recurrent state to device"] == (st.steps + st.rollbacks) * state
+    assert host["synchronisations"] == device["synchronisations"] + st.steps
 
 
 @in_process

@@ -12,7 +12,7 @@ from pymoe.errors import PymoeError
 from pymoe.experts.policies import DEFAULT_POLICY
 from pymoe.experts.profile import Profile
 from pymoe.experts.plan import (GiB, MiB, CostModel, ModelFacts, auto_line, calibrate_two_points, coverage,
-                        decode_time_per_token, dense_bytes, facts_from_gguf, free_for_vram, parse_size,
+                        decode_time_per_token, dense_bytes, facts_from_gguf, free_for_vram, overhead_for, parse_size,
                         parse_size_list, plan_table, profile_hit_model, slots_for, trace_hit_model,
                         uniform_hit_model, vram_for_slots, vram_for_target)
 
@@ -250,6 +250,30 @@ def test_cli_plan_free(tiny_model):
     r = run_pymoe_here("plan", tiny_model("qwen3moe", "q2_k"), "--free", "26.01GiB", "--extra-reserve", "184MiB")
     assert r.returncode == 0, r.stderr
     assert "expert cache auto: 26.01 GiB free, 700 MiB reserved (+184 MiB for the draft head) -> 16 slots" in r.stdout
+
+
+def test_overhead_counts_the_recurrent_state_twice_for_speculation():
+    """Per sequence: K/V of n_ctx positions plus the recurrent state, once; twice when planning for speculation (the
+    state and its device snapshot, backends/cuda.py `sequence_bytes`)."""
+    facts = ModelFacts("hybrid", n_layers=4, n_expert=8, k=2, slot_bytes=1000, kv_bytes_per_ctx_token=10,
+                       state_bytes_per_seq=300)
+    assert overhead_for(facts, 5, 0, 3).kv == 3 * (50 + 300)
+    assert overhead_for(facts, 5, 0, 3, speculation=True).kv == 3 * (50 + 2 * 300)
+
+
+def test_cli_plan_spec_counts_a_hybrids_state_twice(tiny_model):
+    """`pymoe plan --spec` on qwen3next (--ctx 0: the KV term is the state alone): the state's bytes once, twice
+    with --spec."""
+    from pymoe.experts.plan import fmt_size
+
+    path = tiny_model("qwen3next", "q2_k")
+    state = facts_from_gguf(path).state_bytes_per_seq
+    assert state > 0
+    for flags, copies in (((), 1), (("--spec",), 2)):
+        r = run_pymoe_here("plan", path, "--vram", "1GiB", "--ctx", "0", *flags)
+        assert r.returncode == 0, r.stderr
+        assert f"KV cache (0 positions, float32) {fmt_size(copies * state)} + runtime" in r.stdout
+    assert "--spec: each sequence's recurrent state and its snapshot" in r.stdout
 
 
 @pytest.mark.parametrize("args,needle", [

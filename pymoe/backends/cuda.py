@@ -791,8 +791,9 @@ class DeviceKVCache:
     `CUDABackend.gdn_step`) and on the host (what the host-side forwards advance: the server's batched forwards,
     through `recurrent` as engine/kv.KVCache's). `fresh` says which copy holds the present; the other is
     brought over whole, once, when it is next needed (`host_state`, `device_state`: one copy each way, counted).
-    `snapshot` (the same shapes on the device) holds the device state saved before a speculative verify forward
-    (`snapshot_recurrent`), what a rollback goes back to without a host round trip."""
+    `snapshot` (the same shapes on the device, allocated only for an engine prepared for speculation:
+    `CUDABackend.prepare`) holds the device state saved before a speculative verify forward (`snapshot_recurrent`),
+    what a rollback goes back to without a host round trip; empty, speculation saves the host copy instead."""
 
     def __init__(self, k, v, n_ctx: int, rows: dict, states: Optional[dict] = None, backend=None,
                  snapshot: Optional[dict] = None):
@@ -832,8 +833,10 @@ class DeviceKVCache:
         return {layer: {name: a.copy() for name, a in st.items()} for layer, st in self.host_state().items()}
 
     def restore_recurrent(self, saved) -> None:
-        """Back to `saved`: a host copy (`save_recurrent`), or the token of the last `snapshot_recurrent`, whose
-        device snapshot is copied back into the device state (device to device: no PCIe), made the present."""
+        """Back to `saved`: a host copy (`save_recurrent`), made the present as it is (the device state it replaces
+        is not brought back first: the next device step copies the saved one over), or the token of the last
+        `snapshot_recurrent`, whose device snapshot is copied back into the device state (device to device: no
+        PCIe), made the present."""
         if isinstance(saved, DeviceSnapshot):
             if saved is not self._saved:
                 raise PymoeError("restore_recurrent: the device snapshot was taken again since this save")
@@ -843,14 +846,15 @@ class DeviceKVCache:
                     dev.copy_to_device(self.snapshot[i][name], stream=b.compute)
             self.fresh = "device"
             return
-        self.host_state()
         self._recurrent = {layer: {name: a.copy() for name, a in st.items()} for layer, st in saved.items()}
+        self.fresh = "host"
 
     def snapshot_recurrent(self):
         """What speculation saves before a verify forward (engine/speculative.py): while the device holds the
         present (after device steps or a prompt's device blocks), a copy of every layer's state into `snapshot`
-        on the device (no PCIe, no synchronisation), -> its token (`DeviceSnapshot`); else the host copy
-        (`save_recurrent`)."""
+        on the device (no PCIe, no synchronisation), -> its token (`DeviceSnapshot`); else (the host holds the
+        present, or no snapshot was allocated: an engine not prepared for speculation) the host copy
+        (`save_recurrent`: the device state comes back first, one copy and one synchronisation)."""
         if self.fresh != "device" or not self.snapshot:
             return self.save_recurrent()
         b = self._backend
@@ -1063,6 +1067,7 @@ class CUDABackend:
         import os
 
         self.device_step = os.environ.get("PYMOE_DEVICE_STEP", "1") != "0"
+        self.speculation = False  # `prepare`: each device KV cache gets a snapshot of its recurrent state too
         self._step = None  # the step under way: {"p0": position}; None outside a device step
         self._steps = 0  # device steps begun so far (StepLogits checks its logits are still there)
         self._res = None  # the residual stream's device array during a step
@@ -1145,21 +1150,25 @@ class CUDABackend:
 
     def sequence_bytes(self, n_ctx: int) -> int:
         """Device bytes of one sequence's device KV cache of n_ctx positions: K/V rows (MLA: its compressed rows)
-        and, with the device step, its Gated DeltaNet layers' conv and recurrent states, twice (the state and the
-        snapshot a speculative rollback goes back to: `DeviceKVCache.snapshot_recurrent`)."""
+        and, with the device step, its Gated DeltaNet layers' conv and recurrent states: once, twice when prepared
+        for speculation (the state and the snapshot a speculative rollback goes back to:
+        `DeviceKVCache.snapshot_recurrent`)."""
         c = self._cfg
         n_gdn = sum(1 for i in range(c.n_layers) if c.recurrent and c.recurrent[i]
                     and (self.layers is None or i in self.layers))
-        states = 2 * n_gdn * gdn_state_bytes(c) if self.device_step else 0  # (the state and its snapshot)
+        copies = 2 if self.speculation else 1  # (the state, and its snapshot for speculation)
+        states = copies * n_gdn * gdn_state_bytes(c) if self.device_step else 0
         return self.kv_bytes(n_ctx) + states
 
-    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0) -> None:
+    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0,
+                speculation: bool = False) -> None:
         """Allocate, after the weights and before the slot pool: the scratch buffers for calls of up to `chunk`
         tokens, the RoPE tables and the device KV caches of `n_ctx` positions (`sequences` of them, as many as the
         budget holds beyond `keep_free` bytes, one at least: the server's slots), each with the device step's copy
         of its Gated DeltaNet layers' state (none with `device_kv` False: a model whose attention runs on the host
-        side keeps its KV caches there, engine/model.Model.new_kv)."""
-        self.chunk, self.n_ctx = int(chunk), int(n_ctx)
+        side keeps its KV caches there, engine/model.Model.new_kv) and, with `speculation`, a snapshot of it as
+        large (`DeviceKVCache.snapshot`)."""
+        self.chunk, self.n_ctx, self.speculation = int(chunk), int(n_ctx), bool(speculation)
         for name, (shape, dt) in self._scratch_shapes(self.chunk, self.n_ctx).items():
             self.scratch[name] = self.mem.alloc(shape, dt, "activations")
         c = self._cfg
@@ -1200,7 +1209,8 @@ class CUDABackend:
 
     def _device_kv(self, s: int, device_kv: bool) -> "DeviceKVCache":
         """Sequence s's device KV cache of n_ctx positions: slice s of the pool (`_kv_planes`; no rows without
-        `device_kv`), with the device step's copy of its Gated DeltaNet layers' state."""
+        `device_kv`), with the device step's copy of its Gated DeltaNet layers' state (and its snapshot when
+        prepared for speculation)."""
         c = self._cfg
         mine = [i for i in c.kv_layers() if self.layers is None or i in self.layers]  # (one device of several)
         rows = {layer: r for r, layer in enumerate(mine)} if device_kv else {}
@@ -1210,7 +1220,8 @@ class CUDABackend:
                   for name, shape in gdn_state_shapes(c).items()} if gdn else {}
         states, snapshot = ({i: {name: self.mem.alloc(shape, np.float32, "recurrent state")  # (what device steps
                                  for name, shape in shapes.items()} for i in gdn}  # advance; then its snapshot)
-                            if device_kv and self.device_step else {} for _ in range(2))
+                            if device_kv and self.device_step and copy < 1 + self.speculation else {}
+                            for copy in range(2))
         k, v = self.kv_pool
         kv = DeviceKVCache(k[s], v[s], self.n_ctx, rows, states, self, snapshot)
         kv.seq = s  # its slice of the pool (what a batched step's sequence table names)

@@ -253,12 +253,14 @@ class MultiDeviceBackend:
     def for_layer(self, i: int) -> DeviceShard:
         return self.shards[self.device_of(i)]
 
-    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0) -> None:
-        """Each device's buffers and KV caches (CUDABackend.prepare; each keeps `keep_free` bytes for its pool)."""
+    def prepare(self, chunk: int, n_ctx: int, device_kv: bool = True, sequences: int = 1, keep_free: int = 0,
+                speculation: bool = False) -> None:
+        """Each device's buffers and KV caches (CUDABackend.prepare; each keeps `keep_free` bytes for its pool, and
+        with `speculation` a snapshot of its layers' recurrent state)."""
         self.chunk, self.n_ctx = int(chunk), int(n_ctx)
         for d, (i, b) in enumerate(zip(self.ids, self.devices)):
             with self.context(d)(), named(f"cuda:{i}"):
-                b.prepare(chunk, n_ctx, device_kv, sequences, keep_free)
+                b.prepare(chunk, n_ctx, device_kv, sequences, keep_free, speculation)
 
     def memory_line(self) -> str:
         return "\n".join(f"cuda:{i} layers {r.start}-{r.stop - 1}: {b.memory_line()}"

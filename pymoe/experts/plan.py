@@ -149,8 +149,8 @@ class ModelFacts:
     kv_bytes_per_ctx_token: int = 0  # KV cache bytes per context position, all layers
     n_dense: int = 0  # leading dense layers (no experts): n_layers counts them; traces and profiles hold MoE layers
     n_embd: int = 0  # the residual width: what crosses from one card to the next (experts/multi.py)
-    state_bytes_per_seq: int = 0  # a sequence's fixed-size state beside its KV cache (Gated DeltaNet's, float32;
-    # twice: the state and its snapshot for speculation's rollback, backends/cuda.py DeviceKVCache.snapshot_recurrent)
+    state_bytes_per_seq: int = 0  # a sequence's fixed-size state beside its KV cache (Gated DeltaNet's conv and
+    # recurrent state, float32, once: `overhead_for` counts it twice when planning for speculation)
 
     @property
     def n_moe_layers(self) -> int:
@@ -199,7 +199,7 @@ def facts_from_gguf(path) -> ModelFacts:
     return ModelFacts(name=str(path), n_layers=cfg.n_layers, n_expert=cfg.n_expert, k=cfg.n_expert_used,
                       slot_bytes=m.slot_bytes, dense_resident_bytes=resident, dense_bytes_per_token=per_token,
                       kv_bytes_per_ctx_token=kv_bytes_per_ctx_token(cfg), n_dense=cfg.n_dense_lead,
-                      state_bytes_per_seq=2 * sum(1 for r in cfg.recurrent or () if r) * gdn_state_bytes(cfg),
+                      state_bytes_per_seq=sum(1 for r in cfg.recurrent or () if r) * gdn_state_bytes(cfg),
                       n_embd=cfg.n_embd)
 
 
@@ -222,10 +222,13 @@ class Overhead:
 
 
 def overhead_for(facts: ModelFacts, n_ctx: int = DEFAULT_CTX, runtime_bytes: int = parse_size(DEFAULT_RUNTIME),
-                 sequences: int = 1) -> Overhead:
+                 sequences: int = 1, speculation: bool = False) -> Overhead:
     """The overhead of `sequences` sequences decoded at once, each with its own device KV cache of n_ctx positions
-    and its recurrent state (the CUDA backend's `sequence_bytes`, allocated before the slot pool)."""
-    kv = (facts.kv_bytes_per_ctx_token * n_ctx + facts.state_bytes_per_seq) * sequences
+    and its recurrent state, twice with `speculation` (the state and its snapshot: the CUDA backend's
+    `sequence_bytes` of an engine prepared for speculation, api.Engine `speculation`, `pymoe run --spec`; allocated
+    before the slot pool)."""
+    state = facts.state_bytes_per_seq * (2 if speculation else 1)
+    kv = (facts.kv_bytes_per_ctx_token * n_ctx + state) * sequences
     return Overhead(facts.dense_resident_bytes, kv, runtime_bytes)
 
 
@@ -583,9 +586,10 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
                 pcie_gbs: float = DEFAULT_PCIE_GBS, fixed_ms: float = DEFAULT_FIXED_MS, overhead: str = "auto",
                 runtime: str = DEFAULT_RUNTIME, n_ctx: int = DEFAULT_CTX, targets: Sequence[float] = (),
                 trace_path: Optional[str] = None, profile_path: Optional[str] = None,
-                plot_path: Optional[str] = None, parallel: int = 1) -> str:
+                plot_path: Optional[str] = None, parallel: int = 1, speculation: bool = False) -> str:
     """Everything `pymoe plan` prints, as text: the inputs, the cost model, the table, the auto line, the inverse.
     parallel: sequences decoded at once (`pymoe serve -np`), each a KV cache of n_ctx positions in the overhead.
+    speculation (`pymoe plan --spec`): each sequence's recurrent state counted twice (`overhead_for`).
     (`pymoe plan --devices`, several cards at once: experts/multi.py devices_plan_report.)"""
     reserve_b = parse_size(reserve, what="--reserve")
     extra_b = parse_size(extra_reserve, what="--extra-reserve")
@@ -600,8 +604,10 @@ def plan_report(model_path, vram: str = DEFAULT_VRAM, free: Optional[str] = None
 
     facts = facts_from_gguf(model_path)
     if str(overhead).lower() == "auto":
-        parts = overhead_for(facts, n_ctx, parse_size(runtime, what="--runtime"), parallel)
-        overhead_b, overhead_text = parts.total, parts.describe(n_ctx, parallel) + " (--overhead auto)"
+        parts = overhead_for(facts, n_ctx, parse_size(runtime, what="--runtime"), parallel, speculation)
+        twice = ", --spec: each sequence's recurrent state and its snapshot" if speculation and \
+            facts.state_bytes_per_seq else ""
+        overhead_b, overhead_text = parts.total, parts.describe(n_ctx, parallel) + f" (--overhead auto{twice})"
     else:
         overhead_b = parse_size(overhead, what="--overhead")
         overhead_text = f"{fmt_size(overhead_b)} (--overhead)"

@@ -1009,7 +1009,9 @@ def serve(model: str, host: str = "127.0.0.1", port: int = 8080, api_key: Option
 
         engine_options["n_ctx"] = fitted
     # -np N: N device KV caches where the backend has them (CUDA), sized before the expert slot pool; without -np the
-    # slot rule runs after loading (it reads the pool's coverage), and the first slot alone gets one
+    # slot rule runs after loading (it reads the pool's coverage), and the first slot alone gets one. No device
+    # snapshot of a hybrid's state for --spec (api.Engine `speculation` False): the slots verify in one batched
+    # forward and save the state on the host (serve/scheduler.py `_spec_step`), so a snapshot would go unused
     engine = load(model, progress=True, log=log, **{"sequences": parallel or 1, **engine_options})
     if parallel is None:
         parallel, why = default_parallel(engine.config, engine.backend.name, slot_coverage(engine), kv, given_ctx)
