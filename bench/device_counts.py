@@ -21,7 +21,8 @@ settings:
           batched device step for the two (engine/device_batch.py; a step with one slot decoding is a single step).
   spec ngram verify: as "slots", a greedy request with `--spec ngram` (k 3, no back-off) on a prompt of six random
           tokens three times (`SPEC_PROMPT`: prompt lookup drafts, some drafts are kept, some rejected), 12 new
-          tokens; the row counts its verify forwards only, as means per verify forward (not per token), "rows"
+          tokens, the engine prepared for speculation (as `pymoe run --spec`: a hybrid's device snapshot of its
+          state); the row counts its verify forwards only, as means per verify forward (not per token), "rows"
           their mean T = 1 + drafts: version 3 runs each as one device step of T rows where the family allows it
           (engine/model.py `verify_on_device`: every family), else version 2.
 and in two versions of the GPU path: 2 (PYMOE_DEVICE_STEP=0: the residual stream on the host, three round trips
@@ -77,7 +78,8 @@ def load(path: str, setting: str, version: int = 3):
         pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
         profile = Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs))
         return pymoe.load(path, backend="cuda", cache_slots=len(pairs), profile=profile, pcie_frac=1.0,
-                          backend_options=SIM, sequences=2 if setting in SERVER else 1)
+                          backend_options=SIM, sequences=2 if setting in SERVER else 1,
+                          speculation=setting == "spec ngram verify")  # (as `pymoe run --spec`)
     cfg = pymoe.load(path, backend="reference").config
     return pymoe.load(path, backend="cuda", cache_slots=len(cfg.moe_layers), policy="lru",
                       pcie_frac=1.0 if setting == "spill" else 0.5, backend_options=SIM)

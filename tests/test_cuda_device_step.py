@@ -569,8 +569,8 @@ def test_a_rollback_leaves_rows_that_no_query_reads(micro, arch):
 @in_process
 @pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
 def test_a_hybrids_rollback_goes_back_to_the_device_snapshot(micro, arch):
-    """Speculation's rollback on a hybrid, as engine/speculative.py makes it: the state snapshot on the device
-    before a verify step of 4 rows (`DeviceKVCache.snapshot_recurrent`: a device copy, no PCIe), the step's logits
+    """Speculation's rollback on a hybrid, as engine/speculative.py makes it in an engine prepared for
+    speculation (api.Engine `speculation`): the state snapshot on the device before a verify step of 4 rows (`DeviceKVCache.snapshot_recurrent`: a device copy, no PCIe), the step's logits
     the reference's, then every draft rejected: the snapshot copied back (`restore_recurrent`), the kept token
     redone, and the next steps' logits the reference's (which restored its host copy) -- had the state kept the
     rejected drafts, they would differ. No recurrent state crossed PCIe; a later snapshot voids the earlier token.
