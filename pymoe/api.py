@@ -53,8 +53,9 @@ class Engine:
         `generate(spec=...)` (`pymoe run --spec`): CUDA then gives each device KV cache of a hybrid (qwen3next,
         qwen35moe) a device snapshot of its Gated DeltaNet state, as large as the state, what a rejected draft's
         rollback goes back to without PCIe (backends/cuda.py `DeviceKVCache.snapshot_recurrent`). Without it,
-        `generate(spec=...)` still works (the same tokens): each verify forward saves the state on the host instead,
-        one copy to the host and one synchronisation per verify forward, and a rollback copies it back."""
+        `generate(spec=...)` still works (the same tokens), saving the state on the host instead: before each verify
+        forward it comes to the host (one copy, one synchronisation) and goes back to the device for the forward
+        (one copy), and a rollback's redo copies the saved state there again."""
         from .engine.tokenizer import Tokenizer
 
         if chunk < 1:

@@ -656,6 +656,25 @@ def test_speculation_without_a_device_snapshot_saves_the_state_on_the_host(micro
 
 
 @in_process
+def test_pymoe_run_prepares_the_engine_for_speculation_with_spec_only(micro, monkeypatch):
+    """`pymoe run --spec ngram` loads the engine with `speculation` (a hybrid's device KV cache gets its state's
+    snapshot); `pymoe run` without --spec does not."""
+    from click.testing import CliRunner
+
+    import pymoe.api
+    from pymoe.cli import cli
+
+    path, engines, real = micro("qwen3next"), [], pymoe.api.load
+    monkeypatch.setattr(pymoe.api, "load", lambda *a, **k: engines.append(real(*a, **dict(k, backend_options=SIM)))
+                        or engines[-1])
+    for flags in ((), ("--spec", "ngram")):
+        res = CliRunner().invoke(cli, ["run", path, "--backend", "cuda", "--cache-slots", "4", "--pcie-frac", "1",
+                                       "-n", "3", "--temp", "0", "-p", "hello", *flags])
+        assert res.exit_code == 0, res.output
+    assert [bool(e.backend._kvs[0].snapshot) for e in engines] == [False, True]
+
+
+@in_process
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
 def test_the_simulator_replays_a_speculative_device_run_with_its_counts(micro, tmp_path, policy):
     """As test_the_simulator_replays_a_device_step_run_with_its_counts, with `--spec ngram`: the trace of the same
