@@ -32,21 +32,6 @@ N_TICKS = 4
 REAL_ATOL = 2e-6  # tests/test_cuda_real_kernels_sim.py's bound for the single step's real kernels against the reference
 
 
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    from pymoe.demo.tinymodel import write_model
-
-    root, made = tmp_path_factory.mktemp("micro"), {}
-
-    def make(arch, preset="micro"):
-        if (arch, preset) not in made:
-            made[arch, preset] = str(root / f"{preset}-{arch}-f32.gguf")
-            write_model(made[arch, preset], arch, preset, "f32", seed=0)
-        return made[arch, preset]
-
-    return make
-
-
 def load(path, setting: str, sequences: int = 3, **options):
     """"slots": a slot for every expert, pre-filled; "promotions": one slot, LRU, pcie_frac 1 (every miss read over
     PCIe and promoted: the residency table changes at every step)."""
@@ -146,7 +131,7 @@ def test_a_batched_step_equals_single_steps(micro, arch, preset):
     layer, as single steps make them); one synchronisation per batched step. The micro files route every token of these prompts to the same
     experts (so do most tiny ones); llama's and gpt-oss's tiny files route the rows apart, so a row's lookups made
     with another row's routing ids show there."""
-    path = micro(arch, preset)
+    path = micro(arch, preset=preset)
     cpu = pymoe.load(path, backend="cpu", act_bits=0)
     want = [list(cpu.generate(p, max_tokens=N_TICKS + 1, stop_at_eos=False)) for p in PROMPTS]
     runs = {}
@@ -199,7 +184,7 @@ def test_the_simulator_replays_a_batched_run_with_its_counts(micro, tmp_path, po
     from pymoe.experts.trace import Trace
 
     SLOTS = 4  # (of 16: 37 hits of 48 lookups; a batch whose rows' lookups took row 0's ids makes 44)
-    path = micro("llama", "tiny")
+    path = micro("llama", preset="tiny")
     ref = pymoe.load(path, backend="reference")
     recorder = ref.record_trace()
     kvs = [ref.model.new_kv(64) for _ in PROMPTS]
