@@ -25,7 +25,7 @@ import numpy as np
 from numba import cuda
 
 from .attention import THREADS as KV_THREADS
-from .norm_rope import THREADS, _rope_token
+from .norm_rope import THREADS, _rope_token, rope_arrays
 from .quant_matvec import check, on_device
 
 
@@ -42,15 +42,10 @@ def rope_rows_kernel(x, cos, sin, pos, neox):
 def rope_rows(x, cos, sin, pos, neox: bool, stream=0):
     """x float32 [B, Hh, Dh] (device), cos, sin float32 [P, rope_dim / 2], pos int32 [B] (device) -> x, rotated in
     place (row b at table row pos[b])."""
-    x, cos, sin, pos = on_device(x, "x"), on_device(cos, "cos"), on_device(sin, "sin"), on_device(pos, "pos")
-    check(x, "x", np.float32, 3)
-    check(cos, "cos", np.float32, 2)
-    check(sin, "sin", np.float32, 2)
+    x, cos, sin = rope_arrays("rope_rows", x, cos, sin)
+    pos = on_device(pos, "pos")
     check(pos, "pos", np.int32, 1)
-    B, _, Dh = x.shape
-    if tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > Dh:
-        raise ValueError(f"rope_rows: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must match and rotate at "
-                         f"most head size {Dh}")
+    B = x.shape[0]
     if pos.shape[0] != B:
         raise ValueError(f"rope_rows: pos has {pos.shape[0]} entries for {B} rows")
     if B:

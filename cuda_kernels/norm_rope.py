@@ -130,17 +130,25 @@ def rmsnorm(X, w, eps: float, out=None, stream=0):
     return Y.reshape(n) if one_row else Y
 
 
-def rope(x, cos, sin, neox: bool, p0: int = 0, stream=0):
-    """Rotate x float32 [T, Hh, Dh] in place (token t at table row p0 + t of cos, sin float32 [P, n]); returns x.
-    p0: an int, or int32 [1] in device memory (read by the kernel: `rope_at_kernel`)."""
+def rope_arrays(op: str, x, cos, sin):
+    """x float32 [T, Hh, Dh], cos, sin float32 [P, n] on the device, checked for the rotation `op` (rope here,
+    batch_step.rope_rows): the tables of one shape, rotating at most Dh values -> (x, cos, sin) as device arrays."""
     x, cos, sin = on_device(x, "x"), on_device(cos, "cos"), on_device(sin, "sin")
     check(x, "x", np.float32, 3)
     check(cos, "cos", np.float32, 2)
     check(sin, "sin", np.float32, 2)
-    T, _, Dh = x.shape
+    Dh = x.shape[2]
     if tuple(cos.shape) != tuple(sin.shape) or 2 * cos.shape[1] > Dh:
-        raise ValueError(f"rope: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must match and rotate at most "
+        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must match and rotate at most "
                          f"head size {Dh}")
+    return x, cos, sin
+
+
+def rope(x, cos, sin, neox: bool, p0: int = 0, stream=0):
+    """Rotate x float32 [T, Hh, Dh] in place (token t at table row p0 + t of cos, sin float32 [P, n]); returns x.
+    p0: an int, or int32 [1] in device memory (read by the kernel: `rope_at_kernel`)."""
+    x, cos, sin = rope_arrays("rope", x, cos, sin)
+    T = x.shape[0]
     if not isinstance(p0, (int, np.integer)):  # int32 [1] on the device: rope_at_kernel
         check(on_device(p0, "p0"), "p0", np.int32, 1)
         if T:

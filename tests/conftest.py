@@ -34,21 +34,35 @@ def pytest_xdist_auto_num_workers(config):
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """tiny_model(arch, mix) -> path of a tiny random-weight GGUF, written on first use and reused."""
+def demo_model(tmp_path_factory):
+    """demo_model(arch, preset, mix) -> path of a random-weight GGUF of that preset of pymoe/demo/tinymodel.py (seed
+    0), written on first use and reused."""
     from pymoe.demo.tinymodel import write_model
 
     root = tmp_path_factory.mktemp("models")
     made = {}
 
-    def make(arch="qwen3moe", mix="f32"):
-        if (arch, mix) not in made:
-            path = str(root / f"tiny-{arch}-{mix}.gguf")
-            write_model(path, arch, "tiny", mix, seed=0)
-            made[arch, mix] = path
-        return made[arch, mix]
+    def make(arch, preset, mix):
+        if (arch, preset, mix) not in made:
+            path = str(root / f"{preset}-{arch}-{mix}.gguf")
+            write_model(path, arch, preset, mix, seed=0)
+            made[arch, preset, mix] = path
+        return made[arch, preset, mix]
 
     return make
+
+
+@pytest.fixture(scope="session")
+def tiny_model(demo_model):
+    """tiny_model(arch, mix) -> path of a tiny random-weight GGUF, written on first use and reused."""
+    return lambda arch="qwen3moe", mix="f32": demo_model(arch, "tiny", mix)
+
+
+@pytest.fixture(scope="session")
+def micro(demo_model):
+    """micro(arch, mix, preset) -> path of a random-weight GGUF of the `micro` preset (small enough for the CUDA
+    simulator's tests) unless preset says another, written on first use and reused."""
+    return lambda arch, mix="f32", preset="micro": demo_model(arch, preset, mix)
 
 
 @pytest.fixture(autouse=True)

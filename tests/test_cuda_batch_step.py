@@ -9,11 +9,8 @@ seeded draws per row; one step with the real kernels; and, for CUDA graphs, cons
 size making the same launches (with the real kernels of the row-table readers too: one graph per batch size) and the
 stand-in capture replaying them with bit-equal logits; the two kernels compiled to PTX.
 """
-from cuda_sim import IN_PROCESS, IS_SIMULATOR, ROOT, fresh_interpreter_test, in_process  # first: the simulator on
+from cuda_sim import IN_PROCESS, IS_SIMULATOR, fresh_interpreter_test, in_process  # first: the simulator on
 
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -23,7 +20,7 @@ import pymoe  # noqa: E402
 from pymoe.backends.device_counts import LaunchRecorder, difference, first_difference  # noqa: E402
 from pymoe.engine.device_batch import batch_step_possible, decode_steps  # noqa: E402
 from pymoe.experts.profile import Profile  # noqa: E402
-from test_cuda_kernels import nvvm_home  # noqa: E402
+from cuda_ptx import compile_kernel, ptx_target, ptx_test  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -33,21 +30,6 @@ PROMPTS = ([5, 17], [9, 12, 40], [3])
 GQA_FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3vlmoe", "gpt-oss"]
 N_TICKS = 4
 REAL_ATOL = 2e-6  # tests/test_cuda_real_kernels_sim.py's bound for the single step's real kernels against the reference
-
-
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    from pymoe.demo.tinymodel import write_model
-
-    root, made = tmp_path_factory.mktemp("micro"), {}
-
-    def make(arch, preset="micro"):
-        if (arch, preset) not in made:
-            made[arch, preset] = str(root / f"{preset}-{arch}-f32.gguf")
-            write_model(made[arch, preset], arch, preset, "f32", seed=0)
-        return made[arch, preset]
-
-    return make
 
 
 def load(path, setting: str, sequences: int = 3, **options):
@@ -149,7 +131,7 @@ def test_a_batched_step_equals_single_steps(micro, arch, preset):
     layer, as single steps make them); one synchronisation per batched step. The micro files route every token of these prompts to the same
     experts (so do most tiny ones); llama's and gpt-oss's tiny files route the rows apart, so a row's lookups made
     with another row's routing ids show there."""
-    path = micro(arch, preset)
+    path = micro(arch, preset=preset)
     cpu = pymoe.load(path, backend="cpu", act_bits=0)
     want = [list(cpu.generate(p, max_tokens=N_TICKS + 1, stop_at_eos=False)) for p in PROMPTS]
     runs = {}
@@ -202,7 +184,7 @@ def test_the_simulator_replays_a_batched_run_with_its_counts(micro, tmp_path, po
     from pymoe.experts.trace import Trace
 
     SLOTS = 4  # (of 16: 37 hits of 48 lookups; a batch whose rows' lookups took row 0's ids makes 44)
-    path = micro("llama", "tiny")
+    path = micro("llama", preset="tiny")
     ref = pymoe.load(path, backend="reference")
     recorder = ref.record_trace()
     kvs = [ref.model.new_kv(64) for _ in PROMPTS]
@@ -415,49 +397,22 @@ def test_batched_graph_replay_keeps_the_logits(micro):
 def compile_to_ptx():
     """Run in a fresh interpreter without the simulator: type and compile both kernels for sm_75, the caches as a
     pool layer's strided view (kv_pool[:, row])."""
-    import types as pytypes
-
-    import numba.cuda.dispatcher as dispatcher
     from numba import types as nt
 
-    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(7, 5))
+    if not ptx_target():
+        return
     from pymoe.cuda_kernels.batch_step import kv_store_rows_kernel, rope_rows_kernel
 
-    f1, f2, f3 = (nt.Array(nt.float32, n, "C") for n in (1, 2, 3))
-    i1 = nt.Array(nt.int32, 1, "C")
-
-    def trivial(y):
-        y[0] = 1.0
-
-    try:  # the toolchain itself (as test_cuda_kernels.py checks it): a failure here is the environment's
-        cuda.compile_ptx(trivial, (f1,), cc=(7, 5))
-    except Exception as e:  # noqa: BLE001
-        print(f"ptx unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return
-    cuda.compile_ptx(rope_rows_kernel.py_func, (f3, f2, f2, i1, nt.boolean), cc=(7, 5))
-    print("ptx ok:", rope_rows_kernel.py_func.__name__, flush=True)
-    planes = nt.Array(nt.float32, 4, "A")
-    cuda.compile_ptx(kv_store_rows_kernel.py_func, (f3, f3, planes, planes, i1, i1), cc=(7, 5))
-    print("ptx ok:", kv_store_rows_kernel.py_func.__name__, flush=True)
+    f2, f3 = (nt.Array(nt.float32, n, "C") for n in (2, 3))
+    i1, planes = nt.Array(nt.int32, 1, "C"), nt.Array(nt.float32, 4, "A")
+    compile_kernel(rope_rows_kernel, (f3, f2, f2, i1, nt.boolean))
+    compile_kernel(kv_store_rows_kernel, (f3, f3, planes, planes, i1, i1))
 
 
-@pytest.mark.skipif(nvvm_home() is None, reason="GPU only: no CUDA toolkit (libnvvm) to compile PTX with here "
-                    "(scripts/gpu-check runs the kernel tests on a GPU machine)")
-def test_the_kernels_compile_for_a_real_gpu():
-    """What the simulator cannot check: that Numba's real CUDA target types and lowers both kernels."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_HOME=nvvm_home(),
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--ptx"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    if "ptx unavailable:" in proc.stdout:
-        pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])
-    assert proc.stdout.count("ptx ok:") == 2
+test_the_kernels_compile_for_a_real_gpu = ptx_test(
+    compile_to_ptx, 2, "What the simulator cannot check: that Numba's real CUDA target types and lowers both kernels.")
 
 
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
 
-
-if __name__ == "__main__" and sys.argv[1:] == ["--ptx"]:
-    compile_to_ptx()

@@ -43,21 +43,6 @@ SIM = dict(kernels="reference", free_bytes=700 * MiB + 64 * MiB)  # a 64 MiB "de
 ULPS = 8  # of the logit scale s: see the module docstring
 
 
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    from pymoe.demo.tinymodel import write_model
-
-    root, made = tmp_path_factory.mktemp("micro"), {}
-
-    def make(arch):
-        if arch not in made:
-            made[arch] = str(root / f"micro-{arch}-f32.gguf")
-            write_model(made[arch], arch, "micro", "f32", seed=0)
-        return made[arch]
-
-    return make
-
-
 def every_expert_in_a_slot(path, speculation=False):
     """speculation: api.Engine's (`pymoe run --spec`: a hybrid's device KV cache gets its state's device snapshot)."""
     cfg = pymoe.load(path, backend="reference").config

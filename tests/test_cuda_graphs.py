@@ -31,21 +31,6 @@ FAMILIES = ["qwen3moe", "qwen2moe", "llama", "olmoe", "glm4moe", "dots1", "qwen3
             "qwen3next", "qwen35moe"]  # tests/test_cuda_device_step.py's list (held to it below)
 
 
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    from pymoe.demo.tinymodel import write_model
-
-    root, made = tmp_path_factory.mktemp("micro"), {}
-
-    def make(arch):
-        if arch not in made:
-            made[arch] = str(root / f"micro-{arch}-f32.gguf")
-            write_model(made[arch], arch, "micro", "f32", seed=0)
-        return made[arch]
-
-    return make
-
-
 def load(path, setting: str, **options):
     """"slots": a slot for every expert, pre-filled; "promotions": one slot, LRU, pcie_frac 1: every miss read over
     PCIe and promoted, so the residency table changes at every step."""

@@ -13,12 +13,7 @@ All tests carry the `cuda` marker: `pytest -m cuda` selects them, `-m "not cuda"
 Tolerance: as tests/test_kernels.py, |got - ref| <= 2 C u sum_i |w_i x_i| for a C-term float32 dot product.
 Shapes are tiny because the simulator runs one Python thread per CUDA thread.
 """
-import glob
-import os
-import subprocess
-import sys
-
-from cuda_sim import IN_PROCESS, ROOT, fresh_interpreter_test, in_process  # first: the simulator on
+from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
@@ -27,6 +22,7 @@ from numba import cuda  # noqa: E402
 import pymoe.quant as Q  # noqa: E402
 from pymoe.backends.reference import apply_rope, attention, rmsnorm, silu  # noqa: E402
 from pymoe.quant import QType  # noqa: E402
+from cuda_ptx import compile_kernel, ptx_target, ptx_test  # noqa: E402
 from quant_helpers import random_rows  # noqa: E402
 
 import pymoe.cuda_kernels as K  # noqa: E402
@@ -309,36 +305,17 @@ def test_chunk_attention_refuses_what_does_not_fit():
 # ----------------------------------------------------------------------------------------------------------------
 # What the simulator cannot check: that Numba's real CUDA target types and lowers every kernel (PTX, no GPU needed)
 
-def nvvm_home():
-    """A CUDA toolkit directory with libnvvm (CUDA_HOME, CUDA_PATH, /usr/local/cuda*), or None."""
-    for home in [os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")] + sorted(glob.glob("/usr/local/cuda*")):
-        if home and glob.glob(os.path.join(home, "nvvm", "lib*", "libnvvm.so*")) + glob.glob(
-                os.path.join(home, "lib*", "libnvvm.so*")):
-            return home
-    return None
-
-
 def compile_every_kernel_to_ptx():
     """Run in a fresh interpreter without the simulator: type and compile every kernel for sm_75."""
-    import types as pytypes
-
-    import numba.cuda.dispatcher as dispatcher
     from numba import types as nt
 
-    # Device functions are compiled for the current device's compute capability; there is no device here.
-    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(7, 5))
+    if not ptx_target():
+        return
     from pymoe.cuda_kernels import attention as A, moe as M, norm_rope as N
 
     u8, f1 = nt.Array(nt.uint8, 2, "C"), nt.Array(nt.float32, 1, "C")
     f2, f3 = nt.Array(nt.float32, 2, "C"), nt.Array(nt.float32, 3, "C")
-    def trivial(y):
-        y[0] = 1.0
 
-    try:  # the toolchain itself (libnvvm for built-in numba.cuda, also NVRTC for numba-cuda)
-        cuda.compile_ptx(trivial, (f1,), cc=(7, 5))
-    except Exception as e:  # noqa: BLE001 -- any failure here is the environment's, reported as a skip
-        print(f"ptx unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return
     jobs = [(quant_matvec.kernel_for(quant_matvec.VERSIONS[v], ROW_PARTIAL=q), (u8, f2, f2))
             for q in Q.FORMATS for v in quant_matvec.VERSIONS]
     jobs += [(quant_matvec.kernel_for(M.gate_up_kernel, GATE_PARTIAL=QType.Q2_K, UP_PARTIAL=QType.Q4_K),
@@ -410,28 +387,17 @@ def compile_every_kernel_to_ptx():
     jobs += [(SA.sample_kernel, (f2, nt.Array(nt.uint32, 2, "C"), nt.Array(nt.int32, 1, "A"),  # draw_k, draw_f:
                                  nt.Array(nt.float64, 1, "A"), i1))]  # views of the step's `at` record
     for kernel, sig in jobs:
-        cuda.compile_ptx(kernel.py_func, sig, cc=(7, 5))
-        print("ptx ok:", kernel.py_func.__name__, flush=True)
+        compile_kernel(kernel, sig)
 
 
-@pytest.mark.skipif(nvvm_home() is None, reason="GPU only: no CUDA toolkit (libnvvm) to compile PTX with here "
-                    "(scripts/gpu-check runs this file on a GPU machine)")
-def test_every_kernel_compiles_for_a_real_gpu():
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_HOME=nvvm_home(),
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--ptx"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    if "ptx unavailable:" in proc.stdout:
-        pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])  # the toolkit is there but unusable
-    assert proc.stdout.count("ptx ok:") == 2 * len(Q.FORMATS) + 7 + 9 + 5 + 9 + 6 + 1  # + step.py's 9, gpt_oss.py's
-    # 5, MLA's and groups' 9 (chunk attention with MLA's strided V among them; k_b and v_b in their stored type: 3),
-    # deltanet.py's and gated_attention.py's 6 (the chunk's conv and rule: 2), sample.py's 1
+# the kernels compile_every_kernel_to_ptx compiles: two versions of the mat-vec per format and 7 more, + step.py's 9,
+# gpt_oss.py's 5, MLA's and groups' 9 (chunk attention with MLA's strided V among them; k_b and v_b in their stored
+# type: 3), deltanet.py's and gated_attention.py's 6 (the chunk's conv and rule: 2), sample.py's 1
+test_every_kernel_compiles_for_a_real_gpu = ptx_test(
+    compile_every_kernel_to_ptx, 2 * len(Q.FORMATS) + 7 + 9 + 5 + 9 + 6 + 1,
+    "What the simulator cannot check: that Numba's real CUDA target types and lowers every kernel.")
 
 
 if not IN_PROCESS:  # numba.cuda is in the other mode in this process (tests/cuda_sim.py)
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
 
-
-if __name__ == "__main__" and sys.argv[1:] == ["--ptx"]:
-    compile_every_kernel_to_ptx()

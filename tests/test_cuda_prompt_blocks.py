@@ -30,21 +30,6 @@ ULPS = 8  # of the logit scale s: see the module docstring
 F32 = 4
 
 
-@pytest.fixture(scope="module")
-def micro(tmp_path_factory):
-    from pymoe.demo.tinymodel import write_model
-
-    root, made = tmp_path_factory.mktemp("micro"), {}
-
-    def make(arch, mix="f32"):
-        if (arch, mix) not in made:
-            made[arch, mix] = str(root / f"micro-{arch}-{mix}.gguf")
-            write_model(made[arch, mix], arch, "micro", mix, seed=0)
-        return made[arch, mix]
-
-    return make
-
-
 def on_cuda(path):
     return pymoe.load(path, backend="cuda", chunk=CHUNK, backend_options=SIM)
 
@@ -124,13 +109,9 @@ BLOCK_OPS = ("mla_kv_row", "mla_query_q", "mla_value_q", "chunk_attention", "dec
              "conv_chunk", "rule_chunk", "conv_step", "rule_step")  # the blocks' own kernels (not the products)
 
 
-@in_process
-@pytest.mark.parametrize("arch, mix", [("deepseek2", "f32"), ("deepseek2", "q2_k"), ("qwen3next", "f32"),
-                                       ("qwen35moe", "f32")])
-def test_the_blocks_real_kernels_give_the_cpu_float_paths_tokens(micro, monkeypatch, arch, mix):
-    """The prompt chunks and decode steps with the real kernels of the blocks (BLOCK_OPS: on the backend's own
-    device views, strided ones included), the products and experts on the reference kernels (the real ones of every
-    op cost minutes here: tests/test_cuda_real_kernels_sim.py)."""
+def block_kernels(monkeypatch) -> str:
+    """Register (for this test) the kernel set "mixed": the reference kernels, but the real ones of BLOCK_OPS ->
+    its name, for backend_options' `kernels`."""
     from pymoe.backends import cuda as cuda_backend
 
     class Mixed(cuda_backend.ReferenceKernels):
@@ -139,10 +120,22 @@ def test_the_blocks_real_kernels_give_the_cpu_float_paths_tokens(micro, monkeypa
     for op in BLOCK_OPS:
         setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
     monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
+    return "mixed"
+
+
+@in_process
+@pytest.mark.parametrize("arch, mix", [("deepseek2", "f32"), ("deepseek2", "q2_k"), ("qwen3next", "f32"),
+                                       ("qwen35moe", "f32")])
+def test_the_blocks_real_kernels_give_the_cpu_float_paths_tokens(micro, monkeypatch, arch, mix):
+    """The prompt chunks and decode steps with the real kernels of the blocks (BLOCK_OPS: on the backend's own
+    device views, strided ones included), the products and experts on the reference kernels (the real ones of every
+    op cost minutes here: tests/test_cuda_real_kernels_sim.py)."""
     path = micro(arch, mix)
     want = list(pymoe.load(path, backend="cpu", chunk=CHUNK).generate(PROMPT, max_tokens=2, stop_at_eos=False))
-    engine = pymoe.load(path, backend="cuda", chunk=CHUNK, backend_options=dict(SIM, kernels="mixed"))
+    engine = pymoe.load(path, backend="cuda", chunk=CHUNK,
+                        backend_options=dict(SIM, kernels=block_kernels(monkeypatch)))
     assert list(engine.generate(PROMPT, max_tokens=2, stop_at_eos=False)) == want  # 3 chunks, 1 decode step
+
 
 @in_process
 @pytest.mark.parametrize("arch, mix", [("deepseek2", "f32"), ("deepseek2", "q2_k"), ("qwen3next", "f32"),
@@ -156,23 +149,16 @@ def test_a_verify_steps_blocks_with_the_real_block_kernels(micro, monkeypatch, a
     Each row's argmax and logits against the reference backend's forward of the same rows (ULPS: the module
     docstring; measured 4.5 ulp of s on deepseek2 f32, 3.5 on q2_k, 5 on qwen3next, 3 on qwen35moe); one
     synchronisation, no copy but the step's two (its ids and position up, its argmax and routing ids back)."""
-    from pymoe.backends import cuda as cuda_backend
     from pymoe.backends.device_counts import difference
     from pymoe.experts.profile import Profile
 
-    class Mixed(cuda_backend.ReferenceKernels):
-        name = "mixed"
-
-    for op in BLOCK_OPS:
-        setattr(Mixed, op, lambda self, *args, _op=op: getattr(cuda_backend.DeviceKernels(), _op)(*args))
-    monkeypatch.setitem(cuda_backend.KERNEL_SETS, "mixed", Mixed)
     path = micro(arch, mix)
     ref = pymoe.load(path, backend="reference", chunk=CHUNK)
     cfg = ref.config
     pairs = [(i, e) for i in range(len(cfg.moe_layers)) for e in range(cfg.n_expert)]
     engine = pymoe.load(path, backend="cuda", chunk=CHUNK, cache_slots=len(pairs), pcie_frac=1.0,
                         profile=Profile(len(cfg.moe_layers), cfg.n_expert, pairs=pairs, counts=[1] * len(pairs)),
-                        backend_options=dict(SIM, kernels="mixed"))
+                        backend_options=dict(SIM, kernels=block_kernels(monkeypatch)))
     kv_ref, kv = ref.model.new_kv(32), engine.model.new_kv(32)
     ref.model.prefill(PROMPT[:6], kv_ref)
     engine.model.prefill(PROMPT[:6], kv)

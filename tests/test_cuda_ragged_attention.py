@@ -3,16 +3,13 @@ over its own cache (a row of one pool) of its own length, against its NumPy twin
 chunk-attention kernel run alone on that row's cache (itself bit-equal to the decode kernels: test_cuda_kernels.py);
 and the CUDA backend's device KV caches as the rows of one pool, which is what the kernel reads.
 """
-from cuda_sim import IN_PROCESS, ROOT, fresh_interpreter_test, in_process  # first: the simulator on
+from cuda_sim import IN_PROCESS, fresh_interpreter_test, in_process  # first: the simulator on
 
-import os  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from numba import cuda  # noqa: E402
-from test_cuda_kernels import nvvm_home  # noqa: E402
+from cuda_ptx import compile_kernel, ptx_target, ptx_test  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
@@ -101,47 +98,23 @@ def test_the_device_kv_caches_are_rows_of_one_pool(tiny_model):
 def compile_to_ptx():
     """Run in a fresh interpreter without the simulator: type and compile the kernel for sm_75, the cache planes
     contiguous (a test's) and strided (a layer's rows of the pool, pool[:, row]; MLA's V a view of K)."""
-    import types as pytypes
-
-    import numba.cuda.dispatcher as dispatcher
     from numba import types as nt
 
-    dispatcher.get_current_device = lambda: pytypes.SimpleNamespace(compute_capability=(7, 5))
+    if not ptx_target():
+        return
     from pymoe.cuda_kernels.ragged_attention import ragged_decode_attention_kernel as kernel
 
     f1, f3, i1 = nt.Array(nt.float32, 1, "C"), nt.Array(nt.float32, 3, "C"), nt.Array(nt.int32, 1, "C")
 
-    def trivial(y):
-        y[0] = 1.0
-
-    try:  # the toolchain itself (as test_cuda_kernels.py checks it): a failure here is the environment's
-        cuda.compile_ptx(trivial, (f1,), cc=(7, 5))
-    except Exception as e:  # noqa: BLE001
-        print(f"ptx unavailable: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
-        return
     for planes in (nt.Array(nt.float32, 4, "C"), nt.Array(nt.float32, 4, "A")):
-        cuda.compile_ptx(kernel.py_func, (f3, planes, planes, i1, i1, nt.int64, nt.float32, f1, nt.boolean, f3),
-                         cc=(7, 5))
-        print("ptx ok:", kernel.py_func.__name__, flush=True)
+        compile_kernel(kernel, (f3, planes, planes, i1, i1, nt.int64, nt.float32, f1, nt.boolean, f3))
 
 
-@pytest.mark.skipif(nvvm_home() is None, reason="GPU only: no CUDA toolkit (libnvvm) to compile PTX with here "
-                    "(scripts/gpu-check runs the kernel tests on a GPU machine)")
-def test_the_kernel_compiles_for_a_real_gpu():
-    """What the simulator cannot check: that Numba's real CUDA target types and lowers the kernel."""
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", CUDA_HOME=nvvm_home(),
-               PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests"), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--ptx"], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    if "ptx unavailable:" in proc.stdout:
-        pytest.skip("GPU only: " + proc.stdout.strip().splitlines()[-1])
-    assert proc.stdout.count("ptx ok:") == 2
+test_the_kernel_compiles_for_a_real_gpu = ptx_test(
+    compile_to_ptx, 2, "What the simulator cannot check: that Numba's real CUDA target types and lowers the kernel "
+                       "(its cache planes contiguous and strided).")
 
 
 if not IN_PROCESS:
     test_this_file_in_a_fresh_interpreter = fresh_interpreter_test(__file__)
 
-
-if __name__ == "__main__" and sys.argv[1:] == ["--ptx"]:
-    compile_to_ptx()

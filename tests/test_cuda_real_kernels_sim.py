@@ -36,6 +36,8 @@ against NumPy's dot products); the bound, 2e-6, is 1.9x that.
 """
 from cuda_sim import IN_PROCESS, IS_SIMULATOR, fresh_interpreter_test, in_process  # first: the simulator on
 
+import contextlib  # noqa: E402
+
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
@@ -74,10 +76,24 @@ def greedy_with_logits(engine):
         del model.prefill, model.decode_one_token
 
 
-@in_process
-def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
-    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2's plumbing (the device step: the test below)
-    cpu = pymoe.load(micro_model, backend="reference")
+@contextlib.contextmanager
+def simulator_launches():
+    """-> the list of the kernels launched while inside (kernel[grid, block, stream] in the simulator), to hold the
+    backend's launch count to; on a GPU the simulator's launcher is not used and the list stays empty."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel
+
+    launched, configure = [], FakeCUDAKernel.__getitem__
+    FakeCUDAKernel.__getitem__ = lambda k, c: launched.append(k) or configure(k, c)
+    try:
+        yield launched
+    finally:
+        FakeCUDAKernel.__getitem__ = configure
+
+
+def reference_run(path):
+    """The reference backend's greedy run of PROMPT on `path` -> (its config, tokens and logits; layer 0's two experts
+    of the decode step, hit and miss; a profile that fills two slots, with hit and an expert the step does not use)."""
+    cpu = pymoe.load(path, backend="reference")
     trace = cpu.record_trace()
     want_tokens, want_logits = greedy_with_logits(cpu)
     t = trace.trace()
@@ -85,16 +101,33 @@ def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
     cfg = cpu.config
     other = min(set(range(cfg.n_expert)) - {hit, miss})  # the second slot holds an expert the step does not use
     profile = Profile(cfg.n_layers, cfg.n_expert, pairs=[(0, hit), (0, other)], counts=[2, 1])  # fills both slots
+    return cfg, want_tokens, want_logits, hit, miss, profile
 
-    from numba.cuda.simulator.kernel import FakeCUDAKernel
 
-    launched = []  # every kernel launch the simulator sees (kernel[grid, block, stream]), against the backend's count
-    configure = FakeCUDAKernel.__getitem__
-    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", lambda k, c: launched.append(k) or configure(k, c))
-    engine = pymoe.load(micro_model, backend="cuda", cache_slots=2, policy="lru", profile=profile,
-                        pcie_frac=0.5, chunk=8, backend_options=dict(free_bytes=FREE))  # kernels: the real ones
-    assert engine.backend.k.name == "cuda_kernels"
-    got_tokens, got_logits = greedy_with_logits(engine)
+def prefilled(path):
+    """The reference backend and the CUDA backend (every layer-0 expert in a slot, pcie_frac 1, chunk 8, the
+    reference kernels) on `path`, each with a KV cache after PROMPT's prefill -> (ref, engine, kv_ref, kv)."""
+    ref = pymoe.load(path, backend="reference")
+    cfg = ref.config
+    pairs = [(0, e) for e in range(cfg.n_expert)]
+    engine = pymoe.load(path, backend="cuda", cache_slots=len(pairs), pcie_frac=1.0, chunk=8,
+                        profile=Profile(1, cfg.n_expert, pairs=pairs, counts=[1] * len(pairs)),
+                        backend_options=dict(free_bytes=FREE, kernels="reference"))
+    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
+    ref.model.prefill(PROMPT, kv_ref)
+    engine.model.prefill(PROMPT, kv)
+    return ref, engine, kv_ref, kv
+
+
+@in_process
+def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
+    monkeypatch.setenv("PYMOE_DEVICE_STEP", "0")  # version 2's plumbing (the device step: the test below)
+    cfg, want_tokens, want_logits, hit, miss, profile = reference_run(micro_model)
+    with simulator_launches() as launched:  # every launch, warm-up included, against the backend's count
+        engine = pymoe.load(micro_model, backend="cuda", cache_slots=2, policy="lru", profile=profile,
+                            pcie_frac=0.5, chunk=8, backend_options=dict(free_bytes=FREE))  # kernels: the real ones
+        assert engine.backend.k.name == "cuda_kernels"
+        got_tokens, got_logits = greedy_with_logits(engine)
 
     assert got_tokens == want_tokens
     assert [a.shape for a in got_logits] == [a.shape for a in want_logits] == [(len(PROMPT), cfg.n_vocab),
@@ -118,31 +151,19 @@ def test_real_kernels_end_to_end_in_the_simulator(micro_model, monkeypatch):
 
 
 @in_process
-def test_real_kernels_of_the_device_step_in_the_simulator(micro_model, monkeypatch):
+def test_real_kernels_of_the_device_step_in_the_simulator(micro_model):
     """The decode step on the device (version 3: pcie_frac 1, so every miss is read over PCIe) with the real kernels
     of cuda_kernels/step.py: the embedding row, norms and adds, the router's top-K, the routed experts -- one read
     from its slot, the other from the mapped model file, as the residency table says -- and the argmax. Greedy tokens
     and logits against the reference backend (the bound of the version 2 test above: the same float32 operations in
     other orders); one synchronisation in the decode step; the miss promoted after it; the counted launches are the
     simulator's."""
-    cpu = pymoe.load(micro_model, backend="reference")
-    trace = cpu.record_trace()
-    want_tokens, want_logits = greedy_with_logits(cpu)
-    t = trace.trace()
-    hit, miss = (int(e) for e in t.experts[t.rows("decode")][0, 0])  # layer 0's experts for the decode step
-    cfg = cpu.config
-    other = min(set(range(cfg.n_expert)) - {hit, miss})
-    profile = Profile(cfg.n_layers, cfg.n_expert, pairs=[(0, hit), (0, other)], counts=[2, 1])  # fills both slots
-
-    from numba.cuda.simulator.kernel import FakeCUDAKernel
-
-    launched = []
-    configure = FakeCUDAKernel.__getitem__
-    monkeypatch.setattr(FakeCUDAKernel, "__getitem__", lambda k, c: launched.append(k) or configure(k, c))
-    engine = pymoe.load(micro_model, backend="cuda", cache_slots=2, policy="lru", profile=profile,
-                        pcie_frac=1.0, chunk=8, backend_options=dict(free_bytes=FREE))  # kernels: the real ones
-    assert engine.backend.k.name == "cuda_kernels" and engine.model.step_on_device
-    got_tokens, got_logits = greedy_with_logits(engine)
+    _, want_tokens, want_logits, hit, miss, profile = reference_run(micro_model)
+    with simulator_launches() as launched:
+        engine = pymoe.load(micro_model, backend="cuda", cache_slots=2, policy="lru", profile=profile,
+                            pcie_frac=1.0, chunk=8, backend_options=dict(free_bytes=FREE))  # kernels: the real ones
+        assert engine.backend.k.name == "cuda_kernels" and engine.model.step_on_device
+        got_tokens, got_logits = greedy_with_logits(engine)
     assert got_tokens == want_tokens
     diff = max(float(np.abs(np.asarray(g) - w).max()) for g, w in zip(got_logits, want_logits))
     assert diff <= ATOL, f"max |logit diff| {diff:.3g} > {ATOL:.3g}"
@@ -164,33 +185,18 @@ def test_real_kernels_of_a_deepseek2_step_in_the_simulator(tmp_path):
     kernel set for one step. Greedy token and logits against the reference backend: the bound of the tests above
     (float32 sums in other orders; measured: see ATOL_DS2); the launches counted are those the simulator saw.
     Measured: 364 s on the 2-core machine at a load average near 40 (the simulator runs ~2,000 thread blocks)."""
-    from numba.cuda.simulator.kernel import FakeCUDAKernel
-
     from pymoe.backends.cuda import DeviceKernels
     from pymoe.demo.tinymodel import write_model
 
     path = str(tmp_path / "micro-deepseek2-f32.gguf")
     write_model(path, "deepseek2", "micro", "f32", seed=0)
-    ref = pymoe.load(path, backend="reference")
-    cfg = ref.config
-    pairs = [(0, e) for e in range(cfg.n_expert)]
-    engine = pymoe.load(path, backend="cuda", cache_slots=len(pairs), pcie_frac=1.0, chunk=8,
-                        profile=Profile(1, cfg.n_expert, pairs=pairs, counts=[1] * len(pairs)),
-                        backend_options=dict(free_bytes=FREE, kernels="reference"))
-    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
-    ref.model.prefill(PROMPT, kv_ref)
-    engine.model.prefill(PROMPT, kv)
+    ref, engine, kv_ref, kv = prefilled(path)
     want = ref.model.decode_one_token(9, kv_ref)
     b = engine.backend
     b.k = DeviceKernels()
-    launched = []
     before = b.counts.snapshot("decode")["launches"]
-    configure = FakeCUDAKernel.__getitem__
-    FakeCUDAKernel.__getitem__ = lambda k, c: launched.append(k) or configure(k, c)
-    try:
+    with simulator_launches() as launched:
         got = engine.model.decode_one_token(9, kv)
-    finally:
-        FakeCUDAKernel.__getitem__ = configure
     assert got.greedy_token == int(np.argmax(want))
     diff = float(np.abs(np.asarray(got) - want).max())
     assert diff <= ATOL_DS2, f"max |logit diff| {diff:.3g} > {ATOL_DS2:.3g}"
@@ -208,32 +214,17 @@ def test_real_kernels_of_a_verify_step_in_the_simulator(micro_model):
     the real kernel set takes the verify step. Each row's argmax and logits against the reference backend's forward
     of the same rows (the bound ATOL: float32 sums in other orders); one synchronisation; the launches counted are
     the simulator's."""
-    from numba.cuda.simulator.kernel import FakeCUDAKernel
-
     from pymoe.backends.cuda import DeviceKernels
 
-    ref = pymoe.load(micro_model, backend="reference")
-    cfg = ref.config
-    pairs = [(0, e) for e in range(cfg.n_expert)]
-    engine = pymoe.load(micro_model, backend="cuda", cache_slots=len(pairs), pcie_frac=1.0, chunk=8,
-                        profile=Profile(1, cfg.n_expert, pairs=pairs, counts=[1] * len(pairs)),
-                        backend_options=dict(free_bytes=FREE, kernels="reference"))
-    kv_ref, kv = ref.model.new_kv(64), engine.model.new_kv(64)
-    ref.model.prefill(PROMPT, kv_ref)
-    engine.model.prefill(PROMPT, kv)
+    ref, engine, kv_ref, kv = prefilled(micro_model)
     rows = [9, 200, 31]
     want = ref.model.forward(rows, kv_ref, "decode")  # [3, V]
     b = engine.backend
     assert engine.model.verify_on_device(len(rows))
     b.k = DeviceKernels()
-    launched = []
     before = b.counts.snapshot("decode")
-    configure = FakeCUDAKernel.__getitem__
-    FakeCUDAKernel.__getitem__ = lambda k, c: launched.append(k) or configure(k, c)
-    try:
+    with simulator_launches() as launched:
         got = engine.model.forward(rows, kv, "decode")
-    finally:
-        FakeCUDAKernel.__getitem__ = configure
     after = b.counts.snapshot("decode")
     assert after["synchronisations"] - before["synchronisations"] == 1
     assert [got[t].greedy_token for t in range(len(rows))] == [int(np.argmax(w)) for w in want]

@@ -257,6 +257,29 @@ def test_lfu_lfru_heaps_decide_as_a_scan_of_the_residents(name):
     assert steps[0] == steps[1] and got.evictions > 500
 
 
+def rarely_evicting(policy, slots: int, n_keys: int, heaps, sampled=lambda: 0) -> tuple[int, int]:
+    """1,000,000 skewed lookups (zipf 1.5 over keys 1..n_keys, seed 1) on a SlotTable of `slots` slots under
+    `policy`, checked to be a pool that rarely evicts (more than 99 % hits, evictions fewer than 1 %, more than 0)
+    -> (the longest of the lists heaps() returns, at every lookup; the largest sampled(), at every 1000th lookup).
+    heaps and sampled read the policy's attributes at each call (a compaction rebinds a heap to a new list)."""
+    table = SlotTable(slots, policy)
+    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
+    longest = largest = 0
+    for t, key in enumerate(seq):
+        table.access(key, t)
+        longest = max(longest, *(len(h) for h in heaps()))
+        if t % 1000 == 0:
+            largest = max(largest, sampled())
+    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)  # a pool that rarely evicts
+    return longest, largest
+
+
+def dicts_within(policy, bound: int) -> bool:
+    """policy has dicts or sets, and each holds at most `bound` entries."""
+    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
+    return bool(state) and all(len(d) <= bound for d in state)
+
+
 @pytest.mark.parametrize("name", ["lfu", "lfru"])
 def test_lfu_lfru_memory_stays_bounded_when_the_pool_rarely_evicts(name):
     """A pool of 60 slots for 64 keys, 1,000,000 skewed lookups (a few thousand evictions: nearly every lookup a
@@ -266,17 +289,9 @@ def test_lfu_lfru_memory_stays_bounded_when_the_pool_rarely_evicts(name):
     which sink to the top as scores grow)."""
     slots, n_keys = 60, 64
     policy = make_policy(name, slots)
-    table = SlotTable(slots, policy)
-    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
-    longest = 0
-    for t, key in enumerate(seq):
-        table.access(key, t)
-        if len(policy.heap) > longest:
-            longest = len(policy.heap)
-    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)  # a pool that rarely evicts
+    longest, _ = rarely_evicting(policy, slots, n_keys, lambda: [policy.heap])
     assert longest <= 4 * (slots + 1)  # the bound _compact keeps, at every lookup
-    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
-    assert state and all(len(d) <= slots + n_keys for d in state)
+    assert dicts_within(policy, slots + n_keys)
 
 
 def test_llamacpp_by_hand_recency_class_and_cpu_share():
@@ -473,18 +488,10 @@ def test_reuse_memory_stays_bounded_when_the_pool_rarely_evicts():
     slots, n_keys, per_token = 60, 64, 10
     policy = make_policy("reuse", slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token,
                          n_experts=n_keys + 1, k=per_token)
-    table = SlotTable(slots, policy)
-    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
-    longest = longest_fifo = 0
-    for t, key in enumerate(seq):
-        table.access(key, t)
-        longest = max(longest, len(policy.heap))
-        if t % 1000 == 0:
-            longest_fifo = max(longest_fifo, *(len(q) for q in policy.gap_due))
-    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)
+    longest, longest_fifo = rarely_evicting(policy, slots, n_keys, lambda: [policy.heap],
+                                            lambda: max(len(q) for q in policy.gap_due))
     assert longest <= 4 * (slots + 1) and longest_fifo <= policy.gap_uses[-1]
-    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
-    assert state and all(len(d) <= slots + n_keys for d in state)
+    assert dicts_within(policy, slots + n_keys)
 
 
 class BruteWindow:
@@ -559,19 +566,11 @@ def test_window_memory_stays_bounded_when_the_pool_rarely_evicts():
     edge's FIFO holds at most the uses of its last edges[-1] tokens (16 x 10 lookups per token here)."""
     slots, n_keys, per_token = 60, 64, 10
     policy = make_policy("window", slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token)
-    table = SlotTable(slots, policy)
-    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
-    longest = longest_fifo = 0
-    for t, key in enumerate(seq):
-        table.access(key, t)
-        longest = max(longest, len(policy.heap))
-        if t % 1000 == 0:
-            longest_fifo = max(longest_fifo, *(len(q) for q in policy.due))
-    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)
+    longest, longest_fifo = rarely_evicting(policy, slots, n_keys, lambda: [policy.heap],
+                                            lambda: max(len(q) for q in policy.due))
     assert longest <= 4 * (slots + 1)
     assert longest_fifo <= policy.edges[-1]
-    state = [d for d in vars(policy).values() if isinstance(d, (dict, set))]
-    assert state and all(len(d) <= slots + n_keys for d in state)
+    assert dicts_within(policy, slots + n_keys)
 
 
 def duel_phases(n_a=300, n_b=300, shift=16):
@@ -659,18 +658,11 @@ def test_duel_memory_stays_bounded_when_the_pool_rarely_evicts(name):
     slots, n_keys, per_token = 60, 64, 10
     policy = make_policy(name, slots, profile_keys=list(range(n_keys)), lookups_per_token=per_token,
                          n_experts=n_keys + 1, k=per_token)  # keys 1..64: one layer
-    table = SlotTable(slots, policy)
     inner = [policy.cooc, policy.llama, policy.shadow.policy]
-    heaps = [policy.llama.heap, policy.shadow.policy.heap, *(heap for heap, _ in policy.cooc.sides)]
-    seq = np.minimum(np.random.default_rng(1).zipf(1.5, 1_000_000), n_keys).tolist()
-    longest = longest_shadow = 0
-    for t, key in enumerate(seq):
-        table.access(key, t)
-        longest = max(longest, *(len(h) for h in heaps))
-        if t % 1000 == 0:
-            longest_shadow = max(longest_shadow, len(policy.shadow.keys), len(policy.cooc.sides[1][1]))
-    assert table.hits > 0.99 * len(seq) and 0 < table.evictions < 0.01 * len(seq)
+    longest, longest_shadow = rarely_evicting(
+        policy, slots, n_keys,
+        lambda: [policy.llama.heap, policy.shadow.policy.heap, *(heap for heap, _ in policy.cooc.sides)],
+        lambda: max(len(policy.shadow.keys), len(policy.cooc.sides[1][1])))
     assert longest <= 4 * (slots + 1) and longest_shadow <= slots and len(policy.d) == 1
     for p in (policy, *inner):
-        state = [d for d in vars(p).values() if isinstance(d, (dict, set))]
-        assert all(len(d) <= slots + n_keys for d in state), type(p).__name__
+        assert dicts_within(p, slots + n_keys), type(p).__name__

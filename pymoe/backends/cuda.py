@@ -595,38 +595,32 @@ class ReferenceKernels:
     def conv_step(self, x, state, w, out, stream):
         from pymoe.cuda_kernels.deltanet import conv_step_reference
 
-        st = state.copy_to_host()
-        out.copy_to_device(conv_step_reference(x.copy_to_host(), st, w.copy_to_host()), stream=stream)
-        state.copy_to_device(st, stream=stream)
-        return out
+        return _on_host(conv_step_reference, (x, state, w), out, state, stream)
 
     def rule_step(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
         from pymoe.cuda_kernels.deltanet import rule_step_reference
 
-        m = M.copy_to_host()
-        h = lambda d: d.copy_to_host()  # noqa: E731
-        o.copy_to_device(rule_step_reference(h(qkvc), h(z), h(b), h(a), h(dt), h(A), h(norm), m, nk, tiled, eps),
-                         stream=stream)
-        M.copy_to_device(m, stream=stream)
-        return o
+        return _on_host(rule_step_reference, (qkvc, z, b, a, dt, A, norm, M, nk, tiled, eps), o, M, stream)
 
     def conv_chunk(self, x, state, w, out, stream):
         from pymoe.cuda_kernels.deltanet import conv_chunk_reference
 
-        st = state.copy_to_host()
-        out.copy_to_device(conv_chunk_reference(x.copy_to_host(), st, w.copy_to_host()), stream=stream)
-        state.copy_to_device(st, stream=stream)
-        return out
+        return _on_host(conv_chunk_reference, (x, state, w), out, state, stream)
 
     def rule_chunk(self, qkvc, z, b, a, dt, A, norm, M, o, nk, tiled, eps, stream):
         from pymoe.cuda_kernels.deltanet import rule_chunk_reference
 
-        m = M.copy_to_host()
-        h = lambda d: d.copy_to_host()  # noqa: E731
-        o.copy_to_device(rule_chunk_reference(h(qkvc), h(z), h(b), h(a), h(dt), h(A), h(norm), m, nk, tiled, eps),
-                         stream=stream)
-        M.copy_to_device(m, stream=stream)
-        return o
+        return _on_host(rule_chunk_reference, (qkvc, z, b, a, dt, A, norm, M, nk, tiled, eps), o, M, stream)
+
+
+def _on_host(reference, args: tuple, out, state, stream):
+    """Run the NumPy `reference` on host copies of the device arrays among `args` (other values pass as they are):
+    its result goes to the device array `out`, and `state` (one of `args`, which the reference updates in place, as
+    Gated DeltaNet's conv and rule references do) back to the device. -> out."""
+    host = [a.copy_to_host() if hasattr(a, "copy_to_host") else a for a in args]
+    out.copy_to_device(reference(*host), stream=stream)
+    state.copy_to_device(next(h for a, h in zip(args, host) if a is state), stream=stream)
+    return out
 
 
 def _at(p) -> int:
