@@ -1210,7 +1210,7 @@ def _host_vnni() -> tuple[bool, bool]:
 
 
 _VNNI, _WIDE = _host_vnni()
-# Whether the x86 forms may take vgf2p8affineqb (GFNI: a byte's bits moved and masked in one operation; `_Emit.bits2`).
+# Whether the x86 forms may take vgf2p8affineqb (GFNI: a byte's bits moved and masked in one operation; `_Emit.bits`).
 # PYMOE_GFNI=0 says no.
 _GFNI = bool(host_features().get("gfni")) and os.environ.get("PYMOE_GFNI", "1") != "0"
 # 512-bit VNNI, two chunks per operation, for the formats in WIDE. Q4_K gained (1 thread, 512 x 1024, Zen 5,
@@ -1226,12 +1226,14 @@ PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1"
 # The formats whose two-row dot (decode's two planes, `_make_tile_dot2`) comes in the dual form on a CPU with
 # 512-bit VNNI: the row-group's weights broadcast to both halves of a vector, each plane's activations in one half.
 # 1 thread, one warm 512 x 1024 matrix, us dual / plain (the plain form of Q4_K: its wide one), medians of 30-60
-# alternated rounds, Intel Emerald Rapids VM under other jobs (bench/two_row_dots.py's loops): Q4_K 9.6-10.2 /
-# 10.8-11.2; Q2_K 11.3-11.8 / 11.1-11.7; Q3_K 15.3-16.6 / 13.3-15.5; Q6_K 15.7-17.0 / 13.7-15.3; Q5_K 13.7-14.2 /
-# 12.6-12.9; IQ4_XS 11.3 / 11.1; Q8_0 10.3 / 10.5. On this CPU a 512-bit operation has two ports where a 256-bit
-# one has three, and a plane's activations take a shuffle into their half: the dual form gains only where the
-# plain form's per-token work after the dots (Q4_K's wide fold) is large.
-DUAL = {QType.Q4_K}
+# alternated rounds in one process, several processes, Intel Emerald Rapids VM under other jobs
+# (bench/two_row_dots.py's loops): Q4_K 9.6-10.8 / 10.7-12.3; Q2_K 11.2-12.9 / 11.1-16.4 (the plain form's time
+# moves from process to process, the dual form's less; medians of eight processes 11.9 / 12.4); Q3_K 15.2-17.9 /
+# 13.3-16.2; Q6_K 15.7-17.1 / 13.7-15.5; Q5_K 13.7-14.2 / 12.6-12.9; IQ4_XS 11.3 / 11.1; Q8_0 10.3 / 10.5. On this
+# CPU a 512-bit operation has two ports where a 256-bit one has three, and a plane's activations take a shuffle
+# into their half, so the dual form gains only where the plain form's work besides the dots is large (Q4_K's wide
+# fold, Q2_K's scales and mins).
+DUAL = {QType.Q2_K, QType.Q4_K}
 # the formats whose two-row dot this CPU runs in the dual form (PYMOE_DUAL=0: none, to compare them)
 DUALS = {q for q in DUAL if _AVX2 and _WIDE and os.environ.get("PYMOE_DUAL", "1") != "0"}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
