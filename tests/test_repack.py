@@ -320,6 +320,39 @@ def test_two_row_group_dot_has_the_bits_of_two_calls(qtype):
             assert np.array_equal(y2[g], np.concatenate([y1[g], y1[g + 1]], axis=1)), g
 
 
+@pytest.mark.parametrize("qtype", sorted(q for q in repack.PAIR if q != repack.DECODED), ids=lambda q: q.name)
+def test_dual_two_row_dot_has_the_bits_of_one_token_calls(qtype):
+    """The dual form of the two-row dot (repack._make_tile_dot2(dual=True): the row-group's weights broadcast to both
+    halves of a 512-bit vector, each plane's activations in one half) gives, row by row, the one-token call's bits on
+    each plane, as the plain two-row form does, on random and on the format's extreme weights (_extreme_rows), for
+    every format whose blocks are written for 16 lanes (PAIR), in DUAL or not (DUAL is a measured choice per CPU).
+    Where this CPU has no 512-bit VNNI the form is not used (DUALS is empty) and LLVM could not select it."""
+    if not (repack._WIDE and qact._AVX2):
+        assert not repack.DUALS
+        return
+    assert repack.DUALS == repack.DUAL or os.environ.get("PYMOE_DUAL") == "0"
+    dual, plain = (repack._make_tile_dot2(qtype, dual=d) for d in (True, False))
+    one = repack.TILE_DOTS[qtype]
+
+    @njit
+    def run(tiles, xq, xd, xbs, y_dual, y_plain, y_one):
+        for g in range(tiles.shape[0]):
+            dual(tiles[g], xq, xd, xbs, y_dual[g])
+            plain(tiles[g], xq, xd, xbs, y_plain[g])
+            for i in range(2):
+                one(tiles[g], xq[i], xd[i], xbs[i], y_one[g, i])
+
+    rng = np.random.default_rng(13)
+    for raw in (random_rows(qtype, 40, 512, rng), np.concatenate([_extreme_rows(qtype)] * 2)):
+        tiles = repack.repack(raw, qtype)
+        G, C = tiles.shape[0], raw.shape[1] // repack.RAW_BYTES[qtype] * 256
+        xq, xd, xbs = qact.quantize_for(rng.standard_normal((1, C)).astype(np.float32) * rng.uniform(0.1, 100), qtype,
+                                        qact.PLANES)  # a token's two planes [2, C]
+        ys = [np.full((G, 2, 8), np.nan, np.float32) for _ in range(3)]
+        run(tiles, xq, xd, xbs, *ys)
+        assert np.array_equal(ys[0], ys[2]) and np.array_equal(ys[1], ys[2])
+
+
 GRID = sorted(qact.ROW_DECODES, key=lambda q: q.name)  # IQ1-IQ3: the formats prefill reads decoded
 
 

@@ -92,7 +92,11 @@ products per row sit in two int16 lanes of several vpmaddubsw results added toge
 127 = 3048, Q3_K 4 * 2 * 7 * 127 = 7112, Q4_K 8 * 2 * 15 * 127 = 30480, Q5_K 4 * 2 * 31 * 127 = 31496 (so
 half a sub-block at a time goes into int32), Q6_K 2 * 2 * 63 * 127 = 32004 (so two chunks
 at a time go into int32), MXFP4 8 * 2 * 12 * 127 = 24384, IQ4_XS 2 * 127 * 127 = 32258 and Q8_0 2 * 128 * 127 =
-32512 (so each chunk goes into int32 on its own); with VNNI every product goes straight into int32.
+32512 (so each chunk goes into int32 on its own); with VNNI every product goes straight into int32. A product of an
+int32 sum known to lie within int16 and a small factor takes vpmaddwd (vpdpwssd with VNNI: `_Emit.mul16`), one
+operation where vpmulld takes two: the mins' and biases' terms (m or sc times a bsum, |bsum| <= 16 * 127; Q4_K's
+32-value sums 32 * 127) and, with VNNI, Q2_K's and Q3_K's sub-block sums times their scales (|sum| <= 16 * 3 * 127 =
+6096 and 16 * 7 * 127 = 14224; Q6_K's, up to 16 * 63 * 127, keep vpmulld). The same integers either way.
 Prefill uses the same tile dot per (row-group, token), with the tile rows in L1 while a chunk of tokens goes by; on a
 CPU with 512-bit VNNI the formats in PAIR read two row-groups per call (16 rows in the lanes of one vector, each row's
 integers and float operations those of its own row-group's call: the same bits; `_Emit`).
@@ -458,14 +462,18 @@ class _Emit:
     """The few vector operations both tile dots are made of, for one builder (avx2: by AVX2's intrinsics; else
     portable IR with the same integers, what CPUs without AVX2 run)."""
 
-    def __init__(self, builder, avx2: bool, vnni: bool = False, wide: bool = False, stride=None):
+    def __init__(self, builder, avx2: bool, vnni: bool = False, wide: bool = False, stride=None, dual: bool = False):
         self.b, self.avx2, self.vnni = builder, avx2, avx2 and vnni
         # wide (VNNI only, formats in WIDE): two consecutive chunks per operation, 512-bit vectors: lanes 0-7 hold
         # the 8 rows' sums of the first chunk, lanes 8-15 those of the second, added together by `fold`
         # stride (an i64 value: the bytes from one row-group's tiles to the next's; 512-bit VNNI only, formats in
         # PAIR): two row-groups side by side, lanes 0-7 the first's 8 rows and 8-15 the second's, one chunk of each
         # an operation, and that chunk's 4 activations one dword broadcast to all 16 lanes (no shuffle)
-        self.stride, self.pair = stride, stride is not None
+        # dual (512-bit VNNI only, formats in DUAL; a token's two planes, `_Both`): one row-group's 8 rows twice, lanes
+        # 0-7 against the first row of x and 8-15 against the second, each 256-bit load of weights broadcast to both
+        # halves: every operation after the unpacking (the scales' multiplies, the float epilogue) runs once for the
+        # two rows; otherwise the pair form's code (16 lanes, a sub-block's chunks into int32 by vpdpbusd)
+        self.stride, self.pair, self.dual = stride, stride is not None or dual, dual
         self.width = 2 if self.vnni and wide and not self.pair else 1
         self.lanes = 16 if self.pair else 8  # rows in a result vector
         self.VB = ir.VectorType(_i8, 32 * self.width * (2 if self.pair else 1))  # the weights of one operation
@@ -492,6 +500,8 @@ class _Emit:
         if not self.pair:
             return v
         n = ty.count
+        if self.dual:  # the same row-group's in both halves
+            return self.b.shuffle_vector(v, v, _vec(_i32, 2 * n, list(range(n)) * 2))
         second = self.load(wbase, self.b.add(off, self.stride), ty)  # the next row-group's
         return self.b.shuffle_vector(v, second, _vec(_i32, 2 * n, range(2 * n)))
 
@@ -563,6 +573,39 @@ class _Emit:
         sc16 = _vec(_i16, 16, [1] * 16) if sc8 is None else _dup_pairs(self, sc8, signed)
         return self.madd16(s, sc16)
 
+    def low16(self, v8, signed: bool = False):  # int8 [lanes] -> int32 [lanes]: the value as int16 in the low half,
+        # the high half zero (signed: -1 is 0x0000FFFF), the operand `mul16` takes
+        if not signed:
+            return self.b.zext(v8, self.VI)
+        return self.b.zext(self.b.sext(v8, ir.VectorType(_i16, v8.type.count)), self.VI)
+
+    def mul16(self, v, c, acc=None):  # acc (None: 0) + int32 [lanes] v times c (`low16`'s form), exact where v is
+        # within int16: vpmaddwd, one operation where vpmulld takes two (v's low half times c's, plus v's high half,
+        # its sign, times 0); with VNNI and acc, vpdpwssd (the multiply and the add in one)
+        b = self.b
+        if not self.avx2:
+            m = b.mul(v, b.sext(b.trunc(c, ir.VectorType(_i16, self.lanes)), self.VI))
+            return m if acc is None else b.add(acc, m)
+        if self.vnni and acc is not None:
+            return self.x86(f"llvm.x86.avx512.vpdpwssd.{32 * self.lanes}", self.VI, [acc, v, c])
+        i16 = ir.VectorType(_i16, 2 * self.lanes)
+        name = "llvm.x86.avx2.pmadd.wd" if self.lanes == 8 else "llvm.x86.avx512.pmaddw.d.512"
+        m = self.x86(name, self.VI, [b.bitcast(v, i16), b.bitcast(c, i16)])
+        return m if acc is None else b.add(acc, m)
+
+    def bits(self, q, lo: int, k: int, at: int = 0):  # uint8 [n] -> ((q >> lo) & (2^k - 1)) << at, byte by byte:
+        # with GFNI one vgf2p8affineqb (`_GFNI`: the bit matrix moves bits lo .. lo + k - 1 to at .. and clears the
+        # rest), else shifts and an and
+        b, n = self.b, q.type.count
+        if self.avx2 and _GFNI and (lo or at):
+            m = [0] * 8  # out bit i is the parity of (matrix byte 7 - i) & q
+            for i in range(k):
+                m[7 - (at + i)] = 1 << (lo + i)
+            return self.x86(f"llvm.x86.vgf2p8affineqb.{8 * n}", q.type,
+                            [q, _vec(_i8, n, [v - 256 if v > 127 else v for v in m] * (n // 8)), ir.Constant(_i8, 0)])
+        v = b.and_(b.lshr(q, _vec(_i8, n, [lo] * n)) if lo else q, _vec(_i8, n, [(1 << k) - 1] * n))
+        return b.shl(v, _vec(_i8, n, [at] * n)) if at else v
+
     def magnitude(self, v):  # int8 [32] -> |v| (as unsigned bytes: -128 -> 128)
         b, zero = self.b, _vec(_i8, 32, [0] * 32)
         return b.select(b.icmp_signed("<", v, zero), b.neg(v), v)
@@ -607,6 +650,37 @@ class _Tok:
         return e.b.add(e.load(self.bsbase, e.at(self.bso, 2 * j), _i32),
                        e.load(self.bsbase, e.at(self.bso, 2 * j + 1), _i32))
 
+    def xs(self, e: "_Emit", k: int):  # activations k .. as one operation takes them (`_Emit.xs`)
+        return e.xs(self.xbase, self.xo, k)
+
+    def each(self, e: "_Emit", scalar, ty):  # scalar(tok): a value of type ty of this token, in every lane
+        return e.splat(scalar(self), ty, e.lanes)
+
+    def bsum(self, e: "_Emit", k: int):  # the block's bsum k (activations 16 k .. 16 k + 15), int32
+        return e.load(self.bsbase, e.at(self.bso, k), _i32)
+
+
+class _Both:
+    """A token's two planes (two rows of x) as the dual form (`_Emit`'s dual) sees them: lanes 0-7 the first row's
+    values, 8-15 the second's, wherever a _Tok puts one token's value in every lane."""
+
+    def __init__(self, a: _Tok, c: _Tok):
+        self.a, self.c = a, c
+
+    @staticmethod
+    def _halves(e: "_Emit", va, vc):  # two [8] vectors -> [16]: va in lanes 0-7, vc in 8-15
+        return e.b.shuffle_vector(va, vc, _vec(_i32, 16, range(16)))
+
+    def xs(self, e: "_Emit", k: int):  # activations k .. k + 3 of each row, to its 8 lanes: int8 [64] (one dword
+        # to all 16 lanes, the second row's over lanes 8-15: two broadcast loads, one masked)
+        first = e.splat(e.load(self.a.xbase, e.at(self.a.xo, k), _i32), _i32, 16)
+        second = e.splat(e.load(self.c.xbase, e.at(self.c.xo, k), _i32), _i32, 16)
+        return e.b.bitcast(e.b.select(ir.Constant(ir.VectorType(ir.IntType(1), 16), [0] * 8 + [1] * 8), second, first),
+                           e.VB)
+
+    def each(self, e: "_Emit", scalar, ty):
+        return self._halves(e, e.splat(scalar(self.a), ty, 8), e.splat(scalar(self.c), ty, 8))
+
 
 def _minus_128_bsum(e: "_Emit", s, x: _Tok, g: int):
     """Group g's per-row sums of (v + 128) x (vpdpbusd's unsigned operand; wide: two halves, folded) -> the sums of
@@ -619,7 +693,7 @@ def _minus_128_bsum_start(e: "_Emit", x: _Tok, g: int):
     they end as the sums of v x. The same integers as `_minus_128_bsum`, with one operation less per group and token
     and no register held across the groups (where the subtraction after made LLVM keep every group's term live:
     spills)."""
-    return e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, -128)), _i32, e.lanes)
+    return x.each(e, lambda t: e.b.mul(t.bsum32(e, g), ir.Constant(_i32, -128)), _i32)
 
 
 def _affine_epilogue(e: _Emit, wbase, t, toks, isums, msums, accs):
@@ -631,7 +705,7 @@ def _affine_epilogue(e: _Emit, wbase, t, toks, isums, msums, accs):
     dmin8 = b.fpext(e.per_row(wbase, e.at(t, 16), half8), e.VF)
     out = []
     for x, isum, msum, acc in zip(toks, isums, msums, accs):
-        dxv = e.splat(x.dx, _f32, e.lanes)
+        dxv = x.each(e, lambda t: t.dx, _f32)
         acc = e.fma(b.sitofp(isum, e.VF), b.fmul(d8, dxv), acc)
         out.append(e.fma(b.sitofp(msum, e.VF), b.fneg(b.fmul(dmin8, dxv)), acc))
     return out
@@ -646,6 +720,41 @@ def _sum(e: _Emit, a, m):  # a running sum, None at first
     return m if a is None else e.b.add(a, m)
 
 
+class _Sums:
+    """Each token's int32 [lanes] running sum of a block's terms, kept as about 4 partial sums a block (4 / tokens
+    each, added round-robin, then together): integer adds, the same value in any order, in short dependency chains
+    where one chain would wait on every multiply-add (vpdpwssd: `mul16` and the add, fused) before the next."""
+
+    def __init__(self, e: _Emit, n_tok: int):
+        self.e, self.parts, self.i = e, [[] for _ in range(n_tok)], 0
+        self.p = max(1, 4 // n_tok)
+
+    def add(self, terms):  # one term per token
+        for parts, v in zip(self.parts, terms):
+            if len(parts) < self.p:
+                parts.append(v)
+            else:
+                parts[self.i % self.p] = self.e.b.add(parts[self.i % self.p], v)
+        self.i += 1
+
+    def mul16(self, vs, c):  # + each token's v times c (`_Emit.mul16`, v within int16): vpdpwssd into the partial
+        for parts, v in zip(self.parts, vs):  # sum (an intrinsic: LLVM keeps the chains as they are written)
+            if len(parts) < self.p:
+                parts.append(self.e.mul16(v, c))
+            else:
+                parts[self.i % self.p] = self.e.mul16(v, c, parts[self.i % self.p])
+        self.i += 1
+
+    def totals(self):  # -> the tokens' sums
+        out = []
+        for parts in self.parts:
+            while len(parts) > 1:
+                parts = [self.e.b.add(parts[k], parts[k + 1]) if k + 1 < len(parts) else parts[k]
+                         for k in range(0, len(parts), 2)]
+            out.append(parts[0] if parts else self.e.zeros)
+        return out
+
+
 # Each block function adds one tile block's terms for the tokens `toks` (1 or 4) to their accumulators: the weights
 # are loaded and unpacked once, then each token's integer products and float terms are exactly those of a
 # one-token call (the same operations in the same order), so a token's bits do not depend on its neighbours.
@@ -655,9 +764,7 @@ def _block_q2_k(e: _Emit, wbase, t, toks, accs):
     of the sub-block's byte, min = high nibble. The 2-bit weights are unsigned: no bias (pair form: vpdpbusd, a
     sub-block's 4 chunks into int32 at once, then its scale)."""
     b = e.b
-    n = e.VB.count
-    three = _vec(_i8, n, [3] * n)
-    isums = [e.zeros] * len(toks)
+    isums = _Sums(e, len(toks))
     for h in range(2):
         for j in range(4):
             if e.pair:  # (a barrier per plane: see _Emit.barrier)
@@ -666,20 +773,22 @@ def _block_q2_k(e: _Emit, wbase, t, toks, accs):
                 s = [None] * len(toks)
                 for c in range(4 * half, 4 * half + 4):
                     q = e.chunk(wbase, e.at(t, 160 + 32 * (8 * h + c)))
-                    v = b.and_(b.lshr(q, _vec(_i8, n, [2 * j] * n)), three) if j else b.and_(q, three)
+                    v = e.bits(q, 2 * j, 2)
                     k = 128 * h + 32 * j + 4 * c  # the chunk's first weight
-                    s = [e.sub_add(a, v, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+                    s = [e.sub_add(a, v, x.xs(e, k)) for a, x in zip(s, toks)]
                 k = 8 * h + 2 * j + half
                 sc8 = e.per_row(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8))
                 sc8 = b.and_(sc8, _vec(_i8, sc8.type.count, [15] * sc8.type.count))  # the low nibbles
-                isums = [b.add(i, e.sub_scaled(a, sc8)) for i, a in zip(isums, s)]  # row r: sc_rk * its 16 products
-    msums = [e.zeros] * len(toks)
+                if e.vnni:  # row r: sc_rk * its 16 products (|sum| <= 16 * 3 * 127 = 6096: int16)
+                    isums.mul16(s, e.low16(sc8))
+                else:
+                    isums.add([e.sub_scaled(a, sc8) for a in s])
+    msums = _Sums(e, len(toks))
     for k in range(16):
         m8 = e.per_row(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8))
         m8 = b.zext(b.lshr(m8, _vec(_i8, m8.type.count, [4] * m8.type.count)), e.VI)
-        msums = [b.add(m, b.mul(m8, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, e.lanes)))
-                 for m, x in zip(msums, toks)]
-    return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
+        msums.mul16([x.each(e, lambda t: t.bsum(e, k), _i32) for x in toks], m8)  # |bsum| <= 16 * 127
+    return _affine_epilogue(e, wbase, t, toks, isums.totals(), msums.totals(), accs)
 
 
 def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
@@ -707,18 +816,17 @@ def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
                 fifth = lambda j: b.shl(b.and_(b.lshr(qh, _vec(_i8, n, [j] * n)), _vec(_i8, n, [1] * n)),  # noqa
                                         _vec(_i8, n, [4] * n))
                 lo, hi = b.or_(lo, fifth(2 * p)), b.or_(hi, fifth(2 * p + 1))
-            s_lo = [e.sub_add(a, lo, e.xs(x.xbase, x.xo, 64 * p + 4 * c)) for a, x in zip(s_lo, toks)]
-            s_hi = [e.sub_add(a, hi, e.xs(x.xbase, x.xo, 64 * p + 32 + 4 * c)) for a, x in zip(s_hi, toks)]
+            s_lo = [e.sub_add(a, lo, x.xs(e, 64 * p + 4 * c)) for a, x in zip(s_lo, toks)]
+            s_hi = [e.sub_add(a, hi, x.xs(e, 64 * p + 32 + 4 * c)) for a, x in zip(s_hi, toks)]
             if five and not e.vnni and c == 3:  # half the sub-block: into int32 before int16 overflows
                 isums = scaled(isums, p, s_lo, s_hi)
                 s_lo = s_hi = [None] * len(toks)
         isums = scaled(isums, p, s_lo, s_hi)
-    msums = [e.zeros] * len(toks)
+    msums = _Sums(e, len(toks))
     for j in range(8):
         m8 = b.zext(e.per_row(wbase, e.at(t, 96 + 8 * j), ir.VectorType(_i8, 8)), e.VI)  # sub-block j's mins
-        for i, x in enumerate(toks):
-            msums[i] = b.add(msums[i], b.mul(m8, e.splat(x.bsum32(e, j), _i32, e.lanes)))
-    return _affine_epilogue(e, wbase, t, toks, isums, msums, accs)
+        msums.mul16([x.each(e, lambda t: t.bsum32(e, j), _i32) for x in toks], m8)  # |.| <= 32 * 127
+    return _affine_epilogue(e, wbase, t, toks, isums, msums.totals(), accs)
 
 
 def _block_symmetric(qtype):
@@ -728,8 +836,10 @@ def _block_symmetric(qtype):
     bias * bsum_k), exactly the one-row dot's integer."""
     if qtype == QType.Q3_K:
         bias, chunks_per_madd = 4, 4  # |4 chunks of 2 products| <= 4 * 2 * 7 * 127 < 2^15
+        small = True  # a sub-block's sum (what meets its scale) within int16: 16 * 7 * 127 = 14224
     else:
         bias, chunks_per_madd = 32, 2  # 2 * 2 * 63 * 127 = 32004 < 2^15
+        small = False  # 16 * 63 * 127 (or half of it, without pair) is past int16
 
     def planes(e: _Emit, wbase, t, h, c):  # the 4 bit-planes j of chunk c: int8 [32] q' of weights 128 h + 32 j + 4 c
         b, n = e.b, e.VB.count  # (pair: [64], both row-groups')
@@ -744,12 +854,12 @@ def _block_symmetric(qtype):
         lo_b = e.chunk(wbase, e.at(t, 144 + 32 * (16 * h + 8 + c)))  # ql[64 h + 32 + 4 c ..]
         hq = e.chunk(wbase, e.at(t, 1168 + 32 * (8 * h + c)))  # qh[32 h + 4 c ..]
         lows = [mask(lo_a, 15), mask(lo_b, 15), sh(lo_a, 4), sh(lo_b, 4)]  # j = 0, 1 low nibbles; 2, 3 high
-        return [b.or_(lows[j], up(mask(sh(hq, 2 * j), 3), 4)) for j in range(4)]
+        return [b.or_(lows[j], e.bits(hq, 2 * j, 2, 4)) for j in range(4)]
 
     def block(e: _Emit, wbase, t, toks, accs):
         b = e.b
         per = 4 if e.pair else chunks_per_madd  # chunks into int32 at a time (pair: VNNI, the sub-block at once)
-        isums = [e.zeros] * len(toks)
+        isums = _Sums(e, len(toks))
         for h in range(2):
             for half in range(2):  # chunks 4 half .. 4 half + 3: sub-blocks 8 h + 2 j + half
                 if e.pair:
@@ -758,25 +868,27 @@ def _block_symmetric(qtype):
                 for c in range(4 * half, 4 * half + 4):
                     vs = planes(e, wbase, t, h, c)
                     for j in range(4):
-                        s[j] = [e.sub_add(a, vs[j], e.xs(x.xbase, x.xo, 128 * h + 32 * j + 4 * c))
+                        s[j] = [e.sub_add(a, vs[j], x.xs(e, 128 * h + 32 * j + 4 * c))
                                 for a, x in zip(s[j], toks)]
                     if (c + 1) % per == 0:  # into int32 with the sub-blocks' scales, before 2^15
                         for j in range(4):
                             k = 8 * h + 2 * j + half
                             sc8 = e.per_row(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8))
-                            isums = [b.add(i, e.sub_scaled(a, sc8, True)) for i, a in zip(isums, s[j])]
+                            if e.vnni and small:
+                                isums.mul16(s[j], e.low16(sc8, signed=True))
+                            else:
+                                isums.add([e.sub_scaled(a, sc8, True) for a in s[j]])
                             s[j] = [None] * len(toks)
         # - bias * sum_k sc_k bsum_k, then d * dx times the whole block's integer
-        corr = [e.zeros] * len(toks)
+        corr = _Sums(e, len(toks))
         for k in range(16):
-            sc = b.sext(e.per_row(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8)), e.VI)
-            corr = [b.add(m, b.mul(sc, e.splat(e.load(x.bsbase, e.at(x.bso, k), _i32), _i32, e.lanes)))
-                    for m, x in zip(corr, toks)]
+            sc = e.low16(e.per_row(wbase, e.at(t, 16 + 8 * k), ir.VectorType(_i8, 8)), signed=True)
+            corr.mul16([x.each(e, lambda t: t.bsum(e, k), _i32) for x in toks], sc)  # |bsum| <= 16 * 127
         d8 = b.fpext(e.per_row(wbase, t, ir.VectorType(ir.HalfType(), 8)), e.VF)
         out = []
-        for x, isum, m, acc in zip(toks, isums, corr, accs):
+        for x, isum, m, acc in zip(toks, isums.totals(), corr.totals(), accs):
             total = b.sub(isum, b.mul(m, _vec(_i32, e.lanes, [bias] * e.lanes)))
-            out.append(e.fma(b.sitofp(total, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), acc))
+            out.append(e.fma(b.sitofp(total, e.VF), b.fmul(d8, x.each(e, lambda t: t.dx, _f32)), acc))
         return out
 
     return block
@@ -825,7 +937,7 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
             for idx, k in ((lo, 32 * g + 4 * c), (hi, 32 * g + 16 + 4 * c)):
                 if e.vnni:
                     u = e.lookup(idx, _IQ4_PLUS_128)
-                    s = [e.sub_add(a, u, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+                    s = [e.sub_add(a, u, x.xs(e, k)) for a, x in zip(s, toks)]
                     continue
                 v = e.lookup(idx, KVALUES_IQ4NL)
                 mag = e.magnitude(v)
@@ -835,7 +947,7 @@ def _block_iq4_xs(e: _Emit, wbase, t, toks, accs):
             for i, x in enumerate(toks):
                 isums[i] = b.add(isums[i], e.sub_scaled(s[i] if e.pair else _minus_128_bsum(e, s[i], x, g), sc8, True))
     d8 = b.fpext(e.per_row(wbase, t, ir.VectorType(ir.HalfType(), 8)), e.VF)
-    return [e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), acc)
+    return [e.fma(b.sitofp(isum, e.VF), b.fmul(d8, x.each(e, lambda t: t.dx, _f32)), acc)
             for x, isum, acc in zip(toks, isums, accs)]
 
 
@@ -845,7 +957,7 @@ def _plus_128_sums(e: _Emit, s, w, toks, k):
     times the activations' sum off, or starts from there)."""
     n = e.VB.count
     u = e.b.xor(w, _vec(_i8, n, [-128] * n))
-    return [e.sub_add(a, u, e.xs(x.xbase, x.xo, k)) for a, x in zip(s, toks)]
+    return [e.sub_add(a, u, x.xs(e, k)) for a, x in zip(s, toks)]
 
 
 def _block_q8_0(e: _Emit, wbase, t, toks, accs):
@@ -871,7 +983,7 @@ def _block_q8_0(e: _Emit, wbase, t, toks, accs):
             isum = s[i]
             if e.vnni and not e.pair:  # row r: sum (w + 128) x - 128 * the group's bsum
                 isum = _minus_128_bsum(e, isum, x, g)
-            accs[i] = e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx_of(e, g), _f32, e.lanes)), accs[i])
+            accs[i] = e.fma(b.sitofp(isum, e.VF), b.fmul(d8, x.each(e, lambda t: t.dx_of(e, g), _f32)), accs[i])
     return accs
 
 
@@ -906,7 +1018,7 @@ def _block_decoded(e: _Emit, wbase, t, toks, accs):
                     si = s[i] if e.pair else b.add(s[i], e.splat(minus[i], _i32, e.lanes))
                     isums[i] = b.add(isums[i], e.sub_scaled(si, sc8, True))
     d8 = e.per_row(wbase, e.at(t, qact.DECODED_D), ir.VectorType(_f32, 8))
-    return [e.fma(b.sitofp(isum, e.VF), b.fmul(d8, e.splat(x.dx, _f32, e.lanes)), acc)
+    return [e.fma(b.sitofp(isum, e.VF), b.fmul(d8, x.each(e, lambda t: t.dx, _f32)), acc)
             for x, isum, acc in zip(toks, isums, accs)]
 
 
@@ -922,8 +1034,9 @@ def _key(layout):  # a layout's key: a QType (an int finds it), or DECODED
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
-                  locality: int = 3, pair: bool = False):
-    """ahead > 0: each block also asks for the bytes `ahead` past its own (llvm.prefetch at `locality`, 3: keep in
+                  locality: int = 3, pair: bool = False, dual: bool = False):
+    """dual (n_tok 2, 512-bit VNNI): the two rows of x in the halves of one vector (`_Emit`'s dual, `_Both`).
+    ahead > 0: each block also asks for the bytes `ahead` past its own (llvm.prefetch at `locality`, 3: keep in
     every cache level, 0: non-temporal), one hint per 64 bytes of the block, among the block's own loads (see
     STREAM_AHEAD). Hints only: no fault past the end of the array, no effect on the results."""
     size, block = _LAYOUT_BYTES[qtype], _BLOCKS[qtype]
@@ -932,9 +1045,9 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
     def codegen(context, builder, signature, args):
         """out = the 8 rows of one row-group (tiles uint8 [nb * TILE]) times n_tok tokens: 1-D xq int8 [nb * 256],
         xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]. pair: tiles uint8 [2, nb * TILE]
-        (two row-groups, 16 rows), 2-D xq, out [n_tok, 16]."""
+        (two row-groups, 16 rows), 2-D xq, out [n_tok, 16]. dual: out [2, 8] written as one [16] vector."""
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
-        e = _Emit(builder, avx2, vnni, wide, cgutils.unpack_tuple(builder, ta.strides, 2)[0] if pair else None)
+        e = _Emit(builder, avx2, vnni, wide, cgutils.unpack_tuple(builder, ta.strides, 2)[0] if pair else None, dual)
         nd = signature.args[1].ndim
         x32 = qtype in qact.ACT32_TYPES  # x per 32 values (qact.act_group): 8 scales of x a block
         nb = cgutils.unpack_tuple(builder, xda.shape, nd)[nd - 1]
@@ -950,7 +1063,8 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
                     for i in range(n_tok)]
 
         xrows, xdrows, bsrows = rows(xa, _i8), rows(xda, _f32), rows(bsa, _i32)
-        acc_ps = [cgutils.alloca_once_value(builder, ir.Constant(e.VF, [0.0] * e.lanes)) for _ in range(n_tok)]
+        acc_ps = [cgutils.alloca_once_value(builder, ir.Constant(e.VF, [0.0] * e.lanes))
+                  for _ in range(1 if dual else n_tok)]
         with cgutils.for_range(builder, nb) as loop:
             bi = loop.index
             t = builder.mul(bi, ir.Constant(_i64, size))  # the block's first byte
@@ -968,11 +1082,13 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
             else:
                 toks = [_Tok(xr, xo, builder.load(builder.gep(xdr, [bi])), bsr, bso)
                         for xr, xdr, bsr in zip(xrows, xdrows, bsrows)]
+            if dual:
+                toks = [_Both(*toks)]
             accs = block(e, ta.data, t, toks, [builder.load(p) for p in acc_ps])
             for p, acc in zip(acc_ps, accs):
                 builder.store(acc, p)
         out = builder.bitcast(outa.data, e.VF.as_pointer())
-        for i, p in enumerate(acc_ps):  # out is C-contiguous: token i's 8 (pair: 16) results at 8 i (16 i)
+        for i, p in enumerate(acc_ps):  # out is C-contiguous: token i's 8 (pair, dual: 16) results at 8 i (16 i)
             builder.store(builder.load(p), builder.gep(out, [ir.Constant(_i64, i)]), align=4)
         return context.get_dummy_value()
 
@@ -1054,16 +1170,18 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     return tile_dot
 
 
-def _make_tile_dot2(qtype, locality: int = None, ahead: int = None):
+def _make_tile_dot2(qtype, locality: int = None, ahead: int = None, dual: bool = None):
     """-> tile_dot2(tiles uint8 [nb * TILE_BYTES], xq int8 [2, nb * 256], xd float32 [2, nb] (or [2, 8 nb]: per-32
     x), xbs int32 [2, nb * 16], out float32 [2, 8]): the row-group's 8 rows times two activation rows at once, the
     weights unpacked once for both: a token's two planes (qact.quantize_planes_ref) in decode. The one-token dot's
     instructions and hints (`_make_tile_dot`'s defaults), run for two rows of x: each row's results are the bits of
-    its one-token call."""
+    its one-token call. dual (None: whether this CPU runs the format's dot so, DUALS): the two rows in the halves of
+    512-bit vectors (`_Emit`'s dual), the same bits."""
     ahead = STREAM_AHEAD if ahead is None else ahead
     locality = qact.DENSE_LOCALITY if locality is None else locality
     qtype = _key(qtype)
-    codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, _WIDE and qtype in WIDE, ahead, locality)
+    dual = qtype in DUALS if dual is None else dual
+    codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, _WIDE and qtype in WIDE and not dual, ahead, locality, dual=dual)
 
     def trap(context, builder, signature, args):  # (int16 x: typed so that a kernel for both widths holds the call)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
@@ -1092,6 +1210,9 @@ def _host_vnni() -> tuple[bool, bool]:
 
 
 _VNNI, _WIDE = _host_vnni()
+# Whether the x86 forms may take vgf2p8affineqb (GFNI: a byte's bits moved and masked in one operation; `_Emit.bits`).
+# PYMOE_GFNI=0 says no.
+_GFNI = bool(host_features().get("gfni")) and os.environ.get("PYMOE_GFNI", "1") != "0"
 # 512-bit VNNI, two chunks per operation, for the formats in WIDE. Q4_K gained (1 thread, 512 x 1024, Zen 5,
 # G MACs/s wide / not: T = 1 82-85 / 70-74, T = 64 167-173 / 105-130, bench/bench_repack.py with PYMOE_WIDE=1 / 0),
 # and so did IQ4_XS (one-token 120 / 95, four-token 167 / 169: medians of 40 alternated calls of one row-group loop
@@ -1102,6 +1223,19 @@ _VNNI, _WIDE = _host_vnni()
 WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
 # the formats whose two-row-group dot this CPU runs (PYMOE_PAIR=0: none, the wide form alone, to compare them)
 PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1") != "0"}
+# The formats whose two-row dot (decode's two planes, `_make_tile_dot2`) comes in the dual form on a CPU with
+# 512-bit VNNI: the row-group's weights broadcast to both halves of a vector, each plane's activations in one half.
+# 1 thread, one warm 512 x 1024 matrix, us dual / plain (the plain form of Q4_K: its wide one), medians of 30-60
+# alternated rounds in one process, several processes, Intel Emerald Rapids VM under other jobs
+# (bench/two_row_dots.py's loops): Q4_K 9.6-10.8 / 10.7-12.3; Q2_K 11.2-12.9 / 11.1-16.4 (the plain form's time
+# moves from process to process, the dual form's less; medians of eight processes 11.9 / 12.4); Q3_K 15.2-17.9 /
+# 13.3-16.2; Q6_K 15.7-17.1 / 13.7-15.5; Q5_K 13.7-14.2 / 12.6-12.9; IQ4_XS 11.3 / 11.1; Q8_0 10.3 / 10.5. On this
+# CPU a 512-bit operation has two ports where a 256-bit one has three, and a plane's activations take a shuffle
+# into their half, so the dual form gains only where the plain form's work besides the dots is large (Q4_K's wide
+# fold, Q2_K's scales and mins).
+DUAL = {QType.Q2_K, QType.Q4_K}
+# the formats whose two-row dot this CPU runs in the dual form (PYMOE_DUAL=0: none, to compare them)
+DUALS = {q for q in DUAL if _AVX2 and _WIDE and os.environ.get("PYMOE_DUAL", "1") != "0"}
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the

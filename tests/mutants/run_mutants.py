@@ -741,7 +741,7 @@ MUTANTS: list[Mutant] = [
         "return s if sc8 is None else self.b.mul(s, self.b.zext(sc8, self.VI))",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q6_K]",
          "tests/test_repack.py::test_every_form_of_the_tile_dot_has_the_same_bits[Q3_K-*]"),
-        "the VNNI tile dot reads Q3_K's and Q6_K's signed scales as unsigned (a negative scale becomes 256 + sc); "
+        "the VNNI tile dot reads Q6_K's signed scales as unsigned (a negative scale becomes 256 + sc); "
         "only CPUs with VNNI run that form: elsewhere this mutant survives"),
     Mutant(
         "tile_wide_fold_drops_the_second_chunk", "pymoe/quant/repack.py",
@@ -767,12 +767,35 @@ MUTANTS: list[Mutant] = [
         "a prefill chunk's rmsnorm leaves one row in 16 unwritten"),
     Mutant(
         "pair_start_off_by_one", "pymoe/quant/repack.py",
-        "ir.Constant(_i32, -128)), _i32, e.lanes)",
-        "ir.Constant(_i32, -127)), _i32, e.lanes)",
+        "ir.Constant(_i32, -128)), _i32)",
+        "ir.Constant(_i32, -127)), _i32)",
         ("tests/test_repack.py::test_two_row_group_dot_has_the_bits_of_two_calls[*",
          "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*IQ4_XS]"),
         "the two-row-group IQ4_XS and Q8_0 dots start their sums from -127 * bsum (every weight one step high); "
         "only CPUs with 512-bit VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
+        "tile_low16_sign_lost", "pymoe/quant/repack.py",
+        "return self.b.zext(self.b.sext(v8, ir.VectorType(_i16, v8.type.count)), self.VI)",
+        "return self.b.zext(v8, self.VI)",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q3_K]",
+         "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q6_K]"),
+        "the vpmaddwd products read Q3_K's and Q6_K's signed scales as unsigned bytes (a negative scale becomes 256 + sc)"),
+    Mutant(
+        "dual_second_plane_reads_the_first", "pymoe/quant/repack.py",
+        "second = e.splat(e.load(self.c.xbase, e.at(self.c.xo, k), _i32), _i32, 16)",
+        "second = e.splat(e.load(self.a.xbase, e.at(self.a.xo, k), _i32), _i32, 16)",
+        ("tests/test_repack.py::test_dual_two_row_dot_has_the_bits_of_one_token_calls[*",
+         "tests/test_repack.py::test_two_plane_decode_calls_have_the_bits_of_one_token_calls[*"),
+        "the dual two-row dot meets the second plane's lanes with the first plane's activations; only CPUs with "
+        "512-bit VNNI run that form: elsewhere this mutant survives"),
+    Mutant(
+        "gfni_bits_matrix_reversed", "pymoe/quant/repack.py",
+        "m[7 - (at + i)] = 1 << (lo + i)",
+        "m[at + i] = 1 << (lo + i)",
+        ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q2_K]",
+         "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q6_K]"),
+        "the GFNI bit-field extraction writes the fields to the mirrored bit positions; only CPUs with GFNI run it: "
+        "elsewhere this mutant survives"),
     Mutant(
         "pair_second_row_group_reads_the_first", "pymoe/quant/repack.py",
         "self.load(wbase, self.b.add(off, self.stride), ty)",
