@@ -13,7 +13,6 @@ weights (decode reads the experts from DRAM: bench/stream_ahead.py).
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import time
@@ -21,18 +20,14 @@ import time
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))  # quant_helpers: random valid blocks
+sys.path.insert(0, os.path.dirname(__file__))  # tile_bench: the shared start
+from tile_bench import start  # noqa: E402
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--formats", default="Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS", help="tiled formats")
-    ap.add_argument("--rounds", type=int, default=40, help="alternated rounds (default 40)")
-    args = ap.parse_args()
-
-    import numba
+    args = start(__doc__, "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS")
     from numba import njit
 
-    numba.set_num_threads(1)
     from pymoe.quant import QType, qact, repack
     from quant_helpers import random_rows
 
