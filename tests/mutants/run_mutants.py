@@ -29,6 +29,7 @@ run instead (slow; for when in doubt).
 Usage (from the repo root, with the repo's venv):
     .venv/bin/python tests/mutants/run_mutants.py            # baseline + every mutant, then the table
     .venv/bin/python tests/mutants/run_mutants.py --list     # the table of mutants and their test selections
+    .venv/bin/python tests/mutants/run_mutants.py --check    # the table against the tree, nothing run (CI)
     .venv/bin/python tests/mutants/run_mutants.py --only rope_base_halved --only sampler_drops_least_likely
 This file is a script, not a test module: pytest does not collect it (its name does not match test_*.py, and the
 folder has no __init__.py and no conftest).
@@ -726,14 +727,14 @@ MUTANTS: list[Mutant] = [
         "[4] * m8.type.count)), e.VI)",
         "[0] * m8.type.count)), e.VI)",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q2_K]",
-         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q2_K]"),
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q2_K-8]"),
         "the repacked Q2_K dot takes a sub-block's whole scale byte as its min (not the high nibble)"),
     Mutant(
         "tile_q6_k_bias_off_by_one", "pymoe/quant/repack.py",
         "bias, chunks_per_madd = 32, 2",
         "bias, chunks_per_madd = 31, 2",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q6_K]",
-         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q4_K_M]"),
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q4_K_M-8]"),
         "the repacked Q6_K dot brings back 31 * bsum instead of 32 (every weight off by one step)"),
     Mutant(
         "tile_vnni_scale_sign_lost", "pymoe/quant/repack.py",
@@ -756,7 +757,7 @@ MUTANTS: list[Mutant] = [
         "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 127)), _i32, 8))",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*IQ4_XS]",
          "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q8_0]",
-         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[IQ4_XS]"),
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[IQ4_XS-8]"),
         "the VNNI IQ4_XS and Q8_0 tile dots take 127 * bsum off the weights + 128 (every weight one step high); "
         "only CPUs with VNNI run that form: elsewhere this mutant survives"),
     Mutant(
@@ -859,7 +860,7 @@ MUTANTS: list[Mutant] = [
         "d8 = b.fpext(e.per_row(wbase, e.at(t, 16 * g), ir.VectorType(ir.HalfType(), 8)), e.VF)",
         "d8 = b.fpext(e.per_row(wbase, e.at(t, 16 * ((g + 1) % 8)), ir.VectorType(ir.HalfType(), 8)), e.VF)",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q8_0]",
-         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q8_0]"),
+         "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[Q8_0-8]"),
         "the repacked Q8_0 dot scales each group by the next group's d"),
     Mutant(
         "repack_iq4_xs_scale_bias", "pymoe/quant/repack.py",
@@ -1315,6 +1316,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--list", action="store_true", help="print the mutants and their test selections, then exit")
+    ap.add_argument("--check", action="store_true",
+                    help="check the whole table against the tree (every `old` once, every test pattern matches a "
+                         "collected test), run nothing, exit 0 if it is current (tests/test_mutant_table.py)")
     ap.add_argument("--only", action="append", default=[], metavar="NAME",
                     help="run only this mutant (repeatable; comma-separated names too)")
     ap.add_argument("--repo", type=Path, default=REPO, help="the repository to copy (default: this file's repo)")
@@ -1335,7 +1339,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(only) - {m.name for m in MUTANTS})
     if unknown:
         ap.error(f"unknown mutant(s): {', '.join(unknown)} (see --list)")
-    chosen = [m for m in MUTANTS if not only or m.name in only]
+    chosen = [m for m in MUTANTS if not only or m.name in only or args.check]
 
     t_start = time.perf_counter()
     tmp = Path(tempfile.mkdtemp(prefix="pymoe-mutants-"))
@@ -1368,6 +1372,10 @@ def main(argv=None) -> int:
         if stale:
             print("run_mutants: test selections are stale:\n  " + "\n  ".join(stale), file=sys.stderr)
             return 2
+        if args.check:
+            print(f"the mutant table is current: {len(chosen)} mutants, "
+                  f"{sum(len(m.tests) for m in chosen)} test patterns over {len(files)} files, {len(ids)} tests")
+            return 0
         node_ids = {name: list(dict.fromkeys(i for hit in sel.values() for i in hit))
                     for name, sel in selections.items()}
         union = list(dict.fromkeys(i for v in node_ids.values() for i in v))
