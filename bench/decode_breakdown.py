@@ -10,6 +10,7 @@ What this is not: a speed measurement to quote (bench/bench_forward.py, bench/co
 the kernels' insides.
 
     PYTHONPATH=. PYMOE_ACT_BITS=8 python bench/decode_breakdown.py /work/bigm/mid-Q4_K_M.gguf --threads 2
+    PYTHONPATH=. python bench/decode_breakdown.py /work/bigm/mid-Q4_K_M.gguf --threads 2 --prefill 128 --tokens 5
 """
 from __future__ import annotations
 
@@ -34,6 +35,8 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
     ap.add_argument("--tokens", type=int, default=40, help="decoded tokens timed (default 40)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before them (default 128)")
+    ap.add_argument("--prefill", type=int, default=0, metavar="N",
+                    help="time the prefill of an N-token prompt instead (--tokens prompts, each on a fresh cache)")
     args = ap.parse_args()
 
     engine = pymoe.load(args.model, threads=args.threads, n_ctx=args.context + args.tokens + 16)
@@ -61,6 +64,9 @@ def main():
         for key in list(table):
             table[key] = timed(table[key], f"{kind} block: {key}")
 
+    if args.prefill:
+        prefill_breakdown(engine, model, args, seconds, calls)
+        return
     prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, args.context)
     kv = model.new_kv(args.context + args.tokens + 16)
     logits = model.prefill(prompt, kv)[-1]
@@ -76,6 +82,25 @@ def main():
           f"{args.tokens} tokens: {total * 1e3:.2f} ms per token (wrapped)")
     for label, s in seconds.most_common():
         print(f"  {label:48s} {s / args.tokens * 1e3:8.3f} ms/token  {calls[label] / args.tokens:6.1f} calls/token")
+
+
+def prefill_breakdown(engine, model, args, seconds, calls):
+    """The same rows for prefill: --tokens prompts of --prefill tokens, each on a fresh cache, after one warm-up
+    prompt (its experts' repacked copies made, the kernels compiled); ms per prompt."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, engine.config.n_vocab, args.prefill) for _ in range(args.tokens + 1)]
+    model.prefill(prompts[0], model.new_kv(args.prefill + 16))
+    seconds.clear()
+    calls.clear()
+    t0 = time.perf_counter()
+    for p in prompts[1:]:
+        model.prefill(p, model.new_kv(args.prefill + 16))
+    total = (time.perf_counter() - t0) / args.tokens
+    print(f"{args.model}: {args.threads} threads, act_bits {model.backend.__dict__.get('act_bits', '-')}, prefill of "
+          f"{args.prefill} tokens x {args.tokens}: {total * 1e3:.2f} ms per prompt ({args.prefill / total:.0f} tok/s, "
+          f"wrapped)")
+    for label, s in seconds.most_common():
+        print(f"  {label:48s} {s / args.tokens * 1e3:8.3f} ms/prompt  {calls[label] / args.tokens:6.1f} calls/prompt")
 
 
 if __name__ == "__main__":

@@ -231,7 +231,8 @@ GATE_TILE = UP_TILE = DOWN_TILE = 0  # without a layout: never called), and byte
 PAIR_GATE_UP = PAIR_DOWN = False  # whether their many-token tile dots take two row-groups a call (repack.PAIRS)
 DECODE_GATE = DECODE_UP = DECODE_DOWN = None  # their row decoders (qact.ROW_DECODES; a placeholder where none)
 DECODED_GATE_UP = DECODED_DOWN = False  # whether prefill reads them through decoded scratch tiles (both gate and up)
-TILE_DECODED = None  # the decoded layout's tile dot (repack.tile_dot_decoded), PAIR_DECODED: in its pair form
+TILE_DECODED_GATE_UP = TILE_DECODED_DOWN = None  # the decoded layout's tile dot (repack.tile_dot_decoded) where
+# gate/up or down may be decoded (a placeholder elsewhere); PAIR_DECODED: in its pair form
 PAIR_DECODED = False
 DECODED_TILE = 0  # bytes of the decoded layout per 8 rows and 256 columns (qact.DECODED_TILE)
 # The fewest tokens of one expert for which prefill decodes its rows into scratch tiles (IQ1-IQ3): decoding a weight
@@ -346,7 +347,7 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     PAIR_GATE_UP, PAIR_DOWN), for TILE_MANY tokens at a time (then one by one), with the same bits. In prefill, an
     IQ1-IQ3 matrix (no repacked copy: DECODED_GATE_UP, DECODED_DOWN) of an expert with DECODE_MIN_TOKENS pairs or
     more is decoded 16 rows at a time into a scratch tile (DECODE_*: qact's row_decode) that the decoded layout's
-    tile dot reads for all its pairs (TILE_DECODED), again with the bits of the raw rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
+    tile dot reads for all its pairs (TILE_DECODED_GATE_UP, TILE_DECODED_DOWN), again with the bits of the raw rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); hq
     [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype; PLANE_QMAX:
@@ -571,21 +572,21 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
                     while i + TILE_MANY <= b - a:
                         p0, p1 = a + i, a + i + TILE_MANY
                         if m == 2:
-                            TILE_DECODED(dg, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            TILE_DECODED_GATE_UP(dg, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
                             g[i:i + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
-                            TILE_DECODED(du, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            TILE_DECODED_GATE_UP(du, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
                             u[i:i + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
                         else:
-                            TILE_DECODED(dg[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                            TILE_DECODED_GATE_UP(dg[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
                             g[i:i + TILE_MANY, cr:cr + TILE_ROWS] = o
-                            TILE_DECODED(du[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
+                            TILE_DECODED_GATE_UP(du[0], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o)
                             u[i:i + TILE_MANY, cr:cr + TILE_ROWS] = o
                         i += TILE_MANY
                     for q in range(m):
                         c = cr + q * TILE_ROWS
                         for j in range(i, b - a):
-                            TILE_DECODED(dg[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
-                            TILE_DECODED(du[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
+                            TILE_DECODED_GATE_UP(dg[q], xq[a + j], xd[a + j], xbs[a + j], g[j, c:c + TILE_ROWS])
+                            TILE_DECODED_GATE_UP(du[q], xq[a + j], xd[a + j], xbs[a + j], u[j, c:c + TILE_ROWS])
                     r += m * TILE_ROWS
             else:  # raw rows, one at a time (one chunk)
                 for r in range(r0, r1):
@@ -686,19 +687,19 @@ def _moe_down(addr, tiles, F, D, start, tok, weight, hq, hd, hbs, qmax, y, threa
                     while i + TILE_MANY <= b - a:
                         p0, p1 = a + i, a + i + TILE_MANY
                         if n_rg == 2:
-                            TILE_DECODED(dd, hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
+                            TILE_DECODED_DOWN(dd, hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
                             for m in range(TILE_MANY):
                                 for j in range(2 * TILE_ROWS):
                                     y[tok[p0 + m], r + j] += weight[p0 + m] * out_pair[m, j]
                         else:
-                            TILE_DECODED(dd[0], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
+                            TILE_DECODED_DOWN(dd[0], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_many)
                             for m in range(TILE_MANY):
                                 for j in range(TILE_ROWS):
                                     y[tok[p0 + m], r + j] += weight[p0 + m] * out_many[m, j]
                         i += TILE_MANY
                     for q in range(n_rg):
                         for m in range(i, b - a):
-                            TILE_DECODED(dd[q], hq[a + m], hd[a + m], hbs[a + m], out8)
+                            TILE_DECODED_DOWN(dd[q], hq[a + m], hd[a + m], hbs[a + m], out8)
                             for j in range(TILE_ROWS):
                                 y[tok[a + m], r + q * TILE_ROWS + j] += weight[a + m] * out8[j]
                     r += n_rg * TILE_ROWS
@@ -718,12 +719,48 @@ _MOE_PHASES = dict(QUANTIZE_X_PHASE=_moe_quantize_x, DECODE_PHASE=_moe_decode, G
                    DOWN_PHASE=_moe_down)
 
 
-def compile_moe(suffix: str, constants: dict):
-    """`_moe_kernel` compiled with `constants` (moe_constants', which a caller may override: BY_EXPERT): its phases
-    first, each its template bound to the same constants under the same suffix (Numba compiles each phase's
-    parallel loops as it did when they were all in one function), then the kernel that calls them (not parallel:
-    it has no loop of its own but its check of the decode form)."""
-    phases = {name: _compile(template, suffix, constants) for name, template in _MOE_PHASES.items()}
+_SHARED_PHASES: dict = {}  # (phase template name, suffix) -> the phase compiled for the types it reads
+# The constants no weight type decides (the same in every moe_constants): a phase that reads only these and its own
+# types' is the same function for every triple that agrees on those types
+_TYPE_FREE = frozenset({"PAIR_DECODED", "DECODED_TILE", "PREFETCH_WEIGHTS"})
+
+
+def phase_types(template, constants: dict) -> tuple:
+    """-> which of the (gate, up, down) types (0, 1, 2) a phase template's bound constants come from, read off their
+    names (TILE_GATE: 0, DECODED_GATE_UP: 0 and 1, ROWS_DOWN: 2); every constant it reads must name its type or be
+    type-free (_TYPE_FREE), else ValueError: sharing the phase between triples would then be wrong."""
+    used = set(template.__code__.co_names) & set(constants)
+    which = set()
+    for name in used:
+        parts = name.split("_")
+        found = {i for i, word in enumerate(("GATE", "UP", "DOWN")) if word in parts}
+        if not found and name not in _TYPE_FREE:
+            raise ValueError(f"{template.__name__} reads {name}, which names no weight type: it cannot be shared")
+        which |= found
+    return tuple(sorted(which))
+
+
+def compile_moe(suffix: str, constants: dict, qtypes=None):
+    """`_moe_kernel` compiled with `constants`: its phases first, then the kernel that calls them (not parallel:
+    it has no loop of its own but its check of the decode form). Each phase is its template bound to the constants
+    (Numba compiles each phase's parallel loops as it did when they were all in one function).
+    qtypes (gate, up, down), with constants = moe_constants(qtypes) (act_kernel): each phase is compiled once per
+    process (and cached on disk) for the types it reads (`phase_types`: the gate/up phase for (gate, up), the down
+    phase for down, x's quantization for none, decode's for all three) and shared by every triple that agrees on
+    them: a Q4_K_M file's two triples (down Q4_K or Q6_K) compile gate/up once, and the cold compile of a new triple
+    is its decode phase and what it does not share. Without qtypes (custom constants: tests, bench/stream_ahead.py,
+    BY_EXPERT overridden), every phase is bound under `suffix`, shared with nothing."""
+    if qtypes is None:
+        phases = {name: _compile(template, suffix, constants) for name, template in _MOE_PHASES.items()}
+    else:
+        qtypes = [QType(q) for q in qtypes]
+        phases = {}
+        for name, template in _MOE_PHASES.items():
+            own = phase_types(template, constants)
+            key = (template.__name__, "_".join(qtypes[i].name for i in own) + "_" + _act_fingerprint())
+            if key not in _SHARED_PHASES:
+                _SHARED_PHASES[key] = _compile(template, key[1], constants)
+            phases[name] = _SHARED_PHASES[key]
     return _compile(_moe_kernel, suffix, {**constants, **phases}, parallel=False)
 
 
@@ -799,7 +836,7 @@ def act_kernel(template, *qtypes):
             constants = dict(VEC_DOT=qact.ACT_DOTS[QType(qtypes[0])], ROWS=rows_dot(qtypes[0]))
             _ACT_KERNELS[key] = _compile(template, suffix, constants)
         else:  # _moe_kernel and its phases
-            _ACT_KERNELS[key] = compile_moe(suffix, moe_constants(qtypes))
+            _ACT_KERNELS[key] = compile_moe(suffix, moe_constants(qtypes), qtypes)
     return _ACT_KERNELS[key]
 
 
@@ -831,7 +868,8 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     tiles2 = [repack.TILE_DOTS2_STREAM.get(q, _never_tile_dot) for q in qtypes]
     tile_bytes = [repack.TILE_BYTES.get(q, 0) for q in qtypes]
     decoders = [qact.ROW_DECODES.get(q, _never_row_decode) for q in qtypes]
-    any_decoded = any(q in qact.ROW_DECODES for q in qtypes)
+    decoded = [repack.tile_dot_decoded if any(q in qact.ROW_DECODES for q in qs) else _never_tile_dot
+               for qs in (qtypes[:2], qtypes[2:])]  # the decoded layout's dot where gate/up, or down, may use it
     return dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
                 ROWS_UP=rows[1], ROWS_DOWN=rows[2], GATE_SIZE=sizes[0], UP_SIZE=sizes[1], DOWN_SIZE=sizes[2],
                 TILE_GATE=tiles[0], TILE_UP=tiles[1], TILE_DOWN=tiles[2], TILE2_GATE=tiles2[0], TILE2_UP=tiles2[1],
@@ -842,7 +880,7 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
                 DECODE_GATE=decoders[0], DECODE_UP=decoders[1], DECODE_DOWN=decoders[2],
                 DECODED_GATE_UP=_DECODE and qtypes[0] in qact.ROW_DECODES and qtypes[1] in qact.ROW_DECODES,
                 DECODED_DOWN=_DECODE and qtypes[2] in qact.ROW_DECODES,
-                TILE_DECODED=repack.tile_dot_decoded if any_decoded else _never_tile_dot,
+                TILE_DECODED_GATE_UP=decoded[0], TILE_DECODED_DOWN=decoded[1],
                 PAIR_DECODED=repack.DECODED in repack.PAIRS, DECODED_TILE=qact.DECODED_TILE,
                 PREFETCH_WEIGHTS=qact.prefetch_ahead_stream)
 
