@@ -199,6 +199,39 @@ def _expert_ffn_ref(ex, qtypes, x):
         return (a / (1 + np.exp(-a)) * b) @ dn.T
 
 
+def test_the_fused_kernels_phases_are_shared_by_the_triples_that_agree_on_their_types():
+    """compile_moe with the standard constants of a triple (act_kernel's path) binds each phase once per process for
+    the types it reads: two triples with the same gate and up share the gate/up phase and x's quantization, not the
+    down or decode phase; a phase that read a constant naming no type could not be shared (ValueError)."""
+    q4, q6, q2 = QType.Q4_K, QType.Q6_K, QType.Q2_K
+    saved = dict(kernels._SHARED_PHASES)  # (dispatchers only: nothing is compiled until called)
+    kernels._SHARED_PHASES.clear()
+    try:
+        a = kernels.compile_moe("test_share_a", kernels.moe_constants((q4, q4, q6)), (q4, q4, q6))
+        b = kernels.compile_moe("test_share_b", kernels.moe_constants((q4, q4, q4)), (q4, q4, q4))
+        c = kernels.compile_moe("test_share_c", kernels.moe_constants((q2, q2, q6)), (q2, q2, q6))
+    finally:
+        kernels._SHARED_PHASES.clear()
+        kernels._SHARED_PHASES.update(saved)
+    phase = lambda k, name: k.py_func.__globals__[name]  # noqa: E731
+    assert phase(a, "GATE_UP_PHASE") is phase(b, "GATE_UP_PHASE") is not phase(c, "GATE_UP_PHASE")
+    assert phase(a, "DOWN_PHASE") is phase(c, "DOWN_PHASE") is not phase(b, "DOWN_PHASE")
+    assert phase(a, "QUANTIZE_X_PHASE") is phase(b, "QUANTIZE_X_PHASE") is phase(c, "QUANTIZE_X_PHASE")
+    assert len({id(phase(k, "DECODE_PHASE")) for k in (a, b, c)}) == 3
+    # why sharing is right: every constant a shared phase reads is the same in the triples that share it
+    ca, cb = kernels.moe_constants((q4, q4, q6)), kernels.moe_constants((q4, q4, q4))
+    read = set(kernels._moe_gate_up.__code__.co_names) & set(ca)
+    assert read and all(ca[n] is cb[n] or ca[n] == cb[n] for n in read)
+    assert any(ca[n] != cb[n] for n in set(kernels._moe_down.__code__.co_names) & set(ca))
+    assert [kernels.phase_types(t, ca) for t in kernels._MOE_PHASES.values()] == [(), (0, 1, 2), (0, 1), (2,)]
+
+    def reads_an_untyped_constant(x):
+        return MOE_EXTRA + x  # noqa: F821
+
+    with pytest.raises(ValueError, match="MOE_EXTRA"):
+        kernels.phase_types(reads_an_untyped_constant, dict(ca, MOE_EXTRA=1))
+
+
 @pytest.mark.parametrize("bits, qtypes", [(16, (QType.Q2_K, QType.Q2_K, QType.Q3_K)),
                                           (8, (QType.Q2_K, QType.Q2_K, QType.Q3_K)),
                                           (8, (QType.Q2_0, QType.Q2_0, QType.MXFP4)),
