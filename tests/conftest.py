@@ -41,7 +41,8 @@ def pytest_xdist_auto_num_workers(config):
 # alternate, so the two workers do not compile the same kernels at once. pytest-xdist would otherwise order the
 # files by their number of tests (its loadscope reorder), which puts test_multi_device (4 tests) near the end.
 # Measured on a fresh clone, 2 quiet cores: 1400 s with xdist's order, 1394 and 1298 s with this one (no difference
-# above the run-to-run noise there: the suite is bound by its total work); it guards the tail where the cores or the files differ.
+# above the run-to-run noise there: the suite is bound by its total work); it guards the tail where the cores or
+# the files differ.
 SLOW_FILES = ("test_repack.py", "test_cuda_real_kernels_sim.py", "test_ftypes.py", "test_multi_device.py",
               "test_llamacpp_quant_mixes.py", "test_cuda_prompt_blocks.py")
 
