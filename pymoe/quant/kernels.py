@@ -347,7 +347,8 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     PAIR_GATE_UP, PAIR_DOWN), for TILE_MANY tokens at a time (then one by one), with the same bits. In prefill, an
     IQ1-IQ3 matrix (no repacked copy: DECODED_GATE_UP, DECODED_DOWN) of an expert with DECODE_MIN_TOKENS pairs or
     more is decoded 16 rows at a time into a scratch tile (DECODE_*: qact's row_decode) that the decoded layout's
-    tile dot reads for all its pairs (TILE_DECODED_GATE_UP, TILE_DECODED_DOWN), again with the bits of the raw rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
+    tile dot reads for all its pairs (TILE_DECODED_GATE_UP, TILE_DECODED_DOWN), again with the bits of the raw
+    rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); hq
     [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype; PLANE_QMAX:
