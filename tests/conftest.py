@@ -33,32 +33,6 @@ def pytest_xdist_auto_num_workers(config):
     return max(1, min(MAX_WORKERS, cores))
 
 
-# The files that take longest, handed to the workers first (longest-first scheduling), so that no worker starts a
-# four-minute file while the other has little left: seconds summed over each file's tests in a cold run on 2 cores
-# (2026-12-06, `--durations`): test_repack 508 (compiles), test_cuda_real_kernels_sim 327 (the simulator),
-# test_ftypes 448 (compiles), test_multi_device 259 (one test: the simulator), test_cuda_prompt_blocks 195,
-# test_llamacpp_quant_mixes 128; then every other file in collection order. Compile-bound and simulator-bound files
-# alternate, so the two workers do not compile the same kernels at once. pytest-xdist would otherwise order the
-# files by their number of tests (its loadscope reorder), which puts test_multi_device (4 tests) near the end.
-# Measured on a fresh clone, 2 quiet cores: 1400 s with xdist's order, 1394 and 1298 s with this one (no difference
-# above the run-to-run noise there: the suite is bound by its total work); it guards the tail where the cores or
-# the files differ.
-SLOW_FILES = ("test_repack.py", "test_cuda_real_kernels_sim.py", "test_ftypes.py", "test_multi_device.py",
-              "test_llamacpp_quant_mixes.py", "test_cuda_prompt_blocks.py")
-
-
-def pytest_configure(config):
-    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection's order of files (below)
-        config.option.loadscopereorder = False
-
-
-def pytest_collection_modifyitems(session, config, items):
-    """SLOW_FILES first, in that order; every other file after them as collected (a stable sort: the tests of a
-    file keep their order)."""
-    rank = {name: i for i, name in enumerate(SLOW_FILES)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))
-
-
 @pytest.fixture(scope="session")
 def demo_model(tmp_path_factory):
     """demo_model(arch, preset, mix) -> path of a random-weight GGUF of that preset of pymoe/demo/tinymodel.py (seed
