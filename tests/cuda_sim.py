@@ -28,10 +28,15 @@ if "numba.cuda" not in sys.modules:
 
 from numba import cuda  # noqa: E402
 
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WANT_SIMULATOR = os.environ["NUMBA_ENABLE_CUDASIM"] != "0"
 IS_SIMULATOR = "simulator" in cuda.is_available.__module__
 IN_PROCESS = WANT_SIMULATOR == IS_SIMULATOR
+if IS_SIMULATOR:
+    from pymoe.backends.simulator import quicker  # noqa: E402
+
+    quicker()  # barriers without the simulator's polling loop (pymoe/backends/simulator.py)
 
 
 def in_process(test):

@@ -78,6 +78,10 @@ def cuda_module():
 
     if not config.ENABLE_CUDASIM and not cuda.is_available():
         raise PymoeError("backend 'cuda': no CUDA GPU found (numba.cuda.is_available() is False); use --backend cpu")
+    if config.ENABLE_CUDASIM:
+        from .simulator import quicker
+
+        quicker()  # barriers without the simulator's polling loop
     return cuda
 
 
