@@ -8,6 +8,7 @@ data file that is not there or a quantizer that does not exist can no longer tur
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -19,6 +20,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # parametrized over these (the llama.cpp oracle, batching, the command matrix, ...) without another list to edit.
 ARCHS = tuple(_CONFIG_ARCHS)
 MIXES = ("f32", "q2_k")
+# pymoe keeps the headers of big GGUF files under ~/.cache/pymoe (pymoe/gguf/header.py); a test run keeps them in a
+# temporary folder of its own (its subprocesses inherit it)
+os.environ.setdefault("PYMOE_CACHE_DIR", tempfile.mkdtemp(prefix="pymoe-test-cache-"))
 MAX_WORKERS = 4  # pytest-xdist workers (`-n auto`): each one makes its own models and compiles its own kernels, so
 #                  many cores would mostly add memory
 

@@ -75,3 +75,62 @@ def test_inspect_prints_config_types_and_slot_size(tiny_model):
     assert f"slot size: {m.slot_bytes} bytes" in r.stdout
     for name in ("Q2_K", "Q3_K", "Q4_K", "Q6_K", "F32", "n_expert_used"):
         assert name in r.stdout
+
+
+def _same_model(a, b):
+    """Two GGUFModels of one file: the same metadata, config, tensors (types, shapes, bytes), each a view of its map."""
+    assert a.reader.fields.keys() == b.reader.fields.keys()
+    for key in a.reader.fields:
+        assert a.metadata(key) == b.metadata(key), key
+    assert a.config == b.config and a.tensors.keys() == b.tensors.keys()
+    for name, t in a.tensors.items():
+        u = b.tensors[name]
+        assert (t.qtype, t.shape, t.data.dtype, t.data.shape) == (u.qtype, u.shape, u.data.dtype, u.data.shape), name
+        np.testing.assert_array_equal(t.data, u.data)
+        assert np.shares_memory(u.data, b.reader.data)
+    for t, u in zip(a.reader.tensors, b.reader.tensors):
+        assert (t.name, t.tensor_type, list(t.shape), t.n_bytes, t.data_offset) == \
+               (u.name, u.tensor_type, list(u.shape), u.n_bytes, u.data_offset)
+
+
+def test_the_header_cache_gives_the_parsed_model_back_and_only_for_the_same_file(tiny_model, tmp_path, monkeypatch):
+    """pymoe/gguf/header.py: a header that took MIN_PARSE_S to parse is kept (0 here: the tiny file's is too quick to
+    be cached by default); the next load of the same file reads it and gives the same model. A rewritten file, a
+    broken entry and PYMOE_HEADER_CACHE=0 are parsed by gguf-py again."""
+    import os
+    import shutil
+
+    from pymoe.gguf import header
+
+    monkeypatch.setenv("PYMOE_CACHE_DIR", str(tmp_path / "cache"))
+    path = str(tmp_path / "m.gguf")
+    shutil.copy(tiny_model("qwen2moe", "q2_k"), path)
+    first = load_gguf(path)
+    assert not first.reader.from_cache and not os.path.exists(header.cache_entry(path))  # quick: not cached
+    monkeypatch.setattr(header, "MIN_PARSE_S", 0.0)
+    parsed = load_gguf(path)
+    assert not parsed.reader.from_cache and os.path.exists(header.cache_entry(path))
+    cached = load_gguf(path)
+    assert cached.reader.from_cache
+    _same_model(parsed, cached)
+    tokens = cached.metadata("tokenizer.ggml.tokens")
+    tokens.append("mine")  # the caller's list: the header's stays as it was
+    assert cached.metadata("tokenizer.ggml.tokens") == parsed.metadata("tokenizer.ggml.tokens")
+
+    shutil.copy(tiny_model("olmoe", "q2_k"), path)  # another model at the same path
+    other = load_gguf(path)
+    assert not other.reader.from_cache and other.config.arch == "olmoe"
+    assert load_gguf(path).reader.from_cache
+
+    with open(header.cache_entry(path), "wb") as f:  # a broken entry: parsed again and rewritten
+        f.write(b"not a pickle")
+    assert not load_gguf(path).reader.from_cache
+    again = load_gguf(path)
+    assert again.reader.from_cache
+    _same_model(other, again)
+
+    monkeypatch.setenv("PYMOE_HEADER_CACHE", "0")
+    assert not load_gguf(path).reader.from_cache
+    os.remove(header.cache_entry(path))
+    load_gguf(path)
+    assert not os.path.exists(header.cache_entry(path))

@@ -1,8 +1,9 @@
 """GGUF file -> `ModelConfig` + named tensor views into the memory map. Validation with one-line errors.
 
 What this is: the only place pymoe opens a model file. It uses gguf-py's `GGUFReader` (the official reader, which
-memory-maps the file), builds the `ModelConfig` from metadata, checks every tensor the architecture needs (present,
-right shape, a type pymoe can compute with, inside the file), and hands out views. Nothing is copied: expert
+memory-maps the file; header.py keeps what it parsed of a big header for the next load of the same file), builds
+the `ModelConfig` from metadata, checks every tensor the architecture needs (present, right shape, a type pymoe can
+compute with, inside the file), and hands out views. Nothing is copied: expert
 tensors stay in the page cache / mmap until a kernel reads them, which is what expert offloading is built on.
 What this is not: the forward pass, or a tokenizer (tokenizer.py reads the `tokenizer.ggml.*` keys itself).
 
@@ -29,6 +30,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueTy
 
 from pymoe import quant
 from .config import REQUIRED, LayerPlan, ModelConfig
+from .header import open_header
 from pymoe.errors import PymoeError
 
 EXPERT_PROJ = ("gate", "up", "down")
@@ -205,7 +207,9 @@ class GGUFModel:
 
     def __init__(self, path: str | os.PathLike):
         self.path = str(path)
-        self.reader = _open_reader(self.path)
+        _check_file(self.path)
+        # gguf-py's parse of the header, or what it found last time for this very file (header.py)
+        self.reader = open_header(self.path, _open_reader, _field_value)
         where = f"{self.path}: "
         self.tensors: dict[str, Tensor] = {}
         self._expert_views: dict[int, dict] = {}  # layer -> proj -> uint8 [E, rows, row_bytes] (see expert())
@@ -236,8 +240,10 @@ class GGUFModel:
         """A metadata value as a Python scalar, str or list; `default` when absent."""
         # Strings are decoded by _field_value, not by gguf-py's contents() (which raises on bytes that are not
         # UTF-8): a broken byte becomes U+FFFD, as llama.cpp's tokenizer and template code would carry it along.
-        value = _field_value(self.reader, key)
-        return default if value is None else value
+        value = self.reader.fields.get(key)
+        if value is None:
+            return default
+        return list(value) if isinstance(value, list) else value  # the caller's own list (the header keeps its own)
 
     def metadata_getter(self, where: str):
         def get(key, default=REQUIRED):
@@ -590,8 +596,8 @@ def _field_value(r: GGUFReader, key: str):
     return field.contents()
 
 
-def _open_reader(path: str) -> GGUFReader:
-    """GGUFReader with its failures turned into one-line errors naming the file."""
+def _check_file(path: str) -> None:
+    """One-line errors for a path that is no GGUF file: missing, a folder, too short, the wrong magic."""
     if not os.path.exists(path):
         raise PymoeError(f"{path}: no such file")
     if os.path.isdir(path):
@@ -602,6 +608,11 @@ def _open_reader(path: str) -> GGUFReader:
     with open(path, "rb") as f:
         if f.read(4) != b"GGUF":
             raise PymoeError(f"{path}: not a GGUF file (bad magic)")
+
+
+def _open_reader(path: str) -> GGUFReader:
+    """GGUFReader with its failures turned into one-line errors naming the file."""
+    _check_file(path)
     try:
         return _Reader(path, "r")
     except PermissionError:
