@@ -3,7 +3,7 @@
 What this is: everything of the backend but the kernels -- device memory and its budget, the slot pool and its
 copies, the mapped model file, the miss paths (slot / spill / cpu / staged), auto-sizing, pre-fill verification,
 the PCIe probe -- on tiny models, against the reference backend (backends/reference.py: float NumPy, the same math as the
-GPU kernels). The simulator runs a kernel one Python thread per CUDA thread (a 256 x 256 mat-vec: ~50 s), so the
+GPU kernels). The simulator runs a kernel one Python thread per CUDA thread (a 256 x 256 mat-vec: ~7 s), so the
 backend runs here with `kernels="reference"` (dequantize + NumPy); tests/test_cuda_kernels.py holds every real
 kernel to the same references, tests/test_cuda_real_kernels_sim.py runs the backend with the real kernels on the
 micro model (in the simulator too), and scripts/gpu-check runs it with the real kernels on a GPU.
@@ -359,8 +359,9 @@ def test_pcie_probe_line_and_split(tiny_model):
 
 
 @in_process
-@pytest.mark.skipif(IS_SIMULATOR, reason="GPU only: the real kernels on the tiny models (~50 s per mat-vec in the "
-                    "simulator; tests/test_cuda_real_kernels_sim.py runs them on the micro model): scripts/gpu-check")
+@pytest.mark.skipif(IS_SIMULATOR, reason="GPU only: the real kernels on the tiny models (~7 s per 256 x 256 mat-vec "
+                    "in the simulator; tests/test_cuda_real_kernels_sim.py runs them on the micro model): "
+                    "scripts/gpu-check")
 @pytest.mark.parametrize("arch", ["qwen3moe", "qwen2moe", "llama", "olmoe"])
 @pytest.mark.parametrize("mix", ["f32", "q2_k"])
 def test_real_kernels_end_to_end_match_the_cpu_float_path(tiny_model, monkeypatch, arch, mix):

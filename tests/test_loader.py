@@ -134,3 +134,27 @@ def test_the_header_cache_gives_the_parsed_model_back_and_only_for_the_same_file
     os.remove(header.cache_entry(path))
     load_gguf(path)
     assert not os.path.exists(header.cache_entry(path))
+
+
+def test_the_header_cache_keeps_the_entries_used_last(tiny_model, tmp_path, monkeypatch):
+    """MAX_ENTRIES: a write deletes the entries used longest ago (a read counts as a use); entries of files that
+    were rewritten or deleted are never reached again and must not pile up."""
+    import os
+    import shutil
+
+    from pymoe.gguf import header
+
+    monkeypatch.setenv("PYMOE_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(header, "MIN_PARSE_S", 0.0)
+    monkeypatch.setattr(header, "MAX_ENTRIES", 2)
+    paths = [str(tmp_path / f"{i}.gguf") for i in range(3)]
+    for p in paths:
+        shutil.copy(tiny_model("qwen3moe", "f32"), p)
+    load_gguf(paths[0])
+    load_gguf(paths[1])
+    os.utime(header.cache_entry(paths[0]), (1, 1))  # 0 used long ago, 1 later
+    os.utime(header.cache_entry(paths[1]), (2, 2))
+    assert load_gguf(paths[0]).reader.from_cache  # a read: 0 is now the one used last
+    load_gguf(paths[2])  # a third entry: the one used longest ago (1) goes
+    kept = {p for p in paths if os.path.exists(header.cache_entry(p))}
+    assert kept == {paths[0], paths[2]} and len(os.listdir(header.cache_dir())) == 2

@@ -9,8 +9,8 @@ device and first MiB, and gguf-py's version. A 151936-token vocabulary (Qwen3's)
 one at a time in Python: 2.5-4 s of a load. The next load of the same, unchanged file reads the pickle instead
 (~0.1 s), maps the file as gguf-py does, and makes each tensor's view from the offset, dtype and shape gguf-py found.
 What this is not: a GGUF parser: nothing here interprets the header's bytes (its first MiB is hashed into the key).
-A changed file has another key and is parsed again; an entry that cannot be read is parsed again and rewritten;
-PYMOE_HEADER_CACHE=0 turns the cache off.
+A changed file has another key and is parsed again; an entry that cannot be read is parsed again and rewritten; the
+folder keeps the MAX_ENTRIES entries used last; PYMOE_HEADER_CACHE=0 turns the cache off.
 """
 from __future__ import annotations
 
@@ -26,6 +26,7 @@ import numpy as np
 
 FORMAT = 1  # the pickle's layout; a change of it makes new keys
 MIN_PARSE_S = 0.25  # a header gguf-py parses faster than this is not worth a file in the cache
+MAX_ENTRIES = 32  # the cache keeps the entries used last (a few MiB each); older ones are deleted on a write
 
 
 class HeaderTensor(NamedTuple):
@@ -104,8 +105,21 @@ def _write(entry: str, header: Header) -> None:
         with os.fdopen(fd, "wb") as f:
             pickle.dump(record, f, protocol=pickle.HIGHEST_PROTOCOL)
         os.replace(tmp, entry)
+        _prune(os.path.dirname(entry))
     except OSError:
         pass
+
+
+def _prune(folder: str) -> None:
+    """Delete all but the MAX_ENTRIES entries used last (a read touches its entry): files that were rewritten or
+    deleted leave entries that no key reaches again."""
+    entries = sorted((e for e in os.scandir(folder) if e.name.endswith(".pkl")), key=lambda e: e.stat().st_mtime,
+                     reverse=True)
+    for e in entries[MAX_ENTRIES:]:
+        try:
+            os.remove(e.path)
+        except OSError:
+            pass
 
 
 def _read(entry: str, path: str):
@@ -125,6 +139,10 @@ def _read(entry: str, path: str):
             view = plain[offset:offset + n_bytes].view(np.dtype(dtype)).reshape(data_shape)
             tensors.append(HeaderTensor(name, GGMLQuantizationType(type_id), np.array(shape, dtype=np.uint64),
                                         n_elements, n_bytes, offset, view))
+        try:
+            os.utime(entry)  # used now: the last to be pruned
+        except OSError:
+            pass
         return Header(path, record["fields"], tensors, data, from_cache=True)
     except Exception:  # a truncated, foreign or older entry: parse again (and rewrite it)
         return None
