@@ -24,7 +24,7 @@ from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
-FORMAT = 1  # the pickle's layout; a change of it makes new keys
+FORMAT = 1  # the pickle's layout and loader._field_value's decoding: a change of either must raise it (new keys)
 MIN_PARSE_S = 0.25  # a header gguf-py parses faster than this is not worth a file in the cache
 MAX_ENTRIES = 32  # the cache keeps the entries used last (a few MiB each); older ones are deleted on a write
 
@@ -59,11 +59,15 @@ def cache_dir() -> str:
 def cache_entry(path: str) -> str:
     """The cache file of `path` as it is now: another size, modification time, inode or first MiB (where the header
     starts: a file rewritten within the file system's clock tick) is another entry."""
-    import gguf
+    from importlib.metadata import PackageNotFoundError, version
 
+    try:
+        reader_version = version("gguf")  # another gguf-py may parse differently
+    except PackageNotFoundError:
+        reader_version = ""
     st = os.stat(path)
     ident = "|".join(str(v) for v in (FORMAT, os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino,
-                                      st.st_dev, getattr(gguf, "__version__", "")))
+                                      st.st_dev, reader_version))
     digest = hashlib.sha256(ident.encode())
     with open(path, "rb") as f:
         digest.update(f.read(1 << 20))
