@@ -31,12 +31,11 @@ def quicker() -> None:
          (`kernelapi.swapped_cuda_module`) and puts the real module back when it returns; when the threads of a
          block run one device function of another module than the kernel's, the first to return puts the real
          module back under the others ("module 'numba.cuda' has no attribute 'local'"): rare with the poller,
-         frequent once threads take turns faster. Here a module's globals are swapped when the first thread enters and
-         back when the last one leaves.
+         frequent once threads take turns faster. Here a module's globals are swapped when the first thread enters
+         and back when the last one leaves.
     Measured on the 2-core VM, a 100-block kernel of 32 threads with 7 barriers (reduce.block_sum_rows, every
     mat-vec's reduction): 159 ms a block as Numba ships it, 16 ms with these changes (5 ms of it starting the 32
-    threads: a kernel without barriers). The poller is also why a shorter switch interval helps Numba's own
-    simulator (29 ms at 0.1 ms); with the barrier below it makes no difference (15.7 ms at 0.1 ms, 15.8 at 5)."""
+    threads: a kernel without barriers)."""
     global _done
     from numba import cuda
     from numba.cuda.simulator import kernel as sim_kernel

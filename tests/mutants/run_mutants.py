@@ -775,6 +775,33 @@ MUTANTS: list[Mutant] = [
         "the two-row-group IQ4_XS and Q8_0 dots start their sums from -127 * bsum (every weight one step high); "
         "only CPUs with 512-bit VNNI run that form: elsewhere this mutant survives"),
     Mutant(
+        "sim_swap_not_counted", "pymoe/backends/simulator.py",
+        "    sim_kernel.swapped_cuda_module = swapped_cuda_module\n",
+        "",
+        ("tests/test_simulator.py::test_a_device_function_of_another_module_reads_cuda_after_its_barrier",),
+        "the simulator's own swap of a module's `cuda` stays: the first thread out of a device function puts the real "
+        "module back under the others"),
+    Mutant(
+        "sim_barrier_one_thread_early", "pymoe/backends/simulator.py",
+        "                if self.waiting == self.live:",
+        "                if self.waiting >= self.live - 1:",
+        ("tests/test_simulator.py::test_barriers_in_another_modules_device_function_give_numpys_sums",
+         "tests/test_simulator.py::test_threads_that_returned_do_not_hold_a_barrier"),
+        "the barrier lets the block through while one thread has not arrived: it reads what that thread has not yet "
+        "written"),
+    Mutant(
+        "header_cache_read_is_not_a_use", "pymoe/gguf/header.py",
+        "            os.utime(entry)  # used now: the last to be pruned",
+        "            pass",
+        ("tests/test_loader.py::test_the_header_cache_keeps_the_entries_used_last",),
+        "pruning by the time an entry was written, not last read: the entry in use goes first"),
+    Mutant(
+        "header_cache_views_at_offset_zero", "pymoe/gguf/header.py",
+        "view = plain[offset:offset + n_bytes].view(np.dtype(dtype)).reshape(data_shape)",
+        "view = plain[:n_bytes].view(np.dtype(dtype)).reshape(data_shape)",
+        ("tests/test_loader.py::test_the_header_cache_gives_the_parsed_model_back_and_only_for_the_same_file",),
+        "a cached tensor's view starts at the file's first byte instead of its offset"),
+    Mutant(
         "tile_low16_sign_lost", "pymoe/quant/repack.py",
         "return self.b.zext(self.b.sext(v8, ir.VectorType(_i16, v8.type.count)), self.VI)",
         "return self.b.zext(v8, self.VI)",
