@@ -7,7 +7,9 @@ What this is: the measurement behind docs/expert-cache.md's tables ("Against Bel
              10/25/50% coverage on the fixed tune / held-out split (split_traces): the demo trace's requests 0-3 /
              4-7, traces fitted to Qwen3-30B-A3B / Qwen3-Next-80B routing counts, synthetic_trace seeds 1 / 2.
              Then the same for the stored traces (stored_split_traces: bench/traces/*.npz, each cut into a tune and
-             a held-out half by its sidecar's split), and per trace issue 48's bar (bar_report). --ratios stops after it.
+             a held-out half by its sidecar's split), and per trace issue 48's bar (bar_report). On the generated
+             (synthetic and fitted) traces also the online bound: the misses no online policy can expect to go
+             below (pymoe/experts/bound.py; online_bounds). --ratios stops after it.
   demo       without --trace it records one: the demo model samples --requests requests of --tokens tokens
              (temperature 0.7, repeat penalty 1.1, seeds 0 .. n - 1, the demo prompt), traced as `pymoe run --trace`
              does. Pools are pre-filled from the demo's packaged profile.
@@ -24,7 +26,7 @@ Not replayed here: the router-lookahead prefetch (this trace is recorded without
 shorter demo trace recorded with it is bench/prefetch_replay.py (`pymoe simulate --prefetch`).
 What this is not: a test (tests/test_policies.py and tests/test_simulate.py hold each rule to worked examples).
 
-    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR] [--no-profile] [--by-age]
+    PYTHONPATH=. python bench/cache_policies.py [--trace T.npz] [--requests 8] [--tokens 256] [--ratios] [--stored DIR] [--no-profile] [--by-age] [--no-bound]
         [--policies a,b --tune-only]   (the quick loop: a few policies on the tune traces, ~1 min)
 """
 from __future__ import annotations
@@ -41,7 +43,7 @@ from pymoe.experts.policies import DEFAULT_POLICY, ENGINE_POLICIES, Admission, W
 from pymoe.experts.profile import Profile
 from pymoe.experts.simulate import slots_for_coverage, sweep
 from pymoe.experts import trace as trace_mod
-from pymoe.experts.trace import Trace, fitted_trace, synthetic_trace, top_share
+from pymoe.experts.trace import Trace, fitted_trace, synthetic_heat, synthetic_trace, top_share
 
 COVERAGES = (10, 25, 50)
 ONLINE = ENGINE_POLICIES  # every registered policy the engine can run (policies.POLICIES); belady is the bound
@@ -181,7 +183,8 @@ def split_traces(demo_trace: Trace) -> list:
     Belady": demo requests 0-3 / 4-7 (packaged demo profile); a trace fitted to Qwen3-30B-A3B's measured routing
     (128 experts, top-8; tuned on) / to Qwen3-Next-80B's (512, top-10; held out), both FIT_LAYERS, FIT_LOCALITY,
     FIT_WINDOW, FIT_SHAPE, profiles from the measured counts; synthetic_trace(**SYN_SHAPE) seed TUNE_SEED /
-    HELD_SEED (profile in-sample)."""
+    HELD_SEED, profiles from the generator's popularity (synthetic_heat: what the measured counts are to a fitted
+    trace; a profile counted from the trace itself would know which rare experts it is about to draw)."""
     prof = Profile.load(demo.demo_profile())
     ids = range(len(np.unique(demo_trace.request)))
     out = [("demo req 0-3", False, requests_of(demo_trace, DEMO_TUNE), prof),
@@ -192,8 +195,57 @@ def split_traces(demo_trace: Trace) -> list:
                           **FIT_SHAPE)
         out.append((name, held, tr, Profile.from_heat(heat[list(FIT_LAYERS)])))
     for seed, held in ((TUNE_SEED, False), (HELD_SEED, True)):
-        out.append((f"synthetic seed {seed}", held, synthetic_trace(seed=seed, **SYN_SHAPE), None))
+        tr = synthetic_trace(seed=seed, **SYN_SHAPE)
+        heat = synthetic_heat(tr.n_layers, tr.n_experts, seed=seed, zipf=SYN_SHAPE["zipf"])
+        out.append((f"synthetic seed {seed}", held, tr, Profile.from_heat(heat)))
     return out
+
+
+HEAT_OF = {"fitted 30B-A3B": HEAT_30B, "fitted Next-80B": HEAT}  # split_traces' fitted traces and their heat
+BOUND_SAMPLES = 4000  # draws per decode token and layer (pymoe/experts/bound.py: their noise only lowers the bound)
+
+
+def online_bounds(traces, samples: int = BOUND_SAMPLES) -> dict:
+    """{trace name: [bound.Bound at each of COVERAGES]} for the generated traces of the split (synthetic and
+    fitted): the misses no online policy can expect to go below (pymoe/experts/bound.py). The demo and stored traces
+    have none (their process is a model)."""
+    from pymoe.experts import bound
+
+    out = {}
+    for name, _held, tr, _prof in traces:
+        if "zipf" not in tr.meta and "window" not in tr.meta:
+            continue
+        heat = np.asarray(json.load(open(HEAT_OF[name]))["heat"], dtype=np.int64) if name in HEAT_OF else None
+        _rows, p = bound.pick_probabilities(tr, heat=heat, samples=samples)
+        out[name] = [bound.online_bound(p, slots_for_coverage(c, tr.n_layers, tr.n_experts), tr.k)
+                     for c in COVERAGES]
+    return out
+
+
+def belady_misses(traces, pool: str = "global") -> dict:
+    """{trace name: [Belady's decode misses at each of COVERAGES]} (pre-filled as belady_ratios' pools)."""
+    out = {}
+    for name, _held, tr, prof in traces:
+        slots = [slots_for_coverage(c, tr.n_layers, tr.n_experts) for c in COVERAGES]
+        out[name] = [r.lookups - r.hits for r in sweep(tr, ["belady"], slots, [pool], profile=prof, phase="decode")]
+    return out
+
+
+def bound_markdown(traces, bounds: dict, belady: dict, ratios: dict, policies) -> str:
+    """Per generated trace and coverage: Belady's misses, the online bound (+- its sd), the bound over Belady's,
+    and each policy's misses over the bound (1.00: as few as any online policy can expect)."""
+    head = ("| trace | coverage | Belady's misses | bound (sd) | bound / Belady | " +
+            " | ".join(f"{p} / bound" for p in policies) + " |")
+    lines = [head, "|" + " --- |" * (5 + len(policies))]
+    for name, held, _, _ in traces:
+        if name not in bounds:
+            continue
+        for i, c in enumerate(COVERAGES):
+            b, bel = bounds[name][i], belady[name][i]
+            cells = [f"{ratios[name, p][i] * bel / b.misses:.2f}" for p in policies]
+            lines.append(f"| {name}{' *' if held else ''} | {c}% | {bel} | {b.misses:.0f} ({b.sd:.0f}) | "
+                         f"{b.misses / max(bel, 1):.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
 
 
 def belady_ratios(traces, policies=ONLINE, pool: str = "global") -> dict:
@@ -243,17 +295,23 @@ def stored_split_traces(folder: str = TRACES_DIR) -> list:
     return out
 
 
-def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str = "llamacpp") -> str:
+def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str = "llamacpp",
+               bounds: dict = None, belady: dict = None) -> str:
     """Issue 48's bar, per trace: `policy`'s misses / Belady's at 25% coverage (<= 1.25?) and whether it has fewer
-    misses than `baseline` at every coverage."""
+    misses than `baseline` at every coverage; where the trace has an online bound (online_bounds, with `belady`
+    from belady_misses), the least any online policy can expect there, over Belady's."""
     i = COVERAGES.index(25)
     lines = []
     for name, held, _, _ in traces:
         r = ratios[name, policy]
         fewer = all(a < b for a, b in zip(r, ratios[name, baseline]))
+        floor = ""
+        if bounds and name in bounds:
+            floor = f"; no online policy can expect below {bounds[name][i].misses / max(belady[name][i], 1):.2f}x here"
         lines.append(f"{name}{' *' if held else ''}: {policy} {r[i]:.2f}x Belady at 25% "
-                     f"({'meets' if r[i] <= 1.25 else 'misses'} 1.25x); fewer misses than {baseline} at 10/25/50%: "
-                     f"{'yes' if fewer else 'no'} ({' / '.join(f'{a:.2f} vs {b:.2f}' for a, b in zip(r, ratios[name, baseline]))})")
+                     f"({'meets' if r[i] <= 1.25 else 'misses'} 1.25x{floor}); fewer misses than {baseline} at "
+                     f"10/25/50%: {'yes' if fewer else 'no'} "
+                     f"({' / '.join(f'{a:.2f} vs {b:.2f}' for a, b in zip(r, ratios[name, baseline]))})")
     return "\n".join(lines)
 
 
@@ -307,6 +365,7 @@ def main():
                     "a quicker loop while designing one")
     ap.add_argument("--tune-only", action="store_true", help="the ratios on the tune traces only (no held-out "
                     "half: what a policy's constants may be chosen on; implies --ratios)")
+    ap.add_argument("--no-bound", action="store_true", help="skip the generated traces' online bound (~2 min)")
     ap.add_argument("--by-age", action="store_true", help="after the ratios, the tune traces' misses at 25%% "
                     "coverage by tokens since the key's last use (misses_by_age)")
     args = ap.parse_args()
@@ -328,8 +387,14 @@ def main():
         traces = [t for t in traces if not t[1]]
     ratios = belady_ratios(traces, pols)
     print(ratio_markdown(traces, ratios, pols))
+    bounds = online_bounds(traces) if not args.no_bound else {}
+    belady = belady_misses(traces) if bounds else {}
+    if bounds:
+        print(f"the generated traces' online bound (pymoe/experts/bound.py, {BOUND_SAMPLES} draws a token and layer): "
+              "the decode misses no online policy can expect to go below:")
+        print(bound_markdown(traces, bounds, belady, ratios, pols))
     bars = [p for p in pols if p != "llamacpp"]  # the default's, then each named policy's
-    print("\n".join(bar_report(traces, ratios, p) for p in bars))
+    print("\n".join(bar_report(traces, ratios, p, bounds=bounds, belady=belady) for p in bars))
     stored = stored_split_traces(args.stored) if args.stored else []
     if args.no_profile:
         stored = [(name, held, tr, Profile(tr.n_layers, tr.n_experts, np.zeros((0, 2)), []))

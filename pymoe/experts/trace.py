@@ -377,6 +377,20 @@ def synthetic_trace(n_tokens: int, n_layers: int, n_experts: int, k: int, seed: 
     return Trace(experts, weights, phase, np.zeros(n_tokens, np.int32), forward, meta)
 
 
+def synthetic_heat(n_layers: int, n_experts: int, seed: int = 0, zipf: float = 1.1, scale: int = 10**9) -> np.ndarray:
+    """int [L, E]: synthetic_trace's popularity (same seed, layers, experts, zipf) as routing counts, scaled to
+    `scale` per layer: the profile a field with unlimited routing data would give that process. It knows nothing of
+    one trace's draws, as the measured heat knows nothing of a fitted trace's (an in-sample profile does: it counts
+    the very lookups it is scored on)."""
+    rng = np.random.default_rng(seed)
+    perms = np.stack([rng.permutation(n_experts) for _ in range(n_layers)])  # [L, E]: synthetic_trace's first draws
+    pop = 1.0 / np.arange(1, n_experts + 1) ** zipf  # [E] by rank
+    heat = np.zeros((n_layers, n_experts), dtype=np.int64)
+    for layer in range(n_layers):
+        heat[layer, perms[layer]] = np.round(scale * pop / pop.sum()).astype(np.int64)
+    return heat
+
+
 def fitted_trace(heat, n_requests: int, prompt_len: int, decode_len: int, locality: float, window: int,
                  seed: int = 0, layers=None, k: Optional[int] = None, model: str = "fitted") -> Trace:
     """A synthetic trace fitted to measured per-layer routing counts (../shared/data/routing-heat/), with a stated
