@@ -13,11 +13,14 @@ What this is: two steps.
         `expert_row`), and llama.cpp (llama-cpp-python). For each: load-to-first-token (from the worker's load call
         to the first token of an 8-token prompt, the file's pages as the previous engine left them in the page
         cache), peak RSS split into anonymous and file-backed memory (the parent samples /proc/<pid>/status of the
-        worker every 50 ms: VmRSS, RssAnon, RssFile; VmHWM at the end), prefill tok/s of 128 and 512 tokens and
-        decode tok/s of --gen-tokens tokens after a 128-token prompt (fixed pseudo-random token ids fed, as
-        llama-bench does: a random-weight model's greedy output repeats itself), medians of --runs.
+        worker every 50 ms: VmRSS, RssAnon, RssFile; VmHWM at the end), prefill tok/s of 128 and 512 tokens (a
+        prompt's first run on its own: pymoe makes the repacked copies of the experts it runs then, llama.cpp made
+        all of its copies in its load call; then the median of --runs runs of the same prompt) and decode tok/s of
+        --gen-tokens tokens after a 128-token prompt (fixed pseudo-random token ids fed, as llama-bench does: a
+        random-weight model's greedy output repeats itself), medians of --runs.
         llama.cpp runs without its extra CPU buffer types (repacked layouts, AMX) on a CPU that reports AMX, as
-        bench/compare_llamacpp.py does (in this project's VMs ggml's AMX kernels die of SIGILL).
+        bench/compare_llamacpp.py does (in this project's VMs ggml's AMX kernels die of SIGILL), and with
+        --llama-plain anywhere.
 What this is not: an accuracy check (random weights; tests/test_real_shape.py checks a scaled-down file).
 
     PYTHONPATH=. python bench/real_shape.py make -o /work/bigm/qwen3-30b-a3b-q4_k_m.gguf --jobs 2
@@ -217,9 +220,12 @@ def measure_engine(name: str, args, prompts: dict, feed, plain: bool) -> dict:
         parent.send((prompt, n_gen, f))
         return parent.recv()
 
-    for n in lengths:
+    for n in lengths:  # the first run of a prompt apart: pymoe makes its experts' repacked copies as they first run
+        # (llama.cpp makes all of its copies in its load call); the median is of the runs after it
+        out[f"prefill {n} first"] = n / ask(prompts[n], 0, None)[0]
         out[f"prefill {n}"] = statistics.median(n / ask(prompts[n], 0, None)[0] for _ in range(args.runs))
-        print(f"  {name} prefill {n}: {out[f'prefill {n}']:.2f} tok/s", flush=True)
+        print(f"  {name} prefill {n}: first run {out[f'prefill {n} first']:.2f} tok/s, then {out[f'prefill {n}']:.2f}",
+              flush=True)
     out["decode"] = statistics.median(args.gen_tokens / ask(prompts[128], args.gen_tokens, feed)[1]
                                       for _ in range(args.runs))
     sampler.sample()
@@ -234,7 +240,7 @@ def run(args) -> None:
     from compare_llamacpp import cpu_reports_amx
     import pymoe
 
-    plain = cpu_reports_amx()
+    plain = args.llama_plain or cpu_reports_amx()
     load_before = os.getloadavg()
     lengths = [int(n) for n in args.prompt_tokens.split(",")]
     cfg = pymoe.load_gguf(args.model).config
@@ -250,7 +256,8 @@ def run(args) -> None:
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
     print(f"model {args.model}: {cfg.arch}, {cfg.n_layers} layers, {cfg.n_expert} experts top-{cfg.n_expert_used}, "
           f"hidden {cfg.n_embd}, expert width {cfg.n_ff_exp}, vocab {cfg.n_vocab}, "
-          f"{os.path.getsize(args.model) / 2**30:.2f} GiB; {args.threads} threads; median of {args.runs} run(s); "
+          f"{os.path.getsize(args.model) / 2**30:.2f} GiB; {args.threads} threads; a prompt's first run, then the median "
+          f"of {args.runs} run(s) after it; "
           f"engines one after another, each in its own process; llama.cpp "
           f"{'without its extra buffer types (plain kernels: the CPU reports AMX)' if plain else 'with its defaults'}")
     print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
@@ -258,7 +265,9 @@ def run(args) -> None:
     names = list(results)
     rows = [("load to first token, s", lambda r: f"{r['first_token_s']:.1f}"),
             ("  of which load, s", lambda r: f"{r['load_s']:.1f}"),
-            *[(f"prefill {n} tok/s", lambda r, n=n: f"{r[f'prefill {n}']:.2f}") for n in lengths],
+            *[row for n in lengths for row in (
+                (f"prefill {n} tok/s, first run", lambda r, n=n: f"{r[f'prefill {n} first']:.2f}"),
+                (f"prefill {n} tok/s, runs after", lambda r, n=n: f"{r[f'prefill {n}']:.2f}"))],
             (f"decode {args.gen_tokens} tok/s", lambda r: f"{r['decode']:.2f}"),
             ("peak RSS (VmHWM), GiB", lambda r: gib(r["peak"]["VmHWM"])),
             ("peak RssAnon, GiB", lambda r: gib(r["peak"]["RssAnon"])),
@@ -293,7 +302,10 @@ def main(argv=None) -> None:
     rn.add_argument("--threads", type=int, default=2, help="threads for every engine (default 2)")
     rn.add_argument("--prompt-tokens", default="128,512", help="prefill prompt lengths (default 128,512)")
     rn.add_argument("--gen-tokens", type=int, default=32, help="decoded tokens after a 128-token prompt (default 32)")
-    rn.add_argument("--runs", type=int, default=1, help="runs per measurement; the median is reported (default 1)")
+    rn.add_argument("--runs", type=int, default=3, help="runs of each measurement after a prompt's first run; the median "
+                    "is reported (default 3)")
+    rn.add_argument("--llama-plain", action="store_true", help="llama.cpp without its extra CPU buffer types (its "
+                    "plain kernels reading the memory map; the default on a CPU that reports AMX)")
     rn.add_argument("--engines", default="pymoe,pymoe8,llama",
                     help="engines in the order run (default pymoe,pymoe8,llama): pymoe (default path), pymoe8 "
                          "(--act-bits 8), llama (llama.cpp)")

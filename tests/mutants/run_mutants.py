@@ -802,6 +802,18 @@ MUTANTS: list[Mutant] = [
         ("tests/test_loader.py::test_the_header_cache_gives_the_parsed_model_back_and_only_for_the_same_file",),
         "a cached tensor's view starts at the file's first byte instead of its offset"),
     Mutant(
+        "bound_fitted_copies_never", "pymoe/experts/bound.py",
+        "            if past.size and np.random.random() < locality:\n                for _try in range(8):",
+        "            if past.size and np.random.random() < 0.0:\n                for _try in range(8):",
+        ("tests/test_bound.py::test_the_pick_probabilities_match_the_generators_draws",),
+        "the fitted sampler never copies a past lookup: its probabilities are the popularity alone"),
+    Mutant(
+        "bound_one_key_too_many", "pymoe/experts/bound.py",
+        "top = np.take_along_axis(flat, order[:, :slots], axis=1)",
+        "top = np.take_along_axis(flat, order[:, :slots + 1], axis=1)",
+        ("tests/test_bound.py::test_an_iid_one_pick_trace_has_the_bound_by_hand",),
+        "the best set holds C + 1 keys: the bound counts one slot more than the pool has"),
+    Mutant(
         "tile_low16_sign_lost", "pymoe/quant/repack.py",
         "return self.b.zext(self.b.sext(v8, ir.VectorType(_i16, v8.type.count)), self.VI)",
         "return self.b.zext(v8, self.VI)",
