@@ -259,7 +259,7 @@ def run(args) -> None:
           f"{os.path.getsize(args.model) / 2**30:.2f} GiB; {args.threads} threads; a prompt's first run, then the median "
           f"of {args.runs} run(s) after it; "
           f"engines one after another, each in its own process; llama.cpp "
-          f"{'without its extra buffer types (plain kernels: the CPU reports AMX)' if plain else 'with its defaults'}")
+          f"{'with its defaults' if not plain else 'without its extra buffer types (plain kernels: ' + ('--llama-plain)' if args.llama_plain else 'the CPU reports AMX)')}")
     print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
         *load_before, *os.getloadavg()))
     names = list(results)
