@@ -16,31 +16,36 @@ from pymoe.experts.trace import fitted_trace, synthetic_heat, synthetic_trace
 
 
 def _calibration_errors(trace, p, rows, min_keys=300):
-    """Per bin of predicted probability (with >= min_keys (token, layer, expert) cells): (observed share of cells
-    whose expert was picked - mean predicted p) / its binomial sd. A sampler that draws as the generator does gives
-    values of a standard normal's size."""
+    """Per bin of predicted probability (with >= min_keys (token, layer, expert) cells), apart for the cells whose
+    expert was among its layer's picks at the token before and the others: (observed share of cells whose expert
+    was picked - mean predicted p) / its binomial sd. A sampler that draws as the generator does gives values of a
+    standard normal's size. (Apart, because the generators' locality keeps each expert's overall share: a sampler
+    that ignored the past would still match the share of all cells in a bin, not of those just used.)"""
     T, L, E = p.shape
     picked = np.zeros((T, L, E), dtype=bool)
+    recent = np.zeros((T, L, E), dtype=bool)
     for i, t in enumerate(rows):
         for layer in range(L):
             picked[i, layer, trace.experts[t, layer].astype(np.int64)] = True
+            recent[i, layer, trace.experts[t - 1, layer].astype(np.int64)] = True
     edges = np.array([0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.35, 0.5, 0.65, 0.8, 1.01])
     z = []
-    for lo, hi in zip(edges[:-1], edges[1:]):
-        cell = (p >= lo) & (p < hi)
-        n = int(cell.sum())
-        if n < min_keys:
-            continue
-        mean = float(p[cell].mean())
-        sd = np.sqrt(max(mean * (1 - mean), 1e-4) / n)
-        z.append((float(picked[cell].mean()) - mean) / sd)
+    for group in (recent, ~recent):
+        for lo, hi in zip(edges[:-1], edges[1:]):
+            cell = group & (p >= lo) & (p < hi)
+            n = int(cell.sum())
+            if n < min_keys:
+                continue
+            mean = float(p[cell].mean())
+            sd = np.sqrt(max(mean * (1 - mean), 1e-4) / n)
+            z.append((float(picked[cell].mean()) - mean) / sd)
     return np.array(z)
 
 
 def test_the_pick_probabilities_match_the_generators_draws():
     """Binned by predicted probability, the share of picked cells equals the mean prediction (|z| <= 4.5: the bins'
     binomial sd, with room for the estimates' own noise at 3000 draws and the bins' dependence); and the same check
-    catches a sampler told the wrong locality."""
+    catches a sampler told the wrong locality (tests/mutants: one that never copies the past, too)."""
     syn = synthetic_trace(240, 4, 64, 4, seed=3, zipf=1.1, locality=0.5, prompt_len=8)
     rows, p = bound.pick_probabilities(syn, samples=3000)
     z = _calibration_errors(syn, p, rows)
