@@ -56,6 +56,17 @@ def _draw_from(cdf, u):
 
 
 @njit(cache=True)
+def _taken(chosen, j, e):
+    # whether e is no expert yet (-1) or among the token's first j picks chosen[:j]
+    if e < 0:
+        return True
+    for i in range(j):
+        if chosen[i] == e:
+            return True
+    return False
+
+
+@njit(cache=True)
 def _synthetic_counts(prev, cdf, perm, locality, k, samples, seed):
     """int [E]: in how many of `samples` draws of one token of trace.synthetic_trace each expert is picked, given
     the previous token's picks `prev` [K] (empty: the first token). cdf [E]: the popularity's cumulative sum by
@@ -72,13 +83,7 @@ def _synthetic_counts(prev, cdf, perm, locality, k, samples, seed):
             e = -1
             if prev.size and np.random.random() < locality:
                 e = prev[j]
-            while True:
-                taken = e < 0
-                for i in range(j):
-                    if chosen[i] == e:
-                        taken = True
-                if not taken:
-                    break
+            while _taken(chosen, j, e):
                 if n_draws < 4 * k + 8:
                     e = perm[_draw_from(cdf, np.random.random())]
                     n_draws += 1
@@ -105,20 +110,10 @@ def _fitted_counts(past, cdf, locality, k, samples, seed):
             if past.size and np.random.random() < locality:
                 for _try in range(8):
                     e = past[np.random.randint(past.size)]
-                    taken = False
-                    for i in range(j):
-                        if chosen[i] == e:
-                            taken = True
-                    if not taken:
+                    if not _taken(chosen, j, e):
                         break
                     e = -1
-            while True:
-                taken = e < 0
-                for i in range(j):
-                    if chosen[i] == e:
-                        taken = True
-                if not taken:
-                    break
+            while _taken(chosen, j, e):
                 e = _draw_from(cdf, np.random.random())
             chosen[j] = e
             counts[e] += 1
