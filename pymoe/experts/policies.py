@@ -65,6 +65,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
+from numba import njit
 
 
 HEAP_SLACK = 4  # a lazy-deletion heap is rebuilt from its live entries when longer than this x (residents + 1):
@@ -528,24 +529,18 @@ class CoocPolicy(WindowPolicy):
 
     def _next_token(self, layer: int, now: np.ndarray) -> None:
         """Count the transitions from the layer's last token to `now` (experts int [k]), then bonus the experts `now`
-        makes likelier at the layer's next token (the class docstring's formulas)."""
+        makes likelier at the layer's next token (the class docstring's formulas; _cooc_lifts, compiled: the
+        engine pays this once per layer and token)."""
         E = self.n_experts
         T = self.follows.get(layer)
         if T is None:
             T = self.follows[layer] = np.zeros((E, E), dtype=np.float32)  # [E, E]
             self.followed[layer] = np.zeros(E, dtype=np.float32)  # [E]
-        n = self.followed[layer]
         prev = self.prev.get(layer)
-        if prev is not None:
-            T[np.ix_(prev, now)] += 1.0
-            n[prev] += 1.0
         self.prev[layer] = now
-        p_next = T[now] / np.maximum(n[now], 1.0)[:, None]  # [k, E]: P(e | a) for each a of this token
-        p = 1.0 - np.prod(1.0 - p_next.astype(np.float64), axis=0)  # [E]
-        q = self.k * n / max(float(n.sum()), 1.0)  # [E]: base rates
-        lift = np.maximum(p - q, 0.0)  # [E]
-        best = np.argsort(-lift, kind="stable")[:self.top]
-        new = {layer * E + int(e): self.weight * float(lift[e]) for e in best if lift[e] > 0.0}
+        best, lift = _cooc_lifts(T, self.followed[layer], _NO_EXPERTS if prev is None else prev, now, self.k,
+                                 self.top)  # [<= top] experts of positive lift, largest first; their lifts
+        new = {layer * E + int(e): self.weight * float(v) for e, v in zip(best.tolist(), lift.tolist())}
         old = self.bonus.get(layer, {})
         for key in old.keys() | new.keys():
             change = new.get(key, 0.0) - old.get(key, 0.0)
@@ -554,6 +549,56 @@ class CoocPolicy(WindowPolicy):
                 if key in self.resident:
                     self._push(key)
         self.bonus[layer] = new
+
+
+_NO_EXPERTS = np.zeros(0, dtype=np.int64)
+
+
+@njit(cache=True)
+def _cooc_lifts(T, n, prev, now, k, top):
+    """CoocPolicy's arithmetic for one layer and token, in the float32 / float64 steps of its NumPy form
+    (_cooc_lifts_ref, tests/test_policies.py): count prev -> now into T float32 [E, E] and n float32 [E] (prev, now:
+    a token's distinct experts, int64 [k]; prev empty at a layer's first token), then
+        p(e) = 1 - prod over a in now of (1 - T[a, e] / max(n[a], 1))   (the quotient float32, the rest float64)
+        q(e) = k n[e] / max(sum(n), 1)                                  (float32)
+    -> (the experts of the `top` largest lift = max(p - q, 0), ties to the lower expert, those of lift > 0 only,
+    int64; their lifts, float64)."""
+    E = n.size
+    for a in prev:
+        for e in now:
+            T[a, e] += np.float32(1.0)
+        n[a] += np.float32(1.0)
+    total = 0.0
+    for e in range(E):
+        total += n[e]  # whole counts: exact in either order while the sum is below 2^24
+    total32 = np.float32(max(total, 1.0))
+    lift = np.empty(E, dtype=np.float64)
+    for e in range(E):
+        keep = 1.0
+        for a in now:
+            keep *= 1.0 - np.float64(T[a, e] / max(n[a], np.float32(1.0)))
+        q = np.float32(np.float32(k) * n[e]) / total32
+        lift[e] = max((1.0 - keep) - np.float64(q), 0.0)
+    order = np.argsort(-lift, kind="mergesort")[:top]  # stable: ties to the lower expert
+    m = 0
+    while m < order.size and lift[order[m]] > 0.0:
+        m += 1
+    return order[:m], lift[order[:m]]
+
+
+def _cooc_lifts_ref(T, n, prev, now, k, top):
+    """_cooc_lifts in NumPy (CoocPolicy's arithmetic as it was first written; the compiled form is checked against
+    it bit for bit)."""
+    if prev.size:
+        T[np.ix_(prev, now)] += 1.0
+        n[prev] += 1.0
+    p_next = T[now] / np.maximum(n[now], 1.0)[:, None]  # [k, E]: P(e | a) for each a of this token
+    p = 1.0 - np.prod(1.0 - p_next.astype(np.float64), axis=0)  # [E]
+    q = k * n / max(float(n.sum()), 1.0)  # [E]: base rates
+    lift = np.maximum(p - q, 0.0)  # [E]
+    best = np.argsort(-lift, kind="stable")[:top]
+    best = best[lift[best] > 0.0]
+    return best, lift[best]
 
 
 REUSE_GAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tokens: the gap histogram's bin edges (the last bin: > 64)

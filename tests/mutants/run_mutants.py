@@ -587,8 +587,8 @@ MUTANTS: list[Mutant] = [
         "window: payback admission off (a miss scored below the victim still takes its slot)"),
     Mutant(
         "cooc_no_lift", "pymoe/experts/policies.py",
-        "        lift = np.maximum(p - q, 0.0)  # [E]",
-        "        lift = p  # MUTANT",
+        "        lift[e] = max((1.0 - keep) - np.float64(q), 0.0)",
+        "        lift[e] = 1.0 - keep  # MUTANT",
         ("tests/test_policies.py::test_cooc_by_hand_next_token_lift",),
         "cooc: the bonus is the transition probability itself, not its lift over the expert's base rate"),
     Mutant(

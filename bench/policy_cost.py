@@ -1,0 +1,56 @@
+"""Benchmark: what each cache policy costs per lookup, on the shape of a real model's decode.
+
+What this is: a trace fitted to Qwen3-30B-A3B's measured routing (all 48 layers, 128 experts, top-8: 384 lookups a
+decoded token; bench/cache_policies.py's locality and window; one request of 8 prompt and --tokens decode tokens),
+replayed by `simulate.sweep` through each policy at 25% coverage, global pool, pre-filled from the measured counts;
+each policy once to warm up (its compiled parts load), then timed once more: microseconds per lookup and
+milliseconds per decoded token. The engine pays a policy per lookup in the same way (experts/cache.py's SlotTable),
+so on a GPU these milliseconds are part of every decoded token.
+What this is not: the engine's whole per-token overhead (the lookup calls, the pool's copies), nor a test.
+
+    PYTHONPATH=. python bench/policy_cost.py [--tokens 64] [--policies lru,cooc,...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+
+def main() -> None:
+    import cache_policies as cp
+    from pymoe.experts.policies import ENGINE_POLICIES
+    from pymoe.experts.profile import Profile
+    from pymoe.experts.simulate import slots_for_coverage, sweep
+    from pymoe.experts.trace import fitted_trace
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tokens", type=int, default=64, help="decode tokens (default 64)")
+    ap.add_argument("--policies", default=",".join(ENGINE_POLICIES), help="comma-separated (default: all)")
+    args = ap.parse_args()
+    heat = np.asarray(json.load(open(cp.HEAT_30B))["heat"], dtype=np.int64)  # [48, 128]
+    L, E, K = heat.shape[0], heat.shape[1], 8
+    tr = fitted_trace(heat, locality=cp.FIT_LOCALITY, window=cp.FIT_WINDOW, k=K, n_requests=1, prompt_len=8,
+                      decode_len=args.tokens, seed=0)
+    prof = Profile.from_heat(heat)
+    slots = slots_for_coverage(25, L, E)
+    lookups = tr.n_tokens * L * K
+    print(f"fitted Qwen3-30B-A3B: {L} layers x {E} experts, top-{K}; {tr.n_tokens} tokens ({lookups} lookups); "
+          f"{slots} slots (25%), global pool")
+    for name in args.policies.split(","):
+        sweep(tr, [name], [slots], ["global"], profile=prof, phase="decode")  # warm: compiled parts loaded
+        t = time.perf_counter()
+        sweep(tr, [name], [slots], ["global"], profile=prof, phase="decode")
+        dt = time.perf_counter() - t
+        print(f"{name:11s} {1e6 * dt / lookups:6.1f} us a lookup, {1e3 * dt / tr.n_tokens:6.2f} ms a token of "
+              f"{L * K} lookups", flush=True)
+
+
+if __name__ == "__main__":
+    main()
