@@ -222,15 +222,6 @@ def online_bounds(traces, samples: int = BOUND_SAMPLES) -> dict:
     return out
 
 
-def belady_misses(traces, pool: str = "global") -> dict:
-    """{trace name: [Belady's decode misses at each of COVERAGES]} (pre-filled as belady_ratios' pools)."""
-    out = {}
-    for name, _held, tr, prof in traces:
-        slots = [slots_for_coverage(c, tr.n_layers, tr.n_experts) for c in COVERAGES]
-        out[name] = [r.lookups - r.hits for r in sweep(tr, ["belady"], slots, [pool], profile=prof, phase="decode")]
-    return out
-
-
 def bound_markdown(traces, bounds: dict, belady: dict, ratios: dict, policies) -> str:
     """Per generated trace and coverage: Belady's misses, the online bound (+- its sd), the bound over Belady's,
     and each policy's misses over the bound (1.00: as few as any online policy can expect)."""
@@ -248,14 +239,17 @@ def bound_markdown(traces, bounds: dict, belady: dict, ratios: dict, policies) -
     return "\n".join(lines)
 
 
-def belady_ratios(traces, policies=ONLINE, pool: str = "global") -> dict:
+def belady_ratios(traces, policies=ONLINE, pool: str = "global", belady: dict = None) -> dict:
     """{(trace name, policy): [decode misses / Belady's decode misses at each of COVERAGES]} (admission none, no
-    warm set, pools pre-filled as the engine fills them)."""
+    warm set, pools pre-filled as the engine fills them). belady: a dict to fill with {trace name: [Belady's decode
+    misses at each of COVERAGES]}."""
     out = {}
     for name, _held, tr, prof in traces:
         slots = [slots_for_coverage(c, tr.n_layers, tr.n_experts) for c in COVERAGES]
         res = sweep(tr, list(policies) + ["belady"], slots, [pool], profile=prof, phase="decode")
         by = {(r.policy, r.slots): r.lookups - r.hits for r in res}
+        if belady is not None:
+            belady[name] = [by["belady", n] for n in slots]
         for pol in policies:
             out[name, pol] = [by[pol, n] / max(by["belady", n], 1) for n in slots]
     return out
@@ -299,7 +293,7 @@ def bar_report(traces, ratios: dict, policy: str = DEFAULT_POLICY, baseline: str
                bounds: dict = None, belady: dict = None) -> str:
     """Issue 48's bar, per trace: `policy`'s misses / Belady's at 25% coverage (<= 1.25?) and whether it has fewer
     misses than `baseline` at every coverage; where the trace has an online bound (online_bounds, with `belady`
-    from belady_misses), the least any online policy can expect there, over Belady's."""
+    from belady_ratios), the least any online policy can expect there, over Belady's."""
     i = COVERAGES.index(25)
     lines = []
     for name, held, _, _ in traces:
@@ -385,10 +379,10 @@ def main():
     print("global pool, decode misses / Belady's decode misses (* held out):")
     if args.tune_only:
         traces = [t for t in traces if not t[1]]
-    ratios = belady_ratios(traces, pols)
+    belady = {}  # trace name -> Belady's misses, from the ratios' own replays
+    ratios = belady_ratios(traces, pols, belady=belady)
     print(ratio_markdown(traces, ratios, pols))
     bounds = online_bounds(traces) if not args.no_bound else {}
-    belady = belady_misses(traces) if bounds else {}
     if bounds:
         print(f"the generated traces' online bound (pymoe/experts/bound.py, {BOUND_SAMPLES} draws a token and layer): "
               "the decode misses no online policy can expect to go below:")

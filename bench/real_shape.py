@@ -254,12 +254,14 @@ def run(args) -> None:
         r = results[name]
         print(f"  {name}: first token {r['first_token_s']:.1f} s (load {r['load_s']:.1f} s)", flush=True)
     gib = lambda b: f"{b / 2**30:.2f}"  # noqa: E731
+    why = "--llama-plain" if args.llama_plain else "the CPU reports AMX"
+    how_llama = f"without its extra buffer types (plain kernels: {why})" if plain else "with its defaults"
     print(f"model {args.model}: {cfg.arch}, {cfg.n_layers} layers, {cfg.n_expert} experts top-{cfg.n_expert_used}, "
           f"hidden {cfg.n_embd}, expert width {cfg.n_ff_exp}, vocab {cfg.n_vocab}, "
           f"{os.path.getsize(args.model) / 2**30:.2f} GiB; {args.threads} threads; a prompt's first run, then the median "
           f"of {args.runs} run(s) after it; "
           f"engines one after another, each in its own process; llama.cpp "
-          f"{'with its defaults' if not plain else 'without its extra buffer types (plain kernels: ' + ('--llama-plain)' if args.llama_plain else 'the CPU reports AMX)')}")
+          f"{how_llama}")
     print("load average (1, 5, 15 min) before: {:.2f} {:.2f} {:.2f}, after: {:.2f} {:.2f} {:.2f}".format(
         *load_before, *os.getloadavg()))
     names = list(results)

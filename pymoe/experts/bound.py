@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-from .trace import Trace
+from .trace import Trace, _synthetic_ranking
 
 
 @dataclass
@@ -134,9 +134,7 @@ def pick_probabilities(trace: Trace, heat=None, samples: int = 4000, seed: int =
     rows = np.flatnonzero(trace.phase >= 1)  # decode tokens
     p = np.zeros((rows.size, L, E))
     if "zipf" in meta:  # synthetic_trace: its permutations are the first draws of its rng
-        rng = np.random.default_rng(meta["seed"])
-        perms = np.stack([rng.permutation(E) for _ in range(L)])  # [L, E] rank -> expert
-        pop = 1.0 / np.arange(1, E + 1) ** meta["zipf"]
+        perms, pop = _synthetic_ranking(np.random.default_rng(meta["seed"]), L, E, meta["zipf"])  # [L, E], [E]
         cdf = _cdf(pop)
         for i, t in enumerate(rows):
             for l in range(L):

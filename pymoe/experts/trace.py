@@ -353,9 +353,7 @@ def synthetic_trace(n_tokens: int, n_layers: int, n_experts: int, k: int, seed: 
         probability `locality` (when it is not already taken), else is drawn from the popularity.
     The first `prompt_len` tokens are marked prefill (one forward), the rest decode."""
     rng = np.random.default_rng(seed)
-    pop = 1.0 / np.arange(1, n_experts + 1) ** zipf  # [E]
-    pop /= pop.sum()
-    perms = np.stack([rng.permutation(n_experts) for _ in range(n_layers)])  # [L, E]: rank -> expert, per layer
+    perms, pop = _synthetic_ranking(rng, n_layers, n_experts, zipf)  # [L, E] rank -> expert; [E] popularity by rank
     experts = np.zeros((n_tokens, n_layers, k), dtype=np.uint16)  # [N, L, K]
     for layer in range(n_layers):
         prev = None
@@ -382,13 +380,20 @@ def synthetic_heat(n_layers: int, n_experts: int, seed: int = 0, zipf: float = 1
     `scale` per layer: the profile a field with unlimited routing data would give that process. It knows nothing of
     one trace's draws, as the measured heat knows nothing of a fitted trace's (an in-sample profile does: it counts
     the very lookups it is scored on)."""
-    rng = np.random.default_rng(seed)
-    perms = np.stack([rng.permutation(n_experts) for _ in range(n_layers)])  # [L, E]: synthetic_trace's first draws
-    pop = 1.0 / np.arange(1, n_experts + 1) ** zipf  # [E] by rank
+    perms, pop = _synthetic_ranking(np.random.default_rng(seed), n_layers, n_experts, zipf)
     heat = np.zeros((n_layers, n_experts), dtype=np.int64)
     for layer in range(n_layers):
-        heat[layer, perms[layer]] = np.round(scale * pop / pop.sum()).astype(np.int64)
+        heat[layer, perms[layer]] = np.round(scale * pop).astype(np.int64)
     return heat
+
+
+def _synthetic_ranking(rng, n_layers: int, n_experts: int, zipf: float):
+    """synthetic_trace's first draws from its rng (seeded with its seed): (perms int [L, E], rank -> expert per layer;
+    pop float [E], the popularity by rank, 1 / rank^zipf normalised). Shared with synthetic_heat and
+    experts/bound.py, which rebuild the same ranking from the seed."""
+    perms = np.stack([rng.permutation(n_experts) for _ in range(n_layers)])  # [L, E]
+    pop = 1.0 / np.arange(1, n_experts + 1) ** zipf  # [E]
+    return perms, pop / pop.sum()
 
 
 def fitted_trace(heat, n_requests: int, prompt_len: int, decode_len: int, locality: float, window: int,
