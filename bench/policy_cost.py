@@ -3,12 +3,14 @@
 What this is: a trace fitted to Qwen3-30B-A3B's measured routing (all 48 layers, 128 experts, top-8: 384 lookups a
 decoded token; bench/cache_policies.py's locality and window; one request of 8 prompt and --tokens decode tokens),
 replayed by `simulate.sweep` through each policy at 25% coverage, global pool, pre-filled from the measured counts;
-each policy once to warm up (its compiled parts load), then timed once more: microseconds per lookup and
-milliseconds per decoded token. The engine pays a policy per lookup in the same way (experts/cache.py's SlotTable),
-so on a GPU these milliseconds are part of every decoded token.
+each policy once to warm up (its compiled parts load), then timed --repeat times (the fastest and the slowest run):
+microseconds per lookup and milliseconds per decoded token. `cooc` is timed twice: as registered
+(policies.CompiledCoocPolicy) and as its reference, CoocPolicy, which decides the same in the interpreter. The
+engine pays a policy per lookup in the same way (experts/cache.py's SlotTable), so on a GPU these milliseconds are
+part of every decoded token.
 What this is not: the engine's whole per-token overhead (the lookup calls, the pool's copies), nor a test.
 
-    PYTHONPATH=. python bench/policy_cost.py [--tokens 64] [--policies lru,cooc,...]
+    PYTHONPATH=. python bench/policy_cost.py [--tokens 64] [--repeat 3] [--policies lru,cooc,...]
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 def main() -> None:
     import cache_policies as cp
+    from pymoe.experts import policies
     from pymoe.experts.policies import ENGINE_POLICIES
     from pymoe.experts.profile import Profile
     from pymoe.experts.simulate import slots_for_coverage, sweep
@@ -33,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens (default 64)")
     ap.add_argument("--policies", default=",".join(ENGINE_POLICIES), help="comma-separated (default: all)")
+    ap.add_argument("--repeat", type=int, default=3, help="timed runs per policy (default 3)")
     args = ap.parse_args()
     heat = np.asarray(json.load(open(cp.HEAT_30B))["heat"], dtype=np.int64)  # [48, 128]
     L, E, K = heat.shape[0], heat.shape[1], 8
@@ -43,14 +47,26 @@ def main() -> None:
     lookups = tr.n_tokens * L * K
     print(f"fitted Qwen3-30B-A3B: {L} layers x {E} experts, top-{K}; {tr.n_tokens} tokens ({lookups} lookups); "
           f"{slots} slots (25%), global pool")
-    for name in args.policies.split(","):
+    def timed(name: str, label: str) -> None:
         sweep(tr, [name], [slots], ["global"], profile=prof, phase="decode")  # warm: compiled parts loaded
-        t = time.perf_counter()
-        sweep(tr, [name], [slots], ["global"], profile=prof, phase="decode")
-        dt = time.perf_counter() - t
-        print(f"{name:11s} {1e6 * dt / lookups:6.1f} us a lookup, {1e3 * dt / tr.n_tokens:6.2f} ms a token of "
-              f"{L * K} lookups", flush=True)
+        runs = []
+        for _ in range(max(1, args.repeat)):
+            t = time.perf_counter()
+            sweep(tr, [name], [slots], ["global"], profile=prof, phase="decode")
+            runs.append(time.perf_counter() - t)
+        lo, hi = min(runs), max(runs)
+        print(f"{label:16s} {1e6 * lo / lookups:5.1f}-{1e6 * hi / lookups:5.1f} us a lookup, "
+              f"{1e3 * lo / tr.n_tokens:5.2f}-{1e3 * hi / tr.n_tokens:5.2f} ms a token of {L * K} lookups", flush=True)
 
+    for name in args.policies.split(","):
+        timed(name, name)
+        if name == "cooc":  # its reference in the interpreter, under the same name for this run only
+            compiled = policies.POLICIES["cooc"]
+            policies.POLICIES["cooc"] = policies.CoocPolicy
+            try:
+                timed("cooc", "cooc reference")
+            finally:
+                policies.POLICIES["cooc"] = compiled
 
 if __name__ == "__main__":
     main()

@@ -415,7 +415,7 @@ def test_cooc_by_hand_next_token_lift():
          is 4. The window alone evicts 0, the older of two zeros: the expert layer 0's last token says comes next.
       c9 0 hits (window: misses, evicts 4), c10 5 hits (both). Bonuses after: 3 by 1/2 (P(3 | 0) = 1, q = 2/4);
          5 by 3/4 (layer 1: P(5 | 5) = 1, q(5) = 1/4)."""
-    from pymoe.experts.policies import CoocPolicy, WindowPolicy
+    from pymoe.experts.policies import CompiledCoocPolicy, CoocPolicy, WindowPolicy
 
     window = dict(lookups_per_token=2, edges=(1,), weights=(1.0,), admit=1.0)
     seq = [0, 4, 3, 4, 0, 4, 3, 5, 0, 5]
@@ -424,6 +424,8 @@ def test_cooc_by_hand_next_token_lift():
     assert steps == [(False, 0, None), (False, 1, None), (False, 2, None), (True, 1, None), (True, 0, None),
                      (True, 1, None), (True, 2, None), (False, 1, 4), (True, 0, None), (True, 1, None)]
     assert (hits, evicted) == (6, [4])
+    compiled = CompiledCoocPolicy(3, n_experts=4, k=1, weight=1.0, top=1, **window)
+    assert replay(compiled, seq, 3) == (hits, evicted, steps)
     assert replay(WindowPolicy(3, **window), seq, 3)[:2] == (5, [0, 4])
     assert p.follows[0][[0, 3]].tolist() == [[0, 0, 0, 2], [2, 0, 0, 0]] and p.followed[0].tolist() == [2, 0, 0, 2]
     assert p.follows[1][[0, 1]].tolist() == [[2, 1, 0, 0], [0, 1, 0, 0]] and p.followed[1].tolist() == [3, 1, 0, 0]
@@ -437,8 +439,10 @@ def test_cooc_by_hand_next_token_lift():
     table.access(6, 2)
     assert p.token == {1: []} and p.prev[1].tolist() == [1, 2]
     # without n_experts and k it is the window
-    q = make_policy("cooc", 3, lookups_per_token=2)
-    assert q.n_experts is None and replay(q, seq, 3) == replay(make_policy("window", 3, lookups_per_token=2), seq, 3)
+    q = CoocPolicy(3, lookups_per_token=2)
+    as_window = replay(make_policy("window", 3, lookups_per_token=2), seq, 3)
+    assert q.n_experts is None and replay(q, seq, 3) == as_window
+    assert replay(make_policy("cooc", 3, lookups_per_token=2), seq, 3) == as_window  # the compiled one, too
 
 
 def test_reuse_by_hand_gap_histogram_hazard():
@@ -670,7 +674,7 @@ def test_duel_memory_stays_bounded_when_the_pool_rarely_evicts(name):
 
 @pytest.mark.parametrize("E,k", [(32, 4), (128, 8), (512, 10)])
 def test_cooc_compiled_lifts_are_the_numpy_forms_bit_for_bit(E, k):
-    """CoocPolicy's per-token arithmetic (policies._cooc_lifts, compiled) against its NumPy form (_cooc_lifts_ref):
+    """CoocPolicy's per-token arithmetic (compiled_cooc._cooc_lifts, compiled) against its NumPy form (_cooc_lifts_ref):
     the same counts, experts and lifts, bit for bit, over 1500 skewed tokens (the float32 quotient and count, the
     float64 product, ties of the stable sort); a policy's decisions follow from these alone."""
     from pymoe.experts.policies import _cooc_lifts, _cooc_lifts_ref

@@ -65,7 +65,9 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import numpy as np
-from numba import njit
+
+from pymoe.experts import compiled_cooc as cc
+from pymoe.experts.compiled_cooc import _cooc_lifts  # CoocPolicy's per-token arithmetic (compiled)
 
 
 HEAP_SLACK = 4  # a lazy-deletion heap is rebuilt from its live entries when longer than this x (residents + 1):
@@ -554,38 +556,6 @@ class CoocPolicy(WindowPolicy):
 _NO_EXPERTS = np.zeros(0, dtype=np.int64)
 
 
-@njit(cache=True)
-def _cooc_lifts(T, n, prev, now, k, top):
-    """CoocPolicy's arithmetic for one layer and token, in the float32 / float64 steps of its NumPy form
-    (_cooc_lifts_ref, tests/test_policies.py): count prev -> now into T float32 [E, E] and n float32 [E] (prev, now:
-    a token's distinct experts, int64 [k]; prev empty at a layer's first token), then
-        p(e) = 1 - prod over a in now of (1 - T[a, e] / max(n[a], 1))   (the quotient float32, the rest float64)
-        q(e) = k n[e] / max(sum(n), 1)                                  (float32)
-    -> (the experts of the `top` largest lift = max(p - q, 0), ties to the lower expert, those of lift > 0 only,
-    int64; their lifts, float64)."""
-    E = n.size
-    for a in prev:
-        for e in now:
-            T[a, e] += np.float32(1.0)
-        n[a] += np.float32(1.0)
-    total = 0.0
-    for e in range(E):
-        total += n[e]  # whole counts: exact in either order while the sum is below 2^24
-    total32 = np.float32(max(total, 1.0))
-    lift = np.empty(E, dtype=np.float64)
-    for e in range(E):
-        keep = 1.0
-        for a in now:
-            keep *= 1.0 - np.float64(T[a, e] / max(n[a], np.float32(1.0)))
-        q = np.float32(np.float32(k) * n[e]) / total32
-        lift[e] = max((1.0 - keep) - np.float64(q), 0.0)
-    order = np.argsort(-lift, kind="mergesort")[:top]  # stable: ties to the lower expert
-    m = 0
-    while m < order.size and lift[order[m]] > 0.0:
-        m += 1
-    return order[:m], lift[order[:m]]
-
-
 def _cooc_lifts_ref(T, n, prev, now, k, top):
     """_cooc_lifts in NumPy (CoocPolicy's arithmetic as it was first written; the compiled form is checked against
     it bit for bit)."""
@@ -599,6 +569,108 @@ def _cooc_lifts_ref(T, n, prev, now, k, top):
     best = np.argsort(-lift, kind="stable")[:top]
     best = best[lift[best] > 0.0]
     return best, lift[best]
+
+
+class CompiledCoocPolicy(Policy):
+    """CoocPolicy's rule (the same arguments, the same decisions) on arrays, each call of the Policy protocol one
+    compiled `_event` (experts/compiled_cooc.py, whose docstring lays the arrays out): what the registry runs as
+    `cooc`. CoocPolicy above stays the readable reference (tests/test_compiled_cooc.py: equal answers to every call,
+    equal scores to the bit). Memory: O(keys seen) for the scores, [E + 1, E] float32 per layer seen, the heap
+    HEAP_SLACK x (slots + 1) entries allocated up front, a ring per edge of the uses of its last edge's span."""
+
+    name = "cooc"
+
+    def __init__(self, capacity: int, profile_keys: Optional[Sequence[int]] = None,
+                 lookups_per_token: Optional[int] = None, n_experts: Optional[int] = None, k: Optional[int] = None,
+                 weight: float = COOC_WEIGHT, top: int = COOC_TOP, edges: Sequence[float] = WINDOW_EDGES,
+                 weights: Sequence[float] = WINDOW_WEIGHTS, prior: float = WINDOW_PRIOR, admit: float = WINDOW_ADMIT):
+        super().__init__(capacity)
+        if len(edges) != len(weights) or not edges or list(edges) != sorted(edges) or min(edges) <= 0:
+            raise ValueError(f"window: edges must be increasing, positive, one per weight; got {edges}, {weights}")
+        self.per_token = max(1, int(lookups_per_token or capacity or 1))
+        finite = [e for e in edges if e != math.inf]
+        uses = [max(1, int(round(e * self.per_token))) for e in finite]  # each edge in uses
+        drop = [float(weights[i]) - (float(weights[i + 1]) if i + 1 < len(weights) else 0.0)
+                for i in range(len(finite))]
+        E, K = (int(n_experts), int(k)) if n_experts and k else (0, 0)
+        n_top = max(1, int(top * (K or 1)))
+        self.E, self.width = E, max(K, n_top) + 1
+        self.meta = np.zeros(cc.M_RING + 3 * len(uses), dtype=np.int64)  # compiled_cooc's M_* fields
+        self.meta[[cc.M_CAP, cc.M_EDGES, cc.M_E, cc.M_K, cc.M_TOP, cc.M_SLACK]] = (capacity, len(uses), E, K, n_top,
+                                                                              HEAP_SLACK)
+        for i, u in enumerate(uses):
+            self.meta[cc.M_RING + 3 * i] = u
+        self.fpar = np.array([float(weights[0]), float(admit), float(weight), *drop], dtype=np.float64)
+        self.fifo = np.zeros((len(uses), max(uses, default=0) + 1, 2), dtype=np.int64)  # at most `edge` pending
+        self.res = np.zeros(max(int(capacity), 1), dtype=np.int64)
+        self.heap = np.zeros((HEAP_SLACK * (max(int(capacity), 0) + 1) + 1, 3), dtype=np.float64)
+        self.sc = np.zeros(0, dtype=np.float64)
+        self.kv = np.zeros((0, 3), dtype=np.int64)
+        self.T = np.zeros((0, E + 1, max(E, 1)), dtype=np.float32)
+        self.lay = np.zeros((0, 3, self.width), dtype=np.int64)
+        self.bval = np.zeros((0, self.width), dtype=np.float64)
+        if profile_keys is not None and prior > 0:
+            keys = [int(key) for key in profile_keys]
+            if keys:
+                self._grow(max(keys))
+            scale = max(int(capacity), 1)
+            for rank, key in enumerate(keys):
+                self.sc[key] = prior / (1.0 + rank / scale)
+        self._grow(0)
+
+    def _grow(self, key: int) -> None:
+        """Room for keys up to `key` (and, with layers, for its layer's counts): arrays doubled, zero-filled."""
+        nk = self.sc.shape[0]
+        if key < nk:
+            return
+        if self.E:  # whole layers, so a key's layer has its counts
+            need = (key // self.E + 1) * self.E
+            new = max(need, 2 * nk)
+            new = (new + self.E - 1) // self.E * self.E
+        else:
+            new = max(key + 1, 2 * nk, 64)
+        self.sc = np.concatenate([self.sc, np.zeros(new - nk)])
+        self.kv = np.concatenate([self.kv, np.zeros((new - nk, 3), dtype=np.int64)])
+        if self.E:
+            add = new // self.E - self.T.shape[0]
+            self.T = np.concatenate([self.T, np.zeros((add, self.E + 1, self.E), dtype=np.float32)])
+            self.lay = np.concatenate([self.lay, np.zeros((add, 3, self.width), dtype=np.int64)])
+            self.bval = np.concatenate([self.bval, np.zeros((add, self.width), dtype=np.float64)])
+        self.state = (self.sc, self.kv, self.res, self.heap, self.fifo, self.meta, self.fpar, self.T, self.lay,
+                      self.bval)  # cc.event's arguments, in its order (one tuple: a call unpacks it at once)
+        self.n_keys = new
+
+    def _do(self, key: int, op: int) -> int:
+        if key >= self.n_keys:
+            self._grow(key)
+        return cc.event(*self.state, key, op)
+
+    def on_hit(self, key: int, t: int) -> None:
+        self._do(key, cc.HIT)
+
+    def on_use(self, key: int, t: int) -> None:
+        self._do(key, cc.USE)
+
+    def on_place(self, key: int, t: int) -> None:
+        self._do(key, cc.PLACE)
+
+    def admit(self, key: int, t: int) -> bool:
+        return bool(self._do(key, cc.ADMIT))
+
+    def victim(self, t: int) -> int:
+        return int(self._do(0, cc.VICTIM))
+
+    def on_insert(self, key: int, t: Optional[int]) -> None:
+        super().on_insert(key, t)
+        self._do(key, cc.INSERT)
+
+    def on_evict(self, key: int) -> None:
+        super().on_evict(key)
+        self._do(key, cc.EVICT)
+
+    def score(self, key: int) -> float:
+        """The key's score now (0 for a key never seen): what CoocPolicy.score[key] holds."""
+        return float(self.sc[key]) if key < self.sc.shape[0] else 0.0
 
 
 REUSE_GAPS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # tokens: the gap histogram's bin edges (the last bin: > 64)
@@ -1214,7 +1286,7 @@ POLICIES = {
     "s3fifo-c7": S3FIFOC7Policy,
     "lirs": LIRSPolicy,
     "window": WindowPolicy,
-    "cooc": CoocPolicy,
+    "cooc": CompiledCoocPolicy,  # CoocPolicy's decisions, compiled
     "duel": DuelPolicy,
     "reuse": ReusePolicy,
     "duel-reuse": DuelReusePolicy,

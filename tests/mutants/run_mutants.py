@@ -586,11 +586,29 @@ MUTANTS: list[Mutant] = [
         ("tests/test_policies.py::test_window_by_hand_prior_window_and_payback",),
         "window: payback admission off (a miss scored below the victim still takes its slot)"),
     Mutant(
-        "cooc_no_lift", "pymoe/experts/policies.py",
+        "cooc_no_lift", "pymoe/experts/compiled_cooc.py",
         "        lift[e] = max((1.0 - keep) - np.float64(q), 0.0)",
         "        lift[e] = 1.0 - keep  # MUTANT",
         ("tests/test_policies.py::test_cooc_by_hand_next_token_lift",),
         "cooc: the bonus is the transition probability itself, not its lift over the expert's base rate"),
+    Mutant(
+        "compiled_cooc_admits_every_miss", "pymoe/experts/compiled_cooc.py",
+        "        return 1 if sc[key] >= fpar[F_ADMIT] * sc[_victim(sc, kv, heap, meta)] else 0",
+        "        return 1  # MUTANT",
+        ("tests/test_compiled_cooc.py::test_compiled_cooc_decides_as_the_reference*",),
+        "compiled cooc: payback admission off (the reference refuses a miss scored below the victim)"),
+    Mutant(
+        "compiled_cooc_old_bonus_kept", "pymoe/experts/compiled_cooc.py",
+        "            sc[g] -= old[i]",
+        "            sc[g] -= 0.0  # MUTANT",
+        ("tests/test_compiled_cooc.py::test_compiled_cooc_decides_as_the_reference*",),
+        "compiled cooc: a bonus no new token renews stays in the key's score"),
+    Mutant(
+        "compiled_cooc_stale_last_use_live", "pymoe/experts/compiled_cooc.py",
+        "        if kv[key, 1] == 1 and sc[key] == heap[0, 0] and kv[key, 0] == heap[0, 1]:",
+        "        if kv[key, 1] == 1 and sc[key] == heap[0, 0]:  # MUTANT",
+        ("tests/test_compiled_cooc.py::test_compiled_cooc_decides_as_the_reference*",),
+        "compiled cooc: a heap entry of an older use of the same score is taken as live (ties by last use lost)"),
     Mutant(
         "cooc_bonus_never_replaced", "pymoe/experts/policies.py",
         "        self.bonus[layer] = new",
