@@ -8,9 +8,13 @@ microseconds per lookup and milliseconds per decoded token. `cooc` is timed twic
 (policies.CompiledCoocPolicy) and as its reference, CoocPolicy, which decides the same in the interpreter. The
 engine pays a policy per lookup in the same way (experts/cache.py's SlotTable), so on a GPU these milliseconds are
 part of every decoded token.
-What this is not: the engine's whole per-token overhead (the lookup calls, the pool's copies), nor a test.
+With --engine, the whole of the engine's bookkeeping per lookup instead: the demo model (4 MoE layers x 32 experts,
+top-4) on the CPU backend with a pool of 25% of its experts under each policy, rounds of 3 requests of 64 sampled
+tokens (one to warm up, then --repeat timed); SlotCache.lookup timed on its decode calls (the policy, the slot table, the counters, the miss path's choice, the
+live gap; not the promotions' copies, which each call's finish() makes first): microseconds per decode lookup, and what that is a token on a 48-layer top-8 model (x 384).
+What this is not: the pool's copies or the experts' compute, nor a test.
 
-    PYTHONPATH=. python bench/policy_cost.py [--tokens 64] [--repeat 3] [--policies lru,cooc,...]
+    PYTHONPATH=. python bench/policy_cost.py [--tokens 64] [--repeat 3] [--policies lru,cooc,...] [--engine]
 """
 from __future__ import annotations
 
@@ -37,7 +41,10 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64, help="decode tokens (default 64)")
     ap.add_argument("--policies", default=",".join(ENGINE_POLICIES), help="comma-separated (default: all)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per policy (default 3)")
+    ap.add_argument("--engine", action="store_true", help="time the engine's SlotCache.lookup on the demo model")
     args = ap.parse_args()
+    if args.engine:
+        return engine_cost(args.policies.split(","), args.tokens, args.repeat)
     heat = np.asarray(json.load(open(cp.HEAT_30B))["heat"], dtype=np.int64)  # [48, 128]
     L, E, K = heat.shape[0], heat.shape[1], 8
     tr = fitted_trace(heat, locality=cp.FIT_LOCALITY, window=cp.FIT_WINDOW, k=K, n_requests=1, prompt_len=8,
@@ -67,6 +74,38 @@ def main() -> None:
                 timed("cooc", "cooc reference")
             finally:
                 policies.POLICIES["cooc"] = compiled
+
+def engine_cost(names, tokens: int, repeat: int) -> None:
+    """--engine: SlotCache.lookup's time per decode lookup on the demo model, per policy: a round of 3 requests to
+    warm up, then `repeat` rounds timed (the fastest and the slowest)."""
+    import pymoe
+    from pymoe import demo
+
+    for name in names:
+        eng = pymoe.load(demo.demo_model(), backend="cpu", cache_slots=32, policy=name)  # 25% of 4 x 32 experts
+        cache, spent = eng.cache, [0.0, 0]
+        lookup = cache.lookup
+
+        def timed(layer, expert_ids, phase, rows=None):
+            cache.finish(layer)  # the last call's promotions copied first, untimed: bytes, not bookkeeping
+            t = time.perf_counter()
+            lookup(layer, expert_ids, phase, rows)
+            if phase == "decode":
+                spent[0] += time.perf_counter() - t
+                spent[1] += expert_ids.size
+
+        cache.lookup = timed  # this engine's cache only
+        per = []
+        for round_ in range(1 + max(1, repeat)):
+            spent[:] = [0.0, 0]
+            for seed in range(3):
+                list(eng.generate("The quick brown fox", max_tokens=tokens, temperature=0.7, seed=seed))
+            if round_:  # the first round warms up
+                per.append(spent[0] / max(spent[1], 1))
+        lo, hi = min(per), max(per)
+        print(f"{name:11s} {1e6 * lo:5.1f}-{1e6 * hi:5.1f} us a decode lookup ({spent[1]} a round, hit rate "
+              f"{cache.stats.hit_rate('decode'):.3f}); x 384: {1e3 * 384 * lo:5.2f}-{1e3 * 384 * hi:5.2f} ms a token "
+              "of a 48-layer top-8 model", flush=True)
 
 if __name__ == "__main__":
     main()
