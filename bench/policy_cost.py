@@ -6,15 +6,18 @@ replayed by `simulate.sweep` through each policy at 25% coverage, global pool, p
 each policy once to warm up (its compiled parts load), then timed --repeat times (the fastest and the slowest run):
 microseconds per lookup and milliseconds per decoded token. `cooc` is timed twice: as registered
 (policies.CompiledCoocPolicy) and as its reference, CoocPolicy, which decides the same in the interpreter. The
-engine pays a policy per lookup in the same way (experts/cache.py's SlotTable), so on a GPU these milliseconds are
-part of every decoded token.
-With --engine, the whole of the engine's bookkeeping per lookup instead: the demo model (4 MoE layers x 32 experts,
-top-4) on the CPU backend with a pool of 25% of its experts under each policy, rounds of 3 requests of 64 sampled
-tokens (one to warm up, then --repeat timed); SlotCache.lookup timed on its decode calls (the policy, the slot table, the counters, the miss path's choice, the
-live gap; not the promotions' copies, which each call's finish() makes first): microseconds per decode lookup, and what that is a token on a 48-layer top-8 model (x 384).
+engine's lookup loop pays a policy per lookup in the same way (experts/cache.py's SlotTable), except where its decode
+calls run compiled whole (SlotCache._compiled_lookup: the default policy), which --engine measures; on a GPU these
+milliseconds are part of every decoded token.
+With --engine, the whole of the engine's bookkeeping per lookup call instead: the demo model (4 MoE layers x 32
+experts, top-4; --model FILE: another) on the CPU backend with a pool of 25% of its experts under each policy,
+rounds of 3 requests of --tokens sampled tokens (one round to warm up, then --repeat timed); SlotCache.lookup timed
+on its decode calls (the policy, the slot table, the counters, the miss path's choice, the live gap; not the
+promotions' copies, which each call's finish() makes first): microseconds a call and a pair, milliseconds a token
+(one call per MoE layer). `cooc` is timed twice there too: compiled whole, and through the loop.
 What this is not: the pool's copies or the experts' compute, nor a test.
 
-    PYTHONPATH=. python bench/policy_cost.py [--tokens 64] [--repeat 3] [--policies lru,cooc,...] [--engine]
+    PYTHONPATH=. python bench/policy_cost.py [--tokens 64] [--repeat 3] [--policies lru,cooc,...] [--engine [--model F]]
 """
 from __future__ import annotations
 
@@ -42,9 +45,10 @@ def main() -> None:
     ap.add_argument("--policies", default=",".join(ENGINE_POLICIES), help="comma-separated (default: all)")
     ap.add_argument("--repeat", type=int, default=3, help="timed runs per policy (default 3)")
     ap.add_argument("--engine", action="store_true", help="time the engine's SlotCache.lookup on the demo model")
+    ap.add_argument("--model", default="", help="--engine on this GGUF file instead of the demo model")
     args = ap.parse_args()
     if args.engine:
-        return engine_cost(args.policies.split(","), args.tokens, args.repeat)
+        return engine_cost(args.policies.split(","), args.tokens, args.repeat, args.model)
     heat = np.asarray(json.load(open(cp.HEAT_30B))["heat"], dtype=np.int64)  # [48, 128]
     L, E, K = heat.shape[0], heat.shape[1], 8
     tr = fitted_trace(heat, locality=cp.FIT_LOCALITY, window=cp.FIT_WINDOW, k=K, n_requests=1, prompt_len=8,
@@ -75,15 +79,22 @@ def main() -> None:
             finally:
                 policies.POLICIES["cooc"] = compiled
 
-def engine_cost(names, tokens: int, repeat: int) -> None:
-    """--engine: SlotCache.lookup's time per decode lookup on the demo model, per policy: a round of 3 requests to
-    warm up, then `repeat` rounds timed (the fastest and the slowest)."""
+def engine_cost(names, tokens: int, repeat: int, path: str = "") -> None:
+    """--engine: SlotCache.lookup's time per decode lookup call on the demo model (or `path`), per policy: a round
+    of 3 requests to warm up, then `repeat` rounds timed (the fastest and the slowest)."""
     import pymoe
     from pymoe import demo
 
-    for name in names:
-        eng = pymoe.load(demo.demo_model(), backend="cpu", cache_slots=32, policy=name)  # 25% of 4 x 32 experts
-        cache, spent = eng.cache, [0.0, 0]
+    from pymoe.gguf.loader import load_gguf
+
+    path = path or demo.demo_model()
+    cfg = load_gguf(path).config
+    slots = max(1, len(cfg.moe_layers) * cfg.n_expert // 4)  # 25% of the experts
+    for name in [x for name in names for x in ([name, "cooc, loop"] if name == "cooc" else [name])]:
+        eng = pymoe.load(path, backend="cpu", policy=name.split(",")[0], cache_slots=slots)
+        if name.endswith("loop"):
+            eng.cache._compiled_lookup = lambda *a: False  # SlotCache.lookup's loop, pair by pair
+        cache, spent = eng.cache, [0.0, 0, 0]
         lookup = cache.lookup
 
         def timed(layer, expert_ids, phase, rows=None):
@@ -93,19 +104,22 @@ def engine_cost(names, tokens: int, repeat: int) -> None:
             if phase == "decode":
                 spent[0] += time.perf_counter() - t
                 spent[1] += expert_ids.size
+                spent[2] += 1
 
         cache.lookup = timed  # this engine's cache only
         per = []
         for round_ in range(1 + max(1, repeat)):
-            spent[:] = [0.0, 0]
+            spent[:] = [0.0, 0, 0]
             for seed in range(3):
                 list(eng.generate("The quick brown fox", max_tokens=tokens, temperature=0.7, seed=seed))
             if round_:  # the first round warms up
-                per.append(spent[0] / max(spent[1], 1))
+                per.append(spent[0] / max(spent[2], 1))
         lo, hi = min(per), max(per)
-        print(f"{name:11s} {1e6 * lo:5.1f}-{1e6 * hi:5.1f} us a decode lookup ({spent[1]} a round, hit rate "
-              f"{cache.stats.hit_rate('decode'):.3f}); x 384: {1e3 * 384 * lo:5.2f}-{1e3 * 384 * hi:5.2f} ms a token "
-              "of a 48-layer top-8 model", flush=True)
+        K, calls = cfg.n_expert_used, len(cfg.moe_layers)
+        print(f"{name:11s} {1e6 * lo:5.1f}-{1e6 * hi:5.1f} us a decode lookup call of {K} pairs "
+              f"({1e6 * lo / K:4.1f}-{1e6 * hi / K:4.1f} a pair); {1e3 * calls * lo:5.2f}-{1e3 * calls * hi:5.2f} ms "
+              f"a token of this model's {calls} MoE layers (hit rate {cache.stats.hit_rate('decode'):.3f})",
+              flush=True)
 
 if __name__ == "__main__":
     main()

@@ -323,3 +323,60 @@ def test_slots_never_sit_empty(tiny_model):
     assert any(x.startswith("pre-filled 5 of 5 slots from the profile, 3 of them in expert order") for x in lines)
     e = pymoe.load(path, cache_slots=16, profile=Profile.from_heat(np.arange(16)[::-1].reshape(2, 8)))  # all MoE
     assert (e.cache.residency[1:] >= 0).all() and (e.cache.residency[0] < 0).all()
+
+
+@pytest.mark.parametrize("setting", ["plain", "capped, forced spill, batched rows", "small pool, profile"])
+def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
+    """SlotCache.lookup's decode calls under the default policy run in one compiled call (`_compiled_lookup`,
+    compiled_cooc.decode_call). Two caches on one file, one of them held to the Python loop, get the same calls: 300
+    random lookup calls (decode of 1 or 3 rows, and prompt chunks, whose lookups never promote, with finish() and
+    end_prefill() between) -> after every call the same counters (the cache's and each row's), residency, pending
+    copies, served paths, slot table (slots, hits, evictions, this step's inserts), miss-path credit, live-gap
+    totals and open window, and policy scores to the bit. The settings reach each branch: a per-step insert cap
+    and forced spill with batched rows; a pool of 5 slots with a profile's prior; and the live gap's window
+    closing (window 64: it closes within some calls, which the loop then makes, and at the end of others)."""
+    from pymoe.experts.policies import Admission
+    from pymoe.experts.profile import Profile
+
+    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"))
+    cfg = engine.config
+    L, E, K = cfg.n_layers, cfg.n_expert, cfg.n_expert_used
+    kw = dict(policy="cooc", pcie_frac=0.4)
+    slots = L * E // 3
+    if setting.startswith("capped"):
+        kw["admission"] = Admission(max_inserts=2)
+    if setting.startswith("small"):
+        slots = 5
+        kw["profile"] = Profile.from_heat(np.arange(L * E).reshape(L, E))
+    caches = [SlotCache(engine.file, slots, **kw) for _ in range(2)]
+    for cache in caches:
+        cache.fill(kw.get("profile"))  # as the engine starts a pool: full
+        cache.gap.window = 64
+        if setting.startswith("capped"):
+            cache.force_spill(0.3, seed=1)
+    caches[1]._compiled_lookup = lambda *a: False  # the reference: the loop, pair by pair
+    rng = np.random.default_rng(7)
+    fast_calls = 0
+    for call in range(300):
+        layer = int(rng.integers(L))
+        phase = "prefill" if rng.random() < 0.1 else "decode"
+        T = 3 if (setting.startswith("capped") and phase == "decode") else (4 if phase == "prefill" else 1)
+        ids = np.stack([rng.choice(E, K, replace=False, p=np.r_[np.full(E // 4, 3.0), np.ones(E - E // 4)] /
+                                   (3 * (E // 4) + E - E // 4)) for _ in range(T)]).astype(np.int64)  # [T, K]
+        rows = [[{} for _ in range(T)] for _ in caches] if T > 1 and phase == "decode" else [None, None]
+        state, end = [], phase == "prefill" and rng.random() < 0.5
+        for cache, r in zip(caches, rows):
+            cache.finish(layer)
+            before = cache.table.lookups
+            cache.lookup(layer, ids, phase, r)
+            state.append((cache.stats.counts, r, cache.residency.tolist(), dict(cache._pending), dict(cache._served),
+                          dict(cache.table.slot_of), cache.table.lookups - before, cache.table.hits,
+                          cache.table.evictions, cache.table._inserts, cache._pcie_credit, cache.gap.totals(),
+                          list(cache.gap.keys), cache.clock))
+            if end:
+                cache.end_prefill()
+        assert state[0] == state[1], (setting, call)
+        fast_calls += phase == "decode" and caches[0]._fast is not None
+    p0, p1 = (c.table.policy for c in caches)
+    assert p0.sc[:p1.n_keys].tolist() == p1.sc[:p1.n_keys].tolist()
+    assert caches[0]._fast is not None and caches[0].gap.totals()["lookups"] > 64  # it ran, and windows closed

@@ -291,6 +291,20 @@ def test_slots_start_full_as_the_engines_do():
     assert simulate(np.array([0, 1, 4, 5, 2, 6]), 2, 4, "lru", 4, pool="per-layer").hits == 4
 
 
+def test_live_gap_replay_compiled_is_the_slot_tables():
+    """gap.belady_hits (compiled: the live gap's replay) against gap.belady_hits_ref (BeladyPolicy in a SlotTable,
+    lookup by lookup): the same hits on 200 random windows (skewed keys, 0-60 slots, pre-filled with a random
+    resident set, sometimes larger than the pool or holding keys never looked up), exact."""
+    from pymoe.experts.gap import belady_hits, belady_hits_ref
+
+    rng = np.random.default_rng(3)
+    for _ in range(200):
+        n_keys, cap = int(rng.integers(2, 120)), int(rng.integers(0, 61))
+        keys = (rng.zipf(1.3, int(rng.integers(1, 400))) % n_keys).tolist()
+        start = rng.permutation(n_keys + 5)[:int(rng.integers(0, cap + 8))].tolist()
+        assert belady_hits(keys, start, cap) == belady_hits_ref(keys, start, cap), (n_keys, cap, len(keys))
+
+
 def test_live_gap_by_hand_and_in_the_engine(tiny_model):
     """experts/gap.py. By hand: LRU, 1 slot, keys 1 2 1 from empty: LRU hits none; Belady (bypass) keeps 1 and serves
     2 without a slot: 1 hit. A window of 2 closes after 2 lookups, from the contents it opened with ({1} after t0's

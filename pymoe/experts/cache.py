@@ -59,7 +59,8 @@ from numba import njit
 from pymoe.errors import PymoeError
 from pymoe.gguf.loader import EXPERT_PROJ, ExpertBytes, GGUFModel
 from pymoe.backends.pool import HostPool
-from .policies import DEFAULT_POLICY, check_engine_policy, prefetch_ranked, start_keys
+from . import compiled_cooc as cc
+from .policies import DEFAULT_POLICY, CompiledCoocPolicy, check_engine_policy, prefetch_ranked, start_keys
 
 PHASES = ("prefill", "decode")
 # What each lookup was served by (ExpertBytes.where -> counter: slot -> hits; spill, cpu, staged, host), and what it
@@ -121,6 +122,10 @@ class SummedStats(CounterViews):
     def reset(self) -> None:
         for c in self.parts:
             c.stats.reset()
+
+
+_NO_MASK = np.zeros(0, dtype=bool)  # no forced-spill mask (SlotCache._compiled_lookup)
+_MISS_PATHS = (None, "spill", "cpu")  # compiled_cooc.decode_call's codes 1 and 2
 
 
 def _count(counts: tuple, name: str, n: int = 1) -> None:
@@ -259,6 +264,7 @@ class SlotCache:
         self.forced_share, self._forced_seed = 0.0, 0  # force_spill(): off
         self._forced = None  # bool [L, E]: this decode forward's forced-spill mask (None: off)
         self._forced_n, self._forced_fresh = 0, False  # decode forwards drawn; a step_table() mask not yet used
+        self._fast = None  # _compiled_lookup's buffers, made at its first call
 
     # --- bytes -------------------------------------------------------------------------------------------------
     def _copy_in(self, slot: int, layer: int, e: int) -> None:
@@ -307,6 +313,8 @@ class SlotCache:
             self._next_forced(reuse=True)
         self.steps += 1
         prefetched = self._prefetched.pop(layer, ())  # experts the lookahead placed for this lookup
+        if phase == "decode" and not prefetched and self._compiled_lookup(layer, expert_ids, c, rows):
+            return
         for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
             counts = (c,) if rows is None else (c, rows[t])
             for e in row.tolist():
@@ -337,6 +345,67 @@ class SlotCache:
                     _count(counts, "promoted")
                     self.residency[layer, e] = slot
                     self._pending[slot] = (layer, e)  # a slot promoted into twice in one call keeps the last
+
+    def _compiled_lookup(self, layer: int, expert_ids: np.ndarray, c: dict, rows: Optional[list]) -> bool:
+        """The decode loop of `lookup` in one compiled call (compiled_cooc.decode_call), pair for pair the same
+        decisions and counts, where that call covers the case: the default policy (CompiledCoocPolicy), a full pool
+        (no free slot), no second-miss admission, no experts the lookahead placed for this layer (the caller's
+        check), and no live-gap window closing before the call's last pair. Else False, and `lookup` runs its loop.
+        It pays the interpreter once per call, not once per (token, expert) pair (bench/policy_cost.py --engine);
+        tests/test_cache.py holds it to the loop."""
+        table, policy, gap = self.table, self.table.policy, self.gap
+        Tr, K = expert_ids.shape[0], expert_ids.size // max(expert_ids.shape[0], 1)
+        n = Tr * K
+        if (type(policy) is not CompiledCoocPolicy or table.free or self.admission.second_miss or not n
+                or len(gap.keys) + n > gap.window):
+            return False
+        ids = np.ascontiguousarray(expert_ids, dtype=np.int64).reshape(Tr, K)  # [T, K]
+        top = (layer + 1) * self.n_experts
+        if top > policy.n_keys:
+            policy._grow(top - 1)
+        fast = self._fast
+        need = cc.R_LIST + 4 * Tr + 7 * n
+        if fast is None or fast["rec"].size < need:
+            fast = self._fast = {"rec": np.zeros(2 * need, dtype=np.int64), "miss": np.zeros(2),
+                                 "where": np.full(self.n_experts, -1, dtype=np.int64),
+                                 "slot": np.full(self.n_experts, -1, dtype=np.int64)}
+        rec, miss = fast["rec"], fast["miss"]
+        rec[cc.R_INSERTS], rec[cc.R_FRESH] = table._inserts, table._step != self.steps
+        miss[0], miss[1] = self.pcie_frac, self._pcie_credit
+        forced = self._forced[layer] if self._forced is not None else _NO_MASK  # bool [E] or [0]
+        if not gap.keys:
+            gap.before()  # the live gap's window opens before the call's first pair, as the loop's would
+        cc.decode_call(*policy.state, table.slot_array(policy.n_keys), self.residency, ids, layer,
+                       self.admission.max_inserts, miss, forced, fast["where"], fast["slot"], rec)
+        self.clock += n
+        self._pcie_credit = float(miss[1])
+        r = rec[:cc.R_LIST + 4 * Tr + 7 * n].tolist()  # one conversion; the R_* fields, then the lists
+        if not r[cc.R_FRESH]:  # a miss reached admission control: the count is this step's
+            table._step, table._inserts = self.steps, r[cc.R_INSERTS]
+        hits, promoted, served = r[cc.R_HITS], r[cc.R_PROMOTED], r[cc.R_SERVED]
+        table.lookups += n
+        table.hits += hits
+        table.evictions += promoted
+        at, base = cc.R_LIST + 4 * Tr, layer * self.n_experts
+        for i in range(at, at + 3 * promoted, 3):  # (key, slot, evicted key), in pair order as the loop makes them
+            key, s, gone = r[i], r[i + 1], r[i + 2]
+            del table.slot_of[gone]
+            table.slot_of[key] = s
+            self._pending[s] = (layer, key - base)  # a slot promoted into twice in one call keeps the last
+        at += 3 * n
+        for i in range(at, at + 3 * served, 3):  # (expert, where, slot)
+            self._served[layer, r[i]] = ("slot", r[i + 2]) if r[i + 1] == 0 else (_MISS_PATHS[r[i + 1]], -1)
+        from_slot = 0
+        for t in range(Tr):
+            h, sp, cpu, ev = r[cc.R_LIST + 4 * t:cc.R_LIST + 4 * t + 4]
+            from_slot += h
+            n_t = {"lookups": K, "hits": h, "spill": sp, "cpu": cpu, "evicted": ev, "promoted": ev}
+            for counts in ((c,) if rows is None else (c, rows[t])):
+                for name, m in n_t.items():
+                    if m:
+                        counts[name] = counts.get(name, 0) + m
+        gap.extend(r[at + 3 * n:], from_slot)
+        return True
 
     def end_prefill(self) -> None:
         """A request's prompt has been read (generate.py, the server's scheduler): place the warm decode set

@@ -259,3 +259,85 @@ def event(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, key, op):
         kv[moved, 2] = kv[key, 2]
         meta[M_SIZE] = last
     return 0
+
+
+# decode_call's per-call record, `rec` int64 [..]: fixed fields, then its lists
+R_HITS, R_PROMOTED, R_SERVED, R_INSERTS, R_FRESH, R_LIST = range(6)  # R_LIST on: T x 4 row counts, n x 3, n x 3, n
+# the row counts per row: lookups' paths (hits, spill, cpu), then evictions (= promotions in a full pool)
+C_HITS, C_SPILL, C_CPU, C_EVICTED = range(4)
+
+
+@njit(cache=True)
+def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, ids, layer, max_inserts,
+                miss, forced, where_of, slot_of_e, rec):
+    """One decode lookup call of SlotCache.lookup (ids int64 [Tr, K]: its rows' experts of `layer`, token order)
+    through the slot table and this policy, pair by pair as SlotTable.access(key, t, insert=True) and
+    SlotCache.lookup's loop decide, for a full pool (no free slot) without second-miss admission, prefetch, or a
+    live-gap window closing within it (SlotCache._compiled_lookup checks those).
+    In and out: slot_arr int64 [keys] (SlotTable.slot_arr: key -> slot or -1); residency int32 [L, E]; miss float64
+    [2] (pcie_frac, the error diffusion's credit: SlotCache._miss_path); where_of / slot_of_e int64 [E] scratch,
+    -1 on entry and again on return. forced: bool [E] (this layer's forced-spill mask) or [0]. rec int64 (the R_*
+    fields; rec[R_INSERTS] this step's inserts so far, in and out; rec[R_FRESH] 1 in if the table's insert count
+    belongs to an earlier step, 0 out once a miss reached admission control, which then counts from 0, as
+    SlotTable._admitted) receives: per row the C_* counts; the promotions
+    in pair order (key, slot, evicted key); each expert served, at its first pair (expert, where: 0 its slot, 1
+    spill, 2 cpu, the slot or -1); every pair's key."""
+    E = where_of.size
+    Tr, K = ids.shape
+    n = Tr * K
+    rows = R_LIST
+    promos = rows + 4 * Tr
+    served = promos + 3 * n
+    keys_at = served + 3 * n
+    rec[R_HITS] = rec[R_PROMOTED] = rec[R_SERVED] = 0
+    rec[rows:promos] = 0
+    for t in range(Tr):
+        for j in range(K):
+            e = ids[t, j]
+            key = layer * E + e
+            rec[keys_at + t * K + j] = key
+            slot = slot_arr[key]
+            hit = slot >= 0
+            _use(sc, kv, res, heap, fifo, meta, fpar, key)
+            if hit:
+                _push(sc, kv, res, heap, meta, key)
+            if meta[M_E] > 0:
+                _route(sc, kv, res, heap, meta, fpar, T, lay, bval, key)
+            if hit:
+                rec[R_HITS] += 1
+            elif rec[R_FRESH]:  # SlotTable._admitted: a new step's insert count starts at its first miss
+                rec[R_FRESH], rec[R_INSERTS] = 0, 0
+            if not hit and not (max_inserts > 0 and rec[R_INSERTS] >= max_inserts):
+                victim = _victim(sc, kv, heap, meta)
+                if sc[key] >= fpar[F_ADMIT] * sc[victim]:  # payback admission, then the same victim goes
+                    rec[R_INSERTS] += 1
+                    slot = slot_arr[victim]
+                    slot_arr[victim] = -1
+                    event(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, victim, EVICT)
+                    slot_arr[key] = slot
+                    event(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, key, INSERT)
+                    residency[victim // E, victim % E] = -1
+                    residency[layer, e] = slot
+                    at = promos + 3 * rec[R_PROMOTED]
+                    rec[at], rec[at + 1], rec[at + 2] = key, slot, victim
+                    rec[R_PROMOTED] += 1
+                    rec[rows + 4 * t + C_EVICTED] += 1
+            if where_of[e] < 0:  # the first pair of this call to choose e decides how e is served
+                if hit and not (forced.size > 0 and forced[e]):
+                    where_of[e], slot_of_e[e] = 0, slot
+                elif hit:
+                    where_of[e] = 1  # force_spill(): this hit is read over PCIe
+                else:
+                    miss[1] += miss[0]
+                    if miss[1] >= 1.0 - 1e-9:
+                        miss[1] -= 1.0
+                        where_of[e] = 1
+                    else:
+                        where_of[e] = 2
+                at = served + 3 * rec[R_SERVED]
+                rec[at], rec[at + 1], rec[at + 2] = e, where_of[e], slot_of_e[e]
+                rec[R_SERVED] += 1
+            rec[rows + 4 * t + where_of[e]] += 1  # C_HITS, C_SPILL or C_CPU
+    for i in range(rec[R_SERVED]):
+        e = rec[served + 3 * i]
+        where_of[e] = slot_of_e[e] = -1

@@ -1392,6 +1392,8 @@ class SlotTable:
         self.missed: OrderedDict = OrderedDict()  # the last `capacity` refused keys, oldest first (second_miss)
         self._step, self._inserts = None, 0  # the current layer-step and its insertions (max_inserts)
         self.slot_of: dict[int, int] = {}  # resident key -> slot
+        self.slot_arr: Optional[np.ndarray] = None  # slot_of as int64 [keys] (-1: not resident), once slot_array()
+        # is asked for: then kept in step with slot_of (SlotCache's compiled decode lookups read and update it)
         self.free = list(range(self.capacity - 1, -1, -1))  # free slots; pop() gives the lowest
         self.lookups = self.hits = self.evictions = 0
 
@@ -1414,6 +1416,24 @@ class SlotTable:
     def n_resident(self) -> int:
         return len(self.slot_of)
 
+    def slot_array(self, n_keys: int) -> np.ndarray:
+        """slot_of as an array over keys < n_keys at least (int64, -1: not resident), kept in step with slot_of
+        from now on (`_mirror`); compiled code that changes it (compiled_cooc.decode_call) changes slot_of too."""
+        if self.slot_arr is None or self.slot_arr.size < n_keys:
+            grown = 2 * (0 if self.slot_arr is None else self.slot_arr.size)
+            size = max(n_keys, 1 + max(self.slot_of, default=-1), grown)
+            arr = np.full(size, -1, dtype=np.int64)
+            for key, slot in self.slot_of.items():
+                arr[key] = slot
+            self.slot_arr = arr
+        return self.slot_arr
+
+    def _mirror(self, key: int, slot: int) -> None:
+        if self.slot_arr is not None:
+            if key >= self.slot_arr.size:
+                self.slot_array(key + 1)
+            self.slot_arr[key] = slot
+
     def resident(self, key: int) -> Optional[int]:
         return self.slot_of.get(key)
 
@@ -1428,6 +1448,7 @@ class SlotTable:
             key = int(key)
             if key not in self.slot_of:
                 self.slot_of[key] = self.free.pop()
+                self._mirror(key, self.slot_of[key])
                 placed.append(key)
         for key in reversed(placed):
             self.policy.on_insert(key, None)
@@ -1493,9 +1514,11 @@ class SlotTable:
         else:
             evicted = self.policy.victim(t)
             slot = self.slot_of.pop(evicted)
+            self._mirror(evicted, -1)
             self.policy.on_evict(evicted)
             self.evictions += 1
         self.slot_of[key] = slot
+        self._mirror(key, slot)
         self.policy.on_insert(key, t)
         return slot, evicted
 

@@ -610,6 +610,24 @@ MUTANTS: list[Mutant] = [
         ("tests/test_compiled_cooc.py::test_compiled_cooc_decides_as_the_reference*",),
         "compiled cooc: a heap entry of an older use of the same score is taken as live (ties by last use lost)"),
     Mutant(
+        "decode_call_ignores_the_insert_cap", "pymoe/experts/compiled_cooc.py",
+        "            if not hit and not (max_inserts > 0 and rec[R_INSERTS] >= max_inserts):",
+        "            if not hit:  # MUTANT",
+        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",),
+        "compiled decode lookups: the per-step insert cap is not applied (the loop's SlotTable applies it)"),
+    Mutant(
+        "decode_call_forced_spill_ignored", "pymoe/experts/compiled_cooc.py",
+        "                if hit and not (forced.size > 0 and forced[e]):",
+        "                if hit:  # MUTANT",
+        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",),
+        "compiled decode lookups: a forced-spill hit is served from its slot"),
+    Mutant(
+        "gap_replay_never_bypasses", "pymoe/experts/gap.py",
+        "            if nxt[t] >= heap_n[0]:\n                continue  # bypass: used no sooner than the furthest resident",
+        "            if False:\n                continue  # MUTANT",
+        ("tests/test_simulate.py::test_live_gap_replay_compiled_is_the_slot_tables",),
+        "live gap: the compiled Belady replay admits every miss (demand-paging MIN, not MIN with bypass)"),
+    Mutant(
         "cooc_bonus_never_replaced", "pymoe/experts/policies.py",
         "        self.bonus[layer] = new",
         "        self.bonus[layer] = {**old, **new}  # MUTANT",
