@@ -120,6 +120,47 @@ def engine_cost(names, tokens: int, repeat: int, path: str = "") -> None:
               f"({1e6 * lo / K:4.1f}-{1e6 * hi / K:4.1f} a pair); {1e3 * calls * lo:5.2f}-{1e3 * calls * hi:5.2f} ms "
               f"a token of this model's {calls} MoE layers (hit rate {cache.stats.hit_rate('decode'):.3f})",
               flush=True)
+        if name == "cooc":
+            step_cost(path, slots, cfg, tokens)
+
+
+def step_cost(path: str, slots: int, cfg, tokens: int) -> None:
+    """A device step's lookups, made after it (SlotCache.lookup_step) against the layer by layer calls it stands
+    for: the decode routing of 3 requests (recorded from a CPU run) replayed through fresh caches both ways, 3
+    times, the fastest: ms a token. The promotions' copies are left out (the pool's writes made no-ops: on a GPU
+    they are copies on a stream of their own)."""
+    import pymoe
+
+    eng = pymoe.load(path, backend="cpu", policy="cooc", cache_slots=slots)
+    seen, lookup = [], eng.cache.lookup
+
+    def record(layer, expert_ids, phase, rows=None):
+        if phase == "decode":
+            seen.append(np.array(expert_ids, dtype=np.int64))
+        lookup(layer, expert_ids, phase, rows)
+
+    eng.cache.lookup = record
+    for seed in range(3):
+        list(eng.generate("The quick brown fox", max_tokens=tokens, temperature=0.7, seed=seed))
+    layers = list(cfg.moe_layers)
+    steps = [np.stack(seen[i:i + len(layers)]) for i in range(0, len(seen) - len(layers) + 1, len(layers))]
+    best = {}
+    for how in ("layer by layer", "lookup_step") * 3:
+        cache = pymoe.load(path, backend="cpu", policy="cooc", cache_slots=slots).cache
+        cache.pool.write = lambda slot, ex: None
+        t = time.perf_counter()
+        for ids in steps:
+            if how == "lookup_step":
+                cache.lookup_step(layers, ids)
+            else:
+                for m, layer in enumerate(layers):
+                    cache.lookup(layer, ids[m], "decode")
+                    cache.finish(layer)
+        best[how] = min(best.get(how, 1e9), (time.perf_counter() - t) / len(steps))
+    print(f"{'':11s} a device step's lookups, {len(steps)} tokens replayed: "
+          f"{1e3 * best['layer by layer']:.3f} ms a token layer by layer, {1e3 * best['lookup_step']:.3f} compiled "
+          "(SlotCache.lookup_step)", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -380,3 +380,75 @@ def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
     p0, p1 = (c.table.policy for c in caches)
     assert p0.sc[:p1.n_keys].tolist() == p1.sc[:p1.n_keys].tolist()
     assert caches[0]._fast is not None and caches[0].gap.totals()["lookups"] > 64  # it ran, and windows closed
+
+
+@pytest.mark.parametrize("setting", ["plain", "capped, forced spill, lookahead", "small pool, profile"])
+def test_a_compiled_step_is_its_layer_calls(tiny_model, setting, monkeypatch):
+    """SlotCache.lookup_step (a device step's lookups after it, compiled_cooc.decode_step) against what it stands
+    for, lookup(layer, ids[m], "decode") then finish(layer) for each MoE layer in turn: two caches on one file, 200
+    random steps (1 or 2 rows; prompt chunks between, with end_prefill; in the lookahead setting, prefetches before
+    some steps, which take the layer by layer path), and after every step the same counters, heat map, residency,
+    served paths, slot table, credit, live gap (window 48: it closes within some steps), policy scores and the same
+    sequence of copies into slots (slot, layer, expert), the pool's writes."""
+    from pymoe.experts import compiled_cooc
+    from pymoe.experts.policies import Admission
+    from pymoe.experts.profile import Profile
+
+    compiled_steps = []
+    decode_step = compiled_cooc.decode_step
+    monkeypatch.setattr(compiled_cooc, "decode_step", lambda *a: (compiled_steps.append(1), decode_step(*a))[1])
+    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"))
+    cfg = engine.config
+    L, E, K = cfg.n_layers, cfg.n_expert, cfg.n_expert_used
+    layers = list(cfg.moe_layers)
+    kw = dict(policy="cooc", pcie_frac=0.4)
+    slots = L * E // 3
+    if setting.startswith("capped"):
+        kw["admission"] = Admission(max_inserts=1)
+    if setting.startswith("small"):
+        slots = 5
+        kw["profile"] = Profile.from_heat(np.arange(L * E).reshape(L, E))
+    caches = [SlotCache(engine.file, slots, **kw) for _ in range(2)]
+    writes = [[], []]
+    for cache, log in zip(caches, writes):
+        cache.fill(kw.get("profile"))
+        cache.gap.window = 48
+        if setting.startswith("capped"):
+            cache.force_spill(0.3, seed=2)
+        write = cache.pool.write
+        cache.pool.write = lambda slot, ex, write=write, log=log: (log.append((slot, ex.layer, ex.expert)),
+                                                                  write(slot, ex))[1]
+    rng = np.random.default_rng(11)
+    p = np.r_[np.full(E // 4, 3.0), np.ones(E - E // 4)]
+    p /= p.sum()
+    for step in range(200):
+        if rng.random() < 0.1:  # a prompt chunk: lookups that never promote
+            ids = np.stack([rng.choice(E, K, replace=False, p=p) for _ in range(4)])
+            end = rng.random() < 0.5
+            for cache in caches:
+                layer = layers[step % len(layers)]
+                cache.lookup(layer, ids, "prefill")
+                cache.finish(layer)
+                if end:
+                    cache.end_prefill()
+        T = int(rng.integers(1, 3))
+        ids = np.stack([[rng.choice(E, K, replace=False, p=p) for _ in range(T)] for _ in layers])  # [M, T, K]
+        ahead = setting.endswith("lookahead") and rng.random() < 0.2
+        pick = rng.choice(E, K, replace=False).tolist()
+        for i, cache in enumerate(caches):
+            if ahead:
+                cache.prefetch(layers[-1], pick)
+            if i == 0:
+                cache.lookup_step(layers, ids)
+            else:
+                for m, layer in enumerate(layers):
+                    cache.lookup(layer, ids[m], "decode")
+                    cache.finish(layer)
+        a, b = ((c.stats.counts, c.heat.tolist(), c.residency.tolist(), c._served, dict(c.table.slot_of),
+                 c.table.lookups, c.table.hits, c.table.evictions, c.table._step, c.table._inserts, c._pcie_credit,
+                 c.gap.totals(), list(c.gap.keys), c.clock, c.steps, c._pending) for c in caches)
+        assert a == b, (setting, step)
+        assert writes[0] == writes[1], (setting, step)
+    p0, p1 = (c.table.policy for c in caches)
+    assert p0.sc[:p1.n_keys].tolist() == p1.sc[:p1.n_keys].tolist()
+    assert 100 < len(compiled_steps) < 200 and writes[0] and caches[0].gap.totals()["lookups"] > 48  # both paths

@@ -53,15 +53,20 @@ def prefilled(engine, prompts):
 
 
 def recorded_lookups(cache) -> list:
-    """The cache's decode lookups from now on, in order: [(layer, ids as lists)]."""
-    seen, lookup = [], cache.lookup
+    """The cache's decode lookups from now on, in order: [(layer, ids as lists)], those a device step makes in one
+    call (SlotCache.lookup_step: ids [M, T, K]) layer by layer."""
+    seen, lookup, step = [], cache.lookup, cache.lookup_step
 
     def recording(layer, ids, phase, **kw):
         if phase == "decode":
             seen.append((layer, np.asarray(ids).tolist()))
         return lookup(layer, ids, phase, **kw)
 
-    cache.lookup = recording
+    def recording_step(layers, ids):
+        seen.extend((layer, np.asarray(ids[m]).tolist()) for m, layer in enumerate(layers))
+        return step(layers, ids)
+
+    cache.lookup, cache.lookup_step = recording, recording_step
     return seen
 
 

@@ -277,9 +277,11 @@ def test_forced_spill_reads_the_masked_lookups_over_pcie(micro_model, monkeypatc
         engine = pymoe.load(micro_model, backend="cuda", cache_slots=E, profile=profile, pcie_frac=1.0,
                             backend_options=SIM)
         engine.cache.force_spill(forced, seed=3)
-        calls, lookup = [], engine.cache.lookup
+        calls, lookup, step = [], engine.cache.lookup, engine.cache.lookup_step
         monkeypatch.setattr(engine.cache, "lookup", lambda layer, ids, phase, rows=None: calls.append(
             (layer, np.array(ids), phase)) or lookup(layer, ids, phase, rows))
+        monkeypatch.setattr(engine.cache, "lookup_step", lambda layers, ids: calls.extend(  # a device step's
+            (layer, np.array(ids[m]), "decode") for m, layer in enumerate(layers)) or step(layers, ids))
         tokens = list(engine.generate(PROMPT, max_tokens=steps + 1, stop_at_eos=False))
         return tokens, engine.last_stats, calls
 

@@ -124,7 +124,7 @@ class SummedStats(CounterViews):
             c.stats.reset()
 
 
-_NO_MASK = np.zeros(0, dtype=bool)  # no forced-spill mask (SlotCache._compiled_lookup)
+_NO_MASK = np.zeros((0, 0), dtype=bool)  # no forced-spill mask (SlotCache._compiled_lookup)
 _MISS_PATHS = (None, "spill", "cpu")  # compiled_cooc.decode_call's codes 1 and 2
 
 
@@ -372,11 +372,11 @@ class SlotCache:
         rec, miss = fast["rec"], fast["miss"]
         rec[cc.R_INSERTS], rec[cc.R_FRESH] = table._inserts, table._step != self.steps
         miss[0], miss[1] = self.pcie_frac, self._pcie_credit
-        forced = self._forced[layer] if self._forced is not None else _NO_MASK  # bool [E] or [0]
+        forced = self._forced if self._forced is not None else _NO_MASK  # bool [L, E] or [0, 0]
         if not gap.keys:
             gap.before()  # the live gap's window opens before the call's first pair, as the loop's would
         cc.decode_call(*policy.state, table.slot_array(policy.n_keys), self.residency, ids, layer,
-                       self.admission.max_inserts, miss, forced, fast["where"], fast["slot"], rec)
+                       self.admission.max_inserts, miss, forced, fast["where"], fast["slot"], rec, cc.NO_HEAT)
         self.clock += n
         self._pcie_credit = float(miss[1])
         r = rec[:cc.R_LIST + 4 * Tr + 7 * n].tolist()  # one conversion; the R_* fields, then the lists
@@ -406,6 +406,89 @@ class SlotCache:
                         counts[name] = counts.get(name, 0) + m
         gap.extend(r[at + 3 * n:], from_slot)
         return True
+
+    def lookup_step(self, layers: list, ids: np.ndarray) -> None:
+        """A decode step's lookups, made after it (the device step, engine/model.py and engine/device_batch.py): ids
+        int [M, T, K], the routing of the M MoE `layers` in order; the same as `lookup(layer, ids[m], "decode")`
+        then `finish(layer)` for each layer in turn, which is what it does where the compiled step does not cover
+        the case (see `_compiled_lookup`; also experts the lookahead placed for any of the layers). Otherwise one
+        compiled call makes every layer's lookups (compiled_cooc.decode_step), then the interpreter applies each
+        layer's promotions and copies them in (finish's order: layer by layer, each slot's last promotion of a
+        layer), adds the counts once, and keeps the last layer's served paths: the state and copies the layer by
+        layer calls leave (tests/test_cache.py::test_a_compiled_step_is_its_layer_calls)."""
+        ids = np.ascontiguousarray(ids, dtype=np.int64)  # [M, T, K]
+        M, Tr, K = ids.shape
+        n = Tr * K
+        table, policy, gap = self.table, self.table.policy, self.gap
+        if (type(policy) is not CompiledCoocPolicy or table.free or self.admission.second_miss or not n or not M
+                or len(gap.keys) + M * n > gap.window or any(self._prefetched.get(layer) for layer in layers)):
+            for m, layer in enumerate(layers):
+                SlotCache.lookup(self, layer, ids[m], "decode")  # the class's: a spy on self.lookup sees it once
+                self.finish(layer)
+            return
+        self.finish(layers[0])  # (nothing is pending between steps; if it were, it lands first, as lookup's does)
+        for layer in layers:
+            self._prefetched.pop(layer, None)  # (empty: lookup pops them)
+        if self.forced_share and layers[0] == self.moe_layers[0]:  # a decode forward begins
+            self._next_forced(reuse=True)
+        top = (max(layers) + 1) * self.n_experts
+        if top > policy.n_keys:
+            policy._grow(top - 1)
+        size = cc.R_LIST + 4 * Tr + 7 * n  # one layer's record
+        fast = self._fast
+        if fast is None or fast["rec"].size < M * size:
+            fast = self._fast = {"rec": np.zeros(2 * M * size, dtype=np.int64), "miss": np.zeros(2),
+                                 "where": np.full(self.n_experts, -1, dtype=np.int64),
+                                 "slot": np.full(self.n_experts, -1, dtype=np.int64)}
+        rec, miss = fast["rec"], fast["miss"]
+        rec[cc.R_FRESH:M * size:size] = 1  # every layer's call is a step of its own (the insert cap's unit)
+        miss[0], miss[1] = self.pcie_frac, self._pcie_credit
+        forced = self._forced if self._forced is not None else _NO_MASK
+        if not gap.keys:
+            gap.before()
+        step0 = self.steps
+        cc.decode_step(*policy.state, table.slot_array(policy.n_keys), self.residency, self.heat, ids,
+                       np.asarray(layers, dtype=np.int64), self.admission.max_inserts, miss, forced, fast["where"],
+                       fast["slot"], rec)
+        self.steps += M
+        self.clock += M * n
+        self._pcie_credit = float(miss[1])
+        r = rec[:M * size].tolist()
+        c = self.stats.counts["decode"]
+        total = dict.fromkeys(("hits", "spill", "cpu", "evicted"), 0)
+        keys, from_slot = [], 0
+        for m, layer in enumerate(layers):
+            o, base = m * size, layer * self.n_experts
+            if not r[o + cc.R_FRESH]:  # a miss of this call reached admission control
+                table._step, table._inserts = step0 + m + 1, r[o + cc.R_INSERTS]
+            promoted = r[o + cc.R_PROMOTED]
+            table.lookups += n
+            table.hits += r[o + cc.R_HITS]
+            table.evictions += promoted
+            at = o + cc.R_LIST + 4 * Tr
+            for i in range(at, at + 3 * promoted, 3):  # (key, slot, evicted key), in pair order
+                key, slot, gone = r[i], r[i + 1], r[i + 2]
+                del table.slot_of[gone]
+                table.slot_of[key] = slot
+                self._pending[slot] = (layer, key - base)
+            self.finish(layer)  # this layer's copies, as its own finish() would make them
+            for t in range(Tr):
+                h, sp, cpu, ev = r[o + cc.R_LIST + 4 * t:o + cc.R_LIST + 4 * t + 4]
+                total["hits"] += h
+                total["spill"] += sp
+                total["cpu"] += cpu
+                total["evicted"] += ev
+            at += 3 * n
+            if m == M - 1:  # the last call's served paths are what expert() reads now
+                self._served = {(layer, r[i]): ("slot", r[i + 2]) if r[i + 1] == 0 else (_MISS_PATHS[r[i + 1]], -1)
+                                for i in range(at, at + 3 * r[o + cc.R_SERVED], 3)}
+            keys += r[at + 3 * n:o + size]
+        from_slot = total["hits"]
+        total["lookups"], total["promoted"] = M * n, total["evicted"]
+        for name, k in total.items():
+            if k:
+                c[name] = c.get(name, 0) + k
+        gap.extend(keys, from_slot)
 
     def end_prefill(self) -> None:
         """A request's prompt has been read (generate.py, the server's scheduler): place the warm decode set

@@ -265,19 +265,22 @@ def event(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, key, op):
 R_HITS, R_PROMOTED, R_SERVED, R_INSERTS, R_FRESH, R_LIST = range(6)  # R_LIST on: T x 4 row counts, n x 3, n x 3, n
 # the row counts per row: lookups' paths (hits, spill, cpu), then evictions (= promotions in a full pool)
 C_HITS, C_SPILL, C_CPU, C_EVICTED = range(4)
+NO_HEAT = np.zeros((0, 0), dtype=np.int64)  # _decode_layer's heat when the caller counts it (passed, not a global:
+# Numba freezes a global array read-only)
 
 
 @njit(cache=True)
-def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, ids, layer, max_inserts,
-                miss, forced, where_of, slot_of_e, rec):
+def _decode_layer(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, heat, ids, layer,
+                  max_inserts, miss, forced, where_of, slot_of_e, rec, o):
     """One decode lookup call of SlotCache.lookup (ids int64 [Tr, K]: its rows' experts of `layer`, token order)
     through the slot table and this policy, pair by pair as SlotTable.access(key, t, insert=True) and
     SlotCache.lookup's loop decide, for a full pool (no free slot) without second-miss admission, prefetch, or a
     live-gap window closing within it (SlotCache._compiled_lookup checks those).
     In and out: slot_arr int64 [keys] (SlotTable.slot_arr: key -> slot or -1); residency int32 [L, E]; miss float64
     [2] (pcie_frac, the error diffusion's credit: SlotCache._miss_path); where_of / slot_of_e int64 [E] scratch,
-    -1 on entry and again on return. forced: bool [E] (this layer's forced-spill mask) or [0]. rec int64 (the R_*
-    fields; rec[R_INSERTS] this step's inserts so far, in and out; rec[R_FRESH] 1 in if the table's insert count
+    -1 on entry and again on return; heat int64 [L, E] (SlotCache.heat: each pair counted) or [0, 0] (the caller
+    counts). forced: bool [L, E] (this forward's forced-spill mask) or [0, 0]. rec[o:] int64 (the R_*
+    fields; rec[o + R_INSERTS] this step's inserts so far, in and out; rec[o + R_FRESH] 1 in if the table's insert count
     belongs to an earlier step, 0 out once a miss reached admission control, which then counts from 0, as
     SlotTable._admitted) receives: per row the C_* counts; the promotions
     in pair order (key, slot, evicted key); each expert served, at its first pair (expert, where: 0 its slot, 1
@@ -285,17 +288,20 @@ def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, res
     E = where_of.size
     Tr, K = ids.shape
     n = Tr * K
-    rows = R_LIST
+    rows = o + R_LIST
     promos = rows + 4 * Tr
     served = promos + 3 * n
     keys_at = served + 3 * n
-    rec[R_HITS] = rec[R_PROMOTED] = rec[R_SERVED] = 0
+    rec[o + R_HITS] = rec[o + R_PROMOTED] = rec[o + R_SERVED] = 0
+    counting = heat.shape[0] > layer
     rec[rows:promos] = 0
     for t in range(Tr):
         for j in range(K):
             e = ids[t, j]
             key = layer * E + e
             rec[keys_at + t * K + j] = key
+            if counting:
+                heat[layer, e] += 1
             slot = slot_arr[key]
             hit = slot >= 0
             _use(sc, kv, res, heap, fifo, meta, fpar, key)
@@ -304,13 +310,13 @@ def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, res
             if meta[M_E] > 0:
                 _route(sc, kv, res, heap, meta, fpar, T, lay, bval, key)
             if hit:
-                rec[R_HITS] += 1
-            elif rec[R_FRESH]:  # SlotTable._admitted: a new step's insert count starts at its first miss
-                rec[R_FRESH], rec[R_INSERTS] = 0, 0
-            if not hit and not (max_inserts > 0 and rec[R_INSERTS] >= max_inserts):
+                rec[o + R_HITS] += 1
+            elif rec[o + R_FRESH]:  # SlotTable._admitted: a new step's insert count starts at its first miss
+                rec[o + R_FRESH], rec[o + R_INSERTS] = 0, 0
+            if not hit and not (max_inserts > 0 and rec[o + R_INSERTS] >= max_inserts):
                 victim = _victim(sc, kv, heap, meta)
                 if sc[key] >= fpar[F_ADMIT] * sc[victim]:  # payback admission, then the same victim goes
-                    rec[R_INSERTS] += 1
+                    rec[o + R_INSERTS] += 1
                     slot = slot_arr[victim]
                     slot_arr[victim] = -1
                     event(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, victim, EVICT)
@@ -318,12 +324,12 @@ def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, res
                     event(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, key, INSERT)
                     residency[victim // E, victim % E] = -1
                     residency[layer, e] = slot
-                    at = promos + 3 * rec[R_PROMOTED]
+                    at = promos + 3 * rec[o + R_PROMOTED]
                     rec[at], rec[at + 1], rec[at + 2] = key, slot, victim
-                    rec[R_PROMOTED] += 1
+                    rec[o + R_PROMOTED] += 1
                     rec[rows + 4 * t + C_EVICTED] += 1
             if where_of[e] < 0:  # the first pair of this call to choose e decides how e is served
-                if hit and not (forced.size > 0 and forced[e]):
+                if hit and not (forced.shape[0] > 0 and forced[layer, e]):
                     where_of[e], slot_of_e[e] = 0, slot
                 elif hit:
                     where_of[e] = 1  # force_spill(): this hit is read over PCIe
@@ -334,10 +340,33 @@ def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, res
                         where_of[e] = 1
                     else:
                         where_of[e] = 2
-                at = served + 3 * rec[R_SERVED]
+                at = served + 3 * rec[o + R_SERVED]
                 rec[at], rec[at + 1], rec[at + 2] = e, where_of[e], slot_of_e[e]
-                rec[R_SERVED] += 1
+                rec[o + R_SERVED] += 1
             rec[rows + 4 * t + where_of[e]] += 1  # C_HITS, C_SPILL or C_CPU
-    for i in range(rec[R_SERVED]):
+    for i in range(rec[o + R_SERVED]):
         e = rec[served + 3 * i]
         where_of[e] = slot_of_e[e] = -1
+
+
+@njit(cache=True)
+def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, ids, layer, max_inserts,
+                miss, forced, where_of, slot_of_e, rec, no_heat):
+    """One decode lookup call (SlotCache._compiled_lookup): _decode_layer with its record at rec[0:]; the heat map is
+    counted by the caller (SlotCache.lookup's _warm: no_heat is NO_HEAT)."""
+    _decode_layer(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, no_heat, ids, layer,
+                  max_inserts, miss, forced, where_of, slot_of_e, rec, 0)
+
+
+@njit(cache=True)
+def decode_step(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, heat, ids, layers,
+                max_inserts, miss, forced, where_of, slot_of_e, rec):
+    """A whole decode step's lookup calls (SlotCache.lookup_step): ids int64 [M, Tr, K], the M MoE layers' routing in
+    layer order (layers int64 [M]), each as a call of its own (its own insert-cap step, served paths, record), one
+    after another: layer m's record at rec[m x (R_LIST + 4 Tr + 7 n):], its rec[R_FRESH] set to 1 by the caller
+    (every call is a new step). heat: SlotCache.heat, counted here."""
+    M, Tr, K = ids.shape
+    size = R_LIST + 4 * Tr + 7 * Tr * K
+    for m in range(M):
+        _decode_layer(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, heat, ids[m],
+                      layers[m], max_inserts, miss, forced, where_of, slot_of_e, rec, m * size)

@@ -617,7 +617,7 @@ MUTANTS: list[Mutant] = [
         "compiled decode lookups: the per-step insert cap is not applied (the loop's SlotTable applies it)"),
     Mutant(
         "decode_call_forced_spill_ignored", "pymoe/experts/compiled_cooc.py",
-        "                if hit and not (forced.size > 0 and forced[e]):",
+        "                if hit and not (forced.shape[0] > 0 and forced[layer, e]):",
         "                if hit:  # MUTANT",
         ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",),
         "compiled decode lookups: a forced-spill hit is served from its slot"),
