@@ -325,6 +325,33 @@ def test_slots_never_sit_empty(tiny_model):
     assert (e.cache.residency[1:] >= 0).all() and (e.cache.residency[0] < 0).all()
 
 
+def twin_caches(tiny_model, setting: str, max_inserts: int, window: int, spill_seed: int):
+    """Two SlotCaches on the tiny qwen3moe Q2_K file under the default policy, pre-filled as the engine starts a
+    pool, for the tests of the compiled paths: a setting starting "capped" has a per-step insert cap of max_inserts
+    and forced spill 0.3 (seed spill_seed), "small" 5 slots and a profile's prior, others a third of the experts;
+    live-gap windows of `window` lookups. -> (the file's config, [cache, cache])"""
+    from pymoe.experts.policies import Admission
+    from pymoe.experts.profile import Profile
+
+    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"))
+    cfg = engine.config
+    L, E = cfg.n_layers, cfg.n_expert
+    kw = dict(policy="cooc", pcie_frac=0.4)
+    slots = L * E // 3
+    if setting.startswith("capped"):
+        kw["admission"] = Admission(max_inserts=max_inserts)
+    if setting.startswith("small"):
+        slots = 5
+        kw["profile"] = Profile.from_heat(np.arange(L * E).reshape(L, E))
+    caches = [SlotCache(engine.file, slots, **kw) for _ in range(2)]
+    for cache in caches:
+        cache.fill(kw.get("profile"))  # as the engine starts a pool: full
+        cache.gap.window = window
+        if setting.startswith("capped"):
+            cache.force_spill(0.3, seed=spill_seed)
+    return cfg, caches
+
+
 @pytest.mark.parametrize("setting", ["plain", "capped, forced spill, batched rows", "small pool, profile"])
 def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
     """SlotCache.lookup's decode calls under the default policy run in one compiled call (`_compiled_lookup`,
@@ -335,25 +362,8 @@ def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
     totals and open window, and policy scores to the bit. The settings reach each branch: a per-step insert cap
     and forced spill with batched rows; a pool of 5 slots with a profile's prior; and the live gap's window
     closing (window 64: it closes within some calls, which the loop then makes, and at the end of others)."""
-    from pymoe.experts.policies import Admission
-    from pymoe.experts.profile import Profile
-
-    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"))
-    cfg = engine.config
+    cfg, caches = twin_caches(tiny_model, setting, max_inserts=2, window=64, spill_seed=1)
     L, E, K = cfg.n_layers, cfg.n_expert, cfg.n_expert_used
-    kw = dict(policy="cooc", pcie_frac=0.4)
-    slots = L * E // 3
-    if setting.startswith("capped"):
-        kw["admission"] = Admission(max_inserts=2)
-    if setting.startswith("small"):
-        slots = 5
-        kw["profile"] = Profile.from_heat(np.arange(L * E).reshape(L, E))
-    caches = [SlotCache(engine.file, slots, **kw) for _ in range(2)]
-    for cache in caches:
-        cache.fill(kw.get("profile"))  # as the engine starts a pool: full
-        cache.gap.window = 64
-        if setting.startswith("capped"):
-            cache.force_spill(0.3, seed=1)
     caches[1]._compiled_lookup = lambda *a: False  # the reference: the loop, pair by pair
     rng = np.random.default_rng(7)
     fast_calls = 0
@@ -391,30 +401,15 @@ def test_a_compiled_step_is_its_layer_calls(tiny_model, setting, monkeypatch):
     served paths, slot table, credit, live gap (window 48: it closes within some steps), policy scores and the same
     sequence of copies into slots (slot, layer, expert), the pool's writes."""
     from pymoe.experts import compiled_cooc
-    from pymoe.experts.policies import Admission
-    from pymoe.experts.profile import Profile
 
     compiled_steps = []
     decode_step = compiled_cooc.decode_step
     monkeypatch.setattr(compiled_cooc, "decode_step", lambda *a: (compiled_steps.append(1), decode_step(*a))[1])
-    engine = pymoe.load(tiny_model("qwen3moe", "q2_k"))
-    cfg = engine.config
-    L, E, K = cfg.n_layers, cfg.n_expert, cfg.n_expert_used
+    cfg, caches = twin_caches(tiny_model, setting, max_inserts=1, window=48, spill_seed=2)
+    E, K = cfg.n_expert, cfg.n_expert_used
     layers = list(cfg.moe_layers)
-    kw = dict(policy="cooc", pcie_frac=0.4)
-    slots = L * E // 3
-    if setting.startswith("capped"):
-        kw["admission"] = Admission(max_inserts=1)
-    if setting.startswith("small"):
-        slots = 5
-        kw["profile"] = Profile.from_heat(np.arange(L * E).reshape(L, E))
-    caches = [SlotCache(engine.file, slots, **kw) for _ in range(2)]
     writes = [[], []]
     for cache, log in zip(caches, writes):
-        cache.fill(kw.get("profile"))
-        cache.gap.window = 48
-        if setting.startswith("capped"):
-            cache.force_spill(0.3, seed=2)
         write = cache.pool.write
         cache.pool.write = lambda slot, ex, write=write, log=log: (log.append((slot, ex.layer, ex.expert)),
                                                                   write(slot, ex))[1]
