@@ -354,14 +354,15 @@ def twin_caches(tiny_model, setting: str, max_inserts: int, window: int, spill_s
 
 @pytest.mark.parametrize("setting", ["plain", "capped, forced spill, batched rows", "small pool, profile"])
 def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
-    """SlotCache.lookup's decode calls under the default policy run in one compiled call (`_compiled_lookup`,
-    compiled_cooc.decode_call). Two caches on one file, one of them held to the Python loop, get the same calls: 300
-    random lookup calls (decode of 1 or 3 rows, and prompt chunks, whose lookups never promote, with finish() and
-    end_prefill() between) -> after every call the same counters (the cache's and each row's), residency, pending
-    copies, served paths, slot table (slots, hits, evictions, this step's inserts), miss-path credit, live-gap
-    totals and open window, and policy scores to the bit. The settings reach each branch: a per-step insert cap
-    and forced spill with batched rows; a pool of 5 slots with a profile's prior; and the live gap's window
-    closing (window 64: it closes within some calls, which the loop then makes, and at the end of others)."""
+    """SlotCache.lookup's decode calls under the default policy run in one compiled call (`_compiled_lookup`:
+    compiled_cooc.decode_step over one layer). Two caches on one file, one of them held to the Python loop, get the
+    same calls: 300 random lookup calls (decode of 1 or 3 rows, and prompt chunks, whose lookups never promote,
+    with finish() and end_prefill() between) -> after every call the same counters (the cache's and each row's),
+    residency, pending copies, served paths, slot table (slots, hits, evictions, this step's inserts), miss-path
+    credit, live-gap totals and open window, and policy scores to the bit. The settings reach each branch: a
+    per-step insert cap and forced spill with batched rows; a pool of 5 slots with a profile's prior; and the live
+    gap's window closing (window 64: it closes within some calls, which the loop then makes, and at the end of
+    others)."""
     cfg, caches = twin_caches(tiny_model, setting, max_inserts=2, window=64, spill_seed=1)
     L, E, K = cfg.n_layers, cfg.n_expert, cfg.n_expert_used
     caches[1]._compiled_lookup = lambda *a: False  # the reference: the loop, pair by pair
@@ -402,12 +403,14 @@ def test_a_compiled_step_is_its_layer_calls(tiny_model, setting, monkeypatch):
     sequence of copies into slots (slot, layer, expert), the pool's writes."""
     from pymoe.experts import compiled_cooc
 
-    compiled_steps = []
+    compiled_steps = []  # decode_step's calls over every layer (a step's; one layer's are _compiled_lookup's)
     decode_step = compiled_cooc.decode_step
-    monkeypatch.setattr(compiled_cooc, "decode_step", lambda *a: (compiled_steps.append(1), decode_step(*a))[1])
     cfg, caches = twin_caches(tiny_model, setting, max_inserts=1, window=48, spill_seed=2)
     E, K = cfg.n_expert, cfg.n_expert_used
     layers = list(cfg.moe_layers)
+    assert len(layers) > 1
+    monkeypatch.setattr(compiled_cooc, "decode_step", lambda *a: (
+        compiled_steps.append(1) if len(a[14]) == len(layers) else None, decode_step(*a))[1])  # a[14]: layers
     writes = [[], []]
     for cache, log in zip(caches, writes):
         write = cache.pool.write

@@ -125,7 +125,7 @@ class SummedStats(CounterViews):
 
 
 _NO_MASK = np.zeros((0, 0), dtype=bool)  # no forced-spill mask (SlotCache._compiled_lookup)
-_MISS_PATHS = (None, "spill", "cpu")  # compiled_cooc.decode_call's codes 1 and 2
+_MISS_PATHS = (None, "spill", "cpu")  # compiled_cooc.decode_step's codes 1 and 2
 
 
 def _count(counts: tuple, name: str, n: int = 1) -> None:
@@ -307,14 +307,14 @@ class SlotCache:
         add each row's counts to as well (batched decode: one row per sequence)."""
         self.finish(layer)  # a caller that skipped finish(): the last call's promotions land before anything else
         c = self.stats.counts[phase]
-        _warm(self.heat, layer, expert_ids, phase)
         self._served = {}
         if phase == "decode" and self.forced_share and layer == self.moe_layers[0]:  # a decode forward begins
             self._next_forced(reuse=True)
         self.steps += 1
         prefetched = self._prefetched.pop(layer, ())  # experts the lookahead placed for this lookup
         if phase == "decode" and not prefetched and self._compiled_lookup(layer, expert_ids, c, rows):
-            return
+            return  # (the heat map counted there too)
+        _warm(self.heat, layer, expert_ids, phase)
         for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
             counts = (c,) if rows is None else (c, rows[t])
             for e in row.tolist():
@@ -347,12 +347,12 @@ class SlotCache:
                     self._pending[slot] = (layer, e)  # a slot promoted into twice in one call keeps the last
 
     def _compiled_lookup(self, layer: int, expert_ids: np.ndarray, c: dict, rows: Optional[list]) -> bool:
-        """The decode loop of `lookup` in one compiled call (compiled_cooc.decode_call), pair for pair the same
-        decisions and counts, where that call covers the case: the default policy (CompiledCoocPolicy), a full pool
-        (no free slot), no second-miss admission, no experts the lookahead placed for this layer (the caller's
-        check), and no live-gap window closing before the call's last pair. Else False, and `lookup` runs its loop.
-        It pays the interpreter once per call, not once per (token, expert) pair (bench/policy_cost.py --engine);
-        tests/test_cache.py holds it to the loop."""
+        """The decode loop of `lookup` in one compiled call (compiled_cooc.decode_step over one layer), pair for
+        pair the same decisions and counts, where that call covers the case: the default policy
+        (CompiledCoocPolicy), a full pool (no free slot), no second-miss admission, no experts the lookahead placed
+        for this layer (the caller's check), and no live-gap window closing before the call's last pair. Else
+        False, and `lookup` runs its loop. It pays the interpreter once per call, not once per (token, expert) pair
+        (bench/policy_cost.py --engine); tests/test_cache.py holds it to the loop."""
         table, policy, gap = self.table, self.table.policy, self.gap
         Tr, K = expert_ids.shape[0], expert_ids.size // max(expert_ids.shape[0], 1)
         n = Tr * K
@@ -366,17 +366,16 @@ class SlotCache:
         fast = self._fast
         need = cc.R_LIST + 4 * Tr + 7 * n
         if fast is None or fast["rec"].size < need:
-            fast = self._fast = {"rec": np.zeros(2 * need, dtype=np.int64), "miss": np.zeros(2),
-                                 "where": np.full(self.n_experts, -1, dtype=np.int64),
-                                 "slot": np.full(self.n_experts, -1, dtype=np.int64)}
+            fast = self._fast = self._buffers(2 * need)
         rec, miss = fast["rec"], fast["miss"]
         rec[cc.R_INSERTS], rec[cc.R_FRESH] = table._inserts, table._step != self.steps
         miss[0], miss[1] = self.pcie_frac, self._pcie_credit
         forced = self._forced if self._forced is not None else _NO_MASK  # bool [L, E] or [0, 0]
         if not gap.keys:
             gap.before()  # the live gap's window opens before the call's first pair, as the loop's would
-        cc.decode_call(*policy.state, table.slot_array(policy.n_keys), self.residency, ids, layer,
-                       self.admission.max_inserts, miss, forced, fast["where"], fast["slot"], rec, cc.NO_HEAT)
+        fast["layer"][0] = layer
+        cc.decode_step(*policy.state, table.slot_array(policy.n_keys), self.residency, self.heat, ids[None],
+                       fast["layer"], self.admission.max_inserts, miss, forced, fast["where"], fast["slot"], rec)
         self.clock += n
         self._pcie_credit = float(miss[1])
         r = rec[:cc.R_LIST + 4 * Tr + 7 * n].tolist()  # one conversion; the R_* fields, then the lists
@@ -406,6 +405,13 @@ class SlotCache:
                         counts[name] = counts.get(name, 0) + m
         gap.extend(r[at + 3 * n:], from_slot)
         return True
+
+    def _buffers(self, n: int) -> dict:
+        """The compiled lookups' scratch (compiled_cooc.decode_step): a record of n int64, the miss path's two
+        floats, the per-expert served scratch (-1 between calls), one layer number."""
+        E = self.n_experts
+        return {"rec": np.zeros(n, dtype=np.int64), "miss": np.zeros(2), "layer": np.zeros(1, dtype=np.int64),
+                "where": np.full(E, -1, dtype=np.int64), "slot": np.full(E, -1, dtype=np.int64)}
 
     def lookup_step(self, layers: list, ids: np.ndarray) -> None:
         """A decode step's lookups, made after it (the device step, engine/model.py and engine/device_batch.py): ids
@@ -437,9 +443,7 @@ class SlotCache:
         size = cc.R_LIST + 4 * Tr + 7 * n  # one layer's record
         fast = self._fast
         if fast is None or fast["rec"].size < M * size:
-            fast = self._fast = {"rec": np.zeros(2 * M * size, dtype=np.int64), "miss": np.zeros(2),
-                                 "where": np.full(self.n_experts, -1, dtype=np.int64),
-                                 "slot": np.full(self.n_experts, -1, dtype=np.int64)}
+            fast = self._fast = self._buffers(2 * M * size)
         rec, miss = fast["rec"], fast["miss"]
         rec[cc.R_FRESH:M * size:size] = 1  # every layer's call is a step of its own (the insert cap's unit)
         miss[0], miss[1] = self.pcie_frac, self._pcie_credit

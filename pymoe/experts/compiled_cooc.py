@@ -261,12 +261,10 @@ def event(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, key, op):
     return 0
 
 
-# decode_call's per-call record, `rec` int64 [..]: fixed fields, then its lists
+# decode_step's per-call record, `rec` int64 [..]: fixed fields, then its lists
 R_HITS, R_PROMOTED, R_SERVED, R_INSERTS, R_FRESH, R_LIST = range(6)  # R_LIST on: T x 4 row counts, n x 3, n x 3, n
 # the row counts per row: lookups' paths (hits, spill, cpu), then evictions (= promotions in a full pool)
 C_HITS, C_SPILL, C_CPU, C_EVICTED = range(4)
-NO_HEAT = np.zeros((0, 0), dtype=np.int64)  # _decode_layer's heat when the caller counts it (passed, not a global:
-# Numba freezes a global array read-only)
 
 
 @njit(cache=True)
@@ -275,16 +273,16 @@ def _decode_layer(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, r
     """One decode lookup call of SlotCache.lookup (ids int64 [Tr, K]: its rows' experts of `layer`, token order)
     through the slot table and this policy, pair by pair as SlotTable.access(key, t, insert=True) and
     SlotCache.lookup's loop decide, for a full pool (no free slot) without second-miss admission, prefetch, or a
-    live-gap window closing within it (SlotCache._compiled_lookup checks those).
-    In and out: slot_arr int64 [keys] (SlotTable.slot_arr: key -> slot or -1); residency int32 [L, E]; miss float64
-    [2] (pcie_frac, the error diffusion's credit: SlotCache._miss_path); where_of / slot_of_e int64 [E] scratch,
-    -1 on entry and again on return; heat int64 [L, E] (SlotCache.heat: each pair counted) or [0, 0] (the caller
-    counts). forced: bool [L, E] (this forward's forced-spill mask) or [0, 0]. rec[o:] int64 (the R_*
-    fields; rec[o + R_INSERTS] this step's inserts so far, in and out; rec[o + R_FRESH] 1 in if the table's insert count
-    belongs to an earlier step, 0 out once a miss reached admission control, which then counts from 0, as
-    SlotTable._admitted) receives: per row the C_* counts; the promotions
-    in pair order (key, slot, evicted key); each expert served, at its first pair (expert, where: 0 its slot, 1
-    spill, 2 cpu, the slot or -1); every pair's key."""
+    live-gap window closing within it (SlotCache._compiled_lookup and lookup_step check those).
+    In and out: slot_arr int64 [keys] (SlotTable.slot_arr: key -> slot or -1); residency int32 [L, E]; heat int64
+    [L, E] (SlotCache.heat: each pair of a layer < L counted); miss float64 [2] (pcie_frac, the error diffusion's
+    credit: SlotCache._miss_path); where_of / slot_of_e int64 [E] scratch, -1 on entry and again on return.
+    forced: bool [L, E] (this forward's forced-spill mask) or [0, 0].
+    rec[o:] int64, the R_* fields: rec[o + R_INSERTS] this step's inserts so far, in and out; rec[o + R_FRESH] 1 in
+    if the table's insert count belongs to an earlier step, 0 out once a miss reached admission control, which then
+    counts from 0 (SlotTable._admitted). Then it receives, from rec[o + R_LIST]: per row the C_* counts; the
+    promotions in pair order (key, slot, evicted key); each expert served, at its first pair (expert, where: 0 its
+    slot, 1 spill, 2 cpu; the slot or -1); every pair's key."""
     E = where_of.size
     Tr, K = ids.shape
     n = Tr * K
@@ -347,15 +345,6 @@ def _decode_layer(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, r
     for i in range(rec[o + R_SERVED]):
         e = rec[served + 3 * i]
         where_of[e] = slot_of_e[e] = -1
-
-
-@njit(cache=True)
-def decode_call(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, ids, layer, max_inserts,
-                miss, forced, where_of, slot_of_e, rec, no_heat):
-    """One decode lookup call (SlotCache._compiled_lookup): _decode_layer with its record at rec[0:]; the heat map is
-    counted by the caller (SlotCache.lookup's _warm: no_heat is NO_HEAT)."""
-    _decode_layer(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, residency, no_heat, ids, layer,
-                  max_inserts, miss, forced, where_of, slot_of_e, rec, 0)
 
 
 @njit(cache=True)

@@ -1418,7 +1418,7 @@ class SlotTable:
 
     def slot_array(self, n_keys: int) -> np.ndarray:
         """slot_of as an array over keys < n_keys at least (int64, -1: not resident), kept in step with slot_of
-        from now on (`_mirror`); compiled code that changes it (compiled_cooc.decode_call) changes slot_of too."""
+        from now on (`_mirror`); compiled code that changes it (compiled_cooc.decode_step) changes slot_of too."""
         if self.slot_arr is None or self.slot_arr.size < n_keys:
             grown = 2 * (0 if self.slot_arr is None else self.slot_arr.size)
             size = max(n_keys, 1 + max(self.slot_of, default=-1), grown)
