@@ -396,11 +396,12 @@ def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
 @pytest.mark.parametrize("setting", ["plain", "capped, forced spill, lookahead", "small pool, profile"])
 def test_a_compiled_step_is_its_layer_calls(tiny_model, setting, monkeypatch):
     """SlotCache.lookup_step (a device step's lookups after it, compiled_cooc.decode_step) against what it stands
-    for, lookup(layer, ids[m], "decode") then finish(layer) for each MoE layer in turn: two caches on one file, 200
-    random steps (1 or 2 rows; prompt chunks between, with end_prefill; in the lookahead setting, prefetches before
-    some steps, which take the layer by layer path), and after every step the same counters, heat map, residency,
-    served paths, slot table, credit, live gap (window 48: it closes within some steps), policy scores and the same
-    sequence of copies into slots (slot, layer, expert), the pool's writes."""
+    for, lookup(layer, ids[m], "decode") then finish(layer) for each MoE layer in turn, each call through the
+    interpreter's loop: two caches on one file, 200 random steps (1 or 2 rows; prompt chunks between, with
+    end_prefill; in the lookahead setting, prefetches before some steps, which take the layer by layer path), and
+    after every step the same counters, heat map, residency, served paths, slot table, credit, live gap (window
+    48: it closes within some steps), policy scores and the same sequence of copies into slots (slot, layer,
+    expert), the pool's writes."""
     from pymoe.experts import compiled_cooc
 
     compiled_steps = []  # decode_step's calls over every layer (a step's; one layer's are _compiled_lookup's)
@@ -411,6 +412,7 @@ def test_a_compiled_step_is_its_layer_calls(tiny_model, setting, monkeypatch):
     assert len(layers) > 1
     monkeypatch.setattr(compiled_cooc, "decode_step", lambda *a: (
         compiled_steps.append(1) if len(a[14]) == len(layers) else None, decode_step(*a))[1])  # a[14]: layers
+    caches[1]._compiled_lookup = lambda *a: False  # the reference: each layer's call through the loop
     writes = [[], []]
     for cache, log in zip(caches, writes):
         write = cache.pool.write

@@ -610,16 +610,18 @@ MUTANTS: list[Mutant] = [
         ("tests/test_compiled_cooc.py::test_compiled_cooc_decides_as_the_reference*",),
         "compiled cooc: a heap entry of an older use of the same score is taken as live (ties by last use lost)"),
     Mutant(
-        "decode_call_ignores_the_insert_cap", "pymoe/experts/compiled_cooc.py",
-        "            if not hit and not (max_inserts > 0 and rec[R_INSERTS] >= max_inserts):",
+        "decode_step_ignores_the_insert_cap", "pymoe/experts/compiled_cooc.py",
+        "            if not hit and not (max_inserts > 0 and rec[o + R_INSERTS] >= max_inserts):",
         "            if not hit:  # MUTANT",
-        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",),
+        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",
+         "tests/test_cache.py::test_a_compiled_step_is_its_layer_calls*"),
         "compiled decode lookups: the per-step insert cap is not applied (the loop's SlotTable applies it)"),
     Mutant(
-        "decode_call_forced_spill_ignored", "pymoe/experts/compiled_cooc.py",
+        "decode_step_forced_spill_ignored", "pymoe/experts/compiled_cooc.py",
         "                if hit and not (forced.shape[0] > 0 and forced[layer, e]):",
         "                if hit:  # MUTANT",
-        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",),
+        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",
+         "tests/test_cache.py::test_a_compiled_step_is_its_layer_calls*"),
         "compiled decode lookups: a forced-spill hit is served from its slot"),
     Mutant(
         "gap_replay_never_bypasses", "pymoe/experts/gap.py",
