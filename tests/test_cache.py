@@ -358,7 +358,7 @@ def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
     compiled_cooc.decode_step over one layer). Two caches on one file, one of them held to the Python loop, get the
     same calls: 300 random lookup calls (decode of 1 or 3 rows, and prompt chunks, whose lookups never promote,
     with finish() and end_prefill() between) -> after every call the same counters (the cache's and each row's),
-    residency, pending copies, served paths, slot table (slots, hits, evictions, this step's inserts), miss-path
+    heat map, residency, pending copies, served paths, slot table (slots, hits, evictions, this step's inserts), miss-path
     credit, live-gap totals and open window, and policy scores to the bit. The settings reach each branch: a
     per-step insert cap and forced spill with batched rows; a pool of 5 slots with a profile's prior; and the live
     gap's window closing (window 64: it closes within some calls, which the loop then makes, and at the end of
@@ -380,10 +380,10 @@ def test_compiled_decode_lookups_are_the_loops(tiny_model, setting):
             cache.finish(layer)
             before = cache.table.lookups
             cache.lookup(layer, ids, phase, r)
-            state.append((cache.stats.counts, r, cache.residency.tolist(), dict(cache._pending), dict(cache._served),
-                          dict(cache.table.slot_of), cache.table.lookups - before, cache.table.hits,
-                          cache.table.evictions, cache.table._inserts, cache._pcie_credit, cache.gap.totals(),
-                          list(cache.gap.keys), cache.clock))
+            state.append((cache.stats.counts, r, cache.heat.tolist(), cache.residency.tolist(), dict(cache._pending),
+                          dict(cache._served), dict(cache.table.slot_of), cache.table.lookups - before,
+                          cache.table.hits, cache.table.evictions, cache.table._inserts, cache._pcie_credit,
+                          cache.gap.totals(), list(cache.gap.keys), cache.clock))
             if end:
                 cache.end_prefill()
         assert state[0] == state[1], (setting, call)

@@ -617,6 +617,13 @@ MUTANTS: list[Mutant] = [
          "tests/test_cache.py::test_a_compiled_step_is_its_layer_calls*"),
         "compiled decode lookups: the per-step insert cap is not applied (the loop's SlotTable applies it)"),
     Mutant(
+        "decode_step_heat_counts_an_expert_once", "pymoe/experts/compiled_cooc.py",
+        "                heat[layer, e] += 1",
+        "                heat[layer, e] = max(heat[layer, e], 1)  # MUTANT",
+        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",
+         "tests/test_cache.py::test_a_compiled_step_is_its_layer_calls*"),
+        "compiled decode lookups: the heat map marks an expert looked up instead of counting its lookups"),
+    Mutant(
         "decode_step_forced_spill_ignored", "pymoe/experts/compiled_cooc.py",
         "                if hit and not (forced.shape[0] > 0 and forced[layer, e]):",
         "                if hit:  # MUTANT",
@@ -1110,8 +1117,8 @@ MUTANTS: list[Mutant] = [
         "the batched step writes every row's K/V into the first row's sequence"),
     Mutant(
         "batch_lookups_of_the_first_row", "pymoe/engine/device_batch.py",
-        "cache.lookup(layer, ids[j, m].reshape(1, -1)",
-        "cache.lookup(layer, ids[0, m].reshape(1, -1)",
+        "cache.lookup_step(list(cfg.moe_layers), np.asarray(ids[j])",
+        "cache.lookup_step(list(cfg.moe_layers), np.asarray(ids[0])",
         ("tests/test_cuda_batch_step.py::test_a_batched_step_equals_single_steps[*tiny*]",
          "tests/test_cuda_batch_step.py::test_the_simulator_replays_a_batched_run_with_its_counts[*]"),
         "the batched step's cache lookups use the first row's routing ids for every row"),
