@@ -12,8 +12,9 @@ core: about a minute on 16 cores; scripts/gpu-check writes it while the CUDA tes
      rate, hence pcie_frac, which every run below uses unless --pcie-frac is given) and the device's memory
      bandwidth (experts/probe.device_bandwidth: 4 device-to-device copies of 512 MiB, read + written bytes, best
      of 4);
-  3. cache sizes: for each share of all experts in slots (0: no pool, every expert read over PCIe), one warm-up
-     request (the cache adapts), then one measured request of a --prompt-tokens prompt and --tokens generated:
+  3. cache sizes: first each code path once, without a pool and with one (`compile_first`: Numba's first calls
+     compile, which grows RSS before the memory checks start); then for each share of all experts in slots (0: no
+     pool, every expert read over PCIe), one warm-up request (the cache adapts), then one measured request of a --prompt-tokens prompt and --tokens generated:
      prefill and decode tok/s, decode hit rate, spill and CPU shares of the routed lookups, achieved GB/s (weight
      bytes one decoded token reads x decode tok/s: dense tensors + K experts per layer), the device counts per
      decoded token (launches, syncs, host<->device bytes: backends/device_counts.py), and beside them `pymoe
@@ -215,7 +216,20 @@ def memory_checks(engine, anon0: int, args) -> dict:
     return out
 
 
+def compile_first(path, args, prompt, n_total, pcie_frac) -> None:
+    """The code paths run once, without a pool and with one, before any RSS is measured: Numba compiles each kernel
+    at its first call (or loads it from its disk cache), which grows anonymous RSS by tens of MiB on its own, more
+    than a small model's experts, and ram_check would read that as a copy of the experts."""
+    print("warm-up: each code path once (its kernels compiled before anything is measured)", flush=True)
+    for slots in (0, max(1, n_total // 4)):
+        engine = load_engine(path, slots, args, pcie_frac)
+        list(engine.generate(prompt, max_tokens=2, stop_at_eos=False))
+        if engine.backend.name == "cuda":
+            engine.backend.close()
+
+
 def cache_sizes(path, args, prompt, n_total, pcie_frac, plan) -> list:
+    compile_first(path, args, prompt, n_total, pcie_frac)
     rows = []
     for pct in args.fraction_list:
         slots = 0 if pct == 0 else max(1, min(n_total, round(pct / 100 * n_total)))  # 0: no pool
