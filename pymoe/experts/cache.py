@@ -124,7 +124,7 @@ class SummedStats(CounterViews):
             c.stats.reset()
 
 
-_NO_MASK = np.zeros((0, 0), dtype=bool)  # no forced-spill mask (SlotCache._compiled_lookup)
+_NO_MASK = np.zeros((0, 0), dtype=bool)  # no forced-spill mask (SlotCache._decode_compiled)
 _MISS_PATHS = (None, "spill", "cpu")  # compiled_cooc.decode_step's codes 1 and 2
 
 
@@ -264,7 +264,7 @@ class SlotCache:
         self.forced_share, self._forced_seed = 0.0, 0  # force_spill(): off
         self._forced = None  # bool [L, E]: this decode forward's forced-spill mask (None: off)
         self._forced_n, self._forced_fresh = 0, False  # decode forwards drawn; a step_table() mask not yet used
-        self._fast = None  # _compiled_lookup's buffers, made at its first call
+        self._fast = None  # the compiled lookups' buffers (_decode_compiled), made at their first call
 
     # --- bytes -------------------------------------------------------------------------------------------------
     def _copy_in(self, slot: int, layer: int, e: int) -> None:
@@ -312,7 +312,7 @@ class SlotCache:
             self._next_forced(reuse=True)
         self.steps += 1
         prefetched = self._prefetched.pop(layer, ())  # experts the lookahead placed for this lookup
-        if phase == "decode" and not prefetched and self._compiled_lookup(layer, expert_ids, c, rows):
+        if phase == "decode" and not prefetched and self._compiled_lookup(layer, expert_ids, rows):
             return  # (the heat map counted there too)
         _warm(self.heat, layer, expert_ids, phase)
         for t, row in enumerate(expert_ids.reshape(expert_ids.shape[0], -1)):
@@ -346,88 +346,35 @@ class SlotCache:
                     self.residency[layer, e] = slot
                     self._pending[slot] = (layer, e)  # a slot promoted into twice in one call keeps the last
 
-    def _compiled_lookup(self, layer: int, expert_ids: np.ndarray, c: dict, rows: Optional[list]) -> bool:
-        """The decode loop of `lookup` in one compiled call (compiled_cooc.decode_step over one layer), pair for
-        pair the same decisions and counts, where that call covers the case: the default policy
-        (CompiledCoocPolicy), a full pool (no free slot), no second-miss admission, no experts the lookahead placed
-        for this layer (the caller's check), and no live-gap window closing before the call's last pair. Else
-        False, and `lookup` runs its loop. It pays the interpreter once per call, not once per (token, expert) pair
-        (bench/policy_cost.py --engine); tests/test_cache.py holds it to the loop."""
-        table, policy, gap = self.table, self.table.policy, self.gap
-        Tr, K = expert_ids.shape[0], expert_ids.size // max(expert_ids.shape[0], 1)
-        n = Tr * K
-        if (type(policy) is not CompiledCoocPolicy or table.free or self.admission.second_miss or not n
-                or len(gap.keys) + n > gap.window):
-            return False
-        ids = np.ascontiguousarray(expert_ids, dtype=np.int64).reshape(Tr, K)  # [T, K]
-        top = (layer + 1) * self.n_experts
-        if top > policy.n_keys:
-            policy._grow(top - 1)
-        fast = self._fast
-        need = cc.R_LIST + 4 * Tr + 7 * n
-        if fast is None or fast["rec"].size < need:
-            fast = self._fast = self._buffers(2 * need)
-        rec, miss = fast["rec"], fast["miss"]
-        rec[cc.R_INSERTS], rec[cc.R_FRESH] = table._inserts, table._step != self.steps
-        miss[0], miss[1] = self.pcie_frac, self._pcie_credit
-        forced = self._forced if self._forced is not None else _NO_MASK  # bool [L, E] or [0, 0]
-        if not gap.keys:
-            gap.before()  # the live gap's window opens before the call's first pair, as the loop's would
-        fast["layer"][0] = layer
-        cc.decode_step(*policy.state, table.slot_array(policy.n_keys), self.residency, self.heat, ids[None],
-                       fast["layer"], self.admission.max_inserts, miss, forced, fast["where"], fast["slot"], rec)
-        self.clock += n
-        self._pcie_credit = float(miss[1])
-        r = rec[:cc.R_LIST + 4 * Tr + 7 * n].tolist()  # one conversion; the R_* fields, then the lists
-        if not r[cc.R_FRESH]:  # a miss reached admission control: the count is this step's
-            table._step, table._inserts = self.steps, r[cc.R_INSERTS]
-        hits, promoted, served = r[cc.R_HITS], r[cc.R_PROMOTED], r[cc.R_SERVED]
-        table.lookups += n
-        table.hits += hits
-        table.evictions += promoted
-        at, base = cc.R_LIST + 4 * Tr, layer * self.n_experts
-        for i in range(at, at + 3 * promoted, 3):  # (key, slot, evicted key), in pair order as the loop makes them
-            key, s, gone = r[i], r[i + 1], r[i + 2]
-            del table.slot_of[gone]
-            table.slot_of[key] = s
-            self._pending[s] = (layer, key - base)  # a slot promoted into twice in one call keeps the last
-        at += 3 * n
-        for i in range(at, at + 3 * served, 3):  # (expert, where, slot)
-            self._served[layer, r[i]] = ("slot", r[i + 2]) if r[i + 1] == 0 else (_MISS_PATHS[r[i + 1]], -1)
-        from_slot = 0
-        for t in range(Tr):
-            h, sp, cpu, ev = r[cc.R_LIST + 4 * t:cc.R_LIST + 4 * t + 4]
-            from_slot += h
-            n_t = {"lookups": K, "hits": h, "spill": sp, "cpu": cpu, "evicted": ev, "promoted": ev}
-            for counts in ((c,) if rows is None else (c, rows[t])):
-                for name, m in n_t.items():
-                    if m:
-                        counts[name] = counts.get(name, 0) + m
-        gap.extend(r[at + 3 * n:], from_slot)
-        return True
+    def _compiled_covers(self, n: int) -> bool:
+        """Whether one compiled call (compiled_cooc.decode_step) can make n decode lookup pairs in a row, pair for
+        pair with the loop's decisions and counts: the default policy (CompiledCoocPolicy), a full pool (no free
+        slot), no second-miss admission, and no live-gap window closing before the last pair. Experts the lookahead
+        placed for a layer are the caller's check (the loop counts their hits apart)."""
+        table, gap = self.table, self.gap
+        return (type(table.policy) is CompiledCoocPolicy and not table.free and not self.admission.second_miss
+                and n > 0 and len(gap.keys) + n <= gap.window)
 
-    def _buffers(self, n: int) -> dict:
-        """The compiled lookups' scratch (compiled_cooc.decode_step): a record of n int64, the miss path's two
-        floats, the per-expert served scratch (-1 between calls), one layer number."""
-        E = self.n_experts
-        return {"rec": np.zeros(n, dtype=np.int64), "miss": np.zeros(2), "layer": np.zeros(1, dtype=np.int64),
-                "where": np.full(E, -1, dtype=np.int64), "slot": np.full(E, -1, dtype=np.int64)}
+    def _compiled_lookup(self, layer: int, expert_ids: np.ndarray, rows: Optional[list]) -> bool:
+        """The decode loop of `lookup` in one compiled call, where `_compiled_covers` says it may (else False, and
+        `lookup` runs its loop): `_decode_compiled` over this one layer. It pays the interpreter once per call, not
+        once per (token, expert) pair (bench/policy_cost.py --engine); tests/test_cache.py holds it to the loop."""
+        Tr = expert_ids.shape[0]
+        if not self._compiled_covers(expert_ids.size):
+            return False
+        ids = np.ascontiguousarray(expert_ids, dtype=np.int64).reshape(1, Tr, -1)  # [1, T, K]
+        self._decode_compiled([layer], ids, self.steps - 1, rows)  # (lookup has counted this call's step)
+        return True
 
     def lookup_step(self, layers: list, ids: np.ndarray) -> None:
         """A decode step's lookups, made after it (the device step, engine/model.py and engine/device_batch.py): ids
         int [M, T, K], the routing of the M MoE `layers` in order; the same as `lookup(layer, ids[m], "decode")`
-        then `finish(layer)` for each layer in turn, which is what it does where the compiled step does not cover
-        the case (see `_compiled_lookup`; also experts the lookahead placed for any of the layers). Otherwise one
-        compiled call makes every layer's lookups (compiled_cooc.decode_step), then the interpreter applies each
-        layer's promotions and copies them in (finish's order: layer by layer, each slot's last promotion of a
-        layer), adds the counts once, and keeps the last layer's served paths: the state and copies the layer by
-        layer calls leave (tests/test_cache.py::test_a_compiled_step_is_its_layer_calls)."""
+        then `finish(layer)` for each layer in turn, which is what it does where the compiled call does not cover
+        the step (`_compiled_covers`; also experts the lookahead placed for any of the layers). Otherwise
+        `_decode_compiled` makes every layer's lookups in one call and copies each layer's promotions in as that
+        layer's finish() would (tests/test_cache.py::test_a_compiled_step_is_its_layer_calls)."""
         ids = np.ascontiguousarray(ids, dtype=np.int64)  # [M, T, K]
-        M, Tr, K = ids.shape
-        n = Tr * K
-        table, policy, gap = self.table, self.table.policy, self.gap
-        if (type(policy) is not CompiledCoocPolicy or table.free or self.admission.second_miss or not n or not M
-                or len(gap.keys) + M * n > gap.window or any(self._prefetched.get(layer) for layer in layers)):
+        if not len(layers) or not self._compiled_covers(ids.size) or any(self._prefetched.get(la) for la in layers):
             for m, layer in enumerate(layers):
                 SlotCache.lookup(self, layer, ids[m], "decode")  # the class's: a spy on self.lookup sees it once
                 self.finish(layer)
@@ -437,62 +384,91 @@ class SlotCache:
             self._prefetched.pop(layer, None)  # (empty: lookup pops them)
         if self.forced_share and layers[0] == self.moe_layers[0]:  # a decode forward begins
             self._next_forced(reuse=True)
-        top = (max(layers) + 1) * self.n_experts
-        if top > policy.n_keys:
-            policy._grow(top - 1)
+        self.steps += len(layers)
+        self._decode_compiled(layers, ids, self.steps - len(layers), finish_each=True)
+
+    def _decode_compiled(self, layers: list, ids: np.ndarray, step0: int, rows: Optional[list] = None,
+                         finish_each: bool = False) -> None:
+        """The decode lookups of M `layers` in order, ids int64 [M, T, K] (C-contiguous), in one compiled call
+        (compiled_cooc.decode_step), layer m the insert cap's step step0 + m + 1; then the interpreter applies
+        each layer's record (`_apply_record`): the table's counters and slot_of, the promotions (copied in after
+        each layer with finish_each, as layer-by-layer lookup and finish calls copy them; else left pending, as one
+        lookup call leaves them), the last layer's served paths, the counts (rows: T counter dicts that each row's
+        counts are added to as well), and the live gap's keys. The heat map is counted in the kernel."""
+        M, Tr, K = ids.shape
+        n = Tr * K
+        table, policy, gap = self.table, self.table.policy, self.gap
+        policy.make_room((max(layers) + 1) * self.n_experts)
         size = cc.R_LIST + 4 * Tr + 7 * n  # one layer's record
         fast = self._fast
         if fast is None or fast["rec"].size < M * size:
             fast = self._fast = self._buffers(2 * M * size)
         rec, miss = fast["rec"], fast["miss"]
-        rec[cc.R_FRESH:M * size:size] = 1  # every layer's call is a step of its own (the insert cap's unit)
+        rec[cc.R_FRESH:M * size:size] = 1  # every layer's call is a step of its own (the insert cap's unit) ...
+        rec[cc.R_FRESH], rec[cc.R_INSERTS] = table._step != step0 + 1, table._inserts  # ... the first may have begun
         miss[0], miss[1] = self.pcie_frac, self._pcie_credit
-        forced = self._forced if self._forced is not None else _NO_MASK
+        forced = self._forced if self._forced is not None else _NO_MASK  # bool [L, E] or [0, 0]
         if not gap.keys:
-            gap.before()
-        step0 = self.steps
+            gap.before()  # the live gap's window opens before the call's first pair, as the loop's would
         cc.decode_step(*policy.state, table.slot_array(policy.n_keys), self.residency, self.heat, ids,
                        np.asarray(layers, dtype=np.int64), self.admission.max_inserts, miss, forced, fast["where"],
                        fast["slot"], rec)
-        self.steps += M
         self.clock += M * n
         self._pcie_credit = float(miss[1])
-        r = rec[:M * size].tolist()
-        c = self.stats.counts["decode"]
-        total = dict.fromkeys(("hits", "spill", "cpu", "evicted"), 0)
-        keys, from_slot = [], 0
+        r = rec[:M * size].tolist()  # one conversion; per layer the R_* fields, then the lists
+        row_counts = [dict.fromkeys(("hits", "spill", "cpu", "evicted"), 0) for _ in range(Tr)]
+        keys = []
         for m, layer in enumerate(layers):
-            o, base = m * size, layer * self.n_experts
-            if not r[o + cc.R_FRESH]:  # a miss of this call reached admission control
-                table._step, table._inserts = step0 + m + 1, r[o + cc.R_INSERTS]
-            promoted = r[o + cc.R_PROMOTED]
-            table.lookups += n
-            table.hits += r[o + cc.R_HITS]
-            table.evictions += promoted
-            at = o + cc.R_LIST + 4 * Tr
-            for i in range(at, at + 3 * promoted, 3):  # (key, slot, evicted key), in pair order
-                key, slot, gone = r[i], r[i + 1], r[i + 2]
-                del table.slot_of[gone]
-                table.slot_of[key] = slot
-                self._pending[slot] = (layer, key - base)
-            self.finish(layer)  # this layer's copies, as its own finish() would make them
-            for t in range(Tr):
-                h, sp, cpu, ev = r[o + cc.R_LIST + 4 * t:o + cc.R_LIST + 4 * t + 4]
-                total["hits"] += h
-                total["spill"] += sp
-                total["cpu"] += cpu
-                total["evicted"] += ev
-            at += 3 * n
-            if m == M - 1:  # the last call's served paths are what expert() reads now
-                self._served = {(layer, r[i]): ("slot", r[i + 2]) if r[i + 1] == 0 else (_MISS_PATHS[r[i + 1]], -1)
-                                for i in range(at, at + 3 * r[o + cc.R_SERVED], 3)}
-            keys += r[at + 3 * n:o + size]
-        from_slot = total["hits"]
-        total["lookups"], total["promoted"] = M * n, total["evicted"]
-        for name, k in total.items():
-            if k:
-                c[name] = c.get(name, 0) + k
-        gap.extend(keys, from_slot)
+            keys += self._apply_record(r, m * size, layer, step0 + m + 1, Tr, K, row_counts,
+                                       served=m == len(layers) - 1)
+            if finish_each:
+                self.finish(layer)  # this layer's copies, as its own finish() would make them
+        c = self.stats.counts["decode"]
+        for t, n_t in enumerate(row_counts):
+            n_t["lookups"], n_t["promoted"] = M * K, n_t["evicted"]
+            for counts in ((c,) if rows is None else (c, rows[t])):
+                for name, k in n_t.items():
+                    if k:
+                        counts[name] = counts.get(name, 0) + k
+        gap.extend(keys, sum(n_t["hits"] for n_t in row_counts))
+
+    def _apply_record(self, r: list, o: int, layer: int, step: int, Tr: int, K: int, row_counts: list,
+                      served: bool) -> list:
+        """One layer's record of compiled_cooc.decode_step, r[o:] (the R_* fields, then the lists), applied as the
+        loop's pairs would have left things: the insert cap's count (step), the table's counters, slot_of and the
+        pending copies of the promotions, in pair order; each row's counts added to row_counts[t]; with `served`,
+        this layer's served paths become what expert() reads. -> the live gap's keys of this layer."""
+        table, n, base = self.table, Tr * K, layer * self.n_experts
+        if not r[o + cc.R_FRESH]:  # a miss of this layer reached admission control: the count is this step's
+            table._step, table._inserts = step, r[o + cc.R_INSERTS]
+        promoted = r[o + cc.R_PROMOTED]
+        table.lookups += n
+        table.hits += r[o + cc.R_HITS]
+        table.evictions += promoted
+        at = o + cc.R_LIST + 4 * Tr
+        for i in range(at, at + 3 * promoted, 3):  # (key, slot, evicted key), in pair order as the loop makes them
+            key, slot, gone = r[i], r[i + 1], r[i + 2]
+            del table.slot_of[gone]
+            table.slot_of[key] = slot
+            self._pending[slot] = (layer, key - base)  # a slot promoted into twice in one call keeps the last
+        for t, n_t in enumerate(row_counts):
+            h, sp, cpu, ev = r[o + cc.R_LIST + 4 * t:o + cc.R_LIST + 4 * t + 4]
+            n_t["hits"] += h
+            n_t["spill"] += sp
+            n_t["cpu"] += cpu
+            n_t["evicted"] += ev
+        at += 3 * n
+        if served:  # (expert, where, slot)
+            self._served = {(layer, r[i]): ("slot", r[i + 2]) if r[i + 1] == 0 else (_MISS_PATHS[r[i + 1]], -1)
+                            for i in range(at, at + 3 * r[o + cc.R_SERVED], 3)}
+        return r[at + 3 * n:o + cc.R_LIST + 4 * Tr + 7 * n]
+
+    def _buffers(self, n: int) -> dict:
+        """The compiled lookups' scratch (compiled_cooc.decode_step): a record of n int64, the miss path's two
+        floats, the per-expert served scratch (-1 between calls)."""
+        E = self.n_experts
+        return {"rec": np.zeros(n, dtype=np.int64), "miss": np.zeros(2), "where": np.full(E, -1, dtype=np.int64),
+                "slot": np.full(E, -1, dtype=np.int64)}
 
     def end_prefill(self) -> None:
         """A request's prompt has been read (generate.py, the server's scheduler): place the warm decode set

@@ -273,7 +273,7 @@ def _decode_layer(sc, kv, res, heap, fifo, meta, fpar, T, lay, bval, slot_arr, r
     """One decode lookup call of SlotCache.lookup (ids int64 [Tr, K]: its rows' experts of `layer`, token order)
     through the slot table and this policy, pair by pair as SlotTable.access(key, t, insert=True) and
     SlotCache.lookup's loop decide, for a full pool (no free slot) without second-miss admission, prefetch, or a
-    live-gap window closing within it (SlotCache._compiled_lookup and lookup_step check those).
+    live-gap window closing within it (SlotCache._compiled_covers checks those).
     In and out: slot_arr int64 [keys] (SlotTable.slot_arr: key -> slot or -1); residency int32 [L, E]; heat int64
     [L, E] (SlotCache.heat: each pair of a layer < L counted); miss float64 [2] (pcie_frac, the error diffusion's
     credit: SlotCache._miss_path); where_of / slot_of_e int64 [E] scratch, -1 on entry and again on return.

@@ -43,7 +43,7 @@ class LiveGap:
             self.close()
 
     def extend(self, keys: list, hits: int) -> None:
-        """after() for a whole lookup call at once (SlotCache._compiled_lookup): its pairs' keys, and how many of
+        """after() for a whole lookup call at once (SlotCache._decode_compiled): its pairs' keys, and how many of
         them the engine served from a slot; the window closes if they reach it (the caller makes sure they do not
         before its last pair)."""
         self.keys.extend(keys)

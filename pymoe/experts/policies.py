@@ -369,6 +369,13 @@ WINDOW_ADMIT = 1.25  # a miss takes a slot only if its score is >= this x the vi
 # 64 / 256 / 1024 tokens or never, prior 0-8 and its shape, admission 0.5-1.5)
 
 
+def check_window(edges: Sequence[float], weights: Sequence[float]) -> None:
+    """A window's shape (WindowPolicy's and the cooc policies'): edges in tokens, increasing and positive, one weight
+    per edge; else ValueError naming both."""
+    if len(edges) != len(weights) or not edges or list(edges) != sorted(edges) or min(edges) <= 0:
+        raise ValueError(f"window: edges must be increasing, positive, one per weight; got {edges}, {weights}")
+
+
 class WindowPolicy(Policy):
     """Expected use soon, from three things Belady exploits and an online cache can see: the profile's stable hot set
     (a prior), the last few tokens' uses (short-range reuse: an expert a token used is likely used by the next ones),
@@ -396,8 +403,7 @@ class WindowPolicy(Policy):
                  lookups_per_token: Optional[int] = None, edges: Sequence[float] = WINDOW_EDGES,
                  weights: Sequence[float] = WINDOW_WEIGHTS, prior: float = WINDOW_PRIOR, admit: float = WINDOW_ADMIT):
         super().__init__(capacity)
-        if len(edges) != len(weights) or not edges or list(edges) != sorted(edges) or min(edges) <= 0:
-            raise ValueError(f"window: edges must be increasing, positive, one per weight; got {edges}, {weights}")
+        check_window(edges, weights)
         self.per_token = max(1, int(lookups_per_token or capacity or 1))
         finite = [e for e in edges if e != math.inf]  # an infinite last edge: that weight never expires (no FIFO)
         self.edges = [max(1, int(round(e * self.per_token))) for e in finite]  # in uses
@@ -585,8 +591,7 @@ class CompiledCoocPolicy(Policy):
                  weight: float = COOC_WEIGHT, top: int = COOC_TOP, edges: Sequence[float] = WINDOW_EDGES,
                  weights: Sequence[float] = WINDOW_WEIGHTS, prior: float = WINDOW_PRIOR, admit: float = WINDOW_ADMIT):
         super().__init__(capacity)
-        if len(edges) != len(weights) or not edges or list(edges) != sorted(edges) or min(edges) <= 0:
-            raise ValueError(f"window: edges must be increasing, positive, one per weight; got {edges}, {weights}")
+        check_window(edges, weights)
         self.per_token = max(1, int(lookups_per_token or capacity or 1))
         finite = [e for e in edges if e != math.inf]
         uses = [max(1, int(round(e * self.per_token))) for e in finite]  # each edge in uses
@@ -617,6 +622,11 @@ class CompiledCoocPolicy(Policy):
             for rank, key in enumerate(keys):
                 self.sc[key] = prior / (1.0 + rank / scale)
         self._grow(0)
+
+    def make_room(self, n_keys: int) -> None:
+        """Room for keys below n_keys before a compiled caller writes them (SlotCache's compiled lookups)."""
+        if n_keys > self.n_keys:
+            self._grow(n_keys - 1)
 
     def _grow(self, key: int) -> None:
         """Room for keys up to `key` (and, with layers, for its layer's counts): arrays doubled, zero-filled."""

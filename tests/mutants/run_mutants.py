@@ -617,6 +617,14 @@ MUTANTS: list[Mutant] = [
          "tests/test_cache.py::test_a_compiled_step_is_its_layer_calls*"),
         "compiled decode lookups: the per-step insert cap is not applied (the loop's SlotTable applies it)"),
     Mutant(
+        "compiled_lookups_first_step_always_fresh", "pymoe/experts/cache.py",
+        "        rec[cc.R_FRESH], rec[cc.R_INSERTS] = table._step != step0 + 1, table._inserts",
+        "        pass  # MUTANT",
+        ("tests/test_cache.py::test_compiled_decode_lookups_are_the_loops*",
+         "tests/test_cache.py::test_a_compiled_step_is_its_layer_calls*"),
+        "compiled decode lookups: the first layer's insert count starts afresh although a prefetch for that step "
+        "has already counted against its cap"),
+    Mutant(
         "decode_step_heat_counts_an_expert_once", "pymoe/experts/compiled_cooc.py",
         "                heat[layer, e] += 1",
         "                heat[layer, e] = max(heat[layer, e], 1)  # MUTANT",
