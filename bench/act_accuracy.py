@@ -44,11 +44,9 @@ def distance(logits: np.ndarray, ref: np.ndarray) -> tuple:
     return float(np.abs(logits - ref).mean()), float((logits.argmax(-1) == ref.argmax(-1)).mean())
 
 
-def measure(f32_path: str, ftype: str, folder: str, configs=None) -> dict:
-    """One file: {column: (mean |Δ|, top-1)} against the float model (llama.cpp on the F32 copy); configs: {column:
-    CPU backend options} (default CONFIGS)."""
-    import pymoe
-    from ftype_check import llama_logits
+def quantized_files(f32_path: str, ftype: str, folder: str) -> tuple:
+    """-> (the F32 file quantized to ftype by llama.cpp's own quantizer, an F32 copy of that file), made in folder
+    once."""
     from llama_quantize import llama_quantize
     from pymoe.demo.tinymodel import write_f32_copy
 
@@ -59,14 +57,50 @@ def measure(f32_path: str, ftype: str, folder: str, configs=None) -> dict:
         llama_quantize(f32_path, path, ftype)
     if not os.path.exists(copy):
         write_f32_copy(path, copy)
-    configs = CONFIGS if configs is None else configs
-    engines = {c: pymoe.load(path, backend="cpu", backend_options=o) for c, o in configs.items()}
-    ids = np.random.default_rng(0).integers(0, next(iter(engines.values())).config.n_vocab, N_POS).tolist()
+    return path, copy
+
+
+def against_float(path: str, copy: str, n_vocab: int, columns: dict) -> dict:
+    """{"llama.cpp": ..., column: ...}: (mean |Δ|, top-1) of llama.cpp on the file and of each column's logits
+    (columns {name: function ids -> float32 [N_POS, V]}) against the float model, llama.cpp on the F32 copy, at
+    N_POS random token ids (the same for every file of a vocabulary)."""
+    from ftype_check import llama_logits
+
+    ids = np.random.default_rng(0).integers(0, n_vocab, N_POS).tolist()
     ref = llama_logits(copy, ids)  # [50, V] float math on the file's weights
     out = {"llama.cpp": distance(llama_logits(path, ids), ref)}
-    for c, engine in engines.items():
-        out[c] = distance(engine.logits(ids), ref)
+    for c, logits in columns.items():
+        out[c] = distance(logits(ids), ref)
     return out
+
+
+def each_file(archs: str, ftypes: str, preset: str, measure_file) -> None:
+    """For each family x file type: the tiny random F32 model written, then measure_file(arch, f32_path, ftype, folder)
+    (which prints its row); a format the family's shapes cannot take (rows not a multiple of 256, ...) prints its
+    error as the row."""
+    from pymoe.demo.tinymodel import write_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        for arch in archs.split(","):
+            f32 = os.path.join(tmp, f"{preset}-{arch}-f32.gguf")
+            write_model(f32, arch, preset, "f32", seed=0)
+            for ftype in ftypes.split(","):
+                try:
+                    measure_file(arch, f32, ftype, tmp)
+                except Exception as e:
+                    print(f"| {arch} | {ftype} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
+
+
+def measure(f32_path: str, ftype: str, folder: str, configs=None) -> dict:
+    """One file: {column: (mean |Δ|, top-1)} against the float model (llama.cpp on the F32 copy); configs: {column:
+    CPU backend options} (default CONFIGS)."""
+    import pymoe
+
+    path, copy = quantized_files(f32_path, ftype, folder)
+    configs = CONFIGS if configs is None else configs
+    engines = {c: pymoe.load(path, backend="cpu", backend_options=o) for c, o in configs.items()}
+    n_vocab = next(iter(engines.values())).config.n_vocab
+    return against_float(path, copy, n_vocab, {c: e.logits for c, e in engines.items()})
 
 
 def main():
@@ -77,8 +111,6 @@ def main():
     ap.add_argument("--columns", default=",".join(CONFIGS), help="pymoe's columns to run (of CONFIGS)")
     a = ap.parse_args()
     configs = {c: CONFIGS[c] for c in a.columns.split(",")}
-    from pymoe.demo.tinymodel import write_model
-
     cols = ("llama.cpp", *configs)
     over = [c for c in configs if c != "pymoe 16"]  # the columns set beside llama.cpp's as a ratio
     print(f"| family | file | {' | '.join(cols)} | {' | '.join(f'{c} / llama.cpp' for c in over)} |")
@@ -86,24 +118,19 @@ def main():
     ratios = {c: [] for c in over}
     within = {c: 0 for c in configs}  # files where the column is at or under llama.cpp's |Δ| with its top-1 or more
     n_files = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch in a.archs.split(","):
-            f32 = os.path.join(tmp, f"{a.preset}-{arch}-f32.gguf")
-            write_model(f32, arch, a.preset, "f32", seed=0)
-            for ftype in a.ftypes.split(","):
-                try:
-                    r = measure(f32, ftype, tmp, configs)
-                except Exception as e:  # a format the family's shapes cannot take (rows not a multiple of 256, ...)
-                    print(f"| {arch} | {ftype} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
-                    continue
-                n_files += 1
-                for c in configs:
-                    within[c] += r[c][0] <= r["llama.cpp"][0] and r[c][1] >= r["llama.cpp"][1]
-                for c in over:
-                    ratios[c].append(r[c][0] / max(r["llama.cpp"][0], 1e-12))
-                cells = " | ".join(f"{r[c][0]:.4f} ({r[c][1]:.2f})" for c in cols)
-                print(f"| {arch} | {ftype} | {cells} | {' | '.join(f'{ratios[c][-1]:.2f}' for c in over)} |",
-                      flush=True)
+
+    def measure_file(arch, f32, ftype, tmp):
+        nonlocal n_files
+        r = measure(f32, ftype, tmp, configs)
+        n_files += 1
+        for c in configs:
+            within[c] += r[c][0] <= r["llama.cpp"][0] and r[c][1] >= r["llama.cpp"][1]
+        for c in over:
+            ratios[c].append(r[c][0] / max(r["llama.cpp"][0], 1e-12))
+        cells = " | ".join(f"{r[c][0]:.4f} ({r[c][1]:.2f})" for c in cols)
+        print(f"| {arch} | {ftype} | {cells} | {' | '.join(f'{ratios[c][-1]:.2f}' for c in over)} |", flush=True)
+
+    each_file(a.archs, a.ftypes, a.preset, measure_file)
     for c in over if n_files else ():
         print(f"\n{c} / llama.cpp mean |Δ|: median {np.median(ratios[c]):.2f}, max {max(ratios[c]):.2f} over "
               f"{n_files} files")

@@ -6,9 +6,10 @@ Usage:  PYTHONPATH=. python bench/act_block_sim.py [--archs A,B] [--ftypes F,G] 
 The reference backend (plain NumPy float math) is run with every quantized weight's input x replaced by what a
 rule's 8-bit blocks hold, dequant(quant(x)): the error of that rule's activation rounding and nothing else (the
 weights are the file's, the products float). Rules (`RULES`):
-  - "llama.cpp": llama.cpp's own (ggml-cpu's vec_dot_type of each weight type): block_q8_K, per 256 values, for the
-    K-quants and IQ1-IQ4_XS; block_q8_0, per 32 with an fp16 scale, for Q8_0, Q4_0, Q2_0, MXFP4 and IQ4_NL
-    (qact.quantize_act_ref at 8 bits and qact.quantize_act32_ref: checked against ggml's reference quantizers).
+  - "llama.cpp blocks": llama.cpp's own (ggml-cpu's vec_dot_type of each weight type): block_q8_K, per 256
+    values, for the K-quants and IQ1-IQ4_XS; block_q8_0, per 32 with an fp16 scale, for Q8_0, Q4_0, Q2_0, MXFP4
+    and IQ4_NL (qact.quantize_act_ref at 8 bits and qact.quantize_act32_ref: checked against ggml's reference
+    quantizers).
     Its column against llama.cpp's real run says how well the simulation stands for a real engine on that file;
   - "per 32", "per 16": the block_q8_K-paired types' x in blocks of 32 or 16 values (block_q8_K's rounding: scale
     127 / max|x| per block, float32), the block_q8_0-paired ones as llama.cpp;
@@ -22,7 +23,6 @@ random files are bench/act_accuracy.py's (llama.cpp on an F32 copy of the quanti
 import argparse
 import os
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
@@ -50,9 +50,9 @@ def blocks_q8k(x: np.ndarray, group: int) -> np.ndarray:
 
 
 def q8_0_paired(qtype) -> bool:
-    """Whether ggml-cpu dots this type with x per 32 values: qact.ACT32_TYPES (Q4_0, Q8_0, IQ4_NL, MXFP4, Q2_0: block_q8_0)
-    and the other 32-weight block types (Q5_0 with block_q8_0; Q4_1 and Q5_1 with block_q8_1, whose values are
-    block_q8_0's); the 256-weight ones (K-quants, IQ1-IQ4_XS) take block_q8_K."""
+    """Whether ggml-cpu dots this type with x per 32 values: qact.ACT32_TYPES (Q4_0, Q8_0, IQ4_NL, MXFP4, Q2_0:
+    block_q8_0) and the other 32-weight block types (Q5_0 with block_q8_0; Q4_1 and Q5_1 with block_q8_1, whose
+    values are block_q8_0's); the 256-weight ones (K-quants, IQ1-IQ4_XS) take block_q8_K."""
     return qtype in qact.ACT32_TYPES or quant.get_format(qtype).block_size == qact.QK8_0
 
 
@@ -64,7 +64,7 @@ def llama_rule(x: np.ndarray, qtype) -> np.ndarray:
 
 
 RULES = {
-    "llama.cpp": llama_rule,
+    "llama.cpp blocks": llama_rule,
     "per 32": lambda x, qt: llama_rule(x, qt) if q8_0_paired(qt) else blocks_q8k(x, 32),
     "per 16": lambda x, qt: llama_rule(x, qt) if q8_0_paired(qt) else blocks_q8k(x, 16),
     "all per 16": lambda x, qt: blocks_q8k(x, 16),
@@ -86,27 +86,23 @@ class BlockSimBackend(ReferenceBackend):
 
 
 def measure(f32_path: str, ftype: str, folder: str, rules: dict) -> dict:
-    """One file: {column: (mean |Δ|, top-1)} against the float model, for llama.cpp's real run and each rule."""
+    """One file: {column: (mean |Δ|, top-1)} against the float model, for llama.cpp's real run ("llama.cpp") and
+    each rule (bench/act_accuracy.py's files, positions and float model)."""
     import pymoe
-    from act_accuracy import distance
-    from ftype_check import llama_logits
-    from llama_quantize import llama_quantize
-    from pymoe.demo.tinymodel import write_f32_copy
+    from act_accuracy import against_float, quantized_files
 
-    stem = os.path.basename(f32_path).replace(".gguf", "")
-    path = os.path.join(folder, f"{stem}-{ftype}.gguf")
-    copy = os.path.join(folder, f"{stem}-{ftype}-as-f32.gguf")
-    llama_quantize(f32_path, path, ftype)
-    write_f32_copy(path, copy)
+    assert "llama.cpp" not in rules  # (against_float's own column: llama.cpp's real run)
+    path, copy = quantized_files(f32_path, ftype, folder)
     engine = pymoe.load(path, backend="reference")
     engine.backend.__class__ = BlockSimBackend  # the same instance (the model holds it), its products now ruled
-    ids = np.random.default_rng(0).integers(0, engine.config.n_vocab, 50).tolist()  # act_accuracy's positions
-    ref = llama_logits(copy, ids)  # [50, V] float math on the file's weights
-    out = {"llama.cpp (real)": distance(llama_logits(path, ids), ref)}
-    for name, rule in rules.items():
-        engine.backend.rule = rule
-        out[name] = distance(engine.logits(ids), ref)
-    return out
+
+    def ruled(rule):
+        def logits(ids):
+            engine.backend.rule = rule
+            return engine.logits(ids)
+        return logits
+
+    return against_float(path, copy, engine.config.n_vocab, {name: ruled(rule) for name, rule in rules.items()})
 
 
 def main():
@@ -117,33 +113,28 @@ def main():
     ap.add_argument("--preset", default="tiny")
     a = ap.parse_args()
     rules = {r: RULES[r] for r in a.rules.split(",")}
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from pymoe.demo.tinymodel import write_model
+    from act_accuracy import each_file
 
     print(f"| family | file | llama.cpp (real) | {' | '.join(rules)} |")
     print("| --- | --- | --- |" + " --- |" * len(rules))
     ratios = {r: [] for r in rules}
     within = {r: 0 for r in rules}
     n = 0
-    with tempfile.TemporaryDirectory() as tmp:
-        for arch in a.archs.split(","):
-            f32 = os.path.join(tmp, f"{a.preset}-{arch}-f32.gguf")
-            write_model(f32, arch, a.preset, "f32", seed=0)
-            for ftype in a.ftypes.split(","):
-                try:
-                    m = measure(f32, ftype, tmp, rules)
-                except Exception as e:  # a format the family's shapes cannot take
-                    print(f"| {arch} | {ftype} | {type(e).__name__}: {str(e)[:80]} |", flush=True)
-                    continue
-                n += 1
-                real = m["llama.cpp (real)"]
-                cells = []
-                for r in rules:
-                    ratio = m[r][0] / max(real[0], 1e-12)
-                    ratios[r].append(ratio)
-                    within[r] += ratio <= 1 and m[r][1] >= real[1]
-                    cells.append(f"{m[r][0]:.4f} ({m[r][1]:.2f}) {ratio:.2f}{'' if m[r][1] >= real[1] else '!'}")
-                print(f"| {arch} | {ftype} | {real[0]:.4f} ({real[1]:.2f}) | {' | '.join(cells)} |", flush=True)
+
+    def measure_file(arch, f32, ftype, tmp):
+        nonlocal n
+        m = measure(f32, ftype, tmp, rules)
+        n += 1
+        real = m["llama.cpp"]
+        cells = []
+        for r in rules:
+            ratio = m[r][0] / max(real[0], 1e-12)
+            ratios[r].append(ratio)
+            within[r] += ratio <= 1 and m[r][1] >= real[1]
+            cells.append(f"{m[r][0]:.4f} ({m[r][1]:.2f}) {ratio:.2f}{'' if m[r][1] >= real[1] else '!'}")
+        print(f"| {arch} | {ftype} | {real[0]:.4f} ({real[1]:.2f}) | {' | '.join(cells)} |", flush=True)
+
+    each_file(a.archs, a.ftypes, a.preset, measure_file)
     for r in rules if n else ():
         q = np.percentile(ratios[r], [0, 50, 100])
         print(f"{r}: mean |Δ| / llama.cpp's real run {q[0]:.2f}-{q[2]:.2f} (median {q[1]:.2f}); at or under it "

@@ -14,12 +14,13 @@ core: about a minute on 16 cores; scripts/gpu-check writes it while the CUDA tes
      of 4);
   3. cache sizes: first each code path once, without a pool and with one (`compile_first`: Numba's first calls
      compile, which grows RSS before the memory checks start); then for each share of all experts in slots (0: no
-     pool, every expert read over PCIe), one warm-up request (the cache adapts), then one measured request of a --prompt-tokens prompt and --tokens generated:
-     prefill and decode tok/s, decode hit rate, spill and CPU shares of the routed lookups, achieved GB/s (weight
-     bytes one decoded token reads x decode tok/s: dense tensors + K experts per layer), the device counts per
-     decoded token (launches, syncs, host<->device bytes: backends/device_counts.py), and beside them `pymoe
-     plan`'s prediction for that slot count (experts/plan.py `plan_row`: uniform routing, its default hit model;
-     the cost model with the probed device and PCIe bandwidths and plan's default fixed cost);
+     pool, every expert read over PCIe), one warm-up request (the cache adapts), then one measured request of a
+     --prompt-tokens prompt and --tokens generated: prefill and decode tok/s, decode hit rate, spill and CPU shares of
+     the routed lookups, achieved GB/s (weight bytes one decoded token reads x decode tok/s: dense tensors + K experts
+     per layer), the device counts per decoded token (launches, syncs, host<->device bytes:
+     backends/device_counts.py), and beside them `pymoe plan`'s prediction for that slot count (experts/plan.py
+     `plan_row`: uniform routing, its default hit model; the cost model with the probed device and PCIe bandwidths and
+     plan's default fixed cost);
   4. forced spill: every expert in a slot, and a share s of the decode lookups served over PCIe anyway
      (experts/cache.py `SlotCache.force_spill`: each lookup forced with probability s, from a generator seeded per
      decode forward; the device step reads the same mask through its residency table), one measured request per

@@ -58,7 +58,7 @@ def test_the_backend_rounds_every_quantized_input_and_no_other():
     x = activations(4)
     sim, ref = BlockSimBackend(), ReferenceBackend()
     assert np.array_equal(sim.linear_raw(raw, Q.Q4_K, x), ref.linear_raw(raw, Q.Q4_K, x))  # no rule: float x
-    sim.rule = RULES["llama.cpp"]
+    sim.rule = RULES["llama.cpp blocks"]
     want = ref.linear_raw(raw, Q.Q4_K, qact.dequantize_act(*qact.quantize_act_ref(x, 8)[:2]))
     assert np.array_equal(sim.linear_raw(raw, Q.Q4_K, x), want)
     assert np.array_equal(sim.linear_raw(w, Q.F32, x), ref.linear_raw(w, Q.F32, x))  # F32 weights: x as it is
