@@ -106,12 +106,7 @@ def decode_steps(model, tokens, kvs: list, draws: Optional[list] = None,
     stats = cache.stats
     for j, kv in enumerate(kvs):  # the cache's lookups as B single steps make them: row by row, layer by layer
         before = stats.snapshot("decode") if row_counts is not None else None
-        if hasattr(cache, "lookup_step"):  # SlotCache: the row's step in one compiled call
-            cache.lookup_step(list(cfg.moe_layers), np.asarray(ids[j]).reshape(len(cfg.moe_layers), 1, -1))  # [M, 1, K]
-        else:
-            for m, layer in enumerate(cfg.moe_layers):
-                cache.lookup(layer, ids[j, m].reshape(1, -1).astype(np.int64), "decode")  # [1, K]
-                cache.finish(layer)
+        cache.lookup_step(list(cfg.moe_layers), np.asarray(ids[j]).reshape(len(cfg.moe_layers), 1, -1))  # [M, 1, K]
         if row_counts is not None:
             for name, n in stats.snapshot("decode").items():
                 row_counts[j][name] = row_counts[j].get(name, 0) + n - before.get(name, 0)

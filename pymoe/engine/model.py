@@ -389,9 +389,8 @@ class Model:
         K = self.cfg.n_expert_used
         if self.count_experts:  # speculation's steps: the distinct experts each MoE layer read
             self.last_experts = sum(np.unique(row).size for row in ids)
-        step = getattr(self.cache, "lookup_step", None)  # SlotCache: the step's lookups in one compiled call
-        if not inline and step is not None and phase == "decode":
-            step(list(self.cfg.moe_layers), np.stack([np.asarray(row).reshape(-1, K) for row in ids]))  # [M, T, K]
+        if not inline and phase == "decode":  # the step's lookups in one call (SlotCache: one compiled call)
+            self.cache.lookup_step(list(self.cfg.moe_layers), np.stack([np.asarray(row).reshape(-1, K) for row in ids]))
         elif not inline:  # (inline: each layer's lookup was made inside the step, engine/moe.py)
             for m, layer in enumerate(self.cfg.moe_layers):
                 self.cache.lookup(layer, ids[m].reshape(-1, K).astype(np.int64), phase)  # [T, K]

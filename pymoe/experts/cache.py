@@ -180,6 +180,13 @@ class PassThroughCache:
             _count((row,), "lookups", K)
             _count((row,), self._where, K)
 
+    def lookup_step(self, layers: list, ids: np.ndarray) -> None:
+        """A decode step's lookups, made after it (SlotCache.lookup_step's protocol): ids int [M, T, K], layer by
+        layer."""
+        ids = np.asarray(ids, dtype=np.int64)  # [M, T, K]
+        for m, layer in enumerate(layers):
+            self.lookup(layer, ids[m], "decode")
+
     def expert(self, layer: int, e: int) -> ExpertBytes:
         ex = self.model.expert(layer, e)
         return ex if self._where == "host" else replace(ex, where=self._where)

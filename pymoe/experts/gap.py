@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .policies import BeladyPolicy, SlotTable
+from .policies import BeladyPolicy, SlotTable, next_uses
 
 GAP_WINDOW = 4096  # decode lookups per window; the replay (`belady_hits`, compiled) costs well under a microsecond a
 # lookup, next to the cache's own bookkeeping
@@ -75,12 +75,7 @@ def belady_hits(keys: list, start: list, capacity: int) -> int:
     dense = dense.astype(np.int64)
     n0 = len(start)
     ids = dense[n0:]  # [n]: each lookup's key as an index into uniq
-    n = ids.size
-    order = np.argsort(ids, kind="stable")  # positions grouped by key, in time order (policies.NextUse)
-    nxt = np.full(n, n, dtype=np.int64)  # [n]: the next position of the same key, n if none
-    same = ids[order[1:]] == ids[order[:-1]]
-    nxt[order[:-1][same]] = order[1:][same]
-    return int(_belady_replay(ids, nxt, dense[:n0], uniq.size, int(capacity)))
+    return int(_belady_replay(ids, next_uses(ids), dense[:n0], uniq.size, int(capacity)))
 
 
 def belady_hits_ref(keys: list, start: list, capacity: int) -> int:

@@ -1197,6 +1197,17 @@ class LIRSPolicy(Policy):
         del self.order[key]
 
 
+def next_uses(keys: np.ndarray) -> np.ndarray:
+    """keys int [N] -> int64 [N]: the next position after t with the same key, N if none."""
+    keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [N]
+    n = keys.size
+    order = np.argsort(keys, kind="stable")  # positions grouped by key, in time order within a key
+    nxt = np.full(n, n, dtype=np.int64)  # [N]
+    same = keys[order[1:]] == keys[order[:-1]]  # [N-1]: consecutive in `order` and the same key
+    nxt[order[:-1][same]] = order[1:][same]
+    return nxt
+
+
 class NextUse:
     """For an access sequence keys [N]: next[t] = the next position after t with the same key (N if none), and the
     first position of each key. Built once per trace, shared by every Belady table (one per layer in a per-layer
@@ -1205,10 +1216,7 @@ class NextUse:
     def __init__(self, keys: np.ndarray):
         keys = np.asarray(keys, dtype=np.int64).reshape(-1)  # [N]
         n = keys.size
-        order = np.argsort(keys, kind="stable")  # positions grouped by key, in time order within a key
-        nxt = np.full(n, n, dtype=np.int64)  # [N]
-        same = keys[order[1:]] == keys[order[:-1]]  # [N-1]: consecutive in `order` and the same key
-        nxt[order[:-1][same]] = order[1:][same]
+        nxt = next_uses(keys)  # [N]
         self.n = n
         self.keys = keys
         self.seq = keys.tolist()  # Python lists: indexing them per access is several times faster than NumPy's

@@ -625,6 +625,12 @@ MUTANTS: list[Mutant] = [
         "compiled decode lookups: the first layer's insert count starts afresh although a prefetch for that step "
         "has already counted against its cap"),
     Mutant(
+        "no_pool_step_lookups_dropped", "pymoe/experts/cache.py",
+        '        for m, layer in enumerate(layers):\n            self.lookup(layer, ids[m], "decode")',
+        '        for m, layer in enumerate(layers[:0]):  # MUTANT\n            self.lookup(layer, ids[m], "decode")',
+        ("tests/test_device_counts.py::test_gpu_check_dry_run_in_the_simulator",),
+        "no slot pool on a GPU: a device step's lookups are never counted (PassThroughCache.lookup_step)"),
+    Mutant(
         "decode_step_heat_counts_an_expert_once", "pymoe/experts/compiled_cooc.py",
         "                heat[layer, e] += 1",
         "                heat[layer, e] = max(heat[layer, e], 1)  # MUTANT",
