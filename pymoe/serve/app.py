@@ -225,6 +225,19 @@ def asyncio_sink(queue: asyncio.Queue, index: int = 0):
 DISCONNECT_POLL_S = 0.25  # a non-streaming client that hangs up is noticed within this (plus one engine step)
 
 
+async def next_event(queue: asyncio.Queue, timeout: float):
+    """queue.get() with a timeout -> the item, or None when none came within it. Not asyncio.wait_for: before Python
+    3.12 it can swallow a cancellation that arrives just as the get completes (CPython gh-86296), and a consumer
+    whose client has gone (Starlette cancels it) would then run on while events keep coming."""
+    get = asyncio.ensure_future(queue.get())
+    try:
+        done, _ = await asyncio.wait((get,), timeout=timeout)
+    finally:
+        if not get.done():
+            get.cancel()
+    return get.result() if done else None
+
+
 async def job_events(jobs: list, queue: asyncio.Queue, request=None):
     """The events (index, kind, value) of a request's jobs until each has ended (done/error). If the consumer stops
     (client gone) the jobs still running are cancelled. `request`: poll it for a disconnect every
@@ -234,10 +247,8 @@ async def job_events(jobs: list, queue: asyncio.Queue, request=None):
     try:
         next_poll = time.monotonic() + DISCONNECT_POLL_S
         while running:
-            try:
-                index, kind, value = await asyncio.wait_for(queue.get(), timeout=DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
-                kind = None
+            event = await next_event(queue, DISCONNECT_POLL_S)
+            index, kind, value = event if event is not None else (None, None, None)
             if request is not None and time.monotonic() >= next_poll:
                 next_poll = time.monotonic() + DISCONNECT_POLL_S
                 if await request.is_disconnected():

@@ -687,6 +687,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_server.py::test_a_non_streaming_client_that_leaves_is_noticed_while_tokens_flow",),
         "a non-streaming client's hang-up goes unnoticed while tokens keep coming"),
     Mutant(
+        "event_wait_swallows_a_cancel", "pymoe/serve/app.py",
+        "        done, _ = await asyncio.wait((get,), timeout=timeout)",
+        "        done = [await asyncio.wait_for(get, timeout)]",
+        ("tests/test_server.py::test_a_consumer_cancelled_as_an_event_arrives_stops",),
+        "a consumer cancelled as an event arrives takes the event and runs on (asyncio.wait_for before 3.12)"),
+    Mutant(
         "n_choices_share_one_seed", "pymoe/serve/scheduler.py",
         "        seed = None if self.sampling.seed in (None, -1) else (self.sampling.seed + i) % 2**64  # -1: random",
         "        seed = self.sampling.seed",
