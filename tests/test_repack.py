@@ -325,20 +325,22 @@ def test_dual_two_row_dot_has_the_bits_of_one_token_calls(qtype):
     """The dual form of the two-row dot (repack._make_tile_dot2(dual=True): the row-group's weights broadcast to both
     halves of a 512-bit vector, each plane's activations in one half) gives, row by row, the one-token call's bits on
     each plane, as the plain two-row form does, on random and on the format's extreme weights (_extreme_rows), for
-    every format whose blocks are written for 16 lanes (PAIR), in DUAL or not (DUAL is a measured choice per CPU).
-    Where this CPU has no 512-bit VNNI the form is not used (DUALS is empty) and LLVM could not select it."""
+    every format whose blocks are written for 16 lanes (PAIR), in DUAL or not (DUAL is a measured choice per CPU);
+    and so does the form `twice` (the one-token dot on each row). Where this CPU has no 512-bit VNNI the dual form is
+    not used (DUALS is empty) and LLVM could not select it."""
     if not (repack._WIDE and qact._AVX2):
         assert not repack.DUALS
         return
-    assert repack.DUALS == repack.DUAL or os.environ.get("PYMOE_DUAL") == "0"
-    dual, plain = (repack._make_tile_dot2(qtype, dual=d) for d in (True, False))
+    dual, plain, twice = (repack._make_tile_dot2(qtype, dual=d, twice=t)
+                          for d, t in ((True, False), (False, False), (None, True)))
     one = repack.TILE_DOTS[qtype]
 
     @njit
-    def run(tiles, xq, xd, xbs, y_dual, y_plain, y_one):
+    def run(tiles, xq, xd, xbs, y_dual, y_plain, y_twice, y_one):
         for g in range(tiles.shape[0]):
             dual(tiles[g], xq, xd, xbs, y_dual[g])
             plain(tiles[g], xq, xd, xbs, y_plain[g])
+            twice(tiles[g], xq, xd, xbs, y_twice[g])
             for i in range(2):
                 one(tiles[g], xq[i], xd[i], xbs[i], y_one[g, i])
 
@@ -348,9 +350,35 @@ def test_dual_two_row_dot_has_the_bits_of_one_token_calls(qtype):
         G, C = tiles.shape[0], raw.shape[1] // repack.RAW_BYTES[qtype] * 256
         xq, xd, xbs = qact.quantize_for(rng.standard_normal((1, C)).astype(np.float32) * rng.uniform(0.1, 100), qtype,
                                         qact.PLANES)  # a token's two planes [2, C]
-        ys = [np.full((G, 2, 8), np.nan, np.float32) for _ in range(3)]
+        ys = [np.full((G, 2, 8), np.nan, np.float32) for _ in range(4)]
         run(tiles, xq, xd, xbs, *ys)
-        assert np.array_equal(ys[0], ys[2]) and np.array_equal(ys[1], ys[2])
+        assert all(np.array_equal(y, ys[3]) for y in ys[:3])
+
+
+def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
+    """The two-row dot's form per format (repack._two_row_forms): as measured for the CPU Numba compiles for (Zen 4:
+    no dual form, Q3_K twice; elsewhere the dual form for DUAL where 512-bit VNNI allows it), PYMOE_DUAL and
+    PYMOE_TWICE over that; a format is never both. The choice is in the compiled kernels' names (TWO_ROW_TAG), so
+    Numba's cache does not hand one form's kernels to another."""
+    wide = repack._WIDE and qact._AVX2
+    for cpu, env, want_dual, want_twice in (("znver4", {}, set(), {QType.Q3_K}),
+                                            ("sapphirerapids", {}, repack.DUAL, set()),
+                                            ("znver4", {"PYMOE_DUAL": "1", "PYMOE_TWICE": ""}, repack.DUAL, set()),
+                                            ("sapphirerapids", {"PYMOE_DUAL": "0", "PYMOE_TWICE": "Q6_K,Q4_K"}, set(),
+                                             {QType.Q6_K, QType.Q4_K}),
+                                            ("sapphirerapids", {"PYMOE_TWICE": "Q4_K"}, repack.DUAL - {QType.Q4_K},
+                                             {QType.Q4_K})):
+        monkeypatch.setattr(qact, "host_cpu_name", lambda cpu=cpu: cpu)
+        for k in ("PYMOE_DUAL", "PYMOE_TWICE"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        duals, twices = repack._two_row_forms()
+        assert duals == (want_dual if wide else set()), (cpu, env)
+        assert twices == (want_twice if qact._AVX2 else set()), (cpu, env)
+        assert not duals & twices
+    assert repack.TWO_ROW_TAG == "d" + "".join(sorted(q.name for q in repack.DUALS)) + "t" + "".join(
+        sorted(q.name for q in repack.TWICES))
 
 
 GRID = sorted(qact.ROW_DECODES, key=lambda q: q.name)  # IQ1-IQ3: the formats prefill reads decoded

@@ -1170,16 +1170,27 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     return tile_dot
 
 
-def _make_tile_dot2(qtype, locality: int = None, ahead: int = None, dual: bool = None):
+def _make_tile_dot2(qtype, locality: int = None, ahead: int = None, dual: bool = None, twice: bool = None):
     """-> tile_dot2(tiles uint8 [nb * TILE_BYTES], xq int8 [2, nb * 256], xd float32 [2, nb] (or [2, 8 nb]: per-32
     x), xbs int32 [2, nb * 16], out float32 [2, 8]): the row-group's 8 rows times two activation rows at once, the
     weights unpacked once for both: a token's two planes (qact.quantize_planes_ref) in decode. The one-token dot's
     instructions and hints (`_make_tile_dot`'s defaults), run for two rows of x: each row's results are the bits of
     its one-token call. dual (None: whether this CPU runs the format's dot so, DUALS): the two rows in the halves of
-    512-bit vectors (`_Emit`'s dual), the same bits."""
+    512-bit vectors (`_Emit`'s dual), the same bits. twice (None: whether this CPU runs the format so, TWICES, unless
+    dual is given): the one-token dot called on each row in turn (the tile read twice, the second time from L1),
+    where that is faster than unpacking it once for two rows."""
     ahead = STREAM_AHEAD if ahead is None else ahead
     locality = qact.DENSE_LOCALITY if locality is None else locality
     qtype = _key(qtype)
+    if (qtype in TWICES and dual is None) if twice is None else twice:
+        one = _make_tile_dot(qtype, locality=locality, ahead=ahead)
+
+        @njit
+        def tile_dot2_twice(tiles, xq, xd, xbs, out):
+            one(tiles, xq[0], xd[0], xbs[0], out[0])
+            one(tiles, xq[1], xd[1], xbs[1], out[1])
+
+        return tile_dot2_twice
     dual = qtype in DUALS if dual is None else dual
     codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, _WIDE and qtype in WIDE and not dual, ahead, locality, dual=dual)
 
@@ -1233,9 +1244,33 @@ PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1"
 # CPU a 512-bit operation has two ports where a 256-bit one has three, and a plane's activations take a shuffle
 # into their half, so the dual form gains only where the plain form's work besides the dots is large (Q4_K's wide
 # fold, Q2_K's scales and mins).
+# On Zen 4 (its 512-bit operations run as two 256-bit halves) the dual form is the slower one for every format, and
+# Q3_K's plain two-row dot is slower than two one-token dots (the form `twice`: the tile read a second time from L1).
+# 1 thread, one warm 512 x 1024 matrix, us one-token / two-row plain / dual / twice, medians of 40 alternated rounds
+# (bench/two_row_dots.py, the 2-core Zen 4 VM, 2026-12-07): Q2_K 8.0 / 12.3 / 22.6 / 17.4, Q3_K 11.0 / 27.7 / 30.4 /
+# 24.6, Q4_K 6.2 / 11.3 / 14.3 / 13.1, Q5_K 9.9 / 13.5 / 20.7 / 19.2, Q6_K 9.2 / 19.9 / 22.6 / 19.5, Q8_0 8.0 / 10.7
+# / 16.4 / 14.5, IQ4_XS 9.5 / 14.7 / 20.7 / 20.4.
 DUAL = {QType.Q2_K, QType.Q4_K}
-# the formats whose two-row dot this CPU runs in the dual form (PYMOE_DUAL=0: none, to compare them)
-DUALS = {q for q in DUAL if _AVX2 and _WIDE and os.environ.get("PYMOE_DUAL", "1") != "0"}
+TWICE = {"znver4": {QType.Q3_K}}  # by the CPU Numba compiles for (qact.host_cpu_name): formats run `twice`
+
+
+def _two_row_forms() -> tuple[set, set]:
+    """-> (DUALS, TWICES): the formats whose two-row dot this CPU runs in the dual form, and those it runs as two
+    one-token dots. PYMOE_DUAL=0 / 1: none / DUAL (where the CPU has 512-bit VNNI); PYMOE_TWICE: a comma list of
+    formats ("" none); unset: as measured for this CPU (above)."""
+    cpu = qact.host_cpu_name()
+    dual = os.environ.get("PYMOE_DUAL", "0" if cpu == "znver4" else "1") != "0"
+    env = os.environ.get("PYMOE_TWICE")
+    names = None if env is None else [n.strip() for n in env.split(",") if n.strip()]
+    if names and not set(names) <= set(QType.__members__):
+        raise ValueError(f"PYMOE_TWICE: unknown format(s) {sorted(set(names) - set(QType.__members__))}")
+    twices = {q for q in (TWICE.get(cpu, set()) if names is None else {QType[n] for n in names}) if _AVX2}
+    return {q for q in DUAL if _AVX2 and _WIDE and dual} - twices, twices
+
+
+DUALS, TWICES = _two_row_forms()
+TWO_ROW_TAG = ("d" + "".join(sorted(q.name for q in DUALS)) + "t"
+               + "".join(sorted(q.name for q in TWICES)))  # in compiled kernels' names: PYMOE_DUAL / PYMOE_TWICE
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
@@ -1323,9 +1358,10 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
 def _compile(template, name: str, constants: dict):
     """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
     instruction-form suffix (jit.bind): the name keys Numba's on-disk cache, whose key also holds this CPU's name
-    and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR / PYMOE_STREAM_AHEAD / PYMOE_DENSE_LOCALITY."""
+    and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR / PYMOE_STREAM_AHEAD / PYMOE_DENSE_LOCALITY /
+    PYMOE_DUAL / PYMOE_TWICE."""
     return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}{'_pair' if PAIRS else ''}"
-                f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}", constants, parallel=True)
+                f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{TWO_ROW_TAG}", constants, parallel=True)
 
 
 def _compile_matmul(qtype):
