@@ -25,7 +25,7 @@ from tile_bench import start  # noqa: E402
 
 
 def main():
-    args = start(__doc__, "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS")
+    args = start(__doc__, "Q2_K,Q3_K,Q4_K,Q5_K,Q6_K,Q8_0,IQ4_XS,MXFP4")
     from numba import njit
 
     from pymoe.quant import QType, qact, repack
@@ -58,7 +58,7 @@ def main():
         xq, xd, xbs = qact.quantize_for(X, qtype, qact.PLANES)  # a token's two planes [2, C]
         forms = {"one-token": one_loop(repack.TILE_DOTS_STREAM[qtype]),
                  "two-row": two_loop(repack._make_tile_dot2(qtype, locality=qact.STREAM_LOCALITY, dual=False))}
-        if repack._WIDE and qact._AVX2:
+        if repack._WIDE and qact._AVX2 and qtype in repack.PAIR:  # (the dual form's blocks are PAIR's)
             forms["two-row dual"] = two_loop(repack._make_tile_dot2(qtype, locality=qact.STREAM_LOCALITY, dual=True))
         forms["twice"] = two_loop(repack._make_tile_dot2(qtype, locality=qact.STREAM_LOCALITY, twice=True))
         ys = {f: np.zeros((R // 8, 2, 8), np.float32) for f in forms}

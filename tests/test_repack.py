@@ -358,7 +358,8 @@ def test_dual_two_row_dot_has_the_bits_of_one_token_calls(qtype):
 def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
     """The two-row dot's form per format (repack._two_row_forms): as measured for the CPU Numba compiles for (Zen 4:
     no dual form, Q3_K twice; elsewhere the dual form for DUAL where 512-bit VNNI allows it), PYMOE_DUAL and
-    PYMOE_TWICE over that; a format is never both. The choice is in the compiled kernels' names (TWO_ROW_TAG), so
+    PYMOE_TWICE over that; a format is never both. The same for the one-token and many-token dots' width
+    (repack._wides, PYMOE_WIDE_FORMATS). The choice is in the compiled kernels' names (TWO_ROW_TAG), so
     Numba's cache does not hand one form's kernels to another."""
     wide = repack._WIDE and qact._AVX2
     for cpu, env, want_dual, want_twice in (("znver4", {}, set(), {QType.Q3_K}),
@@ -374,11 +375,15 @@ def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         duals, twices = repack._two_row_forms()
+        if not env:  # and the formats it runs 512 bits wide: none on Zen 4 (repack.NARROW)
+            assert repack._wides() == (set() if cpu == "znver4" or not repack._WIDE else repack.WIDE), cpu
         assert duals == (want_dual if wide else set()), (cpu, env)
         assert twices == (want_twice if qact._AVX2 else set()), (cpu, env)
         assert not duals & twices
+    monkeypatch.setenv("PYMOE_WIDE_FORMATS", "Q8_0,Q2_K")  # Q2_K has no wide blocks
+    assert repack._wides() == ({QType.Q8_0} if repack._WIDE else set())
     assert repack.TWO_ROW_TAG == "d" + "".join(sorted(q.name for q in repack.DUALS)) + "t" + "".join(
-        sorted(q.name for q in repack.TWICES))
+        sorted(q.name for q in repack.TWICES)) + "w" + "".join(sorted(q.name for q in repack.WIDES))
 
 
 GRID = sorted(qact.ROW_DECODES, key=lambda q: q.name)  # IQ1-IQ3: the formats prefill reads decoded

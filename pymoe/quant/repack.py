@@ -1143,7 +1143,8 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     vnni = _VNNI if vnni is None else vnni
     wide_ok = _WIDE if wide is None else wide  # the 512-bit forms allowed
     qtype = _key(qtype)
-    wide = wide_ok and qtype in WIDE  # the blocks written for two chunks only
+    wide = wide_ok and qtype in (WIDES if wide is None else WIDE)  # the blocks written for two chunks only (and
+    # by default those this CPU runs so)
     codegens = {1: _make_codegen(qtype, _AVX2 and not portable, 1, vnni, wide, ahead, locality),
                 2: _make_codegen(qtype, _AVX2 and not portable, MANY, vnni and qtype in VNNI_MANY, wide)}
     pair = _AVX2 and not portable and vnni and wide_ok and qtype in PAIR
@@ -1192,7 +1193,7 @@ def _make_tile_dot2(qtype, locality: int = None, ahead: int = None, dual: bool =
 
         return tile_dot2_twice
     dual = qtype in DUALS if dual is None else dual
-    codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, _WIDE and qtype in WIDE and not dual, ahead, locality, dual=dual)
+    codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, qtype in WIDES and not dual, ahead, locality, dual=dual)
 
     def trap(context, builder, signature, args):  # (int16 x: typed so that a kernel for both widths holds the call)
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
@@ -1232,6 +1233,23 @@ _GFNI = bool(host_features().get("gfni")) and os.environ.get("PYMOE_GFNI", "1") 
 # Q6_K's one-token dots, written wide too, were no faster (their 16-weight scales: a fold and a multiply per two
 # chunks), so they stay 256-bit.
 WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
+# On Zen 4 (512-bit operations in two 256-bit halves) the 256-bit VNNI form is the faster one (bench/tile_forms.py,
+# the 2-core Zen 4 VM, 2026-12-07, G MACs/s one token / 4 tokens, 256-bit / 512-bit: Q4_K 72.6 / 107.1 against 63.5
+# / 84.4, Q8_0 94.6 / 140.4 against 86.2 / 110.2, IQ4_XS 70.3 / 125.1 against 62.2 / 85.1), so there no format runs
+# wide (the pair form of the many-token dots, measured faster there in whole prefill, stays).
+NARROW = {"znver4": WIDE}  # by the CPU Numba compiles for: the formats of WIDE it runs 256 bits wide
+
+
+def _wides() -> set:
+    """The formats of WIDE this CPU's tile dots run on 512-bit vectors: where it has 512-bit VNNI (_WIDE), WIDE less
+    those measured slower so on this CPU (NARROW); PYMOE_WIDE_FORMATS: a comma list instead ("" none)."""
+    env = os.environ.get("PYMOE_WIDE_FORMATS")
+    chosen = WIDE - NARROW.get(qact.host_cpu_name(), set()) if env is None else {
+        QType[n.strip()] for n in env.split(",") if n.strip() and n.strip() in QType.__members__}
+    return {q for q in chosen & WIDE if _WIDE}
+
+
+WIDES = _wides()
 # the formats whose two-row-group dot this CPU runs (PYMOE_PAIR=0: none, the wide form alone, to compare them)
 PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1") != "0"}
 # The formats whose two-row dot (decode's two planes, `_make_tile_dot2`) comes in the dual form on a CPU with
@@ -1269,8 +1287,9 @@ def _two_row_forms() -> tuple[set, set]:
 
 
 DUALS, TWICES = _two_row_forms()
-TWO_ROW_TAG = ("d" + "".join(sorted(q.name for q in DUALS)) + "t"
-               + "".join(sorted(q.name for q in TWICES)))  # in compiled kernels' names: PYMOE_DUAL / PYMOE_TWICE
+TWO_ROW_TAG = ("d" + "".join(sorted(q.name for q in DUALS)) + "t" + "".join(sorted(q.name for q in TWICES))
+               + "w" + "".join(sorted(q.name for q in WIDES)))  # in compiled kernels' names: PYMOE_DUAL,
+# PYMOE_TWICE, PYMOE_WIDE_FORMATS
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
