@@ -355,6 +355,27 @@ def test_dual_two_row_dot_has_the_bits_of_one_token_calls(qtype):
         assert all(np.array_equal(y, ys[3]) for y in ys[:3])
 
 
+@pytest.mark.parametrize("qtype", [QType.Q3_K, QType.Q6_K], ids=lambda q: q.name)
+def test_two_row_dot_twice_has_the_bits_of_one_token_calls(qtype):
+    """The form `twice` of the two-row dot (repack._make_tile_dot2(twice=True): the one-token dot on each plane, what
+    Zen 4 runs for Q3_K) gives each plane the one-token call's bits, on any CPU (its form of the one-token dot)."""
+    twice, one = repack._make_tile_dot2(qtype, twice=True), repack.TILE_DOTS[qtype]
+
+    @njit
+    def run(tiles, xq, xd, xbs, y_twice, y_one):
+        for g in range(tiles.shape[0]):
+            twice(tiles[g], xq, xd, xbs, y_twice[g])
+            for i in range(2):
+                one(tiles[g], xq[i], xd[i], xbs[i], y_one[g, i])
+
+    rng = np.random.default_rng(17)
+    tiles = repack.repack(random_rows(qtype, 24, 512, rng), qtype)
+    xq, xd, xbs = qact.quantize_for(rng.standard_normal((1, 512)).astype(np.float32) * 7, qtype, qact.PLANES)
+    ys = [np.full((3, 2, 8), np.nan, np.float32) for _ in range(2)]
+    run(tiles, xq, xd, xbs, *ys)
+    assert np.array_equal(ys[0], ys[1]) and not np.array_equal(ys[1][:, 0], ys[1][:, 1])
+
+
 def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
     """The two-row dot's form per format (repack._two_row_forms): as measured for the CPU Numba compiles for (Zen 4:
     no dual form, Q3_K twice; elsewhere the dual form for DUAL where 512-bit VNNI allows it), PYMOE_DUAL and

@@ -817,6 +817,18 @@ MUTANTS: list[Mutant] = [
         "the wide (512-bit) Q4_K tile dot adds its first chunk's lanes twice and drops the second's; only CPUs "
         "with AVX-512 VNNI run that form: elsewhere this mutant survives"),
     Mutant(
+        "two_row_twice_reads_the_first_plane_twice", "pymoe/quant/repack.py",
+        "            one(tiles, xq[1], xd[1], xbs[1], out[1])",
+        "            one(tiles, xq[0], xd[0], xbs[0], out[1])",
+        ("tests/test_repack.py::test_two_row_dot_twice_has_the_bits_of_one_token_calls[*",),
+        "the two-row dot's form `twice` (two one-token calls) gives the hi plane's result for the lo plane"),
+    Mutant(
+        "zen4_runs_the_intel_forms", "pymoe/quant/repack.py",
+        "NARROW = {\"znver4\": WIDE}",
+        "NARROW = {}",
+        ("tests/test_repack.py::test_two_row_forms_follow_the_cpu_and_the_environment",),
+        "Zen 4 runs the 512-bit wide tile dots measured slower there"),
+    Mutant(
         "tile_iq4_xs_offset_off_by_one", "pymoe/quant/repack.py",
         "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 128)), _i32, 8))",
         "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 127)), _i32, 8))",
