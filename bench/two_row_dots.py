@@ -1,11 +1,12 @@
 """Benchmark: decode's two-row tile dots (a token's two 8-bit planes, `--act-bits 15`) against the one-token dot, one process.
 
-What this is: the measurement behind quant/repack.py's DUAL and TWICE sets. For each format, one loop over the 8-row groups of
-a 512 x 1024 matrix of random valid blocks (warm: the tiles fit in L2), 1 thread: the one-token dot
+What this is: the measurement behind quant/repack.py's DUAL and TWICE sets. For each format, one loop over the 8-row
+groups of a 512 x 1024 matrix of random valid blocks (warm: the tiles fit in L2), 1 thread: the one-token dot
 (repack.TILE_DOTS_STREAM) on one plane, and the two-row dot on both planes in its plain form, where the CPU has
 512-bit VNNI its dual form (repack._make_tile_dot2(dual=False / True)), and the form `twice` (the one-token dot on
-each plane, twice=True), called in an order drawn anew each round; the forms' results are checked equal first. Prints the median microseconds per matrix and the two-row / one-token
-ratio (2.0: the second plane costs a whole dot; 1.0: nothing).
+each plane, twice=True), called in an order drawn anew each round; the forms' results are checked equal first.
+Prints the median microseconds per matrix and the two-row / one-token ratio (2.0: the second plane costs a whole
+dot; 1.0: nothing).
 What this is not: a decode step (bench/decode_breakdown.py, bench/compare_llamacpp.py --act-bits 15), nor cold
 weights (decode reads the experts from DRAM: bench/stream_ahead.py).
 

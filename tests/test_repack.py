@@ -380,7 +380,7 @@ def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
     """The two-row dot's form per format (repack._two_row_forms): as measured for the CPU Numba compiles for (Zen 4:
     no dual form, Q3_K twice; elsewhere the dual form for DUAL where 512-bit VNNI allows it), PYMOE_DUAL and
     PYMOE_TWICE over that; a format is never both. The same for the one-token and many-token dots' width
-    (repack._wides, PYMOE_WIDE_FORMATS). The choice is in the compiled kernels' names (TWO_ROW_TAG), so
+    (repack._wides, PYMOE_WIDE_FORMATS). The choice is in the compiled kernels' names (FORM_TAG), so
     Numba's cache does not hand one form's kernels to another."""
     wide = repack._WIDE and qact._AVX2
     for cpu, env, want_dual, want_twice in (("znver4", {}, set(), {QType.Q3_K}),
@@ -403,7 +403,12 @@ def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
         assert not duals & twices
     monkeypatch.setenv("PYMOE_WIDE_FORMATS", "Q8_0,Q2_K")  # Q2_K has no wide blocks
     assert repack._wides() == ({QType.Q8_0} if repack._WIDE else set())
-    assert repack.TWO_ROW_TAG == "d" + "".join(sorted(q.name for q in repack.DUALS)) + "t" + "".join(
+    for var in ("PYMOE_WIDE_FORMATS", "PYMOE_TWICE"):  # a name that is no format: one line naming the variable
+        monkeypatch.setenv(var, "Q4_K,Q9_K")
+        with pytest.raises(ValueError, match=f"{var}: no such format.*Q9_K"):
+            repack._wides() if var == "PYMOE_WIDE_FORMATS" else repack._two_row_forms()
+        monkeypatch.delenv(var)
+    assert repack.FORM_TAG == "d" + "".join(sorted(q.name for q in repack.DUALS)) + "t" + "".join(
         sorted(q.name for q in repack.TWICES)) + "w" + "".join(sorted(q.name for q in repack.WIDES))
 
 

@@ -807,10 +807,10 @@ def _act_fingerprint() -> str:
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
             + ("p" if repack.PAIRS else "") + f"n{qact.STREAM_LOCALITY}" + ("d" if _DECODE else "")
-            + f"s{repack.STREAM_AHEAD}" + ("e" if BY_EXPERT else "") + repack.TWO_ROW_TAG)  # PYMOE_VNNI,
-    # PYMOE_WIDE, PYMOE_PAIR, PYMOE_DUAL, PYMOE_TWICE: which instructions and forms the tile dots use;
-    # PYMOE_STREAM_LOCALITY (PYMOE_NT): the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token tile dots'
-    # distance; PYMOE_BY_EXPERT: decode's tasks
+            + f"s{repack.STREAM_AHEAD}" + ("e" if BY_EXPERT else "") + repack.FORM_TAG)  # PYMOE_VNNI,
+    # PYMOE_WIDE, PYMOE_PAIR, PYMOE_DUAL, PYMOE_TWICE, PYMOE_WIDE_FORMATS: which instructions and forms the tile
+    # dots use; PYMOE_STREAM_LOCALITY (PYMOE_NT): the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token tile
+    # dots' distance; PYMOE_BY_EXPERT: decode's tasks
 
 
 def rows_dot(qtype):

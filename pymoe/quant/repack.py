@@ -1240,12 +1240,23 @@ WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
 NARROW = {"znver4": WIDE}  # by the CPU Numba compiles for: the formats of WIDE it runs 256 bits wide
 
 
+def _formats_from_env(name: str):
+    """The formats a comma list in environment variable `name` names ("" none), or None where it is unset; a name
+    that is no format is a one-line ValueError naming the variable."""
+    env = os.environ.get(name)
+    if env is None:
+        return None
+    names = {n.strip() for n in env.split(",") if n.strip()}
+    if not names <= set(QType.__members__):
+        raise ValueError(f"{name}: no such format(s) {sorted(names - set(QType.__members__))}")
+    return {QType[n] for n in names}
+
+
 def _wides() -> set:
     """The formats of WIDE this CPU's tile dots run on 512-bit vectors: where it has 512-bit VNNI (_WIDE), WIDE less
     those measured slower so on this CPU (NARROW); PYMOE_WIDE_FORMATS: a comma list instead ("" none)."""
-    env = os.environ.get("PYMOE_WIDE_FORMATS")
-    chosen = WIDE - NARROW.get(qact.host_cpu_name(), set()) if env is None else {
-        QType[n.strip()] for n in env.split(",") if n.strip() and n.strip() in QType.__members__}
+    chosen = _formats_from_env("PYMOE_WIDE_FORMATS")
+    chosen = WIDE - NARROW.get(qact.host_cpu_name(), set()) if chosen is None else chosen
     return {q for q in chosen & WIDE if _WIDE}
 
 
@@ -1278,18 +1289,15 @@ def _two_row_forms() -> tuple[set, set]:
     formats ("" none); unset: as measured for this CPU (above)."""
     cpu = qact.host_cpu_name()
     dual = os.environ.get("PYMOE_DUAL", "0" if cpu == "znver4" else "1") != "0"
-    env = os.environ.get("PYMOE_TWICE")
-    names = None if env is None else [n.strip() for n in env.split(",") if n.strip()]
-    if names and not set(names) <= set(QType.__members__):
-        raise ValueError(f"PYMOE_TWICE: unknown format(s) {sorted(set(names) - set(QType.__members__))}")
-    twices = {q for q in (TWICE.get(cpu, set()) if names is None else {QType[n] for n in names}) if _AVX2}
+    twices = _formats_from_env("PYMOE_TWICE")
+    twices = {q for q in (TWICE.get(cpu, set()) if twices is None else twices) if _AVX2}
     return {q for q in DUAL if _AVX2 and _WIDE and dual} - twices, twices
 
 
 DUALS, TWICES = _two_row_forms()
-TWO_ROW_TAG = ("d" + "".join(sorted(q.name for q in DUALS)) + "t" + "".join(sorted(q.name for q in TWICES))
-               + "w" + "".join(sorted(q.name for q in WIDES)))  # in compiled kernels' names: PYMOE_DUAL,
-# PYMOE_TWICE, PYMOE_WIDE_FORMATS
+FORM_TAG = ("d" + "".join(sorted(q.name for q in DUALS)) + "t" + "".join(sorted(q.name for q in TWICES))
+            + "w" + "".join(sorted(q.name for q in WIDES)))  # the forms chosen, in compiled kernels' names
+# (PYMOE_DUAL, PYMOE_TWICE, PYMOE_WIDE_FORMATS)
 # How far ahead of the block it reads the one-token dot asks for tile bytes (the next row-group's and beyond: a
 # row-group of Q4_K is 4.5 KiB at 1024 columns). Asked from inside the block loop, a hint per 64 bytes among the
 # block's own loads, rather than a row-group's worth in one burst before the call (the MoE kernel's and the
@@ -1378,9 +1386,9 @@ def _compile(template, name: str, constants: dict):
     """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
     instruction-form suffix (jit.bind): the name keys Numba's on-disk cache, whose key also holds this CPU's name
     and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR / PYMOE_STREAM_AHEAD / PYMOE_DENSE_LOCALITY /
-    PYMOE_DUAL / PYMOE_TWICE."""
+    PYMOE_DUAL / PYMOE_TWICE / PYMOE_WIDE_FORMATS."""
     return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}{'_pair' if PAIRS else ''}"
-                f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{TWO_ROW_TAG}", constants, parallel=True)
+                f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}", constants, parallel=True)
 
 
 def _compile_matmul(qtype):
