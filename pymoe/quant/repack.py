@@ -1235,8 +1235,10 @@ _GFNI = bool(host_features().get("gfni")) and os.environ.get("PYMOE_GFNI", "1") 
 WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
 # On Zen 4 (512-bit operations in two 256-bit halves) the 256-bit VNNI form is the faster one (bench/tile_forms.py,
 # the 2-core Zen 4 VM, 2026-12-07, G MACs/s one token / 4 tokens, 256-bit / 512-bit: Q4_K 72.6 / 107.1 against 63.5
-# / 84.4, Q8_0 94.6 / 140.4 against 86.2 / 110.2, IQ4_XS 70.3 / 125.1 against 62.2 / 85.1), so there no format runs
-# wide (the pair form of the many-token dots, measured faster there in whole prefill, stays).
+# / 84.4, Q8_0 94.6 / 140.4 against 86.2 / 110.2, IQ4_XS 70.3 / 125.1 against 62.2 / 85.1; and the plain two-row
+# dot, us a warm matrix, 256-bit / 512-bit, bench/two_row_dots.py with PYMOE_WIDE_FORMATS unset / set: Q4_K 8.8 /
+# 11.2, Q5_K 10.6 / 13.5, IQ4_XS 9.3 / 12.2, Q8_0 11.3 / 11.3), so there no format runs wide (the pair form of the
+# many-token dots, measured faster there in whole prefill, stays).
 NARROW = {"znver4": WIDE}  # by the CPU Numba compiles for: the formats of WIDE it runs 256 bits wide
 
 
