@@ -1,6 +1,6 @@
 """Benchmark: decode's two-row tile dots (a token's two 8-bit planes, `--act-bits 15`) against the one-token dot, one process.
 
-What this is: the measurement behind quant/repack.py's DUAL and TWICE sets. For each format, one loop over the 8-row
+What this is: the measurement behind quant/repack.py's DUAL set and CPU_FORMS. For each format, one loop over the 8-row
 groups of a 512 x 1024 matrix of random valid blocks (warm: the tiles fit in L2), 1 thread: the one-token dot
 (repack.TILE_DOTS_STREAM) on one plane, and the two-row dot on both planes in its plain form, where the CPU has
 512-bit VNNI its dual form (repack._make_tile_dot2(dual=False / True)), and the form `twice` (the one-token dot on

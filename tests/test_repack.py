@@ -396,7 +396,7 @@ def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
         for k, v in env.items():
             monkeypatch.setenv(k, v)
         duals, twices = repack._two_row_forms()
-        if not env:  # and the formats it runs 512 bits wide: none on Zen 4 (repack.NARROW)
+        if not env:  # and the formats it runs 512 bits wide: none on Zen 4 (repack.CPU_FORMS)
             assert repack._wides() == (set() if cpu == "znver4" or not repack._WIDE else repack.WIDE), cpu
         assert duals == (want_dual if wide else set()), (cpu, env)
         assert twices == (want_twice if qact._AVX2 else set()), (cpu, env)

@@ -1239,7 +1239,6 @@ WIDE = {QType.Q4_K, QType.Q5_K, QType.Q8_0, QType.IQ4_XS}
 # dot, us a warm matrix, 256-bit / 512-bit, bench/two_row_dots.py with PYMOE_WIDE_FORMATS unset / set: Q4_K 8.8 /
 # 11.2, Q5_K 10.6 / 13.5, IQ4_XS 9.3 / 12.2, Q8_0 11.3 / 11.3), so there no format runs wide (the pair form of the
 # many-token dots, measured faster there in whole prefill, stays).
-NARROW = {"znver4": WIDE}  # by the CPU Numba compiles for: the formats of WIDE it runs 256 bits wide
 
 
 def _formats_from_env(name: str):
@@ -1256,13 +1255,12 @@ def _formats_from_env(name: str):
 
 def _wides() -> set:
     """The formats of WIDE this CPU's tile dots run on 512-bit vectors: where it has 512-bit VNNI (_WIDE), WIDE less
-    those measured slower so on this CPU (NARROW); PYMOE_WIDE_FORMATS: a comma list instead ("" none)."""
+    those measured slower so on this CPU (CPU_FORMS "narrow"); PYMOE_WIDE_FORMATS: a comma list instead ("" none)."""
     chosen = _formats_from_env("PYMOE_WIDE_FORMATS")
-    chosen = WIDE - NARROW.get(qact.host_cpu_name(), set()) if chosen is None else chosen
+    chosen = WIDE - _cpu_forms("narrow") if chosen is None else chosen
     return {q for q in chosen & WIDE if _WIDE}
 
 
-WIDES = _wides()
 # the formats whose two-row-group dot this CPU runs (PYMOE_PAIR=0: none, the wide form alone, to compare them)
 PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1") != "0"}
 # The formats whose two-row dot (decode's two planes, `_make_tile_dot2`) comes in the dual form on a CPU with
@@ -1282,20 +1280,28 @@ PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1"
 # 24.6, Q4_K 6.2 / 11.3 / 14.3 / 13.1, Q5_K 9.9 / 13.5 / 20.7 / 19.2, Q6_K 9.2 / 19.9 / 22.6 / 19.5, Q8_0 8.0 / 10.7
 # / 16.4 / 14.5, IQ4_XS 9.5 / 14.7 / 20.7 / 20.4.
 DUAL = {QType.Q2_K, QType.Q4_K}
-TWICE = {"znver4": {QType.Q3_K}}  # by the CPU Numba compiles for (qact.host_cpu_name): formats run `twice`
+# The forms measured faster on one CPU than the defaults above, by the CPU Numba compiles for (qact.host_cpu_name):
+# "narrow" the formats of WIDE whose dots run 256 bits wide, "plain" those of DUAL whose two-row dot has no dual
+# form, "twice" those whose two-row dot is two one-token dots. Zen 4's figures: above.
+CPU_FORMS = {"znver4": {"narrow": WIDE, "plain": DUAL, "twice": {QType.Q3_K}}}
+
+
+def _cpu_forms(kind: str) -> set:
+    return CPU_FORMS.get(qact.host_cpu_name(), {}).get(kind, set())
 
 
 def _two_row_forms() -> tuple[set, set]:
     """-> (DUALS, TWICES): the formats whose two-row dot this CPU runs in the dual form, and those it runs as two
-    one-token dots. PYMOE_DUAL=0 / 1: none / DUAL (where the CPU has 512-bit VNNI); PYMOE_TWICE: a comma list of
-    formats ("" none); unset: as measured for this CPU (above)."""
-    cpu = qact.host_cpu_name()
-    dual = os.environ.get("PYMOE_DUAL", "0" if cpu == "znver4" else "1") != "0"
+    one-token dots, as measured for this CPU (CPU_FORMS); PYMOE_DUAL=0 / 1: none / all of DUAL instead (where the
+    CPU has 512-bit VNNI); PYMOE_TWICE: a comma list of formats instead ("" none)."""
+    env = os.environ.get("PYMOE_DUAL")
+    duals = DUAL - _cpu_forms("plain") if env is None else DUAL if env != "0" else set()
     twices = _formats_from_env("PYMOE_TWICE")
-    twices = {q for q in (TWICE.get(cpu, set()) if twices is None else twices) if _AVX2}
-    return {q for q in DUAL if _AVX2 and _WIDE and dual} - twices, twices
+    twices = {q for q in (_cpu_forms("twice") if twices is None else twices) if _AVX2}
+    return {q for q in duals if _AVX2 and _WIDE} - twices, twices
 
 
+WIDES = _wides()
 DUALS, TWICES = _two_row_forms()
 FORM_TAG = ("d" + "".join(sorted(q.name for q in DUALS)) + "t" + "".join(sorted(q.name for q in TWICES))
             + "w" + "".join(sorted(q.name for q in WIDES)))  # the forms chosen, in compiled kernels' names

@@ -826,10 +826,10 @@ MUTANTS: list[Mutant] = [
         "the two-row dot's form `twice` (two one-token calls) gives the hi plane's result for the lo plane"),
     Mutant(
         "zen4_runs_the_intel_forms", "pymoe/quant/repack.py",
-        "NARROW = {\"znver4\": WIDE}",
-        "NARROW = {}",
+        "CPU_FORMS = {\"znver4\": {\"narrow\": WIDE, \"plain\": DUAL, \"twice\": {QType.Q3_K}}}",
+        "CPU_FORMS = {}",
         ("tests/test_repack.py::test_two_row_forms_follow_the_cpu_and_the_environment",),
-        "Zen 4 runs the 512-bit wide tile dots measured slower there"),
+        "Zen 4 runs Intel's forms of the tile dots (wide, dual, no twice), measured slower there"),
     Mutant(
         "tile_iq4_xs_offset_off_by_one", "pymoe/quant/repack.py",
         "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 128)), _i32, 8))",
