@@ -391,7 +391,7 @@ def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
                                             ("sapphirerapids", {"PYMOE_TWICE": "Q4_K"}, repack.DUAL - {QType.Q4_K},
                                              {QType.Q4_K})):
         monkeypatch.setattr(qact, "host_cpu_name", lambda cpu=cpu: cpu)
-        for k in ("PYMOE_DUAL", "PYMOE_TWICE"):
+        for k in ("PYMOE_DUAL", "PYMOE_TWICE", "PYMOE_WIDE_FORMATS"):
             monkeypatch.delenv(k, raising=False)
         for k, v in env.items():
             monkeypatch.setenv(k, v)
@@ -410,6 +410,9 @@ def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
         monkeypatch.delenv(var)
     assert repack.FORM_TAG == "d" + "".join(sorted(q.name for q in repack.DUALS)) + "t" + "".join(
         sorted(q.name for q in repack.TWICES)) + "w" + "".join(sorted(q.name for q in repack.WIDES))
+    from pymoe.quant import kernels  # the tag in the names that key Numba's cache: the dense products', the MoE's
+    assert repack._MATMULS[QType.Q4_K].py_func.__qualname__.endswith(repack.FORM_TAG)
+    assert kernels._act_fingerprint().endswith(repack.FORM_TAG)
 
 
 GRID = sorted(qact.ROW_DECODES, key=lambda q: q.name)  # IQ1-IQ3: the formats prefill reads decoded

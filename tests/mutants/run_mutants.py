@@ -831,6 +831,13 @@ MUTANTS: list[Mutant] = [
         ("tests/test_repack.py::test_two_row_forms_follow_the_cpu_and_the_environment",),
         "Zen 4 runs Intel's forms of the tile dots (wide, dual, no twice), measured slower there"),
     Mutant(
+        "form_tag_left_out_of_kernel_names", "pymoe/quant/repack.py",
+        "f\"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}\"",
+        "f\"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}\"",
+        ("tests/test_repack.py::test_two_row_forms_follow_the_cpu_and_the_environment",),
+        "the chosen forms are not in the dense products' kernel names: Numba's cache hands one form's kernels to a "
+        "process that asked for another (PYMOE_DUAL, PYMOE_TWICE, PYMOE_WIDE_FORMATS)"),
+    Mutant(
         "tile_iq4_xs_offset_off_by_one", "pymoe/quant/repack.py",
         "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 128)), _i32, 8))",
         "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 127)), _i32, 8))",
