@@ -18,9 +18,12 @@ Variants (name: what is turned off -> the switch):
     wide: two Q4_K chunks a 512-bit vector and the pair form -> PYMOE_WIDE=0
     pair: the pair form of the many-token tile dots -> PYMOE_PAIR=0
     stream_ahead: the one-token tile dot's hints 8 KiB ahead -> PYMOE_STREAM_AHEAD=0
+    dense_q8_0_unhinted: Q8_0's dense dots without hints -> PYMOE_DENSE_AHEAD=8192 (every format's 8 KiB ahead)
     by_expert: one task per expert in decode -> PYMOE_BY_EXPERT=0 (the row tasks)
     huge_pages: repacked copies in 2 MiB pages -> PYMOE_HUGE=0
     decoded_tiles: IQ1-IQ3 experts decoded into tiles in prefill -> PYMOE_DECODE=0 (IQ files only)
+--act-bits sets the width every variant but default_path runs at (8, the default; 15: the default width's two
+planes).
 What this is not: a side-by-side with llama.cpp (bench/compare_llamacpp.py).
 """
 from __future__ import annotations
@@ -37,18 +40,19 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import pymoe  # noqa: E402
 
-# name -> (activation bits, environment); "all_on" is the reference every other row is divided by
+# name -> (activation bits, None: --act-bits; environment); "all_on" is the reference every other row is divided by
 VARIANTS = {
-    "all_on": (8, {}),
+    "all_on": (None, {}),
     "default_path": (16, {}),
-    "tiles": (8, {"PYMOE_REPACK": "0"}),
-    "vnni": (8, {"PYMOE_VNNI": "0"}),
-    "wide": (8, {"PYMOE_WIDE": "0"}),
-    "pair": (8, {"PYMOE_PAIR": "0"}),
-    "stream_ahead": (8, {"PYMOE_STREAM_AHEAD": "0"}),
-    "by_expert": (8, {"PYMOE_BY_EXPERT": "0"}),
-    "huge_pages": (8, {"PYMOE_HUGE": "0"}),
-    "decoded_tiles": (8, {"PYMOE_DECODE": "0"}),
+    "tiles": (None, {"PYMOE_REPACK": "0"}),
+    "vnni": (None, {"PYMOE_VNNI": "0"}),
+    "wide": (None, {"PYMOE_WIDE": "0"}),
+    "pair": (None, {"PYMOE_PAIR": "0"}),
+    "stream_ahead": (None, {"PYMOE_STREAM_AHEAD": "0"}),
+    "dense_q8_0_unhinted": (None, {"PYMOE_DENSE_AHEAD": "8192"}),
+    "by_expert": (None, {"PYMOE_BY_EXPERT": "0"}),
+    "huge_pages": (None, {"PYMOE_HUGE": "0"}),
+    "decoded_tiles": (None, {"PYMOE_DECODE": "0"}),
 }
 DEFAULT = "default_path,tiles,vnni,wide,pair,stream_ahead,by_expert,huge_pages"
 
@@ -87,6 +91,8 @@ def main():
     ap.add_argument("--runs", type=int, default=3, help="runs per variant, alternated; medians (default 3)")
     ap.add_argument("--prompt-tokens", type=int, default=128)
     ap.add_argument("--gen-tokens", type=int, default=64)
+    ap.add_argument("--act-bits", type=int, default=8, help="the width of all_on and the switch-only variants "
+                    "(default 8; 15: two planes)")
     ap.add_argument("--variants", default=DEFAULT,
                     help=f"comma-separated, each measured beside all_on (default {DEFAULT}; also: decoded_tiles)")
     args = ap.parse_args()
@@ -100,6 +106,7 @@ def main():
     workers = {}
     for name in names:  # each started with its own switches in the environment, then the environment restored
         bits, env = VARIANTS[name]
+        bits = args.act_bits if bits is None else bits
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         parent, child = ctx.Pipe()
@@ -146,8 +153,8 @@ def main():
         p, d = statistics.median(pre[name]), statistics.median(dec[name])
         same = "yes" if outputs[name] == outputs["all_on"] else "NO"
         print(f"{name:<22}{p:>14.1f}{p / p0:>8.2f}{d:>12.1f}{d / d0:>8.2f}  {same}")
-    if any(outputs[n] != outputs["all_on"] for n in names if VARIANTS[n][0] == 8):
-        raise SystemExit("techniques: a switch changed the tokens of the 8-bit path (it must change speed only)")
+    if any(outputs[n] != outputs["all_on"] for n in names if VARIANTS[n][0] in (8, None)):
+        raise SystemExit("techniques: a switch changed the tokens (it must change speed only)")
 
 
 if __name__ == "__main__":

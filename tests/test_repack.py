@@ -411,8 +411,21 @@ def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
     assert repack.FORM_TAG == "d" + "".join(sorted(q.name for q in repack.DUALS)) + "t" + "".join(
         sorted(q.name for q in repack.TWICES)) + "w" + "".join(sorted(q.name for q in repack.WIDES))
     from pymoe.quant import kernels  # the tag in the names that key Numba's cache: the dense products', the MoE's
-    assert repack._MATMULS[QType.Q4_K].py_func.__qualname__.endswith(repack.FORM_TAG)
+    assert repack._MATMULS[QType.Q4_K].py_func.__qualname__.endswith(f"_{repack.FORM_TAG}_{repack.DENSE_TAG}")
     assert kernels._act_fingerprint().endswith(repack.FORM_TAG)
+
+
+def test_dense_hints_per_format(monkeypatch):
+    """How far ahead the dense weights' dots ask for bytes (repack._dense_ahead): STREAM_AHEAD, but none for Q8_0,
+    whose plain stream the hardware prefetcher follows alone (bench/dense_ahead.py); PYMOE_DENSE_AHEAD sets every
+    format's. The distances are in the dense products' kernel names (DENSE_TAG), which key Numba's cache."""
+    monkeypatch.delenv("PYMOE_DENSE_AHEAD", raising=False)
+    assert {q: repack._dense_ahead(q) for q in repack.TILE_DOTS} == {
+        q: 0 if q == QType.Q8_0 else repack.STREAM_AHEAD for q in repack.TILE_DOTS}
+    monkeypatch.setenv("PYMOE_DENSE_AHEAD", "4096")
+    assert {repack._dense_ahead(q) for q in repack.TILE_DOTS} == {4096}
+    assert repack.DENSE_TAG == "a" + "-".join(str(repack.DENSE_AHEAD[q]) for q in repack.TILE_DOTS)
+    assert repack._MATMULS[QType.Q8_0].py_func.__qualname__.endswith(repack.DENSE_TAG)
 
 
 GRID = sorted(qact.ROW_DECODES, key=lambda q: q.name)  # IQ1-IQ3: the formats prefill reads decoded

@@ -1320,23 +1320,36 @@ FORM_TAG = ("d" + "".join(sorted(q.name for q in DUALS)) + "t" + "".join(sorted(
 # (qact.STREAM_LOCALITY, with the figures in kernels), 8 KiB ahead as elsewhere. PYMOE_STREAM_AHEAD=<bytes> chooses
 # (0: none). The dense weights' dots ask at qact.DENSE_LOCALITY (prefetcht0; prefetcht1 on Zen 4).
 STREAM_AHEAD = int(os.environ.get("PYMOE_STREAM_AHEAD", "8192"))
-tile_dot_q2_k = _make_tile_dot(QType.Q2_K)
-tile_dot_q3_k = _make_tile_dot(QType.Q3_K)
-tile_dot_q4_k = _make_tile_dot(QType.Q4_K)
-tile_dot_q5_k = _make_tile_dot(QType.Q5_K)
-tile_dot_q6_k = _make_tile_dot(QType.Q6_K)
-tile_dot_mxfp4 = _make_tile_dot(QType.MXFP4)
-tile_dot_q8_0 = _make_tile_dot(QType.Q8_0)
-tile_dot_iq4_xs = _make_tile_dot(QType.IQ4_XS)
-TILE_DOTS = {QType.Q2_K: tile_dot_q2_k, QType.Q3_K: tile_dot_q3_k, QType.Q4_K: tile_dot_q4_k,
-             QType.Q5_K: tile_dot_q5_k, QType.Q6_K: tile_dot_q6_k, QType.MXFP4: tile_dot_mxfp4,
-             QType.Q8_0: tile_dot_q8_0, QType.IQ4_XS: tile_dot_iq4_xs}
+# The dense weights' one-token and two-row dots ask STREAM_AHEAD ahead too, but Q8_0's ask for nothing: its tiles
+# are the plainest stream (2176 bytes a block, 34 hints), which the hardware prefetcher follows alone, and the hints
+# only cost it. bench/dense_ahead.py (a matrix not in cache, 2 MB of other memory read before each call, two planes,
+# 2 threads, 2-core Zen 4, medians of 11 alternated rounds), us a call with no hints / 8 KiB ahead: Q8_0 1024 x 1024
+# 36.9 / 44.1 (back to back, no reads between: 38.2 / 47.1; 4096 x 2048: 282.7 / 329.8), Q4_K 31.3 / 23.9. In
+# decode (bench/decode_breakdown.py on the mid MXFP4_MOE file, whose dense weights are Q8_0; three runs each,
+# alternated) q/k/v took 1.02 / 1.36 / 0.99 ms a token against 1.09 / 1.15 / 1.17 with the hints, the other
+# products 0.90 / 1.00 / 0.87 against 0.92 / 0.99 / 1.02: ~2% of the token, under the whole decode's noise
+# (bench/techniques.py dense_q8_0_unhinted: a tie). PYMOE_DENSE_AHEAD=<bytes> sets every format's.
+_NO_DENSE_HINTS = {QType.Q8_0}
+
+
+def _dense_ahead(qtype) -> int:
+    """Bytes ahead the dense weights' dots of this format ask for: PYMOE_DENSE_AHEAD if set; else none for Q8_0,
+    STREAM_AHEAD for the rest."""
+    if os.environ.get("PYMOE_DENSE_AHEAD"):
+        return int(os.environ["PYMOE_DENSE_AHEAD"])
+    return 0 if qtype in _NO_DENSE_HINTS else STREAM_AHEAD
+
+
+_TILED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4, QType.Q8_0, QType.IQ4_XS)
+DENSE_AHEAD = {q: _dense_ahead(q) for q in _TILED}
+DENSE_TAG = "a" + "-".join(str(DENSE_AHEAD[q]) for q in _TILED)  # in the dense products' kernel names
+TILE_DOTS = {q: _make_tile_dot(q, ahead=DENSE_AHEAD[q]) for q in _TILED}  # the dense weights'
 TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=qact.STREAM_LOCALITY) for q in TILE_DOTS}  # the experts' (the
 # hint for bytes read once)
 # the decoded layout's (a scratch tile, in L1: no hints ahead)
 tile_dot_decoded = _make_tile_dot(DECODED, ahead=0)
 # two rows of x a call (a token's two planes): the dense weights' and the experts' (the hint for bytes read once)
-TILE_DOTS2 = {q: _make_tile_dot2(q) for q in TILE_DOTS}
+TILE_DOTS2 = {q: _make_tile_dot2(q, ahead=DENSE_AHEAD[q]) for q in TILE_DOTS}
 TILE_DOTS2_STREAM = {q: _make_tile_dot2(q, locality=qact.STREAM_LOCALITY) for q in TILE_DOTS}
 
 
@@ -1394,9 +1407,9 @@ def _compile(template, name: str, constants: dict):
     """`template` compiled with some of its globals bound to `constants` (the tile dots), under `name` plus the
     instruction-form suffix (jit.bind): the name keys Numba's on-disk cache, whose key also holds this CPU's name
     and features, not PYMOE_VNNI / PYMOE_WIDE / PYMOE_PAIR / PYMOE_STREAM_AHEAD / PYMOE_DENSE_LOCALITY /
-    PYMOE_DUAL / PYMOE_TWICE / PYMOE_WIDE_FORMATS."""
+    PYMOE_DUAL / PYMOE_TWICE / PYMOE_WIDE_FORMATS / PYMOE_DENSE_AHEAD."""
     return bind(template, name + f"{'_vnni' if _VNNI else ''}{'_wide' if _WIDE else ''}{'_pair' if PAIRS else ''}"
-                f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}", constants, parallel=True)
+                f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}_{DENSE_TAG}", constants, parallel=True)
 
 
 def _compile_matmul(qtype):

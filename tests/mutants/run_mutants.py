@@ -825,6 +825,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_repack.py::test_two_row_dot_twice_has_the_bits_of_one_token_calls[*",),
         "the two-row dot's form `twice` (two one-token calls) gives the hi plane's result for the lo plane"),
     Mutant(
+        "q8_0_dense_dots_hinted_again", "pymoe/quant/repack.py",
+        "_NO_DENSE_HINTS = {QType.Q8_0}",
+        "_NO_DENSE_HINTS = set()",
+        ("tests/test_repack.py::test_dense_hints_per_format",),
+        "Q8_0's dense dots ask for bytes ahead again, measured slower (bench/dense_ahead.py)"),
+    Mutant(
         "zen4_runs_the_intel_forms", "pymoe/quant/repack.py",
         "CPU_FORMS = {\"znver4\": {\"narrow\": WIDE, \"plain\": DUAL, \"twice\": {QType.Q3_K}}}",
         "CPU_FORMS = {}",
@@ -832,8 +838,8 @@ MUTANTS: list[Mutant] = [
         "Zen 4 runs Intel's forms of the tile dots (wide, dual, no twice), measured slower there"),
     Mutant(
         "form_tag_left_out_of_kernel_names", "pymoe/quant/repack.py",
-        "f\"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}\"",
-        "f\"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}\"",
+        "f\"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}_{DENSE_TAG}\"",
+        "f\"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{DENSE_TAG}\"",
         ("tests/test_repack.py::test_two_row_forms_follow_the_cpu_and_the_environment",),
         "the chosen forms are not in the dense products' kernel names: Numba's cache hands one form's kernels to a "
         "process that asked for another (PYMOE_DUAL, PYMOE_TWICE, PYMOE_WIDE_FORMATS)"),
