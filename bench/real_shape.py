@@ -167,7 +167,11 @@ def _worker(kind: str, act_bits, model: str, threads: int, n_ctx: int, first: li
         t_load = time.perf_counter()
         kv = engine.model.new_kv(len(first) + 1)
         token = int(np.argmax(engine.model.prefill(np.asarray(first), kv)[-1]))
-        fn = lambda p, g, f=None: time_pymoe(engine, p, g, f)  # noqa: E731
+        def fn(p, g, f=None):  # (prefill s, decode s, s of it spent making experts' copies on their first run)
+            before = engine.backend.copy_seconds if engine.backend.repack else 0.0
+            return (*time_pymoe(engine, p, g, f),
+                    (engine.backend.copy_seconds if engine.backend.repack else 0.0) - before)
+
         extra = lambda: dict(expert_copies=engine.backend.expert_copies,  # noqa: E731
                              experts_in_place=engine.backend.experts_in_place,
                              budget=engine.backend.expert_budget) if engine.backend.repack else {}
@@ -182,7 +186,7 @@ def _worker(kind: str, act_bits, model: str, threads: int, n_ctx: int, first: li
         t_load = time.perf_counter()
         llm.eval(list(first))
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        fn = lambda p, g, f=None: time_llama(llm, p, g, f)  # noqa: E731
+        fn = lambda p, g, f=None: (*time_llama(llm, p, g, f), 0.0)  # noqa: E731  (its copies: in the load call)
         extra = dict
     t1 = time.perf_counter()
     conn.send(dict(load_s=t_load - t0, first_token_s=t1 - t0, token=token, at_first=memory_status("self")))
@@ -216,7 +220,7 @@ def measure_engine(name: str, args, prompts: dict, feed, plain: bool) -> dict:
         sampler.stop()
         proc.join()
         raise SystemExit(f"real_shape: the {name} worker died while loading {args.model} (exit code {proc.exitcode})")
-    def ask(prompt, n_gen, f):  # -> (prefill seconds, decode seconds) of one request
+    def ask(prompt, n_gen, f):  # -> (prefill seconds, decode seconds, copy seconds) of one request
         parent.send((prompt, n_gen, f))
         return parent.recv()
 
@@ -226,8 +230,9 @@ def measure_engine(name: str, args, prompts: dict, feed, plain: bool) -> dict:
         out[f"prefill {n}"] = statistics.median(n / ask(prompts[n], 0, None)[0] for _ in range(args.runs))
         print(f"  {name} prefill {n}: first run {out[f'prefill {n} first']:.2f} tok/s, then {out[f'prefill {n}']:.2f}",
               flush=True)
-    out["decode"] = statistics.median(args.gen_tokens / ask(prompts[128], args.gen_tokens, feed)[1]
-                                      for _ in range(args.runs))
+    decodes = [ask(prompts[128], args.gen_tokens, feed) for _ in range(args.runs)]
+    out["decode"] = statistics.median(args.gen_tokens / d for _, d, _ in decodes)
+    out["decode copies"] = (sum(c for _, _, c in decodes), sum(p + d for p, d, _ in decodes))  # (s, of s in all)
     sampler.sample()
     parent.send(None)
     out.update(parent.recv())
@@ -282,7 +287,9 @@ def run(args) -> None:
     for name, r in results.items():
         if "expert_copies" in r:
             print(f"{name}: experts' repacked copies {gib(r['expert_copies'])} GiB (budget {gib(r['budget'])} GiB), "
-                  f"{r['experts_in_place']} experts read in place once the budget was spent")
+                  f"{r['experts_in_place']} experts read in place once the budget was spent; the decode requests "
+                  f"spent {r['decode copies'][0]:.1f} s of their {r['decode copies'][1]:.1f} s making copies of "
+                  f"experts on their first run")
 
 
 # --- main --------------------------------------------------------------------------------------------------------

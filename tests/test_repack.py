@@ -623,3 +623,26 @@ def test_decode_one_task_per_expert_has_the_bits_of_the_row_tasks():
                     kernels._ACT_KERNELS[("_moe_kernel",) + types] = saved
             assert np.array_equal(got["rows"], got["experts"]), (S, threads, bits)
             assert np.abs(got["rows"]).max() > 0
+
+
+@pytest.mark.parametrize("bits", [8, qact.PLANES])
+def test_dense_rows_past_the_last_tile_pad_it(tiny_model, bits):
+    """A dense weight whose rows are not a multiple of 8 (the mid preset's output head has 746): its last tile
+    padded with rows of zero bytes (CPUBackend.dense), their results dropped (CPUBackend._tiled). Its products, one
+    token and several, alone and among others (linear_many), have the bits of kernels.matmul_act on the raw rows."""
+    import dataclasses
+
+    path = tiny_model("qwen3moe", "q2_k")
+    b = pymoe.load(path, backend="cpu", backend_options={"act_bits": bits}).model.backend
+    head = pymoe.load_gguf(path).tensor("output.weight")  # Q6_K, 512 x 256
+    rows = head.shape[0] - 6  # 506: 63 tiles and 2 rows
+    t = dataclasses.replace(head, shape=(rows, head.shape[1]), data=head.rows()[:rows])
+    w = b.dense(t)
+    assert w.tiles is not None and w.tiles.shape[0] == rows // 8 + 1 and w.shape == (rows, head.shape[1])
+    rng = np.random.default_rng(0)
+    for T in (1, 3):
+        x = rng.standard_normal((T, head.shape[1])).astype(np.float32)
+        want = kernels.matmul_act(head.rows()[:rows], head.qtype, x, bits)  # [T, rows]
+        for got in (b.linear(w, x), b.linear_many([w, w, w], x)[2]):  # (not the three-matrix call: a padded tile)
+            assert got.flags.c_contiguous
+            np.testing.assert_array_equal(got, want)

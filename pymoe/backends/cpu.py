@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import replace
 from typing import Optional
 
@@ -429,6 +430,7 @@ class CPUBackend(HostArrays):
         self.expert_budget = repack_budget() if repack_mib is None else int(repack_mib * 2**20)  # bytes
         self.expert_copies = 0  # bytes of the experts' repacked copies made
         self.experts_in_place = 0  # experts first run once the budget was spent (read from the memory map)
+        self.copy_seconds = 0.0  # time spent making them (reading the expert's pages, filling fresh memory)
 
     def _set_width(self, act_bits) -> None:
         self.act_bits, self.dense_bits, self.expert_bits = act_mode(act_bits)  # (see ACT_MODES)
@@ -506,15 +508,20 @@ class CPUBackend(HostArrays):
         kernels.moe_act([ex], qtypes, x, [(np.zeros(1, np.int64), np.ones(1, np.float32))], self.expert_bits)
 
     def dense(self, t: Tensor) -> DenseWeight:
-        """With repacking: tiles for a weight of a type with a layout; else (the F32 router, a Q6_K head of rows not
-        a multiple of 8, an IQ type) its rows copied, so that every product of a decode step reads 2 MiB pages."""
+        """With repacking: tiles for a weight of a type with a layout (rows not a multiple of 8, like the mid
+        preset's 746-row head: the last tile padded with rows of zero bytes, whose results `_tiled` drops); else
+        (the F32 router, an IQ type) its rows copied, so that every product of a decode step reads 2 MiB pages."""
         w = host_dense(t)  # a view into the memory map
         if self.head_bits is not None and t.name in HEAD_NAMES:
             w = replace(w, bits=self.head_bits)
         bits = self.dense_bits if w.bits is None else w.bits
-        if self.repack and bits in (8, qact.PLANES) and repack.fits(w.qtype, *w.shape):
-            w = replace(w, tiles=repack.repack(w.raw, w.qtype, self._arena.empty))  # [R / 8, row_tiles]: one-token
-            # products (decode)
+        padded = -(-w.shape[0] // repack.ROWS) * repack.ROWS  # rows rounded up to whole tiles
+        if self.repack and bits in (8, qact.PLANES) and repack.fits(w.qtype, padded, w.shape[1]):
+            raw = w.raw
+            if padded > w.shape[0]:  # zero bytes: a zero scale, finite results
+                raw = np.zeros((padded, raw.shape[1]), dtype=np.uint8)
+                raw[:w.shape[0]] = w.raw
+            w = replace(w, tiles=repack.repack(raw, w.qtype, self._arena.empty))  # [ceil(R / 8), row_tiles]
         elif self.repack and self._arena.enabled:
             w = replace(w, raw=self._arena.copy(w.raw))
         return w
@@ -545,8 +552,10 @@ class CPUBackend(HostArrays):
         if need and self.expert_copies + need > self.expert_budget:  # budget spent: this expert stays in place
             fits = [False] * 3
             self.experts_in_place += 1
+        t0 = time.perf_counter()
         mats = [repack.repack(m, q, self._arena.empty) if f else None
                 for q, m, f in zip(qtypes, (ex.gate, ex.up, ex.down), fits)]  # [rows / 8, row_tiles] or None
+        self.copy_seconds += time.perf_counter() - t0
         self.expert_copies += sum(m.nbytes for m in mats if m is not None)
         row = (*raw, *(0 if m is None else m.ctypes.data for m in mats))
         self._rows[id(ex)] = (ex, mats, row)  # ex kept alive: its id stays its own
@@ -559,10 +568,16 @@ class CPUBackend(HostArrays):
         """x float32 [T, C] -> [T, R]."""
         if w.tiles is not None:  # repacked: x quantized to 8 bits (or two planes), the bits of matmul_act on the raw
             bits = self.dense_bits if w.bits is None else w.bits  # rows
-            y = repack.tile_matmul(w.tiles, w.qtype, *qact.quantize_for(np.ascontiguousarray(x, np.float32), w.qtype,
-                                                                          bits))
-            return qact.sum_planes(y) if bits == qact.PLANES else y
+            return self._tiled(w, bits, qact.quantize_for(np.ascontiguousarray(x, np.float32), w.qtype, bits))
         return self.linear_raw(w.raw, w.qtype, x, w.bits)
+
+    @staticmethod
+    def _tiled(w: DenseWeight, bits: int, xact: tuple) -> np.ndarray:
+        """x (quantized: xact) times a repacked weight -> float32 [T, R], the bits of kernels.matmul_act on its raw
+        rows; the results of the zero rows that pad its last tile (`dense`) dropped."""
+        y = repack.tile_matmul(w.tiles, w.qtype, *xact)  # [T or 2T, R rounded up to 8]
+        y = qact.sum_planes(y) if bits == qact.PLANES else y  # [T, R rounded up]
+        return y if y.shape[1] == w.shape[0] else np.ascontiguousarray(y[:, :w.shape[0]])
 
     def attention(self, q: np.ndarray, k: np.ndarray, v: np.ndarray, p0: int, window: int = 0,
                   sinks=None) -> np.ndarray:
@@ -617,8 +632,8 @@ class CPUBackend(HostArrays):
     def linear_many(self, ws: list, x: np.ndarray) -> list:
         """[linear(w, x) for w in ws], x quantized once for all the integer-path weights (q, k and v of a layer)."""
         groups = {qact.act_group(w.qtype, self.dense_bits) for w in ws}  # x's layout for each (qact.act_group)
-        if (x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None for w in ws)
-                and len(groups) == 1):  # decode's q, k, v repacked: one quantization, one call for the three
+        if (x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None and w.tiles.shape[0] * repack.ROWS
+                                                         == w.shape[0] for w in ws) and len(groups) == 1):  # decode's q, k, v repacked: one quantization, one call for the three
             xact = qact.quantize_rows(x, self.dense_bits, groups.pop())  # 8 bits, or two planes
             ys = repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
             return [qact.sum_planes(y) for y in ys] if self.dense_bits == qact.PLANES else ys
@@ -632,8 +647,7 @@ class CPUBackend(HostArrays):
                     xact = xacts[group] = qact.quantize_rows(np.ascontiguousarray(x, dtype=np.float32),
                                                              self.dense_bits, group)
                 if w.tiles is not None:
-                    y = repack.tile_matmul(w.tiles, w.qtype, *xact)
-                    out.append(qact.sum_planes(y) if self.dense_bits == qact.PLANES else y)
+                    out.append(self._tiled(w, self.dense_bits, xact))
                     continue
                 out.append(kernels.matmul_act(w.raw, w.qtype, x, self.dense_bits, xact=xact))
             else:
