@@ -831,6 +831,12 @@ MUTANTS: list[Mutant] = [
         ("tests/test_repack.py::test_dense_hints_per_format",),
         "Q8_0's dense dots ask for bytes ahead again, measured slower (bench/dense_ahead.py)"),
     Mutant(
+        "padded_tile_rows_kept", "pymoe/backends/cpu.py",
+        "        return y if y.shape[1] == w.shape[0] else np.ascontiguousarray(y[:, :w.shape[0]])",
+        "        return y",
+        ("tests/test_repack.py::test_dense_rows_past_the_last_tile_pad_it[*",),
+        "the results of the zero rows that pad a dense weight's last tile are returned as rows of the product"),
+    Mutant(
         "zen4_runs_the_intel_forms", "pymoe/quant/repack.py",
         "CPU_FORMS = {\"znver4\": {\"narrow\": WIDE, \"plain\": DUAL, \"twice\": {QType.Q3_K}}}",
         "CPU_FORMS = {}",
