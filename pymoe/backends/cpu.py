@@ -632,8 +632,10 @@ class CPUBackend(HostArrays):
     def linear_many(self, ws: list, x: np.ndarray) -> list:
         """[linear(w, x) for w in ws], x quantized once for all the integer-path weights (q, k and v of a layer)."""
         groups = {qact.act_group(w.qtype, self.dense_bits) for w in ws}  # x's layout for each (qact.act_group)
-        if (x.shape[0] == 1 and len(ws) == 3 and all(w.tiles is not None and w.tiles.shape[0] * repack.ROWS
-                                                         == w.shape[0] for w in ws) and len(groups) == 1):  # decode's q, k, v repacked: one quantization, one call for the three
+        whole = all(w.tiles is not None and w.tiles.shape[0] * repack.ROWS == w.shape[0] for w in ws)  # (no padded
+        # last tile)
+        if x.shape[0] == 1 and len(ws) == 3 and whole and len(groups) == 1:  # decode's q, k, v repacked: one
+            # quantization, one call for the three
             xact = qact.quantize_rows(x, self.dense_bits, groups.pop())  # 8 bits, or two planes
             ys = repack.tile_matvec3([w.tiles for w in ws], [w.qtype for w in ws], *xact)
             return [qact.sum_planes(y) for y in ys] if self.dense_bits == qact.PLANES else ys
