@@ -1340,10 +1340,9 @@ def _dense_ahead(qtype) -> int:
     return 0 if qtype in _NO_DENSE_HINTS else STREAM_AHEAD
 
 
-_TILED = (QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K, QType.MXFP4, QType.Q8_0, QType.IQ4_XS)
-DENSE_AHEAD = {q: _dense_ahead(q) for q in _TILED}
-DENSE_TAG = "a" + "-".join(str(DENSE_AHEAD[q]) for q in _TILED)  # in the dense products' kernel names
-TILE_DOTS = {q: _make_tile_dot(q, ahead=DENSE_AHEAD[q]) for q in _TILED}  # the dense weights'
+DENSE_AHEAD = {q: _dense_ahead(q) for q in TILE_BYTES}  # every format with tiles
+DENSE_TAG = "a" + "-".join(str(a) for a in DENSE_AHEAD.values())  # in the dense products' kernel names
+TILE_DOTS = {q: _make_tile_dot(q, ahead=a) for q, a in DENSE_AHEAD.items()}  # the dense weights'
 TILE_DOTS_STREAM = {q: _make_tile_dot(q, locality=qact.STREAM_LOCALITY) for q in TILE_DOTS}  # the experts' (the
 # hint for bytes read once)
 # the decoded layout's (a scratch tile, in L1: no hints ahead)
