@@ -855,8 +855,9 @@ MUTANTS: list[Mutant] = [
         "e.splat(e.b.mul(x.bsum32(e, g), ir.Constant(_i32, 127)), _i32, 8))",
         ("tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*IQ4_XS]",
          "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*Q8_0]",
+         "tests/test_repack.py::test_tile_dot_has_the_bits_of_the_row_dots[*MXFP4]",
          "tests/test_repack.py::test_decode_with_repacking_has_the_bits_of_decode_without[IQ4_XS-8]"),
-        "the VNNI IQ4_XS and Q8_0 tile dots take 127 * bsum off the weights + 128 (every weight one step high); "
+        "the VNNI IQ4_XS, MXFP4 and Q8_0 tile dots take 127 * bsum off the weights + 128 (every weight one step high); "
         "only CPUs with VNNI run that form: elsewhere this mutant survives"),
     Mutant(
         "rmsnorm_parallel_skips_a_row", "pymoe/backends/cpu.py",
