@@ -378,12 +378,13 @@ def test_two_row_dot_twice_has_the_bits_of_one_token_calls(qtype):
 
 def test_two_row_forms_follow_the_cpu_and_the_environment(monkeypatch):
     """The two-row dot's form per format (repack._two_row_forms): as measured for the CPU Numba compiles for (Zen 4:
-    no dual form, Q3_K twice; elsewhere the dual form for DUAL where 512-bit VNNI allows it), PYMOE_DUAL and
+    no dual form; elsewhere the dual form for DUAL where 512-bit VNNI allows it), PYMOE_DUAL and
     PYMOE_TWICE over that; a format is never both. The same for the one-token and many-token dots' width
     (repack._wides, PYMOE_WIDE_FORMATS). The choice is in the compiled kernels' names (FORM_TAG), so
     Numba's cache does not hand one form's kernels to another."""
     wide = repack._WIDE and qact._AVX2
-    for cpu, env, want_dual, want_twice in (("znver4", {}, set(), {QType.Q3_K}),
+    for cpu, env, want_dual, want_twice in (("znver4", {}, set(), set()),
+                                            ("znver4", {"PYMOE_TWICE": "Q3_K"}, set(), {QType.Q3_K}),
                                             ("sapphirerapids", {}, repack.DUAL, set()),
                                             ("znver4", {"PYMOE_DUAL": "1", "PYMOE_TWICE": ""}, repack.DUAL, set()),
                                             ("sapphirerapids", {"PYMOE_DUAL": "0", "PYMOE_TWICE": "Q6_K,Q4_K"}, set(),

@@ -845,11 +845,11 @@ def _block_symmetric(qtype):
         b, n = e.b, e.VB.count  # (pair: [64], both row-groups')
         sh = lambda v, k: b.lshr(v, _vec(_i8, n, [k] * n)) if k else v  # noqa: E731
         mask = lambda v, m: b.and_(v, _vec(_i8, n, [m] * n))  # noqa: E731
-        up = lambda v, k: b.shl(v, _vec(_i8, n, [k] * n))  # noqa: E731
-        if qtype == QType.Q3_K:
+        if qtype == QType.Q3_K:  # (GFNI: a plane's 2 low bits and its high bit one vgf2p8affineqb each; the
+            # shifts and masks took Q3_K's two-row dot, us a warm 512 x 1024 matrix on Zen 4, to 21.7 against 14.9)
             q = e.chunk(wbase, e.at(t, 144 + 32 * (8 * h + c)))
             hm = e.chunk(wbase, e.at(t, 656 + 32 * c))
-            return [b.or_(mask(sh(q, 2 * j), 3), up(mask(sh(hm, 4 * h + j), 1), 2)) for j in range(4)]
+            return [b.or_(e.bits(q, 2 * j, 2), e.bits(hm, 4 * h + j, 1, 2)) for j in range(4)]
         lo_a = e.chunk(wbase, e.at(t, 144 + 32 * (16 * h + c)))  # ql[64 h + 4 c ..]
         lo_b = e.chunk(wbase, e.at(t, 144 + 32 * (16 * h + 8 + c)))  # ql[64 h + 32 + 4 c ..]
         hq = e.chunk(wbase, e.at(t, 1168 + 32 * (8 * h + c)))  # qh[32 h + 4 c ..]
@@ -1289,17 +1289,19 @@ PAIRS = {q for q in PAIR if _AVX2 and _WIDE and os.environ.get("PYMOE_PAIR", "1"
 # CPU a 512-bit operation has two ports where a 256-bit one has three, and a plane's activations take a shuffle
 # into their half, so the dual form gains only where the plain form's work besides the dots is large (Q4_K's wide
 # fold, Q2_K's scales and mins).
-# On Zen 4 (its 512-bit operations run as two 256-bit halves) the dual form is the slower one for every format, and
-# Q3_K's plain two-row dot is slower than two one-token dots (the form `twice`: the tile read a second time from L1).
-# 1 thread, one warm 512 x 1024 matrix, us one-token / two-row plain / dual / twice, medians of 40 alternated rounds
-# (bench/two_row_dots.py, the 2-core Zen 4 VM, 2026-12-07): Q2_K 8.0 / 12.3 / 22.6 / 17.4, Q3_K 11.0 / 27.7 / 30.4 /
-# 24.6, Q4_K 6.2 / 11.3 / 14.3 / 13.1, Q5_K 9.9 / 13.5 / 20.7 / 19.2, Q6_K 9.2 / 19.9 / 22.6 / 19.5, Q8_0 8.0 / 10.7
-# / 16.4 / 14.5, IQ4_XS 9.5 / 14.7 / 20.7 / 20.4.
+# On Zen 4 (its 512-bit operations run as two 256-bit halves) the dual form is the slower one for every format.
+# 1 thread, one warm 512 x 1024 matrix, us one-token / two-row plain / dual / twice (the one-token dot on each plane:
+# the tile read a second time from L1), medians of 40 alternated rounds (bench/two_row_dots.py, the 2-core Zen 4 VM,
+# 2026-12-07): Q2_K 8.0 / 12.3 / 22.6 / 17.4, Q3_K 8.8 / 14.9 / 22.7 / 18.1, Q4_K 6.2 / 11.3 / 14.3 / 13.1, Q5_K 9.9 /
+# 13.5 / 20.7 / 19.2, Q6_K 9.2 / 19.9 / 22.6 / 19.5, Q8_0 8.0 / 10.7 / 16.4 / 14.5, IQ4_XS 9.5 / 14.7 / 20.7 / 20.4.
+# Q3_K ran twice there (11.0 / 27.7 / 30.4 / 24.6) until its planes came out by GFNI (`_block_symmetric`): whole
+# decode of the mid Q2_K mix, 2 threads, --act-bits 15, the plain two-row dot against twice (bench/techniques.py
+# --variants q3_k_two_row --runs 7): 158.5 against 149.8 tok/s.
 DUAL = {QType.Q2_K, QType.Q4_K}
 # The forms measured faster on one CPU than the defaults above, by the CPU Numba compiles for (qact.host_cpu_name):
 # "narrow" the formats of WIDE whose dots run 256 bits wide, "plain" those of DUAL whose two-row dot has no dual
 # form, "twice" those whose two-row dot is two one-token dots. Zen 4's figures: above.
-CPU_FORMS = {"znver4": {"narrow": WIDE, "plain": DUAL, "twice": {QType.Q3_K}}}
+CPU_FORMS = {"znver4": {"narrow": WIDE, "plain": DUAL}}
 
 
 def _cpu_forms(kind: str) -> set:

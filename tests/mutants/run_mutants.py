@@ -838,10 +838,10 @@ MUTANTS: list[Mutant] = [
         "the results of the zero rows that pad a dense weight's last tile are returned as rows of the product"),
     Mutant(
         "zen4_runs_the_intel_forms", "pymoe/quant/repack.py",
-        "CPU_FORMS = {\"znver4\": {\"narrow\": WIDE, \"plain\": DUAL, \"twice\": {QType.Q3_K}}}",
+        "CPU_FORMS = {\"znver4\": {\"narrow\": WIDE, \"plain\": DUAL}}",
         "CPU_FORMS = {}",
         ("tests/test_repack.py::test_two_row_forms_follow_the_cpu_and_the_environment",),
-        "Zen 4 runs Intel's forms of the tile dots (wide, dual, no twice), measured slower there"),
+        "Zen 4 runs Intel's forms of the tile dots (wide, dual), measured slower there"),
     Mutant(
         "form_tag_left_out_of_kernel_names", "pymoe/quant/repack.py",
         "f\"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}_{DENSE_TAG}\"",
