@@ -20,8 +20,8 @@ Variants (name: what is turned off -> the switch):
     stream_ahead: the one-token tile dot's hints 8 KiB ahead -> PYMOE_STREAM_AHEAD=0
     dense_q8_0_unhinted: Q8_0's dense dots without hints -> PYMOE_DENSE_AHEAD=8192 (every format's 8 KiB ahead)
     by_expert: one task per expert in decode -> PYMOE_BY_EXPERT=0 (the row tasks)
-    q3_k_two_row: Q3_K's two-row dot (both planes, the tile unpacked once) -> PYMOE_TWICE=Q3_K (two one-token dots;
-        switch-only: run it with --act-bits 15)
+    q3_k_two_row, q8_0_two_row, mxfp4_two_row: the format's two-row dot (both planes, the tile unpacked once) ->
+        PYMOE_TWICE=<format> (two one-token dots; switch-only: run them with --act-bits 15)
     huge_pages: repacked copies in 2 MiB pages -> PYMOE_HUGE=0
     decoded_tiles: IQ1-IQ3 experts decoded into tiles in prefill -> PYMOE_DECODE=0 (IQ files only)
 --act-bits sets the width every variant but default_path runs at (8, the default; 15: the default width's two
@@ -54,6 +54,8 @@ VARIANTS = {
     "dense_q8_0_unhinted": (None, {"PYMOE_DENSE_AHEAD": "8192"}),
     "by_expert": (None, {"PYMOE_BY_EXPERT": "0"}),
     "q3_k_two_row": (None, {"PYMOE_TWICE": "Q3_K"}),
+    "q8_0_two_row": (None, {"PYMOE_TWICE": "Q8_0"}),
+    "mxfp4_two_row": (None, {"PYMOE_TWICE": "MXFP4"}),
     "huge_pages": (None, {"PYMOE_HUGE": "0"}),
     "decoded_tiles": (None, {"PYMOE_DECODE": "0"}),
 }
