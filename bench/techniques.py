@@ -53,9 +53,7 @@ VARIANTS = {
     "stream_ahead": (None, {"PYMOE_STREAM_AHEAD": "0"}),
     "dense_q8_0_unhinted": (None, {"PYMOE_DENSE_AHEAD": "8192"}),
     "by_expert": (None, {"PYMOE_BY_EXPERT": "0"}),
-    "q3_k_two_row": (None, {"PYMOE_TWICE": "Q3_K"}),
-    "q8_0_two_row": (None, {"PYMOE_TWICE": "Q8_0"}),
-    "mxfp4_two_row": (None, {"PYMOE_TWICE": "MXFP4"}),
+    **{f"{q.lower()}_two_row": (None, {"PYMOE_TWICE": q}) for q in ("Q3_K", "Q8_0", "MXFP4")},
     "huge_pages": (None, {"PYMOE_HUGE": "0"}),
     "decoded_tiles": (None, {"PYMOE_DECODE": "0"}),
 }
