@@ -1,7 +1,8 @@
 """Benchmark: where one decoded token's time goes, per backend call, on one model file (pymoe alone).
 
 What this is: where docs/performance.md's roofline gets the split of a decode step. It loads the model, prefills a
---context-token prompt (default 128), decodes a few tokens to warm up, then times --tokens greedy tokens with a wrapper around every
+--context-token prompt (default 128), decodes --warmup tokens (default 5), times --tokens greedy tokens bare, then
+--tokens more with a wrapper around every
 backend primitive (linear, linear_many, attention, rmsnorm, rope, route, moe_experts, kv_write, kv_read, ...), the
 expert cache's lookup / expert / finish, the fused MoE kernel call, and each attention and FFN block. Prints ms per
 token and calls per token, largest first. The wrappers themselves add ~1 us a call, and nested rows overlap (the
@@ -35,13 +36,27 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="Numba threads (default 2)")
     ap.add_argument("--tokens", type=int, default=40, help="decoded tokens timed (default 40)")
     ap.add_argument("--context", type=int, default=128, help="prompt tokens before them (default 128)")
+    ap.add_argument("--warmup", type=int, default=5,
+                    help="tokens decoded before the timed ones (default 5; more lets a large file's experts get their "
+                         "repacked copies first)")
     ap.add_argument("--prefill", type=int, default=0, metavar="N",
                     help="time the prefill of an N-token prompt instead (--tokens prompts, each on a fresh cache)")
     args = ap.parse_args()
 
-    engine = pymoe.load(args.model, threads=args.threads, n_ctx=args.context + args.tokens + 16)
+    n_ctx = args.context + args.warmup + 2 * args.tokens + 16
+    engine = pymoe.load(args.model, threads=args.threads, n_ctx=n_ctx)
     model = engine.model
     seconds, calls = collections.Counter(), collections.Counter()
+    if not args.prefill:  # prompt, warm-up, then --tokens timed without the wrappers (the figure to set beside them)
+        prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, args.context)
+        kv = model.new_kv(n_ctx)
+        logits = model.prefill(prompt, kv)[-1]
+        for _ in range(args.warmup):
+            logits = model.decode_one_token(int(np.argmax(logits)), kv)
+        t0 = time.perf_counter()
+        for _ in range(args.tokens):
+            logits = model.decode_one_token(int(np.argmax(logits)), kv)
+        bare = (time.perf_counter() - t0) / args.tokens
 
     def timed(fn, label):
         @functools.wraps(fn)
@@ -67,11 +82,6 @@ def main():
     if args.prefill:
         prefill_breakdown(engine, model, args, seconds, calls)
         return
-    prompt = np.random.default_rng(0).integers(0, engine.config.n_vocab, args.context)
-    kv = model.new_kv(args.context + args.tokens + 16)
-    logits = model.prefill(prompt, kv)[-1]
-    for _ in range(5):
-        logits = model.decode_one_token(int(np.argmax(logits)), kv)
     seconds.clear()
     calls.clear()
     t0 = time.perf_counter()
@@ -79,7 +89,7 @@ def main():
         logits = model.decode_one_token(int(np.argmax(logits)), kv)
     total = (time.perf_counter() - t0) / args.tokens
     print(f"{args.model}: {args.threads} threads, act_bits {model.backend.__dict__.get('act_bits', '-')}, "
-          f"{args.tokens} tokens: {total * 1e3:.2f} ms per token (wrapped)")
+          f"{args.tokens} tokens: {bare * 1e3:.2f} ms per token bare, then {total * 1e3:.2f} wrapped")
     for label, s in seconds.most_common():
         print(f"  {label:48s} {s / args.tokens * 1e3:8.3f} ms/token  {calls[label] / args.tokens:6.1f} calls/token")
 
