@@ -321,6 +321,19 @@ def exp_f32(x):
     return p * f32_from_bits((np.int64(k) + 127) << 23)
 
 
+@njit(cache=True)
+def silu_mul_into(g, u, h):
+    """h = silu(g) * u = g / (1 + e^-g) * u over float32 [n]; h is another array than g and u: e^-g goes into it
+    first, in a loop of its own, which LLVM vectorises (written as one expression in one loop, the loop stayed
+    scalar: 512 values, 1 thread, Zen 4, 3.2 us against 0.9). Each value's operations are the same in the same
+    order: the same bits."""
+    n = g.shape[0]
+    for j in range(n):
+        h[j] = exp_f32(-g[j])
+    for j in range(n):
+        h[j] = g[j] / (np.float32(1.0) + h[j]) * u[j]
+
+
 @intrinsic
 def bytes_at(typingctx, address):
     """An integer address -> a uint8 pointer, for numba.carray. The one way to hand a kernel a varying number of
@@ -448,14 +461,15 @@ def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
         g2 = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)  # the lo plane's gate x, up x
         u2 = np.empty(MOE_ROWS_PER_TASK, dtype=np.float32)
         o2 = np.empty((2, TILE_ROWS), dtype=np.float32)  # a two-plane call's results: [hi, lo] x 8 rows
+        xq2, xd2, xbs2 = xq[a:a + 2], xd[a:a + 2], xbs[a:a + 2]  # the pair's rows, sliced once, not per call
         for r0 in range(0, F, MOE_ROWS_PER_TASK):
             for q in range(r0 // TILE_ROWS, (r0 + MOE_ROWS_PER_TASK) // TILE_ROWS):
                 c = q * TILE_ROWS - r0
                 if planes:  # both planes in one call: the tile unpacked once (the bits of two one-token calls)
-                    TILE2_GATE(gt[q], xq[a:a + 2], xd[a:a + 2], xbs[a:a + 2], o2)
+                    TILE2_GATE(gt[q], xq2, xd2, xbs2, o2)
                     g[c:c + TILE_ROWS] = o2[0]
                     g2[c:c + TILE_ROWS] = o2[1]
-                    TILE2_UP(ut[q], xq[a:a + 2], xd[a:a + 2], xbs[a:a + 2], o2)
+                    TILE2_UP(ut[q], xq2, xd2, xbs2, o2)
                     u[c:c + TILE_ROWS] = o2[0]
                     u2[c:c + TILE_ROWS] = o2[1]
                 else:
@@ -465,17 +479,17 @@ def _moe_decode(tiles, F, D, start, weight, xq, xd, xbs, hq, hd, hbs, qmax, y):
                 for j in range(MOE_ROWS_PER_TASK):
                     g[j] += g2[j]
                     u[j] += u2[j]
-            for j in range(MOE_ROWS_PER_TASK):  # (as in the gate/up tasks below)
-                hb[j] = g[j] / (np.float32(1.0) + exp_f32(-g[j])) * u[j]
+            silu_mul_into(g, u, hb)  # (as in the gate/up tasks below)
             r1 = r0 + MOE_ROWS_PER_TASK
             if planes:
                 quantize_planes(hb, hq[a:a + 2, r0:r1], hd[a:a + 2, r0 // hg:r1 // hg], hbs[a:a + 2, r0 // SUB:r1 // SUB],
                                 hg)
             else:
                 quantize_act_in(hb, hq[a, r0:r1], hd[a, r0 // hg:r1 // hg], hbs[a, r0 // SUB:r1 // SUB], qmax, hg)
+        hq2, hd2, hbs2 = hq[a:a + 2], hd[a:a + 2], hbs[a:a + 2]
         for q in range(D // TILE_ROWS):
             if planes:
-                TILE2_DOWN(dt[q], hq[a:a + 2], hd[a:a + 2], hbs[a:a + 2], o2)
+                TILE2_DOWN(dt[q], hq2, hd2, hbs2, o2)
                 o[2 * k, q * TILE_ROWS:(q + 1) * TILE_ROWS] = o2[0]
                 o[2 * k + 1, q * TILE_ROWS:(q + 1) * TILE_ROWS] = o2[1]
             else:
@@ -603,16 +617,15 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
             if planes:  # a pair's two rows (hi, lo) of g and u added, then h quantized into its two planes
                 for i in range(c0, c1, 2):
                     gh, gl, uh, ul = g[i - c0], g[i - c0 + 1], u[i - c0], u[i - c0 + 1]
-                    for j in range(MOE_ROWS_PER_TASK):
-                        gj = gh[j] + gl[j]
-                        hb[j] = gj / (np.float32(1.0) + exp_f32(-gj)) * (uh[j] + ul[j])
+                    for j in range(MOE_ROWS_PER_TASK):  # (g and u are this chunk's scratch)
+                        gh[j] += gl[j]
+                        uh[j] += ul[j]
+                    silu_mul_into(gh, uh, hb)
                     quantize_planes(hb, hq[a + i:a + i + 2, r0:r1], hd[a + i:a + i + 2, r0 // hg:r1 // hg],
                                     hbs[a + i:a + i + 2, r0 // SUB:r1 // SUB], hg)
                 continue
             for i in range(c0, c1):  # silu(g) * u, a vector loop over the rows (exp_f32: no libm call per value)
-                gi, ui = g[i - c0], u[i - c0]
-                for j in range(MOE_ROWS_PER_TASK):
-                    hb[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]
+                silu_mul_into(g[i - c0], u[i - c0], hb)
                 # one block of the pair's row of h quantized: the bits of quantizing the whole row (its blocks are
                 # independent)
                 quantize_act_in(hb, hq[a + i, r0:r1], hd[a + i, r0 // hg:r1 // hg], hbs[a + i, r0 // SUB:r1 // SUB],

@@ -89,13 +89,20 @@ MUTANTS: list[Mutant] = [
         "expert FFN computes down(silu(up x) * gate x) (the float, one-expert-at-a-time path)"),
     Mutant(
         "fused_moe_gate_up_swapped", "pymoe/quant/kernels.py",
-        "hb[j] = gi[j] / (np.float32(1.0) + exp_f32(-gi[j])) * ui[j]",
-        "hb[j] = ui[j] / (np.float32(1.0) + exp_f32(-ui[j])) * gi[j]",
+        "silu_mul_into(g[i - c0], u[i - c0], hb)",
+        "silu_mul_into(u[i - c0], g[i - c0], hb)",
         ("tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]",
          # the whole-model check of the CPU backend's integer path; the llama.cpp test runs K-quant files on the
          # reference backend
          "tests/test_kernels_qact.py::test_cpu_and_reference_backends_agree_on_q2_k_models[*]"),
         "the fused integer MoE kernel (K-quant experts) computes silu(up) * gate"),
+    Mutant(
+        "silu_mul_exp_of_up", "pymoe/quant/kernels.py",
+        "h[j] = exp_f32(-g[j])",
+        "h[j] = exp_f32(-u[j])",
+        ("tests/test_kernels_qact.py::test_fused_moe_kernel_against_per_expert_reference[*]",),
+        "the fused MoE kernel's silu(g) * u (every path: decode's task per expert, the row tasks at 8, 15 and 16 "
+        "bits) takes e^-u for e^-g"),
     Mutant(
         "topk_renorm_dropped", "pymoe/backends/cpu.py",
         "        if norm_topk:\n            s = pairwise_sum(w[t], k)",
