@@ -2,11 +2,11 @@
 
 What this is: where docs/performance.md's roofline gets the split of a decode step. It loads the model, prefills a
 --context-token prompt (default 128), decodes --warmup tokens (default 5), times --tokens greedy tokens bare, then
---tokens more with a wrapper around every
-backend primitive (linear, linear_many, attention, rmsnorm, rope, route, moe_experts, kv_write, kv_read, ...), the
-expert cache's lookup / expert / finish, the fused MoE kernel call, and each attention and FFN block. Prints ms per
-token and calls per token, largest first. The wrappers themselves add ~1 us a call, and nested rows overlap (the
-FFN block contains moe_experts, which contains the kernel call), so the rows do not add up to the total.
+--tokens more with a wrapper around every backend primitive (linear, linear_many, attention, rmsnorm, rope, route,
+moe_experts, kv_write, kv_read, ...), the expert cache's lookup / expert / finish, the fused MoE kernel call, and
+each attention and FFN block. Prints ms per token bare and wrapped, then ms and calls per token of each row, largest
+first. The wrappers themselves add ~1 us a call, and nested rows overlap (the FFN block contains moe_experts, which
+contains the kernel call), so the rows do not add up to the total.
 What this is not: a speed measurement to quote (bench/bench_forward.py, bench/compare_llamacpp.py), nor a profile of
 the kernels' insides.
 
