@@ -497,6 +497,66 @@ def test_fused_moe_kernel_decodes_iq_experts_with_the_bits_of_one_token_calls(ty
                                                    bits=16))
 
 
+def _scaled_extremes(qtype) -> np.ndarray:
+    """16 rows of 512 weights at the scaled layout's bounds: Q3_K rows 0-7 with every 6-bit scale field 0 (sc -32)
+    and every quant bit clear (q -4): sc q = 128, u = 255; rows 8-15 with every scale bit set (sc 31) and q -4: u 3;
+    Q2_K every bit set (sc 15, q 3, min 15: u 45) in rows 0-7, every quant bit clear in 8-15 (u 0). d 0.5."""
+    size = Q.get_format(qtype).type_size
+    raw = np.zeros((16, 2, size), np.uint8)
+    half = np.frombuffer(np.array([0.5], np.float16).tobytes(), np.uint8)
+    if qtype == QType.Q3_K:
+        raw[8:, :, 96:108] = 0xFF
+        raw[..., 108:110] = half
+    else:
+        raw[:8] = 0xFF
+        raw[8:, :, 0:16] = 0xFF
+        raw[..., 80:82] = half
+        raw[..., 82:84] = half
+    return raw.reshape(16, 2 * size)
+
+
+@pytest.mark.parametrize("qtype", sorted(repack.SCALED), ids=lambda q: q.name)
+def test_scaled_layout_is_its_reference_and_gives_the_tile_dots_bits(qtype):
+    """The scaled layout (prefill's scratch for Q2_K and Q3_K: sc * q + bias a byte): the compiled expansion of two
+    row-groups (repack.scale_pair) is its NumPy reference byte for byte, whose integers times d (minus dmin times the
+    min, Q2_K) are the dequantized weights; the scaled dot, for 24 and 27 rows of x (MANY at a time, the rest through
+    the tile dot) at 8 bits and as two planes' rows, random rows and the layout's bounds (_scaled_extremes), is the
+    one-token and multi-row dots' bits on the raw rows; tile_matmul with that many rows, which takes this path, too.
+    Where this CPU has no pair form the path is not taken (SCALED_PAIRS is empty)."""
+    if qtype not in repack.SCALED_PAIRS:
+        assert not (repack._WIDE and qact._AVX2) or os.environ.get("PYMOE_SCALED") == "0"
+        return
+    rng = np.random.default_rng(13)
+    for raw in (random_rows(qtype, 48, 512, rng), _scaled_extremes(qtype)):
+        tiles = repack.repack(raw, qtype)
+        R, C = raw.shape[0], 512
+        scaled = repack.scale_pair(tiles[:2], qtype)
+        assert np.array_equal(scaled, repack.scale_pair_ref(tiles[:2], qtype))
+        u = scaled.reshape(2, repack.SCALED_BLOCK)[:, repack.SCALED_QS:].reshape(2, 8, 8, 2, 8, 4)  # [nb, g, c, rg..]
+        v = u.transpose(3, 4, 0, 1, 2, 5).reshape(16, C).astype(np.int64) - repack.SCALED_BIAS[qtype]  # [16, C]
+        blk = raw[:16].reshape(16, 2, -1)
+        d = blk[..., {QType.Q2_K: 80, QType.Q3_K: 108}[qtype]:][..., :2].copy().view(np.float16)[..., 0]  # [16, 2]
+        w = np.repeat(d.astype(np.float64), 256, axis=1) * v
+        if qtype == QType.Q2_K:
+            dmin = blk[..., 82:84].copy().view(np.float16)[..., 0].astype(np.float64)
+            mins = (blk[..., 0:16] >> 4).astype(np.float64)  # [16, 2, 16 sub-blocks]
+            w -= np.repeat((dmin[..., None] * mins).reshape(16, 32), 16, axis=1)
+        assert np.allclose(w, dequantize(raw[:16], qtype).reshape(16, C), rtol=2 ** -20, atol=0)  # (float32 products)
+        for T, bits in ((24, 8), (27, 8), (24, qact.PLANES)):
+            X = rng.standard_normal((T // (2 if bits == qact.PLANES else 1), C)) * rng.uniform(0.1, 100)
+            xq, xd, xbs = qact.quantize_rows(np.asarray(X, np.float32), bits, qact.act_group(qtype, bits))
+            rows = np.empty((T, R), np.float32)
+            acc = np.empty((T, 16), np.float32)
+            for r in range(R):
+                qact.ACT_DOTS_ROWS[qtype](raw[r], xq, xd, xbs, acc, rows[:, r])
+            one = np.array([[qact.ACT_DOTS[qtype](raw[r], xq[t], xd[t], xbs[t]) for r in range(R)] for t in range(T)],
+                           np.float32)
+            assert np.array_equal(rows, one)
+            assert np.array_equal(repack.tile_matmul(tiles, qtype, xq, xd, xbs), rows)
+            if T % repack.MANY == 0:
+                assert np.array_equal(repack.scaled_matmul(tiles, qtype, xq, xd, xbs), rows)
+
+
 def _addresses(mats):
     return tuple(0 if m is None else m.ctypes.data for m in mats)
 

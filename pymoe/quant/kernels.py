@@ -235,6 +235,13 @@ TILE_DECODED_GATE_UP = TILE_DECODED_DOWN = None  # the decoded layout's tile dot
 # gate/up or down may be decoded (a placeholder elsewhere); PAIR_DECODED: in its pair form
 PAIR_DECODED = False
 DECODED_TILE = 0  # bytes of the decoded layout per 8 rows and 256 columns (qact.DECODED_TILE)
+SCALED_GATE_UP = SCALED_DOWN = False  # whether prefill scales them into scratch (repack.SCALED_PAIRS; gate and up)
+SCALE_GATE = SCALE_UP = SCALE_DOWN = None  # their repack.SCALE_PAIRS (a placeholder where none)
+SCALED_DOT_GATE = SCALED_DOT_UP = SCALED_DOT_DOWN = None  # their repack.SCALED_DOTS (a placeholder where none)
+SCALED_BLOCK = repack.SCALED_BLOCK  # bytes of the scaled layout per 16 rows and 256 columns
+SCALED_MIN_GATE_UP = SCALED_MIN_DOWN = 0  # the fewest rows of x (pairs; at two planes two a token) of one expert
+# for which prefill scales its Q2_K or Q3_K row-groups into scratch (repack.scale_pair, repack.SCALED_MIN_ROWS) and
+# reads them with the scaled dot
 # The fewest tokens of one expert for which prefill decodes its rows into scratch tiles (IQ1-IQ3): decoding a weight
 # costs about what ~5 tokens' raw-row products of it do, which the faster dot wins back after ~7.5 tokens (1 thread,
 # 512 x 1024, bench/bench_repack.py: decoding ~10 G weights/s, the decoded tile dots ~143 G MACs/s against the raw
@@ -361,7 +368,10 @@ def _moe_kernel(addr, F, D, start, tok, weight, x, xq, xd, xbs, hq, hd, hbs, qma
     IQ1-IQ3 matrix (no repacked copy: DECODED_GATE_UP, DECODED_DOWN) of an expert with DECODE_MIN_TOKENS pairs or
     more is decoded 16 rows at a time into a scratch tile (DECODE_*: qact's row_decode) that the decoded layout's
     tile dot reads for all its pairs (TILE_DECODED_GATE_UP, TILE_DECODED_DOWN), again with the bits of the raw
-    rows' dots. Pairs are grouped by expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
+    rows' dots. A Q2_K or Q3_K matrix whose expert has enough rows of x (SCALED_MIN_GATE_UP, SCALED_MIN_DOWN) is
+    scaled two row-groups at a time into scratch (SCALE_*: repack.scale_pair, each weight times its scale, one byte)
+    that the scaled dot reads for all its pairs (SCALED_DOT_*), with the bits of the tile dots. Pairs are grouped by
+    expert: expert k owns pairs start[k]:start[k+1] (start int64 [S + 1]); pair p
     is token tok[p] with routing weight weight[p]. x float32 [T, D]: the tokens' activations.
     Scratch: xq [P, D], xd, xbs: x quantized, one row per pair (so an expert's tokens are consecutive rows); hq
     [P, F], hd, hbs: h = silu(gate x) * up x quantized (qmax: the largest value of xq's and hq's dtype; PLANE_QMAX:
@@ -533,6 +543,8 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
         acc = np.empty((step, ROWS_LANES), dtype=np.float32)  # scratch of ROWS
         o = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # one many-token call's results
         o2 = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)  # a two-row-group call's
+        sg = np.empty(D // QK_K * SCALED_BLOCK if SCALED_GATE_UP else 0, dtype=np.uint8)  # two row-groups of gate and
+        su = np.empty(D // QK_K * SCALED_BLOCK if SCALED_GATE_UP else 0, dtype=np.uint8)  # up, scaled (SCALE_GATE)
         for c0 in range(0, b - a, max(step, 1)):
             c1 = min(b - a, c0 + step)  # this chunk: pairs a + c0 .. a + c1, rows c0 - c0 .. c1 - c0 of g and u
             if repacked:
@@ -551,9 +563,20 @@ def _moe_gate_up(addr, tiles, F, D, start, xq, xd, xbs, hq, hd, hbs, qmax, ahead
                         prefetch_ahead(tiles[k, 0], q0 * gt.shape[1], m * gt.shape[1], gt.size, ahead)
                         prefetch_ahead(tiles[k, 1], q0 * ut.shape[1], m * ut.shape[1], ut.size, ahead)
                     i = c0
+                    # enough rows of x: the two row-groups scaled into scratch once (repack.scale_pair), then read
+                    # by the scaled dot (the same bits)
+                    scaled = SCALED_GATE_UP and m == 2 and xq.itemsize == 1 and c1 - c0 >= SCALED_MIN_GATE_UP
+                    if scaled:
+                        SCALE_GATE(gt[q0:q1], sg)
+                        SCALE_UP(ut[q0:q1], su)
                     while i + TILE_MANY <= c1:  # TILE_MANY tokens a call (prefill), the weights unpacked once
                         p0, p1, j = a + i, a + i + TILE_MANY, i - c0
-                        if m == 2:
+                        if scaled:
+                            SCALED_DOT_GATE(sg, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            g[j:j + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
+                            SCALED_DOT_UP(su, xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
+                            u[j:j + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
+                        elif m == 2:
                             TILE_GATE(gt[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
                             g[j:j + TILE_MANY, cr:cr + 2 * TILE_ROWS] = o2
                             TILE_UP(ut[q0:q1], xq[p0:p1], xd[p0:p1], xbs[p0:p1], o2)
@@ -650,6 +673,7 @@ def _moe_down(addr, tiles, F, D, start, tok, weight, hq, hd, hbs, qmax, y, threa
         out8 = np.empty(TILE_ROWS, dtype=np.float32)  # one row-group's results, for one token
         out_many = np.empty((TILE_MANY, TILE_ROWS), dtype=np.float32)  # for TILE_MANY
         out_pair = np.empty((TILE_MANY, 2 * TILE_ROWS), dtype=np.float32)  # for TILE_MANY and two row-groups
+        sd = np.empty(F // QK_K * SCALED_BLOCK if SCALED_DOWN else 0, dtype=np.uint8)  # two row-groups, scaled
         dd = np.empty((2, F // QK_K * DECODED_TILE), dtype=np.uint8)  # [2, row_tiles(F)] 16 down rows, decoded
         for k in range(n_exp):
             a, b = start[k], start[k + 1]
@@ -668,10 +692,16 @@ def _moe_down(addr, tiles, F, D, start, tok, weight, hq, hd, hbs, qmax, y, threa
                             rg = dt.shape[1]  # bytes of a row-group
                             prefetch_ahead(tiles[k, 2], q0 * rg, n_rg * rg, r1 // TILE_ROWS * rg, ahead)  # (as above)
                         i = c0
+                        scaled = SCALED_DOWN and n_rg == 2 and hq.itemsize == 1 and c1 - c0 >= SCALED_MIN_DOWN  # (as
+                        if scaled:  # in gate/up)
+                            SCALE_DOWN(dt[q0:q0 + 2], sd)
                         while i + TILE_MANY <= c1:
                             p0, p1 = a + i, a + i + TILE_MANY
                             if n_rg == 2:
-                                TILE_DOWN(dt[q0:q0 + 2], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
+                                if scaled:
+                                    SCALED_DOT_DOWN(sd, hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
+                                else:
+                                    TILE_DOWN(dt[q0:q0 + 2], hq[p0:p1], hd[p0:p1], hbs[p0:p1], out_pair)
                                 for m in range(TILE_MANY):
                                     for j in range(2 * TILE_ROWS):
                                         y[tok[p0 + m], r + j] += weight[p0 + m] * out_pair[m, j]
@@ -820,10 +850,11 @@ def _act_fingerprint() -> str:
     files = [os.path.join(here, f) for f in ("qact.py", "kquants.py", "floats.py", "repack.py")]
     return (_source_fingerprint(files) + ("v" if repack._VNNI else "") + ("w" if repack._WIDE else "")
             + ("p" if repack.PAIRS else "") + f"n{qact.STREAM_LOCALITY}" + ("d" if _DECODE else "")
-            + f"s{repack.STREAM_AHEAD}" + ("e" if BY_EXPERT else "") + repack.FORM_TAG)  # PYMOE_VNNI,
+            + f"s{repack.STREAM_AHEAD}" + ("e" if BY_EXPERT else "")
+            + "S" + "".join(sorted(q.name for q in repack.SCALED_PAIRS)) + repack.FORM_TAG)  # PYMOE_VNNI,
     # PYMOE_WIDE, PYMOE_PAIR, PYMOE_DUAL, PYMOE_TWICE, PYMOE_WIDE_FORMATS: which instructions and forms the tile
     # dots use; PYMOE_STREAM_LOCALITY (PYMOE_NT): the MoE kernel's hint; PYMOE_STREAM_AHEAD: the one-token tile
-    # dots' distance; PYMOE_BY_EXPERT: decode's tasks
+    # dots' distance; PYMOE_BY_EXPERT: decode's tasks; PYMOE_SCALED: prefill's scaled Q2_K / Q3_K
 
 
 def rows_dot(qtype):
@@ -870,6 +901,13 @@ def _never_row_decode(w, tile, r):
     raise AssertionError("no decoded layout for this type")
 
 
+@njit(cache=True)
+def _never_scale(tiles, out):
+    """The kernel's scaling into the scaled layout for a type without one (not Q2_K or Q3_K, or a CPU without their
+    pair form): never reached (SCALED_GATE_UP and SCALED_DOWN say), compiled as a stub (as _never_tile_dot)."""
+    raise AssertionError("no scaled layout for this type")
+
+
 def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     """The globals `_moe_kernel` is compiled with for (gate, up, down) types: their row dots, sizes, one-token and
     many-token tile dots (tile_dots: {QType: dot}; default those with the hint for bytes read once,
@@ -883,6 +921,9 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
     tiles2 = [repack.TILE_DOTS2_STREAM.get(q, _never_tile_dot) for q in qtypes]
     tile_bytes = [repack.TILE_BYTES.get(q, 0) for q in qtypes]
     decoders = [qact.ROW_DECODES.get(q, _never_row_decode) for q in qtypes]
+    scaled = [q in repack.SCALED_PAIRS for q in qtypes]
+    scalers = [repack.SCALE_PAIRS[q] if ok else _never_scale for q, ok in zip(qtypes, scaled)]
+    scaled_dots = [repack.SCALED_DOTS[q] if ok else _never_tile_dot for q, ok in zip(qtypes, scaled)]
     decoded = [repack.tile_dot_decoded if any(q in qact.ROW_DECODES for q in qs) else _never_tile_dot
                for qs in (qtypes[:2], qtypes[2:])]  # the decoded layout's dot where gate/up, or down, may use it
     return dict(VEC_DOT_GATE=dots[0], VEC_DOT_UP=dots[1], VEC_DOT_DOWN=dots[2], ROWS_GATE=rows[0],
@@ -897,6 +938,11 @@ def moe_constants(qtypes, tile_dots: dict = None) -> dict:
                 DECODED_DOWN=_DECODE and qtypes[2] in qact.ROW_DECODES,
                 TILE_DECODED_GATE_UP=decoded[0], TILE_DECODED_DOWN=decoded[1],
                 PAIR_DECODED=repack.DECODED in repack.PAIRS, DECODED_TILE=qact.DECODED_TILE,
+                SCALED_GATE_UP=scaled[0] and scaled[1], SCALED_DOWN=scaled[2], SCALE_GATE=scalers[0],
+                SCALE_UP=scalers[1], SCALE_DOWN=scalers[2], SCALED_DOT_GATE=scaled_dots[0],
+                SCALED_DOT_UP=scaled_dots[1], SCALED_DOT_DOWN=scaled_dots[2],
+                SCALED_MIN_GATE_UP=max(repack.SCALED_MIN_ROWS.get(q, 0) for q in qtypes[:2]),
+                SCALED_MIN_DOWN=repack.SCALED_MIN_ROWS.get(qtypes[2], 0),
                 PREFETCH_WEIGHTS=qact.prefetch_ahead_stream)
 
 

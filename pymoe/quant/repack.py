@@ -63,6 +63,11 @@ row-group g's 256-column block b at [g, b * TILE]. Per format (TILE_BYTES):
     time into scratch (qact's row_decode, per row) when the expert has enough tokens in a prefill chunk, and runs
     this layout's tile dot over all of them (`decode_tiles` is the whole-matrix form, for the tests and benches).
 
+  scaled (4416 bytes per 16 rows; Q2_K and Q3_K, `SCALED_BLOCK`): each weight times its sub-block's scale as one byte,
+    made from the tiles two row-groups at a time (`scale_pair`) where prefill meets an expert (or a dense matrix)
+    with enough rows of x (`SCALED_MIN_ROWS`), so that its dot is vpdpbusd alone: no unpacking and no multiply per
+    16 weights and token. Scratch, never kept (3 to 4 times the tiles' bytes).
+
 `repack_ref(raw, qtype)` makes a layout from raw rows (NumPy, the reference), `repack(raw, qtype)` the same bytes
 compiled (what the CPU backend runs: an expert is repacked the first time decode uses it); `unpack(tiles, qtype)` is
 the inverse (the tests' round trip). `TILE_DOTS[qtype]`: the dot of one row-group and one token (an intrinsic, for
@@ -783,12 +788,19 @@ def _block_q2_k(e: _Emit, wbase, t, toks, accs):
                     isums.mul16(s, e.low16(sc8))
                 else:
                     isums.add([e.sub_scaled(a, sc8) for a in s])
+    return _affine_epilogue(e, wbase, t, toks, isums.totals(), _q2_k_msums(e, wbase, t, toks), accs)
+
+
+def _q2_k_msums(e: _Emit, wbase, t, toks):
+    """Q2_K's mins term per token, sum_k m_k * bsum_k (m the high nibble of sub-block k's byte at t + 32 + 8 k),
+    exact int32 [lanes]."""
+    b = e.b
     msums = _Sums(e, len(toks))
     for k in range(16):
         m8 = e.per_row(wbase, e.at(t, 32 + 8 * k), ir.VectorType(_i8, 8))
         m8 = b.zext(b.lshr(m8, _vec(_i8, m8.type.count, [4] * m8.type.count)), e.VI)
-        msums.mul16([x.each(e, lambda t: t.bsum(e, k), _i32) for x in toks], m8)  # |bsum| <= 16 * 127
-    return _affine_epilogue(e, wbase, t, toks, isums.totals(), msums.totals(), accs)
+        msums.mul16([x.each(e, lambda tk: tk.bsum(e, k), _i32) for x in toks], m8)  # |bsum| <= 16 * 127
+    return msums.totals()
 
 
 def _block_q4_k(e: _Emit, wbase, t, toks, accs, five: bool = False):
@@ -1038,15 +1050,82 @@ def _block_decoded(e: _Emit, wbase, t, toks, accs):
             for x, isum, acc in zip(toks, isums, accs)]
 
 
+# The scaled layout (prefill's scratch for Q2_K and Q3_K, `scale_pair`): each weight times its sub-block's scale, as
+# one byte, so that the dot is vpdpbusd alone, with no multiply per 16 weights and token and no unpacking. Two
+# row-groups (16 rows) at a time, per 256 columns (SCALED_BLOCK bytes):
+#   byte   0: the first row-group's tile header (its first 160 bytes: d fp16 [8]; Q2_K: dmin fp16 [8], then the
+#              scale | min << 4 bytes [16 sub-blocks][8 rows]; Q3_K: only d is read)
+#   byte 160: the second row-group's
+#   byte 320: qs uint8 [8 groups g][8 chunks c][2 row-groups][8 rows r][4 bytes]: row r's weights 32 g + 4 c .. + 3,
+#              64 bytes a (g, c): one 512-bit load. Each u = sc * q + bias: Q2_K sc * q (sc 0..15, q 0..3: 0..45,
+#              bias 0), Q3_K sc * q + 127 (sc -32..31, q -4..3: sc * q in -124..128, so u in 3..255)
+# vpdpbusd takes u unsigned against x signed: sum u x = sum sc q x + bias * (the block's activation sum), so the sum
+# starts from -bias * that sum and ends as the tile dot's integer exactly (Q2_K: isum; Q3_K: isum - 4 * corr, the
+# same integer as `_block_symmetric`'s total), then the same float epilogue. |sum u x| <= 256 * 255 * 127 < 2^23.
+SCALED_HEAD = 160  # bytes of a row-group's header
+SCALED_QS = 2 * SCALED_HEAD
+SCALED_BLOCK = SCALED_QS + 2 * 2048  # 4416 bytes per 16 rows and 256 columns
+SCALED_BIAS = {QType.Q2_K: 0, QType.Q3_K: 127}
+SCALED = {QType.Q2_K: "scaled_q2_k", QType.Q3_K: "scaled_q3_k"}  # a source format -> its scaled layout's key
+# The fewest rows of x for which prefill scales two row-groups into scratch (see SCALED_PAIRS): below, the expansion
+# costs more than the scaled dot saves. 1 thread, one warm 512 x 1024 matrix, G MACs/s by rows of x, tile_matmul
+# with PYMOE_SCALED=0 / scaled from 4 rows on (the 2-core Zen 4 VM, 2026-12-08, medians of 60 calls, two runs):
+# Q2_K 8: 112 / 108-109, 12: 117 / 112-114, 16: 119 / 114-115, 24: 122 / 127, 32: 123-124 / 135-137, 64: 125-126 /
+# 148-151; Q3_K 8: 96-97 / 75-98, 12: 99-100 / 98-101, 16: 101-103 / 124-126, 24: 104-105 / 143-145, 32: 104-106 /
+# 136-155, 64: 106-108 / 176-178. (Q2_K's dot keeps its mins' term, 16 multiplies a block and token.)
+SCALED_MIN_ROWS = {QType.Q2_K: 24, QType.Q3_K: 16}
+
+
+def _block_sum(e: _Emit, x: _Tok):  # the sum of the block's 256 activations (its 16 bsums), int32 (scalar adds)
+    vals = [x.bsum(e, k) for k in range(16)]
+    while len(vals) > 1:
+        vals = [e.b.add(vals[i], vals[i + 1]) for i in range(0, len(vals), 2)]
+    return vals[0]
+
+
+def _block_scaled(src):
+    """The scaled layout of Q2_K or Q3_K (see SCALED_BLOCK), 512-bit VNNI pair form only (`_Emit`'s stride: the
+    second header SCALED_HEAD bytes on): u meets x in vpdpbusd, two chains a token (groups even and odd: vpdpbusd's
+    latency), from -bias * the block's activation sum. Q2_K then takes its mins' term from the bsums and runs
+    `_affine_epilogue`; Q3_K runs `_block_symmetric`'s epilogue. The integers and float operations of the source
+    format's tile dot: its bits."""
+    bias = SCALED_BIAS[src]
+
+    def block(e: _Emit, wbase, t, toks, accs):
+        b = e.b
+        start = [x.each(e, lambda tk: b.mul(_block_sum(e, tk), ir.Constant(_i32, -bias)), _i32) if bias else None
+                 for x in toks]
+        chains = [[s0, None] for s0 in start]  # per token: groups 0, 2, 4, 6 / 1, 3, 5, 7
+        for g in range(8):
+            if g % 2 == 0:
+                e.barrier()
+            for c in range(8):
+                w = e.load(wbase, e.at(t, SCALED_QS + 64 * (8 * g + c)), e.VB)  # [64]: 16 rows x 4 weights
+                for ch, x in zip(chains, toks):
+                    ch[g % 2] = e.sub_add(ch[g % 2], w, x.xs(e, 32 * g + 4 * c))
+        isums = [b.add(c0, c1) for c0, c1 in chains]
+        if src == QType.Q2_K:
+            return _affine_epilogue(e, wbase, t, toks, isums, _q2_k_msums(e, wbase, t, toks), accs)
+        d8 = b.fpext(e.per_row(wbase, t, ir.VectorType(ir.HalfType(), 8)), e.VF)
+        return [e.fma(b.sitofp(isum, e.VF), b.fmul(d8, x.each(e, lambda tk: tk.dx, _f32)), acc)
+                for x, isum, acc in zip(toks, isums, accs)]
+
+    return block
+
+
 DECODED = "decoded"  # the key of the decoded layout (qact.DECODED_TILE) beside the QTypes in the tables below
 _BLOCKS = {QType.Q2_K: _block_q2_k, QType.Q3_K: _block_symmetric(QType.Q3_K), QType.Q4_K: _block_q4_k,
            QType.Q5_K: lambda *a: _block_q4_k(*a, five=True), QType.Q6_K: _block_symmetric(QType.Q6_K),
            QType.MXFP4: _block_mxfp4, QType.Q8_0: _block_q8_0, QType.IQ4_XS: _block_iq4_xs, DECODED: _block_decoded}
-_LAYOUT_BYTES = {**TILE_BYTES, DECODED: qact.DECODED_TILE}  # bytes per 8 rows and 256 columns, every layout
+_BLOCKS.update({SCALED[q]: _block_scaled(q) for q in SCALED})
+_SCALED_KEYS = frozenset(SCALED.values())
+_LAYOUT_BYTES = {**TILE_BYTES, DECODED: qact.DECODED_TILE,
+                 **{key: SCALED_BLOCK for key in SCALED.values()}}  # bytes per 8 rows (a scaled layout: 16) and 256
+# columns, every layout
 
 
-def _key(layout):  # a layout's key: a QType (an int finds it), or DECODED
-    return layout if layout == DECODED else QType(layout)
+def _key(layout):  # a layout's key: a QType (an int finds it), DECODED or a SCALED one
+    return layout if isinstance(layout, str) else QType(layout)
 
 
 def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool = False, ahead: int = 0,
@@ -1063,7 +1142,9 @@ def _make_codegen(qtype, avx2: bool, n_tok: int, vnni: bool = False, wide: bool 
         xd [nb], xbs [nb * 16], out [8]; or 2-D, one row per token, out [n_tok, 8]. pair: tiles uint8 [2, nb * TILE]
         (two row-groups, 16 rows), 2-D xq, out [n_tok, 16]. dual: out [2, 8] written as one [16] vector."""
         ta, xa, xda, bsa, outa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
-        e = _Emit(builder, avx2, vnni, wide, cgutils.unpack_tuple(builder, ta.strides, 2)[0] if pair else None, dual)
+        stride = None if not pair else (ir.Constant(_i64, SCALED_HEAD) if isinstance(qtype, str) and qtype in _SCALED_KEYS
+                                         else cgutils.unpack_tuple(builder, ta.strides, 2)[0])  # (a scaled layout: 1-D)
+        e = _Emit(builder, avx2, vnni, wide, stride, dual)
         nd = signature.args[1].ndim
         x32 = qtype in qact.ACT32_TYPES  # x per 32 values (qact.act_group): 8 scales of x a block
         nb = cgutils.unpack_tuple(builder, xda.shape, nd)[nd - 1]
@@ -1371,6 +1452,174 @@ TILE_DOTS2_STREAM = {q: _make_tile_dot2(q, locality=qact.STREAM_LOCALITY) for q 
 
 
 TILE_DOT, TILE_DOT2, TILE_PAIR = None, None, False  # bound per format by _compile_matmul
+# The scaled layout: the expansion (two row-groups at a time, into scratch, where an expert meets enough rows of x)
+# and its dot (MANY rows of x)
+def scale_pair_ref(tiles: np.ndarray, qtype) -> np.ndarray:
+    """NumPy, the reference: two row-groups of Q2_K or Q3_K tiles uint8 [2, nb * TILE_BYTES] -> their scaled layout
+    uint8 [nb * SCALED_BLOCK] (see SCALED_BLOCK)."""
+    qtype = QType(qtype)
+    nb = tiles.shape[1] // TILE_BYTES[qtype]
+    t = tiles.reshape(2, nb, TILE_BYTES[qtype])
+    k = (8 * np.arange(2)[:, None, None] + 2 * np.arange(4)[None, :, None]
+         + np.arange(8)[None, None, :] // 4)  # [h, j, c] the sub-block of weights 128 h + 32 j + 4 c ..
+    j = np.arange(4).reshape(1, 1, 1, 4, 1, 1, 1)  # [rg, nb, h, j, c, r, i]
+    if qtype == QType.Q2_K:
+        sc = (t[..., 32:160].reshape(2, nb, 16, ROWS) & 15).astype(np.int32)  # [rg, nb, k, r]
+        qs = t[..., 160:].reshape(2, nb, 2, 1, 8, ROWS, 4).astype(np.int32)  # [rg, nb, h, -, c, r, i]
+        q = (qs >> (2 * j)) & 3  # [rg, nb, h, j, c, r, i]
+    else:
+        sc = t[..., 16:144].reshape(2, nb, 16, ROWS).view(np.int8).astype(np.int32)
+        qs = t[..., 144:656].reshape(2, nb, 2, 1, 8, ROWS, 4).astype(np.int32)
+        hm = t[..., 656:].reshape(2, nb, 1, 1, 8, ROWS, 4).astype(np.int32)
+        h = np.arange(2).reshape(1, 1, 2, 1, 1, 1, 1)
+        q = ((qs >> (2 * j)) & 3) + 4 * ((hm >> (4 * h + j)) & 1) - 4  # -4..3
+    u = sc[:, :, k][..., None] * q + SCALED_BIAS[qtype]  # [rg, nb, h, j, c, r, i]: sc[rg, nb, k(h, j, c), r]
+    qsout = u.reshape(2, nb, 8, 8, ROWS, 4).transpose(1, 2, 3, 0, 4, 5)  # [nb, g = 4 h + j, c, rg, r, i]
+    out = np.concatenate([t[0, :, :SCALED_HEAD], t[1, :, :SCALED_HEAD], qsout.reshape(nb, 4096).astype(np.uint8)],
+                         axis=1)
+    return out.reshape(nb * SCALED_BLOCK)
+
+
+def _make_scale_pair(src):
+    """-> scale_pair(tiles uint8 [2, nb * TILE_BYTES] (two row-groups, rows C-contiguous), out uint8 [nb *
+    SCALED_BLOCK]): scale_pair_ref's bytes, vector code (a 32-byte chunk of 8 rows x 4 weights at a time: a bit-plane
+    out by `_Emit.bits`, each row's scale to its 4 bytes by one shuffle, one byte multiply: mod 256 it is exact, the
+    result being 0..255)."""
+    tile = TILE_BYTES[src]
+    q3 = src == QType.Q3_K
+    qs_at, sc_at = (144, 16) if q3 else (160, 32)
+
+    def codegen(context, builder, signature, args):
+        ta, oa = (context.make_array(t)(context, builder, a) for t, a in zip(signature.args, args))
+        e = _Emit(builder, _AVX2)
+        b = builder
+        stride = cgutils.unpack_tuple(b, ta.strides, 2)[0]
+        nb = b.udiv(cgutils.unpack_tuple(b, ta.shape, 2)[1], ir.Constant(_i64, tile))
+        spread = _vec(_i32, 32, [r // 4 for r in range(32)])  # row r's scale to bytes 4 r .. 4 r + 3
+        with cgutils.for_range(b, nb) as loop:
+            t0 = b.mul(loop.index, ir.Constant(_i64, tile))
+            o = b.mul(loop.index, ir.Constant(_i64, SCALED_BLOCK))
+            for rg in range(2):
+                t = b.add(t0, stride) if rg else t0
+                for i in range(SCALED_HEAD // 32):
+                    v = e.load(ta.data, e.at(t, 32 * i), _V32B)
+                    b.store(v, b.bitcast(b.gep(oa.data, [e.at(o, SCALED_HEAD * rg + 32 * i)]), _V32B.as_pointer()),
+                            align=1)
+                for h in range(2):
+                    for c in range(8):
+                        q = e.load(ta.data, e.at(t, qs_at + 32 * (8 * h + c)), _V32B)
+                        hm = e.load(ta.data, e.at(t, 656 + 32 * c), _V32B) if q3 else None
+                        for j in range(4):
+                            v = e.bits(q, 2 * j, 2)
+                            k = 8 * h + 2 * j + c // 4
+                            sc = e.load(ta.data, e.at(t, sc_at + 8 * k), ir.VectorType(_i8, 8))
+                            sc = b.shuffle_vector(sc, sc, spread)  # [32]
+                            if q3:  # sc * (q' - 4) + 127 = sc * q' + (127 - 4 sc), q' = q + 4 (0..7)
+                                v = b.or_(v, e.bits(hm, 4 * h + j, 1, 2))
+                                u = b.add(b.mul(v, sc), b.sub(_vec(_i8, 32, [127] * 32),
+                                                              b.shl(sc, _vec(_i8, 32, [2] * 32))))
+                            else:
+                                u = b.mul(v, b.and_(sc, _vec(_i8, 32, [15] * 32)))
+                            at = e.at(o, SCALED_QS + 64 * (8 * (4 * h + j) + c) + 32 * rg)
+                            b.store(u, b.bitcast(b.gep(oa.data, [at]), _V32B.as_pointer()), align=1)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def scale_pair(typingctx, tiles, out):
+        if _c(tiles, types.uint8, 2) and _c(out, types.uint8):
+            return types.none(tiles, out), codegen
+
+    return scale_pair
+
+
+SCALE_PAIRS = {q: _make_scale_pair(q) for q in SCALED}
+
+
+def scale_pair(tiles: np.ndarray, qtype) -> np.ndarray:
+    """Two row-groups of Q2_K or Q3_K tiles uint8 [2, nb * TILE_BYTES] -> their scaled layout uint8 [nb *
+    SCALED_BLOCK], compiled (the MoE kernel calls SCALE_PAIRS' intrinsic on its scratch; this is for the tests)."""
+    qtype = QType(qtype)
+    fn = _SCALE_PAIR_FNS.get(qtype)
+    if fn is None:
+        one = SCALE_PAIRS[qtype]
+
+        @njit
+        def fn(t, o):
+            one(t, o)
+
+        _SCALE_PAIR_FNS[qtype] = fn
+    tiles = np.ascontiguousarray(tiles)
+    out = np.empty(tiles.shape[1] // TILE_BYTES[qtype] * SCALED_BLOCK, dtype=np.uint8)
+    fn(tiles, out)
+    return out
+
+
+_SCALE_PAIR_FNS = {}
+# The formats whose prefill scales two row-groups of tiles into scratch where they meet SCALED_MIN_ROWS rows of x or
+# more (an expert's pairs in the MoE kernel, a prefill chunk in tile_matmul): where this CPU runs their pair form
+# (PAIRS, which needs 512-bit VNNI); PYMOE_SCALED=0: none (to compare)
+SCALED_PAIRS = {q for q in SCALED if q in PAIRS and _VNNI and os.environ.get("PYMOE_SCALED", "1") != "0"}
+
+
+def _make_scaled_dot(src):
+    """-> scaled_dot(scaled uint8 [nb * SCALED_BLOCK], xq int8 [MANY, nb * 256], xd float32 [MANY, nb], xbs int32
+    [MANY, nb * 16], out float32 [MANY, 16]): 16 rows of the scaled layout of `src` times MANY rows of x, each row's
+    bits those of the source tiles' one-token calls; a trap where this CPU has no such form or at 16 bits."""
+    codegen = _make_codegen(SCALED[src], True, MANY, True, True, pair=True) if src in SCALED_PAIRS else None
+
+    def trap(context, builder, signature, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
+        builder.call(fn, [])
+        return context.get_dummy_value()
+
+    @intrinsic
+    def scaled_dot(typingctx, scaled, xq, xd, xbs, out):
+        if (_c(scaled, types.uint8) and isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)
+                and _c(xq, xq.dtype, 2) and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2)
+                and _c(out, types.float32, 2)):
+            return types.none(scaled, xq, xd, xbs, out), (codegen if codegen is not None and xq.dtype == types.int8
+                                                          else trap)
+
+    return scaled_dot
+
+
+SCALED_DOTS = {q: _make_scaled_dot(q) for q in SCALED}
+
+
+def _scaled_matmul_template(tiles, xq, xd, xbs, y):
+    # y float32 [T, R] = X W^T, W as tiles [R / 8, row_tiles] (R / 8 even, T a multiple of MANY): each pair of
+    # row-groups scaled into scratch, then MANY rows of x a call: what the MoE kernel does per expert
+    nb = tiles.shape[1] // TILE
+    for p in prange(tiles.shape[0] // 2):
+        scratch = np.empty(nb * SCALED_BLOCK, dtype=np.uint8)
+        out2 = np.empty((MANY, 2 * ROWS), dtype=np.float32)
+        SCALE_PAIR(tiles[2 * p:2 * p + 2], scratch)  # noqa: F821 (bound by _compile)
+        for t in range(0, xq.shape[0], MANY):
+            SCALED_DOT(scratch, xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)  # noqa: F821
+            y[t:t + MANY, 2 * p * ROWS:(2 * p + 2) * ROWS] = out2
+
+
+_SCALED_MATMULS = {}
+
+
+def scaled_matmul(tiles: np.ndarray, qtype, xq: np.ndarray, xd: np.ndarray, xbs: np.ndarray) -> np.ndarray:
+    """X W^T -> float32 [T, R] for Q2_K or Q3_K tiles uint8 [R / 8, row_tiles] (R / 8 even, T a multiple of MANY,
+    qtype in SCALED_PAIRS) through the scaled layout: tile_matmul's bits."""
+    qtype = QType(qtype)
+    if qtype not in SCALED_PAIRS or tiles.shape[0] % 2 or xq.shape[0] % MANY:
+        raise ValueError(f"scaled_matmul: {qtype.name} has no scaled dot on this CPU, or {tiles.shape[0]} row-groups"
+                         f" / {xq.shape[0]} rows are not whole pairs / multiples of {MANY}")
+    _check_x(qtype, xq, xd)
+    fn = _SCALED_MATMULS.get(qtype)
+    if fn is None:
+        fn = _SCALED_MATMULS[qtype] = _compile(_scaled_matmul_template, f"scaled_matmul_{qtype.name}",
+                                               {"SCALE_PAIR": SCALE_PAIRS[qtype], "SCALED_DOT": SCALED_DOTS[qtype],
+                                                "TILE": TILE_BYTES[qtype]})
+    y = np.empty((xq.shape[0], tiles.shape[0] * ROWS), dtype=np.float32)
+    fn(tiles, xq, xd, xbs, y)
+    return y
+
+
 AHEAD = 4096  # bytes of tiles requested ahead of the row-group being read by the many-token product (as
 # kernels.PREFETCH_AHEAD; decode of the mid Q4_K_M file, 0 / 4096 alternated in one process, when one-token products
 # took this way too: p20 5.32 / 5.15 ms a token, median 5.70 / 5.56). The one-token dot asks for its own
@@ -1389,6 +1638,14 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
         out = np.empty((MANY, ROWS), dtype=np.float32)
         out2 = np.empty((MANY, 2 * ROWS), dtype=np.float32)  # a two-row-group call's
         g1 = min(n, 4 * task + 4)
+        # enough rows of x (TILE_SCALED: Q2_K, Q3_K): the task's two pairs of row-groups scaled once into scratch
+        # (scale_pair), then read by the scaled dot (the same bits)
+        scaled = TILE_SCALED and xq.itemsize == 1 and T >= SCALED_MIN
+        sc = np.empty((2, tiles.shape[1] // TILE * SCALED_BLOCK if scaled else 0), dtype=np.uint8)
+        if scaled:
+            for h in range(2):
+                if 4 * task + 2 * h + 1 < g1:
+                    SCALE(tiles[4 * task + 2 * h:4 * task + 2 * h + 2], sc[h])
         for t0 in range(0, T, TOKENS):
             t1 = min(T, t0 + TOKENS)
             g = 4 * task
@@ -1400,7 +1657,10 @@ def _tile_matmul_template(tiles, xq, xd, xbs, y, ahead):
                 t = t0
                 while t + MANY <= t1:
                     if m == 2:
-                        TILE_DOT(tiles[g:g + 2], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)
+                        if scaled:
+                            SCALED_DOT(sc[(g - 4 * task) // 2], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)
+                        else:
+                            TILE_DOT(tiles[g:g + 2], xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)
                         for i in range(MANY):
                             y[t + i, g * ROWS:(g + 2) * ROWS] = out2[i]
                     else:
@@ -1429,15 +1689,33 @@ def _compile(template, name: str, constants: dict):
                 f"_s{STREAM_AHEAD}_l{qact.DENSE_LOCALITY}_{FORM_TAG}_{DENSE_TAG}", constants, parallel=True)
 
 
+@njit(cache=True)
+def _never_scale(tiles, out):
+    """The scaling of a format without a scaled layout: never reached (TILE_SCALED, kernels' SCALED_* say), compiled
+    as a stub."""
+    raise AssertionError("no scaled layout for this type")
+
+
+@njit(cache=True)
+def _never_dot(tiles, xq, xd, xbs, out):
+    """The scaled dot of a format without one: never reached, a stub (as _never_scale)."""
+    raise AssertionError("no scaled layout for this type")
+
+
 def _compile_matmul(qtype):
-    return _compile(_tile_matmul_template, f"tile_matmul_{qtype.name}",
-                    {"TILE_DOT": TILE_DOTS[qtype], "TILE_DOT2": TILE_DOTS2[qtype], "TILE_PAIR": qtype in PAIRS})
+    scaled = qtype in SCALED_PAIRS
+    return _compile(_tile_matmul_template, f"tile_matmul_{qtype.name}{'_scaled' if scaled else ''}",
+                    {"TILE_DOT": TILE_DOTS[qtype], "TILE_DOT2": TILE_DOTS2[qtype], "TILE_PAIR": qtype in PAIRS,
+                     "TILE_SCALED": scaled, "SCALE": SCALE_PAIRS[qtype] if scaled else _never_scale,
+                     "SCALED_DOT": SCALED_DOTS[qtype] if scaled else _never_dot, "TILE": TILE_BYTES[qtype],
+                     "SCALED_MIN": SCALED_MIN_ROWS.get(qtype, 0)})
 
 
 _MATMULS = {q: _compile_matmul(q) for q in TILE_DOTS}
 _MATMULS[DECODED] = _compile(_tile_matmul_template, "tile_matmul_decoded",
                              {"TILE_DOT": tile_dot_decoded, "TILE_DOT2": _make_tile_dot2(DECODED, ahead=0),
-                              "TILE_PAIR": DECODED in PAIRS})
+                              "TILE_PAIR": DECODED in PAIRS, "TILE_SCALED": False, "SCALE": _never_scale,
+                              "SCALED_DOT": _never_dot, "TILE": qact.DECODED_TILE, "SCALED_MIN": 0})
 
 
 def _decode_template(raw, out):

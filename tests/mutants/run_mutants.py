@@ -104,6 +104,42 @@ MUTANTS: list[Mutant] = [
         "the fused MoE kernel's silu(g) * u (every path: decode's task per expert, the row tasks at 8, 15 and 16 "
         "bits) takes e^-u for e^-g"),
     Mutant(
+        "scaled_q3_k_bias_off_by_one", "pymoe/quant/repack.py",
+        "SCALED_BIAS = {QType.Q2_K: 0, QType.Q3_K: 127}",
+        "SCALED_BIAS = {QType.Q2_K: 0, QType.Q3_K: 126}",
+        ("tests/test_repack.py::test_scaled_layout_is_its_reference_and_gives_the_tile_dots_bits[*]",),
+        "the scaled dot starts Q3_K's sums from -126 times the block's activation sum where its bytes hold +127"),
+    Mutant(
+        "scaled_expand_wrong_sub_block", "pymoe/quant/repack.py",
+        "k = 8 * h + 2 * j + c // 4",
+        "k = 8 * h + 2 * j + c // 8",
+        ("tests/test_repack.py::test_scaled_layout_is_its_reference_and_gives_the_tile_dots_bits[*]",),
+        "the compiled expansion into the scaled layout takes chunks 4-7's scales from the sub-block before theirs"),
+    Mutant(
+        "scaled_dot_drops_even_groups", "pymoe/quant/repack.py",
+        "isums = [b.add(c0, c1) for c0, c1 in chains]",
+        "isums = [c1 for c0, c1 in chains]",
+        ("tests/test_repack.py::test_scaled_layout_is_its_reference_and_gives_the_tile_dots_bits[*]",),
+        "the scaled dot keeps only the chain of odd groups"),
+    Mutant(
+        "scaled_matmul_one_pair", "pymoe/quant/repack.py",
+        "SCALED_DOT(sc[(g - 4 * task) // 2]",
+        "SCALED_DOT(sc[0]",
+        ("tests/test_repack.py::test_scaled_layout_is_its_reference_and_gives_the_tile_dots_bits[*]",),
+        "a prefill chunk's dense product (tile_matmul) reads its task's first scaled pair of row-groups for both"),
+    Mutant(
+        "moe_scaled_up_reads_gate", "pymoe/quant/kernels.py",
+        "SCALED_DOT_UP(su, xq",
+        "SCALED_DOT_UP(sg, xq",
+        ("tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[Q2_K-Q3_K]",),
+        "the fused MoE kernel's prefill reads the scaled gate rows for up x"),
+    Mutant(
+        "moe_scaled_down_first_pair", "pymoe/quant/kernels.py",
+        "SCALE_DOWN(dt[q0:q0 + 2], sd)",
+        "SCALE_DOWN(dt[0:2], sd)",
+        ("tests/test_repack.py::test_fused_moe_kernel_reads_the_tiles_with_the_same_bits[Q2_K-Q3_K]",),
+        "the fused MoE kernel's prefill scales the first two down row-groups for every pair"),
+    Mutant(
         "topk_renorm_dropped", "pymoe/backends/cpu.py",
         "        if norm_topk:\n            s = pairwise_sum(w[t], k)",
         "        if False:  # MUTANT: norm_topk ignored\n            s = pairwise_sum(w[t], k)",
