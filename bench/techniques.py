@@ -24,6 +24,7 @@ Variants (name: what is turned off -> the switch):
         PYMOE_TWICE=<format> (two one-token dots; switch-only: run them with --act-bits 15)
     huge_pages: repacked copies in 2 MiB pages -> PYMOE_HUGE=0
     decoded_tiles: IQ1-IQ3 experts decoded into tiles in prefill -> PYMOE_DECODE=0 (IQ files only)
+    scaled: Q2_K and Q3_K tiles scaled into scratch in prefill -> PYMOE_SCALED=0 (the tile dots throughout)
 --act-bits sets the width every variant but default_path runs at (8, the default; 15: the default width's two
 planes).
 What this is not: a side-by-side with llama.cpp (bench/compare_llamacpp.py).
@@ -56,6 +57,7 @@ VARIANTS = {
     **{f"{q.lower()}_two_row": (None, {"PYMOE_TWICE": q}) for q in ("Q3_K", "Q8_0", "MXFP4")},
     "huge_pages": (None, {"PYMOE_HUGE": "0"}),
     "decoded_tiles": (None, {"PYMOE_DECODE": "0"}),
+    "scaled": (None, {"PYMOE_SCALED": "0"}),
 }
 DEFAULT = "default_path,tiles,vnni,wide,pair,stream_ahead,by_expert,huge_pages"
 
@@ -97,7 +99,8 @@ def main():
     ap.add_argument("--act-bits", type=int, default=8, help="the width of all_on and the switch-only variants "
                     "(default 8; 15: two planes)")
     ap.add_argument("--variants", default=DEFAULT,
-                    help=f"comma-separated, each measured beside all_on (default {DEFAULT}; also: decoded_tiles)")
+                    help=f"comma-separated, each measured beside all_on (default {DEFAULT}; also: decoded_tiles, "
+                    "scaled, dense_q8_0_unhinted and the *_two_row ones)")
     args = ap.parse_args()
     names = ["all_on"] + [v for v in args.variants.split(",") if v and v != "all_on"]
     unknown = [v for v in names if v not in VARIANTS]
