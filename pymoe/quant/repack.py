@@ -1196,6 +1196,18 @@ def _c(a, dtype, nd=1):
     return isinstance(a, types.Array) and a.dtype == dtype and a.ndim == nd and a.layout == "C"
 
 
+def _x_rows(xq, xd, xbs, out) -> bool:  # 2-D C-contiguous rows of x (int8, or int16: typed, trapped) and results
+    return (isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16) and _c(xq, xq.dtype, 2)
+            and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2) and _c(out, types.float32, 2))
+
+
+def _trap(context, builder, signature, args):  # the body of a dot typed for a call it never gets (int16 x, a form
+    # this CPU lacks): a kernel compiled for both activation widths may hold the call
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
+    builder.call(fn, [])
+    return context.get_dummy_value()
+
+
 MANY = 4  # tokens per call of a tile's many-token dot
 # The formats whose many-token dot also comes in a two-row-group form (`_Emit`'s pair: tiles [2, row_tiles] ->
 # out [MANY, 16]) where the CPU has 512-bit VNNI: a chunk's 4 activations are then one dword broadcast to 16 rows
@@ -1249,21 +1261,16 @@ def _make_tile_dot(qtype, portable: bool = False, vnni: bool = None, wide: bool 
     if pair:
         codegens["pair"] = _make_codegen(qtype, True, MANY, True, True, pair=True)
 
-    def trap(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-
     @intrinsic
     def tile_dot(typingctx, tiles, xq, xd, xbs, out):
         nd = getattr(xq, "ndim", 0)
         if (_c(tiles, types.uint8, 2) and nd == 2 and _c(xq, xq.dtype, 2) and xq.dtype in (types.int8, types.int16)
                 and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2) and _c(out, types.float32, 2)):
             # two row-groups, MANY tokens (a trap where this format or CPU has no such form, or at 16 bits)
-            return types.none(tiles, xq, xd, xbs, out), codegens["pair"] if pair and xq.dtype == types.int8 else trap
+            return types.none(tiles, xq, xd, xbs, out), codegens["pair"] if pair and xq.dtype == types.int8 else _trap
         if (_c(tiles, types.uint8) and nd in (1, 2) and _c(xq, xq.dtype, nd) and xq.dtype in (types.int8, types.int16)
                 and _c(xd, types.float32, nd) and _c(xbs, types.int32, nd) and _c(out, types.float32, nd)):
-            return types.none(tiles, xq, xd, xbs, out), codegens[nd] if xq.dtype == types.int8 else trap
+            return types.none(tiles, xq, xd, xbs, out), codegens[nd] if xq.dtype == types.int8 else _trap
 
     return tile_dot
 
@@ -1292,17 +1299,10 @@ def _make_tile_dot2(qtype, locality: int = None, ahead: int = None, dual: bool =
     dual = qtype in DUALS if dual is None else dual
     codegen = _make_codegen(qtype, _AVX2, 2, _VNNI, qtype in WIDES and not dual, ahead, locality, dual=dual)
 
-    def trap(context, builder, signature, args):  # (int16 x: typed so that a kernel for both widths holds the call)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-
     @intrinsic
     def tile_dot2(typingctx, tiles, xq, xd, xbs, out):
-        if (_c(tiles, types.uint8) and isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)
-                and _c(xq, xq.dtype, 2) and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2)
-                and _c(out, types.float32, 2)):
-            return types.none(tiles, xq, xd, xbs, out), codegen if xq.dtype == types.int8 else trap
+        if _c(tiles, types.uint8) and _x_rows(xq, xd, xbs, out):
+            return types.none(tiles, xq, xd, xbs, out), codegen if xq.dtype == types.int8 else _trap
 
     return tile_dot2
 
@@ -1567,18 +1567,11 @@ def _make_scaled_dot(src):
     bits those of the source tiles' one-token calls; a trap where this CPU has no such form or at 16 bits."""
     codegen = _make_codegen(SCALED[src], True, MANY, True, True, pair=True) if src in SCALED_PAIRS else None
 
-    def trap(context, builder, signature, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.trap")
-        builder.call(fn, [])
-        return context.get_dummy_value()
-
     @intrinsic
     def scaled_dot(typingctx, scaled, xq, xd, xbs, out):
-        if (_c(scaled, types.uint8) and isinstance(xq, types.Array) and xq.dtype in (types.int8, types.int16)
-                and _c(xq, xq.dtype, 2) and _c(xd, types.float32, 2) and _c(xbs, types.int32, 2)
-                and _c(out, types.float32, 2)):
+        if _c(scaled, types.uint8) and _x_rows(xq, xd, xbs, out):
             return types.none(scaled, xq, xd, xbs, out), (codegen if codegen is not None and xq.dtype == types.int8
-                                                          else trap)
+                                                          else _trap)
 
     return scaled_dot
 
