@@ -1452,6 +1452,9 @@ TILE_DOTS2_STREAM = {q: _make_tile_dot2(q, locality=qact.STREAM_LOCALITY) for q 
 
 
 TILE_DOT, TILE_DOT2, TILE_PAIR = None, None, False  # bound per format by _compile_matmul
+TILE_SCALED, SCALE, SCALED_DOT, SCALE_PAIR, TILE, SCALED_MIN = False, None, None, None, 0, 0  # (and the scaled path's)
+
+
 # The scaled layout: the expansion (two row-groups at a time, into scratch, where an expert meets enough rows of x)
 # and its dot (MANY rows of x)
 def scale_pair_ref(tiles: np.ndarray, qtype) -> np.ndarray:
@@ -1586,9 +1589,9 @@ def _scaled_matmul_template(tiles, xq, xd, xbs, y):
     for p in prange(tiles.shape[0] // 2):
         scratch = np.empty(nb * SCALED_BLOCK, dtype=np.uint8)
         out2 = np.empty((MANY, 2 * ROWS), dtype=np.float32)
-        SCALE_PAIR(tiles[2 * p:2 * p + 2], scratch)  # noqa: F821 (bound by _compile)
+        SCALE_PAIR(tiles[2 * p:2 * p + 2], scratch)  # (bound by _compile)
         for t in range(0, xq.shape[0], MANY):
-            SCALED_DOT(scratch, xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)  # noqa: F821
+            SCALED_DOT(scratch, xq[t:t + MANY], xd[t:t + MANY], xbs[t:t + MANY], out2)
             y[t:t + MANY, 2 * p * ROWS:(2 * p + 2) * ROWS] = out2
 
 
